@@ -1,0 +1,161 @@
+"""Process setup for running trainer and engine ranks on one machine.
+
+``run_local(fn, n_src, n_dst, *args)`` spawns ``n_src + n_dst`` processes
+(processes ``0..n_src-1`` are trainer ranks, the rest engine ranks), joins them
+with a TCP rendezvous on 127.0.0.1, creates the trainer group and the engine
+group, calls ``fn(world, *args)`` in each and returns the results by process
+rank. A worker's exception is re-raised in the caller with its rank; a worker
+that dies or overruns ``timeout_s`` fails the call instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A spawned worker raised, died or overran its deadline."""
+
+
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    n_src: int
+    n_dst: int
+    backend: str
+    device: torch.device
+    trainer_group: Any
+    engine_group: Any
+    colocated: bool = False
+
+    @property
+    def src_rank(self) -> int | None:
+        return self.rank if self.rank < self.n_src else None
+
+    @property
+    def dst_rank(self) -> int | None:
+        if self.colocated:
+            return self.rank if self.rank < self.n_dst else None
+        r = self.rank - self.n_src
+        return r if 0 <= r < self.n_dst else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s):
+    try:
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        trainer = dist.new_group(list(range(n_src)))
+        engine_ranks = list(range(n_dst)) if colocated else list(range(n_src, n_src + n_dst))
+        engine = dist.new_group(engine_ranks)
+        world = World(rank, world_size, n_src, n_dst, backend, device, trainer, engine, colocated)
+        out = fn(world, *args)
+        results.put((rank, True, out))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(
+    fn: Callable[..., Any],
+    n_src: int,
+    n_dst: int,
+    *args: Any,
+    backend: str | None = None,
+    colocated: bool = False,
+    timeout_s: float = 600.0,
+) -> list[Any]:
+    """Run ``fn(world, *args)`` in each process; return results ordered by process rank."""
+    world_size = max(n_src, n_dst) if colocated else n_src + n_dst
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s),
+            daemon=False,
+        )
+        for r in range(world_size)
+    ]
+    env_before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if env_before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_before
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import time
+
+    deadline = time.monotonic() + timeout_s + 30
+    try:
+        while len(out) + len(errors) < world_size:
+            try:
+                rank, ok, val = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors]
+                if dead:
+                    for r in dead:
+                        errors[r] = f"process exited with code {procs[r].exitcode} without a result"
+                    break
+                if time.monotonic() > deadline:
+                    raise WorkerError(f"workers overran the {timeout_s:.0f}s deadline; killed")
+                continue
+            (out if ok else errors)[rank] = val
+            if not ok:
+                break
+        if errors:
+            # give the others a moment to report their own error, then stop them
+            end = time.monotonic() + 5
+            while len(out) + len(errors) < world_size and time.monotonic() < end:
+                try:
+                    rank, ok, val = results.get(timeout=0.5)
+                    (out if ok else errors)[rank] = val
+                except queue.Empty:
+                    pass
+            first = min(errors)
+            raise WorkerError(f"process {first} failed: {errors[first]}")
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=10 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -1,0 +1,310 @@
+"""Layouts: how each tensor of one side (trainer or engine) is split over ranks.
+
+Vocabulary
+----------
+* ``Box``: a tuple of ``(start, stop)`` per tensor dim, in global coordinates.
+* ``Mesh``: an n-d array of side-local ranks with named dims.
+* ``TensorLayout``: name, global shape, dtype, mesh and one placement per mesh
+  dim (``torch.distributed.tensor``'s ``Shard`` / ``Replicate``). Answers which
+  box a rank holds. Several mesh dims sharding the same tensor dim nest in
+  mesh-dim order, each splitting the previous one's piece with ``torch.chunk``
+  semantics (ceil-sized chunks, the last ones short or empty), as DTensor does.
+* ``ModelLayout``: the ordered TensorLayouts of one side and its world size.
+
+This module knows nothing of models, transports or devices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+Box = tuple[tuple[int, int], ...]
+
+
+class LayoutError(ValueError):
+    """A layout is inconsistent (mesh, placements, shapes or ranks)."""
+
+
+# --------------------------------------------------------------------------- boxes
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(s)) for s in shape)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(box_shape(box))
+
+
+def box_intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None if it is empty."""
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    if any(lo >= hi for lo, hi in out):
+        return None
+    return out
+
+
+def box_relative(box: Box, origin: Box) -> Box:
+    """``box`` expressed in the local coordinates of ``origin`` (which contains it)."""
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+def box_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def box_is_contiguous(box: Box, local_shape: Sequence[int]) -> bool:
+    """True if ``box`` (local coordinates) is one contiguous run of a row-major tensor."""
+    dims = list(zip(box, local_shape))
+    k = 0
+    while k < len(dims) and dims[k][0][1] - dims[k][0][0] == 1:
+        k += 1
+    return all(b - a == n for (a, b), n in dims[k + 1 :])
+
+
+def split_box(box: Box, max_numel: int) -> list[Box]:
+    """Split ``box`` into row-major ordered pieces of at most ``max_numel`` elements."""
+    if max_numel < 1:
+        raise LayoutError(f"max_numel must be >= 1, got {max_numel}")
+    if box_numel(box) <= max_numel:
+        return [box]
+    # the first dim whose extent is > 1 is the one we cut along
+    d = next(i for i, (a, b) in enumerate(box) if b - a > 1)
+    inner = math.prod(box_shape(box[d + 1 :]))
+    lo, hi = box[d]
+    if inner <= max_numel:
+        rows = max_numel // inner
+        return [box[:d] + ((s, min(s + rows, hi)),) + box[d + 1 :] for s in range(lo, hi, rows)]
+    out: list[Box] = []
+    for s in range(lo, hi):
+        out.extend(split_box(box[:d] + ((s, s + 1),) + box[d + 1 :], max_numel))
+    return out
+
+
+def chunk_range(lo: int, hi: int, n: int, i: int) -> tuple[int, int]:
+    """The ``i``-th of ``n`` ``torch.chunk`` pieces of ``[lo, hi)`` (possibly empty)."""
+    size = hi - lo
+    step = -(-size // n) if size else 0
+    a = min(lo + i * step, hi)
+    return a, min(a + step, hi)
+
+
+# --------------------------------------------------------------------------- mesh
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """An n-d array of side-local ranks with named dims (row-major ``ranks``)."""
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.dim_names):
+            raise LayoutError(f"mesh has {len(self.shape)} dims but {len(self.dim_names)} names {self.dim_names}")
+        if any(s < 1 for s in self.shape):
+            raise LayoutError(f"mesh dims must be >= 1, got shape {self.shape}")
+        if math.prod(self.shape) != len(self.ranks):
+            raise LayoutError(f"mesh shape {self.shape} holds {math.prod(self.shape)} ranks, got {len(self.ranks)}")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise LayoutError(f"mesh ranks repeat: {self.ranks}")
+
+    @classmethod
+    def from_nested(cls, nested, dim_names: Sequence[str] | None = None) -> "Mesh":
+        t = torch.as_tensor(nested, dtype=torch.long)
+        names = tuple(dim_names) if dim_names is not None else tuple(f"d{i}" for i in range(t.dim()))
+        return cls(tuple(t.shape), names, tuple(int(r) for r in t.flatten().tolist()))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def coords(self, rank: int) -> tuple[int, ...] | None:
+        """The mesh coordinates of ``rank``, or None if the rank is not in the mesh."""
+        try:
+            flat = self.ranks.index(rank)
+        except ValueError:
+            return None
+        out = []
+        for s in reversed(self.shape):
+            out.append(flat % s)
+            flat //= s
+        return tuple(reversed(out))
+
+    def to_nested(self) -> list:
+        return torch.tensor(self.ranks, dtype=torch.long).reshape(self.shape).tolist()
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Shard) and type(p) is Shard:
+        return f"S{p.dim}"
+    if isinstance(p, Replicate):
+        return "R"
+    raise LayoutError(f"unsupported placement {p!r}: only Shard(d) and Replicate() are supported")
+
+
+def parse_placement(s: str) -> Placement:
+    if s == "R":
+        return Replicate()
+    if s.startswith("S") and s[1:].isdigit():
+        return Shard(int(s[1:]))
+    raise LayoutError(f"cannot parse placement {s!r}: expected 'R' or 'S<dim>'")
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One tensor's global shape and dtype, and the box each side-local rank holds.
+
+    The boxes come from ``mesh`` and ``placements`` unless ``boxes`` is given
+    explicitly (rank -> box), for shardings that no mesh describes.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    mesh: Mesh
+    placements: tuple[Placement, ...]
+    boxes: Mapping[int, Box] | None = field(default=None, compare=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "placements", tuple(self.placements))
+        if len(self.placements) != self.mesh.ndim:
+            raise LayoutError(
+                f"tensor {self.name!r}: {len(self.placements)} placements for a {self.mesh.ndim}-d mesh {self.mesh.dim_names}"
+            )
+        for p in self.placements:
+            placement_str(p)  # rejects unsupported kinds
+            if isinstance(p, Shard) and not 0 <= p.dim < len(self.shape):
+                raise LayoutError(f"tensor {self.name!r} of shape {list(self.shape)}: placement {p} is out of range")
+        if self.boxes is not None:
+            for r, b in self.boxes.items():
+                if len(b) != len(self.shape) or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(b, self.shape)):
+                    raise LayoutError(f"tensor {self.name!r}: box {b} of rank {r} lies outside shape {list(self.shape)}")
+            object.__setattr__(self, "boxes", dict(sorted(self.boxes.items())))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(self.boxes) if self.boxes is not None else tuple(sorted(self.mesh.ranks))
+
+    def box(self, rank: int) -> Box | None:
+        """The global box ``rank`` holds (possibly empty), or None if it holds no part."""
+        if self.boxes is not None:
+            return self.boxes.get(rank)
+        coords = self.mesh.coords(rank)
+        if coords is None:
+            return None
+        box = [list(r) for r in full_box(self.shape)]
+        for c, n, p in zip(coords, self.mesh.shape, self.placements):
+            if isinstance(p, Shard):
+                lo, hi = box[p.dim]
+                box[p.dim] = list(chunk_range(lo, hi, n, c))
+        return tuple((a, b) for a, b in box)
+
+    def local_shape(self, rank: int) -> tuple[int, ...] | None:
+        b = self.box(rank)
+        return None if b is None else box_shape(b)
+
+    def holders(self) -> dict[Box, list[int]]:
+        """Distinct non-empty boxes and the ranks holding each (replicas), sorted."""
+        out: dict[Box, list[int]] = {}
+        for r in self.ranks:
+            b = self.box(r)
+            if b is not None and box_numel(b) > 0:
+                out.setdefault(b, []).append(r)
+        return out
+
+    def describe(self) -> str:
+        return f"{self.name} {list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+    def to_json(self) -> dict:
+        d = {
+            "name": self.name,
+            "global_shape": list(self.shape),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "mesh": self.mesh.to_nested(),
+            "mesh_dims": list(self.mesh.dim_names),
+            "placements": [placement_str(p) for p in self.placements],
+        }
+        if self.boxes is not None:
+            d["boxes"] = {str(r): [list(x) for x in b] for r, b in self.boxes.items()}
+        return d
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The ordered TensorLayouts of one side; ``world_size`` ranks numbered from 0."""
+
+    tensors: tuple[TensorLayout, ...]
+    world_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise LayoutError(f"tensor name {t.name!r} appears twice in the layout")
+            seen.add(t.name)
+            bad = [r for r in t.ranks if not 0 <= r < self.world_size]
+            if bad:
+                raise LayoutError(f"tensor {t.name!r} places data on ranks {bad} outside 0..{self.world_size - 1}")
+
+    def __iter__(self) -> Iterator[TensorLayout]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, name: str) -> TensorLayout:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def local_tensors(self, rank: int) -> Iterable[tuple[TensorLayout, Box]]:
+        """The tensors ``rank`` holds a part of, with that part's box."""
+        for t in self.tensors:
+            b = t.box(rank)
+            if b is not None:
+                yield t, b
+
+    def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(t.name, t.shape, str(t.dtype).removeprefix("torch.")) for t in self.tensors]

@@ -1,0 +1,118 @@
+"""Model presets (HF configs) and their parameter shapes, with no weights allocated."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refit.rules import ParamShape
+
+
+class ModelError(ValueError):
+    """Unknown preset or unreadable config."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    model_type: str
+    dtype: torch.dtype
+    config: dict[str, Any]
+
+
+_TINY = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+PRESETS: dict[str, Preset] = {
+    "tiny-llama": Preset("llama", torch.float32, dict(_TINY)),
+    "tiny-qwen2": Preset("qwen2", torch.float32, {**_TINY, "intermediate_size": 320}),
+    "tiny-qwen3": Preset("qwen3", torch.float32, {**_TINY, "intermediate_size": 192}),
+    "llama-3.1-8b": Preset(
+        "llama",
+        torch.bfloat16,
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-8b": Preset(
+        "qwen3",
+        torch.bfloat16,
+        dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def load_config(model: str):
+    """A transformers config for a preset name or a path to an HF ``config.json`` (or its folder)."""
+    from transformers import AutoConfig
+
+    if model in PRESETS:
+        p = PRESETS[model]
+        return AutoConfig.for_model(p.model_type, **p.config)
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise ModelError(f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) nor a config.json path")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        return AutoConfig.for_model(raw.pop("model_type"), **raw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"cannot read model config {path!r}: {e}") from e
+
+
+def model_dtype(model: str, config) -> torch.dtype:
+    if model in PRESETS:
+        return PRESETS[model].dtype
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else torch.float32
+
+
+def build_model(config, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int | None = 0):
+    """An HF causal LM from ``config``; on ``"meta"`` no memory is allocated."""
+    from transformers import AutoModelForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def param_shapes(model: str, dtype: torch.dtype | None = None) -> list[ParamShape]:
+    """(name, shape, dtype) of every parameter of ``model``, from shapes alone (tied ones once)."""
+    config = load_config(model)
+    dt = dtype or model_dtype(model, config)
+    meta = build_model(config, dt, device="meta", seed=None)
+    return [(n, tuple(p.shape), p.dtype) for n, p in meta.named_parameters()]

@@ -1,0 +1,107 @@
+"""Sharding rules for HF Llama / Qwen2 / Qwen3 dense checkpoints, and layouts from specs.
+
+Tensor parallel (Megatron style):
+  * column-parallel, ``Shard(0)``: q/k/v/gate/up projections (weight and bias),
+    ``embed_tokens`` and ``lm_head`` (vocab-parallel);
+  * row-parallel, ``Shard(1)``: o/down projection weights; their biases are replicated;
+  * everything else (norms, q_norm/k_norm, unknown names) is replicated.
+Pipeline parallel: decoder layers split into contiguous stages (the first
+``layers % pp`` stages get one more); embeddings on the first stage, the final
+norm and ``lm_head`` on the last; any other tensor on the first stage.
+FSDP: ``Shard(0)`` over the ``fsdp`` mesh dim, nested before ``tp`` (mesh order).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from refit.layout import Mesh, ModelLayout, TensorLayout
+from refit.spec import ParallelSpec
+
+_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+ParamShape = tuple[str, Sequence[int], torch.dtype]
+
+
+def tp_placement(name: str) -> Placement:
+    """The tensor-parallel placement of an HF dense decoder parameter."""
+    if _COLUMN.search(name) or _VOCAB.search(name):
+        return Shard(0)
+    if _ROW.search(name):
+        return Shard(1)
+    return Replicate()
+
+
+def layer_index(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(2)) if m else None
+
+
+def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Contiguous ``[first, last)`` decoder layers of each pipeline stage."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def pp_stage(name: str, num_layers: int, pp: int) -> int:
+    if pp == 1:
+        return 0
+    i = layer_index(name)
+    if i is not None:
+        for s, (a, b) in enumerate(stage_bounds(num_layers, pp)):
+            if a <= i < b:
+                return s
+        raise ValueError(f"tensor {name!r}: layer {i} is beyond num_layers={num_layers}")
+    if name.endswith("lm_head.weight") or re.search(r"(^|\.)model\.norm\.", name) or name.startswith("norm."):
+        return pp - 1
+    return 0
+
+
+def num_layers_of(params: Sequence[ParamShape]) -> int:
+    idx = [i for i in (layer_index(n) for n, _, _ in params) if i is not None]
+    return max(idx) + 1 if idx else 0
+
+
+def layout_from_spec(params: Sequence[ParamShape], spec: ParallelSpec) -> ModelLayout:
+    """Place every parameter on the ranks of ``spec`` by the dense TP/PP/FSDP rules."""
+    shape = spec.mesh_shape
+    names = spec.dim_names
+    grid = torch.arange(spec.world_size).reshape(shape)
+    pp = spec.degree("pp")
+    num_layers = num_layers_of(params)
+    if "pp" in names:
+        stage_axis = names.index("pp")
+        sub_names = names[:stage_axis] + names[stage_axis + 1 :]
+    else:
+        stage_axis, sub_names = None, names
+    out = []
+    for name, pshape, dtype in params:
+        stage = pp_stage(name, num_layers, pp)
+        sub = grid.select(stage_axis, stage) if stage_axis is not None else grid
+        placements: list[Placement] = []
+        for dim in sub_names:
+            if dim == "tp":
+                p = tp_placement(name)
+                placements.append(p if not (isinstance(p, Shard) and p.dim >= len(pshape)) else Replicate())
+            elif dim == "fsdp":
+                placements.append(Shard(0) if len(pshape) else Replicate())
+            else:  # dp: replicas
+                placements.append(Replicate())
+        keep = [i for i, n in enumerate(sub.shape) if n > 1] or [0]
+        sub_kept = sub.reshape([sub.shape[i] for i in keep])
+        mesh = Mesh(tuple(sub_kept.shape), tuple(sub_names[i] for i in keep), tuple(sub_kept.flatten().tolist()))
+        out.append(TensorLayout(name, tuple(pshape), dtype, mesh, tuple(placements[i] for i in keep)))
+    return ModelLayout(tuple(out), spec.world_size)

@@ -1,0 +1,90 @@
+"""Parallelism specs as strings: ``"tp=2,pp=2"`` for a trainer, ``"tp=1,dp=4"`` for an engine.
+
+A spec names the degree of each parallel dimension of one side. Its mesh puts
+the dims in a fixed order, the last varying fastest (tensor parallel ranks are
+neighbours, as in Megatron and torchtitan):
+
+* source (trainer): ``pp, dp, fsdp, tp``
+* destination (engine): ``dp, tp``
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Side = Literal["src", "dst"]
+
+SIDE_DIMS: dict[str, tuple[str, ...]] = {
+    "src": ("pp", "dp", "fsdp", "tp"),
+    "dst": ("dp", "tp"),
+}
+_SIDE_NAMES = {"src": "source (trainer)", "dst": "destination (engine)"}
+
+
+class SpecError(ValueError):
+    """A parallelism spec string is malformed or does not fit the ranks."""
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    side: Side
+    degrees: tuple[tuple[str, int], ...]  # (dim, degree) in mesh order, all dims of the side
+
+    def degree(self, dim: str) -> int:
+        return dict(self.degrees).get(dim, 1)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(d for _, d in self.degrees)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(d for _, d in self.degrees)
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.degrees)
+
+    def __str__(self) -> str:
+        parts = [f"{n}={d}" for n, d in self.degrees if d != 1]
+        return ",".join(parts) or "tp=1"
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.world_size != world_size:
+            detail = " x ".join(f"{n}={d}" for n, d in self.degrees if d != 1) or "1"
+            raise SpecError(
+                f"{_SIDE_NAMES[self.side]} spec {self} needs {detail} = {self.world_size} ranks, "
+                f"but {world_size} are given"
+            )
+
+
+def parse_spec(text: str, side: Side) -> ParallelSpec:
+    """Parse ``"tp=2,pp=2"``; unknown keys, repeats and non-positive degrees are errors."""
+    if side not in SIDE_DIMS:
+        raise SpecError(f"side must be 'src' or 'dst', got {side!r}")
+    allowed = SIDE_DIMS[side]
+    given: dict[str, int] = {}
+    if not text or not text.strip():
+        raise SpecError(f"empty {_SIDE_NAMES[side]} spec; expected e.g. 'tp=2' (keys: {', '.join(allowed)})")
+    for part in text.split(","):
+        part = part.strip()
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep:
+            raise SpecError(f"bad item {part!r} in {_SIDE_NAMES[side]} spec {text!r}: expected key=degree")
+        if key not in allowed:
+            raise SpecError(
+                f"unknown key {key!r} in {_SIDE_NAMES[side]} spec {text!r}; allowed keys: {', '.join(allowed)}"
+            )
+        if key in given:
+            raise SpecError(f"key {key!r} given twice in {_SIDE_NAMES[side]} spec {text!r}")
+        try:
+            deg = int(value.strip())
+        except ValueError:
+            raise SpecError(f"degree of {key!r} in spec {text!r} must be an integer, got {value.strip()!r}") from None
+        if deg < 1:
+            raise SpecError(f"degree of {key!r} in spec {text!r} must be >= 1, got {deg}")
+        given[key] = deg
+    return ParallelSpec(side, tuple((d, given.get(d, 1)) for d in allowed))

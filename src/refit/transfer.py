@@ -1,0 +1,132 @@
+"""The two sides' API: ``Sender(...).push(version)`` on trainer ranks, ``Receiver(...).pull(version)`` on engine ranks.
+
+Contract
+--------
+* Both sides are constructed with the same two ModelLayouts (source and
+  destination), process map and buffer budget; each derives the Plan on its
+  own, then the pre-flight exchanges ``(digest, manifest)`` through the
+  rendezvous store (no data collective): a mismatch raises ``PlanError`` on
+  every process, naming the first differing tensor and both digests.
+* ``push(v)`` / ``pull(v)`` are called once per refit, with the same ``v`` on
+  every process; the local tensors must be updated in place between refits
+  (as optimizers do), so the views bound at setup stay valid.
+* A process may be both a sender and a receiver (colocated): use ``Peer``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from refit.executor import Executor, RunStats
+from refit.layout import ModelLayout
+from refit.plan import Plan, PlanError, ProcessMap, build_plan
+
+DEFAULT_PREFLIGHT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    num_buffers: int = 2
+    buffer_bytes: int = 64 << 20
+    preflight_timeout_s: float = DEFAULT_PREFLIGHT_TIMEOUT_S
+
+
+def _first_difference(mine: list, theirs: list) -> str:
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return f"first differing tensor: here {a}, there {b}"
+    if len(mine) != len(theirs):
+        return f"tensor counts differ: here {len(mine)}, there {len(theirs)}"
+    return "manifests agree; the layouts (meshes, placements) or buffer settings differ"
+
+
+def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float, tag: str = "refit") -> None:
+    """Publish this process's plan digest and manifest; check every peer's against it."""
+    peers = sorted({*plan.procs.src, *plan.procs.dst})
+    if store is None or len(peers) == 1:
+        return
+    manifest = [[n, list(s), d] for n, s, d in plan.dst_layout.manifest()]
+    src_manifest = [[n, list(s), d] for n, s, d in plan.src_layout.manifest()]
+    store.set(f"{tag}/preflight/{proc}", json.dumps({"digest": plan.digest, "dst": manifest, "src": src_manifest}))
+    store.set_timeout(timedelta(seconds=timeout_s))
+    for p in peers:
+        if p == proc:
+            continue
+        try:
+            other = json.loads(store.get(f"{tag}/preflight/{p}"))
+        except Exception as e:  # the store raises on timeout
+            raise PlanError(f"pre-flight: process {p} did not publish its plan within {timeout_s:.0f}s ({e})") from e
+        if other["digest"] != plan.digest:
+            why = _first_difference(src_manifest, other["src"])
+            if "agree" in why:
+                why = _first_difference(manifest, other["dst"])
+            raise PlanError(
+                f"pre-flight: plan digest of process {proc} is {plan.digest}, of process {p} is {other['digest']}; {why}"
+            )
+
+
+class Peer:
+    """One process's part in a refit: the source rank it hosts, the destination rank, or both."""
+
+    def __init__(
+        self,
+        src_layout: ModelLayout,
+        dst_layout: ModelLayout,
+        proc: int,
+        *,
+        src_tensors: Mapping[str, torch.Tensor] | None = None,
+        dst_tensors: Mapping[str, torch.Tensor] | None = None,
+        procs: ProcessMap | None = None,
+        group: dist.ProcessGroup | None = None,
+        config: TransferConfig = TransferConfig(),
+        device: torch.device | str = "cpu",
+        plan: Plan | None = None,
+        store: dist.Store | None = None,
+    ) -> None:
+        self.plan = plan or build_plan(
+            src_layout, dst_layout, procs, num_buffers=config.num_buffers, buffer_bytes=config.buffer_bytes
+        )
+        self.executor = Executor(
+            self.plan, proc, src_tensors=src_tensors, dst_tensors=dst_tensors, group=group, device=device
+        )
+        if store is None and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+        preflight(self.plan, proc, store, config.preflight_timeout_s)
+        self.version: int | None = None
+        self.last: RunStats | None = None
+
+    def run(self, version: int) -> RunStats:
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"version must increase: got {version} after {self.version}")
+        stats = self.executor.run()
+        self.version, self.last = version, stats
+        return stats
+
+
+class Sender(Peer):
+    """Trainer side: ``Sender(src, dst, proc, tensors=local_shards).push(version)``."""
+
+    def __init__(self, src_layout: ModelLayout, dst_layout: ModelLayout, proc: int, tensors, **kw) -> None:
+        super().__init__(src_layout, dst_layout, proc, src_tensors=tensors, **kw)
+
+    def push(self, version: int) -> RunStats:
+        return self.run(version)
+
+
+class Receiver(Peer):
+    """Engine side: ``Receiver(src, dst, proc, tensors=live_shards).pull(version)`` writes in place."""
+
+    def __init__(self, src_layout: ModelLayout, dst_layout: ModelLayout, proc: int, tensors, **kw) -> None:
+        super().__init__(src_layout, dst_layout, proc, dst_tensors=tensors, **kw)
+
+    def pull(self, version: int) -> RunStats:
+        return self.run(version)
+
+
