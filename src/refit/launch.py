@@ -11,6 +11,7 @@ that dies or overruns ``timeout_s`` fails the call instead of hanging it.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -77,7 +78,7 @@ def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, 
         engine = dist.new_group(engine_ranks)
         world = World(rank, world_size, n_src, n_dst, backend, device, trainer, engine, colocated)
         out = fn(world, *args)
-        results.put((rank, True, out))
+        results.put((rank, True, pickle.dumps(out)))  # plain bytes: no shared memory outliving us
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -137,7 +138,7 @@ def run_local(
                 if time.monotonic() > deadline:
                     raise WorkerError(f"workers overran the {timeout_s:.0f}s deadline; killed")
                 continue
-            (out if ok else errors)[rank] = val
+            (out if ok else errors)[rank] = pickle.loads(val) if ok else val
             if not ok:
                 break
         if errors:
@@ -146,7 +147,7 @@ def run_local(
             while len(out) + len(errors) < world_size and time.monotonic() < end:
                 try:
                     rank, ok, val = results.get(timeout=0.5)
-                    (out if ok else errors)[rank] = val
+                    (out if ok else errors)[rank] = pickle.loads(val) if ok else val
                 except queue.Empty:
                     pass
             first = min(errors)

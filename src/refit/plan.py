@@ -153,12 +153,10 @@ class Plan:
 
     # ---------------------------------------------------------------- identity
     def canonical(self) -> dict:
-        def t_json(t: TensorLayout) -> dict:
-            return t.to_json()
-
+        """What the plan means, independent of how the layouts were described (mesh names etc.)."""
         return {
-            "src": [t_json(t) for t in self.src_layout],
-            "dst": [t_json(t) for t in self.dst_layout],
+            "src": [canonical_tensor(t) for t in self.src_layout],
+            "dst": [canonical_tensor(t) for t in self.dst_layout],
             "procs": [list(self.procs.src), list(self.procs.dst)],
             "buffers": [self.num_buffers, self.buffer_bytes],
             "messages": [
@@ -197,6 +195,12 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------- building
+
+
+def canonical_tensor(t: TensorLayout) -> list:
+    """Name, shape, dtype and the box of every rank: equal for equivalent layouts."""
+    boxes = [[r, [list(x) for x in b]] for r in t.ranks if (b := t.box(r)) is not None]
+    return [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), boxes]
 
 
 def check_compatible(src: ModelLayout, dst: ModelLayout) -> None:

@@ -38,13 +38,16 @@ class TransferConfig:
     preflight_timeout_s: float = DEFAULT_PREFLIGHT_TIMEOUT_S
 
 
-def _first_difference(mine: list, theirs: list) -> str:
+def _first_difference(side: str, mine: list, theirs: list) -> str | None:
+    """Entries are [name, shape, dtype, boxes]; describe the first that differs."""
     for a, b in zip(mine, theirs):
-        if a != b:
-            return f"first differing tensor: here {a}, there {b}"
+        if a[:3] != b[:3]:
+            return f"first differing {side} tensor: here {a[:3]}, there {b[:3]}"
+        if a[3] != b[3]:
+            return f"{side} tensor {a[0]!r} is sharded differently: here {a[3]}, there {b[3]}"
     if len(mine) != len(theirs):
-        return f"tensor counts differ: here {len(mine)}, there {len(theirs)}"
-    return "manifests agree; the layouts (meshes, placements) or buffer settings differ"
+        return f"{side} tensor counts differ: here {len(mine)}, there {len(theirs)}"
+    return None
 
 
 def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float, tag: str = "refit") -> None:
@@ -52,9 +55,8 @@ def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float,
     peers = sorted({*plan.procs.src, *plan.procs.dst})
     if store is None or len(peers) == 1:
         return
-    manifest = [[n, list(s), d] for n, s, d in plan.dst_layout.manifest()]
-    src_manifest = [[n, list(s), d] for n, s, d in plan.src_layout.manifest()]
-    store.set(f"{tag}/preflight/{proc}", json.dumps({"digest": plan.digest, "dst": manifest, "src": src_manifest}))
+    canon = plan.canonical()
+    store.set(f"{tag}/preflight/{proc}", json.dumps({"digest": plan.digest, "src": canon["src"], "dst": canon["dst"]}))
     store.set_timeout(timedelta(seconds=timeout_s))
     for p in peers:
         if p == proc:
@@ -64,9 +66,11 @@ def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float,
         except Exception as e:  # the store raises on timeout
             raise PlanError(f"pre-flight: process {p} did not publish its plan within {timeout_s:.0f}s ({e})") from e
         if other["digest"] != plan.digest:
-            why = _first_difference(src_manifest, other["src"])
-            if "agree" in why:
-                why = _first_difference(manifest, other["dst"])
+            why = (
+                _first_difference("source", canon["src"], other["src"])
+                or _first_difference("destination", canon["dst"], other["dst"])
+                or "the layouts agree; the process map or buffer settings differ"
+            )
             raise PlanError(
                 f"pre-flight: plan digest of process {proc} is {plan.digest}, of process {p} is {other['digest']}; {why}"
             )

@@ -1,0 +1,157 @@
+"""``refit demo | plan | verify`` — the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from refit.layout import LayoutError
+from refit.models import ModelError, param_shapes
+from refit.plan import Plan, PlanError, build_plan
+from refit.rules import layout_from_spec
+from refit.spec import SpecError, parse_spec
+from refit.transfer import TransferConfig
+
+USAGE_ERRORS = (SpecError, ModelError, PlanError, LayoutError)
+
+
+def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama") -> None:
+    p.add_argument("--model", default=model_default, required=model_default is None,
+                   help="preset (tiny-llama, tiny-qwen2, tiny-qwen3, llama-3.1-8b, qwen3-8b) or path to an HF config.json")
+    p.add_argument("--src", default="tp=2", help="trainer layout, keys pp,dp,fsdp,tp (default tp=2)")
+    p.add_argument("--dst", default="tp=1,dp=2", help="engine layout, keys dp,tp (default tp=1,dp=2)")
+    p.add_argument("--src-ranks", type=int, default=None, help="check the trainer spec against this many ranks")
+    p.add_argument("--dst-ranks", type=int, default=None, help="check the engine spec against this many ranks")
+    p.add_argument("--num-buffers", type=int, default=2, help="staging buffers per process (default 2)")
+    p.add_argument("--buffer-mb", type=float, default=64.0, help="size of one staging buffer in MiB (default 64)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="refit", description="Weight refit between trainer and engine layouts.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="train a tiny model, refit after each step, compare logits")
+    _common(d)
+    d.add_argument("--steps", type=int, default=3)
+    p = sub.add_parser("plan", help="print the transfer plan without running it (shapes only)")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--bandwidth", type=float, default=370.0, help="link bandwidth in GB/s for the predicted time")
+    v = sub.add_parser("verify", help="run a real multi-process reshard on CPU and check every shard")
+    _common(v)
+    v.add_argument("--dump", default=None, metavar="DIR", help="write full.safetensors, dst_rank{r}.safetensors, layout.json")
+    v.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def _setup(args):
+    src = parse_spec(args.src, "src")
+    dst = parse_spec(args.dst, "dst")
+    if args.src_ranks is not None:
+        src.check_world_size(args.src_ranks)
+    if args.dst_ranks is not None:
+        dst.check_world_size(args.dst_ranks)
+    if args.num_buffers < 1:
+        raise SpecError(f"--num-buffers must be >= 1, got {args.num_buffers}")
+    if args.buffer_mb <= 0:
+        raise SpecError(f"--buffer-mb must be > 0, got {args.buffer_mb}")
+    cfg = TransferConfig(num_buffers=args.num_buffers, buffer_bytes=int(args.buffer_mb * (1 << 20)))
+    shapes = param_shapes(args.model)
+    n_layers = sum(1 for n, _, _ in shapes if n.endswith("input_layernorm.weight"))
+    if src.degree("pp") > max(n_layers, 1):
+        raise SpecError(f"source spec {src}: pp={src.degree('pp')} exceeds the model's {n_layers} decoder layers")
+    return src, dst, cfg, shapes
+
+
+def _plan_json(plan: Plan, bandwidth: float) -> dict:
+    return {
+        "tensors": len(plan.dst_layout),
+        "bytes_needed": plan.bytes_needed,
+        "bytes_moved": plan.bytes_moved,
+        "bytes_local": plan.bytes_local,
+        "ratio": round(plan.ratio, 6),
+        "digest": plan.digest,
+        "links": {str(s): {str(d): b for d, b in row.items()} for s, row in plan.links.items()},
+        "max_link_bytes": plan.max_link_bytes,
+        "max_link_share": round(plan.max_link_bytes / plan.bytes_moved, 6) if plan.bytes_moved else 0.0,
+        "messages": len(plan.messages),
+        "steps": plan.num_steps,
+        "bandwidth_gbps": bandwidth,
+        "predicted_seconds": plan.predicted_seconds(bandwidth),
+    }
+
+
+def cmd_plan(args, console) -> int:
+    from rich.table import Table
+
+    src, dst, cfg, shapes = _setup(args)
+    plan = build_plan(layout_from_spec(shapes, src), layout_from_spec(shapes, dst),
+                      num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes)
+    info = _plan_json(plan, args.bandwidth)
+    if args.json:
+        print(json.dumps({"model": args.model, "src": str(src), "dst": str(dst), **info}))
+        return 0
+    console.print(f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks)")
+    console.print(f"bytes destinations need : {plan.bytes_needed:>16,}")
+    console.print(f"bytes moved over links  : {plan.bytes_moved:>16,}")
+    console.print(f"moved/needed            : {plan.ratio:>16.2f}")
+    table = Table(title="bytes per link (source rank -> destination rank)")
+    table.add_column("src \\ dst")
+    for d in range(dst.world_size):
+        table.add_column(str(d), justify="right")
+    for s in range(src.world_size):
+        row = plan.links.get(s, {})
+        table.add_row(str(s), *[f"{row.get(d, 0):,}" for d in range(dst.world_size)])
+    console.print(table)
+    console.print(f"largest link: {plan.max_link_bytes:,} bytes ({info['max_link_share']:.1%} of moved)")
+    console.print(f"messages: {len(plan.messages)} in {plan.num_steps} steps, buffers {cfg.num_buffers} x {args.buffer_mb:g} MiB")
+    console.print(f"predicted time at {args.bandwidth:g} GB/s per process: {info['predicted_seconds'] * 1e3:.2f} ms")
+    console.print(f"digest {plan.digest}")
+    return 0
+
+
+def cmd_verify(args, console) -> int:
+    from refit.verify import verify
+
+    src, dst, cfg, shapes = _setup(args)
+    src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
+    console.print(f"verify {args.model}: trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks) on CPU gloo ...")
+    res = verify(src_l, dst_l, config=cfg, seed=args.seed, dump=args.dump)
+    for m in res.mismatches[:20]:
+        console.print(f"MISMATCH {m}")
+    if args.dump:
+        console.print(f"dumped to {args.dump}")
+    print(("" if res.ok else f"FAIL: {len(res.mismatches)} mismatching shards; ") + res.summary(), flush=True)
+    return 0 if res.ok else 1
+
+
+def cmd_demo(args, console) -> int:
+    from refit.demo import run_demo
+
+    src, dst, cfg, _ = _setup(args)
+    if args.steps < 1:
+        raise SpecError(f"--steps must be >= 1, got {args.steps}")
+    ok = run_demo(args.model, src, dst, args.steps, cfg, console)
+    print("PASS: every engine replica matches the trainer bit for bit" if ok else "FAIL: engine logits differ from the trainer's", flush=True)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    args = _parser().parse_args(argv)
+    console = Console(stderr=False, highlight=False)
+    try:
+        return {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo}[args.cmd](args, console)
+    except USAGE_ERRORS as e:
+        print(f"refit: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # e.g. a tp degree the model cannot run with
+        if args.cmd == "demo":
+            print(f"refit: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
