@@ -73,9 +73,9 @@ def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, 
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        trainer = dist.new_group(list(range(n_src)))
+        trainer = dist.new_group(list(range(n_src))) if n_src else None
         engine_ranks = list(range(n_dst)) if colocated else list(range(n_src, n_src + n_dst))
-        engine = dist.new_group(engine_ranks)
+        engine = dist.new_group(engine_ranks) if n_dst else None
         world = World(rank, world_size, n_src, n_dst, backend, device, trainer, engine, colocated)
         out = fn(world, *args)
         results.put((rank, True, pickle.dumps(out)))  # plain bytes: no shared memory outliving us
@@ -96,6 +96,8 @@ def run_local(
     timeout_s: float = 600.0,
 ) -> list[Any]:
     """Run ``fn(world, *args)`` in each process; return results ordered by process rank."""
+    if n_src < 0 or n_dst < 0 or n_src + n_dst < 1:
+        raise ValueError(f"need at least one process, got n_src={n_src}, n_dst={n_dst}")
     world_size = max(n_src, n_dst) if colocated else n_src + n_dst
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"

@@ -5,10 +5,11 @@ only executes it. Both sides derive it independently and compare ``digest``.
 
 Source choice among replicas (several source ranks holding the same box), in order:
   1. a holder in the receiver's own process (a local copy, no link bytes);
-  2. the holder whose side-local rank equals the receiver's (identical layouts
-     pair each destination with its counterpart);
-  3. the least-loaded holder by bytes sent so far, ties broken by a rotation
-     that starts at the receiver's index among that box's receivers.
+  2. for a tensor laid out identically on both sides (same box on every rank),
+     the receiver's counterpart: the source rank with the same number;
+  3. otherwise, largest pieces first, the least-loaded holder by bytes sent so
+     far, ties broken by a rotation that starts at the receiver's index among
+     that box's receivers.
 
 Pieces on a link are grouped into messages: a piece that is one contiguous run
 in both the source's and the destination's local tensor travels alone and
@@ -266,29 +267,38 @@ def check_coverage(dst: ModelLayout, pieces: list[Piece]) -> None:
 
 
 def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> list[Piece]:
-    load: dict[int, int] = defaultdict(int)
-    pieces: list[Piece] = []
+    fixed: list[tuple[int, Piece]] = []
+    open_: list[tuple[int, str, int, Box, list[int], int, int]] = []  # pieces whose source is still to choose
     for d in dst:
         s = src[d.name]
-        itemsize = d.itemsize
         dst_boxes = [(r, b) for r in d.ranks if (b := d.box(r)) is not None and box_numel(b) > 0]
+        identical = canonical_tensor(s) == canonical_tensor(d)
         for tile, holders in _source_tiles(s):
             receivers = [(r, piece) for r, b in dst_boxes if (piece := box_intersect(tile, b)) is not None]
             for k, (r, piece) in enumerate(receivers):
+                order = len(fixed) + len(open_)
                 same_proc = [h for h in holders if procs.src[h] == procs.dst[r]]
                 if same_proc:
-                    chosen = same_proc[0]
-                elif r in holders:
-                    chosen = r
+                    fixed.append((order, Piece(d.name, same_proc[0], r, piece, d.itemsize)))
+                elif identical and r in holders:
+                    fixed.append((order, Piece(d.name, r, r, piece, d.itemsize)))
                 else:
-                    start = k % len(holders)
-                    rotated = holders[start:] + holders[:start]
-                    chosen = min(rotated, key=lambda h: load[h])  # min keeps the first of equals
-                p = Piece(d.name, chosen, r, piece, itemsize)
-                if procs.src[chosen] != procs.dst[r]:
-                    load[chosen] += p.nbytes
-                pieces.append(p)
-    return pieces
+                    open_.append((order, d.name, r, piece, holders, k, d.itemsize))
+    load: dict[int, int] = defaultdict(int)
+    for _, p in fixed:
+        if procs.src[p.src] != procs.dst[p.dst]:
+            load[p.src] += p.nbytes
+    # largest pieces first (LPT), each to the least-loaded holder; ties go to the
+    # rotation that starts at the receiver's index among the tile's receivers
+    chosen: list[tuple[int, Piece]] = []
+    for order, name, r, piece, holders, k, itemsize in sorted(open_, key=lambda x: (-box_numel(x[3]) * x[6], x[0])):
+        start = k % len(holders)
+        rotated = holders[start:] + holders[:start]
+        h = min(rotated, key=lambda c: load[c])  # min keeps the first of equals
+        p = Piece(name, h, r, piece, itemsize)
+        load[h] += p.nbytes
+        chosen.append((order, p))
+    return [p for _, p in sorted(fixed + chosen, key=lambda x: x[0])]
 
 
 def build_plan(

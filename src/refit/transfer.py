@@ -50,8 +50,18 @@ def _first_difference(side: str, mine: list, theirs: list) -> str | None:
     return None
 
 
+def publish_failure(store: dist.Store | None, proc: int, error: BaseException, tag: str = "refit") -> None:
+    """Tell the peers waiting in pre-flight that this process failed its setup, and why."""
+    if store is not None:
+        store.set(f"{tag}/preflight/{proc}", json.dumps({"error": f"{type(error).__name__}: {error}"}))
+
+
 def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float, tag: str = "refit") -> None:
-    """Publish this process's plan digest and manifest; check every peer's against it."""
+    """Publish this process's plan digest and manifest; check every peer's against it.
+
+    Runs through the rendezvous store only, so a mismatch can never become a
+    hang inside a data collective; every process raises the same kind of error.
+    """
     peers = sorted({*plan.procs.src, *plan.procs.dst})
     if store is None or len(peers) == 1:
         return
@@ -65,6 +75,8 @@ def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float,
             other = json.loads(store.get(f"{tag}/preflight/{p}"))
         except Exception as e:  # the store raises on timeout
             raise PlanError(f"pre-flight: process {p} did not publish its plan within {timeout_s:.0f}s ({e})") from e
+        if "error" in other:
+            raise PlanError(f"pre-flight: process {p} failed its setup: {other['error']}")
         if other["digest"] != plan.digest:
             why = (
                 _first_difference("source", canon["src"], other["src"])
@@ -94,14 +106,18 @@ class Peer:
         plan: Plan | None = None,
         store: dist.Store | None = None,
     ) -> None:
-        self.plan = plan or build_plan(
-            src_layout, dst_layout, procs, num_buffers=config.num_buffers, buffer_bytes=config.buffer_bytes
-        )
-        self.executor = Executor(
-            self.plan, proc, src_tensors=src_tensors, dst_tensors=dst_tensors, group=group, device=device
-        )
         if store is None and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
+        try:
+            self.plan = plan or build_plan(
+                src_layout, dst_layout, procs, num_buffers=config.num_buffers, buffer_bytes=config.buffer_bytes
+            )
+            self.executor = Executor(
+                self.plan, proc, src_tensors=src_tensors, dst_tensors=dst_tensors, group=group, device=device
+            )
+        except Exception as e:
+            publish_failure(store, proc, e)
+            raise
         preflight(self.plan, proc, store, config.preflight_timeout_s)
         self.version: int | None = None
         self.last: RunStats | None = None

@@ -1,0 +1,153 @@
+"""Multi-process refits on CPU gloo: the layout matrix, pre-flight failures without hangs, DTensor modules."""
+
+import pytest
+import torch
+
+from refit.launch import WorkerError, run_local
+from refit.layout import Mesh, ModelLayout, TensorLayout, box_slices
+from refit.models import param_shapes
+from refit.plan import PlanError, ProcessMap
+from refit.rules import layout_from_spec
+from refit.spec import parse_spec
+from refit.transfer import Receiver, Sender, TransferConfig
+from refit.verify import reference_tensor, verify
+
+pytestmark = pytest.mark.multiproc
+
+PAIRS = [
+    ("tp=2", "tp=1,dp=2"),
+    ("fsdp=2", "tp=2"),
+    ("tp=2,pp=2", "tp=4"),
+    ("dp=2,tp=2", "tp=1,dp=4"),
+    ("fsdp=4", "tp=2,dp=2"),
+    ("dp=2,tp=2", "dp=2,tp=2"),
+    ("tp=3", "tp=2"),  # uneven chunks everywhere
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("src,dst", PAIRS)
+def test_reshard_is_bit_exact(src, dst):
+    shapes = param_shapes("tiny-qwen2")  # q/k/v biases too
+    # a small buffer forces packing, splitting and several steps
+    res = verify(
+        layout_from_spec(shapes, parse_spec(src, "src")),
+        layout_from_spec(shapes, parse_spec(dst, "dst")),
+        config=TransferConfig(num_buffers=2, buffer_bytes=16 << 10),
+        timeout_s=200,
+    )
+    assert res.ok, res.mismatches[:5]
+    assert res.plan.ratio == 1.0
+    assert res.bytes_checked == res.plan.bytes_needed
+
+
+def _bf16_worker(world, src, dst):
+    procs = ProcessMap.disjoint(src.world_size, dst.world_size)
+    if world.src_rank is not None:
+        local = {t.name: reference_tensor(t.name, t.shape, t.dtype)[box_slices(b)].clone() for t, b in src.local_tensors(world.src_rank)}
+        Sender(src, dst, world.rank, local, procs=procs).push(1)
+        return None
+    local = {t.name: torch.zeros(tuple(y - x for x, y in b), dtype=t.dtype) for t, b in dst.local_tensors(world.dst_rank)}
+    r = Receiver(src, dst, world.rank, local, procs=procs)
+    r.pull(1)
+    return all(
+        torch.equal(local[t.name].view(torch.int16), reference_tensor(t.name, t.shape, t.dtype)[box_slices(b)].view(torch.int16))
+        for t, b in dst.local_tensors(world.dst_rank)
+    ), r.version
+
+
+@pytest.mark.timeout(120)
+def test_bf16_bits_survive():
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
+    src = layout_from_spec(shapes, parse_spec("fsdp=2", "src"))
+    dst = layout_from_spec(shapes, parse_spec("tp=2", "dst"))
+    out = run_local(_bf16_worker, 2, 2, src, dst, backend="gloo", timeout_s=100)
+    assert out[2:] == [(True, 1), (True, 1)]
+
+
+def _mismatch_worker(world, src_shape, dst_shape):
+    shape = src_shape if world.src_rank is not None else dst_shape
+    t_src = TensorLayout("w", shape, torch.float32, Mesh((1,), ("tp",), (0,)), (torch.distributed.tensor.Replicate(),))
+    lay = ModelLayout((t_src,), 1)
+    cfg = TransferConfig(preflight_timeout_s=30)
+    if world.src_rank is not None:
+        Sender(lay, lay, world.rank, {"w": torch.ones(shape)}, config=cfg).push(1)
+    else:
+        Receiver(lay, lay, world.rank, {"w": torch.zeros(shape)}, config=cfg).pull(1)
+
+
+@pytest.mark.timeout(90)
+def test_shape_mismatch_between_sides_fails_fast_on_every_rank():
+    with pytest.raises(WorkerError) as e:
+        run_local(_mismatch_worker, 1, 1, (4, 4), (4, 5), backend="gloo", timeout_s=60)
+    msg = str(e.value)
+    assert "pre-flight" in msg and "'w'" in msg and "[4, 4]" in msg and "[4, 5]" in msg
+
+
+def _bad_local_worker(world):
+    shapes = param_shapes("tiny-llama")
+    src = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    dst = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    cfg = TransferConfig(preflight_timeout_s=30)
+    if world.src_rank is not None:
+        local = {t.name: reference_tensor(t.name, t.shape, t.dtype) for t in src}
+        Sender(src, dst, world.rank, local, config=cfg).push(1)
+    else:
+        local = {t.name: torch.zeros(t.shape) for t in dst}
+        local["lm_head.weight"] = torch.zeros(3, 3)  # the engine's live tensor has the wrong shape
+        Receiver(src, dst, world.rank, local, config=cfg).pull(1)
+
+
+@pytest.mark.timeout(90)
+def test_wrong_local_tensor_fails_before_any_collective():
+    with pytest.raises(WorkerError) as e:
+        run_local(_bad_local_worker, 1, 1, backend="gloo", timeout_s=60)
+    msg = str(e.value)
+    assert "'lm_head.weight' has shape [3, 3], the layout expects [512, 128]" in msg
+
+
+def _dtensor_worker(world):
+    from refit.models import build_model, load_config
+    from refit.trainers.dtensor import layout_from_module, local_shards
+    from refit.trainers.hf_tp import parallelize_tp
+
+    shapes = param_shapes("tiny-qwen3")
+    spec_layout = layout_from_spec(shapes, parse_spec("tp=2", "src"))
+    if world.src_rank is None:
+        return None
+    model = build_model(load_config("tiny-qwen3"), torch.float32, seed=0)
+    parallelize_tp(model, world.trainer_group, "cpu")
+    lay = layout_from_module(model, world.n_src)
+    local = local_shards(model)
+    shapes_ok = all(tuple(local[t.name].shape) == tuple(y - x for x, y in b) for t, b in lay.local_tensors(world.src_rank))
+    from refit.plan import canonical_tensor
+
+    return [canonical_tensor(t) for t in lay] == [canonical_tensor(t) for t in spec_layout], shapes_ok
+
+
+@pytest.mark.timeout(120)
+def test_layout_from_parallelized_module_matches_spec_rules():
+    out = run_local(_dtensor_worker, 2, 1, backend="gloo", timeout_s=100)
+    assert out[:2] == [(True, True), (True, True)]
+
+
+def _fsdp_worker(world):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DeviceMesh
+
+    from refit.trainers.dtensor import layout_from_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+    mesh = DeviceMesh.from_group(world.trainer_group, "cpu", mesh_dim_names=("fsdp",))
+    fully_shard(model, mesh=mesh)
+    lay = layout_from_module(model, world.n_src)
+    return [(t.name, t.box(0), t.box(1)) for t in lay]
+
+
+@pytest.mark.timeout(120)
+def test_layout_from_fully_sharded_module():
+    out = run_local(_fsdp_worker, 2, 0, backend="gloo", timeout_s=100)
+    assert out[0] == out[1]
+    assert out[0][0] == ("0.weight", ((0, 3), (0, 8)), ((3, 6), (0, 8)))
+    assert out[0][3] == ("1.bias", ((0, 2),), ((2, 3),))

@@ -1,0 +1,154 @@
+from collections import defaultdict
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import meshes, placements_for, tensor_shapes
+from torch.distributed.tensor import Replicate, Shard
+
+from refit.layout import Mesh, ModelLayout, TensorLayout, box_intersect, box_numel, box_slices
+from refit.models import param_shapes
+from refit.plan import PlanError, ProcessMap, build_plan
+from refit.rules import layout_from_spec
+from refit.spec import parse_spec
+
+
+@st.composite
+def layout_pairs(draw):
+    n_src, n_dst = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    src_mesh, dst_mesh = draw(meshes(n_src)), draw(meshes(n_dst))
+    src, dst = [], []
+    for i in range(draw(st.integers(1, 3))):
+        shape = draw(tensor_shapes())
+        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
+        src.append(TensorLayout(f"t{i}", shape, dtype, src_mesh, draw(placements_for(src_mesh, len(shape)))))
+        dst.append(TensorLayout(f"t{i}", shape, dtype, dst_mesh, draw(placements_for(dst_mesh, len(shape)))))
+    return ModelLayout(tuple(src), n_src), ModelLayout(tuple(dst), n_dst)
+
+
+def _all_pieces(plan):
+    return [p for m in plan.messages for p in m.pieces] + list(plan.local)
+
+
+@given(layout_pairs(), st.integers(1, 3), st.sampled_from([64, 128, 1024, 1 << 20]))
+def test_plan_covers_every_destination_element_exactly_once(pair, num_buffers, buffer_bytes):
+    src, dst = pair
+    plan = build_plan(src, dst, num_buffers=num_buffers, buffer_bytes=buffer_bytes)
+    counts = {}
+    for t in dst:
+        for r in t.ranks:
+            counts[(t.name, r)] = torch.zeros(tuple(b - a for a, b in t.box(r)), dtype=torch.int32)
+    for p in _all_pieces(plan):
+        # the chosen source really holds the box
+        assert box_intersect(p.box, src[p.tensor].box(p.src)) == p.box
+        dbox = dst[p.tensor].box(p.dst)
+        rel = tuple((a - o, b - o) for (a, b), (o, _) in zip(p.box, dbox))
+        counts[(p.tensor, p.dst)][box_slices(rel)] += 1
+    assert all(bool((c == 1).all()) for c in counts.values())
+    # minimal traffic: nothing but what destinations hold crosses a link
+    assert plan.bytes_moved == plan.bytes_needed
+    # bounded memory: no process stages more than the budget in any step
+    per = defaultdict(int)
+    for m in plan.messages:
+        if not m.direct:
+            assert m.nbytes <= buffer_bytes
+            per[(plan.procs.src[m.src], m.step)] += 1
+            per[(plan.procs.dst[m.dst], m.step)] += 1
+    assert all(v <= num_buffers for v in per.values())
+
+
+@given(layout_pairs())
+def test_plan_is_deterministic(pair):
+    src, dst = pair
+    assert build_plan(src, dst).digest == build_plan(src, dst).digest
+
+
+def _spec_plan(model, s, d, **kw):
+    shapes = param_shapes(model)
+    return build_plan(layout_from_spec(shapes, parse_spec(s, "src")), layout_from_spec(shapes, parse_spec(d, "dst")), **kw)
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    [("tp=2", "tp=1,dp=2"), ("fsdp=2", "tp=2"), ("tp=2,pp=2", "tp=4"), ("dp=2,tp=2", "tp=1,dp=4"), ("fsdp=4", "tp=2,dp=2")],
+)
+def test_required_pairs_move_exactly_what_is_needed(src, dst):
+    plan = _spec_plan("llama-3.1-8b", src, dst)
+    assert plan.bytes_moved == plan.bytes_needed
+    assert plan.ratio == 1.0
+    if parse_spec(dst, "dst").degree("tp") == 1:  # every replica holds the whole model
+        assert plan.bytes_needed == parse_spec(dst, "dst").degree("dp") * 16_060_522_496
+
+
+@pytest.mark.parametrize("spec", ["tp=2", "dp=2,tp=2", "tp=4", "dp=4"])
+def test_identical_layouts_pair_each_destination_with_its_counterpart(spec):
+    plan = _spec_plan("tiny-qwen3", spec, spec)
+    assert {d: set(v) for d, v in _receivers(plan).items()} == {r: {r} for r in range(parse_spec(spec, "dst").world_size)}
+
+
+def _receivers(plan):
+    out = defaultdict(set)
+    for s, row in plan.links.items():
+        for d in row:
+            out[d].add(s)
+    return out
+
+
+def test_replicas_spread_load_across_senders():
+    plan = _spec_plan("llama-3.1-8b", "dp=4", "tp=1,dp=1")
+    sent = [sum(plan.links.get(s, {}).values()) for s in range(4)]
+    assert min(sent) > 0
+    assert max(sent) / min(sent) < 1.2
+
+
+def test_colocated_plan_copies_locally():
+    plan = _spec_plan("tiny-llama", "tp=2", "tp=2", procs=ProcessMap.colocated(2, 2))
+    assert plan.bytes_moved == 0 and plan.bytes_local == plan.bytes_needed
+
+
+def test_digest_ignores_mesh_names_but_not_boxes():
+    a = ModelLayout((TensorLayout("w", (8, 4), torch.float32, Mesh((2,), ("tp",), (0, 1)), (Shard(0),)),), 2)
+    b = ModelLayout((TensorLayout("w", (8, 4), torch.float32, Mesh((2,), ("fsdp",), (0, 1)), (Shard(0),)),), 2)
+    c = ModelLayout((TensorLayout("w", (8, 4), torch.float32, Mesh((2,), ("tp",), (0, 1)), (Shard(1),)),), 2)
+    dst = ModelLayout((TensorLayout("w", (8, 4), torch.float32, Mesh((1,), ("tp",), (0,)), (Replicate(),)),), 1)
+    assert build_plan(a, dst).digest == build_plan(b, dst).digest != build_plan(c, dst).digest
+
+
+# ----------------------------------------------------------------------------- errors before anything moves
+
+def _one(name="w", shape=(8, 4), dtype=torch.float32, world=2, placement=Shard(0), boxes=None):
+    mesh = Mesh((world,), ("tp",), tuple(range(world)))
+    return ModelLayout((TensorLayout(name, shape, dtype, mesh, (placement,), boxes=boxes),), world)
+
+
+def test_mismatched_names():
+    with pytest.raises(PlanError, match="destination tensor.*no source, first: 'v'"):
+        build_plan(_one("w"), _one("v"))
+
+
+def test_mismatched_shapes():
+    with pytest.raises(PlanError, match=r"tensor 'w': source shape \[8, 4\] != destination shape \[8, 5\]"):
+        build_plan(_one(shape=(8, 4)), _one(shape=(8, 5)))
+
+
+def test_mismatched_dtypes():
+    with pytest.raises(PlanError, match="tensor 'w': source dtype torch.float32 != destination dtype torch.bfloat16"):
+        build_plan(_one(dtype=torch.float32), _one(dtype=torch.bfloat16))
+
+
+def test_coverage_gap():
+    gap = _one(boxes={0: ((0, 3), (0, 4)), 1: ((4, 8), (0, 4))})
+    with pytest.raises(PlanError, match=r"'w' \[8, 4\]: source ranks hold 28 of 32 elements \(coverage gap\)"):
+        build_plan(gap, _one())
+
+
+def test_overlapping_sources():
+    ov = _one(boxes={0: ((0, 5), (0, 4)), 1: ((4, 8), (0, 4))})
+    with pytest.raises(PlanError, match="overlap"):
+        build_plan(ov, _one())
+
+
+def test_budget_validation():
+    with pytest.raises(PlanError, match="num_buffers must be >= 1, got 0"):
+        build_plan(_one(), _one(), num_buffers=0)
