@@ -1,0 +1,97 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from refit.cli import main
+from refit.layout import Mesh, TensorLayout, box_slices, parse_placement
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "refit.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    [("tp=2", "tp=1,dp=2"), ("fsdp=2", "tp=2"), ("tp=2,pp=2", "tp=4"), ("dp=2,tp=2", "tp=1,dp=4"), ("fsdp=4", "tp=2,dp=2"), ("tp=2", "tp=2")],
+)
+def test_plan_json(capsys, src, dst):
+    assert main(["plan", "--model", "llama-3.1-8b", "--src", src, "--dst", dst, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"tensors", "bytes_needed", "bytes_moved", "ratio", "digest", "links"} <= set(out)
+    assert out["tensors"] == 291
+    assert out["ratio"] == 1.0
+    assert sum(b for row in out["links"].values() for b in row.values()) == out["bytes_moved"]
+
+
+def test_plan_table(capsys):
+    assert main(["plan", "--model", "tiny-llama", "--src", "tp=2", "--dst", "tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "moved/needed" in out and "1.00" in out and "digest" in out
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--src", "tp=2,xx=2"], "unknown key 'xx'"),
+        (["--dst", "tp=2,pp=2"], "unknown key 'pp'"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--src", "tp=2", "--src-ranks", "3"], "needs tp=2 = 2 ranks, but 3 are given"),
+        (["--dst", "tp=3", "--dst-ranks", "4"], "needs tp=3 = 3 ranks, but 4 are given"),
+        (["--src", "pp=5"], "pp=5 exceeds the model's 4 decoder layers"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, args, msg):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("refit: error:") and msg in err
+
+
+def test_demo_bad_tp_degree_exit_2(capsys):
+    assert main(["demo", "--src", "tp=3"]) == 2
+    assert "tp=3 must divide num_attention_heads=4" in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_verify_dump_can_be_rechecked_independently(tmp_path):
+    r = _run("verify", "--model", "tiny-qwen3", "--src", "tp=2,pp=2", "--dst", "tp=2,dp=2", "--dump", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("verified 47 tensors on 4 ranks,") and last.endswith("moved/needed=1.00")
+    full = load_file(tmp_path / "full.safetensors")
+    layout = json.loads((tmp_path / "layout.json").read_text())
+    shards = {d: load_file(tmp_path / f"dst_rank{d}.safetensors") for d in range(4)}
+    checked = 0
+    for t in layout["tensors"]:
+        mesh = Mesh.from_nested(t["mesh"])
+        tl = TensorLayout(t["name"], tuple(t["global_shape"]), getattr(torch, t["dtype"]), mesh, tuple(parse_placement(p) for p in t["placements"]))
+        assert (full[t["name"]] != 0).all()
+        for d in mesh.ranks:
+            assert torch.equal(shards[d][t["name"]], full[t["name"]][box_slices(tl.box(d))])
+            checked += 1
+    assert checked == 47 * 4
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_demo_passes_with_zero_delta():
+    r = _run("demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1].startswith("PASS")
+    rows = [ln for ln in lines if ln.startswith("│")]
+    assert len(rows) == 3
+    assert all(ln.split("│")[5].strip() == "0" for ln in rows)  # max |delta logit|
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model,src,dst", [("tiny-qwen3", "tp=2", "tp=2"), ("tiny-llama", "pp=2", "tp=2,dp=2")])
+def test_demo_other_layouts(model, src, dst):
+    r = _run("demo", "--model", model, "--src", src, "--dst", dst, "--steps", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1].startswith("PASS")
