@@ -41,28 +41,37 @@ def test_reshard_is_bit_exact(src, dst):
     assert res.bytes_checked == res.plan.bytes_needed
 
 
+BUDGET = TransferConfig(num_buffers=2, buffer_bytes=8 << 10)
+
+
 def _bf16_worker(world, src, dst):
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
     if world.src_rank is not None:
         local = {t.name: reference_tensor(t.name, t.shape, t.dtype)[box_slices(b)].clone() for t, b in src.local_tensors(world.src_rank)}
-        Sender(src, dst, world.rank, local, procs=procs).push(1)
-        return None
+        s = Sender(src, dst, world.rank, local, procs=procs, config=BUDGET)
+        for v in (1, 2):
+            s.push(v)
+        return s.executor.staging_bytes
     local = {t.name: torch.zeros(tuple(y - x for x, y in b), dtype=t.dtype) for t, b in dst.local_tensors(world.dst_rank)}
-    r = Receiver(src, dst, world.rank, local, procs=procs)
-    r.pull(1)
-    return all(
+    r = Receiver(src, dst, world.rank, local, procs=procs, config=BUDGET)
+    for v in (1, 2):
+        r.pull(v)
+    same = all(
         torch.equal(local[t.name].view(torch.int16), reference_tensor(t.name, t.shape, t.dtype)[box_slices(b)].view(torch.int16))
         for t, b in dst.local_tensors(world.dst_rank)
-    ), r.version
+    )
+    return same, r.version, r.executor.staging_bytes
 
 
 @pytest.mark.timeout(120)
-def test_bf16_bits_survive():
+def test_bf16_bits_survive_within_the_buffer_budget():
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
     src = layout_from_spec(shapes, parse_spec("fsdp=2", "src"))
     dst = layout_from_spec(shapes, parse_spec("tp=2", "dst"))
     out = run_local(_bf16_worker, 2, 2, src, dst, backend="gloo", timeout_s=100)
-    assert out[2:] == [(True, 1), (True, 1)]
+    assert [o[:2] for o in out[2:]] == [(True, 2), (True, 2)]
+    staging = out[:2] + [o[2] for o in out[2:]]
+    assert all(0 < b <= BUDGET.num_buffers * BUDGET.buffer_bytes for b in staging), staging
 
 
 def _mismatch_worker(world, src_shape, dst_shape):

@@ -182,18 +182,6 @@ class Plan:
     def local_of(self, proc: int) -> list[Piece]:
         return [p for p in self.local if self.procs.dst[p.dst] == proc]
 
-    def staging_bytes(self, proc: int) -> int:
-        """Bytes of staging buffers ``proc`` needs: at most ``num_buffers * buffer_bytes``."""
-        per_step: dict[int, int] = defaultdict(int)
-        for m in self.messages:
-            if m.direct:
-                continue
-            if self.procs.src[m.src] == proc:
-                per_step[m.step] += 1
-            if self.procs.dst[m.dst] == proc:
-                per_step[m.step] += 1
-        return min(max(per_step.values(), default=0), self.num_buffers) * self.buffer_bytes if per_step else 0
-
 
 # ---------------------------------------------------------------------------- building
 

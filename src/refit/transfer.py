@@ -36,6 +36,7 @@ class TransferConfig:
     num_buffers: int = 2
     buffer_bytes: int = 64 << 20
     preflight_timeout_s: float = DEFAULT_PREFLIGHT_TIMEOUT_S
+    name: str = "refit"  # store namespace; give each Sender/Receiver pairing in one job its own
 
 
 def _first_difference(side: str, mine: list, theirs: list) -> str | None:
@@ -116,9 +117,9 @@ class Peer:
                 self.plan, proc, src_tensors=src_tensors, dst_tensors=dst_tensors, group=group, device=device
             )
         except Exception as e:
-            publish_failure(store, proc, e)
+            publish_failure(store, proc, e, config.name)
             raise
-        preflight(self.plan, proc, store, config.preflight_timeout_s)
+        preflight(self.plan, proc, store, config.preflight_timeout_s, config.name)
         self.version: int | None = None
         self.last: RunStats | None = None
 
