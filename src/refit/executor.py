@@ -1,19 +1,29 @@
-"""Runs one process's share of a Plan over torch.distributed point-to-point ops.
+"""Runs one process's share of a Plan.
 
-Setup (once): bind the plan's pieces to views of this process's local tensors,
-allocate at most ``num_buffers`` staging buffers of ``buffer_bytes`` (only as
-many as the busiest step needs), and precompute every step's ops.
-Run (each refit): for each step, pack the outgoing buckets, post all sends and
-receives of the step in one ``batch_isend_irecv``, wait, unpack. Direct pieces
-(contiguous on both sides) go straight from the source tensor into the
-destination tensor. Pieces whose source and destination share this process are
-copied locally. Works with gloo (CPU) and NCCL (GPU).
+Setup (once): check and bind this process's local tensors to the plan's
+pieces, allocate the staging ring (at most ``num_buffers`` buffers, each no
+larger than the largest packed message), exchange CUDA IPC handles for IPC
+links, precompute every step's ops.
+
+Run (each refit):
+  1. local copies (source and destination in this process);
+  2. IPC pulls (receiver side) between two barriers: the first says every
+     source's weights are final, the second that every pull has finished;
+  3. P2P steps: per step, pack outgoing buckets into ring buffers, post all
+     of the step's sends and receives in one ``batch_isend_irecv``, unpack.
+     On CUDA, packing runs on a pack stream and unpacking on an unpack
+     stream, ordered by events, so packing step k+1 and unpacking step k-1
+     overlap the transfer of step k; a ring buffer is reused only after the
+     event of its last use. Direct pieces (contiguous on both sides) go from
+     the source tensor straight into the destination tensor.
+Works with gloo (CPU) and NCCL (GPU).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -21,6 +31,7 @@ import torch.distributed as dist
 
 from refit.layout import Box, box_relative, box_shape, box_slices
 from refit.plan import Plan, PlanError
+from refit.transport.ipc import IpcPuller, export_handles, import_handles
 
 
 @dataclass
@@ -28,7 +39,14 @@ class _Op:
     peer: int
     tag: int
     tensor: torch.Tensor  # what is sent or received into (a view or a buffer slice)
-    pack: list[tuple[torch.Tensor, torch.Tensor]]  # (buffer view, tensor view): copy src->buf or buf->dst
+    pack: list[tuple[torch.Tensor, torch.Tensor]]  # (buffer view, tensor view)
+    slot: int = -1  # ring buffer index (packed only)
+
+
+@dataclass
+class _Step:
+    sends: list[_Op] = field(default_factory=list)
+    recvs: list[_Op] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,28 @@ def _check_local(side: str, rank: int, layout, tensors: Mapping[str, torch.Tenso
     return boxes
 
 
+def validate_local(
+    plan: Plan,
+    proc: int,
+    src_tensors: Mapping[str, torch.Tensor] | None,
+    dst_tensors: Mapping[str, torch.Tensor] | None,
+) -> None:
+    """Everything about this process's tensors that could fail the run, checked before any exchange."""
+    if proc in plan.procs.src:
+        _check_local("source", plan.procs.src.index(proc), plan.src_layout, src_tensors or {})
+    if proc in plan.procs.dst:
+        _check_local("destination", plan.procs.dst.index(proc), plan.dst_layout, dst_tensors or {})
+    for m in plan.messages:
+        if m.transport != "ipc":
+            continue
+        for side, rank_proc, tensors in (("source", plan.procs.src[m.src], src_tensors), ("destination", plan.procs.dst[m.dst], dst_tensors)):
+            if rank_proc == proc:
+                for p in m.pieces:
+                    dev = tensors[p.tensor].device
+                    if dev.type != "cuda":
+                        raise PlanError(f"{side} tensor {p.tensor!r} is on {dev}; CUDA IPC needs CUDA tensors")
+
+
 class Executor:
     def __init__(
         self,
@@ -65,12 +105,18 @@ class Executor:
         src_tensors: Mapping[str, torch.Tensor] | None = None,
         dst_tensors: Mapping[str, torch.Tensor] | None = None,
         group: dist.ProcessGroup | None = None,
+        sync_group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
+        store: dist.Store | None = None,
+        name: str = "refit",
+        timeout_s: float = 120.0,
     ) -> None:
         self.plan = plan
         self.proc = proc
         self.group = group
+        self.sync_group = sync_group
         self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.src_rank = plan.procs.src.index(proc) if proc in plan.procs.src else None
         self.dst_rank = plan.procs.dst.index(proc) if proc in plan.procs.dst else None
         src_boxes = (
@@ -82,34 +128,24 @@ class Executor:
             else {}
         )
 
-        def src_view(name: str, box: Box) -> torch.Tensor:
-            return src_tensors[name][box_slices(box_relative(box, src_boxes[name]))]
+        def src_view(name: str, box: Box, tensors=src_tensors, boxes=src_boxes) -> torch.Tensor:
+            return tensors[name][box_slices(box_relative(box, boxes[name]))]
 
         def dst_view(name: str, box: Box) -> torch.Tensor:
             return dst_tensors[name][box_slices(box_relative(box, dst_boxes[name]))]
 
-        sends = [m for m in plan.sends_of(proc)]
-        recvs = [m for m in plan.recvs_of(proc)]
-        # staging buffers: slot k of a step -> buffer k
-        slots_per_step: dict[int, int] = defaultdict(int)
-        for m in sends + recvs:
-            if not m.direct:
-                slots_per_step[m.step] += 1
-        n_buf = max(slots_per_step.values(), default=0)
-        if n_buf > plan.num_buffers:
-            raise PlanError(f"process {proc}: a step needs {n_buf} buffers, budget is {plan.num_buffers}")
-        buf_len = max((m.nbytes for m in sends + recvs if not m.direct), default=0)
+        p2p = [m for m in plan.messages if m.transport == "p2p"]
+        sends = [m for m in p2p if plan.procs.src[m.src] == proc]
+        recvs = [m for m in p2p if plan.procs.dst[m.dst] == proc]
+        mine = sorted((m for m in sends + recvs if not m.direct), key=lambda m: (m.step, m.src, m.dst))
+        n_buf = min(plan.num_buffers, len(mine))
+        buf_len = max((m.nbytes for m in mine), default=0)
         self.buffers = [torch.empty(buf_len, dtype=torch.uint8, device=self.device) for _ in range(n_buf)]
         self.staging_bytes = n_buf * buf_len
+        slot_of = {id(m): i % max(n_buf, 1) for i, m in enumerate(mine)}
 
-        # per step: (send ops, recv ops); tags number the messages of one link within a step
-        self.steps: list[tuple[list[_Op], list[_Op]]] = [([], []) for _ in range(plan.num_steps)]
-        used: dict[int, int] = defaultdict(int)
+        self.steps = [_Step() for _ in range(plan.num_steps)]
         tag_of: dict[tuple[int, int, int], int] = defaultdict(int)
-
-        def global_rank(p: int) -> int:
-            return p if group is None else dist.get_global_rank(group, p)
-
         for is_send, msgs in ((True, sends), (False, recvs)):
             for m in msgs:
                 peer = plan.procs.dst[m.dst] if is_send else plan.procs.src[m.src]
@@ -119,43 +155,117 @@ class Executor:
                 view = src_view if is_send else dst_view
                 if m.direct:
                     p = m.pieces[0]
-                    op = _Op(global_rank(peer), tag, view(p.tensor, p.box), [])
+                    op = _Op(peer, tag, view(p.tensor, p.box), [])
                 else:
-                    buf = self.buffers[used[m.step]]
-                    used[m.step] += 1
+                    slot = slot_of[id(m)]
+                    buf = self.buffers[slot]
                     pack = []
                     for p, off in zip(m.pieces, m.offsets):
                         tv = view(p.tensor, p.box)
-                        bv = buf[off : off + p.nbytes].view(tv.dtype).view(tv.shape)
-                        pack.append((bv, tv))
-                    op = _Op(global_rank(peer), tag, buf[: m.nbytes], pack)
-                self.steps[m.step][0 if is_send else 1].append(op)
-        self.local = [
-            (dst_view(p.tensor, p.box), src_view(p.tensor, p.box)) for p in plan.local_of(proc)
-        ]
-        self.bytes_sent = sum(sum(p.nbytes for p in m.pieces) for m in sends)
-        self.bytes_received = sum(sum(p.nbytes for p in m.pieces) for m in recvs)
+                        pack.append((buf[off : off + p.nbytes].view(tv.dtype).view(tv.shape), tv))
+                    op = _Op(peer, tag, buf[: m.nbytes], pack, slot)
+                (self.steps[m.step].sends if is_send else self.steps[m.step].recvs).append(op)
+        self.steps = [s for s in self.steps if s.sends or s.recvs]
+        self.local = [(dst_view(p.tensor, p.box), src_view(p.tensor, p.box)) for p in plan.local_of(proc)]
+
+        # CUDA IPC: sources publish handles, receivers map them (once)
+        ipc = [m for m in plan.messages if m.transport == "ipc"]
+        self.uses_ipc = bool(ipc)
+        self.puller: IpcPuller | None = None
+        if ipc:
+            if store is None:
+                raise PlanError("the plan has CUDA IPC links but no rendezvous store was given")
+            exported = sorted({p.tensor for m in ipc if plan.procs.src[m.src] == proc for p in m.pieces})
+            if exported:
+                export_handles(store, f"{name}/ipc/{proc}", {n: src_tensors[n] for n in exported})
+            my_pulls = [m for m in ipc if plan.procs.dst[m.dst] == proc]
+            mapped: dict[int, dict[str, torch.Tensor]] = {}
+            same, peer = [], []
+            for m in my_pulls:
+                sp = plan.procs.src[m.src]
+                if sp not in mapped:
+                    mapped[sp] = import_handles(store, f"{name}/ipc/{sp}", timeout_s)
+                p = m.pieces[0]
+                s_box = plan.src_layout[p.tensor].box(m.src)
+                sv = mapped[sp][p.tensor][box_slices(box_relative(p.box, s_box))]
+                pair = (dst_view(p.tensor, p.box), sv)
+                (same if plan.procs.same_device(sp, proc) else peer).append(pair)
+            if my_pulls:
+                self.puller = IpcPuller(self.device, same, peer)
+            self._mapped = mapped  # keep the mappings alive
+        if self.cuda:
+            self.pack_stream = torch.cuda.Stream(self.device)
+            self.unpack_stream = torch.cuda.Stream(self.device)
+            self.free = [None] * len(self.buffers)  # event: ring buffer's last use finished
+
+        self.bytes_sent = sum(sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.src[m.src] == proc)
+        self.bytes_received = sum(sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.dst[m.dst] == proc)
         self.bytes_local = sum(p.nbytes for p in plan.local_of(proc))
 
-    def run(self) -> RunStats:
-        import time
+    # ------------------------------------------------------------------ run
+    def _barrier(self) -> None:
+        dist.barrier(group=self.sync_group)
 
-        t0 = time.perf_counter()
-        for dst, src in self.local:
-            dst.copy_(src)
-        for send_ops, recv_ops in self.steps:
-            if not send_ops and not recv_ops:
-                continue
-            for op in send_ops:
+    def _run_steps_cpu(self) -> None:
+        for step in self.steps:
+            for op in step.sends:
                 for bv, tv in op.pack:
                     bv.copy_(tv)
-            p2p = [dist.P2POp(dist.isend, op.tensor, op.peer, self.group, op.tag) for op in send_ops]
-            p2p += [dist.P2POp(dist.irecv, op.tensor, op.peer, self.group, op.tag) for op in recv_ops]
-            for w in dist.batch_isend_irecv(p2p):
+            works = dist.batch_isend_irecv(self._p2p_ops(step))
+            for w in works:
                 w.wait()
-            for op in recv_ops:
+            for op in step.recvs:
                 for bv, tv in op.pack:
                     tv.copy_(bv)
-        if self.device.type == "cuda":
+
+    def _p2p_ops(self, step: _Step) -> list:
+        ops = [dist.P2POp(dist.isend, op.tensor, op.peer, self.group, op.tag) for op in step.sends]
+        return ops + [dist.P2POp(dist.irecv, op.tensor, op.peer, self.group, op.tag) for op in step.recvs]
+
+    def _run_steps_cuda(self) -> None:
+        main = torch.cuda.current_stream(self.device)
+        self.pack_stream.wait_stream(main)  # the source weights are final
+        for step in self.steps:
+            packed = [op for op in step.sends + step.recvs if op.pack]
+            with torch.cuda.stream(self.pack_stream):
+                for op in packed:
+                    if self.free[op.slot] is not None:
+                        self.pack_stream.wait_event(self.free[op.slot])
+                for op in step.sends:
+                    for bv, tv in op.pack:
+                        bv.copy_(tv, non_blocking=True)
+            main.wait_stream(self.pack_stream)
+            works = dist.batch_isend_irecv(self._p2p_ops(step))
+            for w in works:
+                w.wait()  # the main stream waits for NCCL; the host does not
+            done = torch.cuda.Event()
+            done.record(main)
+            with torch.cuda.stream(self.unpack_stream):
+                self.unpack_stream.wait_event(done)
+                for op in step.recvs:
+                    for bv, tv in op.pack:
+                        tv.copy_(bv, non_blocking=True)
+                free = torch.cuda.Event()
+                free.record(self.unpack_stream)
+            for op in packed:
+                self.free[op.slot] = free
+        main.wait_stream(self.unpack_stream)
+
+    def run(self) -> RunStats:
+        t0 = time.perf_counter()
+        if self.uses_ipc:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self._barrier()  # every source's weights are final
+        for dst, src in self.local:
+            dst.copy_(src, non_blocking=True)
+        if self.puller is not None:
+            self.puller.pull()
+        if self.cuda:
+            self._run_steps_cuda()
             torch.cuda.synchronize(self.device)
+        else:
+            self._run_steps_cpu()
+        if self.uses_ipc:
+            self._barrier()  # every pull is done: sources may change their weights again
         return RunStats(self.bytes_sent, self.bytes_received, self.bytes_local, time.perf_counter() - t0)

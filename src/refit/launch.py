@@ -6,6 +6,9 @@ with a TCP rendezvous on 127.0.0.1, creates the trainer group and the engine
 group, calls ``fn(world, *args)`` in each and returns the results by process
 rank. A worker's exception is re-raised in the caller with its rank; a worker
 that dies or overruns ``timeout_s`` fails the call instead of hanging it.
+``devices`` pins each process to a device (several may share a GPU, as in
+colocated refits); the world group is then gloo, used for barriers and the
+store, and ``world.data_group`` is a NCCL group when every process has a GPU of its own.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class World:
     trainer_group: Any
     engine_group: Any
     colocated: bool = False
+    devices: tuple[str, ...] = ()  # every process's device, by rank
+    # the group for data P2P: None = the default group; a NCCL group over all ranks when the
+    # world is gloo but every process has a GPU of its own
+    data_group: Any = None
 
     @property
     def src_rank(self) -> int | None:
@@ -58,14 +65,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s):
+def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices):
     try:
         torch.set_num_threads(1)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            device = torch.device("cuda", torch.cuda.current_device())
+        if devices:
+            device = torch.device(devices[rank])
+        elif backend == "nccl":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -76,7 +86,10 @@ def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, 
         trainer = dist.new_group(list(range(n_src))) if n_src else None
         engine_ranks = list(range(n_dst)) if colocated else list(range(n_src, n_src + n_dst))
         engine = dist.new_group(engine_ranks) if n_dst else None
-        world = World(rank, world_size, n_src, n_dst, backend, device, trainer, engine, colocated)
+        all_devices = tuple(devices) if devices else ()
+        world = World(rank, world_size, n_src, n_dst, backend, device, trainer, engine, colocated, all_devices)
+        if backend != "nccl" and len(set(all_devices)) == world_size and all(d.startswith("cuda") for d in all_devices):
+            world.data_group = dist.new_group(list(range(world_size)), backend="nccl")
         out = fn(world, *args)
         results.put((rank, True, pickle.dumps(out)))  # plain bytes: no shared memory outliving us
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -94,11 +107,16 @@ def run_local(
     backend: str | None = None,
     colocated: bool = False,
     timeout_s: float = 600.0,
+    devices: list[str] | None = None,
 ) -> list[Any]:
     """Run ``fn(world, *args)`` in each process; return results ordered by process rank."""
     if n_src < 0 or n_dst < 0 or n_src + n_dst < 1:
         raise ValueError(f"need at least one process, got n_src={n_src}, n_dst={n_dst}")
     world_size = max(n_src, n_dst) if colocated else n_src + n_dst
+    if devices is not None and len(devices) != world_size:
+        raise ValueError(f"devices names {len(devices)} devices for {world_size} processes")
+    if backend is None and devices is not None:
+        backend = "gloo"  # the world may put several processes on one GPU; NCCL cannot
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     ctx = mp.get_context("spawn")
@@ -107,7 +125,7 @@ def run_local(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s),
+            args=(r, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices),
             daemon=False,
         )
         for r in range(world_size)

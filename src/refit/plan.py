@@ -4,7 +4,8 @@ Built once from the two sides' ModelLayouts and a process map; a refit step
 only executes it. Both sides derive it independently and compare ``digest``.
 
 Source choice among replicas (several source ranks holding the same box), in order:
-  1. a holder in the receiver's own process (a local copy, no link bytes);
+  1. a holder in the receiver's own process (a local copy, no link bytes), else
+     one on the receiver's device (an on-device copy through CUDA IPC);
   2. for a tensor laid out identically on both sides (same box on every rank),
      the receiver's counterpart: the source rank with the same number;
   3. otherwise, largest pieces first, the least-loaded holder by bytes sent so
@@ -14,8 +15,11 @@ Source choice among replicas (several source ranks holding the same box), in ord
 Pieces on a link are grouped into messages: a piece that is one contiguous run
 in both the source's and the destination's local tensor travels alone and
 unpacked ("direct"); the others are packed into buckets of at most
-``buffer_bytes``. Messages are scheduled into steps so that no process ever
-uses more than ``num_buffers`` staging buffers at once.
+``buffer_bytes``. Messages are scheduled into steps so that no process has
+more than half of its ``num_buffers`` ring in flight in one step (the other
+half is being packed or unpacked), never more than ``num_buffers`` at once.
+Links between CUDA processes of one host may use IPC (``transport``): the
+receiver pulls each piece from the source's mapped memory, no staging.
 
 This module knows nothing of devices or transports.
 """
@@ -47,12 +51,43 @@ class PlanError(ValueError):
     """The two layouts cannot be connected (names, shapes, dtypes, coverage, budget)."""
 
 
+TRANSPORTS = ("p2p", "ipc", "auto")
+
+
 @dataclass(frozen=True)
 class ProcessMap:
-    """Which global process hosts each side-local rank."""
+    """Which global process hosts each side-local rank, and (optionally) each process's device.
+
+    ``devices[p]`` is ``"cuda:0"``, ``"cpu"`` or ``"host/cuda:1"``; without a host
+    prefix every process is on one host. Without ``devices`` every process is
+    taken to have a device of its own.
+    """
 
     src: tuple[int, ...]
     dst: tuple[int, ...]
+    devices: tuple[str, ...] | None = None
+
+    def device_of(self, proc: int) -> str:
+        return self.devices[proc] if self.devices is not None else f"proc{proc}"
+
+    def host_of(self, proc: int) -> str:
+        d = self.device_of(proc)
+        return d.split("/", 1)[0] if "/" in d else "localhost"
+
+    def same_device(self, a: int, b: int) -> bool:
+        return a == b or (self.devices is not None and self.device_of(a) == self.device_of(b))
+
+    def ipc_capable(self, a: int, b: int) -> bool:
+        """Both processes on one host, both on CUDA devices."""
+        return (
+            self.devices is not None
+            and self.host_of(a) == self.host_of(b)
+            and "cuda" in self.device_of(a)
+            and "cuda" in self.device_of(b)
+        )
+
+    def with_devices(self, devices) -> "ProcessMap":
+        return ProcessMap(self.src, self.dst, tuple(devices))
 
     @classmethod
     def disjoint(cls, n_src: int, n_dst: int) -> "ProcessMap":
@@ -95,6 +130,7 @@ class Message:
     pieces: tuple[Piece, ...]
     offsets: tuple[int, ...]  # byte offset of each piece in the staging buffer (packed only)
     nbytes: int  # bytes on the wire (packed: buffer length incl. alignment)
+    transport: str = "p2p"  # "p2p": torch.distributed send/recv; "ipc": the receiver pulls from mapped memory
 
 
 @dataclass(frozen=True)
@@ -104,6 +140,7 @@ class Plan:
     procs: ProcessMap
     num_buffers: int
     buffer_bytes: int
+    transport: str
     messages: tuple[Message, ...]
     local: tuple[Piece, ...]  # same-process copies
     num_steps: int
@@ -124,6 +161,15 @@ class Plan:
         for m in self.messages:
             out[m.src][m.dst] += sum(p.nbytes for p in m.pieces)
         return {s: dict(sorted(d.items())) for s, d in sorted(out.items())}
+
+    @cached_property
+    def bytes_same_device(self) -> int:
+        """Link bytes whose two processes share a device (on-device copies, no interconnect)."""
+        return sum(
+            sum(p.nbytes for p in m.pieces)
+            for m in self.messages
+            if self.procs.same_device(self.procs.src[m.src], self.procs.dst[m.dst])
+        )
 
     @cached_property
     def bytes_moved(self) -> int:
@@ -159,9 +205,10 @@ class Plan:
             "src": [canonical_tensor(t) for t in self.src_layout],
             "dst": [canonical_tensor(t) for t in self.dst_layout],
             "procs": [list(self.procs.src), list(self.procs.dst)],
+            "devices": list(self.procs.devices) if self.procs.devices is not None else None,
             "buffers": [self.num_buffers, self.buffer_bytes],
             "messages": [
-                [m.src, m.dst, m.step, m.direct, [[p.tensor, [list(x) for x in p.box]] for p in m.pieces], list(m.offsets)]
+                [m.src, m.dst, m.step, m.direct, m.transport, [[p.tensor, [list(x) for x in p.box]] for p in m.pieces], list(m.offsets)]
                 for m in self.messages
             ],
             "local": [[p.tensor, p.src, p.dst, [list(x) for x in p.box]] for p in self.local],
@@ -265,16 +312,18 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
             receivers = [(r, piece) for r, b in dst_boxes if (piece := box_intersect(tile, b)) is not None]
             for k, (r, piece) in enumerate(receivers):
                 order = len(fixed) + len(open_)
-                same_proc = [h for h in holders if procs.src[h] == procs.dst[r]]
-                if same_proc:
-                    fixed.append((order, Piece(d.name, same_proc[0], r, piece, d.itemsize)))
+                near = [h for h in holders if procs.src[h] == procs.dst[r]] or [
+                    h for h in holders if procs.same_device(procs.src[h], procs.dst[r])
+                ]
+                if near:
+                    fixed.append((order, Piece(d.name, near[0], r, piece, d.itemsize)))
                 elif identical and r in holders:
                     fixed.append((order, Piece(d.name, r, r, piece, d.itemsize)))
                 else:
                     open_.append((order, d.name, r, piece, holders, k, d.itemsize))
     load: dict[int, int] = defaultdict(int)
     for _, p in fixed:
-        if procs.src[p.src] != procs.dst[p.dst]:
+        if not procs.same_device(procs.src[p.src], procs.dst[p.dst]):
             load[p.src] += p.nbytes
     # largest pieces first (LPT), each to the least-loaded holder; ties go to the
     # rotation that starts at the receiver's index among the tile's receivers
@@ -296,8 +345,16 @@ def build_plan(
     *,
     num_buffers: int = 2,
     buffer_bytes: int = 64 << 20,
+    transport: str = "p2p",
 ) -> Plan:
-    """Compute the plan; raises PlanError before anything moves if the sides cannot match."""
+    """Compute the plan; raises PlanError before anything moves if the sides cannot match.
+
+    ``transport``: ``"p2p"`` sends everything with torch.distributed; ``"ipc"``
+    has every receiver pull from its sources' memory (CUDA, one host; an error
+    otherwise); ``"auto"`` uses IPC where both ends are CUDA on one host.
+    """
+    if transport not in TRANSPORTS:
+        raise PlanError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     if num_buffers < 1:
         raise PlanError(f"num_buffers must be >= 1, got {num_buffers}")
     if buffer_bytes < ALIGN:
@@ -318,9 +375,22 @@ def build_plan(
         if procs.src[p.src] != procs.dst[p.dst]:
             per_link[(p.src, p.dst)].append(p)
 
+    def link_transport(s: int, r: int) -> str:
+        ok = procs.ipc_capable(procs.src[s], procs.dst[r])
+        if transport == "ipc" and not ok:
+            raise PlanError(
+                f"transport 'ipc' needs source rank {s} ({procs.device_of(procs.src[s])}) and destination rank {r} "
+                f"({procs.device_of(procs.dst[r])}) on CUDA devices of one host"
+            )
+        return "ipc" if ok and transport in ("ipc", "auto") else "p2p"
+
     # group each link's pieces into messages (link order, then piece order)
     raw: list[tuple[int, int, bool, list[Piece], list[int], int]] = []
+    ipc_messages: list[Message] = []
     for (s, r), plist in sorted(per_link.items()):
+        if link_transport(s, r) == "ipc":  # pulled piece by piece from mapped memory: no staging
+            ipc_messages += [Message(s, r, 0, True, (p,), (0,), p.nbytes, "ipc") for p in plist]
+            continue
         bucket: list[Piece] = []
         offs: list[int] = []
         used = 0
@@ -350,7 +420,10 @@ def build_plan(
                 used = start + q.nbytes
         flush()
 
-    # schedule: earliest step >= the link's previous one where both ends have a free buffer
+    # schedule: earliest step >= the link's previous one where both ends have a free buffer.
+    # Half the ring may be in flight per step, so the other half can be packed / unpacked
+    # meanwhile (the executor overlaps consecutive steps on CUDA).
+    per_step = max(1, num_buffers // 2)
     slots: dict[tuple[int, int], int] = defaultdict(int)  # (proc, step) -> buffers in use
     cursor: dict[tuple[int, int], int] = defaultdict(int)
     messages: list[Message] = []
@@ -358,7 +431,7 @@ def build_plan(
         step = cursor[(s, r)]
         ps, pr = procs.src[s], procs.dst[r]
         if not direct:
-            while slots[(ps, step)] >= num_buffers or slots[(pr, step)] >= num_buffers:
+            while slots[(ps, step)] >= per_step or slots[(pr, step)] >= per_step:
                 step += 1
             slots[(ps, step)] += 1
             slots[(pr, step)] += 1
@@ -366,4 +439,4 @@ def build_plan(
         messages.append(Message(s, r, step, direct, tuple(plist), tuple(offs), nbytes))
     messages.sort(key=lambda m: (m.step, m.src, m.dst))
     num_steps = max((m.step for m in messages), default=-1) + 1
-    return Plan(src, dst, procs, num_buffers, buffer_bytes, tuple(messages), local, num_steps)
+    return Plan(src, dst, procs, num_buffers, buffer_bytes, transport, tuple(messages + ipc_messages), local, num_steps)

@@ -24,7 +24,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from refit.executor import Executor, RunStats
+from refit.executor import Executor, RunStats, validate_local
 from refit.layout import ModelLayout
 from refit.plan import Plan, PlanError, ProcessMap, build_plan
 
@@ -36,6 +36,7 @@ class TransferConfig:
     num_buffers: int = 2
     buffer_bytes: int = 64 << 20
     preflight_timeout_s: float = DEFAULT_PREFLIGHT_TIMEOUT_S
+    transport: str = "p2p"  # "p2p", "ipc" or "auto" (IPC between CUDA processes of one host)
     name: str = "refit"  # store namespace; give each Sender/Receiver pairing in one job its own
 
 
@@ -102,6 +103,7 @@ class Peer:
         dst_tensors: Mapping[str, torch.Tensor] | None = None,
         procs: ProcessMap | None = None,
         group: dist.ProcessGroup | None = None,
+        sync_group: dist.ProcessGroup | None = None,
         config: TransferConfig = TransferConfig(),
         device: torch.device | str = "cpu",
         plan: Plan | None = None,
@@ -111,15 +113,19 @@ class Peer:
             store = dist.distributed_c10d._get_default_store()
         try:
             self.plan = plan or build_plan(
-                src_layout, dst_layout, procs, num_buffers=config.num_buffers, buffer_bytes=config.buffer_bytes
+                src_layout, dst_layout, procs, num_buffers=config.num_buffers, buffer_bytes=config.buffer_bytes,
+                transport=config.transport,
             )
-            self.executor = Executor(
-                self.plan, proc, src_tensors=src_tensors, dst_tensors=dst_tensors, group=group, device=device
-            )
+            validate_local(self.plan, proc, src_tensors, dst_tensors)
         except Exception as e:
             publish_failure(store, proc, e, config.name)
             raise
+        # the executor's setup may exchange IPC handles: only once the plans agree
         preflight(self.plan, proc, store, config.preflight_timeout_s, config.name)
+        self.executor = Executor(
+            self.plan, proc, src_tensors=src_tensors, dst_tensors=dst_tensors, group=group, sync_group=sync_group,
+            device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s,
+        )
         self.version: int | None = None
         self.last: RunStats | None = None
 

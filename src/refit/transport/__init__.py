@@ -1,0 +1,1 @@
+"""Transports: how bytes cross between processes. They know nothing of model names."""

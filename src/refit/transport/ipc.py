@@ -1,0 +1,131 @@
+"""CUDA IPC: a receiver maps its sources' memory and pulls with the copy engine.
+
+Setup (once): each source process exports an IPC handle per local tensor that
+some receiver pulls from and publishes them through the rendezvous store;
+each receiver rebuilds (maps) them. Pull (per refit): one copy per piece on
+the receiver's streams: peer copies (other GPU, over NVLink) on one stream,
+same-GPU copies on another, so both links work at once. Pieces that are not
+one contiguous run use 2-D strided copies (``cudaMemcpy2DAsync``) where the
+box is a strided set of rows, and a copy kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import pickle
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch
+
+_CUDART: ctypes.CDLL | None = None
+_CUDA_MEMCPY_DEFAULT = 4
+
+
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch uses (for cudaMemcpy2DAsync), or None."""
+    global _CUDART  # a process-wide handle to a shared library, loaded once
+    if _CUDART is not None:
+        return _CUDART
+    candidates = []
+    torch_lib = os.path.dirname(torch.__file__)
+    site = os.path.dirname(torch_lib)
+    for pattern in ("nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*", "torch/lib/libcudart*.so*"):
+        candidates += sorted(glob.glob(os.path.join(site, pattern)))
+    found = ctypes.util.find_library("cudart")
+    if found:
+        candidates.append(found)
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path)
+            lib.cudaMemcpy2DAsync.restype = ctypes.c_int
+            lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                              ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            _CUDART = lib
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def _rows(view: torch.Tensor) -> tuple[int, int, int] | None:
+    """(rows, row_bytes, pitch_bytes) if ``view`` is evenly spaced contiguous rows, else None."""
+    if view.dim() == 0:
+        return None
+    shape, stride = list(view.shape), list(view.stride())
+    # the contiguous tail: trailing dims that are dense
+    k, expect = len(shape), 1
+    while k > 0 and (stride[k - 1] == expect or shape[k - 1] == 1):
+        expect *= shape[k - 1]
+        k -= 1
+    head = [(n, s) for n, s in zip(shape[:k], stride[:k]) if n != 1]
+    if len(head) > 1:
+        return None
+    item = view.element_size()
+    if not head:
+        return 1, expect * item, expect * item
+    return head[0][0], expect * item, head[0][1] * item
+
+
+def make_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[torch.cuda.Stream], None]:
+    """A function issuing ``dst <- src`` on a stream: memcpy, 2-D memcpy, or a copy kernel."""
+    if dst.is_contiguous() and src.is_contiguous():
+        return lambda stream: dst.copy_(src, non_blocking=True)
+    d, s = _rows(dst), _rows(src)
+    lib = _cudart()
+    if lib is not None and d is not None and s is not None and d[:2] == s[:2]:
+        rows, width, dpitch = d
+        spitch = s[2]
+        dptr, sptr = dst.data_ptr(), src.data_ptr()
+
+        def copy2d(stream: torch.cuda.Stream) -> None:
+            rc = lib.cudaMemcpy2DAsync(dptr, dpitch, sptr, spitch, width, rows, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+            if rc != 0:
+                raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {rc} ({rows} rows of {width} bytes)")
+
+        return copy2d
+    return lambda stream: dst.copy_(src, non_blocking=True)
+
+
+def export_handles(store, key: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Publish IPC handles of ``tensors`` (CUDA) under ``key``."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles = {}
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"CUDA IPC needs CUDA tensors; {name!r} is on {t.device}")
+        handles[name] = reduce_tensor(t)
+    store.set(key, pickle.dumps(handles))
+
+
+def import_handles(store, key: str, timeout_s: float) -> dict[str, torch.Tensor]:
+    """Map the tensors another process published under ``key``."""
+    store.set_timeout(timedelta(seconds=timeout_s))
+    handles = pickle.loads(store.get(key))
+    return {name: fn(*args) for name, (fn, args) in handles.items()}
+
+
+class IpcPuller:
+    """The receiver's pulls of one plan: precomputed copies on two streams."""
+
+    def __init__(self, device: torch.device, same_device: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 peer: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.device = device
+        self.streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+        # largest first so the long copies start early on each stream
+        order = lambda pairs: sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size())  # noqa: E731
+        self.copies = [[make_copy(d, s) for d, s in order(same_device)], [make_copy(d, s) for d, s in order(peer)]]
+
+    def pull(self) -> None:
+        current = torch.cuda.current_stream(self.device)
+        for stream, copies in zip(self.streams, self.copies):
+            if not copies:
+                continue
+            stream.wait_stream(current)
+            for c in copies:
+                c(stream)
+            current.wait_stream(stream)
