@@ -41,7 +41,55 @@ def _parser() -> argparse.ArgumentParser:
     _common(v)
     v.add_argument("--dump", default=None, metavar="DIR", help="write full.safetensors, dst_rank{r}.safetensors, layout.json")
     v.add_argument("--seed", type=int, default=0)
+    b = sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S3); code under bench/")
+    b.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if GPUs are present")
+    b.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
+    b.add_argument("--scenarios", default=None, help="comma-separated, default all of the device's (S1,S2,S3 on cuda)")
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--iters", type=int, default=5, help="timed refits per method (refit itself runs --growth-iters)")
+    b.add_argument("--growth-iters", type=int, default=20, help="consecutive refits of refit's own path")
+    b.add_argument("--num-buffers", type=int, default=2)
+    b.add_argument("--buffer-mb", type=float, default=256.0)
+    b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
     return ap
+
+
+def cmd_bench(args, console) -> int:
+    import os
+    import shlex
+
+    import torch
+
+    try:
+        from bench import harness
+    except ImportError:
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if not os.path.isdir(os.path.join(repo, "bench")):
+            raise SpecError("refit bench needs the repository's bench/ folder (run it from a checkout)") from None
+        sys.path.insert(0, repo)
+        from bench import harness
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecError("--device cuda: no CUDA device is available")
+    model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
+    which = args.scenarios.split(",") if args.scenarios else list(harness.scenarios(device))
+    for name, v, low in (("--warmup", args.warmup, 0), ("--iters", args.iters, 1), ("--growth-iters", args.growth_iters, 1), ("--num-buffers", args.num_buffers, 1)):
+        if v < low:
+            raise SpecError(f"{name} must be >= {low}, got {v}")
+    cfg = TransferConfig(num_buffers=args.num_buffers, buffer_bytes=int(args.buffer_mb * (1 << 20)))
+    out = args.out or os.path.join("bench", "results", f"{harness.device_kind() if device == 'cuda' else 'cpu'}.json")
+    command = "refit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "refit bench"
+    try:
+        rows = harness.run_bench(device, model, which, args.warmup, args.iters, args.growth_iters, cfg, out, command, console)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    harness.print_table(rows, console)
+    console.print(f"records written to {out}")
+    bad = [r for r in rows if r["correct"] is False]
+    if bad:
+        print(f"FAIL: {len(bad)} method(s) produced wrong engine weights", flush=True)
+        return 1
+    return 0
 
 
 def _setup(args):
@@ -142,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=False, highlight=False)
     try:
-        return {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo}[args.cmd](args, console)
+        return {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench}[args.cmd](args, console)
     except USAGE_ERRORS as e:
         print(f"refit: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""refit's benchmarks (run through ``refit bench``)."""

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, a NCCL demo, the full bench. Results under $OUT.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+pip install -q --no-index --no-deps .wheels/*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD/src:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+echo "== gpu tests"; timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+echo "== demo (nccl)"; timeout 90 python3 -m refit.cli demo --src tp=1 --dst tp=1 --steps 2 2>&1 | tail -4
+echo "== bench"; timeout 420 python3 -m refit.cli bench ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
+tail -45 "$OUT/bench.txt"

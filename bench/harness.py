@@ -1,0 +1,309 @@
+"""``refit bench``: scenarios S1-S3, every method timed in the same processes, JSON records.
+
+Per method: setup (not timed), then ``warmup`` + ``iters`` refits; before each
+the engine's tensors are poisoned (NaN), after each they are compared bit for
+bit with the trainer's (a reference copy made once). Time per refit: the
+slowest process's time between two barriers, with the device synchronized.
+Peak extra memory: ``torch.cuda.max_memory_allocated`` over the memory held
+before the method's setup, the largest over the processes. Memory growth: the
+allocated memory after the last refit minus after the first.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import statistics
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from refit.launch import World, run_local
+from refit.layout import box_slices
+from refit.models import param_shapes
+from refit.plan import ProcessMap, build_plan
+from refit.rules import layout_from_spec
+from refit.spec import parse_spec
+from refit.transfer import TransferConfig
+
+from . import methods as M
+from .weights import make_weight, poison, same_bits
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    what: str
+    src: str
+    dst: str
+    devices: tuple[str, ...]  # process -> device (trainer ranks first)
+    methods: tuple[str, ...]
+
+
+def scenarios(device: str) -> dict[str, Scenario]:
+    if device == "cpu":
+        return {
+            "S1": Scenario("S1", "non-colocated 1 -> 1 (CPU, gloo)", "tp=1", "tp=1", ("cpu", "cpu"),
+                           ("refit", "per_tensor_broadcast", "floor")),
+            "S3": Scenario("S3", "reshard fsdp=2 -> tp=2 (CPU, gloo)", "fsdp=2", "tp=2", ("cpu",) * 4,
+                           ("refit", "floor")),
+        }
+    return {
+        "S1": Scenario("S1", "non-colocated 1 -> 1: trainer GPU0, engine tp=1 GPU1", "tp=1", "tp=1",
+                       ("cuda:0", "cuda:1"),
+                       ("refit", "refit_nccl", "per_tensor_broadcast", "packed_broadcast_1buf", "packed_broadcast_2buf", "floor")),
+        "S2": Scenario("S2", "colocated on one GPU: trainer and engine processes on GPU0", "tp=1", "tp=1",
+                       ("cuda:0", "cuda:0"), ("refit", "floor")),
+        "S3": Scenario("S3", "colocated reshard: trainer fsdp=2 on GPU0-1 -> engine tp=2 on GPU0-1", "fsdp=2", "tp=2",
+                       ("cuda:0", "cuda:1", "cuda:0", "cuda:1"), ("refit", "gather_then_slice", "floor")),
+    }
+
+
+def _floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
+    """Single large copies of the plan's per-link byte counts; returns named variants."""
+    plan = ctx.plan
+    dev = ctx.device
+    if ctx.src is None:  # engines idle; the trainer processes make the copies
+        return {}
+    if dev.type == "cpu":
+        n = plan.bytes_moved // max(1, len(plan.procs.src))
+        a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+        return {"memcpy": lambda: b.copy_(a)}
+    same = peer = 0
+    for m in plan.messages:
+        if plan.procs.src[m.src] != ctx.rank:
+            continue
+        nbytes = sum(p.nbytes for p in m.pieces)
+        if plan.procs.same_device(ctx.rank, plan.procs.dst[m.dst]):
+            same += nbytes
+        else:
+            peer += nbytes
+            other = torch.device(plan.procs.device_of(plan.procs.dst[m.dst]))
+    out = {}
+    if peer:
+        ps, pd = torch.empty(peer, dtype=torch.uint8, device=dev), torch.empty(peer, dtype=torch.uint8, device=other)
+    if same:
+        ls, ld = torch.empty(same, dtype=torch.uint8, device=dev), torch.empty(same, dtype=torch.uint8, device=dev)
+    streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+    main = torch.cuda.current_stream(dev)
+
+    def copies() -> None:
+        for s in streams:
+            s.wait_stream(main)
+        if peer:
+            with torch.cuda.stream(streams[0]):
+                pd.copy_(ps, non_blocking=True)
+        if same:
+            with torch.cuda.stream(streams[1]):
+                ld.copy_(ls, non_blocking=True)
+        for s in streams:
+            main.wait_stream(s)
+
+    out["copy"] = copies
+    if scen.name == "S1" and ctx.nccl is not None:
+        buf = ps
+
+        def nccl_send() -> None:
+            dist.send(buf, dst=1, group=ctx.nccl)
+
+        out["nccl_send"] = nccl_send
+    return out
+
+
+def _engine_peer_for_floor(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
+    if ctx.dst is None or scen.name != "S1" or ctx.nccl is None or ctx.device.type != "cuda":
+        return {}
+    n = ctx.plan.bytes_moved
+    buf = torch.empty(n, dtype=torch.uint8, device=ctx.device)
+    return {"copy": lambda: None, "nccl_send": lambda: dist.recv(buf, src=0, group=ctx.nccl)}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time_runs(world_group, dev, run, iters, before=None, after=None) -> tuple[list[float], list[bool], list[int]]:
+    times, oks, mems = [], [], []
+    for _ in range(iters):
+        if before:
+            before()
+        _sync(dev)
+        dist.barrier(group=world_group)
+        t0 = time.perf_counter()
+        run()
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        dist.barrier(group=world_group)  # every writer is done (some write into other processes' memory)
+        oks.append(after() if after else True)
+        times.append(dt)
+        mems.append(torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0)
+    return times, oks, mems
+
+
+def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: int, growth_iters: int, cfg: TransferConfig):
+    dev = world.device
+    shapes = param_shapes(model)
+    src_spec, dst_spec = parse_spec(scen.src, "src"), parse_spec(scen.dst, "dst")
+    src_l, dst_l = layout_from_spec(shapes, src_spec), layout_from_spec(shapes, dst_spec)
+    procs = ProcessMap.disjoint(src_spec.world_size, dst_spec.world_size).with_devices(scen.devices)
+    plan = build_plan(src_l, dst_l, procs, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes, transport="auto")
+    store = dist.distributed_c10d._get_default_store()
+    trainer_nccl = None
+    if dev.type == "cuda" and len(set(scen.devices[: src_spec.world_size])) == src_spec.world_size > 1:
+        trainer_nccl = dist.new_group(list(range(src_spec.world_size)), backend="nccl")
+    nccl = world.data_group if dev.type == "cuda" else dist.group.WORLD
+    src = dst = ref = None
+    if world.rank < src_spec.world_size:
+        r = world.rank
+        src = {}
+        for t, box in src_l.local_tensors(r):
+            src[t.name] = make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)].clone()
+    else:
+        r = world.rank - src_spec.world_size
+        dst, ref = {}, {}
+        for t, box in dst_l.local_tensors(r):
+            ref[t.name] = make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)].clone()
+            dst[t.name] = torch.empty_like(ref[t.name])
+    _sync(dev)
+    ctx = M.Ctx(world.rank, dev, plan, src, dst, nccl, list(range(world.world_size)), trainer_nccl, store, cfg)
+    total = plan.bytes_moved + plan.bytes_local
+    setups = {
+        "refit": M.refit_method("auto"),
+        "refit_nccl": M.refit_method("p2p"),
+        "per_tensor_broadcast": M.per_tensor_broadcast,
+        "packed_broadcast_1buf": M.packed_broadcast(1, 1 * GiB),
+        "packed_broadcast_2buf": M.packed_broadcast(2, 1 * GiB),
+        "gather_then_slice": M.gather_then_slice,
+    }
+    records = []
+    check = (lambda: same_bits(dst, ref)) if dst is not None else None
+    before = (lambda: poison(dst)) if dst is not None else None
+    for round_, method in enumerate(scen.methods):
+        ctx.extra["round"] = round_
+        _sync(dev)
+        dist.barrier()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        if method == "floor":
+            variants = _floor_setup(ctx, scen) if src is not None else _engine_peer_for_floor(ctx, scen)
+            names = sorted(set(dist_all(variants.keys())))
+            best = None
+            for v in names:
+                run = variants.get(v, lambda: None)
+                times, _, _ = _time_runs(None, dev, run, warmup + iters)
+                t = gather_max(times[warmup:])
+                rec = {"variant": v, "times": t}
+                if best is None or statistics.median(t) < statistics.median(best["times"]):
+                    best = rec
+            records.append({"method": "floor", "times": best["times"] if best else [], "variant": best["variant"] if best else "",
+                            "correct": None, "peak_extra_bytes": None, "growth_bytes": None})
+            del variants
+            continue
+        run = setups[method](ctx)
+        n = warmup + (growth_iters if method == "refit" else iters)
+        times, oks, mems = _time_runs(None, dev, run, n, before, check)
+        peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else 0
+        times = gather_max(times[warmup:])
+        all_ok = dist_all([all(oks)])
+        peaks = dist_all([peak])
+        growth = dist_all([mems[-1] - mems[0]])
+        records.append({"method": method, "times": times, "correct": all(all_ok), "peak_extra_bytes": max(peaks),
+                        "growth_bytes": max(growth), "variant": ""})
+        del run
+    return {"records": records, "bytes": total, "bytes_moved": plan.bytes_moved, "bytes_same_device": plan.bytes_same_device,
+            "digest": plan.digest} if world.rank == 0 else None
+
+
+def dist_all(items) -> list:
+    """Every process's items, flattened (over the gloo world)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, list(items))
+    return [x for part in out for x in part]
+
+
+def gather_max(times: list[float]) -> list[float]:
+    """Per refit, the slowest process's time."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, times)
+    return [max(col) for col in zip(*out)]
+
+
+def device_kind() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    chip = "h200" if "h200" in name else "h100" if "h100" in name else name.replace(" ", "-")
+    n = torch.cuda.device_count()
+    return f"nvidia-{chip}" + (f"-x{n}" if n > 1 else "")
+
+
+def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int, growth_iters: int,
+              cfg: TransferConfig, out_path: str | None, command: str, console) -> list[dict]:
+    all_s = scenarios(device)
+    unknown = [w for w in which if w not in all_s]
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {unknown} for device {device!r}; available: {', '.join(all_s)}")
+    if device == "cuda":
+        need = max(int(d.split(":")[1]) for s in which for d in all_s[s].devices) + 1
+        have = torch.cuda.device_count()
+        if have < need:
+            raise ValueError(f"scenarios {which} need {need} GPUs, this machine has {have}")
+    kind = device_kind() if device == "cuda" else "cpu"
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    rows = []
+    for name in which:
+        scen = all_s[name]
+        console.print(f"[{name}] {scen.what}: {model}, trainer {scen.src} -> engine {scen.dst}, methods {', '.join(scen.methods)} ...")
+        n_src = parse_spec(scen.src, "src").world_size
+        n_dst = parse_spec(scen.dst, "dst").world_size
+        res = run_local(_bench_worker, n_src, n_dst, scen, model, warmup, iters, growth_iters, cfg,
+                        devices=list(scen.devices), backend="gloo", timeout_s=1200)[0]
+        floor = next((r for r in res["records"] if r["method"] == "floor"), None)
+        floor_s = statistics.median(floor["times"]) if floor and floor["times"] else None
+        for r in res["records"]:
+            t = r["times"]
+            med = statistics.median(t)
+            rows.append({
+                "scenario": name, "method": r["method"], "model": model, "bytes": res["bytes"],
+                "bytes_moved": res["bytes_moved"], "bytes_same_device": res["bytes_same_device"],
+                "median_s": med, "min_s": min(t), "max_s": max(t), "n": len(t),
+                "gbps": res["bytes"] / med / 1e9, "floor_s": floor_s,
+                "ratio_to_floor": med / floor_s if floor_s else None,
+                "peak_extra_bytes": r["peak_extra_bytes"], "growth_bytes": r["growth_bytes"],
+                "correct": r["correct"], "variant": r["variant"],
+                "budget_bytes": cfg.num_buffers * cfg.buffer_bytes,
+                "device": kind, "command": command, "date": date, "plan_digest": res["digest"],
+            })
+            console.print(f"  {r['method']:<22} median {med * 1e3:9.2f} ms  ratio {rows[-1]['ratio_to_floor'] or 0:5.2f}  ok={r['correct']}")
+    if out_path:
+        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+def print_table(rows: list[dict], console) -> None:
+    from rich.table import Table
+
+    table = Table("scenario", "method", "median ms", "min ms", "max ms", "GB/s", "x floor", "peak extra MiB", "growth", "correct")
+    for r in rows:
+        table.add_row(r["scenario"], r["method"] + (f" ({r['variant']})" if r["variant"] else ""),
+                      f"{r['median_s'] * 1e3:.2f}", f"{r['min_s'] * 1e3:.2f}", f"{r['max_s'] * 1e3:.2f}", f"{r['gbps']:.1f}",
+                      f"{r['ratio_to_floor']:.3f}" if r["ratio_to_floor"] else "-",
+                      "-" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}",
+                      "-" if r["growth_bytes"] is None else str(r["growth_bytes"]),
+                      "-" if r["correct"] is None else str(r["correct"]))
+    console.print(table)
+
+
+__all__ = ["run_bench", "print_table", "scenarios"]

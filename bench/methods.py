@@ -1,0 +1,150 @@
+"""What users run today, each as ``setup(ctx) -> run()`` so the harness times only ``run``.
+
+``ctx`` is a ``Ctx``: this process's role, its source / destination tensors,
+the groups, the plan. Methods that do not apply to a process return a no-op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from refit.layout import box_slices
+from refit.plan import Plan
+from refit.transfer import Peer, TransferConfig
+
+
+@dataclass
+class Ctx:
+    rank: int
+    device: torch.device
+    plan: Plan  # refit's plan for this scenario (transport "auto")
+    src: dict[str, torch.Tensor] | None  # this process's source shards
+    dst: dict[str, torch.Tensor] | None  # this process's engine tensors
+    nccl: Any  # NCCL group over the processes that own distinct GPUs, or None
+    nccl_ranks: list[int]
+    trainer_nccl: Any  # NCCL group over the trainer ranks (S3), or None
+    store: Any
+    config: TransferConfig
+    extra: dict = field(default_factory=dict)
+
+
+def refit_method(transport: str) -> Callable[[Ctx], Callable[[], None]]:
+    def setup(ctx: Ctx) -> Callable[[], None]:
+        cfg = TransferConfig(num_buffers=ctx.config.num_buffers, buffer_bytes=ctx.config.buffer_bytes,
+                             transport=transport, name=f"bench-{transport}-{ctx.extra.get('round', 0)}")
+        group = ctx.nccl if transport == "p2p" else None
+        peer = Peer(ctx.plan.src_layout, ctx.plan.dst_layout, ctx.rank, src_tensors=ctx.src, dst_tensors=ctx.dst,
+                    procs=ctx.plan.procs, group=group, config=cfg, device=ctx.device, store=ctx.store)
+        version = iter(range(1, 1 << 30))
+        return lambda: peer.run(next(version))
+
+    return setup
+
+
+def _names(ctx: Ctx) -> list[str]:
+    return [t.name for t in ctx.plan.dst_layout]
+
+
+def per_tensor_broadcast(ctx: Ctx) -> Callable[[], None]:
+    """One NCCL broadcast of every full tensor from trainer rank 0 (S1)."""
+    tensors = ctx.src if ctx.src is not None else ctx.dst
+    order = [tensors[n] for n in _names(ctx)]
+
+    def run() -> None:
+        for t in order:
+            dist.broadcast(t, src=ctx.nccl_ranks[0], group=ctx.nccl)
+
+    return run
+
+
+def packed_broadcast(num_buffers: int, total_bytes: int) -> Callable[[Ctx], Callable[[], None]]:
+    """Pack tensors into ``num_buffers`` rotating buffers (on as many streams) and broadcast each (S1).
+
+    A tensor larger than one buffer is broadcast on its own.
+    """
+
+    def setup(ctx: Ctx) -> Callable[[], None]:
+        size = total_bytes // num_buffers
+        is_src = ctx.src is not None
+        tensors = ctx.src if is_src else ctx.dst
+        buckets: list[list[tuple[str, int]]] = [[]]
+        used = 0
+        for n in _names(ctx):
+            nb = tensors[n].numel() * tensors[n].element_size()
+            if nb > size:
+                buckets.append([(n, -1)])
+                buckets.append([])
+                used = 0
+                continue
+            if used + nb > size:
+                buckets.append([])
+                used = 0
+            buckets[-1].append((n, used))
+            used += (nb + 255) // 256 * 256
+        buckets = [b for b in buckets if b]
+        bufs = [torch.empty(size, dtype=torch.uint8, device=ctx.device) for _ in range(num_buffers)]
+        streams = [torch.cuda.Stream(ctx.device) for _ in range(num_buffers)]
+        main = torch.cuda.current_stream(ctx.device)
+
+        def run() -> None:
+            for s in streams:
+                s.wait_stream(main)
+            for i, bucket in enumerate(buckets):
+                k = i % num_buffers
+                with torch.cuda.stream(streams[k]):
+                    if bucket[0][1] < 0:
+                        dist.broadcast(tensors[bucket[0][0]], src=ctx.nccl_ranks[0], group=ctx.nccl)
+                        continue
+                    views = []
+                    for n, off in bucket:
+                        t = tensors[n]
+                        views.append((bufs[k][off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape), t))
+                    if is_src:
+                        for bv, t in views:
+                            bv.copy_(t)
+                    end = bucket[-1][1] + tensors[bucket[-1][0]].numel() * tensors[bucket[-1][0]].element_size()
+                    dist.broadcast(bufs[k][:end], src=ctx.nccl_ranks[0], group=ctx.nccl)
+                    if not is_src:
+                        for bv, t in views:
+                            t.copy_(bv)
+            for s in streams:
+                main.wait_stream(s)
+
+        return run
+
+    return setup
+
+
+def gather_then_slice(ctx: Ctx) -> Callable[[], None]:
+    """S3: each trainer rank all-gathers every full tensor (FSDP ``full_tensor()``), then writes
+    its colocated engine's TP slice into the engine's tensors (mapped through CUDA IPC)."""
+    from refit.transport.ipc import export_handles, import_handles
+
+    plan = ctx.plan
+    key = f"gts/{ctx.rank}"
+    if ctx.dst is not None:
+        export_handles(ctx.store, key, ctx.dst)
+    if ctx.src is None:
+        return lambda: None
+    # the engine process on this GPU
+    engine_proc = next(p for p in plan.procs.dst if p != ctx.rank and plan.procs.same_device(p, ctx.rank))
+    engine_rank = plan.procs.dst.index(engine_proc)
+    engine = import_handles(ctx.store, f"gts/{engine_proc}", 120)
+    jobs = []
+    world = dist.get_world_size(ctx.trainer_nccl)
+    for t in plan.src_layout:
+        shard = ctx.src[t.name]
+        dbox = plan.dst_layout[t.name].box(engine_rank)
+        jobs.append((shard, t.shape, world, engine[t.name], box_slices(dbox)))
+
+    def run() -> None:
+        for shard, shape, n, target, sl in jobs:
+            full = torch.empty((shard.shape[0] * n, *shape[1:]), dtype=shard.dtype, device=ctx.device)
+            dist.all_gather_into_tensor(full, shard, group=ctx.trainer_nccl)
+            target.copy_(full[sl])
+
+    return run
