@@ -130,22 +130,29 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _time_runs(world_group, dev, run, iters, before=None, after=None) -> tuple[list[float], list[bool], list[int]]:
-    times, oks, mems = [], [], []
+def _time_runs(world_group, dev, run, iters, before=None, after=None, base=0) -> tuple[list[float], list[bool], list[int], int]:
+    """Times, checks, allocated memory after each refit, and the peak over ``base`` during the refits
+    (the checker's temporaries excluded)."""
+    times, oks, mems, peak = [], [], [], 0
+    cuda = dev.type == "cuda"
     for _ in range(iters):
         if before:
             before()
         _sync(dev)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
         dist.barrier(group=world_group)
         t0 = time.perf_counter()
         run()
         _sync(dev)
         dt = time.perf_counter() - t0
+        if cuda:
+            peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
         dist.barrier(group=world_group)  # every writer is done (some write into other processes' memory)
         oks.append(after() if after else True)
         times.append(dt)
-        mems.append(torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0)
-    return times, oks, mems
+        mems.append(torch.cuda.memory_allocated(dev) if cuda else 0)
+    return times, oks, mems, peak
 
 
 def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: int, growth_iters: int, cfg: TransferConfig):
@@ -200,7 +207,7 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
             best = None
             for v in names:
                 run = variants.get(v, lambda: None)
-                times, _, _ = _time_runs(None, dev, run, warmup + iters)
+                times, _, _, _ = _time_runs(None, dev, run, warmup + iters)
                 t = gather_max(times[warmup:])
                 rec = {"variant": v, "times": t}
                 if best is None or statistics.median(t) < statistics.median(best["times"]):
@@ -211,8 +218,13 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
             continue
         run = setups[method](ctx)
         n = warmup + (growth_iters if method == "refit" else iters)
-        times, oks, mems = _time_runs(None, dev, run, n, before, check)
-        peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else 0
+        times, oks, mems, peak = _time_runs(None, dev, run, n, before, check, base)
+        if method == "refit" and dev.type == "cuda" and os.environ.get("REFIT_BENCH_PROFILE"):
+            puller = run.__closure__ and _find_puller(run)
+            if puller is not None:
+                print(f"[{scen.name} rank {world.rank}] ipc profile: " + ", ".join(
+                    f"{k}: {c} copies {b / 1e9:.2f} GB {s * 1e3:.2f} ms ({b / s / 1e9:.0f} GB/s)" for k, (c, b, s) in puller.profile().items()),
+                    flush=True)
         times = gather_max(times[warmup:])
         all_ok = dist_all([all(oks)])
         peaks = dist_all([peak])
@@ -222,6 +234,15 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
         del run
     return {"records": records, "bytes": total, "bytes_moved": plan.bytes_moved, "bytes_same_device": plan.bytes_same_device,
             "digest": plan.digest} if world.rank == 0 else None
+
+
+def _find_puller(run):
+    for cell in run.__closure__ or ():
+        peer = cell.cell_contents
+        ex = getattr(peer, "executor", None)
+        if ex is not None:
+            return ex.puller
+    return None
 
 
 def dist_all(items) -> list:

@@ -16,6 +16,7 @@ import ctypes.util
 import glob
 import os
 import pickle
+import time
 from datetime import timedelta
 from typing import Callable, Sequence
 
@@ -44,6 +45,8 @@ def _cudart() -> ctypes.CDLL | None:
             lib.cudaMemcpy2DAsync.restype = ctypes.c_int
             lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                               ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            lib.cudaMemcpyAsync.restype = ctypes.c_int
+            lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
             _CUDART = lib
             return lib
         except (OSError, AttributeError):
@@ -70,12 +73,26 @@ def _rows(view: torch.Tensor) -> tuple[int, int, int] | None:
     return head[0][0], expect * item, head[0][1] * item
 
 
-def make_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[torch.cuda.Stream], None]:
-    """A function issuing ``dst <- src`` on a stream: memcpy, 2-D memcpy, or a copy kernel."""
-    if dst.is_contiguous() and src.is_contiguous():
-        return lambda stream: dst.copy_(src, non_blocking=True)
-    d, s = _rows(dst), _rows(src)
+def make_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, Callable[[torch.cuda.Stream], None]]:
+    """(kind, fn): ``fn(stream)`` issues ``dst <- src`` as one memcpy, one 2-D memcpy, or a copy kernel.
+
+    Raw runtime calls avoid torch's per-copy cross-device event handshakes; the
+    caller orders the streams.
+    """
     lib = _cudart()
+    nbytes = dst.numel() * dst.element_size()
+    if dst.is_contiguous() and src.is_contiguous():
+        if lib is None:
+            return "memcpy", lambda stream: dst.copy_(src, non_blocking=True)
+        dptr, sptr = dst.data_ptr(), src.data_ptr()
+
+        def copy1d(stream: torch.cuda.Stream) -> None:
+            rc = lib.cudaMemcpyAsync(dptr, sptr, nbytes, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+            if rc != 0:
+                raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {rc} ({nbytes} bytes)")
+
+        return "memcpy", copy1d
+    d, s = _rows(dst), _rows(src)
     if lib is not None and d is not None and s is not None and d[:2] == s[:2]:
         rows, width, dpitch = d
         spitch = s[2]
@@ -86,8 +103,8 @@ def make_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[torch.cuda.Stre
             if rc != 0:
                 raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {rc} ({rows} rows of {width} bytes)")
 
-        return copy2d
-    return lambda stream: dst.copy_(src, non_blocking=True)
+        return "memcpy2d", copy2d
+    return "kernel", lambda stream: dst.copy_(src, non_blocking=True)
 
 
 def export_handles(store, key: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -110,7 +127,7 @@ def import_handles(store, key: str, timeout_s: float) -> dict[str, torch.Tensor]
 
 
 class IpcPuller:
-    """The receiver's pulls of one plan: precomputed copies on two streams."""
+    """The receiver's pulls of one plan: precomputed copies on two streams (same GPU, peer GPU)."""
 
     def __init__(self, device: torch.device, same_device: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  peer: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -118,7 +135,10 @@ class IpcPuller:
         self.streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
         # largest first so the long copies start early on each stream
         order = lambda pairs: sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size())  # noqa: E731
-        self.copies = [[make_copy(d, s) for d, s in order(same_device)], [make_copy(d, s) for d, s in order(peer)]]
+        self.copies = [
+            [(kind, d.numel() * d.element_size(), fn) for d, s in order(pairs) for kind, fn in [make_copy(d, s)]]
+            for pairs in (same_device, peer)
+        ]
 
     def pull(self) -> None:
         current = torch.cuda.current_stream(self.device)
@@ -126,6 +146,25 @@ class IpcPuller:
             if not copies:
                 continue
             stream.wait_stream(current)
-            for c in copies:
-                c(stream)
+            for _, _, fn in copies:
+                fn(stream)
             current.wait_stream(stream)
+
+    def profile(self, repeats: int = 3) -> dict[str, tuple[int, int, float]]:
+        """Seconds per copy class ("same/peer" x "memcpy/memcpy2d/kernel"), each class run alone."""
+        out = {}
+        for where, stream, copies in zip(("same", "peer"), self.streams, self.copies):
+            for kind in ("memcpy", "memcpy2d", "kernel"):
+                sel = [c for c in copies if c[0] == kind]
+                if not sel:
+                    continue
+                best = float("inf")
+                for _ in range(repeats):
+                    torch.cuda.synchronize(self.device)
+                    t0 = time.perf_counter()
+                    for _, _, fn in sel:
+                        fn(stream)
+                    torch.cuda.synchronize(self.device)
+                    best = min(best, time.perf_counter() - t0)
+                out[f"{where}/{kind}"] = (len(sel), sum(c[1] for c in sel), best)
+        return out
