@@ -160,3 +160,27 @@ def test_layout_from_fully_sharded_module():
     assert out[0] == out[1]
     assert out[0][0] == ("0.weight", ((0, 3), (0, 8)), ((3, 6), (0, 8)))
     assert out[0][3] == ("1.bias", ((0, 2),), ((2, 3),))
+
+
+def _barrier_worker(world, seg):
+    import numpy as np  # noqa: F401
+
+    from refit.transport.ipc import HostBarrier
+
+    b = HostBarrier(seg, world.rank, world.world_size, timeout_s=30)
+    torch.distributed.barrier()  # every process attached
+    seen = []
+    for _ in range(50):
+        b.wait()
+        seen.append(int(b.slots.min()) >= b.gen)  # nobody is behind once we pass
+    torch.distributed.barrier()
+    b.close()
+    return all(seen), b.gen
+
+
+@pytest.mark.timeout(120)
+def test_host_barrier_in_shared_memory():
+    import uuid
+
+    out = run_local(_barrier_worker, 3, 0, f"refit_test_{uuid.uuid4().hex[:8]}", backend="gloo", timeout_s=100)
+    assert out == [(True, 50)] * 3

@@ -22,7 +22,9 @@ Works with gloo (CPU) and NCCL (GPU).
 from __future__ import annotations
 
 import time
+import uuid
 from collections import defaultdict
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -31,7 +33,7 @@ import torch.distributed as dist
 
 from refit.layout import Box, box_relative, box_shape, box_slices
 from refit.plan import Plan, PlanError
-from refit.transport.ipc import IpcPuller, export_handles, import_handles
+from refit.transport.ipc import HostBarrier, IpcPuller, export_handles, import_handles
 
 
 @dataclass
@@ -193,6 +195,16 @@ class Executor:
             if my_pulls:
                 self.puller = IpcPuller(self.device, same, peer)
             self._mapped = mapped  # keep the mappings alive
+        # a plan whose links are all IPC (one host) synchronizes through shared memory
+        self.host_barrier: HostBarrier | None = None
+        if ipc and all(m.transport == "ipc" for m in plan.messages):
+            members = sorted({*plan.procs.src, *plan.procs.dst})
+            key = f"{name}/barrier"
+            if members.index(proc) == 0:
+                store.set(key, f"refit_{uuid.uuid4().hex[:16]}")
+            store.set_timeout(timedelta(seconds=timeout_s))
+            seg = store.get(key).decode()
+            self.host_barrier = HostBarrier(seg, members.index(proc), len(members), timeout_s)
         if self.cuda:
             self.pack_stream = torch.cuda.Stream(self.device)
             self.unpack_stream = torch.cuda.Stream(self.device)
@@ -204,7 +216,15 @@ class Executor:
 
     # ------------------------------------------------------------------ run
     def _barrier(self) -> None:
-        dist.barrier(group=self.sync_group)
+        if self.host_barrier is not None:
+            self.host_barrier.wait()
+        else:
+            dist.barrier(group=self.sync_group)
+
+    def close(self) -> None:
+        if self.host_barrier is not None:
+            self.host_barrier.close()
+            self.host_barrier = None
 
     def _run_steps_cpu(self) -> None:
         for step in self.steps:

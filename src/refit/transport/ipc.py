@@ -45,6 +45,9 @@ def _cudart() -> ctypes.CDLL | None:
             lib.cudaMemcpy2DAsync.restype = ctypes.c_int
             lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                               ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            lib.cudaDeviceEnablePeerAccess.restype = ctypes.c_int
+            lib.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
+            lib.cudaGetLastError.restype = ctypes.c_int
             lib.cudaMemcpyAsync.restype = ctypes.c_int
             lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
             _CUDART = lib
@@ -52,6 +55,24 @@ def _cudart() -> ctypes.CDLL | None:
         except (OSError, AttributeError):
             continue
     return None
+
+
+_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+def enable_peer_access(device: torch.device, peer: torch.device) -> None:
+    """Let ``device`` read ``peer``'s memory directly (NVLink); without it copies stage through the host."""
+    lib = _cudart()
+    if lib is None or device == peer:
+        return
+    if not torch.cuda.can_device_access_peer(device.index, peer.index):
+        raise RuntimeError(f"{device} cannot access {peer} directly; CUDA IPC between them would stage through the host")
+    with torch.cuda.device(device):
+        rc = lib.cudaDeviceEnablePeerAccess(peer.index, 0)
+        if rc == _PEER_ACCESS_ALREADY_ENABLED:
+            lib.cudaGetLastError()  # clear the sticky-free error so later checks do not see it
+        elif rc != 0:
+            raise RuntimeError(f"cudaDeviceEnablePeerAccess({device} -> {peer}) failed with CUDA error {rc}")
 
 
 def _rows(view: torch.Tensor) -> tuple[int, int, int] | None:
@@ -93,6 +114,12 @@ def make_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, Callable[[torc
 
         return "memcpy", copy1d
     d, s = _rows(dst), _rows(src)
+    if d is not None and s is not None and d[:2] != s[:2]:
+        # a dense side takes the other side's row width, with pitch = width
+        if d[0] == 1 and s[0] * s[1] == d[1]:
+            d = (s[0], s[1], s[1])
+        elif s[0] == 1 and d[0] * d[1] == s[1]:
+            s = (d[0], d[1], d[1])
     if lib is not None and d is not None and s is not None and d[:2] == s[:2]:
         rows, width, dpitch = d
         spitch = s[2]
@@ -132,6 +159,8 @@ class IpcPuller:
     def __init__(self, device: torch.device, same_device: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  peer: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.device = device
+        for p in sorted({s.device for _, s in peer}, key=str):
+            enable_peer_access(device, p)
         self.streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
         # largest first so the long copies start early on each stream
         order = lambda pairs: sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size())  # noqa: E731
@@ -168,3 +197,64 @@ class IpcPuller:
                     best = min(best, time.perf_counter() - t0)
                 out[f"{where}/{kind}"] = (len(sel), sum(c[1] for c in sel), best)
         return out
+
+
+class HostBarrier:
+    """A barrier for processes of one host through shared memory (tens of microseconds, no sockets).
+
+    Slot i of a shared int64 array holds participant i's generation. ``wait()``
+    bumps this process's generation and spins until every slot has reached it.
+    The lowest participant creates the segment; the others attach to it.
+    """
+
+    def __init__(self, name: str, index: int, size: int, timeout_s: float = 120.0) -> None:
+        import numpy as np
+        from multiprocessing import resource_tracker, shared_memory
+
+        self.index, self.size, self.timeout_s, self.gen = index, size, timeout_s, 0
+        self.owner = index == 0
+        if self.owner:
+            try:  # a stale segment of a crashed earlier run
+                old = shared_memory.SharedMemory(name=name)
+                old.close()
+                old.unlink()
+            except FileNotFoundError:
+                pass
+            self.shm = shared_memory.SharedMemory(name=name, create=True, size=8 * size)
+        else:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    self.shm = shared_memory.SharedMemory(name=name)
+                    break
+                except FileNotFoundError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"barrier segment {name!r} did not appear within {timeout_s:.0f}s") from None
+                    time.sleep(0.001)
+            # only the owner unlinks; Python < 3.13 would otherwise unlink it when this process exits
+            resource_tracker.unregister(self.shm._name, "shared_memory")
+        self.slots = np.ndarray((size,), dtype=np.int64, buffer=self.shm.buf)
+        if self.owner:
+            self.slots[:] = 0
+
+    def wait(self) -> None:
+        self.gen += 1
+        self.slots[self.index] = self.gen
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while int(self.slots.min()) < self.gen:
+            spins += 1
+            if spins > 1000:
+                time.sleep(0.00002)
+                if time.monotonic() > deadline:
+                    behind = [i for i in range(self.size) if self.slots[i] < self.gen]
+                    raise TimeoutError(f"barrier: participants {behind} did not arrive within {self.timeout_s:.0f}s")
+
+    def close(self) -> None:
+        self.slots = None
+        self.shm.close()
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
