@@ -202,14 +202,29 @@ class IpcPuller:
                 enable_peer_access(src_dev, device)
             copies = [(kind, d.numel() * d.element_size(), fn) for d, s in order(pairs) for kind, fn in [make_copy(d, s)]]
             self.lanes.append(("same" if src_dev == device else f"peer{src_dev.index}", torch.cuda.Stream(src_dev), copies))
+        # issue order: largest copies first across all lanes, so every lane gets long work at once
+        # and the host's enqueueing of the small ones hides behind it
+        self.issue = sorted(
+            ((nbytes, i, stream, fn) for i, (_, stream, copies) in enumerate(self.lanes) for _, nbytes, fn in copies),
+            key=lambda x: (-x[0], x[1]),
+        )
 
     def pull(self) -> None:
         current = torch.cuda.current_stream(self.device)
-        for _, stream, copies in self.lanes:
+        for _, stream, _ in self.lanes:
             stream.wait_stream(current)
-            with torch.cuda.device(stream.device):
-                for _, _, fn in copies:
-                    fn(stream)
+        dev = None
+        ctx = None
+        for _, _, stream, fn in self.issue:
+            if stream.device != dev:
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
+                dev = stream.device
+                ctx = torch.cuda.device(dev)
+                ctx.__enter__()
+            fn(stream)
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
         for _, stream, _ in self.lanes:
             current.wait_stream(stream)
 
