@@ -3,7 +3,8 @@
 Per method: setup (not timed), then ``warmup`` + ``iters`` refits; before each
 the engine's tensors are poisoned (NaN), after each they are compared bit for
 bit with the trainer's (a reference copy made once). Time per refit: the
-slowest process's time between two barriers, with the device synchronized.
+slowest process's time from a shared-memory barrier (all processes released
+within microseconds) to its device being synchronized.
 Peak extra memory: ``torch.cuda.max_memory_allocated`` over the memory held
 before the method's setup, the largest over the processes. Memory growth: the
 allocated memory after the last refit minus after the first.
@@ -17,6 +18,7 @@ import os
 import statistics
 
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +32,7 @@ from refit.plan import ProcessMap, build_plan
 from refit.rules import layout_from_spec
 from refit.spec import parse_spec
 from refit.transfer import TransferConfig
+from refit.transport.ipc import HostBarrier
 
 from . import methods as M
 from .weights import make_weight, poison, same_bits
@@ -130,7 +133,7 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _time_runs(world_group, dev, run, iters, before=None, after=None, base=0) -> tuple[list[float], list[bool], list[int], int]:
+def _time_runs(barrier, dev, run, iters, before=None, after=None, base=0) -> tuple[list[float], list[bool], list[int], int]:
     """Times, checks, allocated memory after each refit, and the peak over ``base`` during the refits
     (the checker's temporaries excluded)."""
     times, oks, mems, peak = [], [], [], 0
@@ -141,14 +144,14 @@ def _time_runs(world_group, dev, run, iters, before=None, after=None, base=0) ->
         _sync(dev)
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
-        dist.barrier(group=world_group)
+        barrier.wait()  # shared memory: every process starts within microseconds
         t0 = time.perf_counter()
         run()
         _sync(dev)
         dt = time.perf_counter() - t0
         if cuda:
             peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
-        dist.barrier(group=world_group)  # every writer is done (some write into other processes' memory)
+        barrier.wait()  # every writer is done (some write into other processes' memory)
         oks.append(after() if after else True)
         times.append(dt)
         mems.append(torch.cuda.memory_allocated(dev) if cuda else 0)
@@ -163,6 +166,9 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
     procs = ProcessMap.disjoint(src_spec.world_size, dst_spec.world_size).with_devices(scen.devices)
     plan = build_plan(src_l, dst_l, procs, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes, transport="auto")
     store = dist.distributed_c10d._get_default_store()
+    if world.rank == 0:
+        store.set("bench/barrier", f"refit_bench_{uuid.uuid4().hex[:12]}")
+    barrier = HostBarrier(store.get("bench/barrier").decode(), world.rank, world.world_size, timeout_s=600)
     trainer_nccl = None
     if dev.type == "cuda" and len(set(scen.devices[: src_spec.world_size])) == src_spec.world_size > 1:
         trainer_nccl = dist.new_group(list(range(src_spec.world_size)), backend="nccl")
@@ -207,7 +213,7 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
             best = None
             for v in names:
                 run = variants.get(v, lambda: None)
-                times, _, _, _ = _time_runs(None, dev, run, warmup + iters)
+                times, _, _, _ = _time_runs(barrier, dev, run, warmup + iters)
                 t = gather_max(times[warmup:])
                 rec = {"variant": v, "times": t}
                 if best is None or statistics.median(t) < statistics.median(best["times"]):
@@ -218,7 +224,7 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
             continue
         run = setups[method](ctx)
         n = warmup + (growth_iters if method == "refit" else iters)
-        times, oks, mems, peak = _time_runs(None, dev, run, n, before, check, base)
+        times, oks, mems, peak = _time_runs(barrier, dev, run, n, before, check, base)
         if method == "refit" and dev.type == "cuda" and os.environ.get("REFIT_BENCH_PROFILE"):
             puller = run.__closure__ and _find_puller(run)
             if puller is not None:
@@ -232,6 +238,8 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
         records.append({"method": method, "times": times, "correct": all(all_ok), "peak_extra_bytes": max(peaks),
                         "growth_bytes": max(growth), "variant": ""})
         del run
+    dist.barrier()
+    barrier.close()
     return {"records": records, "bytes": total, "bytes_moved": plan.bytes_moved, "bytes_same_device": plan.bytes_same_device,
             "digest": plan.digest} if world.rank == 0 else None
 
