@@ -271,7 +271,7 @@ class HostBarrier:
 
     def __init__(self, name: str, index: int, size: int, timeout_s: float = 120.0) -> None:
         import numpy as np
-        from multiprocessing import resource_tracker, shared_memory
+        from multiprocessing import shared_memory
 
         self.index, self.size, self.timeout_s, self.gen = index, size, timeout_s, 0
         self.owner = index == 0
@@ -293,8 +293,8 @@ class HostBarrier:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"barrier segment {name!r} did not appear within {timeout_s:.0f}s") from None
                     time.sleep(0.001)
-            # only the owner unlinks; Python < 3.13 would otherwise unlink it when this process exits
-            resource_tracker.unregister(self.shm._name, "shared_memory")
+            # (processes spawned from one parent share its resource tracker: registering the
+            # name again is harmless, and only the owner unlinks it)
         self.slots = np.ndarray((size,), dtype=np.int64, buffer=self.shm.buf)
         if self.owner:
             self.slots[:] = 0
