@@ -95,3 +95,24 @@ def test_demo_other_layouts(model, src, dst):
     r = _run("demo", "--model", model, "--src", src, "--dst", dst, "--steps", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().splitlines()[-1].startswith("PASS")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_bench_cpu_writes_records(tmp_path):
+    out = tmp_path / "cpu.json"
+    r = _run("bench", "--device", "cpu", "--iters", "3", "--growth-iters", "3", "--warmup", "1", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    keys = {"scenario", "method", "model", "bytes", "median_s", "min_s", "max_s", "floor_s", "ratio_to_floor",
+            "peak_extra_bytes", "correct", "command", "date"}
+    assert all(keys <= set(row) for row in rows)
+    methods = {(row["scenario"], row["method"]) for row in rows}
+    assert {("S1", "refit"), ("S1", "per_tensor_broadcast"), ("S1", "floor"), ("S3", "refit")} <= methods
+    assert all(row["correct"] for row in rows if row["method"] != "floor")
+    assert all(row["min_s"] <= row["median_s"] <= row["max_s"] for row in rows)
+
+
+def test_bench_rejects_unknown_scenario(capsys):
+    assert main(["bench", "--device", "cpu", "--scenarios", "S9"]) == 2
+    assert "unknown scenario(s) ['S9']" in capsys.readouterr().err
