@@ -112,10 +112,17 @@ class Executor:
         store: dist.Store | None = None,
         name: str = "refit",
         timeout_s: float = 120.0,
+        standalone: bool = False,
     ) -> None:
+        """``standalone``: ``group`` is a ProcessGroup object made outside torch.distributed's
+        world (e.g. ``ProcessGroupGloo(store, rank, size)`` inside a vLLM worker, whose world is
+        vLLM's); peers are its ranks and ops go straight to it."""
         self.plan = plan
         self.proc = proc
         self.group = group
+        self.standalone = standalone
+        if standalone and group is None:
+            raise PlanError("standalone=True needs the ProcessGroup object as group")
         self.sync_group = sync_group
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -231,12 +238,18 @@ class Executor:
             for op in step.sends:
                 for bv, tv in op.pack:
                     bv.copy_(tv)
-            works = dist.batch_isend_irecv(self._p2p_ops(step))
-            for w in works:
+            for w in self._post(step):
                 w.wait()
             for op in step.recvs:
                 for bv, tv in op.pack:
                     tv.copy_(bv)
+
+    def _post(self, step: _Step) -> list:
+        """Post every send and receive of a step; return the works to wait on."""
+        if self.standalone:
+            works = [self.group.send([op.tensor], op.peer, op.tag) for op in step.sends]
+            return works + [self.group.recv([op.tensor], op.peer, op.tag) for op in step.recvs]
+        return dist.batch_isend_irecv(self._p2p_ops(step))
 
     def _p2p_ops(self, step: _Step) -> list:
         ops = [dist.P2POp(dist.isend, op.tensor, op.peer, self.group, op.tag) for op in step.sends]
@@ -255,8 +268,7 @@ class Executor:
                     for bv, tv in op.pack:
                         bv.copy_(tv, non_blocking=True)
             main.wait_stream(self.pack_stream)
-            works = dist.batch_isend_irecv(self._p2p_ops(step))
-            for w in works:
+            for w in self._post(step):
                 w.wait()  # the main stream waits for NCCL; the host does not
             done = torch.cuda.Event()
             done.record(main)

@@ -108,6 +108,7 @@ class Peer:
         device: torch.device | str = "cpu",
         plan: Plan | None = None,
         store: dist.Store | None = None,
+        standalone: bool = False,
     ) -> None:
         if store is None and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
@@ -124,7 +125,7 @@ class Peer:
         preflight(self.plan, proc, store, config.preflight_timeout_s, config.name)
         self.executor = Executor(
             self.plan, proc, src_tensors=src_tensors, dst_tensors=dst_tensors, group=group, sync_group=sync_group,
-            device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s,
+            device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s, standalone=standalone,
         )
         self.version: int | None = None
         self.last: RunStats | None = None

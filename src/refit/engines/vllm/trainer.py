@@ -1,0 +1,143 @@
+"""The trainer side: every trainer rank sends the boxes it holds (no funnel through rank 0).
+
+    info = RefitTrainerInitInfo(rank=r, master_address=..., master_port=..., n_trainer=N, n_workers=W)
+    engine = RefitTrainerEngine.trainer_init(info, client=LLMClient(llm) if r == 0 else None,
+                                             source=ShardedModuleSource(model, N))
+    ...optimizer step...
+    engine.send_weights(version)
+
+``send_weights`` runs on every trainer rank. Rank 0 (the sender) also drives
+the engine's weight-sync calls through ``client``: start, update (in a thread,
+while its own boxes go out), finish with ``weight_version``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+import torch
+
+from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
+
+from refit.plan import ProcessMap
+from refit.trainers.dtensor import layout_from_module, local_shards
+from refit.transfer import Peer, TransferConfig
+
+from .common import DEFAULT_TIMEOUT_S, RefitInitInfo, connect, gather_dst_layout, layout_to_json
+
+
+class ShardedModuleSource(WeightSource):
+    """A trainer module (plain, or with DTensor parameters from FSDP2 / TP) as refit's source.
+
+    refit reads its layout and local shards; nothing is gathered. Iterating it
+    (vLLM's generic contract) yields full tensors, gathering DTensors.
+    """
+
+    def __init__(self, module: torch.nn.Module, world_size: int) -> None:
+        self.module = module
+        self.world_size = world_size
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.module.named_parameters()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for n, p in self.module.named_parameters():
+            yield n, p.full_tensor() if hasattr(p, "full_tensor") else p
+
+    def layout(self):
+        return layout_from_module(self.module, self.world_size)
+
+    def local(self) -> dict[str, torch.Tensor]:
+        return local_shards(self.module)
+
+
+@dataclass
+class RefitTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = "refit"
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    n_trainer: int = 1
+    n_workers: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    num_buffers: int = 2
+    buffer_bytes: int = 64 << 20
+    session: str = "refit"
+    device: str = "cpu"
+    extra: dict = field(default_factory=dict)
+
+    def worker_info(self) -> RefitInitInfo:
+        return RefitInitInfo(self.master_address, self.master_port, self.n_trainer, self.n_trainer + self.n_workers,
+                             self.timeout_s, self.num_buffers, self.buffer_bytes, self.session)
+
+
+class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
+    init_info_cls = RefitTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: RefitTrainerInitInfo, *, client=None, source: WeightSource | None = None):
+        if not isinstance(source, ShardedModuleSource):
+            raise TypeError("the refit backend needs source=ShardedModuleSource(module, trainer_world_size)")
+        if source.world_size != init_info.n_trainer:
+            raise ValueError(f"source world_size={source.world_size} != n_trainer={init_info.n_trainer}")
+        if init_info.is_sender and client is None:
+            raise ValueError("trainer rank 0 drives the engine and needs a client")
+        self = cls(client=client, source=source, is_sender=init_info.is_sender)
+        info = init_info.worker_info()
+        src = source.layout()
+        # rank 0 hosts the store; it also tells the workers to join, concurrently
+        rpc = None
+        if self.is_sender:
+            rpc = _Call(client.init_weight_transfer_engine, vars(info))
+        store, pg = connect(info, init_info.rank, is_master=self.is_sender)
+        if self.is_sender:
+            store.set("src", layout_to_json(src))
+        dst = gather_dst_layout(store, src, init_info.n_workers)
+        cfg = TransferConfig(num_buffers=info.num_buffers, buffer_bytes=info.buffer_bytes,
+                             preflight_timeout_s=info.timeout_s, name="xfer")
+        self.peer = Peer(src, dst, init_info.rank, src_tensors=source.local(),
+                         procs=ProcessMap.disjoint(init_info.n_trainer, init_info.n_workers), group=pg, config=cfg,
+                         device=init_info.device, store=store, standalone=True)
+        if rpc is not None:
+            rpc.join()
+        self.pg, self.store, self.version = pg, store, 0
+        return self
+
+    def send_weights(self, version: int | None = None) -> Any:
+        version = self.version + 1 if version is None else version
+        rpc = None
+        if self.is_sender:
+            self.client.start_weight_update()
+            rpc = _Call(self.client.update_weights, {"version": version})
+        stats = self.peer.run(version)
+        if rpc is not None:
+            rpc.join()
+            self.client.finish_weight_update(weight_version=str(version))
+        self.version = version
+        return stats
+
+    def shutdown(self) -> None:
+        self.peer = None
+        self.pg = None
+
+
+class _Call:
+    """Run a blocking client call in a thread; ``join`` re-raises its error."""
+
+    def __init__(self, fn, *args) -> None:
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised in join
+                self.error = e
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"refit: the engine's weight-sync call failed: {self.error}") from self.error

@@ -1,0 +1,107 @@
+"""The worker side: a vLLM ``WeightTransferEngine`` that receives only this worker's share.
+
+Lifecycle (driven by vLLM's weight-sync calls):
+  init_transfer_engine  join the transfer group, read the trainer's source
+                        layout, publish this worker's regions (from vLLM's
+                        modules), build the plan, pre-flight with everyone;
+  start_weight_update   vLLM's layerwise reload begins;
+  update_weights        receive this worker's boxes, hand them to vLLM's
+                        loaders (a full-shaped tensor whose only valid part is
+                        the box the loader reads);
+  finish_weight_update  layerwise reload finalizes (vLLM re-processes
+                        weights); the LLM then sets the weight version.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterator
+
+import torch
+
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from refit.layout import box_shape, box_slices
+from refit.plan import ProcessMap
+from refit.transfer import Peer, TransferConfig
+
+from .common import RefitInitInfo, RefitUpdateInfo, connect, gather_dst_layout, layout_from_json
+from .regions import region
+
+
+class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+    init_info_cls = RefitInitInfo
+    update_info_cls = RefitUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.peer: Peer | None = None
+        self.stats: dict[str, Any] = {"bytes_received": 0, "refits": 0, "version": None}
+
+    def _worker_rank(self) -> int:
+        pc = self.parallel_config
+        return pc.data_parallel_index * pc.world_size + pc.rank
+
+    def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        w = self._worker_rank()
+        n_workers = init_info.world_size - init_info.n_trainer
+        if not 0 <= w < n_workers:
+            raise ValueError(f"worker rank {w} is outside the {n_workers} workers of init_info {init_info}")
+        store, pg = connect(init_info, init_info.n_trainer + w, is_master=False)
+        src = layout_from_json(store.get("src").decode())
+        model = self.model
+        regions, rules = {}, {}
+        for t in src:
+            box, rule = region(model, t.name, t.shape)
+            regions[t.name] = [list(x) for x in box]
+            rules[rule] = rules.get(rule, 0) + 1
+        store.set(f"dst/{w}", json.dumps(regions))
+        dst = gather_dst_layout(store, src, n_workers)
+        self.buffers = {t.name: torch.empty(box_shape(b), dtype=t.dtype, device=self.device)
+                        for t, b in dst.local_tensors(w)}
+        self.boxes = {t.name: b for t, b in dst.local_tensors(w)}
+        self.shapes = {t.name: t.shape for t in dst}
+        cfg = TransferConfig(num_buffers=init_info.num_buffers, buffer_bytes=init_info.buffer_bytes,
+                             preflight_timeout_s=init_info.timeout_s, name="xfer")
+        self.peer = Peer(src, dst, init_info.n_trainer + w, dst_tensors=self.buffers,
+                         procs=ProcessMap.disjoint(init_info.n_trainer, n_workers), group=pg, config=cfg,
+                         device=self.device, store=store, standalone=True)
+        self.pg, self.store = pg, store
+        self.stats["rules"] = rules
+        self.stats["bytes_per_refit"] = self.peer.executor.bytes_received
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, buf in self.buffers.items():
+            shape = self.shapes[name]
+            if tuple(buf.shape) == tuple(shape):
+                yield name, buf
+                continue
+            full = torch.empty(shape, dtype=buf.dtype, device=buf.device)  # only the box is read by the loader
+            full[box_slices(self.boxes[name])] = buf
+            yield name, full
+
+    def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        if self.peer is None:
+            raise RuntimeError("refit: update_weights before init_weight_transfer_engine")
+        t0 = time.perf_counter()
+        stats = self.peer.run(update_info.version)
+        t1 = time.perf_counter()
+        self.model.load_weights(self._full_tensors())
+        self.stats.update(bytes_received=self.stats["bytes_received"] + stats.bytes_received,
+                          refits=self.stats["refits"] + 1, version=update_info.version,
+                          transfer_s=t1 - t0, load_s=time.perf_counter() - t1)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        self.peer = None
+        self.pg = None

@@ -1,0 +1,172 @@
+"""Real vLLM (CPU) receiving refits from a 2-rank trainer; used by the vLLM tests and the example.
+
+The driver process is trainer rank 0 and owns the ``vllm.LLM``; trainer rank 1
+is a spawned process. The trainer runs the HF model tensor-parallel
+(``parallelize_module``) or FSDP2 (``fully_shard``) over gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from refit.models import build_model, load_config
+
+PROMPT = [1, 17, 42, 99, 7, 250, 31, 5]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer_model(model_name: str, spec: str, rank: int):
+    from torch.distributed.tensor import DeviceMesh
+
+    model = build_model(load_config(model_name), torch.float32, seed=0)
+    if spec == "tp=2":
+        from refit.trainers.hf_tp import parallelize_tp
+
+        parallelize_tp(model, dist.group.WORLD, "cpu")
+    elif spec == "fsdp=2":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("fsdp",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    else:
+        raise ValueError(spec)
+    return model
+
+
+def _train_step(model, spec: str, step: int, vocab: int) -> float:
+    from refit.trainers.hf_tp import sync_head_local_grads
+
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, vocab, (2, 16), generator=g)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    if spec == "tp=2":
+        sync_head_local_grads(model, dist.group.WORLD)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 1e-2 * p.grad  # plain SGD: in place, as optimizers do
+            p.grad = None
+    return float(out.loss)
+
+
+def trainer_loop(rank: int, port: int, xfer_port: int, model_name: str, spec: str, n_workers: int, steps: int, client=None):
+    """Both trainer ranks run this; rank 0 also passes the LLM client and returns full weights per step."""
+    from refit.engines.vllm.trainer import RefitTrainerEngine, RefitTrainerInitInfo, ShardedModuleSource
+    from refit.trainers.dtensor import full_state
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))
+    try:
+        model = _trainer_model(model_name, spec, rank)
+        vocab = load_config(model_name).vocab_size
+        info = RefitTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=xfer_port, n_trainer=2,
+                                    n_workers=n_workers, timeout_s=300)
+        engine = RefitTrainerEngine.trainer_init(info, client=client, source=ShardedModuleSource(model, 2))
+        history = []
+        for step in range(1, steps + 1):
+            loss = _train_step(model, spec, step, vocab)
+            t0 = time.perf_counter()
+            stats = engine.send_weights(step)
+            dt = time.perf_counter() - t0
+            full = full_state(model)  # for the check only (a collective on both ranks)
+            history.append({"step": step, "loss": loss, "seconds": dt, "bytes_sent": stats.bytes_sent,
+                            "weights": full if rank == 0 else None})
+        return history
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank1(port, xfer_port, model_name, spec, n_workers, steps):
+    trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps)
+
+
+def make_llm(model_name: str, engine_tp: int, workdir: str):
+    """An LLM over a tiny model saved with different (seed 1000) weights."""
+    from vllm import LLM
+
+    hf = build_model(load_config(model_name), torch.float32, seed=1000)
+    hf.save_pretrained(workdir)
+    if engine_tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(engine_tp)))
+    return LLM(model=workdir, dtype="float32", tensor_parallel_size=engine_tp, skip_tokenizer_init=True,
+               gpu_memory_utilization=0.3, max_model_len=128, enforce_eager=True,
+               weight_transfer_config={"backend": "refit"})
+
+
+def greedy(llm, n: int = 8):
+    from vllm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=n, temperature=0.0, logprobs=0))
+    o = out[0].outputs[0]
+    return list(o.token_ids), [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)]
+
+
+def hf_reference(model_name: str, weights: dict, tokens: list[int]):
+    """Greedy tokens and their logprobs from HF transformers holding ``weights``."""
+    hf = build_model(load_config(model_name), torch.float32, seed=None)
+    hf.load_state_dict(weights, strict=True)
+    ids = list(PROMPT)
+    out_tokens, out_lp = [], []
+    with torch.no_grad():
+        for _ in range(len(tokens)):
+            logits = hf(input_ids=torch.tensor([ids])).logits[0, -1].double()
+            lp = torch.log_softmax(logits, -1)
+            t = int(torch.argmax(lp))
+            out_tokens.append(t)
+            out_lp.append(float(lp[t]))
+            ids.append(t)
+    return out_tokens, out_lp
+
+
+def run(model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, steps: int = 2):
+    """Returns per step: trainer history row, engine tokens/logprobs, HF tokens/logprobs, engine stats, version."""
+    from refit.engines.vllm.client import LLMClient
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    with tempfile.TemporaryDirectory() as workdir:
+        llm = make_llm(model_name, engine_tp, workdir)
+        port, xfer_port = free_port(), free_port()
+        ctx = mp.get_context("spawn")
+        p = ctx.Process(target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps))
+        p.start()
+        try:
+            history = trainer_loop(0, port, xfer_port, model_name, spec, engine_tp, steps, client=LLMClient(llm))
+        finally:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+        rows = []
+        # the last step's weights are what the engine holds now
+        tokens, lps = greedy(llm)
+        ref_tokens, ref_lps = hf_reference(model_name, history[-1]["weights"], tokens)
+        stats = llm.collective_rpc(lambda self: dict(self.weight_transfer_engine.stats))
+        rows.append({"history": history, "tokens": tokens, "logprobs": lps, "ref_tokens": ref_tokens,
+                     "ref_logprobs": ref_lps, "worker_stats": stats, "version": llm.get_weight_version()})
+        del llm
+        return rows[0]
+
+
+if __name__ == "__main__":
+    import sys
+
+    r = run(*sys.argv[1:3], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+    print("tokens", r["tokens"], "ref", r["ref_tokens"])
+    print("max |dlogprob|", max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])))
+    print("version", r["version"], "stats", [{k: v for k, v in s.items()} for s in r["worker_stats"]])
+    print("trainer", [{k: v for k, v in h.items() if k != "weights"} for h in r["history"]])
