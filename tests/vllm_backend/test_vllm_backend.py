@@ -30,6 +30,7 @@ def _model_bytes(name):
         ("tiny-qwen3", "fsdp=2", 2),
         ("tiny-llama", "fsdp=2", 2),
         ("tiny-qwen3", "tp=2", 1),
+        ("tiny-qwen2", "tp=2", 2),  # q/k/v biases
     ],
 )
 def test_refit_into_vllm_matches_hf(model, spec, engine_tp):
@@ -51,3 +52,18 @@ def test_refit_into_vllm_matches_hf(model, spec, engine_tp):
         assert all(0.4 * total < b < 0.6 * total for b in per_worker), (per_worker, total)
     else:
         assert per_worker == [total]
+
+
+def test_grpo_example_runs():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "vllm_grpo_loop.py"), "--steps", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1].startswith("PASS")
+    rows = [ln.split() for ln in lines if ln.split() and ln.split()[0] in ("1", "2")]
+    assert [row[-1] for row in rows] == ["1", "2"]  # the version vLLM reports after each refit

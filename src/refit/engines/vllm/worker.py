@@ -30,6 +30,21 @@ from .common import RefitInitInfo, RefitUpdateInfo, connect, gather_dst_layout, 
 from .regions import region
 
 
+def check_supported(vllm_config, model: torch.nn.Module) -> None:
+    """Refuse engines refit cannot load into, naming the parameter (quantized weights for now)."""
+    quant = getattr(vllm_config, "quant_config", None)
+    if quant is None:
+        return
+    for name, mod in model.named_modules():
+        method = getattr(mod, "quant_method", None)
+        if method is not None and "Unquantized" not in type(method).__name__:
+            param = next((f"{name}.{p}" for p, _ in mod.named_parameters(recurse=False)), name)
+            raise ValueError(
+                f"refit backend: parameter {param!r} uses {type(method).__name__} "
+                f"({type(quant).__name__}); refit serves unquantized engines only (FP8 comes later)"
+            )
+
+
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     init_info_cls = RefitInitInfo
     update_info_cls = RefitUpdateInfo
@@ -48,6 +63,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         n_workers = init_info.world_size - init_info.n_trainer
         if not 0 <= w < n_workers:
             raise ValueError(f"worker rank {w} is outside the {n_workers} workers of init_info {init_info}")
+        check_supported(self.vllm_config, self.model)  # before joining anyone: nothing has moved
         store, pg = connect(init_info, init_info.n_trainer + w, is_master=False)
         src = layout_from_json(store.get("src").decode())
         model = self.model
