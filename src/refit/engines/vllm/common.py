@@ -39,14 +39,35 @@ class RefitUpdateInfo:
     extra: dict = field(default_factory=dict)
 
 
-def connect(info: RefitInitInfo, rank: int, is_master: bool) -> tuple[dist.Store, dist.ProcessGroup]:
-    """The rendezvous store and a standalone gloo group of the trainer ranks and workers."""
+def open_store(info: RefitInitInfo, is_master: bool) -> dist.Store:
+    """The rendezvous store (trainer rank 0 hosts it), under the session's prefix."""
     timeout = timedelta(seconds=info.timeout_s)
     store = dist.TCPStore(info.master_address, info.master_port, info.world_size if is_master else None,
                           is_master, timeout=timeout, wait_for_workers=False)
-    session = dist.PrefixStore(info.session, store)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", session), rank, info.world_size, timeout)
-    return session, pg
+    return dist.PrefixStore(info.session, store)
+
+
+def join_group(info: RefitInitInfo, store: dist.Store, rank: int) -> dist.ProcessGroup:
+    """A standalone gloo group of the trainer ranks and the workers (blocks until all join)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore("pg", store), rank, info.world_size, timedelta(seconds=info.timeout_s))
+
+
+def wait_workers(store: dist.Store, n_workers: int, timeout_s: float) -> None:
+    """Wait until every worker published its regions; raise at once with a worker's setup error."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(n_workers))
+    while pending:
+        for w in sorted(pending):
+            if store.check([f"error/{w}"]):
+                raise RuntimeError(f"refit: vLLM worker {w} refused the transfer at init: {store.get(f'error/{w}').decode()}")
+            if store.check([f"dst/{w}"]):
+                pending.discard(w)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"refit: vLLM workers {sorted(pending)} did not answer within {timeout_s:.0f}s")
+        if pending:
+            time.sleep(0.01)
 
 
 def layout_to_json(layout: ModelLayout) -> str:

@@ -25,7 +25,7 @@ from refit.plan import ProcessMap
 from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer, TransferConfig
 
-from .common import DEFAULT_TIMEOUT_S, RefitInitInfo, connect, gather_dst_layout, layout_to_json
+from .common import DEFAULT_TIMEOUT_S, RefitInitInfo, gather_dst_layout, join_group, layout_to_json, open_store, wait_workers
 
 
 class ShardedModuleSource(WeightSource):
@@ -90,9 +90,16 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         rpc = None
         if self.is_sender:
             rpc = _Call(client.init_weight_transfer_engine, vars(info))
-        store, pg = connect(info, init_info.rank, is_master=self.is_sender)
+        store = open_store(info, is_master=self.is_sender)
         if self.is_sender:
             store.set("src", layout_to_json(src))
+        try:
+            wait_workers(store, init_info.n_workers, info.timeout_s)
+        except Exception:
+            if rpc is not None:
+                rpc.thread.join(timeout=info.timeout_s)  # the client call fails too; do not leave it behind
+            raise
+        pg = join_group(info, store, init_info.rank)
         dst = gather_dst_layout(store, src, init_info.n_workers)
         cfg = TransferConfig(num_buffers=info.num_buffers, buffer_bytes=info.buffer_bytes,
                              preflight_timeout_s=info.timeout_s, name="xfer")

@@ -26,7 +26,7 @@ from refit.layout import box_shape, box_slices
 from refit.plan import ProcessMap
 from refit.transfer import Peer, TransferConfig
 
-from .common import RefitInitInfo, RefitUpdateInfo, connect, gather_dst_layout, layout_from_json
+from .common import RefitInitInfo, RefitUpdateInfo, gather_dst_layout, join_group, layout_from_json, open_store, wait_workers
 from .regions import region
 
 
@@ -63,16 +63,21 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         n_workers = init_info.world_size - init_info.n_trainer
         if not 0 <= w < n_workers:
             raise ValueError(f"worker rank {w} is outside the {n_workers} workers of init_info {init_info}")
-        check_supported(self.vllm_config, self.model)  # before joining anyone: nothing has moved
-        store, pg = connect(init_info, init_info.n_trainer + w, is_master=False)
-        src = layout_from_json(store.get("src").decode())
-        model = self.model
-        regions, rules = {}, {}
-        for t in src:
-            box, rule = region(model, t.name, t.shape)
-            regions[t.name] = [list(x) for x in box]
-            rules[rule] = rules.get(rule, 0) + 1
+        store = open_store(init_info, is_master=False)
+        try:  # nothing has moved yet: a refusal reaches every trainer rank through the store
+            check_supported(self.vllm_config, self.model)
+            src = layout_from_json(store.get("src").decode())
+            regions, rules = {}, {}
+            for t in src:
+                box, rule = region(self.model, t.name, t.shape)
+                regions[t.name] = [list(x) for x in box]
+                rules[rule] = rules.get(rule, 0) + 1
+        except Exception as e:
+            store.set(f"error/{w}", f"{type(e).__name__}: {e}")
+            raise
         store.set(f"dst/{w}", json.dumps(regions))
+        wait_workers(store, n_workers, init_info.timeout_s)
+        pg = join_group(init_info, store, init_info.n_trainer + w)
         dst = gather_dst_layout(store, src, n_workers)
         self.buffers = {t.name: torch.empty(box_shape(b), dtype=t.dtype, device=self.device)
                         for t, b in dst.local_tensors(w)}
