@@ -67,3 +67,16 @@ def test_grpo_example_runs():
     assert lines[-1].startswith("PASS"), lines[-10:]
     rows = [ln.split() for ln in lines if ln.split() and ln.split()[0] in ("1", "2")]
     assert [row[-1] for row in rows] == ["1", "2"]  # the version vLLM reports after each refit
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path):
+    # one KV head, engine tp=2: both workers need the same k/v rows (vLLM replicates them)
+    from refit.models import load_config
+
+    cfg = load_config("tiny-llama")
+    cfg.num_key_value_heads = 1
+    cfg.save_pretrained(tmp_path)
+    r = run(str(tmp_path), "fsdp=2", 2, 2)  # a TP trainer cannot split one KV head; FSDP2 can
+    assert r["tokens"] == r["ref_tokens"]
+    assert max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])) <= 1e-4
+    assert all(s["rules"]["qkv:k"] == cfg.num_hidden_layers for s in r["worker_stats"])
