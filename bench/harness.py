@@ -226,7 +226,7 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
         n = warmup + (growth_iters if method == "refit" else iters)
         times, oks, mems, peak = _time_runs(barrier, dev, run, n, before, check, base)
         if method == "refit" and dev.type == "cuda" and os.environ.get("REFIT_BENCH_PROFILE"):
-            puller = run.__closure__ and _find_puller(run)
+            puller = run.peer.executor.puller if isinstance(run, M.RefitRun) else None
             if puller is not None:
                 print(f"[{scen.name} rank {world.rank}] ipc profile: " + ", ".join(
                     f"{k}: {c} copies {b / 1e9:.2f} GB {s * 1e3:.2f} ms ({b / s / 1e9:.0f} GB/s)" for k, (c, b, s) in puller.profile().items()),
@@ -242,15 +242,6 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
     barrier.close()
     return {"records": records, "bytes": total, "bytes_moved": plan.bytes_moved, "bytes_same_device": plan.bytes_same_device,
             "digest": plan.digest} if world.rank == 0 else None
-
-
-def _find_puller(run):
-    for cell in run.__closure__ or ():
-        peer = cell.cell_contents
-        ex = getattr(peer, "executor", None)
-        if ex is not None:
-            return ex.puller
-    return None
 
 
 def dist_all(items) -> list:

@@ -39,10 +39,21 @@ def refit_method(transport: str) -> Callable[[Ctx], Callable[[], None]]:
         group = ctx.nccl if transport == "p2p" else None
         peer = Peer(ctx.plan.src_layout, ctx.plan.dst_layout, ctx.rank, src_tensors=ctx.src, dst_tensors=ctx.dst,
                     procs=ctx.plan.procs, group=group, config=cfg, device=ctx.device, store=ctx.store)
-        version = iter(range(1, 1 << 30))
-        return lambda: peer.run(next(version))
+        return RefitRun(peer)
 
     return setup
+
+
+class RefitRun:
+    """One refit per call, with increasing versions; ``peer`` stays reachable for profiling."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.version = 0
+
+    def __call__(self) -> None:
+        self.version += 1
+        self.peer.run(self.version)
 
 
 def _names(ctx: Ctx) -> list[str]:

@@ -214,28 +214,26 @@ class IpcPuller:
             copies = [(kind, d.numel() * d.element_size(), fn) for d, s in order(pairs) for kind, fn in [make_copy(d, s)]]
             self.lanes.append(("same" if src_dev == device else f"peer{src_dev.index}", torch.cuda.Stream(src_dev), copies))
         # issue order: largest copies first across all lanes, so every lane gets long work at once
-        # and the host's enqueueing of the small ones hides behind it
-        self.issue = sorted(
+        # and the host's enqueueing of the small ones hides behind it; grouped into runs of one
+        # device so the current device switches only between runs
+        order = sorted(
             ((nbytes, i, stream, fn) for i, (_, stream, copies) in enumerate(self.lanes) for _, nbytes, fn in copies),
             key=lambda x: (-x[0], x[1]),
         )
+        self.runs: list[tuple[torch.device, list[tuple[torch.cuda.Stream, Callable]]]] = []
+        for _, _, stream, fn in order:
+            if not self.runs or self.runs[-1][0] != stream.device:
+                self.runs.append((stream.device, []))
+            self.runs[-1][1].append((stream, fn))
 
     def pull(self) -> None:
         current = torch.cuda.current_stream(self.device)
         for _, stream, _ in self.lanes:
             stream.wait_stream(current)
-        dev = None
-        ctx = None
-        for _, _, stream, fn in self.issue:
-            if stream.device != dev:
-                if ctx is not None:
-                    ctx.__exit__(None, None, None)
-                dev = stream.device
-                ctx = torch.cuda.device(dev)
-                ctx.__enter__()
-            fn(stream)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        for dev, copies in self.runs:
+            with torch.cuda.device(dev):
+                for stream, fn in copies:
+                    fn(stream)
         for _, stream, _ in self.lanes:
             current.wait_stream(stream)
 
