@@ -1,5 +1,12 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, a NCCL demo, the full bench. Results under $OUT.
+# The GPU machine has torch/transformers but not rich, pytest or hypothesis and
+# cannot download: carry them as wheels in .wheels/ (git-ignored), made here with
+#   mkdir -p .wheels && cd .wheels && pip download --no-deps rich markdown-it-py mdurl pygments \
+#     pytest pluggy iniconfig pytest-timeout sortedcontainers attrs && \
+#   pip download --no-deps --python-version 3.12 --only-binary=:all: hypothesis
+# and run through the device tool with carry [".wheels"]. Env knobs: SKIP_TESTS=1,
+# REFIT_BENCH_PROFILE=1 (per-lane IPC copy profile), BENCH_ARGS="--scenarios S3 ...".
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 pip install -q --no-index --no-deps .wheels/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD/src:$PWD
