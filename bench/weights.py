@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import zlib
 from typing import Sequence
 
 import torch
 
+from refit.verify import reference_tensor
+
 
 def make_weight(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator(device=device).manual_seed((zlib.crc32(name.encode()) + 7919 * seed) & 0x7FFFFFFF)
-    x = torch.randn(tuple(shape), generator=g, device=device, dtype=torch.float32).to(dtype)
-    x[x == 0] = 1  # never zero
-    return x
+    return reference_tensor(name, shape, dtype, seed, device)
 
 
 def poison(tensors: dict[str, torch.Tensor]) -> None:

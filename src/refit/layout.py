@@ -244,9 +244,6 @@ class TensorLayout:
                 out.setdefault(b, []).append(r)
         return out
 
-    def describe(self) -> str:
-        return f"{self.name} {list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
-
     def to_json(self) -> dict:
         d = {
             "name": self.name,

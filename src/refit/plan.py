@@ -220,12 +220,6 @@ class Plan:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     # ---------------------------------------------------------------- per process
-    def sends_of(self, proc: int) -> list[Message]:
-        return [m for m in self.messages if self.procs.src[m.src] == proc]
-
-    def recvs_of(self, proc: int) -> list[Message]:
-        return [m for m in self.messages if self.procs.dst[m.dst] == proc]
-
     def local_of(self, proc: int) -> list[Piece]:
         return [p for p in self.local if self.procs.dst[p.dst] == proc]
 

@@ -16,10 +16,12 @@ from refit.plan import Plan, ProcessMap, build_plan
 from refit.transfer import Receiver, Sender, TransferConfig
 
 
-def reference_tensor(name: str, shape: Sequence[int], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Deterministic, never-zero values for ``name`` (the same in every process)."""
-    g = torch.Generator().manual_seed((zlib.crc32(name.encode()) + 7919 * seed) & 0x7FFFFFFF)
-    x = torch.randn(tuple(shape), generator=g, dtype=torch.float32).to(dtype)
+def reference_tensor(name: str, shape: Sequence[int], dtype: torch.dtype, seed: int = 0,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """Deterministic, never-zero values for ``name``, the same in every process on the same
+    kind of device (made on ``device`` with that device's generator)."""
+    g = torch.Generator(device=device).manual_seed((zlib.crc32(name.encode()) + 7919 * seed) & 0x7FFFFFFF)
+    x = torch.randn(tuple(shape), generator=g, device=device, dtype=torch.float32).to(dtype)
     x[x == 0] = 1
     return x
 
