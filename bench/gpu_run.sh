@@ -6,7 +6,12 @@
 #     pytest pluggy iniconfig pytest-timeout sortedcontainers attrs && \
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: hypothesis
 # and run through the device tool with carry [".wheels"]. Env knobs: SKIP_TESTS=1,
-# REFIT_BENCH_PROFILE=1 (per-lane IPC copy profile), BENCH_ARGS="--scenarios S3 ...".
+# REFIT_BENCH_PROFILE=1 (per-lane IPC copy profile), BENCH_ARGS="--scenarios S3 ...",
+# SKIP_CE=1 (no checkpoint-engine run). checkpoint-engine and its imports are carried in
+# .wheels/ce/ (made with: cd .wheels/ce && pip download --no-deps --python-version 3.12
+#   --only-binary=:all: checkpoint-engine==0.4.2 fastapi==0.115.12 starlette==0.46.2 httpx httpcore
+#   anyio sniffio h11 idna certifi pydantic pydantic-core annotated-types typing-inspection
+#   typing-extensions loguru pyzmq) and installed into a separate folder so they shadow nothing.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 pip install -q --no-index --no-deps .wheels/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD/src:$PWD
@@ -16,4 +21,10 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 [ -z "$SKIP_TESTS" ] && echo "== gpu tests" && timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 [ -z "$SKIP_TESTS" ] && echo "== demo (nccl)" && timeout 90 python3 -m refit.cli demo --src tp=1 --dst tp=1 --steps 2 2>&1 | tail -4
 echo "== bench"; timeout 420 python3 -m refit.cli bench ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
+if [ -z "$SKIP_CE" ] && [ -d .wheels/ce ]; then
+  echo "== checkpoint-engine (S2)"
+  pip install -q --no-index --no-deps --target /tmp/ce_site .wheels/ce/*.whl 2>&1 | tail -2
+  PYTHONPATH=/tmp/ce_site:$PYTHONPATH timeout 300 python3 -m bench.checkpoint_engine_s2 --out "$OUT/checkpoint-engine.json" > "$OUT/checkpoint-engine.txt" 2>&1
+  echo "checkpoint-engine rc=$?"; tail -8 "$OUT/checkpoint-engine.txt"
+fi
 grep -E "profile|Error|error" "$OUT/bench.txt" | head -20; tail -45 "$OUT/bench.txt"

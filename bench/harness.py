@@ -301,7 +301,8 @@ def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int
                 "ratio_to_floor": med / floor_s if floor_s else None,
                 "peak_extra_bytes": r["peak_extra_bytes"], "growth_bytes": r["growth_bytes"],
                 "correct": r["correct"], "variant": r["variant"],
-                "budget_bytes": cfg.num_buffers * cfg.buffer_bytes,
+                "budget_bytes": cfg.num_buffers * cfg.buffer_bytes, "copy_streams": cfg.copy_streams,
+                "cuda_graph": cfg.cuda_graph,
                 "device": kind, "command": command, "date": date, "plan_digest": res["digest"],
             })
             console.print(f"  {r['method']:<22} median {med * 1e3:9.2f} ms  ratio {rows[-1]['ratio_to_floor'] or 0:5.2f}  ok={r['correct']}")

@@ -24,7 +24,7 @@ def _layouts(model, src, dst, dtype):
     return layout_from_spec(shapes, parse_spec(src, "src")), layout_from_spec(shapes, parse_spec(dst, "dst"))
 
 
-def _worker(world, src_l, dst_l, procs, transport, use_data_group):
+def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True):
     dev = world.device
     srank = procs.src.index(world.rank) if world.rank in procs.src else None
     drank = procs.dst.index(world.rank) if world.rank in procs.dst else None
@@ -32,7 +32,7 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group):
            for t, b in src_l.local_tensors(srank)} if srank is not None else None
     dst = {t.name: torch.full(tuple(y - x for x, y in b), float("nan"), dtype=t.dtype, device=dev)
            for t, b in dst_l.local_tensors(drank)} if drank is not None else None
-    cfg = TransferConfig(num_buffers=2, buffer_bytes=64 << 10, transport=transport)
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph)
     peer = Peer(src_l, dst_l, world.rank, src_tensors=src, dst_tensors=dst, procs=procs,
                 group=world.data_group if use_data_group else None, config=cfg, device=dev)
     ok = []
@@ -49,19 +49,21 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group):
                 for t, b in dst_l.local_tensors(drank)
             ))
     kinds = sorted({m.transport for m in peer.plan.messages})
-    return ok, kinds, peer.executor.staging_bytes
+    puller = peer.executor.puller
+    return ok, kinds, peer.executor.staging_bytes, puller is not None and puller.graph is not None
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_ipc_colocated_reshard_fsdp2_to_tp2(dtype):
+@pytest.mark.parametrize("dtype,graph", [(torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)])
+def test_ipc_colocated_reshard_fsdp2_to_tp2(dtype, graph):
     src_l, dst_l = _layouts("tiny-qwen2", "fsdp=2", "tp=2", dtype)
     devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     procs = ProcessMap.disjoint(2, 2).with_devices(devices)
-    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, devices=devices, timeout_s=240)
-    for ok, kinds, staging in out[2:]:
+    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, graph, devices=devices, timeout_s=240)
+    for ok, kinds, staging, used_graph in out[2:]:
         assert ok == [True, True, True]
         assert kinds == ["ipc"] and staging == 0
+        assert used_graph == graph
 
 
 @pytest.mark.timeout(300)
@@ -71,6 +73,7 @@ def test_ipc_peer_pull_1_to_1():
     procs = ProcessMap.disjoint(1, 1).with_devices(devices)
     out = run_local(_worker, 1, 1, src_l, dst_l, procs, "auto", False, devices=devices, timeout_s=240)
     assert out[1][0] == [True, True, True] and out[1][1] == ["ipc"]
+    assert out[1][3] is True  # the pull replays a CUDA graph
 
 
 @pytest.mark.timeout(300)
@@ -81,7 +84,8 @@ def test_nccl_pipelined_with_packing(src, dst):
     src_l, dst_l = _layouts("tiny-qwen2", src, dst, torch.bfloat16)
     procs = ProcessMap.colocated(2, 2).with_devices(["cuda:0", "cuda:1"])
     out = run_local(_worker, 2, 2, src_l, dst_l, procs, "p2p", True, colocated=True, backend="nccl", timeout_s=240)
-    for ok, kinds, staging in out:
+    for ok, kinds, staging, _ in out:
         assert ok == [True, True, True]
         assert kinds == ["p2p"]
         assert staging <= 2 * (64 << 10)
+

@@ -188,3 +188,19 @@ def test_host_barrier_in_shared_memory_waits_for_the_late_process():
     out = run_local(_barrier_worker, 3, 0, f"refit_test_{uuid.uuid4().hex[:8]}", backend="gloo", timeout_s=100)
     assert [g for _, g in out] == [20, 20, 20]
     assert out[1][0] > 0.2 and out[2][0] > 0.2  # the others waited for rank 0
+
+
+def _one_dies(world):
+    import os
+    import signal
+
+    if world.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # no Python error, no result
+    torch.distributed.barrier()  # the survivors see the peer's socket close
+
+
+@pytest.mark.timeout(120)
+def test_launcher_names_the_process_that_died_not_its_collateral():
+    with pytest.raises(WorkerError) as e:
+        run_local(_one_dies, 2, 1, backend="gloo", timeout_s=60)
+    assert str(e.value).startswith("process 1 failed: process exited with signal SIGKILL")

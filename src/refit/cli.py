@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--growth-iters", type=int, default=20, help="consecutive refits of refit's own path")
     b.add_argument("--num-buffers", type=int, default=2)
     b.add_argument("--buffer-mb", type=float, default=256.0)
+    b.add_argument("--copy-streams", type=int, default=TransferConfig.copy_streams,
+                   help="CUDA IPC: streams per source GPU a receiver pulls on")
+    b.add_argument("--no-cuda-graph", action="store_true",
+                   help="CUDA IPC: issue a pull's copies one by one instead of replaying a CUDA graph")
     b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
     return ap
 
@@ -73,10 +77,12 @@ def cmd_bench(args, console) -> int:
         raise SpecError("--device cuda: no CUDA device is available")
     model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
     which = args.scenarios.split(",") if args.scenarios else list(harness.scenarios(device))
-    for name, v, low in (("--warmup", args.warmup, 0), ("--iters", args.iters, 1), ("--growth-iters", args.growth_iters, 1), ("--num-buffers", args.num_buffers, 1)):
+    for name, v, low in (("--warmup", args.warmup, 0), ("--iters", args.iters, 1), ("--growth-iters", args.growth_iters, 1), ("--num-buffers", args.num_buffers, 1),
+                          ("--copy-streams", args.copy_streams, 1)):
         if v < low:
             raise SpecError(f"{name} must be >= {low}, got {v}")
-    cfg = TransferConfig(num_buffers=args.num_buffers, buffer_bytes=int(args.buffer_mb * (1 << 20)))
+    cfg = TransferConfig(num_buffers=args.num_buffers, buffer_bytes=int(args.buffer_mb * (1 << 20)),
+                         copy_streams=args.copy_streams, cuda_graph=not args.no_cuda_graph)
     out = args.out or os.path.join("bench", "results", f"{harness.device_kind() if device == 'cuda' else 'cpu'}.json")
     command = "refit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "refit bench"
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 from collections import defaultdict
 from datetime import timedelta
 from dataclasses import dataclass, field
@@ -113,8 +114,12 @@ class Executor:
         name: str = "refit",
         timeout_s: float = 120.0,
         standalone: bool = False,
+        copy_streams: int = 2,
+        cuda_graph: bool = True,
     ) -> None:
-        """``standalone``: ``group`` is a ProcessGroup object made outside torch.distributed's
+        """``copy_streams``: CUDA IPC pulls spread over this many streams per source GPU;
+        ``cuda_graph``: IPC pulls recorded into a CUDA graph at setup, replayed per refit.
+        ``standalone``: ``group`` is a ProcessGroup object made outside torch.distributed's
         world (e.g. ``ProcessGroupGloo(store, rank, size)`` inside a vLLM worker, whose world is
         vLLM's); peers are its ranks and ops go straight to it."""
         self.plan = plan
@@ -200,7 +205,14 @@ class Executor:
                 pair = (dst_view(p.tensor, p.box), sv)
                 (same if plan.procs.same_device(sp, proc) else peer).append(pair)
             if my_pulls:
-                self.puller = IpcPuller(self.device, same, peer)
+                self.puller = IpcPuller(self.device, same, peer, streams_per_lane=copy_streams)
+                if cuda_graph:
+                    try:
+                        self.puller.capture()
+                    except RuntimeError as e:  # speed only: the same copies are issued one by one
+                        warnings.warn(f"refit: rank {proc}: recording the IPC pull into a CUDA graph failed ({e}); "
+                                      "issuing its copies one by one (set TransferConfig.cuda_graph=False to skip)")
+                        self.puller.graph = None
             self._mapped = mapped  # keep the mappings alive
         # a plan whose links are all IPC (one host) synchronizes through shared memory
         self.host_barrier: HostBarrier | None = None

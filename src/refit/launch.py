@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
 import traceback
 from dataclasses import dataclass
@@ -99,6 +100,24 @@ def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, 
             dist.destroy_process_group()
 
 
+_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _describe_failure(procs, out: dict, errors: dict) -> str:
+    """Name the process that most likely failed first: one that died without a result (a signal,
+    an abort), else one whose error is not just a peer having gone away, else the lowest rank."""
+    for r, p in enumerate(procs):
+        if r not in out and r not in errors and p.exitcode not in (None, 0):
+            code = p.exitcode
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            errors[r] = f"process exited with {how} without a result"
+    silent = [r for r in errors if errors[r].startswith("process exited")]
+    own = [r for r in errors if not any(c in errors[r] for c in _COLLATERAL)]
+    first = min(silent or own or errors)
+    others = ", ".join(f"{r}: {errors[r].splitlines()[0][:160]}" for r in sorted(errors) if r != first)
+    return f"process {first} failed: {errors[first]}" + (f"\n(also: {others})" if others else "")
+
+
 def run_local(
     fn: Callable[..., Any],
     n_src: int,
@@ -170,8 +189,7 @@ def run_local(
                     (out if ok else errors)[rank] = pickle.loads(val) if ok else val
                 except queue.Empty:
                     pass
-            first = min(errors)
-            raise WorkerError(f"process {first} failed: {errors[first]}")
+            raise WorkerError(_describe_failure(procs, out, errors))
         return [out[r] for r in range(world_size)]
     finally:
         for p in procs:

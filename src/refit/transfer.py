@@ -38,6 +38,16 @@ class TransferConfig:
     preflight_timeout_s: float = DEFAULT_PREFLIGHT_TIMEOUT_S
     transport: str = "p2p"  # "p2p", "ipc" or "auto" (IPC between CUDA processes of one host)
     name: str = "refit"  # store namespace; give each Sender/Receiver pairing in one job its own
+    copy_streams: int = 2  # CUDA IPC: streams per source GPU a receiver pulls on (copies spread over them)
+    cuda_graph: bool = True  # CUDA IPC: a pull's copies recorded once into a CUDA graph, replayed per refit
+
+    def __post_init__(self) -> None:
+        for field, value, least in (("num_buffers", self.num_buffers, 1), ("buffer_bytes", self.buffer_bytes, 1),
+                                    ("copy_streams", self.copy_streams, 1)):
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"TransferConfig.{field} must be an integer >= {least}, got {value!r}")
+        if self.transport not in ("p2p", "ipc", "auto"):
+            raise ValueError(f"TransferConfig.transport must be 'p2p', 'ipc' or 'auto', got {self.transport!r}")
 
 
 def _first_difference(side: str, mine: list, theirs: list) -> str | None:
@@ -126,6 +136,7 @@ class Peer:
         self.executor = Executor(
             self.plan, proc, src_tensors=src_tensors, dst_tensors=dst_tensors, group=group, sync_group=sync_group,
             device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s, standalone=standalone,
+            copy_streams=config.copy_streams, cuda_graph=config.cuda_graph,
         )
         self.version: int | None = None
         self.last: RunStats | None = None

@@ -2,11 +2,12 @@
 
 Setup (once): each source process exports an IPC handle per local tensor that
 some receiver pulls from and publishes them through the rendezvous store;
-each receiver rebuilds (maps) them. Pull (per refit): one copy per piece on
-the receiver's streams: peer copies (other GPU, over NVLink) on one stream,
-same-GPU copies on another, so both links work at once. Pieces that are not
-one contiguous run use 2-D strided copies (``cudaMemcpy2DAsync``) where the
-box is a strided set of rows, and a copy kernel otherwise.
+each receiver rebuilds (maps) them. Pull (per refit): one copy per piece,
+recorded once into a CUDA graph and replayed: same-GPU pieces as memcpy (or a
+copy kernel where strided), peer pieces (other GPU, over NVLink) as
+copy-engine copies pushed from the source GPU, so both links work at once;
+peer pieces that are not one contiguous run use 2-D strided copies
+(``cudaMemcpy2DAsync``).
 """
 
 from __future__ import annotations
@@ -79,12 +80,11 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
             raise RuntimeError(f"cudaDeviceEnablePeerAccess({device} -> {peer}) failed with CUDA error {rc}")
 
 
-def _rows(view: torch.Tensor) -> tuple[int, int, int] | None:
+def rows_of(view: torch.Tensor) -> tuple[int, int, int] | None:
     """(rows, row_bytes, pitch_bytes) if ``view`` is evenly spaced contiguous rows, else None."""
     if view.dim() == 0:
         return None
     shape, stride = list(view.shape), list(view.stride())
-    # the contiguous tail: trailing dims that are dense
     k, expect = len(shape), 1
     while k > 0 and (stride[k - 1] == expect or shape[k - 1] == 1):
         expect *= shape[k - 1]
@@ -96,6 +96,27 @@ def _rows(view: torch.Tensor) -> tuple[int, int, int] | None:
     if not head:
         return 1, expect * item, expect * item
     return head[0][0], expect * item, head[0][1] * item
+
+
+def row_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(rows, width, dst_pitch, src_pitch) in bytes if ``dst <- src`` is a copy of equal rows, else None.
+
+    A side that is one dense run takes the other side's row width (pitch = width)."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        return None
+    d, s = rows_of(dst), rows_of(src)
+    if d is None or s is None:
+        return None
+    if d[:2] != s[:2]:
+        if d[0] == 1 and s[0] * s[1] == d[1]:
+            d = (s[0], s[1], s[1])
+        elif s[0] == 1 and d[0] * d[1] == s[1]:
+            s = (d[0], d[1], d[1])
+        else:
+            return None
+    if d[0] == 1:  # one run: pitches are irrelevant
+        return 1, d[1], d[1], d[1]
+    return d[0], d[1], d[2], s[2]
 
 
 def make_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, Callable[[torch.cuda.Stream], None]]:
@@ -126,18 +147,9 @@ def make_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, Callable[[torc
                 raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {rc} ({nbytes} bytes)")
 
         return "memcpy", copy1d
-    d, s = _rows(dst), _rows(src)
-    if dst.device == src.device:
-        d = s = None  # kernel below (across GPUs a kernel pushing over NVLink measured 5x slower than 2-D memcpy)
-    if d is not None and s is not None and d[:2] != s[:2]:
-        # a dense side takes the other side's row width, with pitch = width
-        if d[0] == 1 and s[0] * s[1] == d[1]:
-            d = (s[0], s[1], s[1])
-        elif s[0] == 1 and d[0] * d[1] == s[1]:
-            s = (d[0], d[1], d[1])
-    if lib is not None and d is not None and s is not None and d[:2] == s[:2]:
-        rows, width, dpitch = d
-        spitch = s[2]
+    spec = row_copy(dst, src) if dst.device != src.device else None  # same GPU: kernel below
+    if lib is not None and spec is not None:
+        rows, width, dpitch, spitch = spec
         dptr, sptr = dst.data_ptr(), src.data_ptr()
 
         def copy2d(stream: torch.cuda.Stream) -> None:
@@ -199,34 +211,55 @@ class IpcPuller:
     IPC mapping measured 38 GB/s on H200s; this path runs at link speed).
     """
 
+    SMALL = 1 << 20  # copies below this are latency-bound: a stream of their own, beside the large ones
+
     def __init__(self, device: torch.device, same_device: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 peer: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                 peer: Sequence[tuple[torch.Tensor, torch.Tensor]], streams_per_lane: int = 2) -> None:
+        if streams_per_lane < 1:
+            raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
         self.device = device
-        # largest first so the long copies start early on each stream
-        order = lambda pairs: sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size())  # noqa: E731
         groups: dict[torch.device, list] = {device: list(same_device)} if same_device else {}
         for d, s in peer:
             groups.setdefault(s.device, []).append((d, s))
+        # one lane per source GPU: its large copies spread over ``streams_per_lane`` streams (on one
+        # stream each copy's ramp-down leaves the GPU partly idle; several overlap those tails), its
+        # small ones (latency-bound: norms, biases) on a stream of their own so they do not queue
+        # behind the large ones.
         self.lanes = []  # (label, stream, [(kind, nbytes, fn)])
         for src_dev, pairs in sorted(groups.items(), key=lambda kv: str(kv[0])):
             if src_dev != device:
                 enable_peer_access(src_dev, device)
-            copies = [(kind, d.numel() * d.element_size(), fn) for d, s in order(pairs) for kind, fn in [make_copy(d, s)]]
-            self.lanes.append(("same" if src_dev == device else f"peer{src_dev.index}", torch.cuda.Stream(src_dev), copies))
-        # issue order: largest copies first across all lanes, so every lane gets long work at once
-        # and the host's enqueueing of the small ones hides behind it; grouped into runs of one
-        # device so the current device switches only between runs
+            label = "same" if src_dev == device else f"peer{src_dev.index}"
+            copies = [(kind, d.numel() * d.element_size(), fn) for d, s in pairs for kind, fn in [make_copy(d, s)]]
+            small = [c for c in copies if c[1] < self.SMALL]
+            large = [c for c in copies if c[1] >= self.SMALL]
+            if small:
+                self.lanes.append((f"{label}.small", torch.cuda.Stream(src_dev), small))
+            large.sort(key=lambda c: -c[1])
+            n = min(streams_per_lane, len(large))
+            per = [[] for _ in range(n)]
+            load = [0] * n
+            for c in large:  # largest first onto the least-loaded stream
+                i = load.index(min(load))
+                per[i].append(c)
+                load[i] += c[1]
+            for i, cs in enumerate(per):
+                self.lanes.append((label if n == 1 else f"{label}.{i}", torch.cuda.Stream(src_dev), cs))
+        # issue order: largest first across all lanes, so every lane gets long work at once and
+        # the host's enqueueing of the rest (3-5 us a call) hides behind it; grouped into runs of
+        # one device so the current device switches only between runs
         order = sorted(
             ((nbytes, i, stream, fn) for i, (_, stream, copies) in enumerate(self.lanes) for _, nbytes, fn in copies),
             key=lambda x: (-x[0], x[1]),
         )
         self.runs: list[tuple[torch.device, list[tuple[torch.cuda.Stream, Callable]]]] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
         for _, _, stream, fn in order:
             if not self.runs or self.runs[-1][0] != stream.device:
                 self.runs.append((stream.device, []))
             self.runs[-1][1].append((stream, fn))
 
-    def pull(self) -> None:
+    def _issue(self) -> None:
         current = torch.cuda.current_stream(self.device)
         for _, stream, _ in self.lanes:
             stream.wait_stream(current)
@@ -236,6 +269,24 @@ class IpcPuller:
                     fn(stream)
         for _, stream, _ in self.lanes:
             current.wait_stream(stream)
+
+    def capture(self) -> None:
+        """Record every copy of a pull into one CUDA graph (setup): a pull is then one launch
+        instead of hundreds of host calls (3-5 us each, which the GPU otherwise waits for)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):
+            for _, stream, _ in self.lanes:
+                torch.cuda.synchronize(stream.device)
+            with torch.cuda.graph(graph):
+                self._issue()
+        self.graph = graph
+
+    def pull(self) -> None:
+        if self.graph is not None:
+            with torch.cuda.device(self.device):
+                self.graph.replay()
+        else:
+            self._issue()
 
     def profile(self, repeats: int = 3) -> dict[str, tuple[int, int, float]]:
         """Seconds per lane and copy kind ("same/memcpy", "peer0/memcpy2d", ...), each run alone."""

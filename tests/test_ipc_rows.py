@@ -1,0 +1,24 @@
+"""How the IPC transport sees a piece as strided rows, for 2-D copies (CPU: pure stride arithmetic)."""
+
+import torch
+
+from refit.transport.ipc import row_copy, rows_of
+
+
+def test_rows_of_dense_strided_and_irregular():
+    m = torch.empty(8, 64, dtype=torch.bfloat16)
+    assert rows_of(m) == (1, 8 * 64 * 2, 8 * 64 * 2)
+    assert rows_of(m[:, 16:48]) == (8, 32 * 2, 64 * 2)
+    assert rows_of(m[2:5]) == (1, 3 * 64 * 2, 3 * 64 * 2)
+    assert rows_of(m[:, ::2]) is None  # not contiguous within a row
+    assert rows_of(torch.empty(4, 6, 8)[:, 1:3, 2:6]) is None  # two strided dims
+    assert rows_of(torch.empty(4, 6, 8)[:, 2:4, :]) == (4, 2 * 8 * 4, 6 * 8 * 4)  # trailing dims dense
+
+
+def test_row_copy_takes_dense_side_width():
+    src = torch.empty(16, 32, dtype=torch.float32)[:, 8:24]  # 16 rows of 64 B, pitch 128 B
+    dst = torch.empty(16, 16, dtype=torch.float32)  # dense
+    assert row_copy(dst, src) == (16, 64, 64, 128)
+    assert row_copy(src, dst) == (16, 64, 128, 64)
+    assert row_copy(dst.to(torch.float64), src) is None  # dtypes differ
+    assert row_copy(torch.empty(16, 8), src[:, :8]) == (16, 32, 32, 128)
