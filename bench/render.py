@@ -1,6 +1,10 @@
 """Render bench/results/<kind>.json into docs/benchmarks.md's generated section and a PNG chart.
 
-    python -m bench.render bench/results/nvidia-h200-x2.json
+    python -m bench.render bench/results/nvidia-h200-x2.json [bench/results/nvidia-h200-x2-checkpoint-engine.json ...]
+
+Rows of further files (other runs of the same device kind, e.g. checkpoint-engine's)
+are appended, without their own floor rows; their ratios stay against the floor
+measured in their own run.
 
 Needs matplotlib (``pip install -e '.[bench]'``). Rewrites the text between the
 ``<!-- results:<kind> -->`` markers in docs/benchmarks.md and writes
@@ -49,8 +53,13 @@ def chart(rows: list[dict], path: str, title: str) -> None:
         for y, v in enumerate(vals[::-1]):
             ax.text(v, y, f" {v:.1f}", va="center", fontsize=8)
         ax.set_title(f"{s}: {rs[0]['bytes'] / 1e9:.2f} GB")
-        ax.set_xlabel("median ms per refit (lower is better)")
-        ax.set_xlim(0, max(vals) * 1.25)
+        if max(vals) / min(vals) > 20:
+            ax.set_xscale("log")
+            ax.set_xlim(min(vals) * 0.5, max(vals) * 4)
+            ax.set_xlabel("median ms per refit, log scale (lower is better)")
+        else:
+            ax.set_xlabel("median ms per refit (lower is better)")
+            ax.set_xlim(0, max(vals) * 1.25)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -59,6 +68,10 @@ def chart(rows: list[dict], path: str, title: str) -> None:
 def main(argv: list[str]) -> int:
     src = argv[0]
     rows = json.load(open(src))
+    for extra in argv[1:]:
+        rows += [r for r in json.load(open(extra)) if r["method"] != "floor"]
+    order = {s: i for i, s in enumerate(dict.fromkeys(r["scenario"] for r in rows))}
+    rows.sort(key=lambda r: (order[r["scenario"]], r["method"] == "floor"))  # stable: runs keep their order
     kind = os.path.splitext(os.path.basename(src))[0]
     doc = "docs/benchmarks.md"
     text = open(doc).read()
