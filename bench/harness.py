@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from refit.launch import World, run_local
-from refit.layout import box_slices
+from refit.layout import box_numel, box_slices
 from refit.models import param_shapes
 from refit.plan import ProcessMap, build_plan
 from refit.rules import layout_from_spec
@@ -48,6 +48,11 @@ class Scenario:
     dst: str
     devices: tuple[str, ...]  # process -> device (trainer ranks first)
     methods: tuple[str, ...]
+    floor: str = "links"  # "links": every link's bytes as one copy, all at once; "one_link": one engine's bytes over one link
+
+    @property
+    def gpus(self) -> int:
+        return len({d for d in self.devices if d.startswith("cuda")})
 
 
 def scenarios(device: str) -> dict[str, Scenario]:
@@ -66,6 +71,16 @@ def scenarios(device: str) -> dict[str, Scenario]:
                        ("cuda:0", "cuda:0"), ("refit", "floor")),
         "S3": Scenario("S3", "colocated reshard: trainer fsdp=2 on GPU0-1 -> engine tp=2 on GPU0-1", "fsdp=2", "tp=2",
                        ("cuda:0", "cuda:1", "cuda:0", "cuda:1"), ("refit", "gather_then_slice", "floor")),
+        "S4": Scenario("S4", "non-colocated reshard: trainer tp=2 on GPU0-1 -> engine tp=2 on GPU2-3", "tp=2", "tp=2",
+                       ("cuda:0", "cuda:1", "cuda:2", "cuda:3"), ("refit", "refit_nccl", "floor")),
+        "S5": Scenario("S5", "colocated reshard: trainer fsdp=4 -> engine tp=1,dp=4 on GPU0-3", "fsdp=4", "tp=1,dp=4",
+                       tuple(f"cuda:{i}" for i in range(4)) * 2, ("refit", "floor")),
+        "S6": Scenario("S6", "one trainer GPU -> 3 engine replicas: trainer GPU0 -> engine tp=1,dp=3 on GPU1-3", "tp=1",
+                       "tp=1,dp=3", tuple(f"cuda:{i}" for i in range(4)), ("refit", "per_tensor_broadcast", "floor"),
+                       floor="one_link"),
+        "S6x7": Scenario("S6x7", "one trainer GPU -> 7 engine replicas: trainer GPU0 -> engine tp=1,dp=7 on GPU1-7",
+                         "tp=1", "tp=1,dp=7", tuple(f"cuda:{i}" for i in range(8)),
+                         ("refit", "per_tensor_broadcast", "floor"), floor="one_link"),
     }
 
 
@@ -79,7 +94,8 @@ def _floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
         n = plan.bytes_moved // max(1, len(plan.procs.src))
         a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
         return {"memcpy": lambda: b.copy_(a)}
-    same = peer = 0
+    same = 0
+    peer: dict[torch.device, int] = {}  # destination GPU -> bytes this process sends there
     for m in plan.messages:
         if plan.procs.src[m.src] != ctx.rank:
             continue
@@ -87,31 +103,38 @@ def _floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
         if plan.procs.same_device(ctx.rank, plan.procs.dst[m.dst]):
             same += nbytes
         else:
-            peer += nbytes
             other = torch.device(plan.procs.device_of(plan.procs.dst[m.dst]))
+            peer[other] = peer.get(other, 0) + nbytes
+    if scen.floor == "one_link":
+        # the largest per-link byte count of an ideal fan-out (every engine's bytes cross one link
+        # once): one engine's share over one link
+        biggest = max(sum(box_numel(b) * t.itemsize for t in plan.dst_layout if (b := t.box(r)) is not None)
+                      for r in range(len(plan.procs.dst)))
+        first = torch.device(plan.procs.device_of(plan.procs.dst[0]))
+        peer, same = ({first: biggest} if ctx.rank == plan.procs.src[0] else {}), 0
     out = {}
-    if peer:
-        ps, pd = torch.empty(peer, dtype=torch.uint8, device=dev), torch.empty(peer, dtype=torch.uint8, device=other)
+    peer_bufs = [(torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=d))
+                 for d, n in sorted(peer.items(), key=str)]
     if same:
         ls, ld = torch.empty(same, dtype=torch.uint8, device=dev), torch.empty(same, dtype=torch.uint8, device=dev)
-    streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+    streams = [torch.cuda.Stream(dev) for _ in range(len(peer_bufs) + 1)]
     main = torch.cuda.current_stream(dev)
 
     def copies() -> None:
-        for s in streams:
-            s.wait_stream(main)
-        if peer:
-            with torch.cuda.stream(streams[0]):
-                pd.copy_(ps, non_blocking=True)
+        for st in streams:
+            st.wait_stream(main)
+        for st, (src_buf, dst_buf) in zip(streams, peer_bufs):
+            with torch.cuda.stream(st):
+                dst_buf.copy_(src_buf, non_blocking=True)
         if same:
-            with torch.cuda.stream(streams[1]):
+            with torch.cuda.stream(streams[-1]):
                 ld.copy_(ls, non_blocking=True)
-        for s in streams:
-            main.wait_stream(s)
+        for st in streams:
+            main.wait_stream(st)
 
     out["copy"] = copies
     if scen.name == "S1" and ctx.nccl is not None:
-        buf = ps
+        buf = peer_bufs[0][0]
 
         def nccl_send() -> None:
             dist.send(buf, dst=1, group=ctx.nccl)
@@ -270,6 +293,9 @@ def device_kind() -> str:
 def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int, growth_iters: int,
               cfg: TransferConfig, out_path: str | None, command: str, console) -> list[dict]:
     all_s = scenarios(device)
+    if not which:  # the scenarios this machine can run
+        have = torch.cuda.device_count() if device == "cuda" else 0
+        which = [n for n, sc in all_s.items() if sc.gpus <= have]
     unknown = [w for w in which if w not in all_s]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown} for device {device!r}; available: {', '.join(all_s)}")
