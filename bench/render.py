@@ -19,7 +19,7 @@ import sys
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| scenario | method | median ms | min ms | max ms | GB/s | x floor | peak extra MiB | growth over 20 (B) | correct |\n"
+    head = ("| scenario | method | median ms | min ms | max ms | GB/s | x floor | peak extra MiB | growth (B) | correct |\n"
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     out = [head]
     for r in rows:
