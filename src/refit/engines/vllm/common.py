@@ -31,6 +31,10 @@ class RefitInitInfo:
     num_buffers: int = 2
     buffer_bytes: int = 64 << 20
     session: str = "refit"
+    load_path: str = "auto"  # "direct", "loader" or "auto" (direct where vLLM keeps parameters as loaded)
+
+
+LOAD_PATHS = ("auto", "direct", "loader")
 
 
 @dataclass

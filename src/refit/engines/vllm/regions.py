@@ -90,3 +90,59 @@ def region(model: torch.nn.Module, name: str, shape: Sequence[int]) -> tuple[Box
             lo, hi = idx.org_vocab_start_index, min(idx.org_vocab_end_index, shape[0])
             return _rows(shape, lo, hi), "vocab"
     return full_box(shape), "full"
+
+
+def _param(model: torch.nn.Module, path: str) -> torch.Tensor | None:
+    try:
+        return model.get_parameter(path)
+    except AttributeError:
+        return None
+
+
+def live_target(model: torch.nn.Module, name: str, shape: Sequence[int], box: Box, rule: str) -> tuple[torch.Tensor | None, str]:
+    """(view, why): where this worker's ``box`` of HF tensor ``name`` lives in vLLM's live
+    parameters, for writing received bytes there directly; (None, why not) where it cannot.
+
+    The view is the part of the fused parameter the weight loader would have
+    written: ``qkv_proj`` rows [q | k | v] of this rank, ``gate_up_proj`` rows
+    [gate | up], the vocab shard's first rows (padding rows untouched), whole
+    parameters otherwise. It is only valid while vLLM keeps parameters as
+    loaded (CUDA, unquantized); where it repacked or dropped them (the CPU
+    backend, quantized methods) the shape check below says so.
+    """
+    stem, _, leaf = name.rpartition(".")
+    want = tuple(hi - lo for lo, hi in box)
+    if rule.startswith(("qkv:", "merged:")):
+        hf = next(h for h in _STACKED if stem.endswith(h))
+        vllm_name, shard = _STACKED[hf]
+        path = stem[: -len(hf)] + vllm_name
+        mod = _module(model, path)
+        param = _param(model, f"{path}.{leaf}")
+        if mod is None or param is None:
+            return None, f"{path}.{leaf} not found"
+        if shard in ("q", "k", "v"):
+            q = mod.num_heads * mod.head_size
+            k = mod.num_kv_heads * mod.head_size
+            off = {"q": 0, "k": q, "v": q + k}[shard]
+        else:
+            off = sum(mod.output_sizes[:shard]) // mod.tp_size
+        target, where = param, f"{path}.{leaf}"
+        expect_rows = (mod.output_size_per_partition,)
+    elif rule in ("row", "row-bias", "vocab", "full"):
+        target, where = _param(model, name), name
+        if target is None:
+            return None, f"{name} not found"
+        off, expect_rows = 0, None
+    else:
+        return None, f"no direct rule for {rule!r}"
+    rows = want[0] if want else 0
+    if expect_rows is not None and (target.dim() == 0 or target.shape[0] != expect_rows[0]):
+        return None, f"{where} has shape {list(target.shape)}, not as loaded ({expect_rows[0]} rows)"
+    if target.dim() != len(want) or tuple(target.shape[1:]) != want[1:] or off + rows > target.shape[0]:
+        return None, f"{where} has shape {list(target.shape)}, not as loaded (rows [{off}, {off + rows}) of {list(want)})"
+    if rule == "full" and tuple(target.shape) != want:
+        return None, f"{where} has shape {list(target.shape)}, the HF tensor {list(want)}"
+    view = target.data[off : off + rows] if len(want) else target.data
+    if not view.is_contiguous():
+        return None, f"{where} rows [{off}, {off + rows}) are not contiguous"
+    return view, where

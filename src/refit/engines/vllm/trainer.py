@@ -25,7 +25,8 @@ from refit.plan import ProcessMap
 from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer, TransferConfig
 
-from .common import DEFAULT_TIMEOUT_S, RefitInitInfo, gather_dst_layout, join_group, layout_to_json, open_store, wait_workers
+from .common import (DEFAULT_TIMEOUT_S, LOAD_PATHS, RefitInitInfo, gather_dst_layout, join_group, layout_to_json, open_store,
+                     wait_workers)
 
 
 class ShardedModuleSource(WeightSource):
@@ -65,11 +66,14 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     buffer_bytes: int = 64 << 20
     session: str = "refit"
     device: str = "cpu"
+    load_path: str = "auto"  # worker side: "direct" (into live params), "loader" (vLLM's loaders) or "auto"
     extra: dict = field(default_factory=dict)
 
     def worker_info(self) -> RefitInitInfo:
+        if self.load_path not in LOAD_PATHS:
+            raise ValueError(f"RefitTrainerInitInfo.load_path must be one of {LOAD_PATHS}, got {self.load_path!r}")
         return RefitInitInfo(self.master_address, self.master_port, self.n_trainer, self.n_trainer + self.n_workers,
-                             self.timeout_s, self.num_buffers, self.buffer_bytes, self.session)
+                             self.timeout_s, self.num_buffers, self.buffer_bytes, self.session, self.load_path)
 
 
 class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):

@@ -3,13 +3,23 @@
 Lifecycle (driven by vLLM's weight-sync calls):
   init_transfer_engine  join the transfer group, read the trainer's source
                         layout, publish this worker's regions (from vLLM's
-                        modules), build the plan, pre-flight with everyone;
-  start_weight_update   vLLM's layerwise reload begins;
-  update_weights        receive this worker's boxes, hand them to vLLM's
-                        loaders (a full-shaped tensor whose only valid part is
-                        the box the loader reads);
-  finish_weight_update  layerwise reload finalizes (vLLM re-processes
-                        weights); the LLM then sets the weight version.
+                        modules), choose the load path, build the plan,
+                        pre-flight with everyone;
+  start_weight_update   loader path: vLLM's layerwise reload begins;
+  update_weights        receive this worker's boxes: direct path, straight
+                        into the live (fused) parameters; loader path, into
+                        buffers handed to vLLM's loaders (a full-shaped tensor
+                        whose only valid part is the box the loader reads);
+                        tensors the mapping does not know arrive whole and go
+                        through vLLM's ``load_weights`` on both paths;
+  finish_weight_update  loader path: layerwise reload finalizes (vLLM
+                        re-processes weights); the LLM then sets the version.
+
+Load paths: ``direct`` needs vLLM to keep every parameter as loaded (CUDA,
+unquantized; the CPU backend repacks linear weights and drops the originals);
+``auto`` takes it where every mapped tensor has a live target and the loader
+path otherwise; ``direct`` asked for where a target is missing fails at init,
+naming the parameter.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from refit.plan import ProcessMap
 from refit.transfer import Peer, TransferConfig
 
 from .common import RefitInitInfo, RefitUpdateInfo, gather_dst_layout, join_group, layout_from_json, open_store, wait_workers
-from .regions import region
+from .regions import live_target, region
 
 
 def check_supported(vllm_config, model: torch.nn.Module) -> None:
@@ -67,11 +77,17 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         try:  # nothing has moved yet: a refusal reaches every trainer rank through the store
             check_supported(self.vllm_config, self.model)
             src = layout_from_json(store.get("src").decode())
-            regions, rules = {}, {}
+            regions, rules, targets, missing = {}, {}, {}, []
             for t in src:
                 box, rule = region(self.model, t.name, t.shape)
                 regions[t.name] = [list(x) for x in box]
                 rules[rule] = rules.get(rule, 0) + 1
+                view, why = live_target(self.model, t.name, t.shape, box, rule)
+                if view is not None and view.dtype == t.dtype:
+                    targets[t.name] = view
+                elif rule != "full":  # tensors the mapping does not know may go through load_weights
+                    missing.append(f"{t.name}: {why if view is None else f'dtype {view.dtype}, trainer sends {t.dtype}'}")
+            self.direct = self._choose_path(init_info.load_path, missing)
         except Exception as e:
             store.set(f"error/{w}", f"{type(e).__name__}: {e}")
             raise
@@ -79,20 +95,39 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         wait_workers(store, n_workers, init_info.timeout_s)
         pg = join_group(init_info, store, init_info.n_trainer + w)
         dst = gather_dst_layout(store, src, n_workers)
+        # direct: received bytes land in the live parameters; the rest (and everything on the
+        # loader path) in buffers handed to vLLM's loaders
+        self.targets = targets if self.direct else {}
         self.buffers = {t.name: torch.empty(box_shape(b), dtype=t.dtype, device=self.device)
-                        for t, b in dst.local_tensors(w)}
+                        for t, b in dst.local_tensors(w) if t.name not in self.targets}
         self.boxes = {t.name: b for t, b in dst.local_tensors(w)}
         self.shapes = {t.name: t.shape for t in dst}
         cfg = TransferConfig(num_buffers=init_info.num_buffers, buffer_bytes=init_info.buffer_bytes,
                              preflight_timeout_s=init_info.timeout_s, name="xfer")
-        self.peer = Peer(src, dst, init_info.n_trainer + w, dst_tensors=self.buffers,
+        self.peer = Peer(src, dst, init_info.n_trainer + w, dst_tensors={**self.buffers, **self.targets},
                          procs=ProcessMap.disjoint(init_info.n_trainer, n_workers), group=pg, config=cfg,
                          device=self.device, store=store, standalone=True)
         self.pg, self.store = pg, store
         self.stats["rules"] = rules
+        self.stats["load_path"] = "direct" if self.direct else "loader"
+        self.stats["direct_tensors"] = len(self.targets)
         self.stats["bytes_per_refit"] = self.peer.executor.bytes_received
 
+    def _choose_path(self, asked: str, missing: list[str]) -> bool:
+        """True for the direct path."""
+        if asked == "loader":
+            return False
+        if asked == "direct" and missing:
+            raise ValueError(f"refit backend: load_path='direct' needs vLLM's parameters as loaded, but "
+                             f"{len(missing)} tensor(s) have no live target, first {missing[0]} "
+                             f"(use load_path='loader' or 'auto')")
+        if asked not in ("direct", "auto"):
+            raise ValueError(f"refit backend: load_path must be 'auto', 'direct' or 'loader', got {asked!r}")
+        return not missing
+
     def start_weight_update(self) -> None:
+        if self.direct:
+            return  # bytes go straight into the live parameters
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
@@ -113,12 +148,15 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         t0 = time.perf_counter()
         stats = self.peer.run(update_info.version)
         t1 = time.perf_counter()
-        self.model.load_weights(self._full_tensors())
+        if self.buffers:
+            self.model.load_weights(self._full_tensors())
         self.stats.update(bytes_received=self.stats["bytes_received"] + stats.bytes_received,
                           refits=self.stats["refits"] + 1, version=update_info.version,
                           transfer_s=t1 - t0, load_s=time.perf_counter() - t1)
 
     def finish_weight_update(self) -> None:
+        if self.direct:
+            return
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
