@@ -21,13 +21,15 @@ Works with gloo (CPU) and NCCL (GPU).
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 import uuid
 import warnings
 from collections import defaultdict
 from datetime import timedelta
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,31 @@ class _Op:
     tensor: torch.Tensor  # what is sent or received into (a view or a buffer slice)
     pack: list[tuple[torch.Tensor, torch.Tensor]]  # (buffer view, tensor view)
     slot: int = -1  # ring buffer index (packed only)
+    names: tuple[str, ...] = ()  # the tensors whose pieces this message carries
+    step: int = 0
+    sum: torch.Tensor | None = None  # verify mode: [checksum, bytes] sent beside the message
+    got: torch.Tensor | None = None  # verify mode, CUDA receivers: the received message's checksum
+
+
+_SUM_TAG = 1 << 20  # checksum messages use the message's tag plus this
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """[wrapping int64 sum of the bytes as 8-byte words (and the tail bytes), byte count]: any
+    changed word changes the sum. On the tensor's device; no host sync."""
+    b = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().reshape(-1).view(torch.uint8)
+    n8 = b.numel() // 8 * 8
+    words = b[:n8].view(torch.int64).sum() if n8 and b.data_ptr() % 8 == 0 else b[:n8].to(torch.int64).sum()
+    tail = b[n8:].to(torch.int64).sum()
+    return torch.stack([words + tail, torch.tensor(b.numel(), dtype=torch.int64, device=b.device)])
+
+
+class DeadlineExceeded(TimeoutError):
+    """A blocking step of a refit was still waiting when the refit's deadline passed."""
+
+
+class ChecksumError(RuntimeError):
+    """Verify mode: received bytes differ from what the sender sent."""
 
 
 @dataclass
@@ -99,6 +126,38 @@ def validate_local(
                         raise PlanError(f"{side} tensor {p.tensor!r} is on {dev}; CUDA IPC needs CUDA tensors")
 
 
+class _Waiter:
+    """A daemon thread that blocks in ``Work.wait()`` for the executor's thread, which keeps the clock."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="refit-waiter", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            works, done = item
+            for i, w in enumerate(works):
+                try:
+                    w.wait()
+                except BaseException as e:  # noqa: BLE001 - handed to the executor's thread
+                    done.error = (i, e)
+                    break
+            done.set()
+
+    def submit(self, works: list) -> threading.Event:
+        done = threading.Event()
+        done.error = None
+        self.queue.put((works, done))
+        return done
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+
 class Executor:
     def __init__(
         self,
@@ -116,9 +175,11 @@ class Executor:
         standalone: bool = False,
         copy_streams: int = 2,
         cuda_graph: bool = True,
+        verify: bool = False,
     ) -> None:
         """``copy_streams``: CUDA IPC pulls spread over this many streams per source GPU;
-        ``cuda_graph``: IPC pulls recorded into a CUDA graph at setup, replayed per refit.
+        ``cuda_graph``: IPC pulls recorded into a CUDA graph at setup, replayed per refit;
+        ``verify``: checksums beside every message, checked by the receiver.
         ``standalone``: ``group`` is a ProcessGroup object made outside torch.distributed's
         world (e.g. ``ProcessGroupGloo(store, rank, size)`` inside a vLLM worker, whose world is
         vLLM's); peers are its ranks and ops go straight to it."""
@@ -167,9 +228,10 @@ class Executor:
                 tag = tag_of[key]
                 tag_of[key] += 1
                 view = src_view if is_send else dst_view
+                names = tuple(dict.fromkeys(p.tensor for p in m.pieces))
                 if m.direct:
                     p = m.pieces[0]
-                    op = _Op(peer, tag, view(p.tensor, p.box), [])
+                    op = _Op(peer, tag, view(p.tensor, p.box), [], names=names, step=m.step)
                 else:
                     slot = slot_of[id(m)]
                     buf = self.buffers[slot]
@@ -177,9 +239,23 @@ class Executor:
                     for p, off in zip(m.pieces, m.offsets):
                         tv = view(p.tensor, p.box)
                         pack.append((buf[off : off + p.nbytes].view(tv.dtype).view(tv.shape), tv))
-                    op = _Op(peer, tag, buf[: m.nbytes], pack, slot)
+                    op = _Op(peer, tag, buf[: m.nbytes], pack, slot, names=names, step=m.step)
                 (self.steps[m.step].sends if is_send else self.steps[m.step].recvs).append(op)
         self.steps = [s for s in self.steps if s.sends or s.recvs]
+        # verify mode (off by default): a checksum travels beside every message
+        self.verify = verify
+        if verify:
+            for step in self.steps:
+                for op in step.sends + step.recvs:
+                    op.sum = torch.zeros(2, dtype=torch.int64, device=self.device)
+                for op in step.recvs:
+                    op.got = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.ipc_pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # verify mode, IPC receivers
+        # deadline and fault injection, set per run by the caller (Peer)
+        self.deadline: float | None = None
+        self.check_abort: Callable[[], None] | None = None
+        self.fault: Callable[[str, dict], None] | None = None  # fault("where", info): tests and `refit verify --inject`
+        self._waiter: _Waiter | None = None
         self.local = [(dst_view(p.tensor, p.box), src_view(p.tensor, p.box)) for p in plan.local_of(proc)]
 
         # CUDA IPC: sources publish handles, receivers map them (once)
@@ -204,6 +280,8 @@ class Executor:
                 sv = mapped[sp][p.tensor][box_slices(box_relative(p.box, s_box))]
                 pair = (dst_view(p.tensor, p.box), sv)
                 (same if plan.procs.same_device(sp, proc) else peer).append(pair)
+                if verify:
+                    self.ipc_pairs.append((p.tensor, *pair))
             if my_pulls:
                 self.puller = IpcPuller(self.device, same, peer, streams_per_lane=copy_streams)
                 if cuda_graph:
@@ -236,11 +314,45 @@ class Executor:
     # ------------------------------------------------------------------ run
     def _barrier(self) -> None:
         if self.host_barrier is not None:
-            self.host_barrier.wait()
+            self.host_barrier.wait(self._left())
         else:
             dist.barrier(group=self.sync_group)
 
+    def _left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def _wait(self, works: list, ops: list[_Op], what: str) -> None:
+        """Wait for ``works`` (one per op, in order) until the deadline, checking the side channel
+        for another process's abort meanwhile; a failed work names its peer.
+
+        A blocked gloo wait cannot be interrupted (and gloo's own wait-with-timeout breaks the
+        pair), so a waiter thread blocks in ``wait()`` while this thread keeps the clock; past
+        the deadline the waiter stays blocked until the group's own timeout, and the refit is
+        aborted (its Peer is then unusable anyway)."""
+        if self.deadline is None and self.check_abort is None:
+            for w in works:
+                w.wait()
+            return
+        if self._waiter is None:
+            self._waiter = _Waiter()
+        done = self._waiter.submit(works)
+        while not done.wait(0.02):
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                peers = sorted({op.peer for op in ops})
+                raise DeadlineExceeded(f"{what} with process(es) {peers} still pending at the deadline "
+                                       f"(step {ops[0].step if ops else '-'})")
+            if self.check_abort is not None:
+                self.check_abort()
+        if done.error is not None:
+            i, e = done.error
+            op = ops[i]
+            raise RuntimeError(f"{what} with process {op.peer} (step {op.step}, {', '.join(op.names[:3])}"
+                               f"{'...' if len(op.names) > 3 else ''}) failed: {e}") from e
+
     def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.stop()
+            self._waiter = None
         if self.host_barrier is not None:
             self.host_barrier.close()
             self.host_barrier = None
@@ -250,11 +362,46 @@ class Executor:
             for op in step.sends:
                 for bv, tv in op.pack:
                     bv.copy_(tv)
-            for w in self._post(step):
-                w.wait()
+                if op.sum is not None:
+                    op.sum.copy_(checksum(op.tensor))
+            if self.fault is not None:
+                self.fault("step", {"step": step, "executor": self})
+            ops = step.sends + step.recvs
+            self._wait(self._post(step), ops, "transfer")
+            if self.verify:
+                self._wait(self._post_sums(step), ops, "checksum exchange")
+            if self.fault is not None:
+                self.fault("received", {"step": step, "executor": self})
+            self._check_sums(step)
             for op in step.recvs:
                 for bv, tv in op.pack:
                     tv.copy_(bv)
+
+    def _post_sums(self, step: _Step) -> list:
+        if self.standalone:
+            works = [self.group.send([op.sum], op.peer, op.tag + _SUM_TAG) for op in step.sends]
+            return works + [self.group.recv([op.sum], op.peer, op.tag + _SUM_TAG) for op in step.recvs]
+        ops = [dist.P2POp(dist.isend, op.sum, op.peer, self.group, op.tag + _SUM_TAG) for op in step.sends]
+        ops += [dist.P2POp(dist.irecv, op.sum, op.peer, self.group, op.tag + _SUM_TAG) for op in step.recvs]
+        return dist.batch_isend_irecv(ops)
+
+    def _check_sums(self, step: _Step) -> None:
+        if not self.verify:
+            return
+        for op in step.recvs:
+            got = (op.got if self.cuda else checksum(op.tensor)).tolist()
+            want = op.sum.tolist()
+            if got != want:
+                raise ChecksumError(f"checksum mismatch in the message from process {op.peer} at step {op.step} "
+                                    f"(tensors {', '.join(op.names)}): sent {want[0]} over {want[1]} bytes, "
+                                    f"received {got[0]} over {got[1]} bytes")
+
+    def _check_ipc_sums(self) -> None:
+        for name, dst, src in self.ipc_pairs:
+            got, want = checksum(dst).tolist(), checksum(src).tolist()
+            if got != want:
+                raise ChecksumError(f"checksum mismatch in tensor {name!r} pulled over CUDA IPC: "
+                                    f"source {want[0]}, received {got[0]} ({want[1]} bytes)")
 
     def _post(self, step: _Step) -> list:
         """Post every send and receive of a step; return the works to wait on."""
@@ -279,9 +426,18 @@ class Executor:
                 for op in step.sends:
                     for bv, tv in op.pack:
                         bv.copy_(tv, non_blocking=True)
+                    if op.sum is not None:
+                        op.sum.copy_(checksum(op.tensor))
             main.wait_stream(self.pack_stream)
+            if self.fault is not None:
+                self.fault("step", {"step": step, "executor": self})
             for w in self._post(step):
                 w.wait()  # the main stream waits for NCCL; the host does not
+            if self.verify:
+                for w in self._post_sums(step):
+                    w.wait()
+                for op in step.recvs:
+                    op.got.copy_(checksum(op.tensor))
             done = torch.cuda.Event()
             done.record(main)
             with torch.cuda.stream(self.unpack_stream):
@@ -295,11 +451,30 @@ class Executor:
                 self.free[op.slot] = free
         main.wait_stream(self.unpack_stream)
 
-    def run(self) -> RunStats:
+    def _sync_device(self) -> None:
+        """Wait for this GPU's work until the deadline (the host never blocks inside CUDA past it)."""
+        if self.deadline is None and self.check_abort is None:
+            torch.cuda.synchronize(self.device)
+            return
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        next_check = time.monotonic()
+        while not ev.query():
+            now = time.monotonic()
+            if self.deadline is not None and now > self.deadline:
+                raise DeadlineExceeded("GPU work of the refit (NCCL transfers or IPC pulls) still running at the deadline")
+            if self.check_abort is not None and now >= next_check:
+                self.check_abort()
+                next_check = now + 0.02
+            time.sleep(0.0001)
+
+    def run(self, deadline: float | None = None) -> RunStats:
+        """One refit. ``deadline`` (``time.monotonic()`` value): every blocking wait gives up then."""
         t0 = time.perf_counter()
+        self.deadline = deadline
         if self.uses_ipc:
             if self.cuda:
-                torch.cuda.synchronize(self.device)
+                self._sync_device()
             self._barrier()  # every source's weights are final
         for dst, src in self.local:
             dst.copy_(src, non_blocking=True)
@@ -307,7 +482,11 @@ class Executor:
             self.puller.pull()
         if self.cuda:
             self._run_steps_cuda()
-            torch.cuda.synchronize(self.device)
+            self._sync_device()
+            for step in self.steps:
+                self._check_sums(step)
+            if self.ipc_pairs:
+                self._check_ipc_sums()
         else:
             self._run_steps_cpu()
         if self.uses_ipc:

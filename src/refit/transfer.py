@@ -16,6 +16,7 @@ Contract
 from __future__ import annotations
 
 import json
+import time
 
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +25,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from refit.abort import AbortChannel, RefitAborted
 from refit.executor import Executor, RunStats, validate_local
 from refit.layout import ModelLayout
 from refit.plan import Plan, PlanError, ProcessMap, build_plan
@@ -40,6 +42,9 @@ class TransferConfig:
     name: str = "refit"  # store namespace; give each Sender/Receiver pairing in one job its own
     copy_streams: int = 2  # CUDA IPC: streams per source GPU a receiver pulls on (copies spread over them)
     cuda_graph: bool = True  # CUDA IPC: a pull's copies recorded once into a CUDA graph, replayed per refit
+    deadline_s: float = 300.0  # every blocking step of one refit gives up this long after the refit began
+    commit: str = "in_place"  # "in_place": receive into the live tensors; "staged": all-or-nothing (see Peer)
+    verify: bool = False  # a checksum beside every message, checked by the receiver (costs a pass over the bytes)
 
     def __post_init__(self) -> None:
         for field, value, least in (("num_buffers", self.num_buffers, 1), ("buffer_bytes", self.buffer_bytes, 1),
@@ -48,6 +53,10 @@ class TransferConfig:
                 raise ValueError(f"TransferConfig.{field} must be an integer >= {least}, got {value!r}")
         if self.transport not in ("p2p", "ipc", "auto"):
             raise ValueError(f"TransferConfig.transport must be 'p2p', 'ipc' or 'auto', got {self.transport!r}")
+        if self.commit not in ("in_place", "staged"):
+            raise ValueError(f"TransferConfig.commit must be 'in_place' or 'staged', got {self.commit!r}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"TransferConfig.deadline_s must be > 0, got {self.deadline_s!r}")
 
 
 def _first_difference(side: str, mine: list, theirs: list) -> str | None:
@@ -101,7 +110,25 @@ def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float,
 
 
 class Peer:
-    """One process's part in a refit: the source rank it hosts, the destination rank, or both."""
+    """One process's part in a refit: the source rank it hosts, the destination rank, or both.
+
+    ``run(version)`` moves one version. Every blocking step gives up at
+    ``config.deadline_s``; the first process to fail publishes why through the
+    store and every process raises :class:`RefitAborted` with that message.
+    ``version`` is the last version committed here. Commit modes:
+
+    * ``"in_place"`` (default, no extra memory): bytes land in the live
+      tensors as they arrive. After an abort the destination is ``torn``
+      (part new, part old): do not serve it; retry the version.
+    * ``"staged"``: bytes land in a shadow copy of this process's destination
+      tensors (extra memory: its share of the model); once every process of
+      the refit holds all of it (a vote through the store), each copies the
+      shadow into the live tensors. After an abort the live tensors are still
+      the last committed version, bit for bit.
+
+    After an abort the transfer group may hold unfinished operations: build a
+    new Peer (fresh group, new ``config.name``) to retry.
+    """
 
     def __init__(
         self,
@@ -133,20 +160,65 @@ class Peer:
             raise
         # the executor's setup may exchange IPC handles: only once the plans agree
         preflight(self.plan, proc, store, config.preflight_timeout_s, config.name)
+        self.config, self.proc = config, proc
+        self.live = dict(dst_tensors or {})
+        staged = config.commit == "staged" and bool(self.live)
+        self.shadow = {n: torch.empty_like(t) for n, t in self.live.items()} if staged else {}
         self.executor = Executor(
-            self.plan, proc, src_tensors=src_tensors, dst_tensors=dst_tensors, group=group, sync_group=sync_group,
-            device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s, standalone=standalone,
-            copy_streams=config.copy_streams, cuda_graph=config.cuda_graph,
+            self.plan, proc, src_tensors=src_tensors, dst_tensors=self.shadow or dst_tensors, group=group,
+            sync_group=sync_group, device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s,
+            standalone=standalone, copy_streams=config.copy_streams, cuda_graph=config.cuda_graph, verify=config.verify,
         )
-        self.version: int | None = None
+        members = sorted({*self.plan.procs.src, *self.plan.procs.dst})
+        self.channel = AbortChannel(store, f"{config.name}/run", proc, len(members)) if store is not None else None
+        self.version: int | None = None  # the last version committed here
+        self.torn = False  # in_place: an aborted refit left the destination part new, part old
+        self.broken: str | None = None  # why this Peer can no longer run (an aborted refit)
         self.last: RunStats | None = None
+        self._attempts: dict[int, int] = {}
 
     def run(self, version: int) -> RunStats:
+        if self.broken is not None:
+            raise RefitAborted(f"this Peer's transfer group was left unusable by an aborted refit ({self.broken}); "
+                               "build a new Peer (fresh group, new config.name) to retry")
         if self.version is not None and version <= self.version:
             raise ValueError(f"version must increase: got {version} after {self.version}")
-        stats = self.executor.run()
-        self.version, self.last = version, stats
+        attempt = self._attempts.get(version, 0)
+        self._attempts[version] = attempt + 1
+        deadline = time.monotonic() + self.config.deadline_s
+        ch = self.channel
+        self.executor.check_abort = (lambda: ch.raise_if_aborted(version, attempt)) if ch is not None else None
+        try:
+            stats = self.executor.run(deadline)
+            if self.shadow:
+                if ch is not None:
+                    ch.vote(version, attempt, deadline)  # every process holds all of this version
+                for n, t in self.live.items():
+                    t.copy_(self.shadow[n])
+                if self.executor.cuda:
+                    torch.cuda.synchronize(self.executor.device)
+            elif self.config.commit == "staged" and ch is not None:
+                ch.vote(version, attempt, deadline)  # sources too: they learn of a receiver's failure
+        except RefitAborted as e:
+            self._fail(str(e))
+            raise
+        except Exception as e:  # noqa: BLE001 - every process raises the same message
+            msg = f"refit of version {version} aborted: process {self.proc}: {type(e).__name__}: {e}"
+            if ch is not None:
+                msg = ch.abort(version, attempt, msg)
+            self._fail(msg)
+            raise RefitAborted(msg) from e
+        self.version, self.last, self.torn = version, stats, False
         return stats
+
+    def close(self) -> None:
+        """Stop this Peer's helper thread and shared-memory barrier (its tensors stay as they are)."""
+        self.executor.close()
+
+    def _fail(self, msg: str) -> None:
+        self.broken = msg
+        if self.live and not self.shadow:
+            self.torn = True
 
 
 class Sender(Peer):

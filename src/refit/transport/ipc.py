@@ -348,10 +348,11 @@ class HostBarrier:
         if self.owner:
             self.slots[:] = 0
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> None:
         self.gen += 1
         self.slots[self.index] = self.gen
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         spins = 0
         while int(self.slots.min()) < self.gen:
             spins += 1
@@ -359,7 +360,7 @@ class HostBarrier:
                 time.sleep(0.00002)
                 if time.monotonic() > deadline:
                     behind = [i for i in range(self.size) if self.slots[i] < self.gen]
-                    raise TimeoutError(f"barrier: participants {behind} did not arrive within {self.timeout_s:.0f}s")
+                    raise TimeoutError(f"barrier: participants {behind} did not arrive within {timeout_s:.1f}s")
 
     def close(self) -> None:
         self.slots = None

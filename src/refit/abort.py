@@ -1,0 +1,68 @@
+"""The side channel every process of a refit shares: abort together, commit together.
+
+A refit's data moves over collectives (gloo, NCCL) or CUDA IPC; a failure
+inside them must not turn into a hang elsewhere. Every process also holds the
+rendezvous store (a TCP key-value store, outside the data path), and through
+it:
+
+* ``abort(version, message)``: the first process to fail publishes why; the
+  store keeps the first message (compare-and-set), and every process raises
+  :class:`RefitAborted` with that same message — the ones that failed, and
+  the ones that find the key while they wait;
+* ``vote(version)``: two-phase commit for atomic refits: each process says
+  "all of v arrived here"; nobody commits v until every process has said so,
+  and nobody commits at all if one aborts or the deadline passes first.
+
+Keys are per version and per session name, so a retried version or a second
+transfer in the same job does not see stale ones.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+
+class RefitAborted(RuntimeError):
+    """A refit was abandoned; the message is the same on every process of it."""
+
+
+class AbortChannel:
+    POLL_S = 0.005
+
+    def __init__(self, store: dist.Store, name: str, proc: int, world: int) -> None:
+        self.store, self.name, self.proc, self.world = store, name, proc, world
+
+    def _key(self, version: int, what: str, attempt: int) -> str:
+        return f"{self.name}/v{version}.{attempt}/{what}"
+
+    def abort(self, version: int, attempt: int, message: str) -> str:
+        """Publish ``message`` unless another process was first; return the message that won."""
+        key = self._key(version, "abort", attempt)
+        won = self.store.compare_set(key, "", message)
+        return won.decode() if isinstance(won, bytes) else str(won)
+
+    def aborted(self, version: int, attempt: int) -> str | None:
+        key = self._key(version, "abort", attempt)
+        if self.store.check([key]):
+            return self.store.get(key).decode()
+        return None
+
+    def raise_if_aborted(self, version: int, attempt: int) -> None:
+        msg = self.aborted(version, attempt)
+        if msg is not None:
+            raise RefitAborted(msg)
+
+    def vote(self, version: int, attempt: int, deadline: float) -> None:
+        """Say this process holds all of ``version``; return once every process has, else raise."""
+        key = self._key(version, "ok", attempt)
+        n = self.store.add(key, 1)
+        while n < self.world:
+            self.raise_if_aborted(version, attempt)
+            if time.monotonic() > deadline:
+                missing = self.world - n
+                raise TimeoutError(f"{missing} of {self.world} processes did not finish version {version} "
+                                   f"before the deadline")
+            time.sleep(self.POLL_S)
+            n = self.store.add(key, 0)
