@@ -28,11 +28,23 @@ class RefitAborted(RuntimeError):
     """A refit was abandoned; the message is the same on every process of it."""
 
 
+def store_lost(version: int, error: BaseException) -> RefitAborted:
+    """The side channel itself is gone (its host process died): every process says the same."""
+    return RefitAborted(f"refit of version {version} aborted: the rendezvous store is unreachable "
+                        f"({type(error).__name__}); the process hosting it has likely died")
+
+
 class AbortChannel:
     POLL_S = 0.005
 
     def __init__(self, store: dist.Store, name: str, proc: int, world: int) -> None:
         self.store, self.name, self.proc, self.world = store, name, proc, world
+
+    def _call(self, version: int, fn, *args):
+        try:
+            return fn(*args)
+        except (RuntimeError, OSError) as e:  # DistStoreError, a closed socket: the store is gone
+            raise store_lost(version, e) from e
 
     def _key(self, version: int, what: str, attempt: int) -> str:
         return f"{self.name}/v{version}.{attempt}/{what}"
@@ -40,13 +52,13 @@ class AbortChannel:
     def abort(self, version: int, attempt: int, message: str) -> str:
         """Publish ``message`` unless another process was first; return the message that won."""
         key = self._key(version, "abort", attempt)
-        won = self.store.compare_set(key, "", message)
+        won = self._call(version, self.store.compare_set, key, "", message)
         return won.decode() if isinstance(won, bytes) else str(won)
 
     def aborted(self, version: int, attempt: int) -> str | None:
         key = self._key(version, "abort", attempt)
-        if self.store.check([key]):
-            return self.store.get(key).decode()
+        if self._call(version, self.store.check, [key]):
+            return self._call(version, self.store.get, key).decode()
         return None
 
     def raise_if_aborted(self, version: int, attempt: int) -> None:
@@ -54,15 +66,16 @@ class AbortChannel:
         if msg is not None:
             raise RefitAborted(msg)
 
-    def vote(self, version: int, attempt: int, deadline: float) -> None:
+    def vote(self, version: int, attempt: int, deadline: float, members: list[int]) -> None:
         """Say this process holds all of ``version``; return once every process has, else raise."""
         key = self._key(version, "ok", attempt)
-        n = self.store.add(key, 1)
+        self._call(version, self.store.set, f"{key}/{self.proc}", "1")
+        n = self._call(version, self.store.add, key, 1)
         while n < self.world:
             self.raise_if_aborted(version, attempt)
             if time.monotonic() > deadline:
-                missing = self.world - n
-                raise TimeoutError(f"{missing} of {self.world} processes did not finish version {version} "
-                                   f"before the deadline")
+                late = [p for p in members if not self._call(version, self.store.check, [f"{key}/{p}"])]
+                raise TimeoutError(f"version {version} was not finished before the deadline by "
+                                   + ", ".join(f"process {p}" for p in late))
             time.sleep(self.POLL_S)
-            n = self.store.add(key, 0)
+            n = self._call(version, self.store.add, key, 0)

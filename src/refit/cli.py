@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     _common(v)
     v.add_argument("--dump", default=None, metavar="DIR", help="write full.safetensors, dst_rank{r}.safetensors, layout.json")
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--inject", default=None, metavar="MODE",
+                   help="kill-receiver | kill-sender | corrupt | shape-mismatch | slow-receiver: commit version 1, "
+                        "strike during version 2, exit 0 only if the fault is detected and handled")
+    v.add_argument("--deadline", type=float, default=10.0, help="with --inject: seconds a refit may take (default 10)")
     b = sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S3); code under bench/")
     b.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if GPUs are present")
     b.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
@@ -169,6 +173,8 @@ def cmd_verify(args, console) -> int:
 
     src, dst, cfg, shapes = _setup(args)
     src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
+    if args.inject is not None:
+        return _verify_inject(args, src, dst, src_l, dst_l, cfg, console)
     console.print(f"verify {args.model}: trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks) on CPU gloo ...")
     res = verify(src_l, dst_l, config=cfg, seed=args.seed, dump=args.dump)
     for m in res.mismatches[:20]:
@@ -177,6 +183,26 @@ def cmd_verify(args, console) -> int:
         console.print(f"dumped to {args.dump}")
     print(("" if res.ok else f"FAIL: {len(res.mismatches)} mismatching shards; ") + res.summary(), flush=True)
     return 0 if res.ok else 1
+
+
+def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
+    from refit.faults import MODES, inject
+
+    if args.inject not in MODES:
+        raise SpecError(f"--inject must be one of {', '.join(MODES)}, got {args.inject!r}")
+    if not args.deadline > 0:
+        raise SpecError(f"--deadline must be > 0, got {args.deadline}")
+    console.print(f"verify --inject {args.inject}: trainer {src} -> engine {dst}, deadline {args.deadline:g}s, "
+                  "commit staged, checksums on; version 1 clean, the fault during version 2 ...")
+    res = inject(src_l, dst_l, args.inject, deadline_s=args.deadline, seed=args.seed, config=cfg)
+    for p, r in enumerate(res.rows):
+        if r is None:
+            console.print(f"  process {p}: died (the injected fault)", markup=False)
+        else:
+            console.print(f"  process {p} ({r['role']} rank {r['rank']}): after {r['elapsed_s']:.2f}s: {r['error'] or 'no error'}; "
+                          f"version {r['version']}" + ("" if r["v1_exact"] is None else f", v1 bit-exact: {r['v1_exact']}"), markup=False)
+    print(res.last_line(), flush=True)
+    return 0 if not res.problems() else 1
 
 
 def cmd_demo(args, console) -> int:

@@ -392,8 +392,9 @@ class Executor:
             got = (op.got if self.cuda else checksum(op.tensor)).tolist()
             want = op.sum.tolist()
             if got != want:
+                names = ", ".join(op.names[:3]) + (f" and {len(op.names) - 3} more" if len(op.names) > 3 else "")
                 raise ChecksumError(f"checksum mismatch in the message from process {op.peer} at step {op.step} "
-                                    f"(tensors {', '.join(op.names)}): sent {want[0]} over {want[1]} bytes, "
+                                    f"(tensors {names}): sent {want[0]} over {want[1]} bytes, "
                                     f"received {got[0]} over {got[1]} bytes")
 
     def _check_ipc_sums(self) -> None:

@@ -127,8 +127,11 @@ def run_local(
     colocated: bool = False,
     timeout_s: float = 600.0,
     devices: list[str] | None = None,
+    expect_dead: set[int] | frozenset[int] = frozenset(),
 ) -> list[Any]:
-    """Run ``fn(world, *args)`` in each process; return results ordered by process rank."""
+    """Run ``fn(world, *args)`` in each process; return results ordered by process rank.
+
+    ``expect_dead``: processes allowed to die without a result (fault injection); theirs is None."""
     if n_src < 0 or n_dst < 0 or n_src + n_dst < 1:
         raise ValueError(f"need at least one process, got n_src={n_src}, n_dst={n_dst}")
     world_size = max(n_src, n_dst) if colocated else n_src + n_dst
@@ -170,6 +173,9 @@ def run_local(
                 rank, ok, val = results.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors]
+                for r in [r for r in dead if r in expect_dead]:
+                    out[r] = None
+                dead = [r for r in dead if r not in expect_dead]
                 if dead:
                     for r in dead:
                         errors[r] = f"process exited with code {procs[r].exitcode} without a result"

@@ -169,8 +169,8 @@ class Peer:
             sync_group=sync_group, device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s,
             standalone=standalone, copy_streams=config.copy_streams, cuda_graph=config.cuda_graph, verify=config.verify,
         )
-        members = sorted({*self.plan.procs.src, *self.plan.procs.dst})
-        self.channel = AbortChannel(store, f"{config.name}/run", proc, len(members)) if store is not None else None
+        self.members = sorted({*self.plan.procs.src, *self.plan.procs.dst})
+        self.channel = AbortChannel(store, f"{config.name}/run", proc, len(self.members)) if store is not None else None
         self.version: int | None = None  # the last version committed here
         self.torn = False  # in_place: an aborted refit left the destination part new, part old
         self.broken: str | None = None  # why this Peer can no longer run (an aborted refit)
@@ -192,13 +192,13 @@ class Peer:
             stats = self.executor.run(deadline)
             if self.shadow:
                 if ch is not None:
-                    ch.vote(version, attempt, deadline)  # every process holds all of this version
+                    ch.vote(version, attempt, deadline, self.members)  # every process holds all of this version
                 for n, t in self.live.items():
                     t.copy_(self.shadow[n])
                 if self.executor.cuda:
                     torch.cuda.synchronize(self.executor.device)
             elif self.config.commit == "staged" and ch is not None:
-                ch.vote(version, attempt, deadline)  # sources too: they learn of a receiver's failure
+                ch.vote(version, attempt, deadline, self.members)  # sources too: they learn of a receiver's failure
         except RefitAborted as e:
             self._fail(str(e))
             raise

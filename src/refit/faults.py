@@ -1,0 +1,201 @@
+"""``refit verify --inject MODE``: a real multi-process refit with one fault, and what it must do.
+
+Every process commits version 1 (checked bit for bit), then the fault strikes
+during version 2:
+
+* ``kill-receiver`` / ``kill-sender``: destination rank 0 / the last source
+  rank dies (SIGKILL) half way through the transfer's steps;
+* ``corrupt``: one byte of a message flips after it arrived at destination
+  rank 0, before the checksum check (verify mode on);
+* ``shape-mismatch``: the next transfer's setup gets a source tensor of the
+  wrong shape on source rank 0;
+* ``slow-receiver``: destination rank 0 stalls for 1.5x the deadline half way.
+
+Handled as specified means: every surviving process raises the same error,
+naming what happened, within the deadline (plus setup); no process hangs; and
+every surviving engine rank still holds version 1, bit for bit (commit mode
+``staged``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from refit.launch import World, run_local
+from refit.layout import ModelLayout, box_slices
+from refit.plan import ProcessMap
+from refit.transfer import Peer, TransferConfig
+from refit.verify import reference_tensor, same_bits
+
+MODES = ("kill-receiver", "kill-sender", "corrupt", "shape-mismatch", "slow-receiver")
+# what the survivors' common error must say, per mode
+EXPECT = {
+    "kill-receiver": ("process {victim}",),
+    "kill-sender": ("process {victim}",),
+    "corrupt": ("checksum mismatch",),
+    "shape-mismatch": ("has shape",),
+    "slow-receiver": ("deadline", "process {victim}"),
+}
+
+
+@dataclass(frozen=True)
+class InjectResult:
+    mode: str
+    victim: int  # the process the fault hit
+    rows: list[dict | None]  # per process: None if it died
+    deadline_s: float
+
+    @property
+    def errors(self) -> list[str]:
+        return [r["error"] for r in self.rows if r is not None and r["error"] is not None]
+
+    def problems(self) -> list[str]:
+        """Ways the run fell short of the specification (empty: handled as specified)."""
+        out = []
+        survivors = [(p, r) for p, r in enumerate(self.rows) if r is not None]
+        for p, r in survivors:
+            if r["error"] is None:
+                out.append(f"process {p} finished version 2 without an error")
+            elif r["elapsed_s"] > self.deadline_s + 30:
+                out.append(f"process {p} took {r['elapsed_s']:.1f}s to fail (deadline {self.deadline_s}s)")
+            if r["role"] == "engine" and not (r["version"] == 1 and r["v1_exact"]):
+                out.append(f"engine process {p} holds version {r['version']} (bit-exact v1: {r['v1_exact']})")
+        distinct = sorted(set(self.errors))
+        # a refit's abort reaches everyone as one message; a setup failure as the failing
+        # process's own error and the peers' pre-flight report of it
+        if len(distinct) > 1 and self.mode != "shape-mismatch":
+            out.append(f"survivors raised {len(distinct)} different errors: {distinct}")
+        for e in distinct:
+            for want in (w.format(victim=self.victim) for w in EXPECT[self.mode]):
+                if want not in e:
+                    out.append(f"an error does not say {want!r}: {e}")
+        for p, r in survivors:
+            if self.mode == "corrupt" and (r["retried_version"] != 2 or r["v2_exact_after_retry"] is False):
+                out.append(f"process {p}: retrying version 2 gave version {r['retried_version']} "
+                           f"(bit-exact: {r['v2_exact_after_retry']})")
+        if self.mode.startswith("kill") and self.rows[self.victim] is not None:
+            out.append(f"process {self.victim} was to die but returned")
+        return out
+
+    def last_line(self) -> str:
+        engines = ", ".join(
+            f"process {p}: " + ("dead" if r is None else f"v{r['version']}" + (" (bit-exact)" if r["v1_exact"] else " (DIFFERS)"))
+            for p, r in enumerate(self.rows) if r is None or r["role"] == "engine"
+        )
+        probs = self.problems()
+        head = "DETECTED" if not probs else "NOT HANDLED"
+        what = min(self.errors, key=len) if self.errors else "no error raised"
+        return f"{head} {self.mode}: {what} | engines: {engines}" + (f" | problems: {'; '.join(probs)}" if probs else "")
+
+
+def _victim(procs: ProcessMap, mode: str) -> int:
+    """Destination rank 0's process, or the last source rank's (process 0 hosts the rendezvous
+    store; its death takes the side channel with it, a case of its own: every process then
+    reports the store lost)."""
+    return procs.dst[0] if mode in ("kill-receiver", "corrupt", "slow-receiver") else procs.src[-1]
+
+
+def _tensors(layout: ModelLayout, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    return {t.name: reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)].clone() for t, b in layout.local_tensors(rank)}
+
+
+def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, mode: str, seed: int):
+    procs = ProcessMap.disjoint(src.world_size, dst.world_size)
+    is_src = world.src_rank is not None
+    rank = world.src_rank if is_src else world.dst_rank
+    role = "trainer" if is_src else "engine"
+    tensors = _tensors(src if is_src else dst, rank, seed)
+    if not is_src:
+        for t in tensors.values():
+            t.fill_(float("nan"))
+    kw = {"src_tensors": tensors} if is_src else {"dst_tensors": tensors}
+    peer = Peer(src, dst, world.rank, procs=procs, config=config, **kw)
+    peer.run(1)
+    v1_exact = None if is_src else all(same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)])
+                                       for t, b in dst.local_tensors(rank))
+    if is_src:  # version 2: the trainer's new weights, in place
+        for t, b in src.local_tensors(rank):
+            tensors[t.name].copy_(reference_tensor(t.name, t.shape, t.dtype, seed + 1)[box_slices(b)])
+    victim = _victim(procs, mode)
+    steps = len(peer.executor.steps)
+    middle = peer.executor.steps[steps // 2] if steps else None
+
+    later = set(map(id, peer.executor.steps[steps // 2:]))
+    corrupted = []
+
+    def fault(where: str, info: dict) -> None:
+        if world.rank != victim:
+            return
+        if where == "step" and info["step"] is middle and mode in ("kill-receiver", "kill-sender"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if where == "step" and info["step"] is middle and mode == "slow-receiver":
+            time.sleep(1.5 * config.deadline_s)
+        if where == "received" and mode == "corrupt" and not corrupted and id(info["step"]) in later and info["step"].recvs:
+            info["step"].recvs[0].tensor.view(torch.uint8)[-1] ^= 0x10  # one byte, after the wire, before the check
+            corrupted.append(True)
+
+    error, t0 = None, time.monotonic()
+    try:
+        if mode == "shape-mismatch":
+            bad = dict(tensors)
+            if world.rank == victim:
+                name = next(iter(bad))
+                bad[name] = torch.zeros(*[n + 1 for n in bad[name].shape], dtype=bad[name].dtype)
+            kw2 = {"src_tensors": bad} if is_src else {"dst_tensors": tensors}
+            Peer(src, dst, world.rank, procs=procs, config=replace(config, name=f"{config.name}-2"), **kw2).run(2)
+        else:
+            peer.executor.fault = fault
+            peer.run(2)
+    except Exception as e:  # noqa: BLE001 - the result to report
+        error = str(e)
+    elapsed = time.monotonic() - t0
+    peer.close()
+    exact = None  # after the failed refit: still version 1, bit for bit?
+    if not is_src:
+        exact = all(same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)])
+                    for t, b in dst.local_tensors(rank))
+    retried = None
+    if mode == "corrupt" and error is not None:
+        # nobody died: retrying version 2 must succeed, on a fresh group (the aborted refit may
+        # have left messages in flight on the old one) and under a new name
+        fresh = torch.distributed.new_group(list(range(world.world_size)), backend="gloo")
+        again = Peer(src, dst, world.rank, procs=procs, group=fresh,
+                     config=replace(config, name=f"{config.name}-retry"), **kw)
+        again.run(2)
+        again.close()
+        retried = again.version
+    # the store lives in process 0: it stays until every survivor is done with it
+    store = torch.distributed.distributed_c10d._get_default_store()
+    survivors = world.world_size - (1 if mode.startswith("kill") else 0)
+    store.add("inject/done", 1)
+    if world.rank == 0:
+        until = time.monotonic() + 2 * config.deadline_s + 30
+        while store.add("inject/done", 0) < survivors and time.monotonic() < until:
+            time.sleep(0.01)
+    v2_exact = None
+    if retried is not None and not is_src:
+        v2_exact = all(same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed + 1)[box_slices(b)])
+                       for t, b in dst.local_tensors(rank))
+    return {"role": role, "rank": rank, "error": error, "elapsed_s": elapsed, "version": peer.version,
+            "v1_exact": bool(v1_exact and exact) if not is_src else None, "victim": victim,
+            "retried_version": retried, "v2_exact_after_retry": v2_exact}
+
+
+def inject(src: ModelLayout, dst: ModelLayout, mode: str, *, deadline_s: float = 10.0, seed: int = 0,
+           config: TransferConfig | None = None) -> InjectResult:
+    if mode not in MODES:
+        raise ValueError(f"--inject must be one of {', '.join(MODES)}, got {mode!r}")
+    base = config or TransferConfig(num_buffers=2, buffer_bytes=64 << 10)
+    cfg = replace(base, commit="staged", verify=True, deadline_s=deadline_s, name="inject",
+                  preflight_timeout_s=max(30.0, deadline_s))
+    procs = ProcessMap.disjoint(src.world_size, dst.world_size)
+    victim = _victim(procs, mode)
+    dead = {victim} if mode.startswith("kill") else set()
+    rows = run_local(_worker, src.world_size, dst.world_size, src, dst, cfg, mode, seed, backend="gloo",
+                     timeout_s=max(120.0, 4 * deadline_s + 60), expect_dead=dead)
+    return InjectResult(mode, victim, rows, deadline_s)
