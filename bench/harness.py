@@ -59,18 +59,19 @@ def scenarios(device: str) -> dict[str, Scenario]:
     if device == "cpu":
         return {
             "S1": Scenario("S1", "non-colocated 1 -> 1 (CPU, gloo)", "tp=1", "tp=1", ("cpu", "cpu"),
-                           ("refit", "per_tensor_broadcast", "floor")),
+                           ("refit", "refit_verify", "per_tensor_broadcast", "floor")),
             "S3": Scenario("S3", "reshard fsdp=2 -> tp=2 (CPU, gloo)", "fsdp=2", "tp=2", ("cpu",) * 4,
-                           ("refit", "floor")),
+                           ("refit", "refit_verify", "floor")),
         }
     return {
         "S1": Scenario("S1", "non-colocated 1 -> 1: trainer GPU0, engine tp=1 GPU1", "tp=1", "tp=1",
                        ("cuda:0", "cuda:1"),
-                       ("refit", "refit_nccl", "per_tensor_broadcast", "packed_broadcast_1buf", "packed_broadcast_2buf", "floor")),
+                       ("refit", "refit_verify", "refit_nccl", "per_tensor_broadcast", "packed_broadcast_1buf", "packed_broadcast_2buf",
+                        "floor")),
         "S2": Scenario("S2", "colocated on one GPU: trainer and engine processes on GPU0", "tp=1", "tp=1",
-                       ("cuda:0", "cuda:0"), ("refit", "floor")),
+                       ("cuda:0", "cuda:0"), ("refit", "refit_verify", "floor")),
         "S3": Scenario("S3", "colocated reshard: trainer fsdp=2 on GPU0-1 -> engine tp=2 on GPU0-1", "fsdp=2", "tp=2",
-                       ("cuda:0", "cuda:1", "cuda:0", "cuda:1"), ("refit", "gather_then_slice", "floor")),
+                       ("cuda:0", "cuda:1", "cuda:0", "cuda:1"), ("refit", "refit_verify", "gather_then_slice", "floor")),
         "S4": Scenario("S4", "non-colocated reshard: trainer tp=2 on GPU0-1 -> engine tp=2 on GPU2-3", "tp=2", "tp=2",
                        ("cuda:0", "cuda:1", "cuda:2", "cuda:3"), ("refit", "refit_nccl", "floor")),
         "S5": Scenario("S5", "colocated reshard: trainer fsdp=4 -> engine tp=1,dp=4 on GPU0-3", "fsdp=4", "tp=1,dp=4",
@@ -214,6 +215,7 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
     setups = {
         "refit": M.refit_method("auto"),
         "refit_nccl": M.refit_method("p2p"),
+        "refit_verify": M.refit_method("auto", verify=True),
         "per_tensor_broadcast": M.per_tensor_broadcast,
         "packed_broadcast_1buf": M.packed_broadcast(1, 1 * GiB),
         "packed_broadcast_2buf": M.packed_broadcast(2, 1 * GiB),

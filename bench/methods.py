@@ -32,12 +32,14 @@ class Ctx:
     extra: dict = field(default_factory=dict)
 
 
-def refit_method(transport: str) -> Callable[[Ctx], Callable[[], None]]:
+def refit_method(transport: str, **overrides) -> Callable[[Ctx], Callable[[], None]]:
+    """refit's own path; ``overrides``: TransferConfig fields (e.g. ``verify=True``)."""
+
     def setup(ctx: Ctx) -> Callable[[], None]:
         cfg = TransferConfig(num_buffers=ctx.config.num_buffers, buffer_bytes=ctx.config.buffer_bytes,
                              transport=transport, name=f"bench-{transport}-{ctx.extra.get('round', 0)}",
                              copy_streams=ctx.config.copy_streams,
-                             cuda_graph=ctx.config.cuda_graph)
+                             cuda_graph=ctx.config.cuda_graph, **overrides)
         group = ctx.nccl if transport == "p2p" else None
         peer = Peer(ctx.plan.src_layout, ctx.plan.dst_layout, ctx.rank, src_tensors=ctx.src, dst_tensors=ctx.dst,
                     procs=ctx.plan.procs, group=group, config=cfg, device=ctx.device, store=ctx.store)

@@ -24,7 +24,7 @@ def _layouts(model, src, dst, dtype):
     return layout_from_spec(shapes, parse_spec(src, "src")), layout_from_spec(shapes, parse_spec(dst, "dst"))
 
 
-def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True):
+def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, verify=False):
     dev = world.device
     srank = procs.src.index(world.rank) if world.rank in procs.src else None
     drank = procs.dst.index(world.rank) if world.rank in procs.dst else None
@@ -32,7 +32,8 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True):
            for t, b in src_l.local_tensors(srank)} if srank is not None else None
     dst = {t.name: torch.full(tuple(y - x for x, y in b), float("nan"), dtype=t.dtype, device=dev)
            for t, b in dst_l.local_tensors(drank)} if drank is not None else None
-    cfg = TransferConfig(num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph)
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph,
+                         verify=verify)
     peer = Peer(src_l, dst_l, world.rank, src_tensors=src, dst_tensors=dst, procs=procs,
                 group=world.data_group if use_data_group else None, config=cfg, device=dev)
     ok = []
@@ -54,12 +55,13 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype,graph", [(torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)])
-def test_ipc_colocated_reshard_fsdp2_to_tp2(dtype, graph):
+@pytest.mark.parametrize("dtype,graph,verify", [(torch.bfloat16, True, False), (torch.float32, True, False),
+                                                (torch.bfloat16, False, False), (torch.bfloat16, True, True)])
+def test_ipc_colocated_reshard_fsdp2_to_tp2(dtype, graph, verify):
     src_l, dst_l = _layouts("tiny-qwen2", "fsdp=2", "tp=2", dtype)
     devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     procs = ProcessMap.disjoint(2, 2).with_devices(devices)
-    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, graph, devices=devices, timeout_s=240)
+    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, graph, verify, devices=devices, timeout_s=240)
     for ok, kinds, staging, used_graph in out[2:]:
         assert ok == [True, True, True]
         assert kinds == ["ipc"] and staging == 0
@@ -77,13 +79,14 @@ def test_ipc_peer_pull_1_to_1():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("src,dst", [("fsdp=2", "tp=2"), ("tp=2", "dp=2")])
-def test_nccl_pipelined_with_packing(src, dst):
+@pytest.mark.parametrize("src,dst,verify", [("fsdp=2", "tp=2", False), ("tp=2", "dp=2", False), ("fsdp=2", "tp=2", True)])
+def test_nccl_pipelined_with_packing(src, dst, verify):
     # processes are both trainer and engine ranks (one per GPU): cross-GPU pieces go over NCCL,
     # through small staging buffers; same-process pieces are local copies
     src_l, dst_l = _layouts("tiny-qwen2", src, dst, torch.bfloat16)
     procs = ProcessMap.colocated(2, 2).with_devices(["cuda:0", "cuda:1"])
-    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "p2p", True, colocated=True, backend="nccl", timeout_s=240)
+    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "p2p", True, True, verify, colocated=True, backend="nccl",
+                    timeout_s=240)
     for ok, kinds, staging, _ in out:
         assert ok == [True, True, True]
         assert kinds == ["p2p"]

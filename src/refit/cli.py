@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="kill-receiver | kill-sender | corrupt | shape-mismatch | slow-receiver: commit version 1, "
                         "strike during version 2, exit 0 only if the fault is detected and handled")
     v.add_argument("--deadline", type=float, default=10.0, help="with --inject: seconds a refit may take (default 10)")
+    k = sub.add_parser("soak", help="many consecutive refits on CPU: memory, threads and process groups must not grow")
+    _common(k)
+    k.add_argument("--refits", type=int, default=200)
+    k.add_argument("--warmup", type=int, default=20, help="refits before the baseline is taken")
     b = sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S3); code under bench/")
     b.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if GPUs are present")
     b.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
@@ -205,6 +209,27 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
     return 0 if not res.problems() else 1
 
 
+def cmd_soak(args, console) -> int:
+    from refit.soak import soak
+
+    src, dst, cfg, shapes = _setup(args)
+    if not 1 <= args.warmup < args.refits:
+        raise SpecError(f"need 1 <= --warmup < --refits, got --warmup {args.warmup}, --refits {args.refits}")
+    console.print(f"soak {args.model}: trainer {src} -> engine {dst}, {args.refits} refits on CPU gloo ...")
+    res = soak(layout_from_spec(shapes, src), layout_from_spec(shapes, dst), args.refits, args.warmup, cfg)
+    for p, r in enumerate(res.rows):
+        console.print(f"  process {p} ({r['role']} rank {r['rank']}): RSS {r['rss_warm'] / 2**20:.1f} -> "
+                      f"{r['rss_end'] / 2**20:.1f} MiB ({r['rss_end'] / r['rss_warm'] - 1:+.2%}), threads "
+                      f"{r['threads_warm']} -> {r['threads_end']}, process groups {r['groups_warm']} -> {r['groups_end']}, "
+                      f"{r['seconds'] / args.refits * 1e3:.2f} ms/refit" + ("" if r["exact"] is None else f", last refit exact: {r['exact']}"),
+                      markup=False)
+    print(f"{'PASS' if res.ok else 'FAIL'}: {args.refits} refits (baseline after {args.warmup}); worst RSS growth "
+          f"{res.worst_rss_growth:+.2%} (limit +5%); threads and process groups "
+          f"{'unchanged' if all(r['threads_end'] == r['threads_warm'] and r['groups_end'] == r['groups_warm'] for r in res.rows) else 'GREW'}",
+          flush=True)
+    return 0 if res.ok else 1
+
+
 def cmd_demo(args, console) -> int:
     from refit.demo import run_demo
 
@@ -222,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=False, highlight=False)
     try:
-        return {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench}[args.cmd](args, console)
+        return {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}[args.cmd](args, console)
     except USAGE_ERRORS as e:
         print(f"refit: error: {e}", file=sys.stderr)
         return 2
