@@ -103,14 +103,17 @@ def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, 
 _COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
+def _death(code: int) -> str:
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    return f"process exited with {how} without a result"
+
+
 def _describe_failure(procs, out: dict, errors: dict) -> str:
     """Name the process that most likely failed first: one that died without a result (a signal,
     an abort), else one whose error is not just a peer having gone away, else the lowest rank."""
     for r, p in enumerate(procs):
         if r not in out and r not in errors and p.exitcode not in (None, 0):
-            code = p.exitcode
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            errors[r] = f"process exited with {how} without a result"
+            errors[r] = _death(p.exitcode)
     silent = [r for r in errors if errors[r].startswith("process exited")]
     own = [r for r in errors if not any(c in errors[r] for c in _COLLATERAL)]
     first = min(silent or own or errors)
@@ -178,7 +181,7 @@ def run_local(
                 dead = [r for r in dead if r not in expect_dead]
                 if dead:
                     for r in dead:
-                        errors[r] = f"process exited with code {procs[r].exitcode} without a result"
+                        errors[r] = _death(procs[r].exitcode)
                     break
                 if time.monotonic() > deadline:
                     raise WorkerError(f"workers overran the {timeout_s:.0f}s deadline; killed")
