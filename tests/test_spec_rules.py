@@ -9,8 +9,8 @@ from refit.spec import SpecError, parse_spec
 
 def test_parse_spec_orders_dims_and_counts_ranks():
     s = parse_spec("tp=2,pp=2", "src")
-    assert s.dim_names == ("pp", "dp", "fsdp", "tp")
-    assert s.mesh_shape == (2, 1, 1, 2)
+    assert s.dim_names == ("pp", "dp", "fsdp", "ep", "etp", "tp")
+    assert s.mesh_shape == (2, 1, 1, 1, 1, 2)
     assert s.world_size == 4
     d = parse_spec(" dp = 4 ,tp=1", "dst")
     assert (d.degree("dp"), d.degree("tp"), d.world_size) == (4, 1, 4)
@@ -19,8 +19,9 @@ def test_parse_spec_orders_dims_and_counts_ranks():
 @pytest.mark.parametrize(
     "text,side,match",
     [
-        ("tp=2,ep=2", "src", "unknown key 'ep'.*allowed keys: pp, dp, fsdp, tp"),
-        ("pp=2", "dst", "unknown key 'pp'.*allowed keys: dp, tp"),
+        ("tp=2,cp=2", "src", "unknown key 'cp'.*allowed keys: pp, dp, fsdp, ep, etp, tp"),
+        ("pp=2", "dst", "unknown key 'pp'.*allowed keys: dp, ep, tp"),
+        ("etp=2", "dst", "unknown key 'etp'"),
         ("tp=0", "src", "must be >= 1, got 0"),
         ("tp=x", "src", "must be an integer"),
         ("tp=2,tp=2", "src", "given twice"),

@@ -39,6 +39,31 @@ PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("llama", torch.float32, dict(_TINY)),
     "tiny-qwen2": Preset("qwen2", torch.float32, {**_TINY, "intermediate_size": 320}),
     "tiny-qwen3": Preset("qwen3", torch.float32, {**_TINY, "intermediate_size": 192}),
+    "tiny-qwen3-moe": Preset("qwen3_moe", torch.float32, {**_TINY, "intermediate_size": 192, "moe_intermediate_size": 64,
+                                                           "num_experts": 8, "num_experts_per_tok": 2,
+                                                           "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                                           "norm_topk_prob": True}),
+    "qwen3-30b-a3b": Preset(
+        "qwen3_moe",
+        torch.bfloat16,
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+        ),
+    ),
     "llama-3.1-8b": Preset(
         "llama",
         torch.bfloat16,
@@ -111,8 +136,23 @@ def build_model(config, dtype: torch.dtype, device: str | torch.device = "cpu", 
 
 
 def param_shapes(model: str, dtype: torch.dtype | None = None) -> list[ParamShape]:
-    """(name, shape, dtype) of every parameter of ``model``, from shapes alone (tied ones once)."""
+    """(name, shape, dtype) of every logical tensor of ``model``, from shapes alone (tied ones once).
+
+    Logical tensors are the HF parameters, except stacked MoE experts: HF keeps
+    ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows);
+    refit's layouts see ``mlp.experts.gate_proj`` and ``mlp.experts.up_proj``,
+    ``[E, I, H]`` each, so tensor parallelism inside experts splits gate and
+    up alike, as Megatron and vLLM (``w13``) do.
+    """
     config = load_config(model)
     dt = dtype or model_dtype(model, config)
     meta = build_model(config, dt, device="meta", seed=None)
-    return [(n, tuple(p.shape), p.dtype) for n, p in meta.named_parameters()]
+    out = []
+    for n, p in meta.named_parameters():
+        if n.endswith(".experts.gate_up_proj") and p.dim() == 3:
+            e, two_i, h = p.shape
+            stem = n[: -len("gate_up_proj")]
+            out += [(stem + "gate_proj", (e, two_i // 2, h), p.dtype), (stem + "up_proj", (e, two_i // 2, h), p.dtype)]
+        else:
+            out.append((n, tuple(p.shape), p.dtype))
+    return out

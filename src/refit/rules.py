@@ -9,6 +9,13 @@ Pipeline parallel: decoder layers split into contiguous stages (the first
 ``layers % pp`` stages get one more); embeddings on the first stage, the final
 norm and ``lm_head`` on the last; any other tensor on the first stage.
 FSDP: ``Shard(0)`` over the ``fsdp`` mesh dim, nested before ``tp`` (mesh order).
+MoE (experts stacked per layer: ``mlp.experts.gate_proj`` / ``up_proj``
+``[E, I, H]``, ``down_proj`` ``[E, H, I]``, see ``models.param_shapes``):
+``ep`` shards the expert dim (``Shard(0)``); expert tensor parallelism
+(``etp`` if the spec has it, else ``tp``) shards gate/up on ``I``
+(``Shard(1)``) and down on ``I`` (``Shard(2)``); the router
+(``mlp.gate.weight``) and every dense tensor are replicated over ``ep`` and
+``etp``.
 """
 
 from __future__ import annotations
@@ -27,8 +34,20 @@ _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+_EXPERTS = re.compile(r"\.experts\.(gate_proj|up_proj|down_proj)$")
 
 ParamShape = tuple[str, Sequence[int], torch.dtype]
+
+
+def expert_placement(name: str, dim: str) -> Placement | None:
+    """The placement of a stacked expert tensor over mesh dim ``dim`` ("ep" or the expert TP dim),
+    or None if ``name`` is not one."""
+    m = _EXPERTS.search(name)
+    if m is None:
+        return None
+    if dim == "ep":
+        return Shard(0)
+    return Shard(2) if m.group(1) == "down_proj" else Shard(1)
 
 
 def tp_placement(name: str) -> Placement:
@@ -92,13 +111,19 @@ def layout_from_spec(params: Sequence[ParamShape], spec: ParallelSpec) -> ModelL
         stage = pp_stage(name, num_layers, pp)
         sub = grid.select(stage_axis, stage) if stage_axis is not None else grid
         placements: list[Placement] = []
+        expert_tp = "etp" if spec.degree("etp") > 1 else "tp"
+        is_expert = expert_placement(name, "ep") is not None and len(pshape) == 3
         for dim in sub_names:
-            if dim == "tp":
+            if is_expert and dim in ("ep", expert_tp):
+                placements.append(expert_placement(name, dim))
+            elif is_expert and dim in ("tp", "etp"):
+                placements.append(Replicate())  # experts use etp, not tp
+            elif dim == "tp":
                 p = tp_placement(name)
                 placements.append(p if not (isinstance(p, Shard) and p.dim >= len(pshape)) else Replicate())
             elif dim == "fsdp":
                 placements.append(Shard(0) if len(pshape) else Replicate())
-            else:  # dp: replicas
+            else:  # dp, ep (dense tensors), etp (dense tensors): replicas
                 placements.append(Replicate())
         keep = [i for i, n in enumerate(sub.shape) if n > 1] or [0]
         sub_kept = sub.reshape([sub.shape[i] for i in keep])

@@ -4,8 +4,13 @@ A spec names the degree of each parallel dimension of one side. Its mesh puts
 the dims in a fixed order, the last varying fastest (tensor parallel ranks are
 neighbours, as in Megatron and torchtitan):
 
-* source (trainer): ``pp, dp, fsdp, tp``
-* destination (engine): ``dp, tp``
+* source (trainer): ``pp, dp, fsdp, ep, etp, tp``
+* destination (engine): ``dp, ep, tp``
+
+``ep`` splits the experts of MoE layers (dense tensors are replicated over
+it, as in Megatron where expert parallelism folds over data parallelism);
+``etp`` is tensor parallelism inside experts (without it, ``tp`` splits the
+experts too).
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from typing import Literal
 Side = Literal["src", "dst"]
 
 SIDE_DIMS: dict[str, tuple[str, ...]] = {
-    "src": ("pp", "dp", "fsdp", "tp"),
-    "dst": ("dp", "tp"),
+    "src": ("pp", "dp", "fsdp", "ep", "etp", "tp"),
+    "dst": ("dp", "ep", "tp"),
 }
 _SIDE_NAMES = {"src": "source (trainer)", "dst": "destination (engine)"}
 
