@@ -64,3 +64,16 @@ def test_qwen3_30b_a3b_plan_moves_exactly_what_is_needed(capsys):
     assert info["ratio"] == 1.0
     assert info["bytes_moved"] == info["bytes_needed"]
     assert 2 * 60e9 < info["bytes_needed"] < 2 * 62e9  # about 61 GB of bf16, once per engine replica
+
+
+@pytest.mark.timeout(300)
+def test_a_parameter_no_rule_knows_still_arrives_whole():
+    import torch
+
+    shapes = param_shapes(MODEL) + [("model.layers.1.mlp.mystery_scale", (3, 7, 5), torch.float32)]
+    src = layout_from_spec(shapes, parse_spec("ep=2,tp=2", "src"))
+    dst = layout_from_spec(shapes, parse_spec("tp=2", "dst"))
+    t = dst["model.layers.1.mlp.mystery_scale"]
+    assert all(t.box(r) == ((0, 3), (0, 7), (0, 5)) for r in range(2))  # replicated: every engine rank gets all of it
+    res = verify(src, dst)
+    assert res.ok, res.mismatches[:3]
