@@ -204,3 +204,40 @@ def test_launcher_names_the_process_that_died_not_its_collateral():
     with pytest.raises(WorkerError) as e:
         run_local(_one_dies, 2, 1, backend="gloo", timeout_s=60)
     assert str(e.value).startswith("process 1 failed: process exited with signal SIGKILL")
+
+
+def test_host_barrier_attaches_to_a_segment_created_but_not_yet_sized():
+    # the owner's shm_open and ftruncate are two steps: a peer attaching in between sees an empty
+    # file (mmap of 0 bytes fails); it must wait for the size, not crash
+    import os
+    import threading
+    import time
+    import uuid
+
+    from refit.transport.ipc import HostBarrier
+
+    name = f"refit_test_{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)  # created, size 0
+    got = {}
+
+    def attach():
+        try:
+            got["barrier"] = HostBarrier(name, 1, 2, timeout_s=10)
+        except Exception as e:  # noqa: BLE001 - reported below
+            got["error"] = e
+
+    t = threading.Thread(target=attach)
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive()  # still waiting for the size
+    os.ftruncate(fd, 16)
+    t.join(timeout=10)
+    os.close(fd)
+    try:
+        assert "error" not in got, got.get("error")
+        b = got["barrier"]
+        assert b.slots.shape == (2,) and list(b.slots) == [0, 0]
+        b.close()
+    finally:
+        os.unlink(path)

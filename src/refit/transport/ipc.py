@@ -336,17 +336,21 @@ class HostBarrier:
             deadline = time.monotonic() + timeout_s
             while True:
                 try:
-                    self.shm = shared_memory.SharedMemory(name=name)
-                    break
-                except FileNotFoundError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"barrier segment {name!r} did not appear within {timeout_s:.0f}s") from None
-                    time.sleep(0.001)
+                    shm = shared_memory.SharedMemory(name=name)
+                    if shm.size >= 8 * size:
+                        self.shm = shm
+                        break
+                    shm.close()  # created but not sized yet
+                except (FileNotFoundError, ValueError):  # not there yet / there but still empty (mmap of 0 bytes)
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"barrier segment {name!r} did not appear within {timeout_s:.0f}s")
+                time.sleep(0.001)
             # (processes spawned from one parent share its resource tracker: registering the
             # name again is harmless, and only the owner unlinks it)
+        # a new segment is zero-filled by the OS; zeroing it here could erase a slot another
+        # process already bumped after attaching
         self.slots = np.ndarray((size,), dtype=np.int64, buffer=self.shm.buf)
-        if self.owner:
-            self.slots[:] = 0
 
     def wait(self, timeout_s: float | None = None) -> None:
         self.gen += 1
