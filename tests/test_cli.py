@@ -116,3 +116,18 @@ def test_bench_cpu_writes_records(tmp_path):
 def test_bench_rejects_unknown_scenario(capsys):
     assert main(["bench", "--device", "cpu", "--scenarios", "S9"]) == 2
     assert "unknown scenario(s) ['S9']" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_verify_inject_exits_0_when_the_fault_is_handled_and_says_so_last(capsys):
+    assert main(["verify", "--inject", "corrupt", "--deadline", "5"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("DETECTED corrupt: ") and "checksum mismatch" in last
+    assert last.endswith("engines: process 2: v1 (bit-exact), process 3: v1 (bit-exact)")
+
+
+def test_verify_inject_unknown_mode_and_soak_bad_warmup_are_usage_errors(capsys):
+    assert main(["verify", "--inject", "unplug"]) == 2
+    assert "--inject must be one of kill-receiver, kill-sender, corrupt" in capsys.readouterr().err
+    assert main(["soak", "--refits", "10", "--warmup", "10"]) == 2
+    assert "--warmup" in capsys.readouterr().err

@@ -196,8 +196,13 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
         raise SpecError(f"--inject must be one of {', '.join(MODES)}, got {args.inject!r}")
     if not args.deadline > 0:
         raise SpecError(f"--deadline must be > 0, got {args.deadline}")
+    from dataclasses import replace
+
+    cfg = replace(cfg, buffer_bytes=min(cfg.buffer_bytes, 64 << 10))  # many steps: the fault lands mid-transfer
+    plan_steps = build_plan(src_l, dst_l, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes).num_steps
     console.print(f"verify --inject {args.inject}: trainer {src} -> engine {dst}, deadline {args.deadline:g}s, "
-                  "commit staged, checksums on; version 1 clean, the fault during version 2 ...")
+                  f"commit staged, checksums on, buffers {cfg.num_buffers} x {cfg.buffer_bytes >> 10} KiB "
+                  f"({plan_steps} steps); version 1 clean, the fault half way through version 2 ...")
     res = inject(src_l, dst_l, args.inject, deadline_s=args.deadline, seed=args.seed, config=cfg)
     for p, r in enumerate(res.rows):
         if r is None:
