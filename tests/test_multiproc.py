@@ -93,7 +93,7 @@ def test_shape_mismatch_between_sides_fails_fast_on_every_rank():
     assert "pre-flight" in msg and "'w'" in msg and "[4, 4]" in msg and "[4, 5]" in msg
 
 
-def _bad_local_worker(world):
+def _bad_local_worker(world, fault="shape"):
     shapes = param_shapes("tiny-llama")
     src = layout_from_spec(shapes, parse_spec("tp=1", "src"))
     dst = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
@@ -103,7 +103,10 @@ def _bad_local_worker(world):
         Sender(src, dst, world.rank, local, config=cfg).push(1)
     else:
         local = {t.name: torch.zeros(t.shape) for t in dst}
-        local["lm_head.weight"] = torch.zeros(3, 3)  # the engine's live tensor has the wrong shape
+        if fault == "shape":
+            local["lm_head.weight"] = torch.zeros(3, 3)  # the engine's live tensor has the wrong shape
+        else:  # right shape, but a transposed view: not one dense run
+            local["lm_head.weight"] = torch.zeros(tuple(reversed(local["lm_head.weight"].shape))).t()
         Receiver(src, dst, world.rank, local, config=cfg).pull(1)
 
 
@@ -113,6 +116,14 @@ def test_wrong_local_tensor_fails_before_any_collective():
         run_local(_bad_local_worker, 1, 1, backend="gloo", timeout_s=60)
     msg = str(e.value)
     assert "'lm_head.weight' has shape [3, 3], the layout expects [512, 128]" in msg
+
+
+@pytest.mark.timeout(90)
+def test_non_dense_local_tensor_fails_at_setup_not_on_the_wire():
+    with pytest.raises(WorkerError) as e:
+        run_local(_bad_local_worker, 1, 1, "strided", backend="gloo", timeout_s=60)
+    msg = str(e.value)
+    assert "destination rank 0: local tensor 'lm_head.weight' (strides [1, 512]) is not laid out densely" in msg
 
 
 def _dtensor_worker(world):

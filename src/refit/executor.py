@@ -116,14 +116,26 @@ def validate_local(
     if proc in plan.procs.dst:
         _check_local("destination", plan.procs.dst.index(proc), plan.dst_layout, dst_tensors or {})
     for m in plan.messages:
-        if m.transport != "ipc":
-            continue
-        for side, rank_proc, tensors in (("source", plan.procs.src[m.src], src_tensors), ("destination", plan.procs.dst[m.dst], dst_tensors)):
-            if rank_proc == proc:
+        for side, rank, rank_proc, tensors, layout in (
+            ("source", m.src, plan.procs.src[m.src], src_tensors, plan.src_layout),
+            ("destination", m.dst, plan.procs.dst[m.dst], dst_tensors, plan.dst_layout),
+        ):
+            if rank_proc != proc:
+                continue
+            if m.transport == "ipc":
                 for p in m.pieces:
                     dev = tensors[p.tensor].device
                     if dev.type != "cuda":
                         raise PlanError(f"{side} tensor {p.tensor!r} is on {dev}; CUDA IPC needs CUDA tensors")
+            elif m.direct:  # sent or received as it lies: the piece must be one dense run in memory
+                p = m.pieces[0]
+                view = tensors[p.tensor][box_slices(box_relative(p.box, layout[p.tensor].box(rank)))]
+                if not view.is_contiguous():
+                    raise PlanError(
+                        f"{side} rank {rank}: local tensor {p.tensor!r} (strides {list(tensors[p.tensor].stride())}) "
+                        f"is not laid out densely, so its piece {[list(b) for b in p.box]} cannot go on the wire "
+                        "as it lies; pass contiguous tensors"
+                    )
 
 
 class _Waiter:
