@@ -51,6 +51,10 @@ class _Op:
     sum: torch.Tensor | None = None  # verify mode: [checksum, bytes] sent beside the message
     got: torch.Tensor | None = None  # verify mode, CUDA receivers: the received message's checksum
 
+    def what(self) -> str:
+        more = f" and {len(self.names) - 3} more" if len(self.names) > 3 else ""
+        return f"step {self.step}, tensors {', '.join(self.names[:3])}{more}"
+
 
 _SUM_TAG = 1 << 20  # checksum messages use the message's tag plus this
 
@@ -333,9 +337,23 @@ class Executor:
     def _left(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
+    def _watch(self, finished: Callable[[], bool], pending: Callable[[], str]) -> None:
+        """Poll ``finished`` until it is true, giving up at the deadline and checking the side
+        channel every 20 ms for another process's abort (short waits spin, longer ones yield)."""
+        start = time.monotonic()
+        next_check = start + 0.02
+        while not finished():
+            now = time.monotonic()
+            if self.deadline is not None and now > self.deadline:
+                raise DeadlineExceeded(f"{pending()} still pending at the deadline")
+            if self.check_abort is not None and now >= next_check:
+                self.check_abort()
+                next_check = now + 0.02
+            if now - start > 0.05:
+                time.sleep(0.0001)
+
     def _wait(self, works: list, ops: list[_Op], what: str) -> None:
-        """Wait for ``works`` (one per op, in order) until the deadline, checking the side channel
-        for another process's abort meanwhile; a failed work names its peer.
+        """Wait for ``works`` (one per op, in order) under ``_watch``; a failed work names its peer.
 
         A blocked gloo wait cannot be interrupted (and gloo's own wait-with-timeout breaks the
         pair), so a waiter thread blocks in ``wait()`` while this thread keeps the clock; past
@@ -348,18 +366,11 @@ class Executor:
         if self._waiter is None:
             self._waiter = _Waiter()
         done = self._waiter.submit(works)
-        while not done.wait(0.02):
-            if self.deadline is not None and time.monotonic() > self.deadline:
-                peers = sorted({op.peer for op in ops})
-                raise DeadlineExceeded(f"{what} with process(es) {peers} still pending at the deadline "
-                                       f"(step {ops[0].step if ops else '-'})")
-            if self.check_abort is not None:
-                self.check_abort()
+        peers = ", ".join(f"process {p}" for p in sorted({op.peer for op in ops}))
+        self._watch(lambda: done.wait(0.001), lambda: f"{what} with {peers} ({ops[0].what() if ops else '-'})")
         if done.error is not None:
             i, e = done.error
-            op = ops[i]
-            raise RuntimeError(f"{what} with process {op.peer} (step {op.step}, {', '.join(op.names[:3])}"
-                               f"{'...' if len(op.names) > 3 else ''}) failed: {e}") from e
+            raise RuntimeError(f"{what} with process {ops[i].peer} ({ops[i].what()}) failed: {e}") from e
 
     def close(self) -> None:
         if self._waiter is not None:
@@ -381,21 +392,13 @@ class Executor:
             ops = step.sends + step.recvs
             self._wait(self._post(step), ops, "transfer")
             if self.verify:
-                self._wait(self._post_sums(step), ops, "checksum exchange")
+                self._wait(self._post(step, sums=True), ops, "checksum exchange")
             if self.fault is not None:
                 self.fault("received", {"step": step, "executor": self})
             self._check_sums(step)
             for op in step.recvs:
                 for bv, tv in op.pack:
                     tv.copy_(bv)
-
-    def _post_sums(self, step: _Step) -> list:
-        if self.standalone:
-            works = [self.group.send([op.sum], op.peer, op.tag + _SUM_TAG) for op in step.sends]
-            return works + [self.group.recv([op.sum], op.peer, op.tag + _SUM_TAG) for op in step.recvs]
-        ops = [dist.P2POp(dist.isend, op.sum, op.peer, self.group, op.tag + _SUM_TAG) for op in step.sends]
-        ops += [dist.P2POp(dist.irecv, op.sum, op.peer, self.group, op.tag + _SUM_TAG) for op in step.recvs]
-        return dist.batch_isend_irecv(ops)
 
     def _check_sums(self, step: _Step) -> None:
         if not self.verify:
@@ -404,9 +407,7 @@ class Executor:
             got = (op.got if self.cuda else checksum(op.tensor)).tolist()
             want = op.sum.tolist()
             if got != want:
-                names = ", ".join(op.names[:3]) + (f" and {len(op.names) - 3} more" if len(op.names) > 3 else "")
-                raise ChecksumError(f"checksum mismatch in the message from process {op.peer} at step {op.step} "
-                                    f"(tensors {names}): sent {want[0]} over {want[1]} bytes, "
+                raise ChecksumError(f"checksum mismatch in the message from process {op.peer} ({op.what()}): sent {want[0]} over {want[1]} bytes, "
                                     f"received {got[0]} over {got[1]} bytes")
 
     def _check_ipc_sums(self) -> None:
@@ -416,16 +417,18 @@ class Executor:
                 raise ChecksumError(f"checksum mismatch in tensor {name!r} pulled over CUDA IPC: "
                                     f"source {want[0]}, received {got[0]} ({want[1]} bytes)")
 
-    def _post(self, step: _Step) -> list:
-        """Post every send and receive of a step; return the works to wait on."""
-        if self.standalone:
-            works = [self.group.send([op.tensor], op.peer, op.tag) for op in step.sends]
-            return works + [self.group.recv([op.tensor], op.peer, op.tag) for op in step.recvs]
-        return dist.batch_isend_irecv(self._p2p_ops(step))
+    def _post(self, step: _Step, sums: bool = False) -> list:
+        """Post every send and receive of a step (or, ``sums``, of their checksums); return the works."""
 
-    def _p2p_ops(self, step: _Step) -> list:
-        ops = [dist.P2POp(dist.isend, op.tensor, op.peer, self.group, op.tag) for op in step.sends]
-        return ops + [dist.P2POp(dist.irecv, op.tensor, op.peer, self.group, op.tag) for op in step.recvs]
+        def msgs(ops: list[_Op]) -> list[tuple[int, torch.Tensor, int]]:
+            return [(op.peer, op.sum, op.tag + _SUM_TAG) if sums else (op.peer, op.tensor, op.tag) for op in ops]
+
+        sends, recvs = msgs(step.sends), msgs(step.recvs)
+        if self.standalone:
+            return ([self.group.send([t], p, tag) for p, t, tag in sends]
+                    + [self.group.recv([t], p, tag) for p, t, tag in recvs])
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, t, p, self.group, tag) for p, t, tag in sends]
+                                      + [dist.P2POp(dist.irecv, t, p, self.group, tag) for p, t, tag in recvs])
 
     def _run_steps_cuda(self) -> None:
         main = torch.cuda.current_stream(self.device)
@@ -447,7 +450,7 @@ class Executor:
             for w in self._post(step):
                 w.wait()  # the main stream waits for NCCL; the host does not
             if self.verify:
-                for w in self._post_sums(step):
+                for w in self._post(step, sums=True):
                     w.wait()
                 for op in step.recvs:
                     op.got.copy_(checksum(op.tensor))
@@ -471,17 +474,7 @@ class Executor:
             return
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
-        start = time.monotonic()
-        next_check = start + 0.02
-        while not ev.query():
-            now = time.monotonic()
-            if self.deadline is not None and now > self.deadline:
-                raise DeadlineExceeded("GPU work of the refit (NCCL transfers or IPC pulls) still running at the deadline")
-            if self.check_abort is not None and now >= next_check:
-                self.check_abort()
-                next_check = now + 0.02
-            if now - start > 0.05:  # spin through short waits (a sleep costs ~0.1 ms), then yield the CPU
-                time.sleep(0.0001)
+        self._watch(ev.query, lambda: "GPU work of the refit (NCCL transfers or IPC pulls)")
 
     def run(self, deadline: float | None = None) -> RunStats:
         """One refit. ``deadline`` (``time.monotonic()`` value): every blocking wait gives up then."""

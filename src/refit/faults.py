@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from refit.launch import World, run_local
-from refit.layout import ModelLayout, box_slices
+from refit.layout import ModelLayout
 from refit.plan import ProcessMap
 from refit.transfer import Peer, TransferConfig
-from refit.verify import reference_tensor, same_bits
+from refit.verify import holds, reference_shards
 
 MODES = ("kill-receiver", "kill-sender", "corrupt", "shape-mismatch", "slow-receiver")
 # what the survivors' common error must say, per mode
@@ -100,27 +100,22 @@ def _victim(procs: ProcessMap, mode: str) -> int:
     return procs.dst[0] if mode in ("kill-receiver", "corrupt", "slow-receiver") else procs.src[-1]
 
 
-def _tensors(layout: ModelLayout, rank: int, seed: int) -> dict[str, torch.Tensor]:
-    return {t.name: reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)].clone() for t, b in layout.local_tensors(rank)}
-
-
 def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, mode: str, seed: int):
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
     is_src = world.src_rank is not None
     rank = world.src_rank if is_src else world.dst_rank
     role = "trainer" if is_src else "engine"
-    tensors = _tensors(src if is_src else dst, rank, seed)
+    tensors = reference_shards(src if is_src else dst, rank, seed)
     if not is_src:
         for t in tensors.values():
             t.fill_(float("nan"))
     kw = {"src_tensors": tensors} if is_src else {"dst_tensors": tensors}
     peer = Peer(src, dst, world.rank, procs=procs, config=config, **kw)
     peer.run(1)
-    v1_exact = None if is_src else all(same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)])
-                                       for t, b in dst.local_tensors(rank))
+    v1_exact = None if is_src else holds(tensors, dst, rank, seed)
     if is_src:  # version 2: the trainer's new weights, in place
-        for t, b in src.local_tensors(rank):
-            tensors[t.name].copy_(reference_tensor(t.name, t.shape, t.dtype, seed + 1)[box_slices(b)])
+        for name, t in reference_shards(src, rank, seed + 1).items():
+            tensors[name].copy_(t)
     victim = _victim(procs, mode)
     steps = len(peer.executor.steps)
     middle = peer.executor.steps[steps // 2] if steps else None
@@ -157,8 +152,7 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
     peer.close()
     exact = None  # after the failed refit: still version 1, bit for bit?
     if not is_src:
-        exact = all(same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)])
-                    for t, b in dst.local_tensors(rank))
+        exact = holds(tensors, dst, rank, seed)
     retried = None
     if mode == "corrupt" and error is not None:
         # nobody died: retrying version 2 must succeed, on a fresh group (the aborted refit may
@@ -179,8 +173,7 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
             time.sleep(0.01)
     v2_exact = None
     if retried is not None and not is_src:
-        v2_exact = all(same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed + 1)[box_slices(b)])
-                       for t, b in dst.local_tensors(rank))
+        v2_exact = holds(tensors, dst, rank, seed + 1)
     return {"role": role, "rank": rank, "error": error, "elapsed_s": elapsed, "version": peer.version,
             "v1_exact": bool(v1_exact and exact) if not is_src else None, "victim": victim,
             "retried_version": retried, "v2_exact_after_retry": v2_exact}

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from refit.launch import World, run_local
-from refit.layout import ModelLayout, box_slices
+from refit.layout import ModelLayout
 from refit.plan import ProcessMap
 from refit.transfer import Peer, TransferConfig
-from refit.verify import reference_tensor, same_bits
+from refit.verify import holds, reference_shards
 
 
 def rss_bytes() -> int:
@@ -53,7 +53,7 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
     is_src = world.src_rank is not None
     rank = world.src_rank if is_src else world.dst_rank
     layout = src if is_src else dst
-    tensors = {t.name: reference_tensor(t.name, t.shape, t.dtype, 0)[box_slices(b)].clone() for t, b in layout.local_tensors(rank)}
+    tensors = reference_shards(layout, rank)
     kw = {"src_tensors": tensors} if is_src else {"dst_tensors": tensors}
     peer = Peer(src, dst, world.rank, procs=procs, config=config, **kw)
     row = {"role": "trainer" if is_src else "engine", "rank": rank}
@@ -68,9 +68,7 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
     row.update(rss_end=rss_bytes(), threads_end=threading.active_count(), groups_end=_process_groups(),
                seconds=time.perf_counter() - t0)
     factor = 2.0 if refits % 2 else 1.0  # the product of the scalings after `refits` steps
-    row["exact"] = None if is_src else all(
-        same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, 0)[box_slices(b)] * factor)
-        for t, b in dst.local_tensors(rank))
+    row["exact"] = None if is_src else holds(tensors, dst, rank, scale=factor)
     peer.close()
     return row
 

@@ -32,6 +32,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def reference_shards(layout: ModelLayout, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """This rank's boxes of every tensor's reference values (fresh tensors, contiguous)."""
+    return {t.name: reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)].clone() for t, b in layout.local_tensors(rank)}
+
+
+def holds(tensors: dict[str, torch.Tensor], layout: ModelLayout, rank: int, seed: int = 0, scale: float = 1.0) -> bool:
+    """Whether ``tensors`` are this rank's reference boxes (times ``scale``), bit for bit."""
+    return all(same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)] * scale)
+               for t, b in layout.local_tensors(rank))
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     tensors: int
@@ -54,10 +65,7 @@ class VerifyResult:
 def _verify_worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, seed: int, dump: str | None):
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
     if world.src_rank is not None:
-        local = {
-            t.name: reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(box)].clone()
-            for t, box in src.local_tensors(world.src_rank)
-        }
+        local = reference_shards(src, world.src_rank, seed)
         Sender(src, dst, world.rank, local, procs=procs, config=config).push(1)
         return None
     r = world.dst_rank
