@@ -135,24 +135,32 @@ def build_model(config, dtype: torch.dtype, device: str | torch.device = "cpu", 
     return model
 
 
+FUSED_GATE_UP = ".experts.gate_up_proj"
+
+
+def logical_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape refit's layouts give HF parameter ``name``: HF's fused stacked-expert
+    ``gate_up_proj`` ``[E, 2I, H]`` is ``[E, 2, I, H]`` (gate, then up); everything else as is."""
+    if name.endswith(FUSED_GATE_UP) and len(shape) == 3:
+        e, two_i, h = shape
+        if two_i % 2:
+            raise ModelError(f"{name} {list(shape)}: the fused gate/up dim {two_i} is odd")
+        return (e, 2, two_i // 2, h)
+    return tuple(shape)
+
+
 def param_shapes(model: str, dtype: torch.dtype | None = None) -> list[ParamShape]:
     """(name, shape, dtype) of every logical tensor of ``model``, from shapes alone (tied ones once).
 
-    Logical tensors are the HF parameters, except stacked MoE experts: HF keeps
-    ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows);
-    refit's layouts see ``mlp.experts.gate_proj`` and ``mlp.experts.up_proj``,
-    ``[E, I, H]`` each, so tensor parallelism inside experts splits gate and
-    up alike, as Megatron and vLLM (``w13``) do.
+    Logical tensors are the HF parameters; stacked MoE experts keep HF's names
+    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) with the fused
+    gate/up dim split in two: ``gate_up_proj`` is ``[E, 2, I, H]`` (HF holds
+    ``[E, 2I, H]``, gate rows then up rows: the same memory), ``down_proj``
+    ``[E, H, I]``. So tensor parallelism inside experts (``Shard(2)``) splits
+    gate and up alike, as Megatron's fc1 and vLLM's ``w13`` do, and a rank's
+    share is one dense block in HF's tensor, in Megatron's and in vLLM's.
     """
     config = load_config(model)
     dt = dtype or model_dtype(model, config)
     meta = build_model(config, dt, device="meta", seed=None)
-    out = []
-    for n, p in meta.named_parameters():
-        if n.endswith(".experts.gate_up_proj") and p.dim() == 3:
-            e, two_i, h = p.shape
-            stem = n[: -len("gate_up_proj")]
-            out += [(stem + "gate_proj", (e, two_i // 2, h), p.dtype), (stem + "up_proj", (e, two_i // 2, h), p.dtype)]
-        else:
-            out.append((n, tuple(p.shape), p.dtype))
-    return out
+    return [(n, logical_shape(n, tuple(p.shape)), p.dtype) for n, p in meta.named_parameters()]

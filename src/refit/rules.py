@@ -9,11 +9,11 @@ Pipeline parallel: decoder layers split into contiguous stages (the first
 ``layers % pp`` stages get one more); embeddings on the first stage, the final
 norm and ``lm_head`` on the last; any other tensor on the first stage.
 FSDP: ``Shard(0)`` over the ``fsdp`` mesh dim, nested before ``tp`` (mesh order).
-MoE (experts stacked per layer: ``mlp.experts.gate_proj`` / ``up_proj``
-``[E, I, H]``, ``down_proj`` ``[E, H, I]``, see ``models.param_shapes``):
+MoE (experts stacked per layer: ``mlp.experts.gate_up_proj`` ``[E, 2, I, H]``,
+``down_proj`` ``[E, H, I]``, see ``models.param_shapes``):
 ``ep`` shards the expert dim (``Shard(0)``); expert tensor parallelism
-(``etp`` if the spec has it, else ``tp``) shards gate/up on ``I``
-(``Shard(1)``) and down on ``I`` (``Shard(2)``); the router
+(``etp`` if the spec has it, else ``tp``) shards ``I`` of both
+(``Shard(2)``); the router
 (``mlp.gate.weight``) and every dense tensor are replicated over ``ep`` and
 ``etp``.
 """
@@ -34,7 +34,7 @@ _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
-_EXPERTS = re.compile(r"\.experts\.(gate_proj|up_proj|down_proj)$")
+_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 ParamShape = tuple[str, Sequence[int], torch.dtype]
 
@@ -45,9 +45,7 @@ def expert_placement(name: str, dim: str) -> Placement | None:
     m = _EXPERTS.search(name)
     if m is None:
         return None
-    if dim == "ep":
-        return Shard(0)
-    return Shard(2) if m.group(1) == "down_proj" else Shard(1)
+    return Shard(0) if dim == "ep" else Shard(2)  # [E, 2, I, H] and [E, H, I]: I is dim 2 of both
 
 
 def tp_placement(name: str) -> Placement:
@@ -112,7 +110,7 @@ def layout_from_spec(params: Sequence[ParamShape], spec: ParallelSpec) -> ModelL
         sub = grid.select(stage_axis, stage) if stage_axis is not None else grid
         placements: list[Placement] = []
         expert_tp = "etp" if spec.degree("etp") > 1 else "tp"
-        is_expert = expert_placement(name, "ep") is not None and len(pshape) == 3
+        is_expert = expert_placement(name, "ep") is not None and len(pshape) >= 3
         for dim in sub_names:
             if is_expert and dim in ("ep", expert_tp):
                 placements.append(expert_placement(name, dim))
