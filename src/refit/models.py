@@ -43,6 +43,14 @@ PRESETS: dict[str, Preset] = {
                                                            "num_experts": 8, "num_experts_per_tok": 2,
                                                            "decoder_sparse_step": 1, "mlp_only_layers": [],
                                                            "norm_topk_prob": True}),
+    # shared experts beside the routed ones (a dense MLP and a sigmoid gate)
+    "tiny-qwen2-moe": Preset("qwen2_moe", torch.float32, {**_TINY, "intermediate_size": 192, "moe_intermediate_size": 64,
+                                                           "shared_expert_intermediate_size": 96, "num_experts": 8,
+                                                           "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                                                           "mlp_only_layers": [], "norm_topk_prob": False}),
+    "tiny-mixtral": Preset("mixtral", torch.float32, {**{k: v for k, v in _TINY.items() if k != "head_dim"},
+                                                      "intermediate_size": 64, "num_local_experts": 4,
+                                                      "num_experts_per_tok": 2}),
     "qwen3-30b-a3b": Preset(
         "qwen3_moe",
         torch.bfloat16,

@@ -97,7 +97,7 @@ def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path):
     trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path)
 
 
-def make_llm(model_name: str, engine_tp: int, workdir: str):
+def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
     """An LLM over a tiny model saved with different (seed 1000) weights."""
     from vllm import LLM
 
@@ -107,7 +107,7 @@ def make_llm(model_name: str, engine_tp: int, workdir: str):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(engine_tp)))
     return LLM(model=workdir, dtype="float32", tensor_parallel_size=engine_tp, skip_tokenizer_init=True,
                gpu_memory_utilization=0.3, max_model_len=128, enforce_eager=True,
-               weight_transfer_config={"backend": "refit"})
+               weight_transfer_config={"backend": "refit"}, **kw)
 
 
 def greedy(llm, n: int = 8):

@@ -13,6 +13,13 @@ share. The share is a property of the module the loader belongs to:
 * ``VocabParallelEmbedding`` / ``ParallelLMHead``: rows
   ``[org_vocab_start_index, org_vocab_end_index)`` (vLLM pads the vocab; the
   padding never travels);
+* stacked experts (``mlp.experts.gate_up_proj`` ``[E, 2, I, H]``,
+  ``mlp.experts.down_proj`` ``[E, H, I]``, see ``models.param_shapes``),
+  read from vLLM's fused-MoE layer (``RoutedExperts`` / ``FusedMoE``): the
+  experts local to this rank (one contiguous range; EP) times the rows
+  ``[tp_rank*s, (tp_rank+1)*s)`` of ``I`` with ``s =
+  intermediate_size_per_partition`` (MoE TP), gate and up alike: exactly
+  vLLM's ``w13_weight`` ``[E_local, 2s, H]`` and ``w2_weight`` ``[E_local, H, s]``;
 * anything else, including names no rule knows: the whole tensor (the loader
   gets exactly what a full load would give it).
 
@@ -23,16 +30,19 @@ one the loader will actually read.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from refit.layout import Box, full_box
+from refit.layout import Box, box_slices, full_box
 
 _STACKED = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
             ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
 _ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias)$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+# where vLLM's module lives when its name differs from transformers' (Mixtral: block_sparse_moe)
+_MODULE_ALIASES = ((".mlp.", ".block_sparse_moe."),)
 
 
 class RegionError(ValueError):
@@ -46,6 +56,37 @@ def _module(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
         return None
 
 
+def moe_layer(model: torch.nn.Module, stem: str) -> tuple[torch.nn.Module, str] | None:
+    """(vLLM's fused-MoE layer holding ``w13_weight`` / ``w2_weight``, its path) for the
+    transformers experts module path ``stem``, or None."""
+    for path in (stem, *(stem.replace(a, b) for a, b in _MODULE_ALIASES if a in stem)):
+        mod = _module(model, path)
+        if mod is None:
+            continue
+        if hasattr(mod, "w13_weight"):
+            return mod, path
+        inner = getattr(mod, "routed_experts", None)  # vLLM >= 0.30: MoERunner wraps RoutedExperts
+        if inner is not None and hasattr(inner, "w13_weight"):
+            return inner, f"{path}.routed_experts"
+    return None
+
+
+def moe_share(mod: torch.nn.Module, name: str, shape: Sequence[int]) -> tuple[int, int, int, int]:
+    """(first expert, end expert, first row of I, rows of I) this rank's fused-MoE layer loads."""
+    cfg = mod.moe_config.moe_parallel_config
+    local = [e for e in range(shape[0]) if mod.expert_map_manager.is_local_expert(e)]
+    if not local or local != list(range(local[0], local[0] + len(local))):
+        raise RegionError(f"{name} {list(shape)}: this rank's experts {local[:8]} are not one contiguous range "
+                          f"(expert placement {getattr(mod, 'expert_placement_strategy', '?')!r}); refit needs 'linear'")
+    if any(mod.expert_map_manager.map_global_to_local(e) != i for i, e in enumerate(local)):
+        raise RegionError(f"{name}: vLLM's local expert order is not the global order")
+    s = mod.intermediate_size_per_partition
+    i_dim = shape[2]
+    if i_dim // cfg.tp_size != s:
+        raise RegionError(f"{name} {list(shape)}: vLLM pads I to {s} per rank (tp {cfg.tp_size}); refit sends unpadded shares")
+    return local[0], local[-1] + 1, cfg.tp_rank * s, s
+
+
 def _rows(shape: Sequence[int], lo: int, hi: int) -> Box:
     return ((lo, hi),) + full_box(shape[1:])
 
@@ -53,6 +94,14 @@ def _rows(shape: Sequence[int], lo: int, hi: int) -> Box:
 def region(model: torch.nn.Module, name: str, shape: Sequence[int]) -> tuple[Box, str]:
     """(box, rule) for HF tensor ``name`` of ``shape`` on this worker; rule names what decided it."""
     stem, _, leaf = name.rpartition(".")
+    m = _EXPERTS.search(name)
+    if m is not None and len(shape) in (3, 4):
+        found = moe_layer(model, stem)
+        if found is not None:
+            e0, e1, i0, n = moe_share(found[0], name, shape)
+            if m.group(1) == "gate_up_proj":
+                return ((e0, e1), (0, 2), (i0, i0 + n), (0, shape[3])), "moe:w13"
+            return ((e0, e1), (0, shape[1]), (i0, i0 + n)), "moe:w2"
     for hf, (vllm_name, shard) in _STACKED.items():
         if stem.endswith(hf):
             mod = _module(model, stem[: -len(hf)] + vllm_name)
@@ -112,6 +161,22 @@ def live_target(model: torch.nn.Module, name: str, shape: Sequence[int], box: Bo
     """
     stem, _, leaf = name.rpartition(".")
     want = tuple(hi - lo for lo, hi in box)
+    if rule.startswith("moe:"):
+        found = moe_layer(model, stem)
+        if found is None:
+            return None, f"{stem}: no fused-MoE layer"
+        where = f"{found[1]}.{rule[4:]}_weight"
+        param = getattr(found[0], f"{rule[4:]}_weight", None)
+        if param is None:
+            return None, f"{where} not found"
+        target = param.data
+        if rule == "moe:w13" and target.dim() == 3 and target.shape[1] % 2 == 0:
+            target = target.view(target.shape[0], 2, target.shape[1] // 2, target.shape[2])
+        if tuple(target.shape) != want:
+            return None, f"{where} has shape {list(param.shape)}, not as loaded ({list(want)})"
+        if not target.is_contiguous():
+            return None, f"{where} is not contiguous"
+        return target, where
     if rule.startswith(("qkv:", "merged:")):
         hf = next(h for h in _STACKED if stem.endswith(h))
         vllm_name, shard = _STACKED[hf]
@@ -129,7 +194,8 @@ def live_target(model: torch.nn.Module, name: str, shape: Sequence[int], box: Bo
         target, where = param, f"{path}.{leaf}"
         expect_rows = (mod.output_size_per_partition,)
     elif rule in ("row", "row-bias", "vocab", "full"):
-        target, where = _param(model, name), name
+        where = checkpoint_name(model, name)
+        target = _param(model, where)
         if target is None:
             return None, f"{name} not found"
         off, expect_rows = 0, None
@@ -146,3 +212,63 @@ def live_target(model: torch.nn.Module, name: str, shape: Sequence[int], box: Bo
     if not view.is_contiguous():
         return None, f"{where} rows [{off}, {off + rows}) are not contiguous"
     return view, where
+
+
+def checkpoint_name(model: torch.nn.Module, name: str) -> str:
+    """The name vLLM's ``load_weights`` knows for transformers' ``name`` (Mixtral: ``mlp.`` is
+    ``block_sparse_moe.``); ``name`` itself where vLLM has that module or no alias fits."""
+    stem = name.rpartition(".")[0]
+    if _module(model, stem) is not None:
+        return name
+    for a, b in _MODULE_ALIASES:
+        if a in stem and _module(model, stem.replace(a, b)) is not None:
+            return name.replace(a, b)
+    return name
+
+
+def expert_checkpoint_tensors(model: torch.nn.Module, name: str, shape: Sequence[int], box: Box,
+                              part: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert checkpoint tensors (``experts.{e}.gate_proj.weight`` ...) for vLLM's loaders from
+    this worker's ``part`` (at ``box``) of a stacked expert tensor: full-shaped ``[I, H]`` /
+    ``[H, I]`` per expert of the box, of which only the box is valid (the part the loader reads)."""
+    stem = name.rpartition(".")[0]
+    found = moe_layer(model, stem)
+    mod, path = found if found is not None else (None, stem)
+    base = path[: -len(".routed_experts")] if path.endswith(".routed_experts") else path
+    gate, up, down = (getattr(mod, f"ckpt_{k}_proj_name", k + "_proj") for k in ("gate", "up", "down"))
+    (e0, e1), rest = box[0], box[1:]
+    for e in range(e0, e1):
+        if name.endswith(".gate_up_proj"):
+            (g0, g1), rows, cols = rest
+            for g in range(g0, g1):
+                full = _outside(tuple(shape[2:]), part)
+                full[rows[0]:rows[1], cols[0]:cols[1]] = part[e - e0, g - g0]
+                yield f"{base}.{e}.{(gate, up)[g]}.weight", full
+        else:
+            full = _outside(tuple(shape[1:]), part)
+            full[box_slices(rest)] = part[e - e0]
+            yield f"{base}.{e}.{down}.weight", full
+
+
+def loader_tensors(model: torch.nn.Module, name: str, shape: Sequence[int], box: Box,
+                   part: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """What vLLM's ``load_weights`` takes for this worker's ``part`` (at ``box``) of ``name``:
+    checkpoint names and full shapes, of which only the box is valid (the part the loader reads).
+    Stacked experts become per-expert checkpoint tensors."""
+    if _EXPERTS.search(name) and len(shape) in (3, 4):
+        yield from expert_checkpoint_tensors(model, name, shape, box, part)
+        return
+    ckpt = checkpoint_name(model, name)
+    if tuple(part.shape) == tuple(shape):
+        yield ckpt, part
+        return
+    full = _outside(tuple(shape), part)
+    full[box_slices(box)] = part
+    yield ckpt, full
+
+
+def _outside(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A full-shaped tensor whose elements outside the box are NaN (a loader reading them shows)."""
+    if like.dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+    return torch.zeros(shape, dtype=like.dtype, device=like.device)

@@ -32,12 +32,12 @@ import torch
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from refit.layout import box_shape, box_slices
+from refit.layout import box_shape
 from refit.plan import ProcessMap
 from refit.transfer import Peer, TransferConfig
 
 from .common import RefitInitInfo, RefitUpdateInfo, gather_dst_layout, join_group, layout_from_json, open_store, wait_workers
-from .regions import live_target, region
+from .regions import live_target, loader_tensors, region
 
 
 def check_supported(vllm_config, model: torch.nn.Module) -> None:
@@ -133,14 +133,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         initialize_layerwise_reload(self.model)
 
     def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What vLLM's ``load_weights`` takes: checkpoint names, full shapes (only the box valid)."""
         for name, buf in self.buffers.items():
-            shape = self.shapes[name]
-            if tuple(buf.shape) == tuple(shape):
-                yield name, buf
-                continue
-            full = torch.empty(shape, dtype=buf.dtype, device=buf.device)  # only the box is read by the loader
-            full[box_slices(self.boxes[name])] = buf
-            yield name, full
+            yield from loader_tensors(self.model, name, self.shapes[name], self.boxes[name], buf)
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         if self.peer is None:
