@@ -38,6 +38,20 @@ from .harness import make_llm  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
+def _compare(cfg, tp: int, **llm_kw) -> list[dict]:
+    """Every worker's comparison (``_compare_in_worker``) for an engine of ``cfg`` with ``tp`` workers."""
+    with tempfile.TemporaryDirectory() as d:
+        cfg.save_pretrained(d)
+        _save_checkpoint(d)
+        llm = make_llm(d, tp, d, **llm_kw)
+        try:
+            out = llm.collective_rpc(_compare_in_worker, args=(d,))
+        finally:
+            del llm
+    assert len(out) == tp
+    return out
+
+
 def _save_checkpoint(config_dir):
     """The seed-7 weights as transformers writes them (checkpoint names): vLLM's loaders read these."""
     build_model(load_config(config_dir), torch.float32, seed=7).save_pretrained(os.path.join(config_dir, "ckpt"))
@@ -92,15 +106,7 @@ def test_direct_writes_equal_vllm_loaders(model, tp, kv_heads):
     cfg = load_config(model)
     if kv_heads is not None:
         cfg.num_key_value_heads = kv_heads  # fewer KV heads than tp: vLLM replicates them
-    with tempfile.TemporaryDirectory() as d:
-        cfg.save_pretrained(d)
-        _save_checkpoint(d)
-        llm = make_llm(d, tp, d)
-        try:
-            out = llm.collective_rpc(_compare_in_worker, args=(d,))
-        finally:
-            del llm
-    assert len(out) == tp
+    out = _compare(cfg, tp)
     for r in out:
         assert r["differ"] == [], r["differ"][:5]
         bias = 2 if getattr(cfg, "attention_bias", False) or model == "tiny-qwen2" else 1  # weight (+ bias) per layer
@@ -118,15 +124,7 @@ def test_moe_writes_equal_vllm_loaders(model, tp, ep):
     split over ranks), MoE TP (I split), shared experts (Qwen2-MoE), Mixtral's names."""
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     cfg = load_config(model)
-    with tempfile.TemporaryDirectory() as d:
-        cfg.save_pretrained(d)
-        _save_checkpoint(d)
-        llm = make_llm(d, tp, d, enable_expert_parallel=ep)
-        try:
-            out = llm.collective_rpc(_compare_in_worker, args=(d,))
-        finally:
-            del llm
-    assert len(out) == tp
+    out = _compare(cfg, tp, enable_expert_parallel=ep)
     for r in out:
         assert r["differ"] == [], r["differ"][:5]
         assert r["rules"].get("moe:w13") == r["rules"].get("moe:w2") == cfg.num_hidden_layers
