@@ -59,6 +59,24 @@ def test_fp8_matches_vllms_own_block_quantizer():
     assert torch.equal(q.view(torch.uint8), vq.view(torch.uint8)) and torch.equal(s, vs)
 
 
-def test_fp8_rejects_non_matrices():
-    with pytest.raises(ValueError, match=r"2-D weight, got shape \[2, 3, 4\]"):
-        quantize_fp8_block(torch.zeros(2, 3, 4))
+def test_fp8_rejects_vectors():
+    with pytest.raises(ValueError, match=r"2 or more dims, got shape \[7\]"):
+        quantize_fp8_block(torch.zeros(7))
+
+
+def test_stacked_experts_quantize_per_expert_and_in_chunks():
+    from refit.quant import quantize_into
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn((3, 2, 40, 48), generator=g) * 5).to(torch.bfloat16)  # [E, 2, I, H], ragged blocks
+    q, s = quantize_fp8_block(w, (16, 32))
+    assert s.shape == (3, 2, 3, 2)
+    for e in range(3):
+        for h in range(2):
+            rq, rs = _reference(w[e, h], 16, 32)
+            assert torch.equal(q[e, h].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s[e, h], rs)
+    # chunked (a few experts at a time, or row blocks of one big matrix): the same bytes
+    for chunk in (1, 40 * 48 * 4, 16 * 48 * 4):
+        q2, s2 = torch.empty_like(q), torch.empty_like(s)
+        quantize_into(w, q2, s2, (16, 32), chunk_bytes=chunk)
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)

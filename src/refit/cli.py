@@ -7,7 +7,7 @@ import json
 import sys
 
 from refit.layout import LayoutError
-from refit.models import ModelError, param_shapes
+from refit.models import PRESETS, ModelError, param_shapes
 from refit.plan import Plan, PlanError, build_plan
 from refit.rules import layout_from_spec
 from refit.spec import SpecError, parse_spec
@@ -18,13 +18,19 @@ USAGE_ERRORS = (SpecError, ModelError, PlanError, LayoutError)
 
 def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama") -> None:
     p.add_argument("--model", default=model_default, required=model_default is None,
-                   help="preset (tiny-llama, tiny-qwen2, tiny-qwen3, llama-3.1-8b, qwen3-8b) or path to an HF config.json")
-    p.add_argument("--src", default="tp=2", help="trainer layout, keys pp,dp,fsdp,tp (default tp=2)")
-    p.add_argument("--dst", default="tp=1,dp=2", help="engine layout, keys dp,tp (default tp=1,dp=2)")
+                   help=f"preset ({', '.join(PRESETS)}) or path to an HF config.json")
+    p.add_argument("--src", default="tp=2", help="trainer layout, keys pp,dp,fsdp,ep,etp,tp (default tp=2)")
+    p.add_argument("--dst", default="tp=1,dp=2", help="engine layout, keys dp,ep,tp (default tp=1,dp=2)")
     p.add_argument("--src-ranks", type=int, default=None, help="check the trainer spec against this many ranks")
     p.add_argument("--dst-ranks", type=int, default=None, help="check the engine spec against this many ranks")
     p.add_argument("--num-buffers", type=int, default=2, help="staging buffers per process (default 2)")
     p.add_argument("--buffer-mb", type=float, default=64.0, help="size of one staging buffer in MiB (default 64)")
+
+
+def _fp8_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fp8", type=int, nargs="?", const=128, default=None, metavar="BLOCK",
+                   help="the engine holds FP8 weights blockwise-quantized in BLOCK x BLOCK blocks (default 128), "
+                        "quantized by the trainer ranks before the wire")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,9 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the transfer plan without running it (shapes only)")
     _common(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _fp8_option(p)
     p.add_argument("--bandwidth", type=float, default=370.0, help="link bandwidth in GB/s for the predicted time")
     v = sub.add_parser("verify", help="run a real multi-process reshard on CPU and check every shard")
     _common(v)
+    _fp8_option(v)
     v.add_argument("--dump", default=None, metavar="DIR", help="write full.safetensors, dst_rank{r}.safetensors, layout.json")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--inject", default=None, metavar="MODE",
@@ -118,6 +126,8 @@ def _setup(args):
     if args.buffer_mb <= 0:
         raise SpecError(f"--buffer-mb must be > 0, got {args.buffer_mb}")
     cfg = TransferConfig(num_buffers=args.num_buffers, buffer_bytes=int(args.buffer_mb * (1 << 20)))
+    if getattr(args, "fp8", None) is not None and args.fp8 < 1:
+        raise SpecError(f"--fp8 block must be >= 1, got {args.fp8}")
     shapes = param_shapes(args.model)
     n_layers = sum(1 for n, _, _ in shapes if n.endswith("input_layernorm.weight"))
     if src.degree("pp") > max(n_layers, 1):
@@ -147,13 +157,16 @@ def cmd_plan(args, console) -> int:
     from rich.table import Table
 
     src, dst, cfg, shapes = _setup(args)
-    plan = build_plan(layout_from_spec(shapes, src), layout_from_spec(shapes, dst),
-                      num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes)
+    src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
+    if args.fp8:
+        src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
+    plan = build_plan(src_l, dst_l, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes)
     info = _plan_json(plan, args.bandwidth)
+    fp8 = f"; FP8 {args.fp8}x{args.fp8} blocks" if args.fp8 else ""
     if args.json:
-        print(json.dumps({"model": args.model, "src": str(src), "dst": str(dst), **info}))
+        print(json.dumps({"model": args.model, "src": str(src), "dst": str(dst), "fp8_block": args.fp8, **info}))
         return 0
-    console.print(f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks)")
+    console.print(f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks){fp8}")
     console.print(f"bytes destinations need : {plan.bytes_needed:>16,}")
     console.print(f"bytes moved over links  : {plan.bytes_moved:>16,}")
     console.print(f"moved/needed            : {plan.ratio:>16.2f}")
@@ -172,15 +185,30 @@ def cmd_plan(args, console) -> int:
     return 0
 
 
+def _fp8(src_l, dst_l, block: int):
+    from refit.quant import fp8_layout
+
+    try:
+        return fp8_layout(src_l, block=(block, block)), fp8_layout(dst_l, block=(block, block), side="destination")
+    except LayoutError as e:
+        raise SpecError(str(e)) from None
+
+
 def cmd_verify(args, console) -> int:
     from refit.verify import verify
 
     src, dst, cfg, shapes = _setup(args)
     src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
     if args.inject is not None:
+        if args.fp8:
+            raise SpecError("--inject and --fp8 together are not supported (inject faults into a plain refit)")
         return _verify_inject(args, src, dst, src_l, dst_l, cfg, console)
-    console.print(f"verify {args.model}: trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks) on CPU gloo ...")
-    res = verify(src_l, dst_l, config=cfg, seed=args.seed, dump=args.dump)
+    if args.fp8:
+        _fp8(src_l, dst_l, args.fp8)  # block alignment errors as usage errors, before any process starts
+    fp8 = f", engine FP8 in {args.fp8}x{args.fp8} blocks quantized by the trainer ranks" if args.fp8 else ""
+    console.print(f"verify {args.model}: trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks){fp8} on CPU gloo ...")
+    res = verify(src_l, dst_l, config=cfg, seed=args.seed, dump=args.dump,
+                 fp8_block=(args.fp8, args.fp8) if args.fp8 else None)
     for m in res.mismatches[:20]:
         console.print(f"MISMATCH {m}")
     if args.dump:

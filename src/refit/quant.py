@@ -9,14 +9,26 @@ block ``amax = max(|x|)`` in float32, clamped below at 1e-4;
 Partial edge blocks are quantized as if zero-padded.
 
 Where it runs: on the sender, before the wire (docs/architecture.md says
-why); this module is only the arithmetic.
+why). ``fp8_layout`` turns a layout into its quantized form: each selected
+tensor becomes ``float8_e4m3fn`` with the same boxes, and a companion
+``<name>_scale_inv`` float32 tensor (one scale per block over the last two
+dims; leading dims, e.g. experts, kept) whose boxes are the weight boxes in
+block units. Every box must start and end on block boundaries (or at the
+tensor's end): a block's scale then depends only on elements one rank holds,
+so quantizing each shard gives the bytes quantizing the whole tensor gives.
+``Fp8Quantizer`` holds a sender's FP8 copies and refreshes them from the
+live weights before every push; the plan then moves FP8 bytes like any other.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from typing import Callable, Mapping
 
 import torch
+
+from refit.layout import Box, LayoutError, ModelLayout, TensorLayout, box_slices
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -24,21 +36,49 @@ AMAX_FLOOR = 1e-4
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [N, K] float8_e4m3fn, scale_inv [ceil(N/bn), ceil(K/bk)] float32) of a 2-D weight."""
-    if w.dim() != 2:
-        raise ValueError(f"quantize_fp8_block takes a 2-D weight, got shape {list(w.shape)}")
+    """(q [..., N, K] float8_e4m3fn, scale_inv [..., ceil(N/bn), ceil(K/bk)] float32) of a weight
+    of 2 or more dims; blocks cover the last two dims, leading dims (experts) are kept."""
+    if w.dim() < 2:
+        raise ValueError(f"quantize_fp8_block takes a weight of 2 or more dims, got shape {list(w.shape)}")
     bn, bk = block
     if bn < 1 or bk < 1:
         raise ValueError(f"block sizes must be >= 1, got {block}")
-    n, k = w.shape
+    *lead, n, k = w.shape
     gn, gk = math.ceil(n / bn), math.ceil(k / bk)
-    padded = torch.zeros((gn * bn, gk * bk), dtype=w.dtype, device=w.device)
-    padded[:n, :k] = w
-    blocks = padded.view(gn, bn, gk, bk)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR)
+    x = w.reshape(-1, n, k)
+    if n % bn or k % bk:  # partial edge blocks: quantized as if zero-padded
+        padded = torch.zeros((x.shape[0], gn * bn, gk * bk), dtype=w.dtype, device=w.device)
+        padded[:, :n, :k] = x
+        x = padded
+    blocks = x.view(-1, gn, bn, gk, bk)
+    amax = blocks.abs().float().amax(dim=(2, 4), keepdim=True).clamp(min=AMAX_FLOOR)
     scale_inv = amax / FP8_MAX
-    q = (blocks * (1.0 / scale_inv)).to(FP8)
-    return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), scale_inv.view(gn, gk)
+    q = (blocks * (1.0 / scale_inv)).to(FP8).view(-1, gn * bn, gk * bk)[:, :n, :k]
+    return q.reshape(*lead, n, k), scale_inv.view(*lead, gn, gk)
+
+
+def quantize_into(w: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                  chunk_bytes: int = 512 << 20) -> None:
+    """``quantize_fp8_block(w)`` written into ``q`` and ``scale_inv``, a chunk at a time (whole
+    blocks per chunk, so the bytes are the same) to bound the temporaries to ~``chunk_bytes``."""
+    *lead, n, k = w.shape
+    bn, _ = block
+    x, qx, sx = w.reshape(-1, n, k), q.view(-1, n, k), scale_inv.view(-1, *scale_inv.shape[-2:])
+    per_item = max(1, n * k * 4)
+    step = max(1, chunk_bytes // per_item)
+    for b0 in range(0, x.shape[0], step):
+        b1 = min(x.shape[0], b0 + step)
+        if step > 1 or n * k * 4 <= chunk_bytes:
+            qq, ss = quantize_fp8_block(x[b0:b1], block)
+            qx[b0:b1].copy_(qq)
+            sx[b0:b1].copy_(ss)
+            continue
+        rows = max(bn, (chunk_bytes // max(1, k * 4)) // bn * bn)  # one big matrix: whole row blocks at a time
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            qq, ss = quantize_fp8_block(x[b0, r0:r1], block)
+            qx[b0, r0:r1].copy_(qq)
+            sx[b0, r0 // bn : r0 // bn + ss.shape[0]].copy_(ss)
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
@@ -46,3 +86,100 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
     bn, bk = block
     s = scale_inv.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: q.shape[0], : q.shape[1]]
     return q.float() * s
+
+
+SCALE_SUFFIX = "_scale_inv"
+_LINEAR = re.compile(r"_proj\.weight$|\.experts\.(gate_up_proj|down_proj)$")
+
+
+def default_fp8_tensors(t: TensorLayout) -> bool:
+    """The tensors vLLM's block-FP8 checkpoints quantize: linear projections (attention, MLP,
+    shared and routed experts); not embeddings, lm_head, norms, routers or biases."""
+    return t.dtype.is_floating_point and len(t.shape) >= 2 and bool(_LINEAR.search(t.name))
+
+
+def scale_name(name: str) -> str:
+    """``X.weight`` -> ``X.weight_scale_inv`` (vLLM's name); stacked experts alike."""
+    return name + SCALE_SUFFIX
+
+
+def _scale_box(t: TensorLayout, rank: int, box: Box, block: tuple[int, int], side: str) -> Box:
+    out = list(box[:-2])
+    for (lo, hi), n, b, what in zip(box[-2:], t.shape[-2:], block, ("row", "column")):
+        if lo % b or (hi % b and hi != n):
+            raise LayoutError(
+                f"FP8 {side}: tensor {t.name!r} {list(t.shape)} on {side} rank {rank} holds {what}s [{lo}, {hi}), "
+                f"not on {b}-{what} block boundaries; each block's scale needs the whole block on one rank "
+                f"(shard on multiples of {b}, or use a smaller block)")
+        out.append((lo // b, -(-hi // b)))
+    return tuple(out)
+
+
+def fp8_layout(layout: ModelLayout, *, block: tuple[int, int] = (128, 128),
+               select: Callable[[TensorLayout], bool] = default_fp8_tensors, side: str = "source") -> ModelLayout:
+    """``layout`` with every selected tensor in FP8 plus its ``_scale_inv`` companion (after it)."""
+    out: list[TensorLayout] = []
+    for t in layout:
+        if not select(t):
+            out.append(t)
+            continue
+        boxes = {r: b for r in t.ranks if (b := t.box(r)) is not None}
+        scales = {r: _scale_box(t, r, b, block, side) for r, b in boxes.items()}
+        gshape = tuple(t.shape[:-2]) + tuple(-(-n // b) for n, b in zip(t.shape[-2:], block))
+        out.append(TensorLayout(t.name, t.shape, FP8, t.mesh, t.placements, t.boxes))
+        out.append(TensorLayout(scale_name(t.name), gshape, torch.float32, t.mesh, t.placements, scales))
+    return ModelLayout(tuple(out), layout.world_size)
+
+
+def quantized_names(layout: ModelLayout) -> list[str]:
+    """Names of the FP8 weights of a layout from ``fp8_layout``."""
+    names = set(layout.names)
+    return [t.name for t in layout if t.dtype == FP8 and scale_name(t.name) in names]
+
+
+class Fp8Quantizer:
+    """A sender's FP8 copies of its shards of the quantized tensors, refreshed per push.
+
+    ``tensors`` is what to give the Sender (FP8 weights and scales; every other
+    tensor the live one itself); call the quantizer (``Sender(..., prepare=q)``
+    does) after the optimizer step and before the push. Memory: this rank's
+    quantized shards, about half their bf16 size, allocated once.
+    """
+
+    def __init__(self, qlayout: ModelLayout, rank: int, live: Mapping[str, torch.Tensor],
+                 block: tuple[int, int] = (128, 128), chunk_bytes: int = 512 << 20) -> None:
+        self.block, self.chunk_bytes = block, chunk_bytes
+        self.jobs: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        quantized = set(quantized_names(qlayout))
+        boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
+        for name, box in boxes.items():
+            if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in quantized:
+                continue
+            if name not in live:
+                raise LayoutError(f"FP8 source rank {rank}: local tensor {name!r} is missing")
+            w = live[name]
+            if name not in quantized:
+                self.tensors[name] = w
+                continue
+            sbox = boxes[scale_name(name)]
+            q = torch.empty(w.shape, dtype=FP8, device=w.device)
+            s = torch.empty(tuple(hi - lo for lo, hi in sbox), dtype=torch.float32, device=w.device)
+            self.tensors[name], self.tensors[scale_name(name)] = q, s
+            self.jobs.append((name, w, q, s))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.numel() * q.element_size() + s.numel() * 4 for _, _, q, s in self.jobs)
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            for _, w, q, s in self.jobs:
+                if w.numel():
+                    quantize_into(w, q, s, self.block, self.chunk_bytes)
+
+
+def expected_fp8(full: torch.Tensor, box: Box, scale_box: Box | None, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q, scale_inv) at ``box`` / ``scale_box`` of the whole tensor quantized at once (for checks)."""
+    q, s = quantize_fp8_block(full, block)
+    return q[box_slices(box)], (s[box_slices(scale_box)] if scale_box is not None else None)

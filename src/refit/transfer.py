@@ -20,7 +20,7 @@ import time
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -146,7 +146,11 @@ class Peer:
         plan: Plan | None = None,
         store: dist.Store | None = None,
         standalone: bool = False,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
+        """``prepare``: called at the start of every ``run`` on this process, before any byte
+        moves (e.g. an ``Fp8Quantizer`` refreshing the FP8 copies the plan sends); a failure
+        there aborts the refit like any other."""
         if store is None and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
         try:
@@ -160,7 +164,7 @@ class Peer:
             raise
         # the executor's setup may exchange IPC handles: only once the plans agree
         preflight(self.plan, proc, store, config.preflight_timeout_s, config.name)
-        self.config, self.proc = config, proc
+        self.config, self.proc, self.prepare = config, proc, prepare
         self.live = dict(dst_tensors or {})
         staged = config.commit == "staged" and bool(self.live)
         self.shadow = {n: torch.empty_like(t) for n, t in self.live.items()} if staged else {}
@@ -189,6 +193,8 @@ class Peer:
         ch = self.channel
         self.executor.check_abort = (lambda: ch.raise_if_aborted(version, attempt)) if ch is not None else None
         try:
+            if self.prepare is not None:
+                self.prepare()
             stats = self.executor.run(deadline)
             if self.shadow:
                 if ch is not None:

@@ -13,6 +13,7 @@ import torch
 from refit.launch import World, run_local
 from refit.layout import ModelLayout, box_slices
 from refit.plan import Plan, ProcessMap, build_plan
+from refit.quant import FP8, Fp8Quantizer, expected_fp8, fp8_layout, quantized_names, scale_name
 from refit.transfer import Receiver, Sender, TransferConfig
 
 
@@ -29,7 +30,7 @@ def reference_tensor(name: str, shape: Sequence[int], dtype: torch.dtype, seed: 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def reference_shards(layout: ModelLayout, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -62,21 +63,48 @@ class VerifyResult:
         )
 
 
-def _verify_worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, seed: int, dump: str | None):
+def _poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A destination tensor that cannot pass for received data: NaN (FP8: 0xFF, its NaN) or -1."""
+    if dtype == FP8:
+        return torch.full(shape, 0xFF, dtype=torch.uint8).view(FP8)
+    return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype)
+
+
+def _expected(plain: ModelLayout, dst: ModelLayout, rank: int, seed: int, block) -> dict[str, torch.Tensor]:
+    """What destination ``rank`` must hold: reference boxes, FP8 ones quantized from the whole tensor."""
+    want = {}
+    boxes = {t.name: b for t, b in dst.local_tensors(rank)}
+    fp8 = set(quantized_names(dst)) if block else set()
+    for t, box in dst.local_tensors(rank):
+        if t.name in fp8:
+            p = plain[t.name]
+            sname = scale_name(t.name)
+            q, sc = expected_fp8(reference_tensor(p.name, p.shape, p.dtype, seed), box, boxes.get(sname), block)
+            want[t.name] = q
+            if sname in boxes:
+                want[sname] = sc
+        elif t.name not in want:
+            want[t.name] = reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(box)]
+    return want
+
+
+def _verify_worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, seed: int, dump: str | None,
+                   plain_src: ModelLayout | None = None, block: tuple[int, int] | None = None):
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
     if world.src_rank is not None:
-        local = reference_shards(src, world.src_rank, seed)
-        Sender(src, dst, world.rank, local, procs=procs, config=config).push(1)
+        if block:  # the trainer holds bf16/fp32 shards; its quantizer sends FP8 ones
+            quantizer = Fp8Quantizer(src, world.src_rank, reference_shards(plain_src, world.src_rank, seed), block)
+            Sender(src, dst, world.rank, quantizer.tensors, procs=procs, config=config, prepare=quantizer).push(1)
+        else:
+            Sender(src, dst, world.rank, reference_shards(src, world.src_rank, seed), procs=procs, config=config).push(1)
         return None
     r = world.dst_rank
-    local = {}
-    for t, box in dst.local_tensors(r):
-        shape = tuple(b - a for a, b in box)
-        local[t.name] = torch.full(shape, float("nan"), dtype=t.dtype) if t.dtype.is_floating_point else torch.full(shape, -1, dtype=t.dtype)
+    local = {t.name: _poisoned(tuple(b - a for a, b in box), t.dtype) for t, box in dst.local_tensors(r)}
     Receiver(src, dst, world.rank, local, procs=procs, config=config).pull(1)
     mismatches, nbytes = [], 0
+    expected = _expected(plain_src or src, dst, r, seed, block)
     for t, box in dst.local_tensors(r):
-        want = reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(box)]
+        want = expected[t.name]
         got = local[t.name]
         nbytes += got.numel() * got.element_size()
         if not same_bits(got, want):
@@ -97,16 +125,23 @@ def verify(
     seed: int = 0,
     dump: str | None = None,
     timeout_s: float = 600.0,
+    fp8_block: tuple[int, int] | None = None,
 ) -> VerifyResult:
+    """``fp8_block``: the engine holds FP8 weights (and their scales) blockwise-quantized with
+    this block; the trainer's ranks quantize their shards before sending (``Fp8Quantizer``)."""
+    plain_src = src
+    if fp8_block:
+        src, dst = fp8_layout(src, block=fp8_block), fp8_layout(dst, block=fp8_block, side="destination")
     plan = build_plan(src, dst, num_buffers=config.num_buffers, buffer_bytes=config.buffer_bytes)  # fails fast
     if dump:
         os.makedirs(dump, exist_ok=True)
         from safetensors.torch import save_file
 
-        save_file({t.name: reference_tensor(t.name, t.shape, t.dtype, seed) for t in src}, os.path.join(dump, "full.safetensors"))
+        save_file({t.name: reference_tensor(t.name, t.shape, t.dtype, seed) for t in plain_src}, os.path.join(dump, "full.safetensors"))
         with open(os.path.join(dump, "layout.json"), "w") as f:
             json.dump({"tensors": [t.to_json() for t in dst]}, f, indent=1)
-    results = run_local(_verify_worker, src.world_size, dst.world_size, src, dst, config, seed, dump, backend="gloo", timeout_s=timeout_s)
+    results = run_local(_verify_worker, src.world_size, dst.world_size, src, dst, config, seed, dump, plain_src, fp8_block,
+                        backend="gloo", timeout_s=timeout_s)
     mismatches: list[str] = []
     nbytes = 0
     for res in results[src.world_size :]:
