@@ -2,7 +2,11 @@
 
 Per method: setup (not timed), then ``warmup`` + ``iters`` refits; before each
 the engine's tensors are poisoned (NaN), after each they are compared bit for
-bit with the trainer's (a reference copy made once). Time per refit: the
+bit with the reference weights, regenerated tensor by tensor on the device
+(no second copy of the model is held, so 60 GB models fit). With ``fp8`` the
+engine holds FP8 weights and scales: the trainer ranks quantize their bf16
+shards before every refit (timed as part of it; ``fp8_quantize`` times the
+quantization alone) and the check quantizes each whole reference tensor. Time per refit: the
 slowest process's time from a shared-memory barrier (all processes released
 within microseconds) to its device being synchronized.
 Peak extra memory: ``torch.cuda.max_memory_allocated`` over the memory held
@@ -29,13 +33,14 @@ from refit.launch import World, run_local
 from refit.layout import box_numel, box_slices
 from refit.models import param_shapes
 from refit.plan import ProcessMap, build_plan
+from refit.quant import Fp8Quantizer, fp8_layout, quantize_fp8_block, quantized_names, scale_name
 from refit.rules import layout_from_spec
 from refit.spec import parse_spec
 from refit.transfer import TransferConfig
 from refit.transport.ipc import HostBarrier
 
 from . import methods as M
-from .weights import make_weight, poison, same_bits
+from .weights import make_weight, poison
 
 GiB = 1 << 30
 
@@ -182,11 +187,48 @@ def _time_runs(barrier, dev, run, iters, before=None, after=None, base=0) -> tup
     return times, oks, mems, peak
 
 
-def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: int, growth_iters: int, cfg: TransferConfig):
+def _expected(plain, dst_l, rank: int, dev, fp8: bool):
+    """name -> callable giving what engine ``rank`` must hold there (made on demand, freed after)."""
+    boxes = {t.name: b for t, b in dst_l.local_tensors(rank)}
+    quantized = set(quantized_names(dst_l)) if fp8 else set()
+    out = {}
+    for name, box in boxes.items():
+        if name in quantized:
+            p = plain[name]
+
+            def q(p=p, box=box, sbox=boxes[scale_name(name)]):
+                qq, ss = quantize_fp8_block(make_weight(p.name, p.shape, p.dtype, dev))
+                return qq[box_slices(box)], ss[box_slices(sbox)]
+
+            out[name] = (q, 0)
+            out[scale_name(name)] = (q, 1)
+        elif name not in out:
+            t = dst_l[name]
+            out[name] = (lambda t=t, box=box: (make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)],), 0)
+    return out
+
+
+def _check(dst: dict[str, torch.Tensor], expected) -> bool:
+    done: dict[int, tuple] = {}
+    ok = True
+    for name, (make, i) in expected.items():
+        key = id(make)
+        if key not in done:
+            done.clear()  # keep one tensor's reference at a time
+            done[key] = make()
+        ok &= torch.equal(dst[name].reshape(-1).view(torch.uint8), done[key][i].reshape(-1).view(torch.uint8))
+    return ok
+
+
+def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: int, growth_iters: int, cfg: TransferConfig,
+                  fp8: bool = False):
     dev = world.device
     shapes = param_shapes(model)
     src_spec, dst_spec = parse_spec(scen.src, "src"), parse_spec(scen.dst, "dst")
-    src_l, dst_l = layout_from_spec(shapes, src_spec), layout_from_spec(shapes, dst_spec)
+    plain_src, plain_dst = layout_from_spec(shapes, src_spec), layout_from_spec(shapes, dst_spec)
+    src_l, dst_l = plain_src, plain_dst
+    if fp8:
+        src_l, dst_l = fp8_layout(plain_src), fp8_layout(plain_dst, side="destination")
     procs = ProcessMap.disjoint(src_spec.world_size, dst_spec.world_size).with_devices(scen.devices)
     plan = build_plan(src_l, dst_l, procs, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes, transport="auto")
     store = dist.distributed_c10d._get_default_store()
@@ -197,20 +239,22 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
     if dev.type == "cuda" and len(set(scen.devices[: src_spec.world_size])) == src_spec.world_size > 1:
         trainer_nccl = dist.new_group(list(range(src_spec.world_size)), backend="nccl")
     nccl = world.data_group if dev.type == "cuda" else dist.group.WORLD
-    src = dst = ref = None
+    src = dst = expected = quantizer = None
     if world.rank < src_spec.world_size:
         r = world.rank
         src = {}
-        for t, box in src_l.local_tensors(r):
+        for t, box in plain_src.local_tensors(r):
             src[t.name] = make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)].clone()
+        if fp8:  # the trainer keeps its bf16 shards; the quantizer's FP8 copies are what travels
+            quantizer = Fp8Quantizer(src_l, r, src)
+            src = quantizer.tensors
     else:
         r = world.rank - src_spec.world_size
-        dst, ref = {}, {}
-        for t, box in dst_l.local_tensors(r):
-            ref[t.name] = make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)].clone()
-            dst[t.name] = torch.empty_like(ref[t.name])
+        dst = {t.name: torch.empty(tuple(b - a for a, b in box), dtype=t.dtype, device=dev) for t, box in dst_l.local_tensors(r)}
+        expected = _expected(plain_src, dst_l, r, dev, fp8)
     _sync(dev)
     ctx = M.Ctx(world.rank, dev, plan, src, dst, nccl, list(range(world.world_size)), trainer_nccl, store, cfg)
+    ctx.extra["prepare"] = quantizer
     total = plan.bytes_moved + plan.bytes_local
     setups = {
         "refit": M.refit_method("auto"),
@@ -220,9 +264,10 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
         "packed_broadcast_1buf": M.packed_broadcast(1, 1 * GiB),
         "packed_broadcast_2buf": M.packed_broadcast(2, 1 * GiB),
         "gather_then_slice": M.gather_then_slice,
+        "fp8_quantize": lambda c: (quantizer or (lambda: None)),
     }
     records = []
-    check = (lambda: same_bits(dst, ref)) if dst is not None else None
+    check = (lambda: _check(dst, expected)) if dst is not None else None
     before = (lambda: poison(dst)) if dst is not None else None
     for round_, method in enumerate(scen.methods):
         ctx.extra["round"] = round_
@@ -249,7 +294,8 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
             continue
         run = setups[method](ctx)
         n = warmup + (growth_iters if method == "refit" else iters)
-        times, oks, mems, peak = _time_runs(barrier, dev, run, n, before, check, base)
+        checked = method != "fp8_quantize"
+        times, oks, mems, peak = _time_runs(barrier, dev, run, n, before if checked else None, check if checked else None, base)
         if method == "refit" and dev.type == "cuda" and os.environ.get("REFIT_BENCH_PROFILE"):
             puller = run.peer.executor.puller if isinstance(run, M.RefitRun) else None
             if puller is not None:
@@ -260,7 +306,7 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
         all_ok = dist_all([all(oks)])
         peaks = dist_all([peak])
         growth = dist_all([mems[-1] - mems[0]])
-        records.append({"method": method, "times": times, "correct": all(all_ok), "peak_extra_bytes": max(peaks),
+        records.append({"method": method, "times": times, "correct": all(all_ok) if checked else None, "peak_extra_bytes": max(peaks),
                         "growth_bytes": max(growth), "variant": ""})
         del run
     dist.barrier()
@@ -292,8 +338,12 @@ def device_kind() -> str:
     return f"nvidia-{chip}" + (f"-x{n}" if n > 1 else "")
 
 
+FP8_METHODS = ("refit", "fp8_quantize", "floor")
+
+
 def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int, growth_iters: int,
-              cfg: TransferConfig, out_path: str | None, command: str, console) -> list[dict]:
+              cfg: TransferConfig, out_path: str | None, command: str, console, fp8: bool = False) -> list[dict]:
+    """``fp8``: every scenario runs with an FP8 engine (methods ``FP8_METHODS``), rows named ``<S>-fp8``."""
     all_s = scenarios(device)
     if not which:  # the scenarios this machine can run
         have = torch.cuda.device_count() if device == "cuda" else 0
@@ -311,10 +361,16 @@ def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int
     rows = []
     for name in which:
         scen = all_s[name]
+        if fp8:
+            from dataclasses import replace
+
+            scen = replace(scen, name=f"{name}-fp8", what=scen.what + ", FP8 engine (128x128 blocks, quantized by the trainer)",
+                           methods=FP8_METHODS)
+            name = scen.name
         console.print(f"[{name}] {scen.what}: {model}, trainer {scen.src} -> engine {scen.dst}, methods {', '.join(scen.methods)} ...")
         n_src = parse_spec(scen.src, "src").world_size
         n_dst = parse_spec(scen.dst, "dst").world_size
-        res = run_local(_bench_worker, n_src, n_dst, scen, model, warmup, iters, growth_iters, cfg,
+        res = run_local(_bench_worker, n_src, n_dst, scen, model, warmup, iters, growth_iters, cfg, fp8,
                         devices=list(scen.devices), backend="gloo", timeout_s=1200)[0]
         floor = next((r for r in res["records"] if r["method"] == "floor"), None)
         floor_s = statistics.median(floor["times"]) if floor and floor["times"] else None

@@ -42,7 +42,8 @@ def refit_method(transport: str, **overrides) -> Callable[[Ctx], Callable[[], No
                              cuda_graph=ctx.config.cuda_graph, **overrides)
         group = ctx.nccl if transport == "p2p" else None
         peer = Peer(ctx.plan.src_layout, ctx.plan.dst_layout, ctx.rank, src_tensors=ctx.src, dst_tensors=ctx.dst,
-                    procs=ctx.plan.procs, group=group, config=cfg, device=ctx.device, store=ctx.store)
+                    procs=ctx.plan.procs, group=group, config=cfg, device=ctx.device, store=ctx.store,
+                    prepare=ctx.extra.get("prepare"))
         return RefitRun(peer)
 
     return setup

@@ -15,7 +15,10 @@ def make_weight(name: str, shape: Sequence[int], dtype: torch.dtype, device: tor
 
 def poison(tensors: dict[str, torch.Tensor]) -> None:
     for t in tensors.values():
-        t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+        if t.element_size() == 1 and t.dtype.is_floating_point:  # FP8: 0xFF is its NaN
+            t.view(torch.uint8).fill_(0xFF)
+        else:
+            t.fill_(float("nan") if t.dtype.is_floating_point else -1)
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

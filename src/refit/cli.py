@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="CUDA IPC: streams per source GPU a receiver pulls on")
     b.add_argument("--no-cuda-graph", action="store_true",
                    help="CUDA IPC: issue a pull's copies one by one instead of replaying a CUDA graph")
+    b.add_argument("--fp8", action="store_true",
+                   help="FP8 engine (128x128 blocks): trainer ranks quantize before every refit; methods refit, fp8_quantize, floor")
     b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
     return ap
 
@@ -102,7 +104,8 @@ def cmd_bench(args, console) -> int:
     out = args.out or os.path.join("bench", "results", f"{harness.device_kind() if device == 'cuda' else 'cpu'}.json")
     command = "refit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "refit bench"
     try:
-        rows = harness.run_bench(device, model, which, args.warmup, args.iters, args.growth_iters, cfg, out, command, console)
+        rows = harness.run_bench(device, model, which, args.warmup, args.iters, args.growth_iters, cfg, out, command, console,
+                                 fp8=args.fp8)
     except ValueError as e:
         raise SpecError(str(e)) from None
     harness.print_table(rows, console)
