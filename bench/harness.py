@@ -43,6 +43,7 @@ from . import methods as M
 from .weights import make_weight, poison
 
 GiB = 1 << 30
+FLOOR_CHUNK = 8 * GiB  # the floor's copies go through buffers of at most this size
 
 
 @dataclass(frozen=True)
@@ -119,31 +120,40 @@ def _floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
         first = torch.device(plan.procs.device_of(plan.procs.dst[0]))
         peer, same = ({first: biggest} if ctx.rank == plan.procs.src[0] else {}), 0
     out = {}
-    peer_bufs = [(torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=d))
-                 for d, n in sorted(peer.items(), key=str)]
+    # n bytes as copies of at most FLOOR_CHUNK bytes through one buffer pair (the same bytes cross the
+    # link; a 60 GB model's floor then needs no second and third copy of the model)
+    peer_bufs = [(n, torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=dev),
+                  torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=d)) for d, n in sorted(peer.items(), key=str)]
     if same:
-        ls, ld = torch.empty(same, dtype=torch.uint8, device=dev), torch.empty(same, dtype=torch.uint8, device=dev)
+        ls = torch.empty(min(same, FLOOR_CHUNK), dtype=torch.uint8, device=dev)
+        ld = torch.empty(min(same, FLOOR_CHUNK), dtype=torch.uint8, device=dev)
     streams = [torch.cuda.Stream(dev) for _ in range(len(peer_bufs) + 1)]
     main = torch.cuda.current_stream(dev)
+
+    def chunked(n: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        for off in range(0, n, FLOOR_CHUNK):
+            m = min(FLOOR_CHUNK, n - off)
+            b[:m].copy_(a[:m], non_blocking=True)
 
     def copies() -> None:
         for st in streams:
             st.wait_stream(main)
-        for st, (src_buf, dst_buf) in zip(streams, peer_bufs):
+        for st, (n, src_buf, dst_buf) in zip(streams, peer_bufs):
             with torch.cuda.stream(st):
-                dst_buf.copy_(src_buf, non_blocking=True)
+                chunked(n, src_buf, dst_buf)
         if same:
             with torch.cuda.stream(streams[-1]):
-                ld.copy_(ls, non_blocking=True)
+                chunked(same, ls, ld)
         for st in streams:
             main.wait_stream(st)
 
     out["copy"] = copies
     if scen.name == "S1" and ctx.nccl is not None:
-        buf = peer_bufs[0][0]
+        n, buf = peer_bufs[0][0], peer_bufs[0][1]
 
         def nccl_send() -> None:
-            dist.send(buf, dst=1, group=ctx.nccl)
+            for off in range(0, n, FLOOR_CHUNK):
+                dist.send(buf[: min(FLOOR_CHUNK, n - off)], dst=1, group=ctx.nccl)
 
         out["nccl_send"] = nccl_send
     return out
@@ -153,8 +163,13 @@ def _engine_peer_for_floor(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[],
     if ctx.dst is None or scen.name != "S1" or ctx.nccl is None or ctx.device.type != "cuda":
         return {}
     n = ctx.plan.bytes_moved
-    buf = torch.empty(n, dtype=torch.uint8, device=ctx.device)
-    return {"copy": lambda: None, "nccl_send": lambda: dist.recv(buf, src=0, group=ctx.nccl)}
+    buf = torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=ctx.device)
+
+    def nccl_recv() -> None:
+        for off in range(0, n, FLOOR_CHUNK):
+            dist.recv(buf[: min(FLOOR_CHUNK, n - off)], src=0, group=ctx.nccl)
+
+    return {"copy": lambda: None, "nccl_send": nccl_recv}
 
 
 def _sync(dev: torch.device) -> None:

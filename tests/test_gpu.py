@@ -92,3 +92,23 @@ def test_nccl_pipelined_with_packing(src, dst, verify):
         assert kinds == ["p2p"]
         assert staging <= 2 * (64 << 10)
 
+
+
+@pytest.mark.parametrize("shape,block,dtype", [((3, 2, 384, 2048), (128, 128), torch.bfloat16),
+                                               ((200, 130), (128, 128), torch.bfloat16),
+                                               ((5, 96, 80), (32, 16), torch.float32)])
+def test_triton_fp8_quantizer_bytes_equal_the_torch_expression(shape, block, dtype):
+    from refit import quant_triton
+    from refit.quant import quantize_fp8_block
+    from refit.quant_triton import quantize_into_triton
+
+    if not quant_triton.AVAILABLE:
+        pytest.skip("no Triton")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = (torch.randn(shape, generator=g, device="cuda") * torch.logspace(-4, 2, shape[-1], device="cuda")).to(dtype)
+    w[..., :3, :5] = 0  # the amax floor
+    q_ref, s_ref = quantize_fp8_block(w, block)  # the multi-pass torch expression (tested against numpy on CPU)
+    q, s = torch.empty_like(q_ref), torch.empty_like(s_ref)
+    quantize_into_triton(w, q, s, block)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

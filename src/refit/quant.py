@@ -57,10 +57,35 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
     return q.reshape(*lead, n, k), scale_inv.view(*lead, gn, gk)
 
 
+_TRITON: bool | None = None
+
+
+def use_triton(block: tuple[int, int]) -> bool:
+    """Whether CUDA quantization runs the one-pass Triton kernel (power-of-two blocks, Triton
+    importable, ``REFIT_FP8_TRITON`` not ``0``); otherwise the torch expression, with a warning once."""
+    global _TRITON
+    if _TRITON is None:
+        import os
+        import warnings
+
+        from refit import quant_triton
+
+        _TRITON = quant_triton.AVAILABLE and os.environ.get("REFIT_FP8_TRITON", "1") != "0"
+        if not _TRITON:
+            warnings.warn("refit: FP8 quantization on CUDA without Triton runs the multi-pass torch expression "
+                          "(same bytes, several times slower)")
+    return _TRITON and all(b & (b - 1) == 0 for b in block)
+
+
 def quantize_into(w: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
                   chunk_bytes: int = 512 << 20) -> None:
     """``quantize_fp8_block(w)`` written into ``q`` and ``scale_inv``, a chunk at a time (whole
     blocks per chunk, so the bytes are the same) to bound the temporaries to ~``chunk_bytes``."""
+    if w.is_cuda and use_triton(block):  # one pass, the same bytes (quant_triton.py)
+        from refit.quant_triton import quantize_into_triton
+
+        quantize_into_triton(w, q, scale_inv, block)
+        return
     *lead, n, k = w.shape
     bn, _ = block
     x, qx, sx = w.reshape(-1, n, k), q.view(-1, n, k), scale_inv.view(-1, *scale_inv.shape[-2:])
