@@ -22,3 +22,11 @@ def test_row_copy_takes_dense_side_width():
     assert row_copy(src, dst) == (16, 64, 128, 64)
     assert row_copy(dst.to(torch.float64), src) is None  # dtypes differ
     assert row_copy(torch.empty(16, 8), src[:, :8]) == (16, 32, 32, 128)
+
+
+def test_stacked_expert_pieces_are_rows_across_experts_and_gate_up():
+    # an fsdp shard of gate_up [E, 2, I, H], its tp half of I: experts and gate/up are evenly spaced rows
+    shard = torch.empty(4, 2, 12, 8, dtype=torch.bfloat16)
+    assert rows_of(shard[:, :, 6:, :]) == (8, 6 * 8 * 2, 12 * 8 * 2)
+    assert row_copy(torch.empty(4, 2, 6, 8, dtype=torch.bfloat16), shard[:, :, 6:, :]) == (8, 96, 96, 192)
+    assert rows_of(shard[::2, :, 6:, :]) is None  # every other expert: not evenly spaced with gate/up

@@ -5,7 +5,9 @@ shape) and ``weight_scale_inv`` in float32 ``[ceil(N/bn), ceil(K/bk)]`` (one
 scale per 128 x 128 block by default); ``weight ~= q * scale_inv`` blockwise.
 The arithmetic is that of vLLM's reference ``per_block_cast_to_fp8``: per
 block ``amax = max(|x|)`` in float32, clamped below at 1e-4;
-``scale_inv = amax / 448``; ``q = (x * (1 / scale_inv))`` cast to e4m3.
+``scale_inv = amax / 448``; ``q = (x * (1 / scale_inv))`` cast to e4m3 —
+with both divisions correctly rounded on every device (CPU, CUDA, the Triton
+kernel), so trainer and engine agree byte for byte wherever they quantize.
 Partial edge blocks are quantized as if zero-padded.
 
 Where it runs: on the sender, before the wire (docs/architecture.md says
@@ -52,7 +54,9 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
         x = padded
     blocks = x.view(-1, gn, bn, gk, bk)
     amax = blocks.abs().float().amax(dim=(2, 4), keepdim=True).clamp(min=AMAX_FLOOR)
-    scale_inv = amax / FP8_MAX
+    # amax / 448 correctly rounded on every device: a Python-scalar divisor lets CUDA multiply by
+    # fl(1/448) instead, which differs in the last bit for some blocks
+    scale_inv = amax / torch.full_like(amax, FP8_MAX)
     q = (blocks * (1.0 / scale_inv)).to(FP8).view(-1, gn * bn, gk * bk)[:, :n, :k]
     return q.reshape(*lead, n, k), scale_inv.view(*lead, gn, gk)
 

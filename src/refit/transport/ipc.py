@@ -90,6 +90,9 @@ def rows_of(view: torch.Tensor) -> tuple[int, int, int] | None:
         expect *= shape[k - 1]
         k -= 1
     head = [(n, s) for n, s in zip(shape[:k], stride[:k]) if n != 1]
+    while len(head) > 1 and head[-2][1] == head[-1][0] * head[-1][1]:  # evenly spaced across dims: merge
+        (n0, _), (n1, s1) = head[-2], head[-1]
+        head[-2:] = [(n0 * n1, s1)]
     if len(head) > 1:
         return None
     item = view.element_size()
