@@ -89,6 +89,8 @@ def rows_of(view: torch.Tensor) -> tuple[int, int, int] | None:
     while k > 0 and (stride[k - 1] == expect or shape[k - 1] == 1):
         expect *= shape[k - 1]
         k -= 1
+    if k == len(shape) and any(n != 1 for n in shape):
+        return None  # not even the last dim is dense: no rows to copy
     head = [(n, s) for n, s in zip(shape[:k], stride[:k]) if n != 1]
     while len(head) > 1 and head[-2][1] == head[-1][0] * head[-1][1]:  # evenly spaced across dims: merge
         (n0, _), (n1, s1) = head[-2], head[-1]
