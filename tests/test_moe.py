@@ -135,3 +135,44 @@ def test_trainer_with_hf_fused_experts_refits_bit_exact(kind):
     # engine rank 1 holds the second half of I of gate AND of up, for every expert
     hf = out[0][name]  # [E, 2I, H] = [8, 128, 128]: gate rows 0-63, up rows 64-127
     assert torch.equal(out[3][name][:, 0], hf[:, 32:64]) and torch.equal(out[3][name][:, 1], hf[:, 96:128])
+
+
+def _kv_replicated_engine(shapes, tp: int, kv_heads: int, head_dim: int):
+    """An engine tp=``tp`` layout as vLLM holds it when tp exceeds the KV heads: every rank gets its
+    q/o share, and the whole KV head ``rank // (tp // kv_heads)`` (replicated over tp // kv_heads ranks)."""
+    from refit.layout import TensorLayout
+
+    lay = layout_from_spec(shapes, parse_spec(f"tp={tp}", "dst"))
+    per = tp // kv_heads
+    out = []
+    for t in lay:
+        if t.name.endswith((".k_proj.weight", ".v_proj.weight")):
+            boxes = {r: ((r // per * head_dim, (r // per + 1) * head_dim), (0, t.shape[1])) for r in range(tp)}
+            t = TensorLayout(t.name, t.shape, t.dtype, t.mesh, t.placements, boxes)
+        out.append(t)
+    return type(lay)(tuple(out), lay.world_size)
+
+
+@pytest.mark.parametrize("src", ["dp=4", "dp=2,tp=2", "fsdp=2,tp=2"])
+def test_replicated_kv_heads_spread_over_the_trainer_ranks_that_hold_them(src):
+    # Qwen3-30B-A3B has 4 KV heads; engine tp=8 replicates each on 2 ranks. Every KV byte an engine
+    # needs has several holders among the trainer ranks: the planner must not load one of them.
+    from refit.plan import build_plan
+
+    shapes = [s for s in param_shapes("qwen3-30b-a3b") if "layers." not in s[0] or ".layers.0." in s[0]]
+    dst = _kv_replicated_engine(shapes, 8, 4, 128)
+    plan = build_plan(_layout_of(shapes, src), dst)
+    assert plan.ratio == 1.0
+    kv = {}
+    for m in plan.messages:
+        for p in m.pieces:
+            if p.tensor.endswith((".k_proj.weight", ".v_proj.weight")):
+                kv[m.src] = kv.get(m.src, 0) + p.nbytes
+    sent = sorted(kv.get(r, 0) for r in range(plan.src_layout.world_size))
+    holders_per_byte = {"dp=4": 4, "dp=2,tp=2": 2, "fsdp=2,tp=2": 1}[src]
+    assert sent[0] > 0 or holders_per_byte == 1
+    assert sent[-1] <= 1.25 * sum(sent) / len(sent), sent  # no trainer rank sends much more than its share
+
+
+def _layout_of(shapes, spec):
+    return layout_from_spec(shapes, parse_spec(spec, "src"))
