@@ -5,8 +5,9 @@ the engine's tensors are poisoned (NaN), after each they are compared bit for
 bit with the reference weights, regenerated tensor by tensor on the device
 (no second copy of the model is held, so 60 GB models fit). With ``fp8`` the
 engine holds FP8 weights and scales: the trainer ranks quantize their bf16
-shards before every refit (timed as part of it; ``fp8_quantize`` times the
-quantization alone) and the check quantizes each whole reference tensor. Time per refit: the
+shards before every refit (timed as part of it, overlapped with the pulls of
+earlier stages when ``--stages`` > 1; ``refit_1stage`` quantizes everything
+first; ``fp8_quantize`` times the quantization alone) and the check quantizes each whole reference tensor. Time per refit: the
 slowest process's time from a shared-memory barrier (all processes released
 within microseconds) to its device being synchronized.
 Peak extra memory: ``torch.cuda.max_memory_allocated`` over the memory held
@@ -275,6 +276,7 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
         "refit": M.refit_method("auto"),
         "refit_nccl": M.refit_method("p2p"),
         "refit_verify": M.refit_method("auto", verify=True),
+        "refit_1stage": M.refit_method("auto", stages=1),
         "per_tensor_broadcast": M.per_tensor_broadcast,
         "packed_broadcast_1buf": M.packed_broadcast(1, 1 * GiB),
         "packed_broadcast_2buf": M.packed_broadcast(2, 1 * GiB),
@@ -353,7 +355,7 @@ def device_kind() -> str:
     return f"nvidia-{chip}" + (f"-x{n}" if n > 1 else "")
 
 
-FP8_METHODS = ("refit", "fp8_quantize", "floor")
+FP8_METHODS = ("refit", "refit_1stage", "fp8_quantize", "floor")
 
 
 def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int, growth_iters: int,

@@ -112,3 +112,53 @@ def test_triton_fp8_quantizer_bytes_equal_the_torch_expression(shape, block, dty
     quantize_into_triton(w, q, s, block)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def _fp8_staged_worker(world, stages):
+    from refit.quant import Fp8Quantizer, fp8_layout, quantize_fp8_block, quantized_names, scale_name
+
+    dev = world.device
+    plain_src, plain_dst = _layouts("qwen3-30b-a3b", "fsdp=2", "tp=2", torch.bfloat16)
+    keep = lambda lay: type(lay)(tuple(t for t in lay if ".layers." not in t.name or ".layers.0." in t.name), lay.world_size)  # noqa: E731
+    plain_src, plain_dst = keep(plain_src), keep(plain_dst)
+    src_l, dst_l = fp8_layout(plain_src), fp8_layout(plain_dst, side="destination")
+    devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    procs = ProcessMap.disjoint(2, 2).with_devices(devices)
+    srank = world.rank if world.rank < 2 else None
+    drank = world.rank - 2 if world.rank >= 2 else None
+    quantizer = live = dst = None
+    if srank is not None:
+        live = {t.name: reference_tensor(t.name, t.shape, t.dtype, seed=1)[box_slices(b)].clone().to(dev)
+                for t, b in plain_src.local_tensors(srank)}
+        quantizer = Fp8Quantizer(src_l, srank, live)
+    else:
+        dst = {t.name: torch.zeros(tuple(y - x for x, y in b), dtype=t.dtype, device=dev) for t, b in dst_l.local_tensors(drank)}
+    cfg = TransferConfig(transport="ipc", stages=stages, name=f"fp8s{stages}")
+    peer = Peer(src_l, dst_l, world.rank, src_tensors=quantizer.tensors if quantizer else None, dst_tensors=dst,
+                procs=procs, config=cfg, device=dev, prepare=quantizer)
+    ok = []
+    for v in (1, 2):
+        if live is not None:
+            for t, b in plain_src.local_tensors(srank):
+                live[t.name].copy_(reference_tensor(t.name, t.shape, t.dtype, seed=v)[box_slices(b)])
+        torch.cuda.synchronize(dev)
+        torch.distributed.barrier()
+        peer.run(v)
+        if dst is not None:
+            boxes = {t.name: b for t, b in dst_l.local_tensors(drank)}
+            good = True
+            for name in quantized_names(dst_l):
+                p = plain_src[name]
+                q, s = quantize_fp8_block(reference_tensor(p.name, p.shape, p.dtype, seed=v).to(dev))
+                good &= torch.equal(dst[name].view(torch.uint8), q[box_slices(boxes[name])].view(torch.uint8))
+                good &= torch.equal(dst[scale_name(name)], s[box_slices(boxes[scale_name(name)])])
+            ok.append(bool(good))
+    return ok, len(peer.executor.stage_names)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stages", [1, 3])
+def test_fp8_quantized_by_the_trainer_over_ipc_in_stages(stages):
+    devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    out = run_local(_fp8_staged_worker, 2, 2, stages, devices=devices, timeout_s=240)
+    assert all(o == ([True, True], stages) for o in out[2:]), out

@@ -152,3 +152,22 @@ def test_overlapping_sources():
 def test_budget_validation():
     with pytest.raises(PlanError, match="num_buffers must be >= 1, got 0"):
         build_plan(_one(), _one(), num_buffers=0)
+
+
+def test_ipc_stages_cut_the_source_tensors_in_order_into_runs_of_about_equal_bytes():
+    from refit.executor import ipc_stages
+    from refit.models import param_shapes
+    from refit.plan import build_plan
+    from refit.rules import layout_from_spec
+    from refit.spec import parse_spec
+
+    shapes = param_shapes("tiny-qwen3")
+    plan = build_plan(layout_from_spec(shapes, parse_spec("tp=1", "src")), layout_from_spec(shapes, parse_spec("tp=1", "dst")))
+    names = [t.name for t in plan.src_layout]
+    assert ipc_stages(plan, 1) == [set(names)]
+    st = ipc_stages(plan, 4)
+    assert len(st) == 4 and set().union(*st) == set(names) and sum(map(len, st)) == len(names)  # a partition
+    order = {n: i for i, n in enumerate(names)}
+    assert all(max(order[n] for n in a) < min(order[n] for n in b) for a, b in zip(st, st[1:]))  # runs, in order
+    total = plan.src_layout.nbytes
+    assert all(sum(plan.src_layout[n].nbytes for n in s) < total / 2 for s in st)

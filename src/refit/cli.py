@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="CUDA IPC: streams per source GPU a receiver pulls on")
     b.add_argument("--no-cuda-graph", action="store_true",
                    help="CUDA IPC: issue a pull's copies one by one instead of replaying a CUDA graph")
+    b.add_argument("--stages", type=int, default=1,
+                   help="all-IPC plans: pull in this many stages, so the trainer's FP8 quantization of stage i+1 "
+                        "overlaps the pull of stage i (default 1)")
     b.add_argument("--fp8", action="store_true",
                    help="FP8 engine (128x128 blocks): trainer ranks quantize before every refit; methods refit, fp8_quantize, floor")
     b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
@@ -99,8 +102,10 @@ def cmd_bench(args, console) -> int:
                           ("--copy-streams", args.copy_streams, 1)):
         if v < low:
             raise SpecError(f"{name} must be >= {low}, got {v}")
+    if args.stages < 1:
+        raise SpecError(f"--stages must be >= 1, got {args.stages}")
     cfg = TransferConfig(num_buffers=args.num_buffers, buffer_bytes=int(args.buffer_mb * (1 << 20)),
-                         copy_streams=args.copy_streams, cuda_graph=not args.no_cuda_graph)
+                         copy_streams=args.copy_streams, cuda_graph=not args.no_cuda_graph, stages=args.stages)
     out = args.out or os.path.join("bench", "results", f"{harness.device_kind() if device == 'cuda' else 'cpu'}.json")
     command = "refit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "refit bench"
     try:

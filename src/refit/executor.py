@@ -192,10 +192,18 @@ class Executor:
         copy_streams: int = 2,
         cuda_graph: bool = True,
         verify: bool = False,
+        stages: int = 1,
+        prepare: Callable[[set[str] | None], None] | None = None,
     ) -> None:
         """``copy_streams``: CUDA IPC pulls spread over this many streams per source GPU;
         ``cuda_graph``: IPC pulls recorded into a CUDA graph at setup, replayed per refit;
         ``verify``: checksums beside every message, checked by the receiver.
+        ``prepare(names)``: run on this process before its tensors ``names`` are read (``None``:
+        all), e.g. FP8 quantization of a trainer rank's shards.
+        ``stages``: a plan whose links are all CUDA IPC is pulled in this many stages (the
+        source tensors in plan order, cut into runs of about equal bytes; ``ipc_stages``):
+        stage i is pulled while the sources prepare stage i + 1, so preparation overlaps the
+        transfer except for the first stage. Other plans prepare everything first.
         ``standalone``: ``group`` is a ProcessGroup object made outside torch.distributed's
         world (e.g. ``ProcessGroupGloo(store, rank, size)`` inside a vLLM worker, whose world is
         vLLM's); peers are its ranks and ops go straight to it."""
@@ -277,7 +285,12 @@ class Executor:
         # CUDA IPC: sources publish handles, receivers map them (once)
         ipc = [m for m in plan.messages if m.transport == "ipc"]
         self.uses_ipc = bool(ipc)
-        self.puller: IpcPuller | None = None
+        self.puller: IpcPuller | None = None  # the one puller of a single-stage pull (profiling)
+        self.pullers: list[IpcPuller | None] = []  # per stage
+        self.prepare = prepare
+        all_ipc = bool(ipc) and all(m.transport == "ipc" for m in plan.messages)
+        self.stage_names = ipc_stages(plan, stages if all_ipc else 1)
+        stage_of = {n: i for i, names in enumerate(self.stage_names) for n in names}
         if ipc:
             if store is None:
                 raise PlanError("the plan has CUDA IPC links but no rendezvous store was given")
@@ -286,7 +299,7 @@ class Executor:
                 export_handles(store, f"{name}/ipc/{proc}", {n: src_tensors[n] for n in exported})
             my_pulls = [m for m in ipc if plan.procs.dst[m.dst] == proc]
             mapped: dict[int, dict[str, torch.Tensor]] = {}
-            same, peer = [], []
+            pairs = [([], []) for _ in self.stage_names]  # per stage: (same GPU, peer GPU)
             for m in my_pulls:
                 sp = plan.procs.src[m.src]
                 if sp not in mapped:
@@ -295,18 +308,21 @@ class Executor:
                 s_box = plan.src_layout[p.tensor].box(m.src)
                 sv = mapped[sp][p.tensor][box_slices(box_relative(p.box, s_box))]
                 pair = (dst_view(p.tensor, p.box), sv)
+                same, peer = pairs[stage_of[p.tensor]]
                 (same if plan.procs.same_device(sp, proc) else peer).append(pair)
                 if verify:
                     self.ipc_pairs.append((p.tensor, *pair))
-            if my_pulls:
-                self.puller = IpcPuller(self.device, same, peer, streams_per_lane=copy_streams)
-                if cuda_graph:
+            for same, peer in pairs:
+                puller = IpcPuller(self.device, same, peer, streams_per_lane=copy_streams) if same or peer else None
+                if puller is not None and cuda_graph:
                     try:
-                        self.puller.capture()
+                        puller.capture()
                     except RuntimeError as e:  # speed only: the same copies are issued one by one
                         warnings.warn(f"refit: rank {proc}: recording the IPC pull into a CUDA graph failed ({e}); "
                                       "issuing its copies one by one (set TransferConfig.cuda_graph=False to skip)")
-                        self.puller.graph = None
+                        puller.graph = None
+                self.pullers.append(puller)
+            self.puller = next((pl for pl in self.pullers if pl is not None), None) if len(self.pullers) == 1 else None
             self._mapped = mapped  # keep the mappings alive
         # a plan whose links are all IPC (one host) synchronizes through shared memory
         self.host_barrier: HostBarrier | None = None
@@ -476,18 +492,29 @@ class Executor:
         ev.record(torch.cuda.current_stream(self.device))
         self._watch(ev.query, lambda: "GPU work of the refit (NCCL transfers or IPC pulls)")
 
+    def _prepare(self, names: set[str] | None) -> None:
+        if self.prepare is not None and self.src_rank is not None:
+            with torch.no_grad():
+                self.prepare(names)
+
     def run(self, deadline: float | None = None) -> RunStats:
         """One refit. ``deadline`` (``time.monotonic()`` value): every blocking wait gives up then."""
         t0 = time.perf_counter()
         self.deadline = deadline
+        staged = len(self.stage_names) > 1
+        if not staged:
+            self._prepare(None)
         if self.uses_ipc:
-            if self.cuda:
-                self._sync_device()
-            self._barrier()  # every source's weights are final
+            for i, names in enumerate(self.stage_names):
+                if staged:
+                    self._prepare(names)
+                if self.cuda:
+                    self._sync_device()
+                self._barrier()  # every source's tensors of this stage are final
+                if self.pullers and self.pullers[i] is not None:
+                    self.pullers[i].pull()  # runs on the GPU while the sources prepare the next stage
         for dst, src in self.local:
             dst.copy_(src, non_blocking=True)
-        if self.puller is not None:
-            self.puller.pull()
         if self.cuda:
             self._run_steps_cuda()
             self._sync_device()
@@ -500,3 +527,21 @@ class Executor:
         if self.uses_ipc:
             self._barrier()  # every pull is done: sources may change their weights again
         return RunStats(self.bytes_sent, self.bytes_received, self.bytes_local, time.perf_counter() - t0)
+
+
+def ipc_stages(plan: Plan, stages: int) -> list[set[str]]:
+    """The source tensors in plan order cut into ``stages`` runs of about equal bytes (the same on
+    every process: a function of the plan). One stage (all names) when ``stages`` <= 1."""
+    names = [t.name for t in plan.src_layout]
+    if stages <= 1 or len(names) <= 1:
+        return [set(names)]
+    sizes = [plan.src_layout[n].nbytes for n in names]
+    total, out, cur, acc = sum(sizes), [], set(), 0
+    for n, b in zip(names, sizes):
+        cur.add(n)
+        acc += b
+        if acc >= total * (len(out) + 1) / stages and len(out) < stages - 1:
+            out.append(cur)
+            cur = set()
+    out.append(cur)
+    return [c for c in out if c]

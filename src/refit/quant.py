@@ -171,7 +171,8 @@ class Fp8Quantizer:
 
     ``tensors`` is what to give the Sender (FP8 weights and scales; every other
     tensor the live one itself); call the quantizer (``Sender(..., prepare=q)``
-    does) after the optimizer step and before the push. Memory: this rank's
+    does, per stage with ``TransferConfig.stages``) after the optimizer step and
+    before the push. Memory: this rank's
     quantized shards, about half their bf16 size, allocated once.
     """
 
@@ -201,10 +202,11 @@ class Fp8Quantizer:
     def nbytes(self) -> int:
         return sum(q.numel() * q.element_size() + s.numel() * 4 for _, _, q, s in self.jobs)
 
-    def __call__(self) -> None:
+    def __call__(self, names: set[str] | None = None) -> None:
+        """Quantize the shards of ``names`` (``None``: all) from the live weights."""
         with torch.no_grad():
-            for _, w, q, s in self.jobs:
-                if w.numel():
+            for name, w, q, s in self.jobs:
+                if w.numel() and (names is None or name in names):
                     quantize_into(w, q, s, self.block, self.chunk_bytes)
 
 

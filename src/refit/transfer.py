@@ -45,10 +45,11 @@ class TransferConfig:
     deadline_s: float = 300.0  # every blocking step of one refit gives up this long after the refit began
     commit: str = "in_place"  # "in_place": receive into the live tensors; "staged": all-or-nothing (see Peer)
     verify: bool = False  # a checksum beside every message, checked by the receiver (costs a pass over the bytes)
+    stages: int = 1  # all-IPC plans: pull in this many stages so a source's prepare (FP8) overlaps the pulls
 
     def __post_init__(self) -> None:
         for field, value, least in (("num_buffers", self.num_buffers, 1), ("buffer_bytes", self.buffer_bytes, 1),
-                                    ("copy_streams", self.copy_streams, 1)):
+                                    ("copy_streams", self.copy_streams, 1), ("stages", self.stages, 1)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"TransferConfig.{field} must be an integer >= {least}, got {value!r}")
         if self.transport not in ("p2p", "ipc", "auto"):
@@ -146,11 +147,12 @@ class Peer:
         plan: Plan | None = None,
         store: dist.Store | None = None,
         standalone: bool = False,
-        prepare: Callable[[], None] | None = None,
+        prepare: Callable[[set[str] | None], None] | None = None,
     ) -> None:
-        """``prepare``: called at the start of every ``run`` on this process, before any byte
-        moves (e.g. an ``Fp8Quantizer`` refreshing the FP8 copies the plan sends); a failure
-        there aborts the refit like any other."""
+        """``prepare(names)``: called on a source process in every ``run`` before its tensors
+        ``names`` (``None``: all) are read (e.g. an ``Fp8Quantizer`` refreshing the FP8 copies the
+        plan sends); with ``config.stages`` > 1 on an all-IPC plan, once per stage, overlapping
+        the pulls of the stage before. A failure there aborts the refit like any other."""
         if store is None and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
         try:
@@ -164,7 +166,7 @@ class Peer:
             raise
         # the executor's setup may exchange IPC handles: only once the plans agree
         preflight(self.plan, proc, store, config.preflight_timeout_s, config.name)
-        self.config, self.proc, self.prepare = config, proc, prepare
+        self.config, self.proc = config, proc
         self.live = dict(dst_tensors or {})
         staged = config.commit == "staged" and bool(self.live)
         self.shadow = {n: torch.empty_like(t) for n, t in self.live.items()} if staged else {}
@@ -172,6 +174,7 @@ class Peer:
             self.plan, proc, src_tensors=src_tensors, dst_tensors=self.shadow or dst_tensors, group=group,
             sync_group=sync_group, device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s,
             standalone=standalone, copy_streams=config.copy_streams, cuda_graph=config.cuda_graph, verify=config.verify,
+            stages=config.stages, prepare=prepare,
         )
         self.members = sorted({*self.plan.procs.src, *self.plan.procs.dst})
         self.channel = AbortChannel(store, f"{config.name}/run", proc, len(self.members)) if store is not None else None
@@ -193,8 +196,6 @@ class Peer:
         ch = self.channel
         self.executor.check_abort = (lambda: ch.raise_if_aborted(version, attempt)) if ch is not None else None
         try:
-            if self.prepare is not None:
-                self.prepare()
             stats = self.executor.run(deadline)
             if self.shadow:
                 if ch is not None:
