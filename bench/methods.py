@@ -36,10 +36,11 @@ def refit_method(transport: str, **overrides) -> Callable[[Ctx], Callable[[], No
     """refit's own path; ``overrides``: TransferConfig fields (e.g. ``verify=True``)."""
 
     def setup(ctx: Ctx) -> Callable[[], None]:
-        cfg = TransferConfig(num_buffers=ctx.config.num_buffers, buffer_bytes=ctx.config.buffer_bytes,
-                             transport=transport, name=f"bench-{transport}-{ctx.extra.get('round', 0)}",
-                             copy_streams=ctx.config.copy_streams,
-                             cuda_graph=ctx.config.cuda_graph, stages=ctx.config.stages, **overrides)
+        fields = {"num_buffers": ctx.config.num_buffers, "buffer_bytes": ctx.config.buffer_bytes,
+                  "transport": transport, "name": f"bench-{transport}-{ctx.extra.get('round', 0)}",
+                  "copy_streams": ctx.config.copy_streams, "cuda_graph": ctx.config.cuda_graph,
+                  "stages": ctx.config.stages}
+        cfg = TransferConfig(**{**fields, **overrides})
         group = ctx.nccl if transport == "p2p" else None
         peer = Peer(ctx.plan.src_layout, ctx.plan.dst_layout, ctx.rank, src_tensors=ctx.src, dst_tensors=ctx.dst,
                     procs=ctx.plan.procs, group=group, config=cfg, device=ctx.device, store=ctx.store,
