@@ -1,0 +1,108 @@
+"""``BatchMeta``: what the driver holds instead of a batch — the keys of a set of samples in a
+store partition, the fields every one of them has, per-sample tags and sequence lengths, and
+free-form ``extra_info`` (e.g. the packing a trainer rank must use).
+
+Metadata is small and cheap to move; the tensor columns stay in the store until a consumer
+fetches exactly the fields it names. Every operation returns a new object and keeps the
+per-sample lists (keys, tags, sequence lengths) aligned.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    keys: tuple[str, ...]
+    partition: str
+    fields: tuple[str, ...] = ()  # fields present for every key
+    tags: tuple[dict[str, Any], ...] = ()  # one dict per key (empty dicts when untagged)
+    seq_lens: tuple[int, ...] | None = None  # one per key, when known
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", tuple(self.keys))
+        object.__setattr__(self, "fields", tuple(self.fields))
+        tags = tuple(dict(t) for t in self.tags) if self.tags else tuple({} for _ in self.keys)
+        object.__setattr__(self, "tags", tags)
+        if self.seq_lens is not None:
+            object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens))
+        if len(set(self.keys)) != len(self.keys):
+            dup = sorted({k for k in self.keys if self.keys.count(k) > 1})[:3]
+            raise ValueError(f"BatchMeta: duplicate keys {dup} in partition {self.partition!r}")
+        if len(self.tags) != len(self.keys):
+            raise ValueError(f"BatchMeta: {len(self.tags)} tags for {len(self.keys)} keys")
+        if self.seq_lens is not None and len(self.seq_lens) != len(self.keys):
+            raise ValueError(f"BatchMeta: {len(self.seq_lens)} seq_lens for {len(self.keys)} keys")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def total_tokens(self) -> int:
+        if self.seq_lens is None:
+            raise ValueError(f"BatchMeta of partition {self.partition!r} has no seq_lens")
+        return sum(self.seq_lens)
+
+    def select(self, indices: Sequence[int]) -> "BatchMeta":
+        """The samples at ``indices`` (positions in this meta), in that order."""
+        idx = [int(i) for i in indices]
+        bad = [i for i in idx if not -len(self) <= i < len(self)]
+        if bad:
+            raise IndexError(f"BatchMeta.select: indices {bad[:3]} out of range for {len(self)} keys")
+        return BatchMeta(
+            keys=[self.keys[i] for i in idx], partition=self.partition, fields=self.fields,
+            tags=[self.tags[i] for i in idx],
+            seq_lens=None if self.seq_lens is None else [self.seq_lens[i] for i in idx],
+            extra_info=copy.deepcopy(self.extra_info))
+
+    def reorder(self, perm: Sequence[int]) -> "BatchMeta":
+        """Sample ``i`` of the result is sample ``perm[i]`` of this one; ``perm`` must be a
+        permutation of ``range(len(self))``."""
+        if sorted(int(p) for p in perm) != list(range(len(self))):
+            raise ValueError(f"BatchMeta.reorder: not a permutation of range({len(self)}): {list(perm)[:8]}...")
+        return self.select(perm)
+
+    def chunk(self, n: int) -> list["BatchMeta"]:
+        """``n`` consecutive parts whose sizes differ by at most one (the first ones larger);
+        ``n`` may exceed ``len(self)``, giving empty parts."""
+        if n < 1:
+            raise ValueError(f"BatchMeta.chunk: n must be >= 1, got {n}")
+        q, r = divmod(len(self), n)
+        out, start = [], 0
+        for i in range(n):
+            size = q + (1 if i < r else 0)
+            out.append(self.select(range(start, start + size)))
+            start += size
+        return out
+
+    def with_fields(self, fields: Sequence[str]) -> "BatchMeta":
+        return BatchMeta(self.keys, self.partition, tuple(dict.fromkeys([*self.fields, *fields])),
+                         self.tags, self.seq_lens, copy.deepcopy(self.extra_info))
+
+    def with_extra_info(self, **info: Any) -> "BatchMeta":
+        return BatchMeta(self.keys, self.partition, self.fields, self.tags, self.seq_lens,
+                         {**copy.deepcopy(self.extra_info), **info})
+
+    @staticmethod
+    def concat(metas: Sequence["BatchMeta"]) -> "BatchMeta":
+        """The samples of ``metas`` one after another; all in one partition. Fields: those every
+        part has. seq_lens: kept when every part has them. extra_info: merged, later parts win."""
+        if not metas:
+            raise ValueError("BatchMeta.concat: nothing to concatenate")
+        parts = {m.partition for m in metas}
+        if len(parts) > 1:
+            raise ValueError(f"BatchMeta.concat: metas from different partitions {sorted(parts)}")
+        fields = [f for f in metas[0].fields if all(f in m.fields for m in metas)]
+        lens = None
+        if all(m.seq_lens is not None for m in metas):
+            lens = [n for m in metas for n in m.seq_lens]  # type: ignore[union-attr]
+        info: dict[str, Any] = {}
+        for m in metas:
+            info.update(copy.deepcopy(m.extra_info))
+        return BatchMeta(keys=[k for m in metas for k in m.keys], partition=metas[0].partition,
+                         fields=fields, tags=[t for m in metas for t in m.tags], seq_lens=lens,
+                         extra_info=info)

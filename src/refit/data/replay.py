@@ -1,0 +1,121 @@
+"""Replay buffer for asynchronous RL: references to trajectories in the store, tagged with the
+weight version that generated them and the version they are meant to train.
+
+- ``add(meta, generated_version, target_version=None)``: one entry (a trajectory or a GRPO
+  group: any number of keys).
+- ``sample(n, current_version, select_fields=[...])``: the ``n`` oldest eligible entries, each
+  returned exactly once: eligible means generated at most ``max_age`` versions ago and targeting
+  ``current_version`` or earlier. Their fields are fetched, then their keys cleared from the
+  store, under one lock (a concurrent ``add`` cannot race the clear). Returns ``None`` (and
+  takes nothing) when fewer than ``n`` are eligible. If the fetch fails the entries stay in the
+  buffer and the error propagates: nothing is lost.
+- Entries older than ``max_age`` are dropped and their keys cleared at the next ``sample`` (they
+  can never become eligible again); ``stats()`` counts them. ``close()`` clears whatever is left.
+
+No key outlives its entry: consumed, expired or closed, the keys are cleared.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .meta import BatchMeta
+from .store import Rows, Store
+
+
+@dataclass(frozen=True)
+class Entry:
+    meta: BatchMeta
+    generated_version: int
+    target_version: int | None
+
+
+@dataclass
+class ReplayStats:
+    added: int = 0
+    consumed: int = 0
+    expired: int = 0
+    keys_cleared: int = 0
+    ages: list[int] = field(default_factory=list)  # age (current - generated) of each consumed entry
+
+
+class BufferFull(RuntimeError):
+    pass
+
+
+class ReplayBuffer:
+    def __init__(self, store: Store, max_age: int, max_size: int | None = None) -> None:
+        if max_age < 0:
+            raise ValueError(f"ReplayBuffer: max_age must be >= 0, got {max_age}")
+        if max_size is not None and max_size < 1:
+            raise ValueError(f"ReplayBuffer: max_size must be >= 1, got {max_size}")
+        self.store, self.max_age, self.max_size = store, max_age, max_size
+        self._entries: list[Entry] = []
+        self._lock = threading.Lock()
+        self._stats = ReplayStats()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def add(self, meta: BatchMeta, generated_version: int, target_version: int | None = None) -> None:
+        if len(meta) == 0:
+            raise ValueError("ReplayBuffer.add: an entry needs at least one key")
+        if target_version is not None and target_version < generated_version:
+            raise ValueError(f"ReplayBuffer.add: target_version {target_version} < generated_version "
+                             f"{generated_version}")
+        with self._lock:
+            if self.max_size is not None and len(self._entries) >= self.max_size:
+                raise BufferFull(f"ReplayBuffer.add: full ({len(self._entries)} of max_size={self.max_size} entries)")
+            self._entries.append(Entry(meta, int(generated_version), target_version))
+            self._stats.added += 1
+
+    def _eligible(self, e: Entry, current: int) -> bool:
+        return current - e.generated_version <= self.max_age and (e.target_version is None or
+                                                                 e.target_version <= current)
+
+    def _expire(self, current: int) -> None:
+        stale = [e for e in self._entries if current - e.generated_version > self.max_age]
+        if not stale:
+            return
+        for e in stale:
+            self._stats.keys_cleared += self.store.clear(e.meta)
+        self._entries = [e for e in self._entries if current - e.generated_version <= self.max_age]
+        self._stats.expired += len(stale)
+
+    def eligible(self, current_version: int) -> int:
+        with self._lock:
+            return sum(self._eligible(e, current_version) for e in self._entries)
+
+    def sample(self, n: int, current_version: int, *, select_fields: Sequence[str]
+               ) -> tuple[BatchMeta, dict[str, Rows]] | None:
+        if n < 1:
+            raise ValueError(f"ReplayBuffer.sample: n must be >= 1, got {n}")
+        with self._lock:
+            self._expire(current_version)
+            picked = [e for e in self._entries if self._eligible(e, current_version)][:n]
+            if len(picked) < n:
+                return None
+            meta = BatchMeta.concat([e.meta for e in picked])
+            data = self.store.get(meta, select_fields=select_fields)  # raises: entries stay
+            ids = {id(e) for e in picked}
+            self._entries = [e for e in self._entries if id(e) not in ids]
+            self._stats.keys_cleared += self.store.clear(meta)
+            self._stats.consumed += len(picked)
+            self._stats.ages.extend(current_version - e.generated_version for e in picked)
+            return meta, data
+
+    def close(self) -> int:
+        """Clear every remaining entry's keys; returns how many keys were held."""
+        with self._lock:
+            n = sum(self.store.clear(e.meta) for e in self._entries)
+            self._stats.keys_cleared += n
+            self._entries = []
+            return n
+
+    def stats(self) -> ReplayStats:
+        with self._lock:
+            return ReplayStats(self._stats.added, self._stats.consumed, self._stats.expired,
+                               self._stats.keys_cleared, list(self._stats.ages))

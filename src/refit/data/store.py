@@ -1,0 +1,301 @@
+"""The rollout store: tensor columns under string keys, in named partitions.
+
+Contract (every backend):
+
+- ``put(keys, fields, partition=..., tags=..., seq_lens=...)`` writes, for each key, one row of
+  every field. A field is either a tensor whose first dimension has one entry per key (row ``i``
+  belongs to ``keys[i]``; a 1-D field gives 0-d rows) or a list of one tensor per key (ragged
+  rows). Writing a field a key already has raises unless ``overwrite=True``; new fields may be
+  added to existing keys at any time (the driver writes advantages next to the rollouts).
+  Returns the ``BatchMeta`` of the keys with the fields just written (``meta()`` lists all).
+- ``get(keys_or_meta, select_fields=[...])`` returns ``{field: rows}`` in the order of the keys:
+  one stacked tensor when every row has the same shape and dtype (a 1-D field comes back 1-D),
+  else the list of rows. ``select_fields`` is required: nothing is read that was not named.
+  A key or field that was never written raises ``MissingKeyError`` / ``MissingFieldError``
+  naming the partition, key and field. What comes back never aliases the store's memory, and
+  bytes, dtypes and shapes are exactly what was put.
+- ``clear(keys, partition)`` drops keys (idempotent: clearing an absent key is not an error);
+  ``clear_partition(partition)`` drops a whole partition.
+- ``keys(partition=None)`` lists what is held (leak checks), ``meta(keys, partition)`` rebuilds
+  the ``BatchMeta`` (fields every key has, tags, sequence lengths) of keys held.
+
+``StorageUnit`` is the storage itself (no I/O); ``InProcessStore`` wraps one in the calling
+process (the embedded default); ``refit.data.ray_store.RayStore`` spreads keys over several
+storage actors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from abc import ABC, abstractmethod
+from typing import Any, Iterable, Sequence, Union
+
+import torch
+
+from .meta import BatchMeta
+
+Rows = Union[torch.Tensor, list[torch.Tensor]]
+FieldData = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class MissingKeyError(KeyError):
+    """A key that was never written (or already cleared)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+class MissingFieldError(KeyError):
+    """A field that was never produced for a key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def normalize_put(keys: Sequence[str], fields: dict[str, FieldData], tags: Any,
+                  seq_lens: Sequence[int] | None) -> tuple[list[str], dict[str, FieldData], list[dict], list[int] | None]:
+    """Check a put before anything is written; errors name the field and the numbers."""
+    keys = [str(k) for k in keys]
+    if not keys:
+        raise ValueError("put: no keys")
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})[:3]
+        raise ValueError(f"put: duplicate keys {dup}")
+    if not fields:
+        raise ValueError("put: no fields")
+    for name, data in fields.items():
+        if isinstance(data, torch.Tensor):
+            if data.dim() == 0 or data.shape[0] != len(keys):
+                raise ValueError(f"put: field {name!r} has shape {list(data.shape)}; its first dimension must be "
+                                 f"the number of keys ({len(keys)})")
+        else:
+            rows = list(data)
+            if len(rows) != len(keys):
+                raise ValueError(f"put: field {name!r} has {len(rows)} rows for {len(keys)} keys")
+            bad = [i for i, r in enumerate(rows) if not isinstance(r, torch.Tensor)]
+            if bad:
+                raise TypeError(f"put: field {name!r} row {bad[0]} is {type(rows[bad[0]]).__name__}, not a tensor")
+    if tags is None:
+        tag_list: list[dict] = [{} for _ in keys]
+    elif isinstance(tags, dict):
+        tag_list = [dict(tags) for _ in keys]
+    else:
+        tag_list = [dict(t) for t in tags]
+        if len(tag_list) != len(keys):
+            raise ValueError(f"put: {len(tag_list)} tags for {len(keys)} keys")
+    lens = None
+    if seq_lens is not None:
+        lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+        if len(lens) != len(keys):
+            raise ValueError(f"put: {len(lens)} seq_lens for {len(keys)} keys")
+    return keys, fields, tag_list, lens
+
+
+class StorageUnit:
+    """Rows of tensor columns. A put's batch tensor is kept whole (one chunk) and its rows
+    are indexed into it, so a put costs one reference and a get one gather per chunk; a chunk
+    is freed when its last row is cleared or overwritten. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._chunks: dict[int, list] = {}  # id -> [tensor, live rows]
+        self._rows: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}  # (partition, key) -> field -> (chunk, row)
+        self._info: dict[tuple[str, str], tuple[dict, int | None]] = {}  # tags, seq_len
+
+    # -- writes -------------------------------------------------------------------------
+    def put(self, partition: str, keys: list[str], fields: dict[str, FieldData], tags: list[dict],
+            seq_lens: list[int] | None, overwrite: bool = False) -> None:
+        with self._lock:
+            if not overwrite:  # refuse before writing anything
+                err = self._clash(partition, keys, fields)
+                if err:
+                    raise ValueError(err)
+            refs: dict[str, list[tuple[int, int]]] = {}
+            for name, data in fields.items():
+                if isinstance(data, torch.Tensor):
+                    cid = next(self._ids)
+                    self._chunks[cid] = [data.detach(), len(keys)]
+                    refs[name] = [(cid, i) for i in range(len(keys))]
+                else:
+                    refs[name] = []
+                    for r in data:
+                        cid = next(self._ids)
+                        self._chunks[cid] = [r.detach().unsqueeze(0), 1]
+                        refs[name].append((cid, 0))
+            for i, k in enumerate(keys):
+                row = self._rows.setdefault((partition, k), {})
+                for name in fields:
+                    if name in row:
+                        self._release(row[name][0])
+                    row[name] = refs[name][i]
+                old_tags, old_len = self._info.get((partition, k), ({}, None))
+                self._info[(partition, k)] = ({**old_tags, **tags[i]},
+                                              seq_lens[i] if seq_lens is not None else old_len)
+
+    def clash(self, partition: str, keys: Sequence[str], fields: Iterable[str]) -> str | None:
+        """Why a put of ``fields`` without ``overwrite`` would be refused, or None."""
+        with self._lock:
+            return self._clash(partition, keys, fields)
+
+    def _clash(self, partition: str, keys: Sequence[str], fields: Iterable[str]) -> str | None:
+        fields = list(fields)
+        for k in keys:
+            have = self._rows.get((partition, k), {})
+            clash = [f for f in fields if f in have]
+            if clash:
+                return (f"put: key {k!r} in partition {partition!r} already has field {clash[0]!r} "
+                        f"(pass overwrite=True to replace it)")
+        return None
+
+    def _release(self, cid: int) -> None:
+        c = self._chunks[cid]
+        c[1] -= 1
+        if c[1] == 0:
+            del self._chunks[cid]
+
+    def clear(self, partition: str, keys: Iterable[str]) -> int:
+        """Drop keys; absent ones are skipped. Returns how many were held."""
+        n = 0
+        with self._lock:
+            for k in keys:
+                row = self._rows.pop((partition, str(k)), None)
+                self._info.pop((partition, str(k)), None)
+                if row is not None:
+                    n += 1
+                    for cid, _ in row.values():
+                        self._release(cid)
+        return n
+
+    def clear_partition(self, partition: str) -> int:
+        return self.clear(partition, [k for p, k in self.keys() if p == partition])
+
+    # -- reads --------------------------------------------------------------------------
+    def _check(self, partition: str, keys: Sequence[str], select_fields: Sequence[str]) -> None:
+        for k in keys:
+            row = self._rows.get((partition, k))
+            if row is None:
+                raise MissingKeyError(f"get: key {k!r} is not in partition {partition!r} (never written, or cleared)")
+            for f in select_fields:
+                if f not in row:
+                    raise MissingFieldError(f"get: field {f!r} was never produced for key {k!r} in partition "
+                                            f"{partition!r} (it has {sorted(row)})")
+
+    def get_stacked(self, partition: str, keys: Sequence[str], select_fields: Sequence[str]) -> dict[str, Rows]:
+        """Per field, the rows of ``keys`` in order: one stacked tensor when they share shape and
+        dtype, else a list. Always fresh memory (one gather when the rows come from one put)."""
+        with self._lock:
+            self._check(partition, keys, select_fields)
+            out: dict[str, Rows] = {}
+            for f in select_fields:
+                refs = [self._rows[(partition, k)][f] for k in keys]
+                first = self._chunks[refs[0][0]][0]
+                if all(c == refs[0][0] for c, _ in refs):
+                    idx = torch.tensor([r for _, r in refs], dtype=torch.long)
+                    out[f] = first.index_select(0, idx)
+                    continue
+                rows = [self._chunks[c][0][r] for c, r in refs]
+                if all(r.shape == rows[0].shape and r.dtype == rows[0].dtype for r in rows):
+                    out[f] = torch.stack(rows)
+                else:
+                    out[f] = [r.clone() for r in rows]
+            return out
+
+    def meta(self, partition: str, keys: Sequence[str]) -> BatchMeta:
+        with self._lock:
+            self._check(partition, keys, ())
+            fields = [f for f in self._rows[(partition, keys[0])]] if keys else []
+            fields = [f for f in fields if all(f in self._rows[(partition, k)] for k in keys)]
+            info = [self._info[(partition, k)] for k in keys]
+            lens = [n for _, n in info]
+            return BatchMeta(keys=list(keys), partition=partition, fields=fields, tags=[t for t, _ in info],
+                             seq_lens=None if any(n is None for n in lens) else lens)  # type: ignore[arg-type]
+
+    def keys(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._rows)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(c[0].numel() * c[0].element_size() for c in self._chunks.values())
+
+
+class Store(ABC):
+    """A client of the rollout store (see the module docstring for the contract)."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], fields: dict[str, FieldData], *, partition: str = "default",
+            tags: dict | Sequence[dict] | None = None, seq_lens: Sequence[int] | None = None,
+            overwrite: bool = False) -> BatchMeta: ...
+
+    @abstractmethod
+    def get(self, keys: BatchMeta | Sequence[str], *, select_fields: Sequence[str],
+            partition: str | None = None) -> dict[str, Rows]: ...
+
+    @abstractmethod
+    def clear(self, keys: BatchMeta | Sequence[str], *, partition: str | None = None) -> int: ...
+
+    @abstractmethod
+    def clear_partition(self, partition: str) -> int: ...
+
+    @abstractmethod
+    def keys(self, partition: str | None = None) -> list[str] | list[tuple[str, str]]: ...
+
+    @abstractmethod
+    def meta(self, keys: Sequence[str], *, partition: str = "default") -> BatchMeta: ...
+
+    @staticmethod
+    def _resolve(keys: BatchMeta | Sequence[str], partition: str | None) -> tuple[list[str], str]:
+        if isinstance(keys, BatchMeta):
+            if partition is not None and partition != keys.partition:
+                raise ValueError(f"partition {partition!r} given with a BatchMeta of partition {keys.partition!r}")
+            return list(keys.keys), keys.partition
+        if isinstance(keys, str):
+            raise TypeError("keys: pass a list of keys or a BatchMeta, not one string")
+        return [str(k) for k in keys], partition or "default"
+
+    @staticmethod
+    def _check_select(select_fields: Sequence[str] | None) -> list[str]:
+        if select_fields is None or isinstance(select_fields, str) or len(select_fields) == 0:
+            raise ValueError("get: select_fields must name at least one field (a list; nothing is read unasked)")
+        return list(dict.fromkeys(select_fields))
+
+
+class InProcessStore(Store):
+    """The embedded store: one ``StorageUnit`` in this process (threads may share it)."""
+
+    def __init__(self) -> None:
+        self.unit = StorageUnit()
+
+    def put(self, keys, fields, *, partition="default", tags=None, seq_lens=None, overwrite=False) -> BatchMeta:
+        keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
+        # keep a private copy: the caller may reuse its buffers after put returns
+        fields = {n: d.detach().clone() if isinstance(d, torch.Tensor) else [r.detach().clone() for r in d]
+                  for n, d in fields.items()}
+        self.unit.put(partition, keys, fields, tag_list, lens, overwrite)
+        return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
+
+    def get(self, keys, *, select_fields, partition=None) -> dict[str, Rows]:
+        keys, partition = self._resolve(keys, partition)
+        select = self._check_select(select_fields)
+        if not keys:
+            raise ValueError("get: no keys")
+        return self.unit.get_stacked(partition, keys, select)
+
+    def clear(self, keys, *, partition=None) -> int:
+        keys, partition = self._resolve(keys, partition)
+        return self.unit.clear(partition, keys)
+
+    def clear_partition(self, partition: str) -> int:
+        return self.unit.clear_partition(partition)
+
+    def keys(self, partition=None):
+        held = self.unit.keys()
+        return held if partition is None else [k for p, k in held if p == partition]
+
+    def meta(self, keys, *, partition="default") -> BatchMeta:
+        return self.unit.meta(partition, [str(k) for k in keys])
+
+    def nbytes(self) -> int:
+        return self.unit.nbytes()

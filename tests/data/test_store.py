@@ -1,0 +1,153 @@
+"""The store contract, on every backend (in-process and Ray storage actors)."""
+
+import pytest
+import torch
+
+from refit.data import BatchMeta, MissingFieldError, MissingKeyError
+
+
+def _batch(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, 50_000, (n, 7), generator=g, dtype=torch.int64),
+        "logprobs": torch.randn(n, 7, generator=g).to(torch.bfloat16),
+        "reward": torch.randn(n, generator=g, dtype=torch.float32),  # 1-D: one scalar per key
+        "mask": torch.rand(n, 7, generator=g) > 0.5,
+    }
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype != torch.bool
+                                                                      else a, b.view(torch.uint8) if b.dtype != torch.bool else b)
+
+
+def test_put_get_round_trip_exact(store):
+    keys = [f"k{i}" for i in range(6)]
+    data = _batch()
+    meta = store.put(keys, data, partition="rollouts", tags={"version": 3}, seq_lens=[7] * 6)
+    assert meta.keys == tuple(keys) and meta.partition == "rollouts" and meta.tags[0] == {"version": 3}
+    got = store.get(meta, select_fields=list(data))
+    for f, t in data.items():
+        assert _same(got[f], t), f
+    assert got["reward"].dim() == 1  # 1-D fields stay 1-D
+    # a reordered subset comes back in the asked order
+    sub = store.get(["k4", "k1", "k2"], select_fields=["logprobs", "reward"], partition="rollouts")
+    assert _same(sub["logprobs"], data["logprobs"][[4, 1, 2]])
+    assert _same(sub["reward"], data["reward"][[4, 1, 2]])
+
+
+def test_get_returns_private_memory(store):
+    data = _batch()
+    store.put(["a", "b", "c", "d", "e", "f"], data)
+    got = store.get(["a", "b"], select_fields=["input_ids"])
+    got["input_ids"].zero_()  # writable, and the store is unaffected
+    again = store.get(["a", "b"], select_fields=["input_ids"])
+    assert torch.equal(again["input_ids"], data["input_ids"][:2])
+
+
+def test_caller_buffers_may_be_reused_after_put(store):
+    ids = torch.arange(12).reshape(3, 4)
+    store.put(["x", "y", "z"], {"ids": ids})
+    ids.fill_(-1)
+    assert torch.equal(store.get(["x", "y", "z"], select_fields=["ids"])["ids"], torch.arange(12).reshape(3, 4))
+
+
+def test_ragged_rows(store):
+    rows = [torch.arange(n, dtype=torch.int32) for n in (3, 5, 1)]
+    store.put(["r0", "r1", "r2"], {"ids": rows})
+    got = store.get(["r2", "r0", "r1"], select_fields=["ids"])["ids"]
+    assert isinstance(got, list) and [t.tolist() for t in got] == [[0], [0, 1, 2], [0, 1, 2, 3, 4]]
+    assert all(t.dtype == torch.int32 for t in got)
+
+
+def test_fields_added_later_and_overwrite_guard(store):
+    keys = ["a", "b", "c"]
+    store.put(keys, {"ids": torch.ones(3, 2)}, partition="p")
+    store.put(keys, {"adv": torch.tensor([1.0, -1.0, 0.5])}, partition="p")  # driver writes advantages
+    assert set(store.meta(keys, partition="p").fields) == {"ids", "adv"}
+    with pytest.raises(ValueError, match="already has field 'adv'"):
+        store.put(["c", "a"], {"adv": torch.zeros(2)}, partition="p")
+    store.put(["c"], {"adv": torch.tensor([9.0])}, partition="p", overwrite=True)
+    assert store.get(keys, select_fields=["adv"], partition="p")["adv"].tolist() == [1.0, -1.0, 9.0]
+
+
+def test_refused_put_writes_nothing(store):
+    store.put(["a"], {"x": torch.zeros(1)})
+    with pytest.raises(ValueError, match="already has field"):
+        store.put(["b", "c", "a", "d"], {"x": torch.ones(4)})
+    assert sorted(store.keys("default")) == ["a"]
+
+
+def test_missing_field_and_key_raise(store):
+    store.put(["a", "b"], {"ids": torch.zeros(2, 3)})
+    with pytest.raises(MissingFieldError, match=r"field 'logprobs' was never produced for key 'a'.*\['ids'\]"):
+        store.get(["a", "b"], select_fields=["ids", "logprobs"])
+    with pytest.raises(MissingKeyError, match="key 'zz' is not in partition 'default'"):
+        store.get(["a", "zz"], select_fields=["ids"])
+    with pytest.raises(MissingKeyError):
+        store.get(["a"], select_fields=["ids"], partition="other")
+
+
+def test_select_fields_required(store):
+    store.put(["a"], {"ids": torch.zeros(1, 3)})
+    for bad in (None, [], "ids"):
+        with pytest.raises(ValueError, match="select_fields"):
+            store.get(["a"], select_fields=bad)
+    with pytest.raises(TypeError):
+        store.get(["a"])  # keyword required, no default
+
+
+def test_bad_put_names_the_field(store):
+    with pytest.raises(ValueError, match=r"field 'ids' has shape \[3, 2\]; its first dimension must be the number of keys \(2\)"):
+        store.put(["a", "b"], {"ids": torch.zeros(3, 2)})
+    with pytest.raises(ValueError, match="duplicate keys"):
+        store.put(["a", "a"], {"ids": torch.zeros(2)})
+    assert store.keys() == []
+
+
+def test_clear_idempotent_and_partitions(store):
+    store.put(["a", "b"], {"x": torch.zeros(2)}, partition="p1")
+    store.put(["a", "c"], {"x": torch.zeros(2)}, partition="p2")
+    assert store.clear(["a", "nope"], partition="p1") == 1
+    assert store.clear(["a", "nope"], partition="p1") == 0  # again: no error
+    assert sorted(store.keys("p1")) == ["b"] and sorted(store.keys("p2")) == ["a", "c"]
+    assert store.clear_partition("p2") == 2
+    assert store.clear_partition("p2") == 0
+    assert store.keys() == [("p1", "b")]
+    meta = store.meta(["b"], partition="p1")
+    store.clear(meta)
+    assert store.keys() == []
+
+
+def test_memory_freed_when_rows_cleared(store):
+    store.put([f"k{i}" for i in range(4)], {"x": torch.zeros(4, 1000)})
+    before = store.nbytes()
+    assert before >= 4 * 1000 * 4
+    store.clear(["k0", "k1", "k2"])
+    assert 0 < store.nbytes() <= before  # a put's rows share one chunk per storage unit
+    store.clear(["k3"])
+    assert store.nbytes() == 0
+
+
+def test_meta_rebuilds_tags_and_lengths(store):
+    store.put(["a", "b"], {"x": torch.zeros(2)}, tags=[{"version": 1}, {"version": 2}], seq_lens=[10, 20])
+    m = store.meta(["b", "a"])
+    assert m.tags == ({"version": 2}, {"version": 1}) and m.seq_lens == (20, 10) and m.fields == ("x",)
+
+
+def test_batch_meta_ops():
+    m = BatchMeta(keys=[f"k{i}" for i in range(5)], partition="p", fields=["x"], tags=[{"v": i} for i in range(5)],
+                  seq_lens=[5, 4, 3, 2, 1], extra_info={"step": 1})
+    parts = m.chunk(2)
+    assert [p.keys for p in parts] == [("k0", "k1", "k2"), ("k3", "k4")]
+    assert BatchMeta.concat(parts) == m
+    r = m.reorder([4, 3, 2, 1, 0])
+    assert r.keys[0] == "k4" and r.seq_lens == (1, 2, 3, 4, 5) and r.tags[0] == {"v": 4}
+    assert m.select([1, 3]).total_tokens == 6
+    assert len(m.chunk(7)) == 7 and sum(len(p) for p in m.chunk(7)) == 5
+    with pytest.raises(ValueError, match="not a permutation"):
+        m.reorder([0, 0, 1, 2, 3])
+    with pytest.raises(ValueError, match="different partitions"):
+        BatchMeta.concat([m, BatchMeta(keys=["z"], partition="q")])
+    with pytest.raises(ValueError, match="duplicate keys"):
+        BatchMeta.concat([m, m])
