@@ -149,10 +149,7 @@ class RayStore(Store):
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
 
     def get(self, keys, *, select_fields, partition=None) -> dict[str, Rows]:
-        keys, partition = self._resolve(keys, partition)
-        select = self._check_select(select_fields)
-        if not keys:
-            raise ValueError("get: no keys")
+        keys, partition, select = self._request(keys, partition, select_fields)
         parts = self._split(partition, keys)
         units = list(parts)
         answers = ray.get([self.actors[u].get.remote(partition, [keys[i] for i in parts[u]], select) for u in units])

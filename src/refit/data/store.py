@@ -255,11 +255,16 @@ class Store(ABC):
             raise TypeError("keys: pass a list of keys or a BatchMeta, not one string")
         return [str(k) for k in keys], partition or "default"
 
-    @staticmethod
-    def _check_select(select_fields: Sequence[str] | None) -> list[str]:
+    @classmethod
+    def _request(cls, keys: BatchMeta | Sequence[str], partition: str | None,
+                 select_fields: Sequence[str] | None) -> tuple[list[str], str, list[str]]:
+        """A get's keys, partition and fields, checked."""
         if select_fields is None or isinstance(select_fields, str) or len(select_fields) == 0:
             raise ValueError("get: select_fields must name at least one field (a list; nothing is read unasked)")
-        return list(dict.fromkeys(select_fields))
+        keys, partition = cls._resolve(keys, partition)
+        if not keys:
+            raise ValueError("get: no keys")
+        return keys, partition, list(dict.fromkeys(select_fields))
 
 
 class InProcessStore(Store):
@@ -277,10 +282,7 @@ class InProcessStore(Store):
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
 
     def get(self, keys, *, select_fields, partition=None) -> dict[str, Rows]:
-        keys, partition = self._resolve(keys, partition)
-        select = self._check_select(select_fields)
-        if not keys:
-            raise ValueError("get: no keys")
+        keys, partition, select = self._request(keys, partition, select_fields)
         return self.unit.get_stacked(partition, keys, select)
 
     def clear(self, keys, *, partition=None) -> int:
