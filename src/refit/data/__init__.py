@@ -3,8 +3,8 @@ a store of tensor columns (``Store``: ``InProcessStore``, ``RayStore``), planned
 from small columns (``BatchMeta``, ``balanced_shards``), fetched by each rank (``leader_fetch``
 inside a model-parallel group), with a versioned ``ReplayBuffer`` for asynchronous RL."""
 
-from .balance import (balance_stats, balanced_shards, inverse_permutation, karmarkar_karp, restore_order,
-                      shard_order)
+from .balance import (balance_stats, balanced_shards, inverse_permutation, karmarkar_karp, pack_microbatches,
+                      restore_order, shard_order)
 from .leader import LeaderFetchError, leader_fetch, replica_groups
 from .meta import BatchMeta
 from .replay import BufferFull, ReplayBuffer, ReplayStats
@@ -12,7 +12,7 @@ from .store import InProcessStore, MissingFieldError, MissingKeyError, StorageUn
 
 __all__ = ["BatchMeta", "Store", "InProcessStore", "StorageUnit", "MissingKeyError", "MissingFieldError",
            "balanced_shards", "karmarkar_karp", "shard_order", "inverse_permutation", "restore_order",
-           "balance_stats", "ReplayBuffer", "ReplayStats", "BufferFull", "leader_fetch", "replica_groups",
+           "balance_stats", "pack_microbatches", "ReplayBuffer", "ReplayStats", "BufferFull", "leader_fetch", "replica_groups",
            "LeaderFetchError", "RayStore"]
 
 

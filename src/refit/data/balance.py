@@ -52,7 +52,7 @@ def karmarkar_karp(weights: Sequence[int], k: int) -> list[list[int]]:
     return [sorted(idx) for _, idx in heap[0][2]]
 
 
-def _pack(indices: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+def pack_microbatches(indices: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
     """First fit decreasing: bins of at most ``budget`` tokens (an oversized sample alone)."""
     bins: list[list[int]] = []
     loads: list[int] = []
@@ -110,7 +110,7 @@ def balanced_shards(lengths: Sequence[int] | torch.Tensor, dp_world: int, max_to
     ranks = [[i for g in part for i in range(g * group_size, (g + 1) * group_size)]
              for part in karmarkar_karp(weights, dp_world)]
     ranks.sort(key=lambda r: r[0])  # deterministic rank order: by first sample
-    packed = [_pack(r, lens, max_tokens_per_microbatch) for r in ranks]
+    packed = [pack_microbatches(r, lens, max_tokens_per_microbatch) for r in ranks]
     m = max(min_microbatches, max(len(p) for p in packed))
     for rank, bins in enumerate(packed):
         while len(bins) < m:

@@ -1,12 +1,18 @@
-"""The Ray backend of the rollout store: keys spread over storage actors (by a stable hash of
-partition and key), payloads through Ray's object store.
+"""The Ray backend of the rollout store: key metadata in storage actors (keys spread over them by
+a stable hash of partition and key), payloads in Ray's object store.
 
-A tensor travels as its raw bytes in a numpy uint8 array (Ray moves numpy arrays zero-copy
-through its shared-memory object store; any dtype, bf16 included, survives bit for bit) plus its
-dtype and shape. A put sends each actor the rows of its keys, all actors at once; the actor keeps
-the batch whole and indexes rows into it (``StorageUnit``). A get asks every actor holding some
-of the keys at once and interleaves the answers in key order; the result is copied out of the
-object store, so the caller owns writable memory that never aliases the store.
+A put encodes every field (a tensor travels as its raw bytes in a numpy uint8 array plus dtype
+and shape, so any dtype, bf16 included, survives bit for bit, and Ray moves it zero-copy) and
+``ray.put``s them once; with ``durable=True`` (the default) one storage actor copies that object
+into one it owns (Ray ties an object's life to its owner, and the writer — a rollout worker —
+may exit before the trainer reads), costing one more copy per put; each actor holding some of
+the keys records the object reference and its rows. A get
+asks the actors where its keys' rows are (a small call to each, all at once), ``ray.get``s the
+objects (zero-copy on the same node) and gathers exactly the requested rows into fresh, writable
+tensors in key order. An object is freed when the last of its rows is cleared.
+
+Trade-off: a reader on another node pulls the whole objects that hold its rows (Ray moves objects,
+not rows); put batches the size you want readers to move.
 
 The client (``RayStore``) is a small picklable object (the actor handles): pass it to rollout
 workers and trainer ranks. A put is checked on every actor before any actor writes, so a refused
@@ -24,7 +30,7 @@ import numpy as np
 import torch
 
 from .meta import BatchMeta
-from .store import FieldData, Rows, StorageUnit, Store, normalize_put
+from .store import FieldData, Rows, StorageUnit, Store, gather, normalize_put
 
 try:
     import ray
@@ -59,18 +65,25 @@ def _decode_field(w: Any) -> FieldData:
 
 
 class _StorageActor:
+    """Keys -> (object reference, row) per field; the payload bytes stay in the object store."""
+
     def __init__(self) -> None:
         self.unit = StorageUnit()
 
     def check_put(self, partition: str, keys: list[str], fields: list[str]) -> str | None:
         return self.unit.clash(partition, keys, fields)
 
-    def put(self, partition, keys, fields, tags, seq_lens, overwrite) -> None:
-        self.unit.put(partition, keys, {n: _decode_field(w) for n, w in fields.items()}, tags, seq_lens, overwrite)
+    def adopt(self, holder: list) -> list:
+        """A copy of the writer's object, owned by this actor."""
+        return [ray.put(ray.get(holder[0]))]
 
-    def get(self, partition, keys, select) -> dict[str, Any]:
-        out = self.unit.get_stacked(partition, keys, select)
-        return {f: _encode_field(v) for f, v in out.items()}
+    def put(self, partition, keys, holder, fields, rows, tags, seq_lens, overwrite) -> None:
+        ref = holder[0]  # nested in a list: Ray passes the reference, not the value
+        self.unit.put(partition, keys, {f: (ref, f) for f in fields}, tags, seq_lens, overwrite, rows)
+
+    def locate(self, partition, keys, select) -> dict[str, list]:
+        return {f: [([ref], name, pos, rows) for (ref, name), pos, rows in groups]
+                for f, groups in self.unit.locate(partition, keys, select).items()}
 
     def clear(self, partition, keys) -> int:
         return self.unit.clear(partition, keys)
@@ -81,8 +94,8 @@ class _StorageActor:
     def meta(self, partition, keys) -> BatchMeta:
         return self.unit.meta(partition, keys)
 
-    def nbytes(self) -> int:
-        return self.unit.nbytes()
+    def chunks(self) -> int:
+        return self.unit.chunks()
 
 
 def _shard(partition: str, key: str, n: int) -> int:
@@ -91,12 +104,15 @@ def _shard(partition: str, key: str, n: int) -> int:
 
 class RayStore(Store):
     """``RayStore(num_units=2)`` starts ``num_units`` storage actors (Ray must be initialized);
-    ``actor_options`` go to ``.options()`` (e.g. ``num_cpus``, a node ``scheduling_strategy``)."""
+    ``actor_options`` go to ``.options()`` (e.g. ``num_cpus``, a node ``scheduling_strategy``).
+    ``durable=False`` leaves each put's object owned by the writing process: one copy less per
+    put, but the keys become unreadable (Ray raises an owner-died error) once the writer exits."""
 
-    def __init__(self, num_units: int = 2, actor_options: dict | None = None,
+    def __init__(self, num_units: int = 2, actor_options: dict | None = None, durable: bool = True,
                  _actors: list | None = None) -> None:
         if ray is None:
             raise ImportError("RayStore needs ray: pip install 'refit-rl[data]'")
+        self.durable = durable
         if _actors is not None:
             self.actors = list(_actors)
             return
@@ -107,10 +123,10 @@ class RayStore(Store):
         cls = ray.remote(_StorageActor)
         opts = {"num_cpus": 0, **(actor_options or {})}
         self.actors = [cls.options(**opts).remote() for _ in range(num_units)]
-        ray.get([a.nbytes.remote() for a in self.actors])  # started
+        ray.get([a.chunks.remote() for a in self.actors])  # started
 
     def __reduce__(self):
-        return (RayStore, (len(self.actors), None, self.actors))
+        return (RayStore, (len(self.actors), None, self.durable, self.actors))
 
     def shutdown(self) -> None:
         for a in self.actors:
@@ -126,54 +142,42 @@ class RayStore(Store):
     def put(self, keys, fields, *, partition="default", tags=None, seq_lens=None, overwrite=False) -> BatchMeta:
         keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
         parts = self._split(partition, keys)
-        if not overwrite:
-            errs = ray.get([self.actors[u].check_put.remote(partition, [keys[i] for i in pos], list(fields))
-                            for u, pos in parts.items()])
-            for e in errs:
-                if e:
-                    raise ValueError(e)
-        calls = []
-        for u, pos in parts.items():
-            whole = len(pos) == len(keys)
-            idx = torch.tensor(pos, dtype=torch.long)
-            wire = {}
-            for n, d in fields.items():
-                if isinstance(d, torch.Tensor):
-                    wire[n] = _encode_field(d if whole else d.index_select(0, idx))
-                else:
-                    wire[n] = _encode_field([d[i] for i in pos])
-            calls.append(self.actors[u].put.remote(partition, [keys[i] for i in pos], wire,
-                                                   [tag_list[i] for i in pos],
-                                                   None if lens is None else [lens[i] for i in pos], overwrite))
-        ray.get(calls)
+        checks = [] if overwrite else [self.actors[u].check_put.remote(partition, [keys[i] for i in pos], list(fields))
+                                       for u, pos in parts.items()]
+        ref = ray.put({n: _encode_field(d) for n, d in fields.items()})  # the copy overlaps the checks
+        for e in ray.get(checks):
+            if e:
+                raise ValueError(e)
+        if self.durable:
+            ref = ray.get(self.actors[next(iter(parts))].adopt.remote([ref]))[0]
+        ray.get([self.actors[u].put.remote(partition, [keys[i] for i in pos], [ref], list(fields), pos,
+                                           [tag_list[i] for i in pos],
+                                           None if lens is None else [lens[i] for i in pos], overwrite)
+                 for u, pos in parts.items()])
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
 
     def get(self, keys, *, select_fields, partition=None) -> dict[str, Rows]:
         keys, partition, select = self._request(keys, partition, select_fields)
         parts = self._split(partition, keys)
-        units = list(parts)
-        answers = ray.get([self.actors[u].get.remote(partition, [keys[i] for i in parts[u]], select) for u in units])
+        located = ray.get([self.actors[u].locate.remote(partition, [keys[i] for i in pos], select)
+                           for u, pos in parts.items()])
+        refs: dict[Any, Any] = {}
+        for loc in located:
+            for groups in loc.values():
+                for holder, _, _, _ in groups:
+                    refs.setdefault(holder[0], None)
+        objects = dict(zip(refs, ray.get(list(refs))))  # every object once, all at once
+        decoded: dict[tuple[Any, str], FieldData] = {}
         out: dict[str, Rows] = {}
         for f in select:
-            got = [(parts[u], a[f]) for u, a in zip(units, answers)]
-            if all(kind == "batch" for _, (kind, _) in got):
-                ts = [(pos, decode(w, copy=False)) for pos, (_, w) in got]
-                shape, dtype = ts[0][1].shape[1:], ts[0][1].dtype
-                if all(t.shape[1:] == shape and t.dtype == dtype for _, t in ts):
-                    if len(ts) == 1:
-                        out[f] = ts[0][1].clone()
-                        continue
-                    res = torch.empty((len(keys), *shape), dtype=dtype)
-                    for pos, t in ts:
-                        res[torch.tensor(pos, dtype=torch.long)] = t
-                    out[f] = res
-                    continue
-            rows: list[torch.Tensor | None] = [None] * len(keys)
-            for pos, (kind, w) in got:
-                vals = list(decode(w, copy=True)) if kind == "batch" else [decode(r, copy=True) for r in w]
-                for p, v in zip(pos, vals):
-                    rows[p] = v
-            out[f] = rows  # type: ignore[assignment]
+            groups = []
+            for pos_u, loc in zip(parts.values(), located):
+                for holder, name, pos, rows in loc[f]:
+                    key = (holder[0], name)
+                    if key not in decoded:
+                        decoded[key] = _decode_field(objects[holder[0]][name])
+                    groups.append((decoded[key], [pos_u[p] for p in pos], rows))
+            out[f] = gather(len(keys), groups)
         return out
 
     def clear(self, keys, *, partition=None) -> int:
@@ -203,5 +207,6 @@ class RayStore(Store):
         return BatchMeta(keys=keys, partition=partition, fields=fields,
                          tags=[metas[u].tags[j] for u, j in order], seq_lens=lens)
 
-    def nbytes(self) -> int:
-        return sum(ray.get([a.nbytes.remote() for a in self.actors]))
+    def chunks(self) -> int:
+        """Field payloads referenced (an object is freed once no chunk references it)."""
+        return sum(ray.get([a.chunks.remote() for a in self.actors]))

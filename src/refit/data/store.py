@@ -92,44 +92,62 @@ def normalize_put(keys: Sequence[str], fields: dict[str, FieldData], tags: Any,
     return keys, fields, tag_list, lens
 
 
+def gather(n: int, groups: list[tuple[Any, list[int], list[int]]]) -> Rows:
+    """Assemble ``n`` output rows from ``groups`` of (payload, output positions, payload rows),
+    where a payload is a batch tensor (rows on dim 0) or a list of row tensors. One stacked
+    tensor when every row shares shape and dtype, else a list. Always copies: the result never
+    aliases a payload."""
+    tensors = [p for p, _, _ in groups if isinstance(p, torch.Tensor)]
+    if len(tensors) == len(groups):
+        shape, dtype = tensors[0].shape[1:], tensors[0].dtype
+        if all(t.shape[1:] == shape and t.dtype == dtype for t in tensors):
+            if len(groups) == 1 and groups[0][1] == list(range(n)):
+                return groups[0][0].index_select(0, torch.tensor(groups[0][2], dtype=torch.long))
+            out = torch.empty((n, *shape), dtype=dtype)
+            for p, pos, rows in groups:
+                out[torch.tensor(pos, dtype=torch.long)] = p.index_select(0, torch.tensor(rows, dtype=torch.long))
+            return out
+    flat: list[torch.Tensor | None] = [None] * n
+    for p, pos, rows in groups:
+        for i, r in zip(pos, rows):
+            flat[i] = p[r]
+    if all(t.shape == flat[0].shape and t.dtype == flat[0].dtype for t in flat):  # type: ignore[union-attr]
+        return torch.stack(flat)  # type: ignore[arg-type]
+    return [t.clone() for t in flat]  # type: ignore[union-attr]
+
+
 class StorageUnit:
-    """Rows of tensor columns. A put's batch tensor is kept whole (one chunk) and its rows
-    are indexed into it, so a put costs one reference and a get one gather per chunk; a chunk
-    is freed when its last row is cleared or overwritten. Thread-safe."""
+    """Rows of columns. Each field of a put is one chunk — a payload whose row ``rows[i]``
+    belongs to ``keys[i]``: a batch tensor, a list of row tensors, or an opaque handle (the Ray
+    backend keeps object references). A put costs one reference per field, a get one gather
+    per chunk; a chunk is dropped when its last row is cleared or overwritten. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._chunks: dict[int, list] = {}  # id -> [tensor, live rows]
+        self._chunks: dict[int, list] = {}  # id -> [payload, live rows]
         self._rows: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}  # (partition, key) -> field -> (chunk, row)
         self._info: dict[tuple[str, str], tuple[dict, int | None]] = {}  # tags, seq_len
 
     # -- writes -------------------------------------------------------------------------
-    def put(self, partition: str, keys: list[str], fields: dict[str, FieldData], tags: list[dict],
-            seq_lens: list[int] | None, overwrite: bool = False) -> None:
+    def put(self, partition: str, keys: list[str], fields: dict[str, Any], tags: list[dict],
+            seq_lens: list[int] | None, overwrite: bool = False, rows: list[int] | None = None) -> None:
+        rows = list(range(len(keys))) if rows is None else rows
         with self._lock:
             if not overwrite:  # refuse before writing anything
                 err = self._clash(partition, keys, fields)
                 if err:
                     raise ValueError(err)
-            refs: dict[str, list[tuple[int, int]]] = {}
-            for name, data in fields.items():
-                if isinstance(data, torch.Tensor):
-                    cid = next(self._ids)
-                    self._chunks[cid] = [data.detach(), len(keys)]
-                    refs[name] = [(cid, i) for i in range(len(keys))]
-                else:
-                    refs[name] = []
-                    for r in data:
-                        cid = next(self._ids)
-                        self._chunks[cid] = [r.detach().unsqueeze(0), 1]
-                        refs[name].append((cid, 0))
+            cids = {}
+            for name, payload in fields.items():
+                cids[name] = next(self._ids)
+                self._chunks[cids[name]] = [payload, len(keys)]
             for i, k in enumerate(keys):
                 row = self._rows.setdefault((partition, k), {})
                 for name in fields:
                     if name in row:
                         self._release(row[name][0])
-                    row[name] = refs[name][i]
+                    row[name] = (cids[name], rows[i])
                 old_tags, old_len = self._info.get((partition, k), ({}, None))
                 self._info[(partition, k)] = ({**old_tags, **tags[i]},
                                               seq_lens[i] if seq_lens is not None else old_len)
@@ -182,25 +200,25 @@ class StorageUnit:
                     raise MissingFieldError(f"get: field {f!r} was never produced for key {k!r} in partition "
                                             f"{partition!r} (it has {sorted(row)})")
 
-    def get_stacked(self, partition: str, keys: Sequence[str], select_fields: Sequence[str]) -> dict[str, Rows]:
-        """Per field, the rows of ``keys`` in order: one stacked tensor when they share shape and
-        dtype, else a list. Always fresh memory (one gather when the rows come from one put)."""
+    def locate(self, partition: str, keys: Sequence[str], select_fields: Sequence[str]
+               ) -> dict[str, list[tuple[Any, list[int], list[int]]]]:
+        """Per field, the groups (payload, positions in ``keys``, rows in the payload)."""
         with self._lock:
             self._check(partition, keys, select_fields)
-            out: dict[str, Rows] = {}
+            out = {}
             for f in select_fields:
-                refs = [self._rows[(partition, k)][f] for k in keys]
-                first = self._chunks[refs[0][0]][0]
-                if all(c == refs[0][0] for c, _ in refs):
-                    idx = torch.tensor([r for _, r in refs], dtype=torch.long)
-                    out[f] = first.index_select(0, idx)
-                    continue
-                rows = [self._chunks[c][0][r] for c, r in refs]
-                if all(r.shape == rows[0].shape and r.dtype == rows[0].dtype for r in rows):
-                    out[f] = torch.stack(rows)
-                else:
-                    out[f] = [r.clone() for r in rows]
+                groups: dict[int, tuple[list[int], list[int]]] = {}
+                for pos, k in enumerate(keys):
+                    cid, r = self._rows[(partition, k)][f]
+                    g = groups.setdefault(cid, ([], []))
+                    g[0].append(pos)
+                    g[1].append(r)
+                out[f] = [(self._chunks[cid][0], pos, rows) for cid, (pos, rows) in groups.items()]
             return out
+
+    def get_stacked(self, partition: str, keys: Sequence[str], select_fields: Sequence[str]) -> dict[str, Rows]:
+        """Per field, the rows of ``keys`` in order (``gather``: fresh memory)."""
+        return {f: gather(len(keys), groups) for f, groups in self.locate(partition, keys, select_fields).items()}
 
     def meta(self, partition: str, keys: Sequence[str]) -> BatchMeta:
         with self._lock:
@@ -217,8 +235,14 @@ class StorageUnit:
             return list(self._rows)
 
     def nbytes(self) -> int:
+        """Bytes of the tensor payloads held (opaque handles count 0)."""
         with self._lock:
-            return sum(c[0].numel() * c[0].element_size() for c in self._chunks.values())
+            return sum(sum(t.numel() * t.element_size() for t in (p if isinstance(p, list) else [p])
+                           if isinstance(t, torch.Tensor)) for p, _ in self._chunks.values())
+
+    def chunks(self) -> int:
+        with self._lock:
+            return len(self._chunks)
 
 
 class Store(ABC):
@@ -244,6 +268,10 @@ class Store(ABC):
 
     @abstractmethod
     def meta(self, keys: Sequence[str], *, partition: str = "default") -> BatchMeta: ...
+
+    @abstractmethod
+    def chunks(self) -> int:
+        """Field payloads held (one per field per put while any of its rows lives)."""
 
     @staticmethod
     def _resolve(keys: BatchMeta | Sequence[str], partition: str | None) -> tuple[list[str], str]:
@@ -277,7 +305,7 @@ class InProcessStore(Store):
         keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
         # keep a private copy: the caller may reuse its buffers after put returns
         fields = {n: d.detach().clone() if isinstance(d, torch.Tensor) else [r.detach().clone() for r in d]
-                  for n, d in fields.items()}
+                  for n, d in fields.items()}  # a list field: one chunk, row i = item i
         self.unit.put(partition, keys, fields, tag_list, lens, overwrite)
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
 
@@ -301,3 +329,6 @@ class InProcessStore(Store):
 
     def nbytes(self) -> int:
         return self.unit.nbytes()
+
+    def chunks(self) -> int:
+        return self.unit.chunks()
