@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
 
     bal = balance_rows(args.balance_samples, args.dp, args.seq, args.budget, args.group)
     xfer = [] if args.skip_transfer else transfer_rows(args.samples, args.seq, args.dp, args.iters, args.units)
-    meta = {"command": "python -m bench.dataplane " + " ".join(argv or []), "date": time.strftime("%Y-%m-%d"),
+    meta = {"command": "python -m bench.dataplane " + " ".join(sys.argv[1:] if argv is None else argv), "date": time.strftime("%Y-%m-%d"),
             "cpus": os.cpu_count(), "machine": platform.machine(), "args": vars(args)}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

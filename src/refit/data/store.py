@@ -97,12 +97,20 @@ def gather(n: int, groups: list[tuple[Any, list[int], list[int]]]) -> Rows:
     where a payload is a batch tensor (rows on dim 0) or a list of row tensors. One stacked
     tensor when every row shares shape and dtype, else a list. Always copies: the result never
     aliases a payload."""
+    merged: dict[int, tuple[Any, list[int], list[int]]] = {}  # groups of one payload (several storage units)
+    for p, pos, rows in groups:
+        m = merged.setdefault(id(p), (p, [], []))
+        m[1].extend(pos)
+        m[2].extend(rows)
+    groups = list(merged.values())
     tensors = [p for p, _, _ in groups if isinstance(p, torch.Tensor)]
     if len(tensors) == len(groups):
         shape, dtype = tensors[0].shape[1:], tensors[0].dtype
         if all(t.shape[1:] == shape and t.dtype == dtype for t in tensors):
-            if len(groups) == 1 and groups[0][1] == list(range(n)):
-                return groups[0][0].index_select(0, torch.tensor(groups[0][2], dtype=torch.long))
+            if len(groups) == 1:  # one payload: a single gather in output order
+                p, pos, rows = groups[0]
+                order = [r for _, r in sorted(zip(pos, rows))]
+                return p.index_select(0, torch.tensor(order, dtype=torch.long))
             out = torch.empty((n, *shape), dtype=dtype)
             for p, pos, rows in groups:
                 out[torch.tensor(pos, dtype=torch.long)] = p.index_select(0, torch.tensor(rows, dtype=torch.long))
