@@ -17,6 +17,7 @@ This module knows nothing of models, transports or devices.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Sequence
 
@@ -209,18 +210,25 @@ class TensorLayout:
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    @property
+    @cached_property
     def ranks(self) -> tuple[int, ...]:
         return tuple(self.boxes) if self.boxes is not None else tuple(sorted(self.mesh.ranks))
 
+    @cached_property
+    def _all_boxes(self) -> dict[int, Box]:
+        if self.boxes is not None:
+            return dict(self.boxes)
+        return {r: self._mesh_box(r) for r in self.ranks}  # type: ignore[misc]
+
     def box(self, rank: int) -> Box | None:
         """The global box ``rank`` holds (possibly empty), or None if it holds no part."""
-        if self.boxes is not None:
-            return self.boxes.get(rank)
+        return self._all_boxes.get(rank)
+
+    def _mesh_box(self, rank: int) -> Box | None:
         coords = self.mesh.coords(rank)
         if coords is None:
             return None
@@ -282,11 +290,12 @@ class ModelLayout:
     def __len__(self) -> int:
         return len(self.tensors)
 
+    @cached_property
+    def _by_name(self) -> dict[str, TensorLayout]:
+        return {t.name: t for t in self.tensors}
+
     def __getitem__(self, name: str) -> TensorLayout:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
+        return self._by_name[name]
 
     @property
     def names(self) -> list[str]:

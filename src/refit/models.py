@@ -72,6 +72,34 @@ PRESETS: dict[str, Preset] = {
             tie_word_embeddings=False,
         ),
     ),
+    "qwen3-235b-a22b": Preset(
+        "qwen3_moe",
+        torch.bfloat16,
+        dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+             num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+             num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+             max_position_embeddings=40960, tie_word_embeddings=False),
+    ),
+    # MLA attention (q_a/kv_a low-rank projections), 3 dense layers then 256 routed experts + 1 shared
+    "deepseek-v3": Preset(
+        "deepseek_v3",
+        torch.bfloat16,
+        dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+             num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1,
+             num_experts_per_tok=8, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8,
+             topk_group=4, max_position_embeddings=163840, tie_word_embeddings=False),
+    ),
+    # Kimi-K2: DeepSeek-V3's architecture with 384 experts, 64 heads, 1 dense layer (about 1.03T parameters)
+    "kimi-k2": Preset(
+        "deepseek_v3",
+        torch.bfloat16,
+        dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+             num_hidden_layers=61, first_k_dense_replace=1, n_routed_experts=384, n_shared_experts=1,
+             num_experts_per_tok=8, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536,
+             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=1,
+             topk_group=1, max_position_embeddings=131072, tie_word_embeddings=False),
+    ),
     "llama-3.1-8b": Preset(
         "llama",
         torch.bfloat16,

@@ -30,7 +30,9 @@ from torch.distributed.tensor.placement_types import Placement
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.spec import ParallelSpec
 
-_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+# MLA (DeepSeek-V3, Kimi-K2): q_b_proj / kv_b_proj are column-parallel over heads; the low-rank
+# q_a_proj / kv_a_proj_with_mqa and their norms are replicated (no rule: Replicate)
+_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
