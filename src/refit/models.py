@@ -35,6 +35,12 @@ _TINY = dict(
     tie_word_embeddings=False,
 )
 
+_DSV3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+             num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1,
+             num_experts_per_tok=8, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8,
+             topk_group=4, max_position_embeddings=163840, tie_word_embeddings=False)
+
 PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("llama", torch.float32, dict(_TINY)),
     "tiny-qwen2": Preset("qwen2", torch.float32, {**_TINY, "intermediate_size": 320}),
@@ -81,25 +87,12 @@ PRESETS: dict[str, Preset] = {
              max_position_embeddings=40960, tie_word_embeddings=False),
     ),
     # MLA attention (q_a/kv_a low-rank projections), 3 dense layers then 256 routed experts + 1 shared
-    "deepseek-v3": Preset(
-        "deepseek_v3",
-        torch.bfloat16,
-        dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-             num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1,
-             num_experts_per_tok=8, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
-             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8,
-             topk_group=4, max_position_embeddings=163840, tie_word_embeddings=False),
-    ),
+    "deepseek-v3": Preset("deepseek_v3", torch.bfloat16, dict(_DSV3)),
     # Kimi-K2: DeepSeek-V3's architecture with 384 experts, 64 heads, 1 dense layer (about 1.03T parameters)
-    "kimi-k2": Preset(
-        "deepseek_v3",
-        torch.bfloat16,
-        dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-             num_hidden_layers=61, first_k_dense_replace=1, n_routed_experts=384, n_shared_experts=1,
-             num_experts_per_tok=8, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536,
-             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=1,
-             topk_group=1, max_position_embeddings=131072, tie_word_embeddings=False),
-    ),
+    "kimi-k2": Preset("deepseek_v3", torch.bfloat16,
+                      {**_DSV3, "vocab_size": 163840, "first_k_dense_replace": 1, "n_routed_experts": 384,
+                       "num_attention_heads": 64, "num_key_value_heads": 64, "n_group": 1, "topk_group": 1,
+                       "max_position_embeddings": 131072}),
     "llama-3.1-8b": Preset(
         "llama",
         torch.bfloat16,
