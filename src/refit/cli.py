@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from refit.cost import TopologyError
 from refit.layout import LayoutError
 from refit.models import PRESETS, ModelError, param_shapes
 from refit.plan import Plan, PlanError, build_plan
@@ -13,7 +14,7 @@ from refit.rules import layout_from_spec
 from refit.spec import SpecError, parse_spec
 from refit.transfer import TransferConfig
 
-USAGE_ERRORS = (SpecError, ModelError, PlanError, LayoutError)
+USAGE_ERRORS = (TopologyError, SpecError, ModelError, PlanError, LayoutError)
 
 
 def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama") -> None:
@@ -44,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _fp8_option(p)
     p.add_argument("--bandwidth", type=float, default=370.0, help="link bandwidth in GB/s for the predicted time")
+    p.add_argument("--cluster", default=None, metavar="TOPOLOGY.json",
+                   help="predict refit time per strategy (broadcast, refit's p2p plan, fan-out waves) on this "
+                        "topology (nodes, gpus_per_node, nvlink_gbps, nics_per_node, nic_gbps, ...) instead of "
+                        "printing the plan")
+    p.add_argument("--colocated", action="store_true", help="with --cluster: engine ranks share the trainer's GPUs")
     v = sub.add_parser("verify", help="run a real multi-process reshard on CPU and check every shard")
     _common(v)
     _fp8_option(v)
@@ -161,11 +167,52 @@ def _plan_json(plan: Plan, bandwidth: float) -> dict:
     }
 
 
+def _cluster(args, console, src, dst, shapes, src_l, dst_l) -> int:
+    import time
+
+    from rich.table import Table
+
+    from refit.cost import Topology, predict
+
+    topo = Topology.from_json(args.cluster)
+    t0 = time.perf_counter()
+    replicas = dst.degree("dp")
+    one = None
+    if replicas > 1:
+        one_spec = parse_spec(",".join(f"{n}={d}" for n, d in dst.degrees if n != "dp" and d != 1) or "tp=1", "dst")
+        one = layout_from_spec(shapes, one_spec)
+        if args.fp8:
+            _, one = _fp8(src_l, one, args.fp8)
+    if args.fp8:
+        src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
+    preds = predict(src_l, dst_l, topo, replicas=replicas, replica_dst=one, colocated=args.colocated)
+    build_s = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"model": args.model, "src": str(src), "dst": str(dst), "topology": topo.describe(),
+                          "bytes_needed": dst_l.nbytes, "plan_seconds": build_s,
+                          "predictions": [p.__dict__ for p in preds]}))
+        return 0
+    console.print(f"model {args.model}: trainer {src} ({src.world_size} GPUs) -> engine {dst} ({dst.world_size} GPUs"
+                  f"{', colocated' if args.colocated else ''}); {dst_l.nbytes / 1e9:.1f} GB per replica"
+                  f"{' (FP8 weights + scales)' if args.fp8 else ''}")
+    console.print(f"topology {topo.name}: {topo.describe()}")
+    table = Table(title="predicted refit time (bottleneck model, refit.cost)")
+    for col in ("strategy", "seconds", "busiest resource", "its GB", "how"):
+        table.add_column(col)
+    for p in preds:
+        table.add_row(p.strategy, f"{p.seconds:.3f}", p.busiest, f"{p.busiest_bytes / 1e9:.1f}", p.note)
+    console.print(table)
+    console.print(f"plans built in {build_s:.1f} s")
+    return 0
+
+
 def cmd_plan(args, console) -> int:
     from rich.table import Table
 
     src, dst, cfg, shapes = _setup(args)
     src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
+    if args.cluster:
+        return _cluster(args, console, src, dst, shapes, src_l, dst_l)
     if args.fp8:
         src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
     plan = build_plan(src_l, dst_l, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes)

@@ -332,6 +332,18 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
     return [p for _, p in sorted(fixed + chosen, key=lambda x: x[0])]
 
 
+def link_bytes(src: ModelLayout, dst: ModelLayout, procs: ProcessMap | None = None) -> dict[tuple[int, int], int]:
+    """Bytes per (source rank, destination rank) that ``build_plan`` would move, local copies
+    included (same process: the key's two ranks share a process) — the source choice alone,
+    without messages or schedule (what a cost model needs at cluster scale)."""
+    procs = procs or ProcessMap.disjoint(src.world_size, dst.world_size)
+    check_compatible(src, dst)
+    out: dict[tuple[int, int], int] = defaultdict(int)
+    for p in _choose_sources(src, dst, procs):
+        out[(p.src, p.dst)] += p.nbytes
+    return dict(out)
+
+
 def build_plan(
     src: ModelLayout,
     dst: ModelLayout,

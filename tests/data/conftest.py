@@ -1,7 +1,7 @@
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_session():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
@@ -10,7 +10,7 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_store(ray_session):
     from refit.data.ray_store import RayStore
     s = RayStore(num_units=3)  # actors start in seconds on a small machine: one set for the session

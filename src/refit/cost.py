@@ -1,0 +1,214 @@
+"""Cost model: predicted refit time per strategy on a cluster, from the bytes each pair of GPUs
+exchanges, and the busiest resource.
+
+A ``Topology`` (nodes, GPUs per node, NVLink, HBM, NICs) is read from JSON; every number is
+validated (finite, > 0) with an error naming the field. A transfer set maps (source GPU,
+destination GPU) -> bytes; its time is the largest load over the resources it uses, each moving
+bytes at its own speed, all at once (the bottleneck bound; refit's executor keeps every link
+busy, so measured refits sit a few percent above it — docs/benchmarks.md checks it against
+nvidia-h200-x2 runs):
+
+- ``hbm`` of a GPU: a same-GPU copy reads and writes (2x its bytes), a peer or network transfer
+  reads on the sender and writes on the receiver; capacity ``hbm_gbps`` (read + write).
+- ``nvlink_out`` / ``nvlink_in`` of a GPU: transfers to / from another GPU of its node.
+- ``nic_out`` / ``nic_in`` of a GPU: transfers to / from another node, at one NIC's speed
+  (``nic_mode`` "auto": the nearest NIC) or at all the node's NICs' speed capped by the GPU's
+  PCIe link ("stripe"); ``node_nic_out`` / ``node_nic_in``: a node's NICs together.
+
+Strategies (``predict``):
+- ``broadcast``: one trainer rank sends the whole model (engine dtype) to every engine GPU as a
+  pipelined ring (NCCL's broadcast): every hop carries every byte, so time = model bytes / the
+  slowest hop (NIC when the ring crosses nodes, else NVLink). The gather onto that rank before
+  it is not counted (in its favour). Hops inside a node run at NCCL's speed (``nccl_gbps``).
+- ``p2p``: refit's plan from all trainer ranks (``plan.link_bytes``: the planner's own source
+  choice), placed on GPUs: trainer ranks on the first GPUs, engine ranks after them (or on the
+  same GPUs when colocated).
+- ``fanout``: waves — the engine replicas that hold the version become sources; with the
+  trainer as one more source group, the number of holders doubles per wave, so
+  ceil(log2(R + 1)) waves each about the time of refit's plan into one replica (an estimate:
+  later waves' replica-to-replica links are taken as fast as the trainer's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from refit.layout import ModelLayout
+from refit.plan import ProcessMap, link_bytes
+
+
+class TopologyError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    gpus_per_node: int
+    nvlink_gbps: float = 396.0  # GPU -> GPU peer copy, one direction (H200 NV18, measured)
+    nccl_gbps: float = 370.0  # NCCL send/recv / broadcast between two GPUs of a node (measured, 1-4 GiB)
+    hbm_gbps: float = 4292.0  # read + write traffic of one GPU (2x a measured 2146 GB/s on-device copy)
+    nics_per_node: int = 8
+    nic_gbps: float = 50.0  # one NIC, one direction (400 Gb/s)
+    nic_mode: str = "auto"  # "auto": a GPU uses its nearest NIC; "stripe": all of its node's NICs
+    pcie_gbps: float = 55.0  # caps one GPU's traffic to the NICs in stripe mode
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("name", "nic_mode"):
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise TopologyError(f"topology {self.name or '?'}: {f.name} must be a finite number > 0, got {v!r}")
+            if f.name in ("nodes", "gpus_per_node", "nics_per_node") and int(v) != v:
+                raise TopologyError(f"topology {self.name or '?'}: {f.name} must be an integer, got {v!r}")
+        if self.nic_mode not in ("auto", "stripe"):
+            raise TopologyError(f"topology {self.name or '?'}: nic_mode must be 'auto' or 'stripe', got {self.nic_mode!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Topology":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TopologyError(f"topology: unknown fields {unknown} (known: {sorted(known)})")
+        missing = [k for k in ("nodes", "gpus_per_node") if k not in d]
+        if missing:
+            raise TopologyError(f"topology: missing fields {missing}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "Topology":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            raise TopologyError(f"cannot read topology {path}: {e}") from e
+        return cls.from_dict({"name": os.path.basename(str(path)), **d})
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node(self, gpu: int) -> int:
+        return gpu // self.gpus_per_node
+
+    @property
+    def gpu_nic_gbps(self) -> float:
+        if self.nic_mode == "stripe":
+            return min(self.pcie_gbps, self.nics_per_node * self.nic_gbps)
+        return self.nic_gbps
+
+    def describe(self) -> str:
+        return (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs; NVLink {self.nvlink_gbps:g} GB/s per GPU per "
+                f"direction; HBM {self.hbm_gbps:g} GB/s (read+write); {self.nics_per_node} NICs x {self.nic_gbps:g} "
+                f"GB/s per node, {self.nic_mode} ({self.gpu_nic_gbps:g} GB/s per GPU)")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    strategy: str
+    seconds: float
+    busiest: str  # the resource that sets the time
+    busiest_bytes: int
+    note: str = ""
+
+
+def loads(transfers: dict[tuple[int, int], int], topo: Topology
+          ) -> tuple[dict[tuple[str, int], float], dict[tuple[str, int], float]]:
+    """Seconds of work and bytes per resource (see the module docstring)."""
+    b: dict[tuple[str, int], float] = defaultdict(float)
+    for (s, d), n in transfers.items():
+        if n <= 0:
+            continue
+        if s == d:
+            b[("hbm", s)] += 2 * n
+        elif topo.node(s) == topo.node(d):
+            b[("hbm", s)] += n
+            b[("hbm", d)] += n
+            b[("nvlink_out", s)] += n
+            b[("nvlink_in", d)] += n
+        else:
+            b[("hbm", s)] += n
+            b[("hbm", d)] += n
+            b[("nic_out", s)] += n
+            b[("nic_in", d)] += n
+            b[("node_nic_out", topo.node(s))] += n
+            b[("node_nic_in", topo.node(d))] += n
+    speed = {"hbm": topo.hbm_gbps, "nvlink_out": topo.nvlink_gbps, "nvlink_in": topo.nvlink_gbps,
+             "nic_out": topo.gpu_nic_gbps, "nic_in": topo.gpu_nic_gbps,
+             "node_nic_out": topo.nics_per_node * topo.nic_gbps, "node_nic_in": topo.nics_per_node * topo.nic_gbps}
+    return {k: v / (speed[k[0]] * 1e9) for k, v in b.items()}, dict(b)
+
+
+def transfer_time(transfers: dict[tuple[int, int], int], topo: Topology) -> tuple[float, str, int]:
+    secs, raw = loads(transfers, topo)
+    if not secs:
+        return 0.0, "-", 0
+    (kind, idx), t = max(secs.items(), key=lambda kv: kv[1])
+    where = f"node {idx}" if kind.startswith("node") else f"GPU {idx}"
+    return t, f"{kind} of {where}", int(raw[(kind, idx)])
+
+
+def gpu_placement(n_src: int, n_dst: int, topo: Topology, colocated: bool = False) -> ProcessMap:
+    need = max(n_src, n_dst) if colocated else n_src + n_dst
+    if need > topo.gpus:
+        raise TopologyError(f"{n_src} trainer + {n_dst} engine ranks need {need} GPUs"
+                            f"{' (colocated)' if colocated else ''}; the topology has {topo.gpus}")
+    return ProcessMap(tuple(range(n_src)), tuple(range(n_dst)) if colocated else tuple(range(n_src, n_src + n_dst)))
+
+
+def p2p_transfers(src: ModelLayout, dst: ModelLayout, topo: Topology, colocated: bool = False,
+                  placement: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> dict[tuple[int, int], int]:
+    """(source GPU, destination GPU) -> bytes of refit's plan; ``placement``: the GPU of each
+    trainer rank and each engine rank (default: ``gpu_placement``)."""
+    if placement is not None:
+        bad = [g for g in (*placement[0], *placement[1]) if not 0 <= g < topo.gpus]
+        if bad:
+            raise TopologyError(f"placement uses GPUs {sorted(set(bad))}; the topology has {topo.gpus}")
+        procs = ProcessMap(tuple(placement[0]), tuple(placement[1]))
+    else:
+        procs = gpu_placement(src.world_size, dst.world_size, topo, colocated)
+    out: dict[tuple[int, int], int] = defaultdict(int)
+    for (s, r), n in link_bytes(src, dst, procs).items():
+        out[(procs.src[s], procs.dst[r])] += n
+    return dict(out)
+
+
+def broadcast_time(model_bytes: int, n_src: int, n_dst: int, topo: Topology, colocated: bool = False
+                   ) -> tuple[float, str]:
+    procs = gpu_placement(n_src, n_dst, topo, colocated)
+    ring = [procs.src[0]] + [g for g in procs.dst if g != procs.src[0]]
+    crosses = any(topo.node(a) != topo.node(b) for a, b in zip(ring, ring[1:]))
+    if crosses:
+        return model_bytes / (topo.gpu_nic_gbps * 1e9), "nic (ring hop between nodes)"
+    if len(ring) == 1:
+        return 2 * model_bytes / (topo.hbm_gbps * 1e9), "hbm (one GPU)"
+    return model_bytes / (topo.nccl_gbps * 1e9), "nvlink through NCCL (ring hop)"
+
+
+def predict(src: ModelLayout, dst: ModelLayout, topo: Topology, *, replicas: int = 1,
+            replica_dst: ModelLayout | None = None, colocated: bool = False) -> list[Prediction]:
+    """Predictions per strategy. ``replicas``: engine data-parallel replicas in ``dst``;
+    ``replica_dst``: the layout of one replica (for ``fanout``; omitted when ``replicas`` is 1)."""
+    model_bytes = dst.nbytes
+    out = []
+    t, where = broadcast_time(model_bytes, src.world_size, dst.world_size, topo, colocated)
+    out.append(Prediction("broadcast", t, where, model_bytes, "whole model from trainer rank 0, pipelined ring"))
+    t, where, n = transfer_time(p2p_transfers(src, dst, topo, colocated), topo)
+    out.append(Prediction("p2p", t, where, n, "refit's plan from every trainer rank to every engine rank"))
+    if replicas > 1 and replica_dst is not None:
+        t1, where1, n1 = transfer_time(p2p_transfers(src, replica_dst, topo, colocated), topo)
+        waves = math.ceil(math.log2(replicas + 1))
+        out.append(Prediction("fanout", waves * t1, where1, n1,
+                              f"{waves} waves x refit's plan into one replica ({t1 * 1e3:.1f} ms)"))
+    return out
+
+
+def topology_json(topo: Topology) -> dict[str, Any]:
+    return asdict(topo)

@@ -1,0 +1,109 @@
+"""The cost model: topology validation, resource accounting, strategies, CLI."""
+
+import json
+import math
+
+import pytest
+
+from refit.cost import (Topology, TopologyError, broadcast_time, loads, p2p_transfers, predict, transfer_time)
+from refit.models import param_shapes
+from refit.plan import build_plan, link_bytes
+from refit.rules import layout_from_spec
+from refit.spec import parse_spec
+
+GB = 10**9
+
+
+def topo(**kw):
+    return Topology(**{"nodes": 2, "gpus_per_node": 4, "nvlink_gbps": 400, "nccl_gbps": 400, "hbm_gbps": 4000,
+                       "nics_per_node": 4, "nic_gbps": 50, "pcie_gbps": 60, **kw})
+
+
+@pytest.mark.parametrize("field,value", [("nodes", 0), ("nvlink_gbps", math.nan), ("nic_gbps", math.inf),
+                                         ("hbm_gbps", -1), ("gpus_per_node", 2.5), ("nic_mode", "fast")])
+def test_topology_rejects_bad_numbers(field, value):
+    with pytest.raises(TopologyError, match=field):
+        topo(**{field: value})
+
+
+def test_topology_from_json(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"nodes": 1, "gpus_per_node": 2}))
+    t = Topology.from_json(p)
+    assert t.gpus == 2 and t.name == "t.json"
+    p.write_text(json.dumps({"nodes": 1, "gpus_per_node": 2, "nvlink": 3}))
+    with pytest.raises(TopologyError, match=r"unknown fields \['nvlink'\]"):
+        Topology.from_json(p)
+    p.write_text("{")
+    with pytest.raises(TopologyError, match="cannot read topology"):
+        Topology.from_json(p)
+
+
+def test_resources():
+    t = topo()
+    secs, raw = loads({(0, 0): 4 * GB}, t)  # a same-GPU copy reads and writes
+    assert raw[("hbm", 0)] == 8 * GB and secs[("hbm", 0)] == pytest.approx(8 / 4000)
+    assert transfer_time({(0, 1): 4 * GB}, t) == (pytest.approx(0.01), "nvlink_out of GPU 0", 4 * GB)
+    # across nodes: one NIC per GPU in auto mode
+    s, where, _ = transfer_time({(0, 4): 5 * GB}, t)
+    assert s == pytest.approx(0.1) and where == "nic_out of GPU 0"
+    # stripe: all 4 NICs (200 GB/s) capped by PCIe (60)
+    s, _, _ = transfer_time({(0, 4): 6 * GB}, topo(nic_mode="stripe"))
+    assert s == pytest.approx(0.1)
+    # four GPUs of node 0 each send 5 GB off the node: the node's NICs (200 GB/s) carry 20 GB
+    s, where, n = transfer_time({(g, 4 + g): 5 * GB for g in range(4)}, t)
+    assert s == pytest.approx(0.1) and n == 5 * GB
+    s, where, n = transfer_time({(g, 4 + g): 5 * GB for g in range(4)}, topo(nic_mode="stripe", pcie_gbps=200))
+    assert where == "node_nic_out of node 0" and n == 20 * GB and s == pytest.approx(0.1)
+
+
+def test_broadcast():
+    t = topo()
+    assert broadcast_time(8 * GB, 1, 3, t)[0] == pytest.approx(0.02)  # inside node 0: NVLink
+    s, where = broadcast_time(8 * GB, 1, 6, t)  # GPUs 1..6 span both nodes
+    assert s == pytest.approx(8 / 50) and "nic" in where
+    with pytest.raises(TopologyError, match="need 9 GPUs; the topology has 8"):
+        broadcast_time(GB, 1, 8, t)
+
+
+def test_link_bytes_match_the_plan():
+    shapes = param_shapes("tiny-qwen3-moe")
+    src, dst = layout_from_spec(shapes, parse_spec("pp=2,ep=2", "src")), layout_from_spec(shapes, parse_spec("tp=2,dp=2", "dst"))
+    plan = build_plan(src, dst)
+    lb = link_bytes(src, dst)
+    assert {k: v for k, v in lb.items()} == {(s, r): b for s, row in plan.links.items() for r, b in row.items()}
+    assert sum(lb.values()) == plan.bytes_needed
+
+
+def test_predict_strategies_and_fanout():
+    shapes = param_shapes("tiny-llama")
+    src = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    dst = layout_from_spec(shapes, parse_spec("tp=1,dp=7", "dst"))
+    one = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    t = topo()
+    preds = {p.strategy: p for p in predict(src, dst, t, replicas=7, replica_dst=one)}
+    assert set(preds) == {"broadcast", "p2p", "fanout"}
+    # one trainer GPU sends 7 copies: its NIC (GPUs 4-7 are on node 1) is the bottleneck
+    assert preds["p2p"].busiest.startswith("nic_out of GPU 0")
+    t1 = transfer_time(p2p_transfers(src, one, t), t)[0]
+    assert preds["fanout"].seconds == pytest.approx(3 * t1)  # ceil(log2(8)) waves
+    # placement given explicitly
+    tr = p2p_transfers(src, one, t, placement=((0,), (0,)))
+    assert tr == {(0, 0): one.nbytes}
+    with pytest.raises(TopologyError, match="GPUs \\[9\\]"):
+        p2p_transfers(src, one, t, placement=((0,), (9,)))
+
+
+def test_cli_cluster(tmp_path, capsys):
+    from refit.cli import main
+
+    p = tmp_path / "topo.json"
+    p.write_text(json.dumps({"nodes": 2, "gpus_per_node": 8}))
+    assert main(["plan", "--model", "tiny-qwen3-moe", "--src", "ep=2,tp=2", "--dst", "tp=2,dp=4",
+                 "--cluster", str(p), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [x["strategy"] for x in out["predictions"]] == ["broadcast", "p2p", "fanout"]
+    assert all(x["seconds"] > 0 for x in out["predictions"])
+    p.write_text(json.dumps({"nodes": 1, "gpus_per_node": 4}))
+    assert main(["plan", "--model", "tiny-llama", "--src", "tp=2", "--dst", "tp=2,dp=2", "--cluster", str(p)]) == 2
+    assert "need 6 GPUs; the topology has 4" in capsys.readouterr().err
