@@ -194,8 +194,11 @@ class Executor:
         verify: bool = False,
         stages: int = 1,
         prepare: Callable[[set[str] | None], None] | None = None,
+        tag_base: int = 0,
     ) -> None:
-        """``copy_streams``: CUDA IPC pulls spread over this many streams per source GPU;
+        """``tag_base``: added to every P2P tag (an executor replacing a failed one on the same
+        group uses a fresh range, so a receive left posted by the failed one never matches);
+        ``copy_streams``: CUDA IPC pulls spread over this many streams per source GPU;
         ``cuda_graph``: IPC pulls recorded into a CUDA graph at setup, replayed per refit;
         ``verify``: checksums beside every message, checked by the receiver.
         ``prepare(names)``: run on this process before its tensors ``names`` are read (``None``:
@@ -249,7 +252,7 @@ class Executor:
             for m in msgs:
                 peer = plan.procs.dst[m.dst] if is_send else plan.procs.src[m.src]
                 key = (m.step, m.src, m.dst)
-                tag = tag_of[key]
+                tag = tag_base + tag_of[key]
                 tag_of[key] += 1
                 view = src_view if is_send else dst_view
                 names = tuple(dict.fromkeys(p.tensor for p in m.pieces))

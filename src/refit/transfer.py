@@ -148,8 +148,9 @@ class Peer:
         store: dist.Store | None = None,
         standalone: bool = False,
         prepare: Callable[[set[str] | None], None] | None = None,
+        tag_base: int = 0,
     ) -> None:
-        """``prepare(names)``: called on a source process in every ``run`` before its tensors
+        """``tag_base``: P2P tags start there (see ``Executor``). ``prepare(names)``: called on a source process in every ``run`` before its tensors
         ``names`` (``None``: all) are read (e.g. an ``Fp8Quantizer`` refreshing the FP8 copies the
         plan sends); with ``config.stages`` > 1 on an all-IPC plan, once per stage, overlapping
         the pulls of the stage before. A failure there aborts the refit like any other."""
@@ -174,7 +175,7 @@ class Peer:
             self.plan, proc, src_tensors=src_tensors, dst_tensors=self.shadow or dst_tensors, group=group,
             sync_group=sync_group, device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s,
             standalone=standalone, copy_streams=config.copy_streams, cuda_graph=config.cuda_graph, verify=config.verify,
-            stages=config.stages, prepare=prepare,
+            stages=config.stages, prepare=prepare, tag_base=tag_base,
         )
         self.members = sorted({*self.plan.procs.src, *self.plan.procs.dst})
         self.channel = AbortChannel(store, f"{config.name}/run", proc, len(self.members)) if store is not None else None

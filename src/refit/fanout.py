@@ -1,0 +1,318 @@
+"""Fan-out: a refit to R engine replicas in waves, replicas that already hold the exact version
+becoming sources for the next wave.
+
+Schedule: the trainer ranks are sources in every wave; each wave adds as many receivers as
+there are holders (the trainer counting as one), so holders double per wave: 1 -> 7 replicas
+takes 3 waves instead of 7 sends from the trainer. Each wave's source plan is refit's own
+planner over the holders: a tensor box held by several holders goes to the least-loaded one,
+ties spread by the receiver's index, so receivers spread over sources and bytes balance. A
+wave's plan is a function of (layouts, schedule, processes known dead), the same on every
+process; ``wave_plans(...)`` returns it as JSON-serializable data.
+
+Versions: a replica commits the version (``<name>/holds/<proc>`` in the store) only when its
+wave has finished everywhere; before a wave runs, every participant checks that each of its
+sources holds exactly the version being sent (``FanoutError`` otherwise, naming the process and
+both versions). No replica pulls from a replica on another version.
+
+Failures: every wave ends with a status from each participant; the coordinator (the first
+trainer process) waits for them up to ``deadline_s`` and publishes the outcome. A participant
+that posted nothing is dead; if anyone died or failed, the survivors re-plan the wave without
+the dead (its receivers onto the remaining holders) on a fresh group and run it again. A
+receiver that died simply has no version; later waves plan without it. The trainer must
+survive (it hosts the store). Every wave runs on the default group; an attempt after a failure
+uses a fresh P2P tag range, so a failed attempt's leftover receives can never match its sends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate
+
+from refit.abort import RefitAborted
+from refit.layout import Mesh, ModelLayout, TensorLayout
+from refit.plan import Plan, ProcessMap, build_plan
+from refit.transfer import Peer, TransferConfig
+
+
+class FanoutError(RuntimeError):
+    pass
+
+
+def wave_schedule(replicas: int) -> list[list[int]]:
+    """Replica indices per wave: holders (the trainer as one) double per wave."""
+    if replicas < 1:
+        raise ValueError(f"wave_schedule: replicas must be >= 1, got {replicas}")
+    waves, nxt, holders = [], 0, 1
+    while nxt < replicas:
+        take = min(holders, replicas - nxt)
+        waves.append(list(range(nxt, nxt + take)))
+        nxt += take
+        holders += take
+    return waves
+
+
+def _stack(parts: list[tuple[ModelLayout, int]]) -> ModelLayout:
+    """One layout whose side-local ranks are the parts' ranks one after another, each part's
+    rank r holding what it holds there (explicit boxes)."""
+    out = []
+    for t in parts[0][0]:
+        boxes, base = {}, 0
+        for layout, n in parts:
+            lt = layout[t.name]
+            for r in range(n):
+                b = lt.box(r)
+                if b is not None:
+                    boxes[base + r] = b
+            base += n
+        out.append(TensorLayout(t.name, t.shape, t.dtype, Mesh((base,), ("r",), tuple(range(base))), (Replicate(),),
+                                boxes))
+    return ModelLayout(tuple(out), sum(n for _, n in parts))
+
+
+@dataclass(frozen=True)
+class Wave:
+    index: int
+    receivers: tuple[int, ...]  # replica indices
+    sources: tuple[int, ...]  # replica indices holding the version (the trainer is always a source)
+    src_layout: ModelLayout
+    dst_layout: ModelLayout
+    procs: ProcessMap
+
+    @property
+    def members(self) -> list[int]:
+        return sorted({*self.procs.src, *self.procs.dst})
+
+
+def build_wave(index: int, receivers: list[int], sources: list[int], trainer: ModelLayout, replica: ModelLayout,
+               trainer_procs: list[int], replica_procs: list[list[int]]) -> Wave:
+    nt, nr = trainer.world_size, replica.world_size
+    src = _stack([(trainer, nt)] + [(replica, nr) for _ in sources])
+    dst = _stack([(replica, nr) for _ in receivers])
+    procs = ProcessMap(tuple(trainer_procs) + tuple(p for j in sources for p in replica_procs[j]),
+                       tuple(p for j in receivers for p in replica_procs[j]))
+    return Wave(index, tuple(receivers), tuple(sources), src, dst, procs)
+
+
+def waves_for(trainer: ModelLayout, replica: ModelLayout, trainer_procs: list[int], replica_procs: list[list[int]],
+              dead: frozenset[int] = frozenset()) -> list[Wave]:
+    """The waves, skipping replicas with a dead process (as receivers and as sources)."""
+    alive = [j for j in range(len(replica_procs)) if not set(replica_procs[j]) & dead]
+    out, holders = [], []
+    for k, wave in enumerate(wave_schedule(len(replica_procs))):
+        recv = [j for j in wave if j in alive]
+        if recv:
+            out.append(build_wave(k, recv, list(holders), trainer, replica, trainer_procs, replica_procs))
+        holders += recv
+    return out
+
+
+def wave_plans(waves: list[Wave], plans: Mapping[int, Plan] | None = None, **plan_kw) -> list[dict[str, Any]]:
+    """JSON-serializable: per wave, receiver process -> source process -> tensor boxes."""
+    out = []
+    for w in waves:
+        plan = (plans or {}).get(w.index) or build_plan(w.src_layout, w.dst_layout, w.procs, **plan_kw)
+        links: dict[str, dict[str, list]] = {}
+        for m in plan.messages:
+            row = links.setdefault(str(w.procs.dst[m.dst]), {})
+            row.setdefault(str(w.procs.src[m.src]), []).extend([p.tensor, [list(x) for x in p.box]] for p in m.pieces)
+        for p in plan.local:
+            row = links.setdefault(str(w.procs.dst[p.dst]), {})
+            row.setdefault(str(w.procs.src[p.src]), []).append([p.tensor, [list(x) for x in p.box]])
+        out.append({"wave": w.index, "receivers": list(w.receivers), "sources": ["trainer", *w.sources],
+                    "links": links})
+    return out
+
+
+@dataclass
+class FanoutStats:
+    waves: int = 0
+    attempts: int = 0
+    dead: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    sources_seen: list[tuple[int, int, int, int]] = field(default_factory=list)  # (wave, attempt, source proc, its version)
+
+
+class Fanout:
+    """One process's part of a fan-out refit. ``tensors``: the trainer rank's shards (on a
+    trainer process) or the replica rank's live tensors (on an engine process). Every process
+    constructs it with the same layouts and process lists; ``run(version)`` on all of them."""
+
+    def __init__(self, trainer: ModelLayout, replica: ModelLayout, proc: int, trainer_procs: list[int],
+                 replica_procs: list[list[int]], tensors: Mapping[str, torch.Tensor], *,
+                 store: dist.Store | None = None, config: TransferConfig = TransferConfig(name="fanout"),
+                 max_attempts: int = 3) -> None:
+        if store is None:
+            store = dist.distributed_c10d._get_default_store()
+        if any(len(p) != replica.world_size for p in replica_procs):
+            raise ValueError(f"Fanout: every replica needs {replica.world_size} processes, got "
+                             f"{[len(p) for p in replica_procs]}")
+        if len(trainer_procs) != trainer.world_size:
+            raise ValueError(f"Fanout: {len(trainer_procs)} trainer processes for {trainer.world_size} trainer ranks")
+        self.trainer, self.replica, self.proc = trainer, replica, proc
+        self.trainer_procs, self.replica_procs = list(trainer_procs), [list(p) for p in replica_procs]
+        self.tensors, self.store, self.config, self.max_attempts = dict(tensors), store, config, max_attempts
+        self.coordinator = self.trainer_procs[0]
+        self.dead: frozenset[int] = frozenset()
+        self.version: int | None = None
+        self.hook = None  # tests: called with (wave index, attempt) before this process runs a wave
+        self.schedule = wave_schedule(len(self.replica_procs))
+        self.waves = waves_for(trainer, replica, self.trainer_procs, self.replica_procs)
+        # topology work once: a Peer (and its process group) per wave this process is in
+        self.failures: dict[int, int] = {}  # wave -> failed attempts so far (every member counts the same)
+        self.peers: dict[int, tuple[tuple, Peer]] = {}
+        for w in self.waves:
+            if proc in w.members:
+                self._peer_for(w)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _peer(self, wave: Wave) -> Peer:
+        """This process's Peer for ``wave`` on the default group; its name and P2P tag range
+        depend on how many attempts of this wave failed so far (the same count on every member),
+        so a failed attempt's leftover receives never match a later attempt's sends."""
+        n = self.failures.get(wave.index, 0)
+        src_t = self.tensors if self.proc in wave.procs.src else None
+        dst_t = self.tensors if self.proc in wave.procs.dst else None
+        cfg = replace(self.config, name=f"{self.config.name}/w{wave.index}/f{n}")
+        tag_base = ((1 + wave.index + 64 * n) % 1000) << 21
+        return Peer(wave.src_layout, wave.dst_layout, self.proc, src_tensors=src_t, dst_tensors=dst_t,
+                    procs=wave.procs, config=cfg, store=self.store, tag_base=tag_base)
+
+    def _peer_for(self, wave: Wave) -> Peer:
+        key = (self.dead, self.failures.get(wave.index, 0))
+        built, peer = self.peers.get(wave.index, (None, None))
+        if peer is not None and built == key and peer.broken is None:
+            return peer
+        if peer is not None:
+            peer.close()
+        peer = self._peer(wave)
+        self.peers[wave.index] = (key, peer)
+        return peer
+
+    def _key(self, version: int, wave: int, what: str) -> str:
+        return f"{self.config.name}/fanout/v{version}/w{wave}/{what}"
+
+    def _get(self, key: str, timeout_s: float) -> str:
+        self.store.set_timeout(timedelta(seconds=timeout_s))
+        try:
+            return self.store.get(key).decode()
+        except Exception as e:  # the store raises on timeout
+            raise FanoutError(f"fan-out: process {self.proc} waited {timeout_s:.0f}s for {key} ({e})") from e
+
+    def _check_sources(self, wave: Wave, version: int, attempt: int, stats: FanoutStats) -> None:
+        for j in wave.sources:
+            for p in self.replica_procs[j]:
+                got = int(self._get(f"{self.config.name}/holds/{p}", self.config.deadline_s))
+                stats.sources_seen.append((wave.index, attempt, p, got))
+                if got != version:
+                    raise FanoutError(f"fan-out wave {wave.index}: source process {p} (replica {j}) holds version "
+                                      f"{got}, not {version}; refusing to pull from it")
+
+    def _current(self, index: int) -> Wave | None:
+        return next((w for w in self.waves if w.index == index), None)
+
+    def _takes_part(self, wave: Wave | None) -> bool:
+        return wave is not None and self.proc in wave.members
+
+    # -- one refit -------------------------------------------------------------------------
+    def run(self, version: int) -> FanoutStats:
+        """Every process calls it with the same ``version``; returns once this process's waves
+        are done (the trainer's: once every wave is done)."""
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"version must increase: got {version} after {self.version}")
+        t0, stats = time.perf_counter(), FanoutStats()
+        wait_s = 4 * self.config.deadline_s * self.max_attempts
+        for k in range(len(self.schedule)):
+            if self.proc == self.coordinator:
+                wave = self._current(k)
+                if wave is None:  # every receiver of this wave is dead
+                    self.store.set(self._key(version, k, "final"), json.dumps(sorted(self.dead)))
+                    continue
+            else:
+                if not self._takes_part(self._current(k)):
+                    continue
+                if k > 0:  # the wave before must be over: learn who died in it
+                    self._learn(json.loads(self._get(self._key(version, k - 1, "final"), wait_s)))
+                wave = self._current(k)
+                if not self._takes_part(wave):
+                    continue
+            self._run_wave(wave, version, stats)  # type: ignore[arg-type]
+        if self.proc in self.trainer_procs:
+            self.version = version
+        stats.seconds, stats.dead = time.perf_counter() - t0, sorted(self.dead)
+        return stats
+
+    def _run_wave(self, wave: Wave, version: int, stats: FanoutStats) -> None:
+        k = wave.index
+        for attempt in range(self.max_attempts):
+            stats.attempts += 1
+            status = "ok"
+            try:
+                if self.hook is not None:
+                    self.hook(k, attempt)
+                self._check_sources(wave, version, attempt, stats)
+                self._peer_for(wave).run(version)
+            except FanoutError:
+                raise
+            except (RefitAborted, RuntimeError, OSError) as e:
+                status = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            self.store.set(self._key(version, k, f"a{attempt}/status/{self.proc}"), status)
+            outcome = self._outcome(wave, version, attempt)
+            self._learn(outcome["dead"])
+            if not outcome["ok"]:
+                self.failures[k] = self.failures.get(k, 0) + 1
+            if outcome["ok"]:
+                if self.proc in wave.procs.dst:
+                    self.version = version
+                stats.waves += 1
+                return
+            nxt = self._current(k)  # re-planned without the dead
+            if self.proc == self.coordinator and nxt is None:
+                self.store.set(self._key(version, k, "final"), json.dumps(sorted(self.dead)))
+            if not self._takes_part(nxt):
+                return
+            wave = nxt  # type: ignore[assignment]
+        raise FanoutError(f"fan-out wave {k} of version {version} failed {self.max_attempts} times "
+                          f"(dead processes: {sorted(self.dead)})")
+
+    def _outcome(self, wave: Wave, version: int, attempt: int) -> dict[str, Any]:
+        """The coordinator collects every member's status (a member silent past the deadline is
+        dead), commits the receivers' version when all is well, and publishes the outcome."""
+        key = self._key(version, wave.index, f"a{attempt}/outcome")
+        if self.proc != self.coordinator:
+            return json.loads(self._get(key, 3 * self.config.deadline_s))
+        deadline = time.monotonic() + self.config.deadline_s
+        status: dict[int, str] = {}
+        while len(status) < len(wave.members) and time.monotonic() < deadline:
+            for m in wave.members:
+                k = self._key(version, wave.index, f"a{attempt}/status/{m}")
+                if m not in status and self.store.check([k]):
+                    status[m] = self.store.get(k).decode()
+            time.sleep(0.005)
+        dead = sorted(set(wave.members) - set(status))
+        failed = sorted(m for m, st in status.items() if st != "ok")
+        out = {"ok": not dead and not failed, "dead": dead, "failed": failed,
+               "why": {str(m): status[m] for m in failed}}
+        if out["ok"]:  # the receivers hold the version: they may serve the next waves
+            for p in wave.procs.dst:
+                self.store.set(f"{self.config.name}/holds/{p}", str(version))
+        self.store.set(key, json.dumps(out))
+        if out["ok"]:
+            self.store.set(self._key(version, wave.index, "final"), json.dumps(sorted(self.dead | set(dead))))
+        return out
+
+    def _learn(self, dead: list[int]) -> None:
+        new = frozenset(dead) - self.dead
+        if not new:
+            return
+        if new & set(self.trainer_procs):
+            raise FanoutError(f"fan-out: trainer process(es) {sorted(new & set(self.trainer_procs))} died; "
+                              "the refit cannot complete")
+        self.dead |= new
+        self.waves = waves_for(self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead)
