@@ -44,15 +44,22 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 
 def box_numel(box: Box) -> int:
-    return math.prod(box_shape(box))
+    n = 1  # a plain loop: the planner calls this millions of times at cluster scale
+    for lo, hi in box:
+        n *= hi - lo
+    return n
 
 
 def box_intersect(a: Box, b: Box) -> Box | None:
     """The common part of two boxes, or None if it is empty."""
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
-    if any(lo >= hi for lo, hi in out):
-        return None
-    return out
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo = a0 if a0 > b0 else b0
+        hi = a1 if a1 < b1 else b1
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
 
 
 def box_relative(box: Box, origin: Box) -> Box:

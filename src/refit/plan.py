@@ -114,7 +114,7 @@ class Piece:
     box: Box
     itemsize: int
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return box_numel(self.box) * self.itemsize
 
