@@ -301,7 +301,7 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
     for d in dst:
         s = src[d.name]
         dst_boxes = [(r, b) for r in d.ranks if (b := d.box(r)) is not None and box_numel(b) > 0]
-        identical = canonical_tensor(s) == canonical_tensor(d)
+        identical: bool | None = None  # same boxes on both sides: computed only when it matters
         for tile, holders in _source_tiles(s):
             receivers = [(r, piece) for r, b in dst_boxes if (piece := box_intersect(tile, b)) is not None]
             for k, (r, piece) in enumerate(receivers):
@@ -311,7 +311,8 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
                 ]
                 if near:
                     fixed.append((order, Piece(d.name, near[0], r, piece, d.itemsize)))
-                elif identical and r in holders:
+                elif r in holders and (identical if identical is not None else
+                                       (identical := canonical_tensor(s) == canonical_tensor(d))):
                     fixed.append((order, Piece(d.name, r, r, piece, d.itemsize)))
                 else:
                     open_.append((order, d.name, r, piece, holders, k, d.itemsize))
