@@ -229,22 +229,21 @@ class TensorLayout:
     def _all_boxes(self) -> dict[int, Box]:
         if self.boxes is not None:
             return dict(self.boxes)
-        return {r: self._mesh_box(r) for r in self.ranks}  # type: ignore[misc]
+        # (mesh dim, tensor dim) of each Shard, looked up once (isinstance on placements is slow)
+        shards = [(i, p.dim) for i, p in enumerate(self.placements) if isinstance(p, Shard)]
+        strides = [math.prod(self.mesh.shape[i + 1:]) for i in range(self.mesh.ndim)]
+        out: dict[int, Box] = {}
+        for flat, r in enumerate(self.mesh.ranks):
+            box = [[0, int(n)] for n in self.shape]
+            for i, dim in shards:
+                lo, hi = box[dim]
+                box[dim] = list(chunk_range(lo, hi, self.mesh.shape[i], (flat // strides[i]) % self.mesh.shape[i]))
+            out[r] = tuple((a, b) for a, b in box)
+        return dict(sorted(out.items()))
 
     def box(self, rank: int) -> Box | None:
         """The global box ``rank`` holds (possibly empty), or None if it holds no part."""
         return self._all_boxes.get(rank)
-
-    def _mesh_box(self, rank: int) -> Box | None:
-        coords = self.mesh.coords(rank)
-        if coords is None:
-            return None
-        box = [list(r) for r in full_box(self.shape)]
-        for c, n, p in zip(coords, self.mesh.shape, self.placements):
-            if isinstance(p, Shard):
-                lo, hi = box[p.dim]
-                box[p.dim] = list(chunk_range(lo, hi, n, c))
-        return tuple((a, b) for a, b in box)
 
     def local_shape(self, rank: int) -> tuple[int, ...] | None:
         b = self.box(rank)

@@ -297,25 +297,32 @@ def check_coverage(dst: ModelLayout, pieces: list[Piece]) -> None:
 
 def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> list[Piece]:
     fixed: list[tuple[int, Piece]] = []
-    open_: list[tuple[int, str, int, Box, list[int], int, int]] = []  # pieces whose source is still to choose
+    open_: list[tuple[int, str, int, Box, list[int], int, int, int]] = []  # pieces whose source is still to choose
     for d in dst:
         s = src[d.name]
         dst_boxes = [(r, b) for r in d.ranks if (b := d.box(r)) is not None and box_numel(b) > 0]
         identical: bool | None = None  # same boxes on both sides: computed only when it matters
         for tile, holders in _source_tiles(s):
             receivers = [(r, piece) for r, b in dst_boxes if (piece := box_intersect(tile, b)) is not None]
+            # the first holder in this process, else the first on this device (looked up, not scanned)
+            by_proc: dict[int, int] = {}
+            by_dev: dict[str, int] = {}
+            for h in holders:
+                by_proc.setdefault(procs.src[h], h)
+                if procs.devices is not None:
+                    by_dev.setdefault(procs.device_of(procs.src[h]), h)
             for k, (r, piece) in enumerate(receivers):
                 order = len(fixed) + len(open_)
-                near = [h for h in holders if procs.src[h] == procs.dst[r]] or [
-                    h for h in holders if procs.same_device(procs.src[h], procs.dst[r])
-                ]
-                if near:
-                    fixed.append((order, Piece(d.name, near[0], r, piece, d.itemsize)))
+                near = by_proc.get(procs.dst[r])
+                if near is None and by_dev:
+                    near = by_dev.get(procs.device_of(procs.dst[r]))
+                if near is not None:
+                    fixed.append((order, Piece(d.name, near, r, piece, d.itemsize)))
                 elif r in holders and (identical if identical is not None else
                                        (identical := canonical_tensor(s) == canonical_tensor(d))):
                     fixed.append((order, Piece(d.name, r, r, piece, d.itemsize)))
                 else:
-                    open_.append((order, d.name, r, piece, holders, k, d.itemsize))
+                    open_.append((order, d.name, r, piece, holders, k, d.itemsize, box_numel(piece) * d.itemsize))
     load: dict[int, int] = defaultdict(int)
     for _, p in fixed:
         if not procs.same_device(procs.src[p.src], procs.dst[p.dst]):
@@ -323,12 +330,13 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
     # largest pieces first (LPT), each to the least-loaded holder; ties go to the
     # rotation that starts at the receiver's index among the tile's receivers
     chosen: list[tuple[int, Piece]] = []
-    for order, name, r, piece, holders, k, itemsize in sorted(open_, key=lambda x: (-box_numel(x[3]) * x[6], x[0])):
+    for order, name, r, piece, holders, k, itemsize, nb in sorted(open_, key=lambda x: (-x[7], x[0])):
         start = k % len(holders)
         rotated = holders[start:] + holders[:start]
-        h = min(rotated, key=lambda c: load[c])  # min keeps the first of equals
+        h = min(rotated, key=load.__getitem__)  # min keeps the first of equals (defaultdict: 0 if unseen)
         p = Piece(name, h, r, piece, itemsize)
-        load[h] += p.nbytes
+        p.__dict__["nbytes"] = nb  # the cached_property's slot: computed once above
+        load[h] += nb
         chosen.append((order, p))
     return [p for _, p in sorted(fixed + chosen, key=lambda x: x[0])]
 
