@@ -69,6 +69,8 @@ def scenarios(device: str) -> dict[str, Scenario]:
                            ("refit", "refit_verify", "per_tensor_broadcast", "floor")),
             "S3": Scenario("S3", "reshard fsdp=2 -> tp=2 (CPU, gloo)", "fsdp=2", "tp=2", ("cpu",) * 4,
                            ("refit", "refit_verify", "floor")),
+            "S6": Scenario("S6", "one trainer -> 3 engine replicas (CPU, gloo)", "tp=1", "tp=1,dp=3", ("cpu",) * 4,
+                           ("refit", "refit_fanout", "floor")),
         }
     return {
         "S1": Scenario("S1", "non-colocated 1 -> 1: trainer GPU0, engine tp=1 GPU1", "tp=1", "tp=1",
@@ -84,11 +86,11 @@ def scenarios(device: str) -> dict[str, Scenario]:
         "S5": Scenario("S5", "colocated reshard: trainer fsdp=4 -> engine tp=1,dp=4 on GPU0-3", "fsdp=4", "tp=1,dp=4",
                        tuple(f"cuda:{i}" for i in range(4)) * 2, ("refit", "floor")),
         "S6": Scenario("S6", "one trainer GPU -> 3 engine replicas: trainer GPU0 -> engine tp=1,dp=3 on GPU1-3", "tp=1",
-                       "tp=1,dp=3", tuple(f"cuda:{i}" for i in range(4)), ("refit", "per_tensor_broadcast", "floor"),
-                       floor="one_link"),
+                       "tp=1,dp=3", tuple(f"cuda:{i}" for i in range(4)),
+                       ("refit", "refit_fanout", "per_tensor_broadcast", "floor"), floor="one_link"),
         "S6x7": Scenario("S6x7", "one trainer GPU -> 7 engine replicas: trainer GPU0 -> engine tp=1,dp=7 on GPU1-7",
                          "tp=1", "tp=1,dp=7", tuple(f"cuda:{i}" for i in range(8)),
-                         ("refit", "per_tensor_broadcast", "floor"), floor="one_link"),
+                         ("refit", "refit_fanout", "per_tensor_broadcast", "floor"), floor="one_link"),
     }
 
 
@@ -271,12 +273,20 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
     _sync(dev)
     ctx = M.Ctx(world.rank, dev, plan, src, dst, nccl, list(range(world.world_size)), trainer_nccl, store, cfg)
     ctx.extra["prepare"] = quantizer
+    if "refit_fanout" in scen.methods:  # dp is the engine's outermost dim: replica j = engine ranks j*per..
+        n_rep = dst_spec.degree("dp")
+        per = dst_spec.world_size // n_rep
+        one = parse_spec(",".join(f"{n}={d}" for n, d in dst_spec.degrees if n != "dp" and d != 1) or "tp=1", "dst")
+        n_src = src_spec.world_size
+        ctx.extra["fanout"] = (layout_from_spec(shapes, one), [[n_src + j * per + i for i in range(per)] for j in range(n_rep)],
+                               scen.devices)
     total = plan.bytes_moved + plan.bytes_local
     setups = {
         "refit": M.refit_method("auto"),
         "refit_nccl": M.refit_method("p2p"),
         "refit_verify": M.refit_method("auto", verify=True),
         "refit_1stage": M.refit_method("auto", stages=1),
+        "refit_fanout": M.refit_fanout,
         "per_tensor_broadcast": M.per_tensor_broadcast,
         "packed_broadcast_1buf": M.packed_broadcast(1, 1 * GiB),
         "packed_broadcast_2buf": M.packed_broadcast(2, 1 * GiB),

@@ -50,6 +50,30 @@ def refit_method(transport: str, **overrides) -> Callable[[Ctx], Callable[[], No
     return setup
 
 
+def refit_fanout(ctx: Ctx) -> Callable[[], None]:
+    """refit's fan-out waves (``refit.fanout``): replicas that hold the version become sources
+    for the next wave; every link CUDA IPC where both ends share a host. Needs
+    ``ctx.extra["fanout"] = (replica layout, processes of each replica, every process's device)``."""
+    from refit.fanout import Fanout
+
+    replica, replica_procs, devices = ctx.extra["fanout"]
+    cfg = TransferConfig(num_buffers=ctx.config.num_buffers, buffer_bytes=ctx.config.buffer_bytes, transport="auto",
+                         name=f"bench-fanout-{ctx.extra.get('round', 0)}", copy_streams=ctx.config.copy_streams,
+                         cuda_graph=ctx.config.cuda_graph)
+    trainer_procs = list(ctx.plan.procs.src)
+    tensors = ctx.src if ctx.src is not None else ctx.dst
+    f = Fanout(ctx.plan.src_layout, replica, ctx.rank, trainer_procs, replica_procs, tensors, config=cfg,
+               devices=devices, device=ctx.device, store=ctx.store)
+    state = {"version": 0}
+
+    def run() -> None:
+        state["version"] += 1
+        f.run(state["version"])
+
+    run.fanout = f  # type: ignore[attr-defined]
+    return run
+
+
 class RefitRun:
     """One refit per call, with increasing versions; ``peer`` stays reachable for profiling."""
 

@@ -108,7 +108,8 @@ def test_bench_cpu_writes_records(tmp_path):
             "peak_extra_bytes", "correct", "command", "date"}
     assert all(keys <= set(row) for row in rows)
     methods = {(row["scenario"], row["method"]) for row in rows}
-    assert {("S1", "refit"), ("S1", "per_tensor_broadcast"), ("S1", "floor"), ("S3", "refit")} <= methods
+    assert {("S1", "refit"), ("S1", "per_tensor_broadcast"), ("S1", "floor"), ("S3", "refit"),
+            ("S6", "refit_fanout")} <= methods
     assert all(row["correct"] for row in rows if row["method"] != "floor")
     assert all(row["min_s"] <= row["median_s"] <= row["max_s"] for row in rows)
 

@@ -162,3 +162,48 @@ def test_fp8_quantized_by_the_trainer_over_ipc_in_stages(stages):
     devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     out = run_local(_fp8_staged_worker, 2, 2, stages, devices=devices, timeout_s=240)
     assert all(o == ([True, True], stages) for o in out[2:]), out
+
+
+def _fanout_worker(world, devices):
+    from refit.fanout import Fanout
+
+    src_l, replica = _layouts("tiny-llama", "tp=1", "tp=1", torch.bfloat16)
+    dev = world.device
+    n = world.world_size - 1
+    if world.rank == 0:
+        tensors = {t.name: reference_tensor(t.name, t.shape, t.dtype, seed=1).to(dev) for t in src_l}
+    else:
+        tensors = {t.name: torch.full(t.shape, float("nan"), dtype=t.dtype, device=dev) for t in replica}
+    cfg = TransferConfig(name="gpufan", transport="auto", deadline_s=60.0)
+    f = Fanout(src_l, replica, world.rank, [0], [[1 + j] for j in range(n)], tensors, config=cfg,
+               devices=devices, device=dev)
+    ok, kinds = [], set()
+    for v in (1, 2):
+        if world.rank == 0 and v > 1:
+            for t in src_l:
+                tensors[t.name].copy_(reference_tensor(t.name, t.shape, t.dtype, seed=v))
+            torch.cuda.synchronize(dev)
+        stats = f.run(v)
+        torch.cuda.synchronize(dev)
+        if world.rank > 0:
+            ok.append(all(torch.equal(tensors[t.name].cpu().view(torch.uint8),
+                                      reference_tensor(t.name, t.shape, t.dtype, seed=v).view(torch.uint8))
+                          for t in replica))
+        kinds |= {m.transport for _, peer in f.peers.values() for m in peer.plan.messages}
+    pulled_from = sorted({peer.plan.procs.src[m.src] for _, peer in f.peers.values() for m in peer.plan.messages
+                          if peer.plan.procs.dst[m.dst] == world.rank})
+    return ok, sorted(kinds), stats.waves, pulled_from
+
+
+@pytest.mark.timeout(300)
+def test_fanout_over_ipc_one_trainer_to_three_replicas():
+    # trainer on GPU0, replicas on GPU1, GPU0, GPU1: wave 0 -> replica 0, wave 1 -> replicas 1 and 2
+    # (replica 2 pulls from replica 0, which committed the version in wave 0)
+    devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    out = run_local(_fanout_worker, 1, 3, devices, devices=devices, timeout_s=240)
+    for ok, kinds, waves, seen in out[1:]:
+        assert ok == [True, True]
+        assert kinds == ["ipc"]
+    assert out[0][2] == 2
+    # each receiver pulls from the holder on its own GPU: replica 1 from the trainer, replica 2 from replica 0
+    assert out[1][3] == [0] and out[2][3] == [0] and out[3][3] == [1]

@@ -7,9 +7,19 @@ from hypothesis import strategies as st
 from strategies import meshes, placements_for, tensor_shapes
 from torch.distributed.tensor import Replicate, Shard
 
-from refit.layout import Mesh, ModelLayout, TensorLayout, box_intersect, box_numel, box_slices
+from refit.layout import (
+    Mesh,
+    ModelLayout,
+    TensorLayout,
+    box_intersect,
+    box_is_contiguous,
+    box_numel,
+    box_relative,
+    box_shape,
+    box_slices,
+)
 from refit.models import param_shapes
-from refit.plan import PlanError, ProcessMap, build_plan
+from refit.plan import PlanError, ProcessMap, build_plan, check_coverage
 from refit.rules import layout_from_spec
 from refit.spec import parse_spec
 
@@ -46,6 +56,14 @@ def test_plan_covers_every_destination_element_exactly_once(pair, num_buffers, b
         rel = tuple((a - o, b - o) for (a, b), (o, _) in zip(p.box, dbox))
         counts[(p.tensor, p.dst)][box_slices(rel)] += 1
     assert all(bool((c == 1).all()) for c in counts.values())
+    check_coverage(dst, _all_pieces(plan))  # the planner's own checker agrees
+    # a direct (unpacked) message is one contiguous run in both local tensors
+    for m in plan.messages:
+        if m.direct and m.transport == "p2p":
+            (p,) = m.pieces
+            for side, rank in ((src, p.src), (dst, p.dst)):
+                own = side[p.tensor].box(rank)
+                assert box_is_contiguous(box_relative(p.box, own), box_shape(own))
     # minimal traffic: nothing but what destinations hold crosses a link
     assert plan.bytes_moved == plan.bytes_needed
     # bounded memory: no process stages more than the budget in any step
@@ -100,6 +118,42 @@ def test_replicas_spread_load_across_senders():
     sent = [sum(plan.links.get(s, {}).values()) for s in range(4)]
     assert min(sent) > 0
     assert max(sent) / min(sent) < 1.2
+
+
+def test_forced_load_counts_before_the_least_loaded_choice():
+    # "big" lives only on trainer rank 0; "small" is replicated on ranks 0 and 1. Rank 0 must
+    # send big anyway, so every piece of small goes to rank 1 (LPT alone would put the first on 0).
+    mesh = Mesh((2,), ("dp",), (0, 1))
+    big = TensorLayout("big", (64, 4), torch.float32, mesh, (Replicate(),), boxes={0: ((0, 64), (0, 4))})
+    small = TensorLayout("small", (8, 4), torch.float32, mesh, (Replicate(),))
+    one = Mesh((2,), ("dp",), (0, 1))
+    dst = ModelLayout((TensorLayout("big", (64, 4), torch.float32, one, (Replicate(),)),
+                       TensorLayout("small", (8, 4), torch.float32, one, (Shard(0),))), 2)
+    plan = build_plan(ModelLayout((big, small), 2), dst)
+    senders = {(p.tensor, p.dst): p.src for m in plan.messages for p in m.pieces}
+    assert senders[("big", 0)] == senders[("big", 1)] == 0
+    assert senders[("small", 0)] == senders[("small", 1)] == 1
+    assert plan.links == {0: {0: 64 * 4 * 4, 1: 64 * 4 * 4}, 1: {0: 4 * 4 * 4, 1: 4 * 4 * 4}}
+
+
+def test_schedule_keeps_a_link_in_order_and_the_ring_bounded():
+    # many packed pieces on two links into one receiver: steps never go back on a link and
+    # no process holds more than half its ring in one step
+    src = _one(shape=(64, 6), world=2, placement=Shard(1))
+    dst = _one(shape=(64, 6), world=2, placement=Shard(0))
+    plan = build_plan(src, dst, num_buffers=2, buffer_bytes=256)
+    per_link = defaultdict(list)
+    per_proc_step = defaultdict(int)
+    for m in sorted(plan.messages, key=lambda m: m.step):
+        per_link[(m.src, m.dst)].append(m.step)
+        if not m.direct:
+            per_proc_step[(plan.procs.src[m.src], m.step)] += 1
+            per_proc_step[(plan.procs.dst[m.dst], m.step)] += 1
+    assert all(v <= 1 for v in per_proc_step.values())
+    busiest = max(sum(1 for p, _ in per_proc_step if p == proc) for proc in range(4))
+    assert busiest == 4 and plan.num_steps == busiest  # earliest free step: no step left idle
+    for steps in per_link.values():
+        assert steps == sorted(steps)
 
 
 def test_colocated_plan_copies_locally():

@@ -167,7 +167,7 @@ def _plan_json(plan: Plan, bandwidth: float) -> dict:
     }
 
 
-def _cluster(args, console, src, dst, shapes, src_l, dst_l) -> int:
+def _cluster(args, console, src, dst, shapes, src_l, dst_l, t0: float) -> int:
     import time
 
     from rich.table import Table
@@ -175,7 +175,6 @@ def _cluster(args, console, src, dst, shapes, src_l, dst_l) -> int:
     from refit.cost import Topology, predict
 
     topo = Topology.from_json(args.cluster)
-    t0 = time.perf_counter()
     replicas = dst.degree("dp")
     one = None
     if replicas > 1:
@@ -209,10 +208,13 @@ def _cluster(args, console, src, dst, shapes, src_l, dst_l) -> int:
 def cmd_plan(args, console) -> int:
     from rich.table import Table
 
+    import time
+
     src, dst, cfg, shapes = _setup(args)
+    t0 = time.perf_counter()  # plan building starts here: shapes are given
     src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
     if args.cluster:
-        return _cluster(args, console, src, dst, shapes, src_l, dst_l)
+        return _cluster(args, console, src, dst, shapes, src_l, dst_l, t0)
     if args.fp8:
         src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
     plan = build_plan(src_l, dst_l, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes)

@@ -29,7 +29,7 @@ import json
 import time
 from datetime import timedelta
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,24 +91,28 @@ class Wave:
 
 
 def build_wave(index: int, receivers: list[int], sources: list[int], trainer: ModelLayout, replica: ModelLayout,
-               trainer_procs: list[int], replica_procs: list[list[int]]) -> Wave:
+               trainer_procs: list[int], replica_procs: list[list[int]],
+               devices: Sequence[str] | None = None) -> Wave:
     nt, nr = trainer.world_size, replica.world_size
     src = _stack([(trainer, nt)] + [(replica, nr) for _ in sources])
     dst = _stack([(replica, nr) for _ in receivers])
     procs = ProcessMap(tuple(trainer_procs) + tuple(p for j in sources for p in replica_procs[j]),
-                       tuple(p for j in receivers for p in replica_procs[j]))
+                       tuple(p for j in receivers for p in replica_procs[j]),
+                       tuple(devices) if devices is not None else None)
     return Wave(index, tuple(receivers), tuple(sources), src, dst, procs)
 
 
 def waves_for(trainer: ModelLayout, replica: ModelLayout, trainer_procs: list[int], replica_procs: list[list[int]],
-              dead: frozenset[int] = frozenset()) -> list[Wave]:
-    """The waves, skipping replicas with a dead process (as receivers and as sources)."""
+              dead: frozenset[int] = frozenset(), devices: Sequence[str] | None = None) -> list[Wave]:
+    """The waves, skipping replicas with a dead process (as receivers and as sources).
+    ``devices``: each global process's device (``"cuda:0"``), so the planner can prefer
+    on-device sources and use CUDA IPC where ``transport`` allows."""
     alive = [j for j in range(len(replica_procs)) if not set(replica_procs[j]) & dead]
     out, holders = [], []
     for k, wave in enumerate(wave_schedule(len(replica_procs))):
         recv = [j for j in wave if j in alive]
         if recv:
-            out.append(build_wave(k, recv, list(holders), trainer, replica, trainer_procs, replica_procs))
+            out.append(build_wave(k, recv, list(holders), trainer, replica, trainer_procs, replica_procs, devices))
         holders += recv
     return out
 
@@ -142,12 +146,17 @@ class FanoutStats:
 class Fanout:
     """One process's part of a fan-out refit. ``tensors``: the trainer rank's shards (on a
     trainer process) or the replica rank's live tensors (on an engine process). Every process
-    constructs it with the same layouts and process lists; ``run(version)`` on all of them."""
+    constructs it with the same layouts and process lists; ``run(version)`` on all of them.
+
+    On GPUs: ``devices`` (every global process's device), ``device`` (this process's),
+    ``group`` (the NCCL group P2P links use; default: the default group) and
+    ``config.transport`` (``"auto"``: CUDA IPC between processes of one host)."""
 
     def __init__(self, trainer: ModelLayout, replica: ModelLayout, proc: int, trainer_procs: list[int],
                  replica_procs: list[list[int]], tensors: Mapping[str, torch.Tensor], *,
                  store: dist.Store | None = None, config: TransferConfig = TransferConfig(name="fanout"),
-                 max_attempts: int = 3) -> None:
+                 max_attempts: int = 3, devices: Sequence[str] | None = None, device: torch.device | str = "cpu",
+                 group: dist.ProcessGroup | None = None) -> None:
         if store is None:
             store = dist.distributed_c10d._get_default_store()
         if any(len(p) != replica.world_size for p in replica_procs):
@@ -155,6 +164,10 @@ class Fanout:
                              f"{[len(p) for p in replica_procs]}")
         if len(trainer_procs) != trainer.world_size:
             raise ValueError(f"Fanout: {len(trainer_procs)} trainer processes for {trainer.world_size} trainer ranks")
+        everyone = [*trainer_procs, *(p for ps in replica_procs for p in ps)]
+        if devices is not None and len(devices) <= max(everyone):
+            raise ValueError(f"Fanout: devices names {len(devices)} processes; process ids go up to {max(everyone)}")
+        self.devices, self.device, self.group = (tuple(devices) if devices is not None else None), device, group
         self.trainer, self.replica, self.proc = trainer, replica, proc
         self.trainer_procs, self.replica_procs = list(trainer_procs), [list(p) for p in replica_procs]
         self.tensors, self.store, self.config, self.max_attempts = dict(tensors), store, config, max_attempts
@@ -163,7 +176,7 @@ class Fanout:
         self.version: int | None = None
         self.hook = None  # tests: called with (wave index, attempt) before this process runs a wave
         self.schedule = wave_schedule(len(self.replica_procs))
-        self.waves = waves_for(trainer, replica, self.trainer_procs, self.replica_procs)
+        self.waves = waves_for(trainer, replica, self.trainer_procs, self.replica_procs, devices=self.devices)
         # topology work once: a Peer (and its process group) per wave this process is in
         self.failures: dict[int, int] = {}  # wave -> failed attempts so far (every member counts the same)
         self.peers: dict[int, tuple[tuple, Peer]] = {}
@@ -182,7 +195,8 @@ class Fanout:
         cfg = replace(self.config, name=f"{self.config.name}/w{wave.index}/f{n}")
         tag_base = ((1 + wave.index + 64 * n) % 1000) << 21
         return Peer(wave.src_layout, wave.dst_layout, self.proc, src_tensors=src_t, dst_tensors=dst_t,
-                    procs=wave.procs, config=cfg, store=self.store, tag_base=tag_base)
+                    procs=wave.procs, config=cfg, store=self.store, tag_base=tag_base, group=self.group,
+                    device=self.device)
 
     def _peer_for(self, wave: Wave) -> Peer:
         key = (self.dead, self.failures.get(wave.index, 0))
@@ -287,14 +301,12 @@ class Fanout:
         key = self._key(version, wave.index, f"a{attempt}/outcome")
         if self.proc != self.coordinator:
             return json.loads(self._get(key, 3 * self.config.deadline_s))
-        deadline = time.monotonic() + self.config.deadline_s
-        status: dict[int, str] = {}
-        while len(status) < len(wave.members) and time.monotonic() < deadline:
-            for m in wave.members:
-                k = self._key(version, wave.index, f"a{attempt}/status/{m}")
-                if m not in status and self.store.check([k]):
-                    status[m] = self.store.get(k).decode()
-            time.sleep(0.005)
+        keys = {m: self._key(version, wave.index, f"a{attempt}/status/{m}") for m in wave.members}
+        try:  # blocks until every member has posted (no polling delay on the refit's path)
+            self.store.wait(list(keys.values()), timedelta(seconds=self.config.deadline_s))
+        except Exception:  # noqa: BLE001 - the store raises on timeout: someone is silent
+            pass
+        status = {m: self.store.get(k).decode() for m, k in keys.items() if self.store.check([k])}
         dead = sorted(set(wave.members) - set(status))
         failed = sorted(m for m, st in status.items() if st != "ok")
         out = {"ok": not dead and not failed, "dead": dead, "failed": failed,
@@ -315,4 +327,5 @@ class Fanout:
             raise FanoutError(f"fan-out: trainer process(es) {sorted(new & set(self.trainer_procs))} died; "
                               "the refit cannot complete")
         self.dead |= new
-        self.waves = waves_for(self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead)
+        self.waves = waves_for(self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead,
+                               devices=self.devices)

@@ -232,14 +232,20 @@ class TensorLayout:
         # (mesh dim, tensor dim) of each Shard, looked up once (isinstance on placements is slow)
         shards = [(i, p.dim) for i, p in enumerate(self.placements) if isinstance(p, Shard)]
         strides = [math.prod(self.mesh.shape[i + 1:]) for i in range(self.mesh.ndim)]
+        sizes = self.mesh.shape
+        memo: dict[tuple[int, ...], Box] = {}  # ranks with the same shard coordinates share a box
         out: dict[int, Box] = {}
         for flat, r in enumerate(self.mesh.ranks):
-            box = [[0, int(n)] for n in self.shape]
-            for i, dim in shards:
-                lo, hi = box[dim]
-                box[dim] = list(chunk_range(lo, hi, self.mesh.shape[i], (flat // strides[i]) % self.mesh.shape[i]))
-            out[r] = tuple((a, b) for a, b in box)
-        return dict(sorted(out.items()))
+            key = tuple((flat // strides[i]) % sizes[i] for i, _ in shards)
+            box = memo.get(key)
+            if box is None:
+                b = [[0, int(n)] for n in self.shape]
+                for (i, dim), c in zip(shards, key):
+                    lo, hi = b[dim]
+                    b[dim] = list(chunk_range(lo, hi, sizes[i], c))
+                box = memo[key] = tuple((lo, hi) for lo, hi in b)
+            out[r] = box
+        return out if list(out) == sorted(out) else dict(sorted(out.items()))
 
     def box(self, rank: int) -> Box | None:
         """The global box ``rank`` holds (possibly empty), or None if it holds no part."""

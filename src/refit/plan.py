@@ -10,7 +10,8 @@ Source choice among replicas (several source ranks holding the same box), in ord
      the receiver's counterpart: the source rank with the same number;
   3. otherwise, largest pieces first, the least-loaded holder by bytes sent so
      far, ties broken by a rotation that starts at the receiver's index among
-     that box's receivers.
+     that box's receivers. The load of every forced piece (a box with a single
+     holder, or one chosen by 1. or 2.) is counted before this choice starts.
 
 Pieces on a link are grouped into messages: a piece that is one contiguous run
 in both the source's and the destination's local tensor travels alone and
@@ -26,6 +27,8 @@ This module knows nothing of devices or transports.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 from collections import defaultdict
@@ -37,10 +40,7 @@ from refit.layout import (
     ModelLayout,
     TensorLayout,
     box_intersect,
-    box_is_contiguous,
     box_numel,
-    box_relative,
-    box_shape,
     split_box,
 )
 
@@ -104,22 +104,25 @@ class ProcessMap:
         return len(set(self.src) | set(self.dst))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
-    """One box of one tensor, from a source rank to a destination rank (global coordinates)."""
+    """One box of one tensor, from a source rank to a destination rank (global coordinates).
+
+    ``nbytes`` is computed from the box unless given (the planner knows it already)."""
 
     tensor: str
     src: int
     dst: int
     box: Box
     itemsize: int
+    nbytes: int = field(default=-1, compare=False, repr=False)
 
-    @cached_property
-    def nbytes(self) -> int:
-        return box_numel(self.box) * self.itemsize
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            object.__setattr__(self, "nbytes", box_numel(self.box) * self.itemsize)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Message:
     """One transfer on a link: a direct piece, or a bucket of packed pieces with byte offsets."""
 
@@ -258,10 +261,11 @@ def check_compatible(src: ModelLayout, dst: ModelLayout) -> None:
 def _source_tiles(t: TensorLayout) -> list[tuple[Box, list[int]]]:
     """Distinct source boxes with their holders; they must tile the tensor exactly."""
     tiles = sorted(t.holders().items())
-    for i, (a, _) in enumerate(tiles):
-        for b, _ in tiles[i + 1 :]:
-            if box_intersect(a, b) is not None:
-                raise PlanError(f"tensor {t.name!r}: source boxes {list(a)} and {list(b)} overlap without being replicas")
+    if t.boxes is not None:  # boxes from a mesh and placements are disjoint by construction
+        for i, (a, _) in enumerate(tiles):
+            for b, _ in tiles[i + 1 :]:
+                if box_intersect(a, b) is not None:
+                    raise PlanError(f"tensor {t.name!r}: source boxes {list(a)} and {list(b)} overlap without being replicas")
     covered = sum(box_numel(b) for b, _ in tiles)
     if covered != t.numel:
         raise PlanError(
@@ -271,39 +275,92 @@ def _source_tiles(t: TensorLayout) -> list[tuple[Box, list[int]]]:
 
 
 def check_coverage(dst: ModelLayout, pieces: list[Piece]) -> None:
-    """Every destination element is written exactly once (pieces pairwise disjoint, sum = box)."""
+    """Every destination element is written exactly once (pieces inside the box, pairwise
+    disjoint, their sizes summing to the box's). The planner guarantees it by construction
+    (disjoint source tiles covering each tensor, each destination box cut by every tile,
+    sizes summed in ``_choose_sources``); this independent check is for tests and callers
+    who assemble pieces themselves."""
     by_target: dict[tuple[str, int], list[Box]] = defaultdict(list)
     for p in pieces:
-        by_target[(p.tensor, p.dst)].append(p.box)
+        by_target[p.tensor, p.dst].append(p.box)
     for t in dst:
-        for r in t.ranks:
-            want = t.box(r)
-            if want is None or box_numel(want) == 0:
+        for r, want in t._all_boxes.items():
+            n_want = box_numel(want)
+            if n_want == 0:
                 continue
-            got = sorted(by_target.get((t.name, r), []))
-            for b in got:
-                if box_intersect(b, want) != b:
-                    raise PlanError(f"tensor {t.name!r}: piece {list(b)} for destination rank {r} lies outside its box {list(want)}")
+            got = sorted(by_target.get((t.name, r), ()))
+            n = 0
             for i, a in enumerate(got):
-                for b in got[i + 1 :]:
+                if any(lo < wlo or hi > whi for (lo, hi), (wlo, whi) in zip(a, want)):
+                    raise PlanError(f"tensor {t.name!r}: piece {list(a)} for destination rank {r} lies outside its box {list(want)}")
+                n += box_numel(a)
+                for b in got[i + 1 :]:  # sorted by the first dim: only boxes starting before a ends can meet it
+                    if a and b[0][0] >= a[0][1]:
+                        break
                     if box_intersect(a, b) is not None:
                         raise PlanError(f"tensor {t.name!r}: destination rank {r} would be written twice in {list(box_intersect(a, b))}")
-            n = sum(box_numel(b) for b in got)
-            if n != box_numel(want):
+            if n != n_want:
                 raise PlanError(
-                    f"tensor {t.name!r}: destination rank {r} would receive {n} of {box_numel(want)} elements of box {list(want)} (coverage gap)"
+                    f"tensor {t.name!r}: destination rank {r} would receive {n} of {n_want} elements of box {list(want)} (coverage gap)"
                 )
 
 
-def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> list[Piece]:
-    fixed: list[tuple[int, Piece]] = []
-    open_: list[tuple[int, str, int, Box, list[int], int, int, int]] = []  # pieces whose source is still to choose
+# (tensor, source rank, destination rank, global box, itemsize, bytes, direct): one piece before it is a
+# Piece; direct: one contiguous run in both the source's and the destination's local tensor
+_Choice = tuple[str, int, int, Box, int, int, bool]
+
+
+def _runs_whole(piece: Box, outer: Box) -> bool:
+    """True if ``piece`` (inside ``outer``, global coordinates) is one contiguous run of ``outer``'s
+    row-major local tensor: after the leading dims of extent 1, at most one partial dim, then
+    only dims ``outer`` spans in full."""
+    k, n = 0, len(piece)
+    while k < n and piece[k][1] - piece[k][0] == 1:
+        k += 1
+    for j in range(k + 1, n):
+        if piece[j] != outer[j]:
+            return False
+    return True
+
+
+def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> list[_Choice]:
+    """Every piece every destination rank needs, with its source rank, in a stable order.
+
+    Pieces whose source is forced (a single holder, one in the receiver's process or on its
+    device, or the counterpart of an identically laid-out tensor) are fixed first and
+    count as load before the others are chosen by LPT. Plain tuples, not Pieces: at
+    cluster scale (~10^6 pieces) object creation is most of the cost.
+    """
+    out: list[_Choice | None] = []  # in receiver order; None where LPT still has to choose
+    open_: list[tuple[int, str, int, Box, list[int], int, int, int, bool]] = []  # (index in out, ...)
     for d in dst:
         s = src[d.name]
-        dst_boxes = [(r, b) for r in d.ranks if (b := d.box(r)) is not None and box_numel(b) > 0]
+        item = d.itemsize
+        # distinct destination boxes (replicas share one), then every rank in rank
+        # order with the index of its box
+        distinct: dict[Box, int] = {}  # box -> index in dboxes, -1 for an empty box
+        dboxes: list[Box] = []
+        ranks_in_order: list[tuple[int, int]] = []
+        for r, b in d._all_boxes.items():
+            i = distinct.get(b)
+            if i is None:
+                i = distinct[b] = len(dboxes) if box_numel(b) > 0 else -1
+                if i >= 0:
+                    dboxes.append(b)
+            if i >= 0:
+                ranks_in_order.append((r, i))
+        got = [0] * len(dboxes)  # bytes each distinct box receives, summed over the tiles
         identical: bool | None = None  # same boxes on both sides: computed only when it matters
         for tile, holders in _source_tiles(s):
-            receivers = [(r, piece) for r, b in dst_boxes if (piece := box_intersect(tile, b)) is not None]
+            cut = [box_intersect(tile, b) for b in dboxes]  # once per distinct box, not per rank
+            nbytes = [box_numel(c) * item if c is not None else 0 for c in cut]
+            got = [a + b for a, b in zip(got, nbytes)]
+            # holders hold exactly ``tile``: contiguity on both sides is a property of the cut
+            direct = [c is not None and _runs_whole(c, tile) and _runs_whole(c, b) for c, b in zip(cut, dboxes)]
+            if len(holders) == 1:
+                h = holders[0]
+                out += [(d.name, h, r, cut[i], item, nbytes[i], direct[i]) for r, i in ranks_in_order if nbytes[i]]
+                continue
             # the first holder in this process, else the first on this device (looked up, not scanned)
             by_proc: dict[int, int] = {}
             by_dev: dict[str, int] = {}
@@ -311,34 +368,63 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
                 by_proc.setdefault(procs.src[h], h)
                 if procs.devices is not None:
                     by_dev.setdefault(procs.device_of(procs.src[h]), h)
-            for k, (r, piece) in enumerate(receivers):
-                order = len(fixed) + len(open_)
+            k = 0  # the receiver's index among this tile's receivers
+            for r, i in ranks_in_order:
+                nb = nbytes[i]
+                if not nb:
+                    continue
                 near = by_proc.get(procs.dst[r])
                 if near is None and by_dev:
                     near = by_dev.get(procs.device_of(procs.dst[r]))
                 if near is not None:
-                    fixed.append((order, Piece(d.name, near, r, piece, d.itemsize)))
+                    out.append((d.name, near, r, cut[i], item, nb, direct[i]))
                 elif r in holders and (identical if identical is not None else
                                        (identical := canonical_tensor(s) == canonical_tensor(d))):
-                    fixed.append((order, Piece(d.name, r, r, piece, d.itemsize)))
+                    out.append((d.name, r, r, cut[i], item, nb, direct[i]))
                 else:
-                    open_.append((order, d.name, r, piece, holders, k, d.itemsize, box_numel(piece) * d.itemsize))
+                    open_.append((len(out), d.name, r, cut[i], holders, k, item, nb, direct[i]))
+                    out.append(None)
+                k += 1
+        for b, n in zip(dboxes, got):  # disjoint tiles covering the tensor cut every box exactly once
+            if n != box_numel(b) * item:
+                r = next(r for r, i in ranks_in_order if dboxes[i] == b)
+                raise PlanError(f"tensor {d.name!r}: destination rank {r} would receive {n // item} of "
+                                f"{box_numel(b)} elements of box {list(b)} (coverage gap)")
+    if not open_:
+        return out  # type: ignore[return-value]
     load: dict[int, int] = defaultdict(int)
-    for _, p in fixed:
-        if not procs.same_device(procs.src[p.src], procs.dst[p.dst]):
-            load[p.src] += p.nbytes
+    for c in out:
+        if c is not None and not procs.same_device(procs.src[c[1]], procs.dst[c[2]]):
+            load[c[1]] += c[5]
     # largest pieces first (LPT), each to the least-loaded holder; ties go to the
     # rotation that starts at the receiver's index among the tile's receivers
-    chosen: list[tuple[int, Piece]] = []
-    for order, name, r, piece, holders, k, itemsize, nb in sorted(open_, key=lambda x: (-x[7], x[0])):
+    for at, name, r, piece, holders, k, item, nb, dr in sorted(open_, key=lambda x: (-x[7], x[0])):
         start = k % len(holders)
-        rotated = holders[start:] + holders[:start]
-        h = min(rotated, key=load.__getitem__)  # min keeps the first of equals (defaultdict: 0 if unseen)
-        p = Piece(name, h, r, piece, itemsize)
-        p.__dict__["nbytes"] = nb  # the cached_property's slot: computed once above
+        h = min(holders[start:] + holders[:start], key=load.__getitem__)  # first of equals (defaultdict: 0 if unseen)
         load[h] += nb
-        chosen.append((order, p))
-    return [p for _, p in sorted(fixed + chosen, key=lambda x: x[0])]
+        out[at] = (name, h, r, piece, item, nb, dr)
+    return out  # type: ignore[return-value]  (every None was filled)
+
+
+def _pieces(choices: list[_Choice]) -> tuple[list[Piece], list[bool]]:
+    out, direct = [], []
+    for name, h, r, box, item, nb, dr in choices:
+        out.append(Piece(name, h, r, box, item, nb))
+        direct.append(dr)
+    return out, direct
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """The cyclic garbage collector off while the planner allocates millions of tuples that
+    stay alive (at cluster scale its repeated full passes were most of the build time)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def link_bytes(src: ModelLayout, dst: ModelLayout, procs: ProcessMap | None = None) -> dict[tuple[int, int], int]:
@@ -348,8 +434,9 @@ def link_bytes(src: ModelLayout, dst: ModelLayout, procs: ProcessMap | None = No
     procs = procs or ProcessMap.disjoint(src.world_size, dst.world_size)
     check_compatible(src, dst)
     out: dict[tuple[int, int], int] = defaultdict(int)
-    for p in _choose_sources(src, dst, procs):
-        out[(p.src, p.dst)] += p.nbytes
+    with _gc_paused():
+        for _, h, r, _, _, nb, _ in _choose_sources(src, dst, procs):
+            out[(h, r)] += nb
     return dict(out)
 
 
@@ -381,14 +468,22 @@ def build_plan(
             f"layouts have {src.world_size} / {dst.world_size}"
         )
     check_compatible(src, dst)
-    pieces = _choose_sources(src, dst, procs)
-    check_coverage(dst, pieces)
+    with _gc_paused():
+        return _build(src, dst, procs, num_buffers, buffer_bytes, transport)
 
-    local = tuple(p for p in pieces if procs.src[p.src] == procs.dst[p.dst])
-    per_link: dict[tuple[int, int], list[Piece]] = defaultdict(list)
-    for p in pieces:
-        if procs.src[p.src] != procs.dst[p.dst]:
-            per_link[(p.src, p.dst)].append(p)
+
+def _build(src: ModelLayout, dst: ModelLayout, procs: ProcessMap, num_buffers: int, buffer_bytes: int,
+           transport: str) -> Plan:
+    pieces, direct = _pieces(_choose_sources(src, dst, procs))
+
+    local_: list[Piece] = []
+    per_link: dict[tuple[int, int], list[tuple[Piece, bool]]] = defaultdict(list)
+    for p, dr in zip(pieces, direct):
+        if procs.src[p.src] == procs.dst[p.dst]:
+            local_.append(p)
+        else:
+            per_link[(p.src, p.dst)].append((p, dr))
+    local = tuple(local_)
 
     def link_transport(s: int, r: int) -> str:
         ok = procs.ipc_capable(procs.src[s], procs.dst[r])
@@ -404,7 +499,7 @@ def build_plan(
     ipc_messages: list[Message] = []
     for (s, r), plist in sorted(per_link.items()):
         if link_transport(s, r) == "ipc":  # pulled piece by piece from mapped memory: no staging
-            ipc_messages += [Message(s, r, 0, True, (p,), (0,), p.nbytes, "ipc") for p in plist]
+            ipc_messages += [Message(s, r, 0, True, (p,), (0,), p.nbytes, "ipc") for p, _ in plist]
             continue
         bucket: list[Piece] = []
         offs: list[int] = []
@@ -416,16 +511,13 @@ def build_plan(
                 raw.append((s, r, False, bucket, offs, used))
             bucket, offs, used = [], [], 0
 
-        for p in plist:
-            sbox = box_relative(p.box, src[p.tensor].box(s))
-            dbox = box_relative(p.box, dst[p.tensor].box(r))
-            if box_is_contiguous(sbox, box_shape(src[p.tensor].box(s))) and box_is_contiguous(
-                dbox, box_shape(dst[p.tensor].box(r))
-            ):
+        for p, dr in plist:
+            if dr:
                 raw.append((s, r, True, [p], [0], p.nbytes))
                 continue
-            for sub in split_box(p.box, max(1, buffer_bytes // p.itemsize)):
-                q = Piece(p.tensor, p.src, p.dst, sub, p.itemsize)
+            subs = [p.box] if p.nbytes <= buffer_bytes else split_box(p.box, max(1, buffer_bytes // p.itemsize))
+            for sub in subs:
+                q = p if sub is p.box else Piece(p.tensor, p.src, p.dst, sub, p.itemsize)
                 start = -(-used // ALIGN) * ALIGN
                 if bucket and start + q.nbytes > buffer_bytes:
                     flush()
@@ -439,18 +531,43 @@ def build_plan(
     # Half the ring may be in flight per step, so the other half can be packed / unpacked
     # meanwhile (the executor overlaps consecutive steps on CUDA).
     per_step = max(1, num_buffers // 2)
-    slots: dict[tuple[int, int], int] = defaultdict(int)  # (proc, step) -> buffers in use
-    cursor: dict[tuple[int, int], int] = defaultdict(int)
+    used: dict[int, list[int]] = defaultdict(list)  # proc -> buffers in use per step
+    low: dict[int, int] = defaultdict(int)  # proc -> every step below this one is full
+
+    def free_from(proc: int, step: int) -> int:
+        """The first step >= ``step`` where ``proc`` has a free buffer (full prefix skipped)."""
+        u = used[proc]
+        step = max(step, low[proc])
+        while step < len(u) and u[step] >= per_step:
+            step += 1
+        return step
+
+    def take(proc: int, step: int) -> None:
+        u = used[proc]
+        if step >= len(u):
+            u.extend([0] * (step + 1 - len(u)))
+        u[step] += 1
+        lo = low[proc]
+        while lo < len(u) and u[lo] >= per_step:
+            lo += 1
+        low[proc] = lo
+
     messages: list[Message] = []
-    for s, r, direct, plist, offs, nbytes in raw:
-        step = cursor[(s, r)]
-        ps, pr = procs.src[s], procs.dst[r]
+    psrc, pdst = procs.src, procs.dst
+    link, step = None, 0
+    for s, r, direct, plist, offs, nbytes in raw:  # grouped by link, in link order
+        if (s, r) != link:
+            link, step = (s, r), 0
         if not direct:
-            while slots[(ps, step)] >= per_step or slots[(pr, step)] >= per_step:
-                step += 1
-            slots[(ps, step)] += 1
-            slots[(pr, step)] += 1
-        cursor[(s, r)] = step
+            ps, pr = psrc[s], pdst[r]
+            while True:
+                step = free_from(ps, step)
+                later = free_from(pr, step)
+                if later == step:
+                    break
+                step = later
+            take(ps, step)
+            take(pr, step)
         messages.append(Message(s, r, step, direct, tuple(plist), tuple(offs), nbytes))
     messages.sort(key=lambda m: (m.step, m.src, m.dst))
     num_steps = max((m.step for m in messages), default=-1) + 1
