@@ -16,6 +16,7 @@ import os
 import sys
 
 from refit.cost import Topology, broadcast_time, p2p_transfers, transfer_time
+from refit.fanout import wave_schedule
 from refit.models import param_shapes
 from refit.rules import layout_from_spec
 from refit.spec import parse_spec
@@ -52,6 +53,17 @@ def rows() -> list[dict]:
                    "measured_floor_ms": by["floor"]["median_s"] * 1e3 if "floor" in by else None}
             row["error"] = row["predicted_ms"] / row["measured_refit_ms"] - 1
             out.append(row)
+            if "refit_fanout" in by:  # waves of refit's plan into one replica, each wave as long as the first
+                reps = d.degree("dp")
+                one = parse_spec(",".join(f"{n}={k}" for n, k in d.degrees if n != "dp" and k != 1) or "tp=1", "dst")
+                one_l = layout_from_spec(shapes[model], one)
+                first = placement[1][: one.world_size]
+                t1, where, _ = transfer_time(p2p_transfers(src_l, one_l, topo, placement=(placement[0], first)), topo)
+                waves = len(wave_schedule(reps))
+                m = by["refit_fanout"]["median_s"] * 1e3
+                out.append({"device": kind, "scenario": name, "model": model, "strategy": f"fanout ({waves} waves)",
+                            "predicted_ms": waves * t1 * 1e3, "busiest": where, "measured_refit_ms": m,
+                            "measured_floor_ms": None, "error": waves * t1 * 1e3 / m - 1})
             if "per_tensor_broadcast" in by:
                 t, where = broadcast_time(dst_l.nbytes, s.world_size, d.world_size, topo)
                 m = by["per_tensor_broadcast"]["median_s"] * 1e3

@@ -335,6 +335,9 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
         growth = dist_all([mems[-1] - mems[0]])
         records.append({"method": method, "times": times, "correct": all(all_ok) if checked else None, "peak_extra_bytes": max(peaks),
                         "growth_bytes": max(growth), "variant": ""})
+        dist.barrier()  # nobody still pulls from this method's buffers
+        if hasattr(run, "close"):
+            run.close()
         del run
     dist.barrier()
     barrier.close()

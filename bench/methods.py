@@ -71,6 +71,7 @@ def refit_fanout(ctx: Ctx) -> Callable[[], None]:
         f.run(state["version"])
 
     run.fanout = f  # type: ignore[attr-defined]
+    run.close = f.close  # type: ignore[attr-defined]
     return run
 
 
@@ -84,6 +85,9 @@ class RefitRun:
     def __call__(self) -> None:
         self.version += 1
         self.peer.run(self.version)
+
+    def close(self) -> None:
+        self.peer.close()
 
 
 def _names(ctx: Ctx) -> list[str]:

@@ -184,6 +184,12 @@ class Fanout:
             if proc in w.members:
                 self._peer_for(w)
 
+    def close(self) -> None:
+        """Close every wave's Peer (helper threads, shared-memory barriers); tensors stay."""
+        for _, peer in self.peers.values():
+            peer.close()
+        self.peers.clear()
+
     # -- helpers ---------------------------------------------------------------------------
     def _peer(self, wave: Wave) -> Peer:
         """This process's Peer for ``wave`` on the default group; its name and P2P tag range
