@@ -91,6 +91,9 @@ def scenarios(device: str) -> dict[str, Scenario]:
         "S6x7": Scenario("S6x7", "one trainer GPU -> 7 engine replicas: trainer GPU0 -> engine tp=1,dp=7 on GPU1-7",
                          "tp=1", "tp=1,dp=7", tuple(f"cuda:{i}" for i in range(8)),
                          ("refit", "refit_fanout", "per_tensor_broadcast", "floor"), floor="one_link"),
+        "S7": Scenario("S7", "MoE colocated reshard (run with --model qwen3-30b-a3b): trainer ep=4,tp=2 -> engine "
+                       "tp=4,dp=2 on GPU0-7", "ep=4,tp=2", "tp=4,dp=2", tuple(f"cuda:{i}" for i in range(8)) * 2,
+                       ("refit", "floor")),
     }
 
 
@@ -377,7 +380,8 @@ def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int
     all_s = scenarios(device)
     if not which:  # the scenarios this machine can run
         have = torch.cuda.device_count() if device == "cuda" else 0
-        which = [n for n, sc in all_s.items() if sc.gpus <= have]
+        moe = any(".experts." in n for n, _, _ in param_shapes(model))
+        which = [n for n, sc in all_s.items() if sc.gpus <= have and (n != "S7" or moe)]  # S7: MoE models only
     unknown = [w for w in which if w not in all_s]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown} for device {device!r}; available: {', '.join(all_s)}")

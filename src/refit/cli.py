@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S3); code under bench/")
     b.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if GPUs are present")
     b.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
-    b.add_argument("--scenarios", default=None, help="comma-separated (S1-S3 need 2 GPUs, S4-S6 4, S6x7 8); default: all this machine can run")
+    b.add_argument("--scenarios", default=None, help="comma-separated (S1-S3 need 2 GPUs, S4-S6 4, S6x7 and S7 8; S7 is the MoE "
+                        "scenario, with --model qwen3-30b-a3b); default: all this machine can run")
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--iters", type=int, default=5, help="timed refits per method (refit itself runs --growth-iters)")
     b.add_argument("--growth-iters", type=int, default=20, help="consecutive refits of refit's own path")
