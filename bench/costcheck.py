@@ -55,7 +55,7 @@ def rows() -> list[dict]:
             out.append(row)
             if "refit_fanout" in by:  # waves of refit's plan into one replica, each wave as long as the first
                 reps = d.degree("dp")
-                one = parse_spec(",".join(f"{n}={k}" for n, k in d.degrees if n != "dp" and k != 1) or "tp=1", "dst")
+                one = d.replica()
                 one_l = layout_from_spec(shapes[model], one)
                 first = placement[1][: one.world_size]
                 t1, where, _ = transfer_time(p2p_transfers(src_l, one_l, topo, placement=(placement[0], first)), topo)

@@ -276,13 +276,10 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
     _sync(dev)
     ctx = M.Ctx(world.rank, dev, plan, src, dst, nccl, list(range(world.world_size)), trainer_nccl, store, cfg)
     ctx.extra["prepare"] = quantizer
-    if "refit_fanout" in scen.methods:  # dp is the engine's outermost dim: replica j = engine ranks j*per..
-        n_rep = dst_spec.degree("dp")
-        per = dst_spec.world_size // n_rep
-        one = parse_spec(",".join(f"{n}={d}" for n, d in dst_spec.degrees if n != "dp" and d != 1) or "tp=1", "dst")
+    if "refit_fanout" in scen.methods:  # engine rank r is process n_src + r
         n_src = src_spec.world_size
-        ctx.extra["fanout"] = (layout_from_spec(shapes, one), [[n_src + j * per + i for i in range(per)] for j in range(n_rep)],
-                               scen.devices)
+        ctx.extra["fanout"] = (layout_from_spec(shapes, dst_spec.replica()),
+                               [[n_src + r for r in ranks] for ranks in dst_spec.replica_ranks()], scen.devices)
     total = plan.bytes_moved + plan.bytes_local
     setups = {
         "refit": M.refit_method("auto"),

@@ -34,6 +34,15 @@ def test_bad_specs(text, side, match):
         parse_spec(text, side)
 
 
+def test_replica_spec_and_ranks():
+    d = parse_spec("tp=4,dp=2", "dst")
+    assert str(d.replica()) == "tp=4" and d.replica().world_size == 4
+    assert d.replica_ranks() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    one = parse_spec("tp=2", "dst")
+    assert one.replica() == one and one.replica_ranks() == [[0, 1]]
+    assert str(parse_spec("dp=3", "dst").replica()) == "tp=1"
+
+
 def test_spec_world_size_mismatch_names_numbers():
     with pytest.raises(SpecError, match=r"pp=2 x tp=2 = 4 ranks, but 3 are given"):
         parse_spec("tp=2,pp=2", "src").check_world_size(3)

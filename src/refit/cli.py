@@ -179,8 +179,7 @@ def _cluster(args, console, src, dst, shapes, src_l, dst_l, t0: float) -> int:
     replicas = dst.degree("dp")
     one = None
     if replicas > 1:
-        one_spec = parse_spec(",".join(f"{n}={d}" for n, d in dst.degrees if n != "dp" and d != 1) or "tp=1", "dst")
-        one = layout_from_spec(shapes, one_spec)
+        one = layout_from_spec(shapes, dst.replica())
         if args.fp8:
             _, one = _fp8(src_l, one, args.fp8)
     if args.fp8:

@@ -71,13 +71,22 @@ def box_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
+def box_runs_whole(box: Box, outer: Box) -> bool:
+    """True if ``box`` (inside ``outer``, same coordinates) is one contiguous run of ``outer``'s
+    row-major tensor: after the leading dims of extent 1, at most one partial dim, then only
+    dims ``outer`` spans in full."""
+    k, n = 0, len(box)
+    while k < n and box[k][1] - box[k][0] == 1:
+        k += 1
+    for j in range(k + 1, n):
+        if box[j] != outer[j]:
+            return False
+    return True
+
+
 def box_is_contiguous(box: Box, local_shape: Sequence[int]) -> bool:
     """True if ``box`` (local coordinates) is one contiguous run of a row-major tensor."""
-    dims = list(zip(box, local_shape))
-    k = 0
-    while k < len(dims) and dims[k][0][1] - dims[k][0][0] == 1:
-        k += 1
-    return all(b - a == n for (a, b), n in dims[k + 1 :])
+    return box_runs_whole(box, full_box(local_shape))
 
 
 def split_box(box: Box, max_numel: int) -> list[Box]:

@@ -41,6 +41,7 @@ from refit.layout import (
     TensorLayout,
     box_intersect,
     box_numel,
+    box_runs_whole,
     split_box,
 )
 
@@ -310,19 +311,6 @@ def check_coverage(dst: ModelLayout, pieces: list[Piece]) -> None:
 _Choice = tuple[str, int, int, Box, int, int, bool]
 
 
-def _runs_whole(piece: Box, outer: Box) -> bool:
-    """True if ``piece`` (inside ``outer``, global coordinates) is one contiguous run of ``outer``'s
-    row-major local tensor: after the leading dims of extent 1, at most one partial dim, then
-    only dims ``outer`` spans in full."""
-    k, n = 0, len(piece)
-    while k < n and piece[k][1] - piece[k][0] == 1:
-        k += 1
-    for j in range(k + 1, n):
-        if piece[j] != outer[j]:
-            return False
-    return True
-
-
 def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> list[_Choice]:
     """Every piece every destination rank needs, with its source rank, in a stable order.
 
@@ -356,7 +344,7 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
             nbytes = [box_numel(c) * item if c is not None else 0 for c in cut]
             got = [a + b for a, b in zip(got, nbytes)]
             # holders hold exactly ``tile``: contiguity on both sides is a property of the cut
-            direct = [c is not None and _runs_whole(c, tile) and _runs_whole(c, b) for c, b in zip(cut, dboxes)]
+            direct = [c is not None and box_runs_whole(c, tile) and box_runs_whole(c, b) for c, b in zip(cut, dboxes)]
             if len(holders) == 1:
                 h = holders[0]
                 out += [(d.name, h, r, cut[i], item, nbytes[i], direct[i]) for r, i in ranks_in_order if nbytes[i]]
@@ -404,14 +392,6 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
         load[h] += nb
         out[at] = (name, h, r, piece, item, nb, dr)
     return out  # type: ignore[return-value]  (every None was filled)
-
-
-def _pieces(choices: list[_Choice]) -> tuple[list[Piece], list[bool]]:
-    out, direct = [], []
-    for name, h, r, box, item, nb, dr in choices:
-        out.append(Piece(name, h, r, box, item, nb))
-        direct.append(dr)
-    return out, direct
 
 
 @contextlib.contextmanager
@@ -474,15 +454,14 @@ def build_plan(
 
 def _build(src: ModelLayout, dst: ModelLayout, procs: ProcessMap, num_buffers: int, buffer_bytes: int,
            transport: str) -> Plan:
-    pieces, direct = _pieces(_choose_sources(src, dst, procs))
-
     local_: list[Piece] = []
     per_link: dict[tuple[int, int], list[tuple[Piece, bool]]] = defaultdict(list)
-    for p, dr in zip(pieces, direct):
-        if procs.src[p.src] == procs.dst[p.dst]:
+    for name, h, r, box, item, nb, dr in _choose_sources(src, dst, procs):
+        p = Piece(name, h, r, box, item, nb)
+        if procs.src[h] == procs.dst[r]:
             local_.append(p)
         else:
-            per_link[(p.src, p.dst)].append((p, dr))
+            per_link[(h, r)].append((p, dr))
     local = tuple(local_)
 
     def link_transport(s: int, r: int) -> str:

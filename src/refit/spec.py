@@ -56,6 +56,17 @@ class ParallelSpec:
         parts = [f"{n}={d}" for n, d in self.degrees if d != 1]
         return ",".join(parts) or "tp=1"
 
+    def replica(self) -> "ParallelSpec":
+        """The spec of one data-parallel replica (``dp`` set to 1)."""
+        return ParallelSpec(self.side, tuple((n, 1 if n == "dp" else d) for n, d in self.degrees))
+
+    def replica_ranks(self) -> list[list[int]]:
+        """Side-local ranks of each ``dp`` replica (``dp`` is the outermost mesh dim when present)."""
+        if self.dim_names[:1] != ("dp",) and self.degree("dp") > 1:
+            raise SpecError(f"spec {self}: dp is not the outermost dim")
+        per = self.world_size // self.degree("dp")
+        return [list(range(j * per, (j + 1) * per)) for j in range(self.degree("dp"))]
+
     def check_world_size(self, world_size: int) -> None:
         if self.world_size != world_size:
             detail = " x ".join(f"{n}={d}" for n, d in self.degrees if d != 1) or "1"
