@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - t)
             peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
             oks.append(bool(_expect(res_q, "checked")))
-        return times[args.warmup:], oks, peak
+        return times[args.warmup :], oks, peak
 
     results = {"checkpoint_engine": timed(False), "checkpoint_engine_with_register": timed(True)}
 
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         b.copy_(a)
         torch.cuda.synchronize(dev)
         floor.append(time.perf_counter() - t)
-    floor = floor[args.warmup:]
+    floor = floor[args.warmup :]
     del a, b
     cmd_q.put(("stop", None))
     proc.join(timeout=60)
@@ -199,23 +199,57 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for method, (times, oks, peak) in results.items():
         med = statistics.median(times)
-        rows.append({
-            "scenario": "S2", "method": method, "model": MODEL, "bytes": nbytes, "median_s": med, "min_s": min(times),
-            "max_s": max(times), "n": len(times), "gbps": nbytes / med / 1e9, "floor_s": floor_s,
-            "ratio_to_floor": med / floor_s, "peak_extra_bytes": peak, "growth_bytes": None, "correct": all(oks),
-            "variant": "", "device": device_kind(), "command": command.strip(), "date": date,
-            "first_register_s": first_register_s,
-        })
-    rows.append({
-        "scenario": "S2", "method": "floor", "model": MODEL, "bytes": nbytes, "median_s": floor_s, "min_s": min(floor),
-        "max_s": max(floor), "n": len(floor), "gbps": nbytes / floor_s / 1e9, "floor_s": floor_s, "ratio_to_floor": 1.0,
-        "peak_extra_bytes": None, "growth_bytes": None, "correct": None, "variant": "copy", "device": device_kind(),
-        "command": command.strip(), "date": date,
-    })
+        rows.append(
+            {
+                "scenario": "S2",
+                "method": method,
+                "model": MODEL,
+                "bytes": nbytes,
+                "median_s": med,
+                "min_s": min(times),
+                "max_s": max(times),
+                "n": len(times),
+                "gbps": nbytes / med / 1e9,
+                "floor_s": floor_s,
+                "ratio_to_floor": med / floor_s,
+                "peak_extra_bytes": peak,
+                "growth_bytes": None,
+                "correct": all(oks),
+                "variant": "",
+                "device": device_kind(),
+                "command": command.strip(),
+                "date": date,
+                "first_register_s": first_register_s,
+            }
+        )
+    rows.append(
+        {
+            "scenario": "S2",
+            "method": "floor",
+            "model": MODEL,
+            "bytes": nbytes,
+            "median_s": floor_s,
+            "min_s": min(floor),
+            "max_s": max(floor),
+            "n": len(floor),
+            "gbps": nbytes / floor_s / 1e9,
+            "floor_s": floor_s,
+            "ratio_to_floor": 1.0,
+            "peak_extra_bytes": None,
+            "growth_bytes": None,
+            "correct": None,
+            "variant": "copy",
+            "device": device_kind(),
+            "command": command.strip(),
+            "date": date,
+        }
+    )
     for r in rows:
-        print(f"S2 {r['method']:<34} median {r['median_s'] * 1e3:9.2f} ms  min {r['min_s'] * 1e3:9.2f}  "
-              f"max {r['max_s'] * 1e3:9.2f}  x floor {r['ratio_to_floor']:7.2f}  peak extra "
-              f"{(r['peak_extra_bytes'] or 0) / 2**20:8.0f} MiB  correct={r['correct']}")
+        print(
+            f"S2 {r['method']:<34} median {r['median_s'] * 1e3:9.2f} ms  min {r['min_s'] * 1e3:9.2f}  "
+            f"max {r['max_s'] * 1e3:9.2f}  x floor {r['ratio_to_floor']:7.2f}  peak extra "
+            f"{(r['peak_extra_bytes'] or 0) / 2**20:8.0f} MiB  correct={r['correct']}"
+        )
     print(f"first register_checkpoint (pins {nbytes / 1e9:.2f} GB of host memory): {first_register_s:.2f} s")
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

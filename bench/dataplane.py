@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from refit.data import BatchMeta, balance_stats, balanced_shards, pack_microbatches
+from refit.data import balance_stats, balanced_shards, pack_microbatches
 
 
 def long_tail(n: int, cap: int, seed: int = 0) -> list[int]:
@@ -51,14 +51,25 @@ def sort_stride(lens: list[int], dp: int, budget: int) -> list[list[list[int]]]:
 def balance_rows(n: int, dp: int, cap: int, budget: int, group: int) -> list[dict]:
     lens = long_tail(n, cap)
     rows = []
-    for name, shards in (("balanced_shards", balanced_shards(lens, dp, budget)),
-                         (f"balanced_shards (group_size={group})", balanced_shards(lens, dp, budget, group_size=group)),
-                         ("contiguous chunks", contiguous(lens, dp, budget)),
-                         ("sort-stride", sort_stride(lens, dp, budget))):
+    for name, shards in (
+        ("balanced_shards", balanced_shards(lens, dp, budget)),
+        (f"balanced_shards (group_size={group})", balanced_shards(lens, dp, budget, group_size=group)),
+        ("contiguous chunks", contiguous(lens, dp, budget)),
+        ("sort-stride", sort_stride(lens, dp, budget)),
+    ):
         s = balance_stats(shards, lens)
-        rows.append({"method": name, "samples": n, "dp": dp, "budget": budget, "max_over_mean": s["max_over_mean"],
-                     "microbatches_min": min(s["microbatches"]), "microbatches_max": max(s["microbatches"]),
-                     "max_microbatch_tokens": s["max_microbatch_tokens"]})
+        rows.append(
+            {
+                "method": name,
+                "samples": n,
+                "dp": dp,
+                "budget": budget,
+                "max_over_mean": s["max_over_mean"],
+                "microbatches_min": min(s["microbatches"]),
+                "microbatches_max": max(s["microbatches"]),
+                "max_microbatch_tokens": s["max_microbatch_tokens"],
+            }
+        )
     return rows
 
 
@@ -67,12 +78,15 @@ def transfer_rows(samples: int, seq: int, dp: int, iters: int, units: int) -> li
 
     from refit.data.ray_store import RayStore
 
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
-             object_store_memory=4 << 30)
+    ray.init(
+        num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False, object_store_memory=4 << 30
+    )
     stores = {True: RayStore(num_units=units), False: RayStore(num_units=units, durable=False)}
     g = torch.Generator().manual_seed(0)
-    batch = {"ids": torch.randint(0, 150_000, (samples, seq), generator=g),
-             "logprobs": -torch.rand(samples, seq, generator=g)}
+    batch = {
+        "ids": torch.randint(0, 150_000, (samples, seq), generator=g),
+        "logprobs": -torch.rand(samples, seq, generator=g),
+    }
     as_numpy = {k: v.numpy() for k, v in batch.items()}
     nbytes = sum(t.numel() * t.element_size() for t in batch.values())
     lens = long_tail(samples, seq)
@@ -99,6 +113,7 @@ def transfer_rows(samples: int, seq: int, dp: int, iters: int, units: int) -> li
             out = store.get(meta, select_fields=["ids", "logprobs"])
             assert torch.equal(out["ids"], batch["ids"])
             store.clear(meta)
+
         return run
 
     def ray_put_get(payload):
@@ -106,6 +121,7 @@ def transfer_rows(samples: int, seq: int, dp: int, iters: int, units: int) -> li
             out = ray.get(ray.put(payload))
             got = {k: torch.from_numpy(v.copy()) if isinstance(v, np.ndarray) else v for k, v in out.items()}
             assert torch.equal(got["ids"], batch["ids"])
+
         return run
 
     def refit_dp():
@@ -120,15 +136,18 @@ def transfer_rows(samples: int, seq: int, dp: int, iters: int, units: int) -> li
             ref = ray.put(payload)
             got = ray.get([c.ray.remote([ref], s) for c, s in zip(consumers, shares)])
             assert sum(got) == 2 * samples * seq
+
         return run
 
-    methods = {"ray_put_get (torch tensors)": ray_put_get(batch),
-               "ray_put_get (numpy, copied to torch)": ray_put_get(as_numpy),
-               "refit_put_get": refit_put_get(True),
-               "refit_put_get (durable=False)": refit_put_get(False),
-               f"ray_dp{dp} (torch tensors)": ray_dp(batch),
-               f"ray_dp{dp} (numpy)": ray_dp(as_numpy),
-               f"refit_dp{dp}": refit_dp}
+    methods = {
+        "ray_put_get (torch tensors)": ray_put_get(batch),
+        "ray_put_get (numpy, copied to torch)": ray_put_get(as_numpy),
+        "refit_put_get": refit_put_get(True),
+        "refit_put_get (durable=False)": refit_put_get(False),
+        f"ray_dp{dp} (torch tensors)": ray_dp(batch),
+        f"ray_dp{dp} (numpy)": ray_dp(as_numpy),
+        f"refit_dp{dp}": refit_dp,
+    }
     times: dict[str, list[float]] = {m: [] for m in methods}
     try:
         for fn in methods.values():
@@ -147,13 +166,26 @@ def transfer_rows(samples: int, seq: int, dp: int, iters: int, units: int) -> li
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows.append({"method": name, "median_s": med, "min_s": min(ts), "max_s": max(ts), "n": iters,
-                     "bytes": nbytes, "gbps": nbytes / med / 1e9})
+        rows.append(
+            {
+                "method": name,
+                "median_s": med,
+                "min_s": min(ts),
+                "max_s": max(ts),
+                "n": iters,
+                "bytes": nbytes,
+                "gbps": nbytes / med / 1e9,
+            }
+        )
     by = {r["method"]: r["median_s"] for r in rows}
     for r in rows:
         dp_row = r["method"].startswith(("ray_dp", "refit_dp"))
-        r["ratio_to_ray_torch"] = r["median_s"] / by[f"ray_dp{dp} (torch tensors)" if dp_row else "ray_put_get (torch tensors)"]
-        r["ratio_to_ray_numpy"] = r["median_s"] / by[f"ray_dp{dp} (numpy)" if dp_row else "ray_put_get (numpy, copied to torch)"]
+        r["ratio_to_ray_torch"] = (
+            r["median_s"] / by[f"ray_dp{dp} (torch tensors)" if dp_row else "ray_put_get (torch tensors)"]
+        )
+        r["ratio_to_ray_numpy"] = (
+            r["median_s"] / by[f"ray_dp{dp} (numpy)" if dp_row else "ray_put_get (numpy, copied to torch)"]
+        )
     return rows
 
 
@@ -175,28 +207,48 @@ def main(argv: list[str] | None = None) -> None:
 
     bal = balance_rows(args.balance_samples, args.dp, args.seq, args.budget, args.group)
     xfer = [] if args.skip_transfer else transfer_rows(args.samples, args.seq, args.dp, args.iters, args.units)
-    meta = {"command": "python -m bench.dataplane " + " ".join(sys.argv[1:] if argv is None else argv), "date": time.strftime("%Y-%m-%d"),
-            "cpus": os.cpu_count(), "machine": platform.machine(), "args": vars(args)}
+    meta = {
+        "command": "python -m bench.dataplane " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "args": vars(args),
+    }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "transfer": xfer, "balance": bal}, f, indent=1)
     c = Console()
     if xfer:
-        t = Table(title=f"put + get, {args.samples} x {args.seq} int64 ids + float32 logprobs "
-                        f"({xfer[0]['bytes'] / 2**20:.0f} MiB), {os.cpu_count()} CPUs")
+        t = Table(
+            title=f"put + get, {args.samples} x {args.seq} int64 ids + float32 logprobs "
+            f"({xfer[0]['bytes'] / 2**20:.0f} MiB), {os.cpu_count()} CPUs"
+        )
         for col in ("method", "median ms", "min ms", "max ms", "GB/s", "x ray (torch)", "x ray (numpy)"):
             t.add_column(col)
         for r in xfer:
-            t.add_row(r["method"], f"{r['median_s'] * 1e3:.2f}", f"{r['min_s'] * 1e3:.2f}", f"{r['max_s'] * 1e3:.2f}",
-                      f"{r['gbps']:.2f}", f"{r['ratio_to_ray_torch']:.2f}", f"{r['ratio_to_ray_numpy']:.2f}")
+            t.add_row(
+                r["method"],
+                f"{r['median_s'] * 1e3:.2f}",
+                f"{r['min_s'] * 1e3:.2f}",
+                f"{r['max_s'] * 1e3:.2f}",
+                f"{r['gbps']:.2f}",
+                f"{r['ratio_to_ray_torch']:.2f}",
+                f"{r['ratio_to_ray_numpy']:.2f}",
+            )
         c.print(t)
-    t = Table(title=f"balance: {args.balance_samples} long-tailed samples over {args.dp} DP ranks, "
-                    f"<= {args.budget} tokens per microbatch")
+    t = Table(
+        title=f"balance: {args.balance_samples} long-tailed samples over {args.dp} DP ranks, "
+        f"<= {args.budget} tokens per microbatch"
+    )
     for col in ("method", "max/mean tokens", "microbatches min..max", "largest microbatch"):
         t.add_column(col)
     for r in bal:
-        t.add_row(r["method"], f"{r['max_over_mean']:.4f}", f"{r['microbatches_min']}..{r['microbatches_max']}",
-                  str(r["max_microbatch_tokens"]))
+        t.add_row(
+            r["method"],
+            f"{r['max_over_mean']:.4f}",
+            f"{r['microbatches_min']}..{r['microbatches_max']}",
+            str(r["max_microbatch_tokens"]),
+        )
     c.print(t)
     print(f"records written to {args.out}")
 

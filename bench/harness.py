@@ -21,11 +21,10 @@ import datetime as _dt
 import json
 import os
 import statistics
-
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,7 +54,9 @@ class Scenario:
     dst: str
     devices: tuple[str, ...]  # process -> device (trainer ranks first)
     methods: tuple[str, ...]
-    floor: str = "links"  # "links": every link's bytes as one copy, all at once; "one_link": one engine's bytes over one link
+    floor: str = (
+        "links"  # "links": every link's bytes as one copy, all at once; "one_link": one engine's bytes over one link
+    )
 
     @property
     def gpus(self) -> int:
@@ -65,35 +66,106 @@ class Scenario:
 def scenarios(device: str) -> dict[str, Scenario]:
     if device == "cpu":
         return {
-            "S1": Scenario("S1", "non-colocated 1 -> 1 (CPU, gloo)", "tp=1", "tp=1", ("cpu", "cpu"),
-                           ("refit", "refit_verify", "per_tensor_broadcast", "floor")),
-            "S3": Scenario("S3", "reshard fsdp=2 -> tp=2 (CPU, gloo)", "fsdp=2", "tp=2", ("cpu",) * 4,
-                           ("refit", "refit_verify", "floor")),
-            "S6": Scenario("S6", "one trainer -> 3 engine replicas (CPU, gloo)", "tp=1", "tp=1,dp=3", ("cpu",) * 4,
-                           ("refit", "refit_fanout", "floor")),
+            "S1": Scenario(
+                "S1",
+                "non-colocated 1 -> 1 (CPU, gloo)",
+                "tp=1",
+                "tp=1",
+                ("cpu", "cpu"),
+                ("refit", "refit_verify", "per_tensor_broadcast", "floor"),
+            ),
+            "S3": Scenario(
+                "S3",
+                "reshard fsdp=2 -> tp=2 (CPU, gloo)",
+                "fsdp=2",
+                "tp=2",
+                ("cpu",) * 4,
+                ("refit", "refit_verify", "floor"),
+            ),
+            "S6": Scenario(
+                "S6",
+                "one trainer -> 3 engine replicas (CPU, gloo)",
+                "tp=1",
+                "tp=1,dp=3",
+                ("cpu",) * 4,
+                ("refit", "refit_fanout", "floor"),
+            ),
         }
     return {
-        "S1": Scenario("S1", "non-colocated 1 -> 1: trainer GPU0, engine tp=1 GPU1", "tp=1", "tp=1",
-                       ("cuda:0", "cuda:1"),
-                       ("refit", "refit_verify", "refit_nccl", "per_tensor_broadcast", "packed_broadcast_1buf", "packed_broadcast_2buf",
-                        "floor")),
-        "S2": Scenario("S2", "colocated on one GPU: trainer and engine processes on GPU0", "tp=1", "tp=1",
-                       ("cuda:0", "cuda:0"), ("refit", "refit_verify", "floor")),
-        "S3": Scenario("S3", "colocated reshard: trainer fsdp=2 on GPU0-1 -> engine tp=2 on GPU0-1", "fsdp=2", "tp=2",
-                       ("cuda:0", "cuda:1", "cuda:0", "cuda:1"), ("refit", "refit_verify", "gather_then_slice", "floor")),
-        "S4": Scenario("S4", "non-colocated reshard: trainer tp=2 on GPU0-1 -> engine tp=2 on GPU2-3", "tp=2", "tp=2",
-                       ("cuda:0", "cuda:1", "cuda:2", "cuda:3"), ("refit", "refit_nccl", "floor")),
-        "S5": Scenario("S5", "colocated reshard: trainer fsdp=4 -> engine tp=1,dp=4 on GPU0-3", "fsdp=4", "tp=1,dp=4",
-                       tuple(f"cuda:{i}" for i in range(4)) * 2, ("refit", "floor")),
-        "S6": Scenario("S6", "one trainer GPU -> 3 engine replicas: trainer GPU0 -> engine tp=1,dp=3 on GPU1-3", "tp=1",
-                       "tp=1,dp=3", tuple(f"cuda:{i}" for i in range(4)),
-                       ("refit", "refit_fanout", "per_tensor_broadcast", "floor"), floor="one_link"),
-        "S6x7": Scenario("S6x7", "one trainer GPU -> 7 engine replicas: trainer GPU0 -> engine tp=1,dp=7 on GPU1-7",
-                         "tp=1", "tp=1,dp=7", tuple(f"cuda:{i}" for i in range(8)),
-                         ("refit", "refit_fanout", "per_tensor_broadcast", "floor"), floor="one_link"),
-        "S7": Scenario("S7", "MoE colocated reshard (run with --model qwen3-30b-a3b): trainer ep=4,tp=2 -> engine "
-                       "tp=4,dp=2 on GPU0-7", "ep=4,tp=2", "tp=4,dp=2", tuple(f"cuda:{i}" for i in range(8)) * 2,
-                       ("refit", "floor")),
+        "S1": Scenario(
+            "S1",
+            "non-colocated 1 -> 1: trainer GPU0, engine tp=1 GPU1",
+            "tp=1",
+            "tp=1",
+            ("cuda:0", "cuda:1"),
+            (
+                "refit",
+                "refit_verify",
+                "refit_nccl",
+                "per_tensor_broadcast",
+                "packed_broadcast_1buf",
+                "packed_broadcast_2buf",
+                "floor",
+            ),
+        ),
+        "S2": Scenario(
+            "S2",
+            "colocated on one GPU: trainer and engine processes on GPU0",
+            "tp=1",
+            "tp=1",
+            ("cuda:0", "cuda:0"),
+            ("refit", "refit_verify", "floor"),
+        ),
+        "S3": Scenario(
+            "S3",
+            "colocated reshard: trainer fsdp=2 on GPU0-1 -> engine tp=2 on GPU0-1",
+            "fsdp=2",
+            "tp=2",
+            ("cuda:0", "cuda:1", "cuda:0", "cuda:1"),
+            ("refit", "refit_verify", "gather_then_slice", "floor"),
+        ),
+        "S4": Scenario(
+            "S4",
+            "non-colocated reshard: trainer tp=2 on GPU0-1 -> engine tp=2 on GPU2-3",
+            "tp=2",
+            "tp=2",
+            ("cuda:0", "cuda:1", "cuda:2", "cuda:3"),
+            ("refit", "refit_nccl", "floor"),
+        ),
+        "S5": Scenario(
+            "S5",
+            "colocated reshard: trainer fsdp=4 -> engine tp=1,dp=4 on GPU0-3",
+            "fsdp=4",
+            "tp=1,dp=4",
+            tuple(f"cuda:{i}" for i in range(4)) * 2,
+            ("refit", "floor"),
+        ),
+        "S6": Scenario(
+            "S6",
+            "one trainer GPU -> 3 engine replicas: trainer GPU0 -> engine tp=1,dp=3 on GPU1-3",
+            "tp=1",
+            "tp=1,dp=3",
+            tuple(f"cuda:{i}" for i in range(4)),
+            ("refit", "refit_fanout", "per_tensor_broadcast", "floor"),
+            floor="one_link",
+        ),
+        "S6x7": Scenario(
+            "S6x7",
+            "one trainer GPU -> 7 engine replicas: trainer GPU0 -> engine tp=1,dp=7 on GPU1-7",
+            "tp=1",
+            "tp=1,dp=7",
+            tuple(f"cuda:{i}" for i in range(8)),
+            ("refit", "refit_fanout", "per_tensor_broadcast", "floor"),
+            floor="one_link",
+        ),
+        "S7": Scenario(
+            "S7",
+            "MoE colocated reshard (run with --model qwen3-30b-a3b): trainer ep=4,tp=2 -> engine tp=4,dp=2 on GPU0-7",
+            "ep=4,tp=2",
+            "tp=4,dp=2",
+            tuple(f"cuda:{i}" for i in range(8)) * 2,
+            ("refit", "floor"),
+        ),
     }
 
 
@@ -121,15 +193,23 @@ def _floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
     if scen.floor == "one_link":
         # the largest per-link byte count of an ideal fan-out (every engine's bytes cross one link
         # once): one engine's share over one link
-        biggest = max(sum(box_numel(b) * t.itemsize for t in plan.dst_layout if (b := t.box(r)) is not None)
-                      for r in range(len(plan.procs.dst)))
+        biggest = max(
+            sum(box_numel(b) * t.itemsize for t in plan.dst_layout if (b := t.box(r)) is not None)
+            for r in range(len(plan.procs.dst))
+        )
         first = torch.device(plan.procs.device_of(plan.procs.dst[0]))
         peer, same = ({first: biggest} if ctx.rank == plan.procs.src[0] else {}), 0
     out = {}
     # n bytes as copies of at most FLOOR_CHUNK bytes through one buffer pair (the same bytes cross the
     # link; a 60 GB model's floor then needs no second and third copy of the model)
-    peer_bufs = [(n, torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=dev),
-                  torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=d)) for d, n in sorted(peer.items(), key=str)]
+    peer_bufs = [
+        (
+            n,
+            torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=dev),
+            torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=d),
+        )
+        for d, n in sorted(peer.items(), key=str)
+    ]
     if same:
         ls = torch.empty(min(same, FLOOR_CHUNK), dtype=torch.uint8, device=dev)
         ld = torch.empty(min(same, FLOOR_CHUNK), dtype=torch.uint8, device=dev)
@@ -183,7 +263,9 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _time_runs(barrier, dev, run, iters, before=None, after=None, base=0) -> tuple[list[float], list[bool], list[int], int]:
+def _time_runs(
+    barrier, dev, run, iters, before=None, after=None, base=0
+) -> tuple[list[float], list[bool], list[int], int]:
     """Times, checks, allocated memory after each refit, and the peak over ``base`` during the refits
     (the checker's temporaries excluded)."""
     times, oks, mems, peak = [], [], [], 0
@@ -241,8 +323,16 @@ def _check(dst: dict[str, torch.Tensor], expected) -> bool:
     return ok
 
 
-def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: int, growth_iters: int, cfg: TransferConfig,
-                  fp8: bool = False):
+def _bench_worker(
+    world: World,
+    scen: Scenario,
+    model: str,
+    warmup: int,
+    iters: int,
+    growth_iters: int,
+    cfg: TransferConfig,
+    fp8: bool = False,
+):
     dev = world.device
     shapes = param_shapes(model)
     src_spec, dst_spec = parse_spec(scen.src, "src"), parse_spec(scen.dst, "dst")
@@ -271,15 +361,21 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
             src = quantizer.tensors
     else:
         r = world.rank - src_spec.world_size
-        dst = {t.name: torch.empty(tuple(b - a for a, b in box), dtype=t.dtype, device=dev) for t, box in dst_l.local_tensors(r)}
+        dst = {
+            t.name: torch.empty(tuple(b - a for a, b in box), dtype=t.dtype, device=dev)
+            for t, box in dst_l.local_tensors(r)
+        }
         expected = _expected(plain_src, dst_l, r, dev, fp8)
     _sync(dev)
     ctx = M.Ctx(world.rank, dev, plan, src, dst, nccl, list(range(world.world_size)), trainer_nccl, store, cfg)
     ctx.extra["prepare"] = quantizer
     if "refit_fanout" in scen.methods:  # engine rank r is process n_src + r
         n_src = src_spec.world_size
-        ctx.extra["fanout"] = (layout_from_spec(shapes, dst_spec.replica()),
-                               [[n_src + r for r in ranks] for ranks in dst_spec.replica_ranks()], scen.devices)
+        ctx.extra["fanout"] = (
+            layout_from_spec(shapes, dst_spec.replica()),
+            [[n_src + r for r in ranks] for ranks in dst_spec.replica_ranks()],
+            scen.devices,
+        )
     total = plan.bytes_moved + plan.bytes_local
     setups = {
         "refit": M.refit_method("auto"),
@@ -291,7 +387,7 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
         "packed_broadcast_1buf": M.packed_broadcast(1, 1 * GiB),
         "packed_broadcast_2buf": M.packed_broadcast(2, 1 * GiB),
         "gather_then_slice": M.gather_then_slice,
-        "fp8_quantize": lambda c: (quantizer or (lambda: None)),
+        "fp8_quantize": lambda c: quantizer or (lambda: None),
     }
     records = []
     check = (lambda: _check(dst, expected)) if dst is not None else None
@@ -315,34 +411,66 @@ def _bench_worker(world: World, scen: Scenario, model: str, warmup: int, iters: 
                 rec = {"variant": v, "times": t}
                 if best is None or statistics.median(t) < statistics.median(best["times"]):
                     best = rec
-            records.append({"method": "floor", "times": best["times"] if best else [], "variant": best["variant"] if best else "",
-                            "correct": None, "peak_extra_bytes": None, "growth_bytes": None})
+            records.append(
+                {
+                    "method": "floor",
+                    "times": best["times"] if best else [],
+                    "variant": best["variant"] if best else "",
+                    "correct": None,
+                    "peak_extra_bytes": None,
+                    "growth_bytes": None,
+                }
+            )
             del variants
             continue
         run = setups[method](ctx)
         n = warmup + (growth_iters if method == "refit" else iters)
         checked = method != "fp8_quantize"
-        times, oks, mems, peak = _time_runs(barrier, dev, run, n, before if checked else None, check if checked else None, base)
+        times, oks, mems, peak = _time_runs(
+            barrier, dev, run, n, before if checked else None, check if checked else None, base
+        )
         if method == "refit" and dev.type == "cuda" and os.environ.get("REFIT_BENCH_PROFILE"):
             puller = run.peer.executor.puller if isinstance(run, M.RefitRun) else None
             if puller is not None:
-                print(f"[{scen.name} rank {world.rank}] ipc profile: " + ", ".join(
-                    f"{k}: {c} copies {b / 1e9:.2f} GB {s * 1e3:.2f} ms ({b / s / 1e9:.0f} GB/s)" for k, (c, b, s) in puller.profile().items()),
-                    flush=True)
+                print(
+                    f"[{scen.name} rank {world.rank}] ipc profile: "
+                    + ", ".join(
+                        f"{k}: {c} copies {b / 1e9:.2f} GB {s * 1e3:.2f} ms ({b / s / 1e9:.0f} GB/s)"
+                        for k, (c, b, s) in puller.profile().items()
+                    ),
+                    flush=True,
+                )
         times = gather_max(times[warmup:])
         all_ok = dist_all([all(oks)])
         peaks = dist_all([peak])
         growth = dist_all([mems[-1] - mems[0]])
-        records.append({"method": method, "times": times, "correct": all(all_ok) if checked else None, "peak_extra_bytes": max(peaks),
-                        "growth_bytes": max(growth), "variant": ""})
+        records.append(
+            {
+                "method": method,
+                "times": times,
+                "correct": all(all_ok) if checked else None,
+                "peak_extra_bytes": max(peaks),
+                "growth_bytes": max(growth),
+                "variant": "",
+            }
+        )
         dist.barrier()  # nobody still pulls from this method's buffers
         if hasattr(run, "close"):
             run.close()
         del run
     dist.barrier()
     barrier.close()
-    return {"records": records, "bytes": total, "bytes_moved": plan.bytes_moved, "bytes_same_device": plan.bytes_same_device,
-            "digest": plan.digest} if world.rank == 0 else None
+    return (
+        {
+            "records": records,
+            "bytes": total,
+            "bytes_moved": plan.bytes_moved,
+            "bytes_same_device": plan.bytes_same_device,
+            "digest": plan.digest,
+        }
+        if world.rank == 0
+        else None
+    )
 
 
 def dist_all(items) -> list:
@@ -371,8 +499,19 @@ def device_kind() -> str:
 FP8_METHODS = ("refit", "refit_1stage", "fp8_quantize", "floor")
 
 
-def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int, growth_iters: int,
-              cfg: TransferConfig, out_path: str | None, command: str, console, fp8: bool = False) -> list[dict]:
+def run_bench(
+    device: str,
+    model: str,
+    which: list[str],
+    warmup: int,
+    iters: int,
+    growth_iters: int,
+    cfg: TransferConfig,
+    out_path: str | None,
+    command: str,
+    console,
+    fp8: bool = False,
+) -> list[dict]:
     """``fp8``: every scenario runs with an FP8 engine (methods ``FP8_METHODS``), rows named ``<S>-fp8``."""
     all_s = scenarios(device)
     if not which:  # the scenarios this machine can run
@@ -395,32 +534,69 @@ def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int
         if fp8:
             from dataclasses import replace
 
-            scen = replace(scen, name=f"{name}-fp8", what=scen.what + ", FP8 engine (128x128 blocks, quantized by the trainer)",
-                           methods=FP8_METHODS)
+            scen = replace(
+                scen,
+                name=f"{name}-fp8",
+                what=scen.what + ", FP8 engine (128x128 blocks, quantized by the trainer)",
+                methods=FP8_METHODS,
+            )
             name = scen.name
-        console.print(f"[{name}] {scen.what}: {model}, trainer {scen.src} -> engine {scen.dst}, methods {', '.join(scen.methods)} ...")
+        console.print(
+            f"[{name}] {scen.what}: {model}, trainer {scen.src} -> engine {scen.dst}, methods {', '.join(scen.methods)} ..."
+        )
         n_src = parse_spec(scen.src, "src").world_size
         n_dst = parse_spec(scen.dst, "dst").world_size
-        res = run_local(_bench_worker, n_src, n_dst, scen, model, warmup, iters, growth_iters, cfg, fp8,
-                        devices=list(scen.devices), backend="gloo", timeout_s=1200)[0]
+        res = run_local(
+            _bench_worker,
+            n_src,
+            n_dst,
+            scen,
+            model,
+            warmup,
+            iters,
+            growth_iters,
+            cfg,
+            fp8,
+            devices=list(scen.devices),
+            backend="gloo",
+            timeout_s=1200,
+        )[0]
         floor = next((r for r in res["records"] if r["method"] == "floor"), None)
         floor_s = statistics.median(floor["times"]) if floor and floor["times"] else None
         for r in res["records"]:
             t = r["times"]
             med = statistics.median(t)
-            rows.append({
-                "scenario": name, "method": r["method"], "model": model, "bytes": res["bytes"],
-                "bytes_moved": res["bytes_moved"], "bytes_same_device": res["bytes_same_device"],
-                "median_s": med, "min_s": min(t), "max_s": max(t), "n": len(t),
-                "gbps": res["bytes"] / med / 1e9, "floor_s": floor_s,
-                "ratio_to_floor": med / floor_s if floor_s else None,
-                "peak_extra_bytes": r["peak_extra_bytes"], "growth_bytes": r["growth_bytes"],
-                "correct": r["correct"], "variant": r["variant"],
-                "budget_bytes": cfg.num_buffers * cfg.buffer_bytes, "copy_streams": cfg.copy_streams,
-                "cuda_graph": cfg.cuda_graph,
-                "device": kind, "command": command, "date": date, "plan_digest": res["digest"],
-            })
-            console.print(f"  {r['method']:<22} median {med * 1e3:9.2f} ms  ratio {rows[-1]['ratio_to_floor'] or 0:5.2f}  ok={r['correct']}")
+            rows.append(
+                {
+                    "scenario": name,
+                    "method": r["method"],
+                    "model": model,
+                    "bytes": res["bytes"],
+                    "bytes_moved": res["bytes_moved"],
+                    "bytes_same_device": res["bytes_same_device"],
+                    "median_s": med,
+                    "min_s": min(t),
+                    "max_s": max(t),
+                    "n": len(t),
+                    "gbps": res["bytes"] / med / 1e9,
+                    "floor_s": floor_s,
+                    "ratio_to_floor": med / floor_s if floor_s else None,
+                    "peak_extra_bytes": r["peak_extra_bytes"],
+                    "growth_bytes": r["growth_bytes"],
+                    "correct": r["correct"],
+                    "variant": r["variant"],
+                    "budget_bytes": cfg.num_buffers * cfg.buffer_bytes,
+                    "copy_streams": cfg.copy_streams,
+                    "cuda_graph": cfg.cuda_graph,
+                    "device": kind,
+                    "command": command,
+                    "date": date,
+                    "plan_digest": res["digest"],
+                }
+            )
+            console.print(
+                f"  {r['method']:<22} median {med * 1e3:9.2f} ms  ratio {rows[-1]['ratio_to_floor'] or 0:5.2f}  ok={r['correct']}"
+            )
     if out_path:
         os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
         with open(out_path, "w") as f:
@@ -431,14 +607,22 @@ def run_bench(device: str, model: str, which: list[str], warmup: int, iters: int
 def print_table(rows: list[dict], console) -> None:
     from rich.table import Table
 
-    table = Table("scenario", "method", "median ms", "min ms", "max ms", "GB/s", "x floor", "peak extra MiB", "growth", "correct")
+    table = Table(
+        "scenario", "method", "median ms", "min ms", "max ms", "GB/s", "x floor", "peak extra MiB", "growth", "correct"
+    )
     for r in rows:
-        table.add_row(r["scenario"], r["method"] + (f" ({r['variant']})" if r["variant"] else ""),
-                      f"{r['median_s'] * 1e3:.2f}", f"{r['min_s'] * 1e3:.2f}", f"{r['max_s'] * 1e3:.2f}", f"{r['gbps']:.1f}",
-                      f"{r['ratio_to_floor']:.3f}" if r["ratio_to_floor"] else "-",
-                      "-" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}",
-                      "-" if r["growth_bytes"] is None else str(r["growth_bytes"]),
-                      "-" if r["correct"] is None else str(r["correct"]))
+        table.add_row(
+            r["scenario"],
+            r["method"] + (f" ({r['variant']})" if r["variant"] else ""),
+            f"{r['median_s'] * 1e3:.2f}",
+            f"{r['min_s'] * 1e3:.2f}",
+            f"{r['max_s'] * 1e3:.2f}",
+            f"{r['gbps']:.1f}",
+            f"{r['ratio_to_floor']:.3f}" if r["ratio_to_floor"] else "-",
+            "-" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}",
+            "-" if r["growth_bytes"] is None else str(r["growth_bytes"]),
+            "-" if r["correct"] is None else str(r["correct"]),
+        )
     console.print(table)
 
 

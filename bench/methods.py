@@ -6,8 +6,9 @@ the groups, the plan. Methods that do not apply to a process return a no-op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,15 +37,30 @@ def refit_method(transport: str, **overrides) -> Callable[[Ctx], Callable[[], No
     """refit's own path; ``overrides``: TransferConfig fields (e.g. ``verify=True``)."""
 
     def setup(ctx: Ctx) -> Callable[[], None]:
-        fields = {"num_buffers": ctx.config.num_buffers, "buffer_bytes": ctx.config.buffer_bytes,
-                  "transport": transport, "name": f"bench-{transport}-{ctx.extra.get('round', 0)}",
-                  "copy_streams": ctx.config.copy_streams, "cuda_graph": ctx.config.cuda_graph,
-                  "stages": ctx.config.stages}
+        fields = {
+            "num_buffers": ctx.config.num_buffers,
+            "buffer_bytes": ctx.config.buffer_bytes,
+            "transport": transport,
+            "name": f"bench-{transport}-{ctx.extra.get('round', 0)}",
+            "copy_streams": ctx.config.copy_streams,
+            "cuda_graph": ctx.config.cuda_graph,
+            "stages": ctx.config.stages,
+        }
         cfg = TransferConfig(**{**fields, **overrides})
         group = ctx.nccl if transport == "p2p" else None
-        peer = Peer(ctx.plan.src_layout, ctx.plan.dst_layout, ctx.rank, src_tensors=ctx.src, dst_tensors=ctx.dst,
-                    procs=ctx.plan.procs, group=group, config=cfg, device=ctx.device, store=ctx.store,
-                    prepare=ctx.extra.get("prepare"))
+        peer = Peer(
+            ctx.plan.src_layout,
+            ctx.plan.dst_layout,
+            ctx.rank,
+            src_tensors=ctx.src,
+            dst_tensors=ctx.dst,
+            procs=ctx.plan.procs,
+            group=group,
+            config=cfg,
+            device=ctx.device,
+            store=ctx.store,
+            prepare=ctx.extra.get("prepare"),
+        )
         return RefitRun(peer)
 
     return setup
@@ -57,13 +73,28 @@ def refit_fanout(ctx: Ctx) -> Callable[[], None]:
     from refit.fanout import Fanout
 
     replica, replica_procs, devices = ctx.extra["fanout"]
-    cfg = TransferConfig(num_buffers=ctx.config.num_buffers, buffer_bytes=ctx.config.buffer_bytes, transport="auto",
-                         name=f"bench-fanout-{ctx.extra.get('round', 0)}", copy_streams=ctx.config.copy_streams,
-                         cuda_graph=ctx.config.cuda_graph)
+    cfg = TransferConfig(
+        num_buffers=ctx.config.num_buffers,
+        buffer_bytes=ctx.config.buffer_bytes,
+        transport="auto",
+        name=f"bench-fanout-{ctx.extra.get('round', 0)}",
+        copy_streams=ctx.config.copy_streams,
+        cuda_graph=ctx.config.cuda_graph,
+    )
     trainer_procs = list(ctx.plan.procs.src)
     tensors = ctx.src if ctx.src is not None else ctx.dst
-    f = Fanout(ctx.plan.src_layout, replica, ctx.rank, trainer_procs, replica_procs, tensors, config=cfg,
-               devices=devices, device=ctx.device, store=ctx.store)
+    f = Fanout(
+        ctx.plan.src_layout,
+        replica,
+        ctx.rank,
+        trainer_procs,
+        replica_procs,
+        tensors,
+        config=cfg,
+        devices=devices,
+        device=ctx.device,
+        store=ctx.store,
+    )
     state = {"version": 0}
 
     def run() -> None:

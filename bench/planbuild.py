@@ -66,20 +66,39 @@ def main() -> None:
             s, d = layouts(shapes, src, dst, fp8)
             t3, plan = timed(lambda: build_plan(s, d, procs))
             samples["build_plan"].append(t3)
-            info = {"links": len(lb), "messages": len(plan.messages), "steps": plan.num_steps,
-                    "pieces": sum(len(m.pieces) for m in plan.messages) + len(plan.local),
-                    "bytes_moved": plan.bytes_moved}
+            info = {
+                "links": len(lb),
+                "messages": len(plan.messages),
+                "steps": plan.num_steps,
+                "pieces": sum(len(m.pieces) for m in plan.messages) + len(plan.local),
+                "bytes_moved": plan.bytes_moved,
+            }
             del plan
-        rows.append({"case": label, "model": model, "src": src, "dst": dst, "colocated": colocated, "fp8_block": fp8,
-                     "cores": cores, **info, "samples_s": samples,
-                     "median_s": {k: statistics.median(v) for k, v in samples.items()}})
+        rows.append(
+            {
+                "case": label,
+                "model": model,
+                "src": src,
+                "dst": dst,
+                "colocated": colocated,
+                "fp8_block": fp8,
+                "cores": cores,
+                **info,
+                "samples_s": samples,
+                "median_s": {k: statistics.median(v) for k, v in samples.items()},
+            }
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"{'case':26s} {'pieces':>8s} {'messages':>9s} {'source choice s':>16s} {'full plan s':>12s}  (median of {args.repeats}, {cores} core(s))")
+    print(
+        f"{'case':26s} {'pieces':>8s} {'messages':>9s} {'source choice s':>16s} {'full plan s':>12s}  (median of {args.repeats}, {cores} core(s))"
+    )
     for r in rows:
         m = r["median_s"]
-        print(f"{r['case']:26s} {r['pieces']:>8d} {r['messages']:>9d} {m['link_bytes']:>16.2f} {m['build_plan']:>12.2f}")
+        print(
+            f"{r['case']:26s} {r['pieces']:>8d} {r['messages']:>9d} {m['link_bytes']:>16.2f} {m['build_plan']:>12.2f}"
+        )
     print(f"written to {args.out}")
 
 

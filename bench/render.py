@@ -19,8 +19,10 @@ import sys
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| scenario | method | median ms | min ms | max ms | GB/s | x floor | peak extra MiB | growth (B) | correct |\n"
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    head = (
+        "| scenario | method | median ms | min ms | max ms | GB/s | x floor | peak extra MiB | growth (B) | correct |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+    )
     out = [head]
     for r in rows:
         name = r["method"] + (f" ({r['variant']})" if r.get("variant") else "")
@@ -81,7 +83,7 @@ def main(argv: list[str]) -> int:
     png = f"bench_{kind}.png"
     chart(rows, os.path.join("docs", png), f"refit bench, {rows[0]['model']}, {kind}, {rows[0]['date']}")
     body = f"{start}\n{table(rows)}\n\n![refit bench on {kind}]({png})\n{end}"
-    text = text[: text.index(start)] + body + text[text.index(end) + len(end):]
+    text = text[: text.index(start)] + body + text[text.index(end) + len(end) :]
     open(doc, "w").write(text)
     print(f"wrote {doc} and docs/{png}")
     return 0

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from refit.verify import reference_tensor
 
 
-def make_weight(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.Tensor:
+def make_weight(
+    name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> torch.Tensor:
     return reference_tensor(name, shape, dtype, seed, device)
 
 

@@ -26,8 +26,9 @@ FIELDS = ["ids", "logprobs", "mask", "adv"]
 
 
 @ray.remote(num_cpus=0)
-def rollout(store: RayStore, version: int, step: int, worker: int, prompts: list[int], group: int,
-            max_len: int, seed: int) -> BatchMeta:
+def rollout(
+    store: RayStore, version: int, step: int, worker: int, prompts: list[int], group: int, max_len: int, seed: int
+) -> BatchMeta:
     """Generate ``group`` responses per prompt (long-tailed lengths) and write them."""
     rng = np.random.default_rng(seed)
     n = len(prompts) * group
@@ -40,9 +41,19 @@ def rollout(store: RayStore, version: int, step: int, worker: int, prompts: list
     logprobs = (-torch.rand(n, max_len, generator=torch.Generator().manual_seed(seed))).to(torch.bfloat16)
     reward = torch.from_numpy((rng.random(n) < 0.3).astype(np.float32))
     keys = [f"v{version}/s{step}/p{p}/g{j}" for p in prompts for j in range(group)]
-    return store.put(keys, {"ids": ids, "mask": mask, "logprobs": logprobs, "reward": reward,
-                            "length": torch.from_numpy(lens.astype(np.int64))},
-                     partition="train", tags={"version": version, "worker": worker}, seq_lens=lens.tolist())
+    return store.put(
+        keys,
+        {
+            "ids": ids,
+            "mask": mask,
+            "logprobs": logprobs,
+            "reward": reward,
+            "length": torch.from_numpy(lens.astype(np.int64)),
+        },
+        partition="train",
+        tags={"version": version, "worker": worker},
+        seq_lens=lens.tolist(),
+    )
 
 
 @ray.remote(num_cpus=0)
@@ -63,9 +74,14 @@ class Trainer:
             lp = batch["logprobs"][sl].float()
             per_sample.append((batch["adv"][sl, None] * lp * m).sum(1) / m.sum(1))  # a policy-gradient-ish term
             pos += len(mb)
-        return {"rank": self.rank, "microbatches": len(meta.extra_info["microbatches"]),
-                "tokens": sum(meta.seq_lens), "bytes": nbytes, "fetch_s": fetch_s,
-                "per_sample": torch.cat(per_sample)}
+        return {
+            "rank": self.rank,
+            "microbatches": len(meta.extra_info["microbatches"]),
+            "tokens": sum(meta.seq_lens),
+            "bytes": nbytes,
+            "fetch_s": fetch_s,
+            "per_sample": torch.cat(per_sample),
+        }
 
 
 def grpo_advantages(reward: torch.Tensor, group: int) -> torch.Tensor:
@@ -95,8 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
             version = step  # the weights that generate this step's rollouts
             t0 = time.perf_counter()
             prompts = np.array_split(np.arange(args.prompts), args.rollout_workers)
-            metas = ray.get([rollout.remote(store, version, step, w, p.tolist(), args.group, args.max_len,
-                                            seed=1000 * step + w) for w, p in enumerate(prompts) if len(p)])
+            metas = ray.get(
+                [
+                    rollout.remote(store, version, step, w, p.tolist(), args.group, args.max_len, seed=1000 * step + w)
+                    for w, p in enumerate(prompts)
+                    if len(p)
+                ]
+            )
             meta = BatchMeta.concat(metas)
             t_roll = time.perf_counter() - t0
             # driver: small columns only
@@ -109,8 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
             for rank in shards:
                 order = [i for mb in rank for i in mb]
                 pos = {i: j for j, i in enumerate(order)}
-                rank_metas.append(meta.select(order).with_extra_info(
-                    microbatches=[[pos[i] for i in mb] for mb in rank]))
+                rank_metas.append(
+                    meta.select(order).with_extra_info(microbatches=[[pos[i] for i in mb] for mb in rank])
+                )
             t1 = time.perf_counter()
             results = ray.get([t.train_step.remote(store, m) for t, m in zip(trainers, rank_metas)])
             t_train = time.perf_counter() - t1
@@ -122,15 +144,26 @@ def main(argv: list[str] | None = None) -> dict:
             stats = balance_stats(shards, lens)
             mb = [r["microbatches"] for r in results]
             nbytes = sum(r["bytes"] for r in results)
-            row = {"step": step, "samples": len(meta), "tokens": sum(lens), "max_over_mean": stats["max_over_mean"],
-                   "microbatches": mb, "fetch_MBps": nbytes / max(r["fetch_s"] for r in results) / 1e6,
-                   "rollout_s": t_roll, "train_s": t_train, "keys_left": left}
+            row = {
+                "step": step,
+                "samples": len(meta),
+                "tokens": sum(lens),
+                "max_over_mean": stats["max_over_mean"],
+                "microbatches": mb,
+                "fetch_MBps": nbytes / max(r["fetch_s"] for r in results) / 1e6,
+                "rollout_s": t_roll,
+                "train_s": t_train,
+                "keys_left": left,
+            }
             summary["steps"].append(row)
-            print(f"step {step}: {len(meta)} samples, {sum(lens)} tokens, tokens/rank max/mean "
-                  f"{stats['max_over_mean']:.3f}, microbatches/rank {mb}, fetch {row['fetch_MBps']:.0f} MB/s "
-                  f"({nbytes / 1e6:.1f} MB), rollout {t_roll * 1e3:.0f} ms, train {t_train * 1e3:.0f} ms "
-                  f"({sum(lens) / t_train / 1e3:.0f}k tokens/s), "
-                  f"keys left {left}", flush=True)
+            print(
+                f"step {step}: {len(meta)} samples, {sum(lens)} tokens, tokens/rank max/mean "
+                f"{stats['max_over_mean']:.3f}, microbatches/rank {mb}, fetch {row['fetch_MBps']:.0f} MB/s "
+                f"({nbytes / 1e6:.1f} MB), rollout {t_roll * 1e3:.0f} ms, train {t_train * 1e3:.0f} ms "
+                f"({sum(lens) / t_train / 1e3:.0f}k tokens/s), "
+                f"keys left {left}",
+                flush=True,
+            )
             if len(set(mb)) != 1:
                 raise AssertionError(f"unequal microbatch counts across DP ranks: {mb}")
         summary["keys_left"] = len(store.keys())

@@ -47,11 +47,21 @@ def main() -> int:
     vocab = config.vocab_size
     with tempfile.TemporaryDirectory() as workdir:
         build_model(config, torch.float32, seed=1000).save_pretrained(workdir)  # the engine starts elsewhere
-        llm = LLM(model=workdir, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
-                  max_model_len=128, enforce_eager=True, seed=0, weight_transfer_config={"backend": "refit"})
+        llm = LLM(
+            model=workdir,
+            dtype="float32",
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=0.3,
+            max_model_len=128,
+            enforce_eager=True,
+            seed=0,
+            weight_transfer_config={"backend": "refit"},
+        )
         policy = build_model(config, torch.float32, seed=0)
         opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
-        info = RefitTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(), n_trainer=1, n_workers=1)
+        info = RefitTrainerInitInfo(
+            rank=0, master_address="127.0.0.1", master_port=free_port(), n_trainer=1, n_workers=1
+        )
         engine = RefitTrainerEngine.trainer_init(info, client=LLMClient(llm), source=ShardedModuleSource(policy, 1))
         t = engine.send_weights(0)  # the engine starts from the trainer's weights
         g = torch.Generator().manual_seed(7)
@@ -81,15 +91,19 @@ def main() -> int:
             stats = engine.send_weights(step)
             refit_ms = (time.perf_counter() - t0) * 1e3
             # check: vLLM's greedy next-token logprob on a probe prompt equals the trainer's
-            o = llm.generate([{"prompt_token_ids": probe}], SamplingParams(max_tokens=1, temperature=0.0, logprobs=0),
-                             use_tqdm=False)[0].outputs[0]
+            o = llm.generate(
+                [{"prompt_token_ids": probe}], SamplingParams(max_tokens=1, temperature=0.0, logprobs=0), use_tqdm=False
+            )[0].outputs[0]
             tok, v_lp = o.token_ids[0], o.logprobs[0][o.token_ids[0]].logprob
             with torch.no_grad():
                 ref = torch.log_softmax(policy(input_ids=torch.tensor([probe])).logits[0, -1].double(), -1)
             delta = abs(v_lp - float(ref[tok]))
             ok &= delta <= 1e-4 and int(torch.argmax(ref)) == tok
-            print(f"{step:>4} {sum(rewards) / len(rewards):>7.3f} {loss.item():>8.4f} {refit_ms:>9.1f} "
-                  f"{stats.bytes_sent:>10,} {delta:>14.2e} {llm.get_weight_version()}", flush=True)
+            print(
+                f"{step:>4} {sum(rewards) / len(rewards):>7.3f} {loss.item():>8.4f} {refit_ms:>9.1f} "
+                f"{stats.bytes_sent:>10,} {delta:>14.2e} {llm.get_weight_version()}",
+                flush=True,
+            )
         engine.shutdown()
         del llm
     print("PASS: vLLM served every refitted version exactly" if ok else "FAIL: vLLM disagrees with the trainer")

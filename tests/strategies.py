@@ -28,6 +28,4 @@ def meshes(draw, world_size, max_dims=3):
 
 @st.composite
 def placements_for(draw, mesh, ndim):
-    return tuple(
-        draw(st.one_of(st.just(Replicate()), st.integers(0, ndim - 1).map(Shard))) for _ in range(mesh.ndim)
-    )
+    return tuple(draw(st.one_of(st.just(Replicate()), st.integers(0, ndim - 1).map(Shard))) for _ in range(mesh.ndim))

@@ -16,7 +16,14 @@ def _run(*args, timeout=300):
 
 @pytest.mark.parametrize(
     "src,dst",
-    [("tp=2", "tp=1,dp=2"), ("fsdp=2", "tp=2"), ("tp=2,pp=2", "tp=4"), ("dp=2,tp=2", "tp=1,dp=4"), ("fsdp=4", "tp=2,dp=2"), ("tp=2", "tp=2")],
+    [
+        ("tp=2", "tp=1,dp=2"),
+        ("fsdp=2", "tp=2"),
+        ("tp=2,pp=2", "tp=4"),
+        ("dp=2,tp=2", "tp=1,dp=4"),
+        ("fsdp=4", "tp=2,dp=2"),
+        ("tp=2", "tp=2"),
+    ],
 )
 def test_plan_json(capsys, src, dst):
     assert main(["plan", "--model", "llama-3.1-8b", "--src", src, "--dst", dst, "--json"]) == 0
@@ -68,7 +75,13 @@ def test_verify_dump_can_be_rechecked_independently(tmp_path):
     checked = 0
     for t in layout["tensors"]:
         mesh = Mesh.from_nested(t["mesh"])
-        tl = TensorLayout(t["name"], tuple(t["global_shape"]), getattr(torch, t["dtype"]), mesh, tuple(parse_placement(p) for p in t["placements"]))
+        tl = TensorLayout(
+            t["name"],
+            tuple(t["global_shape"]),
+            getattr(torch, t["dtype"]),
+            mesh,
+            tuple(parse_placement(p) for p in t["placements"]),
+        )
         assert (full[t["name"]] != 0).all()
         for d in mesh.ranks:
             assert torch.equal(shards[d][t["name"]], full[t["name"]][box_slices(tl.box(d))])
@@ -104,12 +117,30 @@ def test_bench_cpu_writes_records(tmp_path):
     r = _run("bench", "--device", "cpu", "--iters", "3", "--growth-iters", "3", "--warmup", "1", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
-    keys = {"scenario", "method", "model", "bytes", "median_s", "min_s", "max_s", "floor_s", "ratio_to_floor",
-            "peak_extra_bytes", "correct", "command", "date"}
+    keys = {
+        "scenario",
+        "method",
+        "model",
+        "bytes",
+        "median_s",
+        "min_s",
+        "max_s",
+        "floor_s",
+        "ratio_to_floor",
+        "peak_extra_bytes",
+        "correct",
+        "command",
+        "date",
+    }
     assert all(keys <= set(row) for row in rows)
     methods = {(row["scenario"], row["method"]) for row in rows}
-    assert {("S1", "refit"), ("S1", "per_tensor_broadcast"), ("S1", "floor"), ("S3", "refit"),
-            ("S6", "refit_fanout")} <= methods
+    assert {
+        ("S1", "refit"),
+        ("S1", "per_tensor_broadcast"),
+        ("S1", "floor"),
+        ("S3", "refit"),
+        ("S6", "refit_fanout"),
+    } <= methods
     assert all(row["correct"] for row in rows if row["method"] != "floor")
     assert all(row["min_s"] <= row["median_s"] <= row["max_s"] for row in rows)
 

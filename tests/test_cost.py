@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from refit.cost import (Topology, TopologyError, broadcast_time, loads, p2p_transfers, predict, transfer_time)
+from refit.cost import Topology, TopologyError, broadcast_time, loads, p2p_transfers, predict, transfer_time
 from refit.models import param_shapes
 from refit.plan import build_plan, link_bytes
 from refit.rules import layout_from_spec
@@ -15,12 +15,32 @@ GB = 10**9
 
 
 def topo(**kw):
-    return Topology(**{"nodes": 2, "gpus_per_node": 4, "nvlink_gbps": 400, "nccl_gbps": 400, "hbm_gbps": 4000,
-                       "nics_per_node": 4, "nic_gbps": 50, "pcie_gbps": 60, **kw})
+    return Topology(
+        **{
+            "nodes": 2,
+            "gpus_per_node": 4,
+            "nvlink_gbps": 400,
+            "nccl_gbps": 400,
+            "hbm_gbps": 4000,
+            "nics_per_node": 4,
+            "nic_gbps": 50,
+            "pcie_gbps": 60,
+            **kw,
+        }
+    )
 
 
-@pytest.mark.parametrize("field,value", [("nodes", 0), ("nvlink_gbps", math.nan), ("nic_gbps", math.inf),
-                                         ("hbm_gbps", -1), ("gpus_per_node", 2.5), ("nic_mode", "fast")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("nodes", 0),
+        ("nvlink_gbps", math.nan),
+        ("nic_gbps", math.inf),
+        ("hbm_gbps", -1),
+        ("gpus_per_node", 2.5),
+        ("nic_mode", "fast"),
+    ],
+)
 def test_topology_rejects_bad_numbers(field, value):
     with pytest.raises(TopologyError, match=field):
         topo(**{field: value})
@@ -68,7 +88,10 @@ def test_broadcast():
 
 def test_link_bytes_match_the_plan():
     shapes = param_shapes("tiny-qwen3-moe")
-    src, dst = layout_from_spec(shapes, parse_spec("pp=2,ep=2", "src")), layout_from_spec(shapes, parse_spec("tp=2,dp=2", "dst"))
+    src, dst = (
+        layout_from_spec(shapes, parse_spec("pp=2,ep=2", "src")),
+        layout_from_spec(shapes, parse_spec("tp=2,dp=2", "dst")),
+    )
     plan = build_plan(src, dst)
     lb = link_bytes(src, dst)
     assert {k: v for k, v in lb.items()} == {(s, r): b for s, row in plan.links.items() for r, b in row.items()}
@@ -99,8 +122,23 @@ def test_cli_cluster(tmp_path, capsys):
 
     p = tmp_path / "topo.json"
     p.write_text(json.dumps({"nodes": 2, "gpus_per_node": 8}))
-    assert main(["plan", "--model", "tiny-qwen3-moe", "--src", "ep=2,tp=2", "--dst", "tp=2,dp=4",
-                 "--cluster", str(p), "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "tiny-qwen3-moe",
+                "--src",
+                "ep=2,tp=2",
+                "--dst",
+                "tp=2,dp=4",
+                "--cluster",
+                str(p),
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert [x["strategy"] for x in out["predictions"]] == ["broadcast", "p2p", "fanout"]
     assert all(x["seconds"] > 0 for x in out["predictions"])

@@ -56,8 +56,10 @@ def _worker(world, kill, versions):
     if proc == 0:
         tensors = reference_shards(trainer, 0)
     else:
-        tensors = {t.name: torch.full(b_shape, float("nan"), dtype=t.dtype)
-                   for t, b_shape in ((t, tuple(hi - lo for lo, hi in t.box(0))) for t in replica)}
+        tensors = {
+            t.name: torch.full(b_shape, float("nan"), dtype=t.dtype)
+            for t, b_shape in ((t, tuple(hi - lo for lo, hi in t.box(0))) for t in replica)
+        }
     cfg = TransferConfig(name="fan", deadline_s=8.0, preflight_timeout_s=60.0)
     f = Fanout(trainer, replica, proc, [0], replica_procs, tensors, config=cfg)
     out = []
@@ -66,15 +68,26 @@ def _worker(world, kill, versions):
             for t in tensors.values():
                 t.mul_(2)  # a new version: the trainer's weights change in place
         if kill is not None and proc == kill[0] and v == kill[2]:
+
             def hook(wave, attempt, k=kill):
                 if wave == k[1]:
                     os._exit(3)  # a source dies as its wave starts; its receivers are mid-wave
+
             f.hook = hook
         s = f.run(v)
         scale = 2.0 ** (v - versions[0])
         ok = proc == 0 or holds(tensors, replica, 0, scale=scale)
-        out.append({"version": v, "ok": ok, "dead": s.dead, "sources_seen": s.sources_seen, "waves": s.waves,
-                    "attempts": s.attempts, "my_version": f.version})
+        out.append(
+            {
+                "version": v,
+                "ok": ok,
+                "dead": s.dead,
+                "sources_seen": s.sources_seen,
+                "waves": s.waves,
+                "attempts": s.attempts,
+                "my_version": f.version,
+            }
+        )
     return out
 
 

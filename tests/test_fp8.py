@@ -20,13 +20,16 @@ def _layout(model, spec, side="src", shapes=None):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model,src,dst,block", [
-    ("tiny-qwen3-moe", "ep=2", "tp=2", 32),
-    ("tiny-qwen3-moe", "ep=2,tp=2", "tp=4", 16),
-    ("tiny-qwen3-moe", "pp=2,ep=2", "tp=2,dp=2", 32),
-    ("tiny-qwen3-moe", "etp=2,ep=2", "ep=2,tp=2", 32),
-    ("tiny-qwen2", "fsdp=2", "tp=2", 32),  # ragged edge blocks (intermediate 320 = 10 blocks of 32)
-])
+@pytest.mark.parametrize(
+    "model,src,dst,block",
+    [
+        ("tiny-qwen3-moe", "ep=2", "tp=2", 32),
+        ("tiny-qwen3-moe", "ep=2,tp=2", "tp=4", 16),
+        ("tiny-qwen3-moe", "pp=2,ep=2", "tp=2,dp=2", 32),
+        ("tiny-qwen3-moe", "etp=2,ep=2", "ep=2,tp=2", 32),
+        ("tiny-qwen2", "fsdp=2", "tp=2", 32),  # ragged edge blocks (intermediate 320 = 10 blocks of 32)
+    ],
+)
 def test_fp8_engine_receives_the_bytes_of_quantizing_the_whole_tensor(model, src, dst, block):
     # every engine rank's FP8 weight and scale boxes equal quantize_fp8_block(full tensor) at that box, byte
     # for byte, although each trainer rank quantized only its own shard
@@ -74,8 +77,9 @@ def test_fp8_plan_moves_the_quantized_bytes(capsys):
 
 @pytest.mark.timeout(300)
 def test_kv_cache_scales_travel_as_small_tensors():
-    shapes = param_shapes("tiny-qwen3") + [(f"model.layers.{i}.self_attn.attn.{k}_scale", (), torch.float32)
-                                           for i in range(4) for k in ("k", "v")]
+    shapes = param_shapes("tiny-qwen3") + [
+        (f"model.layers.{i}.self_attn.attn.{k}_scale", (), torch.float32) for i in range(4) for k in ("k", "v")
+    ]
     src, dst = _layout(None, "tp=2", shapes=shapes), _layout(None, "tp=2,dp=2", "dst", shapes=shapes)
     t = dst["model.layers.3.self_attn.attn.v_scale"]
     assert all(t.box(r) == () for r in range(4))  # every engine rank holds the scalar
@@ -108,10 +112,12 @@ def _two_versions(world):
     first = local[name].clone()
     recv.pull(2)
     full = reference_shards(plain, 0)[name] * -3.0
-    want_q, want_s = expected_fp8(full, ((0, full.shape[0]), (0, full.shape[1])),
-                                  ((0, 4), (0, 6)), (32, 32))
-    return (same_bits(local[name], want_q), same_bits(local[scale_name(name)], want_s),
-            not same_bits(first, local[name]))
+    want_q, want_s = expected_fp8(full, ((0, full.shape[0]), (0, full.shape[1])), ((0, 4), (0, 6)), (32, 32))
+    return (
+        same_bits(local[name], want_q),
+        same_bits(local[scale_name(name)], want_s),
+        not same_bits(first, local[name]),
+    )
 
 
 @pytest.mark.timeout(120)

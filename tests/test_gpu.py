@@ -28,14 +28,34 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, v
     dev = world.device
     srank = procs.src.index(world.rank) if world.rank in procs.src else None
     drank = procs.dst.index(world.rank) if world.rank in procs.dst else None
-    src = {t.name: reference_tensor(t.name, t.shape, t.dtype, seed=1)[box_slices(b)].clone().to(dev)
-           for t, b in src_l.local_tensors(srank)} if srank is not None else None
-    dst = {t.name: torch.full(tuple(y - x for x, y in b), float("nan"), dtype=t.dtype, device=dev)
-           for t, b in dst_l.local_tensors(drank)} if drank is not None else None
-    cfg = TransferConfig(num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph,
-                         verify=verify)
-    peer = Peer(src_l, dst_l, world.rank, src_tensors=src, dst_tensors=dst, procs=procs,
-                group=world.data_group if use_data_group else None, config=cfg, device=dev)
+    src = (
+        {
+            t.name: reference_tensor(t.name, t.shape, t.dtype, seed=1)[box_slices(b)].clone().to(dev)
+            for t, b in src_l.local_tensors(srank)
+        }
+        if srank is not None
+        else None
+    )
+    dst = (
+        {
+            t.name: torch.full(tuple(y - x for x, y in b), float("nan"), dtype=t.dtype, device=dev)
+            for t, b in dst_l.local_tensors(drank)
+        }
+        if drank is not None
+        else None
+    )
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph, verify=verify)
+    peer = Peer(
+        src_l,
+        dst_l,
+        world.rank,
+        src_tensors=src,
+        dst_tensors=dst,
+        procs=procs,
+        group=world.data_group if use_data_group else None,
+        config=cfg,
+        device=dev,
+    )
     ok = []
     for v in (1, 2, 3):
         if src is not None:  # new weights each version, changed in place
@@ -45,18 +65,30 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, v
         torch.distributed.barrier()
         peer.run(v)
         if dst is not None:
-            ok.append(all(
-                torch.equal(dst[t.name].cpu().view(torch.uint8), reference_tensor(t.name, t.shape, t.dtype, seed=v)[box_slices(b)].view(torch.uint8))
-                for t, b in dst_l.local_tensors(drank)
-            ))
+            ok.append(
+                all(
+                    torch.equal(
+                        dst[t.name].cpu().view(torch.uint8),
+                        reference_tensor(t.name, t.shape, t.dtype, seed=v)[box_slices(b)].view(torch.uint8),
+                    )
+                    for t, b in dst_l.local_tensors(drank)
+                )
+            )
     kinds = sorted({m.transport for m in peer.plan.messages})
     puller = peer.executor.puller
     return ok, kinds, peer.executor.staging_bytes, puller is not None and puller.graph is not None
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype,graph,verify", [(torch.bfloat16, True, False), (torch.float32, True, False),
-                                                (torch.bfloat16, False, False), (torch.bfloat16, True, True)])
+@pytest.mark.parametrize(
+    "dtype,graph,verify",
+    [
+        (torch.bfloat16, True, False),
+        (torch.float32, True, False),
+        (torch.bfloat16, False, False),
+        (torch.bfloat16, True, True),
+    ],
+)
 def test_ipc_colocated_reshard_fsdp2_to_tp2(dtype, graph, verify):
     src_l, dst_l = _layouts("tiny-qwen2", "fsdp=2", "tp=2", dtype)
     devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
@@ -79,24 +111,31 @@ def test_ipc_peer_pull_1_to_1():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("src,dst,verify", [("fsdp=2", "tp=2", False), ("tp=2", "dp=2", False), ("fsdp=2", "tp=2", True)])
+@pytest.mark.parametrize(
+    "src,dst,verify", [("fsdp=2", "tp=2", False), ("tp=2", "dp=2", False), ("fsdp=2", "tp=2", True)]
+)
 def test_nccl_pipelined_with_packing(src, dst, verify):
     # processes are both trainer and engine ranks (one per GPU): cross-GPU pieces go over NCCL,
     # through small staging buffers; same-process pieces are local copies
     src_l, dst_l = _layouts("tiny-qwen2", src, dst, torch.bfloat16)
     procs = ProcessMap.colocated(2, 2).with_devices(["cuda:0", "cuda:1"])
-    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "p2p", True, True, verify, colocated=True, backend="nccl",
-                    timeout_s=240)
+    out = run_local(
+        _worker, 2, 2, src_l, dst_l, procs, "p2p", True, True, verify, colocated=True, backend="nccl", timeout_s=240
+    )
     for ok, kinds, staging, _ in out:
         assert ok == [True, True, True]
         assert kinds == ["p2p"]
         assert staging <= 2 * (64 << 10)
 
 
-
-@pytest.mark.parametrize("shape,block,dtype", [((3, 2, 384, 2048), (128, 128), torch.bfloat16),
-                                               ((200, 130), (128, 128), torch.bfloat16),
-                                               ((5, 96, 80), (32, 16), torch.float32)])
+@pytest.mark.parametrize(
+    "shape,block,dtype",
+    [
+        ((3, 2, 384, 2048), (128, 128), torch.bfloat16),
+        ((200, 130), (128, 128), torch.bfloat16),
+        ((5, 96, 80), (32, 16), torch.float32),
+    ],
+)
 def test_triton_fp8_quantizer_bytes_equal_the_torch_expression(shape, block, dtype):
     from refit import quant_triton
     from refit.quant import quantize_fp8_block
@@ -119,7 +158,9 @@ def _fp8_staged_worker(world, stages):
 
     dev = world.device
     plain_src, plain_dst = _layouts("qwen3-30b-a3b", "fsdp=2", "tp=2", torch.bfloat16)
-    keep = lambda lay: type(lay)(tuple(t for t in lay if ".layers." not in t.name or ".layers.0." in t.name), lay.world_size)  # noqa: E731
+    keep = lambda lay: type(lay)(
+        tuple(t for t in lay if ".layers." not in t.name or ".layers.0." in t.name), lay.world_size
+    )  # noqa: E731
     plain_src, plain_dst = keep(plain_src), keep(plain_dst)
     src_l, dst_l = fp8_layout(plain_src), fp8_layout(plain_dst, side="destination")
     devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
@@ -128,14 +169,28 @@ def _fp8_staged_worker(world, stages):
     drank = world.rank - 2 if world.rank >= 2 else None
     quantizer = live = dst = None
     if srank is not None:
-        live = {t.name: reference_tensor(t.name, t.shape, t.dtype, seed=1)[box_slices(b)].clone().to(dev)
-                for t, b in plain_src.local_tensors(srank)}
+        live = {
+            t.name: reference_tensor(t.name, t.shape, t.dtype, seed=1)[box_slices(b)].clone().to(dev)
+            for t, b in plain_src.local_tensors(srank)
+        }
         quantizer = Fp8Quantizer(src_l, srank, live)
     else:
-        dst = {t.name: torch.zeros(tuple(y - x for x, y in b), dtype=t.dtype, device=dev) for t, b in dst_l.local_tensors(drank)}
+        dst = {
+            t.name: torch.zeros(tuple(y - x for x, y in b), dtype=t.dtype, device=dev)
+            for t, b in dst_l.local_tensors(drank)
+        }
     cfg = TransferConfig(transport="ipc", stages=stages, name=f"fp8s{stages}")
-    peer = Peer(src_l, dst_l, world.rank, src_tensors=quantizer.tensors if quantizer else None, dst_tensors=dst,
-                procs=procs, config=cfg, device=dev, prepare=quantizer)
+    peer = Peer(
+        src_l,
+        dst_l,
+        world.rank,
+        src_tensors=quantizer.tensors if quantizer else None,
+        dst_tensors=dst,
+        procs=procs,
+        config=cfg,
+        device=dev,
+        prepare=quantizer,
+    )
     ok = []
     for v in (1, 2):
         if live is not None:
@@ -175,8 +230,9 @@ def _fanout_worker(world, devices):
     else:
         tensors = {t.name: torch.full(t.shape, float("nan"), dtype=t.dtype, device=dev) for t in replica}
     cfg = TransferConfig(name="gpufan", transport="auto", deadline_s=60.0)
-    f = Fanout(src_l, replica, world.rank, [0], [[1 + j] for j in range(n)], tensors, config=cfg,
-               devices=devices, device=dev)
+    f = Fanout(
+        src_l, replica, world.rank, [0], [[1 + j] for j in range(n)], tensors, config=cfg, devices=devices, device=dev
+    )
     ok, kinds = [], set()
     for v in (1, 2):
         if world.rank == 0 and v > 1:
@@ -186,12 +242,24 @@ def _fanout_worker(world, devices):
         stats = f.run(v)
         torch.cuda.synchronize(dev)
         if world.rank > 0:
-            ok.append(all(torch.equal(tensors[t.name].cpu().view(torch.uint8),
-                                      reference_tensor(t.name, t.shape, t.dtype, seed=v).view(torch.uint8))
-                          for t in replica))
+            ok.append(
+                all(
+                    torch.equal(
+                        tensors[t.name].cpu().view(torch.uint8),
+                        reference_tensor(t.name, t.shape, t.dtype, seed=v).view(torch.uint8),
+                    )
+                    for t in replica
+                )
+            )
         kinds |= {m.transport for _, peer in f.peers.values() for m in peer.plan.messages}
-    pulled_from = sorted({peer.plan.procs.src[m.src] for _, peer in f.peers.values() for m in peer.plan.messages
-                          if peer.plan.procs.dst[m.dst] == world.rank})
+    pulled_from = sorted(
+        {
+            peer.plan.procs.src[m.src]
+            for _, peer in f.peers.values()
+            for m in peer.plan.messages
+            if peer.plan.procs.dst[m.dst] == world.rank
+        }
+    )
     return ok, sorted(kinds), stats.waves, pulled_from
 
 

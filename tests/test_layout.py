@@ -4,7 +4,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import meshes, placements_for, tensor_shapes
 from torch.distributed.tensor import Replicate, Shard
 
 from refit.layout import (
@@ -18,6 +17,7 @@ from refit.layout import (
     chunk_range,
     split_box,
 )
+from strategies import meshes, placements_for, tensor_shapes
 
 
 @given(st.integers(0, 40), st.integers(1, 9))

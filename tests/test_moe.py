@@ -48,8 +48,9 @@ def test_etp_takes_tp_inside_experts():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("src,dst", [("ep=2", "tp=2"), ("ep=2,tp=2", "tp=4"), ("pp=2,ep=2", "tp=2,dp=2"),
-                                     ("etp=2,ep=2", "ep=2,tp=2")])
+@pytest.mark.parametrize(
+    "src,dst", [("ep=2", "tp=2"), ("ep=2,tp=2", "tp=4"), ("pp=2,ep=2", "tp=2,dp=2"), ("etp=2,ep=2", "ep=2,tp=2")]
+)
 def test_moe_reshard_is_bit_exact(src, dst):
     res = verify(_layout(src), _layout(dst, "dst"))
     assert res.ok, res.mismatches[:3]
@@ -77,7 +78,6 @@ def test_a_parameter_no_rule_knows_still_arrives_whole():
     assert res.ok, res.mismatches[:3]
 
 
-
 def _hf_moe_trainer(world, kind):
     """A real HF Qwen3-MoE (fused ``experts.gate_up_proj`` [E, 2I, H]) sharded by FSDP2 or by
     experts (EP: ``distribute_tensor`` Shard(0) on the expert params) refits into tp=2 engines.
@@ -94,7 +94,9 @@ def _hf_moe_trainer(world, kind):
     dst = _layout("tp=2", "dst")
     procs = ProcessMap.disjoint(2, 2)
     if world.src_rank is None:
-        local = {t.name: torch.full([b - a for a, b in box], float("nan")) for t, box in dst.local_tensors(world.dst_rank)}
+        local = {
+            t.name: torch.full([b - a for a, b in box], float("nan")) for t, box in dst.local_tensors(world.dst_rank)
+        }
         Receiver(_layout(f"{kind}=2"), dst, world.rank, local, procs=procs).pull(1)
         return local
     model = build_model(load_config(MODEL), torch.float32, seed=0)

@@ -6,7 +6,7 @@ import torch
 from refit.launch import WorkerError, run_local
 from refit.layout import Mesh, ModelLayout, TensorLayout, box_slices
 from refit.models import param_shapes
-from refit.plan import PlanError, ProcessMap
+from refit.plan import ProcessMap
 from refit.rules import layout_from_spec
 from refit.spec import parse_spec
 from refit.transfer import Receiver, Sender, TransferConfig
@@ -47,17 +47,24 @@ BUDGET = TransferConfig(num_buffers=2, buffer_bytes=8 << 10)
 def _bf16_worker(world, src, dst):
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
     if world.src_rank is not None:
-        local = {t.name: reference_tensor(t.name, t.shape, t.dtype)[box_slices(b)].clone() for t, b in src.local_tensors(world.src_rank)}
+        local = {
+            t.name: reference_tensor(t.name, t.shape, t.dtype)[box_slices(b)].clone()
+            for t, b in src.local_tensors(world.src_rank)
+        }
         s = Sender(src, dst, world.rank, local, procs=procs, config=BUDGET)
         for v in (1, 2):
             s.push(v)
         return s.executor.staging_bytes
-    local = {t.name: torch.zeros(tuple(y - x for x, y in b), dtype=t.dtype) for t, b in dst.local_tensors(world.dst_rank)}
+    local = {
+        t.name: torch.zeros(tuple(y - x for x, y in b), dtype=t.dtype) for t, b in dst.local_tensors(world.dst_rank)
+    }
     r = Receiver(src, dst, world.rank, local, procs=procs, config=BUDGET)
     for v in (1, 2):
         r.pull(v)
     same = all(
-        torch.equal(local[t.name].view(torch.int16), reference_tensor(t.name, t.shape, t.dtype)[box_slices(b)].view(torch.int16))
+        torch.equal(
+            local[t.name].view(torch.int16), reference_tensor(t.name, t.shape, t.dtype)[box_slices(b)].view(torch.int16)
+        )
         for t, b in dst.local_tensors(world.dst_rank)
     )
     return same, r.version, r.executor.staging_bytes
@@ -139,7 +146,9 @@ def _dtensor_worker(world):
     parallelize_tp(model, world.trainer_group, "cpu")
     lay = layout_from_module(model, world.n_src)
     local = local_shards(model)
-    shapes_ok = all(tuple(local[t.name].shape) == tuple(y - x for x, y in b) for t, b in lay.local_tensors(world.src_rank))
+    shapes_ok = all(
+        tuple(local[t.name].shape) == tuple(y - x for x, y in b) for t, b in lay.local_tensors(world.src_rank)
+    )
     from refit.plan import canonical_tensor
 
     return [canonical_tensor(t) for t in lay] == [canonical_tensor(t) for t in spec_layout], shapes_ok

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from refit.net import (discover_gpus, discover_nics, env_number, nic_settings, pci_hops, select_nics, ucx_env)
+from refit.net import discover_gpus, discover_nics, env_number, nic_settings, pci_hops, select_nics, ucx_env
 
 
 class FakeSysfs:
@@ -65,8 +65,10 @@ def test_four_nic_node(tmp_path):
     stripe = select_nics(gpus[2], nics, "stripe")
     assert [n.name for n in stripe][0] == "mlx5_2" and len(stripe) == 4
     assert stripe[1].numa_node == 1  # then the same socket's NIC
-    assert ucx_env(stripe, env={}) == {"UCX_NET_DEVICES": "mlx5_2:1,mlx5_3:1,mlx5_0:1,mlx5_1:1",
-                                       "UCX_MAX_RMA_RAILS": "4"}
+    assert ucx_env(stripe, env={}) == {
+        "UCX_NET_DEVICES": "mlx5_2:1,mlx5_3:1,mlx5_0:1,mlx5_1:1",
+        "UCX_MAX_RMA_RAILS": "4",
+    }
     assert nic_settings(1, tmp_path, env={}) == {"UCX_NET_DEVICES": "mlx5_1:1", "UCX_MAX_RMA_RAILS": "1"}
 
 
@@ -118,6 +120,7 @@ def test_valid_numbers_and_modes():
         assert env_number("X", None, {"X": "200"}) == 200.0
     with pytest.warns(UserWarning, match="REFIT_NIC_MODE='fast' is not one of auto, stripe, off"):
         from refit.net import env_mode
+
         assert env_mode({"REFIT_NIC_MODE": "fast"}) == "auto"
 
 

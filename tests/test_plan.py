@@ -4,7 +4,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import meshes, placements_for, tensor_shapes
 from torch.distributed.tensor import Replicate, Shard
 
 from refit.layout import (
@@ -13,7 +12,6 @@ from refit.layout import (
     TensorLayout,
     box_intersect,
     box_is_contiguous,
-    box_numel,
     box_relative,
     box_shape,
     box_slices,
@@ -22,6 +20,7 @@ from refit.models import param_shapes
 from refit.plan import PlanError, ProcessMap, build_plan, check_coverage
 from refit.rules import layout_from_spec
 from refit.spec import parse_spec
+from strategies import meshes, placements_for, tensor_shapes
 
 
 @st.composite
@@ -84,12 +83,20 @@ def test_plan_is_deterministic(pair):
 
 def _spec_plan(model, s, d, **kw):
     shapes = param_shapes(model)
-    return build_plan(layout_from_spec(shapes, parse_spec(s, "src")), layout_from_spec(shapes, parse_spec(d, "dst")), **kw)
+    return build_plan(
+        layout_from_spec(shapes, parse_spec(s, "src")), layout_from_spec(shapes, parse_spec(d, "dst")), **kw
+    )
 
 
 @pytest.mark.parametrize(
     "src,dst",
-    [("tp=2", "tp=1,dp=2"), ("fsdp=2", "tp=2"), ("tp=2,pp=2", "tp=4"), ("dp=2,tp=2", "tp=1,dp=4"), ("fsdp=4", "tp=2,dp=2")],
+    [
+        ("tp=2", "tp=1,dp=2"),
+        ("fsdp=2", "tp=2"),
+        ("tp=2,pp=2", "tp=4"),
+        ("dp=2,tp=2", "tp=1,dp=4"),
+        ("fsdp=4", "tp=2,dp=2"),
+    ],
 )
 def test_required_pairs_move_exactly_what_is_needed(src, dst):
     plan = _spec_plan("llama-3.1-8b", src, dst)
@@ -102,7 +109,9 @@ def test_required_pairs_move_exactly_what_is_needed(src, dst):
 @pytest.mark.parametrize("spec", ["tp=2", "dp=2,tp=2", "tp=4", "dp=4"])
 def test_identical_layouts_pair_each_destination_with_its_counterpart(spec):
     plan = _spec_plan("tiny-qwen3", spec, spec)
-    assert {d: set(v) for d, v in _receivers(plan).items()} == {r: {r} for r in range(parse_spec(spec, "dst").world_size)}
+    assert {d: set(v) for d, v in _receivers(plan).items()} == {
+        r: {r} for r in range(parse_spec(spec, "dst").world_size)
+    }
 
 
 def _receivers(plan):
@@ -127,8 +136,13 @@ def test_forced_load_counts_before_the_least_loaded_choice():
     big = TensorLayout("big", (64, 4), torch.float32, mesh, (Replicate(),), boxes={0: ((0, 64), (0, 4))})
     small = TensorLayout("small", (8, 4), torch.float32, mesh, (Replicate(),))
     one = Mesh((2,), ("dp",), (0, 1))
-    dst = ModelLayout((TensorLayout("big", (64, 4), torch.float32, one, (Replicate(),)),
-                       TensorLayout("small", (8, 4), torch.float32, one, (Shard(0),))), 2)
+    dst = ModelLayout(
+        (
+            TensorLayout("big", (64, 4), torch.float32, one, (Replicate(),)),
+            TensorLayout("small", (8, 4), torch.float32, one, (Shard(0),)),
+        ),
+        2,
+    )
     plan = build_plan(ModelLayout((big, small), 2), dst)
     senders = {(p.tensor, p.dst): p.src for m in plan.messages for p in m.pieces}
     assert senders[("big", 0)] == senders[("big", 1)] == 0
@@ -170,6 +184,7 @@ def test_digest_ignores_mesh_names_but_not_boxes():
 
 
 # ----------------------------------------------------------------------------- errors before anything moves
+
 
 def _one(name="w", shape=(8, 4), dtype=torch.float32, world=2, placement=Shard(0), boxes=None):
     mesh = Mesh((world,), ("tp",), tuple(range(world)))
@@ -216,7 +231,9 @@ def test_ipc_stages_cut_the_source_tensors_in_order_into_runs_of_about_equal_byt
     from refit.spec import parse_spec
 
     shapes = param_shapes("tiny-qwen3")
-    plan = build_plan(layout_from_spec(shapes, parse_spec("tp=1", "src")), layout_from_spec(shapes, parse_spec("tp=1", "dst")))
+    plan = build_plan(
+        layout_from_spec(shapes, parse_spec("tp=1", "src")), layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    )
     names = [t.name for t in plan.src_layout]
     assert ipc_stages(plan, 1) == [set(names)]
     st = ipc_stages(plan, 4)

@@ -18,17 +18,23 @@ def _reference(w: torch.Tensor, bn: int, bk: int):
     scales = np.empty((gn, gk), dtype=np.float32)
     for i in range(gn):
         for j in range(gk):
-            blk = x[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            blk = x[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
             amax = np.float32(max(np.abs(blk).max(), np.float32(1e-4)))
             s = np.float32(amax / np.float32(448.0))
             scales[i, j] = s
             inv = np.float32(np.float32(1.0) / s)
-            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = torch.from_numpy((blk * inv).astype(np.float32)).to(FP8)
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = torch.from_numpy((blk * inv).astype(np.float32)).to(FP8)
     return q, torch.from_numpy(scales)
 
 
-@pytest.mark.parametrize("shape,block,dtype", [((256, 384), (128, 128), torch.bfloat16), ((200, 130), (128, 128), torch.bfloat16),
-                                               ((64, 96), (32, 16), torch.float32)])
+@pytest.mark.parametrize(
+    "shape,block,dtype",
+    [
+        ((256, 384), (128, 128), torch.bfloat16),
+        ((200, 130), (128, 128), torch.bfloat16),
+        ((64, 96), (32, 16), torch.float32),
+    ],
+)
 def test_fp8_block_quantization_matches_reference_bytes(shape, block, dtype):
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[1])).to(dtype)  # columns of many magnitudes

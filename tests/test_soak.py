@@ -13,8 +13,13 @@ from refit.transfer import TransferConfig
 @pytest.mark.parametrize("commit", ["in_place", "staged"])
 def test_200_refits_do_not_grow_memory_threads_or_groups(commit):
     shapes = param_shapes("tiny-llama")
-    src, dst = layout_from_spec(shapes, parse_spec("tp=2", "src")), layout_from_spec(shapes, parse_spec("tp=1,dp=2", "dst"))
-    res = soak(src, dst, refits=200, warmup=20, config=TransferConfig(num_buffers=2, buffer_bytes=64 << 10, commit=commit))
+    src, dst = (
+        layout_from_spec(shapes, parse_spec("tp=2", "src")),
+        layout_from_spec(shapes, parse_spec("tp=1,dp=2", "dst")),
+    )
+    res = soak(
+        src, dst, refits=200, warmup=20, config=TransferConfig(num_buffers=2, buffer_bytes=64 << 10, commit=commit)
+    )
     assert len(res.rows) == 4
     assert res.worst_rss_growth <= 0.05, [(r["rss_warm"], r["rss_end"]) for r in res.rows]
     assert all(r["threads_end"] == r["threads_warm"] and r["groups_end"] == r["groups_warm"] for r in res.rows)

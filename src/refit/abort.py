@@ -30,8 +30,10 @@ class RefitAborted(RuntimeError):
 
 def store_lost(version: int, error: BaseException) -> RefitAborted:
     """The side channel itself is gone (its host process died): every process says the same."""
-    return RefitAborted(f"refit of version {version} aborted: the rendezvous store is unreachable "
-                        f"({type(error).__name__}); the process hosting it has likely died")
+    return RefitAborted(
+        f"refit of version {version} aborted: the rendezvous store is unreachable "
+        f"({type(error).__name__}); the process hosting it has likely died"
+    )
 
 
 class AbortChannel:
@@ -75,7 +77,9 @@ class AbortChannel:
             self.raise_if_aborted(version, attempt)
             if time.monotonic() > deadline:
                 late = [p for p in members if not self._call(version, self.store.check, [f"{key}/{p}"])]
-                raise TimeoutError(f"version {version} was not finished before the deadline by "
-                                   + ", ".join(f"process {p}" for p in late))
+                raise TimeoutError(
+                    f"version {version} was not finished before the deadline by "
+                    + ", ".join(f"process {p}" for p in late)
+                )
             time.sleep(self.POLL_S)
             n = self._call(version, self.store.add, key, 0)

@@ -18,8 +18,12 @@ USAGE_ERRORS = (TopologyError, SpecError, ModelError, PlanError, LayoutError)
 
 
 def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama") -> None:
-    p.add_argument("--model", default=model_default, required=model_default is None,
-                   help=f"preset ({', '.join(PRESETS)}) or path to an HF config.json")
+    p.add_argument(
+        "--model",
+        default=model_default,
+        required=model_default is None,
+        help=f"preset ({', '.join(PRESETS)}) or path to an HF config.json",
+    )
     p.add_argument("--src", default="tp=2", help="trainer layout, keys pp,dp,fsdp,ep,etp,tp (default tp=2)")
     p.add_argument("--dst", default="tp=1,dp=2", help="engine layout, keys dp,ep,tp (default tp=1,dp=2)")
     p.add_argument("--src-ranks", type=int, default=None, help="check the trainer spec against this many ranks")
@@ -29,9 +33,16 @@ def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama"
 
 
 def _fp8_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--fp8", type=int, nargs="?", const=128, default=None, metavar="BLOCK",
-                   help="the engine holds FP8 weights blockwise-quantized in BLOCK x BLOCK blocks (default 128), "
-                        "quantized by the trainer ranks before the wire")
+    p.add_argument(
+        "--fp8",
+        type=int,
+        nargs="?",
+        const=128,
+        default=None,
+        metavar="BLOCK",
+        help="the engine holds FP8 weights blockwise-quantized in BLOCK x BLOCK blocks (default 128), "
+        "quantized by the trainer ranks before the wire",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,19 +56,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _fp8_option(p)
     p.add_argument("--bandwidth", type=float, default=370.0, help="link bandwidth in GB/s for the predicted time")
-    p.add_argument("--cluster", default=None, metavar="TOPOLOGY.json",
-                   help="predict refit time per strategy (broadcast, refit's p2p plan, fan-out waves) on this "
-                        "topology (nodes, gpus_per_node, nvlink_gbps, nics_per_node, nic_gbps, ...) instead of "
-                        "printing the plan")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="TOPOLOGY.json",
+        help="predict refit time per strategy (broadcast, refit's p2p plan, fan-out waves) on this "
+        "topology (nodes, gpus_per_node, nvlink_gbps, nics_per_node, nic_gbps, ...) instead of "
+        "printing the plan",
+    )
     p.add_argument("--colocated", action="store_true", help="with --cluster: engine ranks share the trainer's GPUs")
     v = sub.add_parser("verify", help="run a real multi-process reshard on CPU and check every shard")
     _common(v)
     _fp8_option(v)
-    v.add_argument("--dump", default=None, metavar="DIR", help="write full.safetensors, dst_rank{r}.safetensors, layout.json")
+    v.add_argument(
+        "--dump", default=None, metavar="DIR", help="write full.safetensors, dst_rank{r}.safetensors, layout.json"
+    )
     v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--inject", default=None, metavar="MODE",
-                   help="kill-receiver | kill-sender | corrupt | shape-mismatch | slow-receiver: commit version 1, "
-                        "strike during version 2, exit 0 only if the fault is detected and handled")
+    v.add_argument(
+        "--inject",
+        default=None,
+        metavar="MODE",
+        help="kill-receiver | kill-sender | corrupt | shape-mismatch | slow-receiver: commit version 1, "
+        "strike during version 2, exit 0 only if the fault is detected and handled",
+    )
     v.add_argument("--deadline", type=float, default=10.0, help="with --inject: seconds a refit may take (default 10)")
     k = sub.add_parser("soak", help="many consecutive refits on CPU: memory, threads and process groups must not grow")
     _common(k)
@@ -66,22 +87,40 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S3); code under bench/")
     b.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if GPUs are present")
     b.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
-    b.add_argument("--scenarios", default=None, help="comma-separated (S1-S3 need 2 GPUs, S4-S6 4, S6x7 and S7 8; S7 is the MoE "
-                        "scenario, with --model qwen3-30b-a3b); default: all this machine can run")
+    b.add_argument(
+        "--scenarios",
+        default=None,
+        help="comma-separated (S1-S3 need 2 GPUs, S4-S6 4, S6x7 and S7 8; S7 is the MoE "
+        "scenario, with --model qwen3-30b-a3b); default: all this machine can run",
+    )
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--iters", type=int, default=5, help="timed refits per method (refit itself runs --growth-iters)")
     b.add_argument("--growth-iters", type=int, default=20, help="consecutive refits of refit's own path")
     b.add_argument("--num-buffers", type=int, default=2)
     b.add_argument("--buffer-mb", type=float, default=256.0)
-    b.add_argument("--copy-streams", type=int, default=TransferConfig.copy_streams,
-                   help="CUDA IPC: streams per source GPU a receiver pulls on")
-    b.add_argument("--no-cuda-graph", action="store_true",
-                   help="CUDA IPC: issue a pull's copies one by one instead of replaying a CUDA graph")
-    b.add_argument("--stages", type=int, default=1,
-                   help="all-IPC plans: pull in this many stages, so the trainer's FP8 quantization of stage i+1 "
-                        "overlaps the pull of stage i (default 1)")
-    b.add_argument("--fp8", action="store_true",
-                   help="FP8 engine (128x128 blocks): trainer ranks quantize before every refit; methods refit, fp8_quantize, floor")
+    b.add_argument(
+        "--copy-streams",
+        type=int,
+        default=TransferConfig.copy_streams,
+        help="CUDA IPC: streams per source GPU a receiver pulls on",
+    )
+    b.add_argument(
+        "--no-cuda-graph",
+        action="store_true",
+        help="CUDA IPC: issue a pull's copies one by one instead of replaying a CUDA graph",
+    )
+    b.add_argument(
+        "--stages",
+        type=int,
+        default=1,
+        help="all-IPC plans: pull in this many stages, so the trainer's FP8 quantization of stage i+1 "
+        "overlaps the pull of stage i (default 1)",
+    )
+    b.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 engine (128x128 blocks): trainer ranks quantize before every refit; methods refit, fp8_quantize, floor",
+    )
     b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
     return ap
 
@@ -105,19 +144,30 @@ def cmd_bench(args, console) -> int:
         raise SpecError("--device cuda: no CUDA device is available")
     model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
     which = args.scenarios.split(",") if args.scenarios else []  # []: every scenario this machine can run
-    for name, v, low in (("--warmup", args.warmup, 0), ("--iters", args.iters, 1), ("--growth-iters", args.growth_iters, 1), ("--num-buffers", args.num_buffers, 1),
-                          ("--copy-streams", args.copy_streams, 1)):
+    for name, v, low in (
+        ("--warmup", args.warmup, 0),
+        ("--iters", args.iters, 1),
+        ("--growth-iters", args.growth_iters, 1),
+        ("--num-buffers", args.num_buffers, 1),
+        ("--copy-streams", args.copy_streams, 1),
+    ):
         if v < low:
             raise SpecError(f"{name} must be >= {low}, got {v}")
     if args.stages < 1:
         raise SpecError(f"--stages must be >= 1, got {args.stages}")
-    cfg = TransferConfig(num_buffers=args.num_buffers, buffer_bytes=int(args.buffer_mb * (1 << 20)),
-                         copy_streams=args.copy_streams, cuda_graph=not args.no_cuda_graph, stages=args.stages)
+    cfg = TransferConfig(
+        num_buffers=args.num_buffers,
+        buffer_bytes=int(args.buffer_mb * (1 << 20)),
+        copy_streams=args.copy_streams,
+        cuda_graph=not args.no_cuda_graph,
+        stages=args.stages,
+    )
     out = args.out or os.path.join("bench", "results", f"{harness.device_kind() if device == 'cuda' else 'cpu'}.json")
     command = "refit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "refit bench"
     try:
-        rows = harness.run_bench(device, model, which, args.warmup, args.iters, args.growth_iters, cfg, out, command, console,
-                                 fp8=args.fp8)
+        rows = harness.run_bench(
+            device, model, which, args.warmup, args.iters, args.growth_iters, cfg, out, command, console, fp8=args.fp8
+        )
     except ValueError as e:
         raise SpecError(str(e)) from None
     harness.print_table(rows, console)
@@ -187,13 +237,25 @@ def _cluster(args, console, src, dst, shapes, src_l, dst_l, t0: float) -> int:
     preds = predict(src_l, dst_l, topo, replicas=replicas, replica_dst=one, colocated=args.colocated)
     build_s = time.perf_counter() - t0
     if args.json:
-        print(json.dumps({"model": args.model, "src": str(src), "dst": str(dst), "topology": topo.describe(),
-                          "bytes_needed": dst_l.nbytes, "plan_seconds": build_s,
-                          "predictions": [p.__dict__ for p in preds]}))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "src": str(src),
+                    "dst": str(dst),
+                    "topology": topo.describe(),
+                    "bytes_needed": dst_l.nbytes,
+                    "plan_seconds": build_s,
+                    "predictions": [p.__dict__ for p in preds],
+                }
+            )
+        )
         return 0
-    console.print(f"model {args.model}: trainer {src} ({src.world_size} GPUs) -> engine {dst} ({dst.world_size} GPUs"
-                  f"{', colocated' if args.colocated else ''}); {dst_l.nbytes / 1e9:.1f} GB per replica"
-                  f"{' (FP8 weights + scales)' if args.fp8 else ''}")
+    console.print(
+        f"model {args.model}: trainer {src} ({src.world_size} GPUs) -> engine {dst} ({dst.world_size} GPUs"
+        f"{', colocated' if args.colocated else ''}); {dst_l.nbytes / 1e9:.1f} GB per replica"
+        f"{' (FP8 weights + scales)' if args.fp8 else ''}"
+    )
     console.print(f"topology {topo.name}: {topo.describe()}")
     table = Table(title="predicted refit time (bottleneck model, refit.cost)")
     for col in ("strategy", "seconds", "busiest resource", "its GB", "how"):
@@ -206,9 +268,9 @@ def _cluster(args, console, src, dst, shapes, src_l, dst_l, t0: float) -> int:
 
 
 def cmd_plan(args, console) -> int:
-    from rich.table import Table
-
     import time
+
+    from rich.table import Table
 
     src, dst, cfg, shapes = _setup(args)
     t0 = time.perf_counter()  # plan building starts here: shapes are given
@@ -223,7 +285,9 @@ def cmd_plan(args, console) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "src": str(src), "dst": str(dst), "fp8_block": args.fp8, **info}))
         return 0
-    console.print(f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks){fp8}")
+    console.print(
+        f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks){fp8}"
+    )
     console.print(f"bytes destinations need : {plan.bytes_needed:>16,}")
     console.print(f"bytes moved over links  : {plan.bytes_moved:>16,}")
     console.print(f"moved/needed            : {plan.ratio:>16.2f}")
@@ -236,7 +300,9 @@ def cmd_plan(args, console) -> int:
         table.add_row(str(s), *[f"{row.get(d, 0):,}" for d in range(dst.world_size)])
     console.print(table)
     console.print(f"largest link: {plan.max_link_bytes:,} bytes ({info['max_link_share']:.1%} of moved)")
-    console.print(f"messages: {len(plan.messages)} in {plan.num_steps} steps, buffers {cfg.num_buffers} x {args.buffer_mb:g} MiB")
+    console.print(
+        f"messages: {len(plan.messages)} in {plan.num_steps} steps, buffers {cfg.num_buffers} x {args.buffer_mb:g} MiB"
+    )
     console.print(f"predicted time at {args.bandwidth:g} GB/s per process: {info['predicted_seconds'] * 1e3:.2f} ms")
     console.print(f"digest {plan.digest}")
     return 0
@@ -263,9 +329,12 @@ def cmd_verify(args, console) -> int:
     if args.fp8:
         _fp8(src_l, dst_l, args.fp8)  # block alignment errors as usage errors, before any process starts
     fp8 = f", engine FP8 in {args.fp8}x{args.fp8} blocks quantized by the trainer ranks" if args.fp8 else ""
-    console.print(f"verify {args.model}: trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks){fp8} on CPU gloo ...")
-    res = verify(src_l, dst_l, config=cfg, seed=args.seed, dump=args.dump,
-                 fp8_block=(args.fp8, args.fp8) if args.fp8 else None)
+    console.print(
+        f"verify {args.model}: trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks){fp8} on CPU gloo ..."
+    )
+    res = verify(
+        src_l, dst_l, config=cfg, seed=args.seed, dump=args.dump, fp8_block=(args.fp8, args.fp8) if args.fp8 else None
+    )
     for m in res.mismatches[:20]:
         console.print(f"MISMATCH {m}")
     if args.dump:
@@ -285,16 +354,21 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
 
     cfg = replace(cfg, buffer_bytes=min(cfg.buffer_bytes, 64 << 10))  # many steps: the fault lands mid-transfer
     plan_steps = build_plan(src_l, dst_l, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes).num_steps
-    console.print(f"verify --inject {args.inject}: trainer {src} -> engine {dst}, deadline {args.deadline:g}s, "
-                  f"commit staged, checksums on, buffers {cfg.num_buffers} x {cfg.buffer_bytes >> 10} KiB "
-                  f"({plan_steps} steps); version 1 clean, the fault half way through version 2 ...")
+    console.print(
+        f"verify --inject {args.inject}: trainer {src} -> engine {dst}, deadline {args.deadline:g}s, "
+        f"commit staged, checksums on, buffers {cfg.num_buffers} x {cfg.buffer_bytes >> 10} KiB "
+        f"({plan_steps} steps); version 1 clean, the fault half way through version 2 ..."
+    )
     res = inject(src_l, dst_l, args.inject, deadline_s=args.deadline, seed=args.seed, config=cfg)
     for p, r in enumerate(res.rows):
         if r is None:
             console.print(f"  process {p}: died (the injected fault)", markup=False)
         else:
-            console.print(f"  process {p} ({r['role']} rank {r['rank']}): after {r['elapsed_s']:.2f}s: {r['error'] or 'no error'}; "
-                          f"version {r['version']}" + ("" if r["v1_exact"] is None else f", v1 bit-exact: {r['v1_exact']}"), markup=False)
+            console.print(
+                f"  process {p} ({r['role']} rank {r['rank']}): after {r['elapsed_s']:.2f}s: {r['error'] or 'no error'}; "
+                f"version {r['version']}" + ("" if r["v1_exact"] is None else f", v1 bit-exact: {r['v1_exact']}"),
+                markup=False,
+            )
     print(res.last_line(), flush=True)
     return 0 if not res.problems() else 1
 
@@ -308,15 +382,20 @@ def cmd_soak(args, console) -> int:
     console.print(f"soak {args.model}: trainer {src} -> engine {dst}, {args.refits} refits on CPU gloo ...")
     res = soak(layout_from_spec(shapes, src), layout_from_spec(shapes, dst), args.refits, args.warmup, cfg)
     for p, r in enumerate(res.rows):
-        console.print(f"  process {p} ({r['role']} rank {r['rank']}): RSS {r['rss_warm'] / 2**20:.1f} -> "
-                      f"{r['rss_end'] / 2**20:.1f} MiB ({r['rss_end'] / r['rss_warm'] - 1:+.2%}), threads "
-                      f"{r['threads_warm']} -> {r['threads_end']}, process groups {r['groups_warm']} -> {r['groups_end']}, "
-                      f"{r['seconds'] / args.refits * 1e3:.2f} ms/refit" + ("" if r["exact"] is None else f", last refit exact: {r['exact']}"),
-                      markup=False)
-    print(f"{'PASS' if res.ok else 'FAIL'}: {args.refits} refits (baseline after {args.warmup}); worst RSS growth "
-          f"{res.worst_rss_growth:+.2%} (limit +5%); threads and process groups "
-          f"{'unchanged' if all(r['threads_end'] == r['threads_warm'] and r['groups_end'] == r['groups_warm'] for r in res.rows) else 'GREW'}",
-          flush=True)
+        console.print(
+            f"  process {p} ({r['role']} rank {r['rank']}): RSS {r['rss_warm'] / 2**20:.1f} -> "
+            f"{r['rss_end'] / 2**20:.1f} MiB ({r['rss_end'] / r['rss_warm'] - 1:+.2%}), threads "
+            f"{r['threads_warm']} -> {r['threads_end']}, process groups {r['groups_warm']} -> {r['groups_end']}, "
+            f"{r['seconds'] / args.refits * 1e3:.2f} ms/refit"
+            + ("" if r["exact"] is None else f", last refit exact: {r['exact']}"),
+            markup=False,
+        )
+    print(
+        f"{'PASS' if res.ok else 'FAIL'}: {args.refits} refits (baseline after {args.warmup}); worst RSS growth "
+        f"{res.worst_rss_growth:+.2%} (limit +5%); threads and process groups "
+        f"{'unchanged' if all(r['threads_end'] == r['threads_warm'] and r['groups_end'] == r['groups_warm'] for r in res.rows) else 'GREW'}",
+        flush=True,
+    )
     return 0 if res.ok else 1
 
 
@@ -327,7 +406,12 @@ def cmd_demo(args, console) -> int:
     if args.steps < 1:
         raise SpecError(f"--steps must be >= 1, got {args.steps}")
     ok = run_demo(args.model, src, dst, args.steps, cfg, console)
-    print("PASS: every engine replica matches the trainer bit for bit" if ok else "FAIL: engine logits differ from the trainer's", flush=True)
+    print(
+        "PASS: every engine replica matches the trainer bit for bit"
+        if ok
+        else "FAIL: engine logits differ from the trainer's",
+        flush=True,
+    )
     return 0 if ok else 1
 
 
@@ -337,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=False, highlight=False)
     try:
-        return {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}[args.cmd](args, console)
+        return {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}[
+            args.cmd
+        ](args, console)
     except USAGE_ERRORS as e:
         print(f"refit: error: {e}", file=sys.stderr)
         return 2

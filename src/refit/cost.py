@@ -69,10 +69,12 @@ class Topology:
             if f.name in ("nodes", "gpus_per_node", "nics_per_node") and int(v) != v:
                 raise TopologyError(f"topology {self.name or '?'}: {f.name} must be an integer, got {v!r}")
         if self.nic_mode not in ("auto", "stripe"):
-            raise TopologyError(f"topology {self.name or '?'}: nic_mode must be 'auto' or 'stripe', got {self.nic_mode!r}")
+            raise TopologyError(
+                f"topology {self.name or '?'}: nic_mode must be 'auto' or 'stripe', got {self.nic_mode!r}"
+            )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Topology":
+    def from_dict(cls, d: dict[str, Any]) -> Topology:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -83,7 +85,7 @@ class Topology:
         return cls(**d)
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "Topology":
+    def from_json(cls, path: str | os.PathLike) -> Topology:
         try:
             with open(path) as f:
                 d = json.load(f)
@@ -105,9 +107,11 @@ class Topology:
         return self.nic_gbps
 
     def describe(self) -> str:
-        return (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs; NVLink {self.nvlink_gbps:g} GB/s per GPU per "
-                f"direction; HBM {self.hbm_gbps:g} GB/s (read+write); {self.nics_per_node} NICs x {self.nic_gbps:g} "
-                f"GB/s per node, {self.nic_mode} ({self.gpu_nic_gbps:g} GB/s per GPU)")
+        return (
+            f"{self.nodes} node(s) x {self.gpus_per_node} GPUs; NVLink {self.nvlink_gbps:g} GB/s per GPU per "
+            f"direction; HBM {self.hbm_gbps:g} GB/s (read+write); {self.nics_per_node} NICs x {self.nic_gbps:g} "
+            f"GB/s per node, {self.nic_mode} ({self.gpu_nic_gbps:g} GB/s per GPU)"
+        )
 
 
 @dataclass(frozen=True)
@@ -119,8 +123,9 @@ class Prediction:
     note: str = ""
 
 
-def loads(transfers: dict[tuple[int, int], int], topo: Topology
-          ) -> tuple[dict[tuple[str, int], float], dict[tuple[str, int], float]]:
+def loads(
+    transfers: dict[tuple[int, int], int], topo: Topology
+) -> tuple[dict[tuple[str, int], float], dict[tuple[str, int], float]]:
     """Seconds of work and bytes per resource (see the module docstring)."""
     b: dict[tuple[str, int], float] = defaultdict(float)
     for (s, d), n in transfers.items():
@@ -140,9 +145,15 @@ def loads(transfers: dict[tuple[int, int], int], topo: Topology
             b[("nic_in", d)] += n
             b[("node_nic_out", topo.node(s))] += n
             b[("node_nic_in", topo.node(d))] += n
-    speed = {"hbm": topo.hbm_gbps, "nvlink_out": topo.nvlink_gbps, "nvlink_in": topo.nvlink_gbps,
-             "nic_out": topo.gpu_nic_gbps, "nic_in": topo.gpu_nic_gbps,
-             "node_nic_out": topo.nics_per_node * topo.nic_gbps, "node_nic_in": topo.nics_per_node * topo.nic_gbps}
+    speed = {
+        "hbm": topo.hbm_gbps,
+        "nvlink_out": topo.nvlink_gbps,
+        "nvlink_in": topo.nvlink_gbps,
+        "nic_out": topo.gpu_nic_gbps,
+        "nic_in": topo.gpu_nic_gbps,
+        "node_nic_out": topo.nics_per_node * topo.nic_gbps,
+        "node_nic_in": topo.nics_per_node * topo.nic_gbps,
+    }
     return {k: v / (speed[k[0]] * 1e9) for k, v in b.items()}, dict(b)
 
 
@@ -158,13 +169,20 @@ def transfer_time(transfers: dict[tuple[int, int], int], topo: Topology) -> tupl
 def gpu_placement(n_src: int, n_dst: int, topo: Topology, colocated: bool = False) -> ProcessMap:
     need = max(n_src, n_dst) if colocated else n_src + n_dst
     if need > topo.gpus:
-        raise TopologyError(f"{n_src} trainer + {n_dst} engine ranks need {need} GPUs"
-                            f"{' (colocated)' if colocated else ''}; the topology has {topo.gpus}")
+        raise TopologyError(
+            f"{n_src} trainer + {n_dst} engine ranks need {need} GPUs"
+            f"{' (colocated)' if colocated else ''}; the topology has {topo.gpus}"
+        )
     return ProcessMap(tuple(range(n_src)), tuple(range(n_dst)) if colocated else tuple(range(n_src, n_src + n_dst)))
 
 
-def p2p_transfers(src: ModelLayout, dst: ModelLayout, topo: Topology, colocated: bool = False,
-                  placement: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> dict[tuple[int, int], int]:
+def p2p_transfers(
+    src: ModelLayout,
+    dst: ModelLayout,
+    topo: Topology,
+    colocated: bool = False,
+    placement: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> dict[tuple[int, int], int]:
     """(source GPU, destination GPU) -> bytes of refit's plan; ``placement``: the GPU of each
     trainer rank and each engine rank (default: ``gpu_placement``)."""
     if placement is not None:
@@ -180,8 +198,9 @@ def p2p_transfers(src: ModelLayout, dst: ModelLayout, topo: Topology, colocated:
     return dict(out)
 
 
-def broadcast_time(model_bytes: int, n_src: int, n_dst: int, topo: Topology, colocated: bool = False
-                   ) -> tuple[float, str]:
+def broadcast_time(
+    model_bytes: int, n_src: int, n_dst: int, topo: Topology, colocated: bool = False
+) -> tuple[float, str]:
     procs = gpu_placement(n_src, n_dst, topo, colocated)
     ring = [procs.src[0]] + [g for g in procs.dst if g != procs.src[0]]
     crosses = any(topo.node(a) != topo.node(b) for a, b in zip(ring, ring[1:]))
@@ -192,8 +211,15 @@ def broadcast_time(model_bytes: int, n_src: int, n_dst: int, topo: Topology, col
     return model_bytes / (topo.nccl_gbps * 1e9), "nvlink through NCCL (ring hop)"
 
 
-def predict(src: ModelLayout, dst: ModelLayout, topo: Topology, *, replicas: int = 1,
-            replica_dst: ModelLayout | None = None, colocated: bool = False) -> list[Prediction]:
+def predict(
+    src: ModelLayout,
+    dst: ModelLayout,
+    topo: Topology,
+    *,
+    replicas: int = 1,
+    replica_dst: ModelLayout | None = None,
+    colocated: bool = False,
+) -> list[Prediction]:
     """Predictions per strategy. ``replicas``: engine data-parallel replicas in ``dst``;
     ``replica_dst``: the layout of one replica (for ``fanout``; omitted when ``replicas`` is 1)."""
     model_bytes = dst.nbytes
@@ -205,8 +231,11 @@ def predict(src: ModelLayout, dst: ModelLayout, topo: Topology, *, replicas: int
     if replicas > 1 and replica_dst is not None:
         t1, where1, n1 = transfer_time(p2p_transfers(src, replica_dst, topo, colocated), topo)
         waves = math.ceil(math.log2(replicas + 1))
-        out.append(Prediction("fanout", waves * t1, where1, n1,
-                              f"{waves} waves x refit's plan into one replica ({t1 * 1e3:.1f} ms)"))
+        out.append(
+            Prediction(
+                "fanout", waves * t1, where1, n1, f"{waves} waves x refit's plan into one replica ({t1 * 1e3:.1f} ms)"
+            )
+        )
     return out
 
 

@@ -65,7 +65,9 @@ def _engine_groups(world: World, dst: ParallelSpec) -> list:
     return groups
 
 
-def _trainer(world: World, model_name: str, src: ParallelSpec, dst_layout: ModelLayout, steps: int, cfg: TransferConfig, procs):
+def _trainer(
+    world: World, model_name: str, src: ParallelSpec, dst_layout: ModelLayout, steps: int, cfg: TransferConfig, procs
+):
     from refit.trainers.dtensor import full_state, layout_from_module, local_shards
     from refit.trainers.hf_tp import parallelize_tp, sync_head_local_grads
 
@@ -105,7 +107,9 @@ def _trainer(world: World, model_name: str, src: ParallelSpec, dst_layout: Model
     return {"rows": rows, "source_layout": "live DTensor parameters" if real_tp else "spec slices of full replicas"}
 
 
-def _engine(world: World, model_name: str, dst: ParallelSpec, src_layout, dst_layout: ModelLayout, steps, cfg, procs, groups):
+def _engine(
+    world: World, model_name: str, dst: ParallelSpec, src_layout, dst_layout: ModelLayout, steps, cfg, procs, groups
+):
     config = load_config(model_name)
     model = build_model(config, torch.float32, device=world.device, seed=1000 + world.dst_rank)
     r = world.dst_rank
@@ -158,7 +162,12 @@ def run_demo(model_name: str, src: ParallelSpec, dst: ParallelSpec, steps: int, 
         if spec.degree("tp") > 1:
             check_tp_degree(config, spec.degree("tp"))
     shapes = param_shapes(model_name, torch.float32)
-    plan = build_plan(layout_from_spec(shapes, src), layout_from_spec(shapes, dst), num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes)
+    plan = build_plan(
+        layout_from_spec(shapes, src),
+        layout_from_spec(shapes, dst),
+        num_buffers=cfg.num_buffers,
+        buffer_bytes=cfg.buffer_bytes,
+    )
     console.print(
         f"refit demo: {model_name} ({len(shapes)} tensors, {plan.dst_layout.nbytes / 1e6:.1f} MB float32), "
         f"trainer {src} -> engine {dst}, {steps} steps; plan {plan.digest}, moved/needed={plan.ratio:.2f}"

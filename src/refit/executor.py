@@ -27,9 +27,9 @@ import time
 import uuid
 import warnings
 from collections import defaultdict
-from datetime import timedelta
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,9 @@ def _check_local(side: str, rank: int, layout, tensors: Mapping[str, torch.Tenso
                 f"{side} rank {rank}: local tensor {t.name!r} has shape {list(x.shape)}, the layout expects {list(box_shape(box))}"
             )
         if x.dtype != t.dtype:
-            raise PlanError(f"{side} rank {rank}: local tensor {t.name!r} has dtype {x.dtype}, the layout expects {t.dtype}")
+            raise PlanError(
+                f"{side} rank {rank}: local tensor {t.name!r} has dtype {x.dtype}, the layout expects {t.dtype}"
+            )
         boxes[t.name] = box
     return boxes
 
@@ -222,7 +224,9 @@ class Executor:
         self.src_rank = plan.procs.src.index(proc) if proc in plan.procs.src else None
         self.dst_rank = plan.procs.dst.index(proc) if proc in plan.procs.dst else None
         src_boxes = (
-            _check_local("source", self.src_rank, plan.src_layout, src_tensors or {}) if self.src_rank is not None else {}
+            _check_local("source", self.src_rank, plan.src_layout, src_tensors or {})
+            if self.src_rank is not None
+            else {}
         )
         dst_boxes = (
             _check_local("destination", self.dst_rank, plan.dst_layout, dst_tensors or {})
@@ -321,8 +325,10 @@ class Executor:
                     try:
                         puller.capture()
                     except RuntimeError as e:  # speed only: the same copies are issued one by one
-                        warnings.warn(f"refit: rank {proc}: recording the IPC pull into a CUDA graph failed ({e}); "
-                                      "issuing its copies one by one (set TransferConfig.cuda_graph=False to skip)")
+                        warnings.warn(
+                            f"refit: rank {proc}: recording the IPC pull into a CUDA graph failed ({e}); "
+                            "issuing its copies one by one (set TransferConfig.cuda_graph=False to skip)"
+                        )
                         puller.graph = None
                 self.pullers.append(puller)
             self.puller = next((pl for pl in self.pullers if pl is not None), None) if len(self.pullers) == 1 else None
@@ -343,7 +349,9 @@ class Executor:
             self.free = [None] * len(self.buffers)  # event: ring buffer's last use finished
 
         self.bytes_sent = sum(sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.src[m.src] == proc)
-        self.bytes_received = sum(sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.dst[m.dst] == proc)
+        self.bytes_received = sum(
+            sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.dst[m.dst] == proc
+        )
         self.bytes_local = sum(p.nbytes for p in plan.local_of(proc))
 
     # ------------------------------------------------------------------ run
@@ -426,15 +434,19 @@ class Executor:
             got = (op.got if self.cuda else checksum(op.tensor)).tolist()
             want = op.sum.tolist()
             if got != want:
-                raise ChecksumError(f"checksum mismatch in the message from process {op.peer} ({op.what()}): sent {want[0]} over {want[1]} bytes, "
-                                    f"received {got[0]} over {got[1]} bytes")
+                raise ChecksumError(
+                    f"checksum mismatch in the message from process {op.peer} ({op.what()}): sent {want[0]} over {want[1]} bytes, "
+                    f"received {got[0]} over {got[1]} bytes"
+                )
 
     def _check_ipc_sums(self) -> None:
         for name, dst, src in self.ipc_pairs:
             got, want = checksum(dst).tolist(), checksum(src).tolist()
             if got != want:
-                raise ChecksumError(f"checksum mismatch in tensor {name!r} pulled over CUDA IPC: "
-                                    f"source {want[0]}, received {got[0]} ({want[1]} bytes)")
+                raise ChecksumError(
+                    f"checksum mismatch in tensor {name!r} pulled over CUDA IPC: "
+                    f"source {want[0]}, received {got[0]} ({want[1]} bytes)"
+                )
 
     def _post(self, step: _Step, sums: bool = False) -> list:
         """Post every send and receive of a step (or, ``sums``, of their checksums); return the works."""
@@ -444,10 +456,13 @@ class Executor:
 
         sends, recvs = msgs(step.sends), msgs(step.recvs)
         if self.standalone:
-            return ([self.group.send([t], p, tag) for p, t, tag in sends]
-                    + [self.group.recv([t], p, tag) for p, t, tag in recvs])
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, t, p, self.group, tag) for p, t, tag in sends]
-                                      + [dist.P2POp(dist.irecv, t, p, self.group, tag) for p, t, tag in recvs])
+            return [self.group.send([t], p, tag) for p, t, tag in sends] + [
+                self.group.recv([t], p, tag) for p, t, tag in recvs
+            ]
+        return dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, t, p, self.group, tag) for p, t, tag in sends]
+            + [dist.P2POp(dist.irecv, t, p, self.group, tag) for p, t, tag in recvs]
+        )
 
     def _run_steps_cuda(self) -> None:
         main = torch.cuda.current_stream(self.device)

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,9 @@ def _stack(parts: list[tuple[ModelLayout, int]]) -> ModelLayout:
                 if b is not None:
                     boxes[base + r] = b
             base += n
-        out.append(TensorLayout(t.name, t.shape, t.dtype, Mesh((base,), ("r",), tuple(range(base))), (Replicate(),),
-                                boxes))
+        out.append(
+            TensorLayout(t.name, t.shape, t.dtype, Mesh((base,), ("r",), tuple(range(base))), (Replicate(),), boxes)
+        )
     return ModelLayout(tuple(out), sum(n for _, n in parts))
 
 
@@ -90,20 +92,35 @@ class Wave:
         return sorted({*self.procs.src, *self.procs.dst})
 
 
-def build_wave(index: int, receivers: list[int], sources: list[int], trainer: ModelLayout, replica: ModelLayout,
-               trainer_procs: list[int], replica_procs: list[list[int]],
-               devices: Sequence[str] | None = None) -> Wave:
+def build_wave(
+    index: int,
+    receivers: list[int],
+    sources: list[int],
+    trainer: ModelLayout,
+    replica: ModelLayout,
+    trainer_procs: list[int],
+    replica_procs: list[list[int]],
+    devices: Sequence[str] | None = None,
+) -> Wave:
     nt, nr = trainer.world_size, replica.world_size
     src = _stack([(trainer, nt)] + [(replica, nr) for _ in sources])
     dst = _stack([(replica, nr) for _ in receivers])
-    procs = ProcessMap(tuple(trainer_procs) + tuple(p for j in sources for p in replica_procs[j]),
-                       tuple(p for j in receivers for p in replica_procs[j]),
-                       tuple(devices) if devices is not None else None)
+    procs = ProcessMap(
+        tuple(trainer_procs) + tuple(p for j in sources for p in replica_procs[j]),
+        tuple(p for j in receivers for p in replica_procs[j]),
+        tuple(devices) if devices is not None else None,
+    )
     return Wave(index, tuple(receivers), tuple(sources), src, dst, procs)
 
 
-def waves_for(trainer: ModelLayout, replica: ModelLayout, trainer_procs: list[int], replica_procs: list[list[int]],
-              dead: frozenset[int] = frozenset(), devices: Sequence[str] | None = None) -> list[Wave]:
+def waves_for(
+    trainer: ModelLayout,
+    replica: ModelLayout,
+    trainer_procs: list[int],
+    replica_procs: list[list[int]],
+    dead: frozenset[int] = frozenset(),
+    devices: Sequence[str] | None = None,
+) -> list[Wave]:
     """The waves, skipping replicas with a dead process (as receivers and as sources).
     ``devices``: each global process's device (``"cuda:0"``), so the planner can prefer
     on-device sources and use CUDA IPC where ``transport`` allows."""
@@ -129,8 +146,9 @@ def wave_plans(waves: list[Wave], plans: Mapping[int, Plan] | None = None, **pla
         for p in plan.local:
             row = links.setdefault(str(w.procs.dst[p.dst]), {})
             row.setdefault(str(w.procs.src[p.src]), []).append([p.tensor, [list(x) for x in p.box]])
-        out.append({"wave": w.index, "receivers": list(w.receivers), "sources": ["trainer", *w.sources],
-                    "links": links})
+        out.append(
+            {"wave": w.index, "receivers": list(w.receivers), "sources": ["trainer", *w.sources], "links": links}
+        )
     return out
 
 
@@ -140,7 +158,9 @@ class FanoutStats:
     attempts: int = 0
     dead: list[int] = field(default_factory=list)
     seconds: float = 0.0
-    sources_seen: list[tuple[int, int, int, int]] = field(default_factory=list)  # (wave, attempt, source proc, its version)
+    sources_seen: list[tuple[int, int, int, int]] = field(
+        default_factory=list
+    )  # (wave, attempt, source proc, its version)
 
 
 class Fanout:
@@ -152,16 +172,28 @@ class Fanout:
     ``group`` (the NCCL group P2P links use; default: the default group) and
     ``config.transport`` (``"auto"``: CUDA IPC between processes of one host)."""
 
-    def __init__(self, trainer: ModelLayout, replica: ModelLayout, proc: int, trainer_procs: list[int],
-                 replica_procs: list[list[int]], tensors: Mapping[str, torch.Tensor], *,
-                 store: dist.Store | None = None, config: TransferConfig = TransferConfig(name="fanout"),
-                 max_attempts: int = 3, devices: Sequence[str] | None = None, device: torch.device | str = "cpu",
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        trainer: ModelLayout,
+        replica: ModelLayout,
+        proc: int,
+        trainer_procs: list[int],
+        replica_procs: list[list[int]],
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        store: dist.Store | None = None,
+        config: TransferConfig = TransferConfig(name="fanout"),
+        max_attempts: int = 3,
+        devices: Sequence[str] | None = None,
+        device: torch.device | str = "cpu",
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         if store is None:
             store = dist.distributed_c10d._get_default_store()
         if any(len(p) != replica.world_size for p in replica_procs):
-            raise ValueError(f"Fanout: every replica needs {replica.world_size} processes, got "
-                             f"{[len(p) for p in replica_procs]}")
+            raise ValueError(
+                f"Fanout: every replica needs {replica.world_size} processes, got {[len(p) for p in replica_procs]}"
+            )
         if len(trainer_procs) != trainer.world_size:
             raise ValueError(f"Fanout: {len(trainer_procs)} trainer processes for {trainer.world_size} trainer ranks")
         everyone = [*trainer_procs, *(p for ps in replica_procs for p in ps)]
@@ -200,9 +232,19 @@ class Fanout:
         dst_t = self.tensors if self.proc in wave.procs.dst else None
         cfg = replace(self.config, name=f"{self.config.name}/w{wave.index}/f{n}")
         tag_base = ((1 + wave.index + 64 * n) % 1000) << 21
-        return Peer(wave.src_layout, wave.dst_layout, self.proc, src_tensors=src_t, dst_tensors=dst_t,
-                    procs=wave.procs, config=cfg, store=self.store, tag_base=tag_base, group=self.group,
-                    device=self.device)
+        return Peer(
+            wave.src_layout,
+            wave.dst_layout,
+            self.proc,
+            src_tensors=src_t,
+            dst_tensors=dst_t,
+            procs=wave.procs,
+            config=cfg,
+            store=self.store,
+            tag_base=tag_base,
+            group=self.group,
+            device=self.device,
+        )
 
     def _peer_for(self, wave: Wave) -> Peer:
         key = (self.dead, self.failures.get(wave.index, 0))
@@ -231,8 +273,10 @@ class Fanout:
                 got = int(self._get(f"{self.config.name}/holds/{p}", self.config.deadline_s))
                 stats.sources_seen.append((wave.index, attempt, p, got))
                 if got != version:
-                    raise FanoutError(f"fan-out wave {wave.index}: source process {p} (replica {j}) holds version "
-                                      f"{got}, not {version}; refusing to pull from it")
+                    raise FanoutError(
+                        f"fan-out wave {wave.index}: source process {p} (replica {j}) holds version "
+                        f"{got}, not {version}; refusing to pull from it"
+                    )
 
     def _current(self, index: int) -> Wave | None:
         return next((w for w in self.waves if w.index == index), None)
@@ -298,8 +342,10 @@ class Fanout:
             if not self._takes_part(nxt):
                 return
             wave = nxt  # type: ignore[assignment]
-        raise FanoutError(f"fan-out wave {k} of version {version} failed {self.max_attempts} times "
-                          f"(dead processes: {sorted(self.dead)})")
+        raise FanoutError(
+            f"fan-out wave {k} of version {version} failed {self.max_attempts} times "
+            f"(dead processes: {sorted(self.dead)})"
+        )
 
     def _outcome(self, wave: Wave, version: int, attempt: int) -> dict[str, Any]:
         """The coordinator collects every member's status (a member silent past the deadline is
@@ -315,8 +361,12 @@ class Fanout:
         status = {m: self.store.get(k).decode() for m, k in keys.items() if self.store.check([k])}
         dead = sorted(set(wave.members) - set(status))
         failed = sorted(m for m, st in status.items() if st != "ok")
-        out = {"ok": not dead and not failed, "dead": dead, "failed": failed,
-               "why": {str(m): status[m] for m in failed}}
+        out = {
+            "ok": not dead and not failed,
+            "dead": dead,
+            "failed": failed,
+            "why": {str(m): status[m] for m in failed},
+        }
         if out["ok"]:  # the receivers hold the version: they may serve the next waves
             for p in wave.procs.dst:
                 self.store.set(f"{self.config.name}/holds/{p}", str(version))
@@ -330,8 +380,10 @@ class Fanout:
         if not new:
             return
         if new & set(self.trainer_procs):
-            raise FanoutError(f"fan-out: trainer process(es) {sorted(new & set(self.trainer_procs))} died; "
-                              "the refit cannot complete")
+            raise FanoutError(
+                f"fan-out: trainer process(es) {sorted(new & set(self.trainer_procs))} died; the refit cannot complete"
+            )
         self.dead |= new
-        self.waves = waves_for(self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead,
-                               devices=self.devices)
+        self.waves = waves_for(
+            self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead, devices=self.devices
+        )

@@ -76,21 +76,27 @@ class InjectResult:
                     out.append(f"an error does not say {want!r}: {e}")
         for p, r in survivors:
             if self.mode == "corrupt" and (r["retried_version"] != 2 or r["v2_exact_after_retry"] is False):
-                out.append(f"process {p}: retrying version 2 gave version {r['retried_version']} "
-                           f"(bit-exact: {r['v2_exact_after_retry']})")
+                out.append(
+                    f"process {p}: retrying version 2 gave version {r['retried_version']} "
+                    f"(bit-exact: {r['v2_exact_after_retry']})"
+                )
         if self.mode.startswith("kill") and self.rows[self.victim] is not None:
             out.append(f"process {self.victim} was to die but returned")
         return out
 
     def last_line(self) -> str:
         engines = ", ".join(
-            f"process {p}: " + ("dead" if r is None else f"v{r['version']}" + (" (bit-exact)" if r["v1_exact"] else " (DIFFERS)"))
-            for p, r in enumerate(self.rows) if r is None or r["role"] == "engine"
+            f"process {p}: "
+            + ("dead" if r is None else f"v{r['version']}" + (" (bit-exact)" if r["v1_exact"] else " (DIFFERS)"))
+            for p, r in enumerate(self.rows)
+            if r is None or r["role"] == "engine"
         )
         probs = self.problems()
         head = "DETECTED" if not probs else "NOT HANDLED"
         what = min(self.errors, key=len) if self.errors else "no error raised"
-        return f"{head} {self.mode}: {what} | engines: {engines}" + (f" | problems: {'; '.join(probs)}" if probs else "")
+        return f"{head} {self.mode}: {what} | engines: {engines}" + (
+            f" | problems: {'; '.join(probs)}" if probs else ""
+        )
 
 
 def _victim(procs: ProcessMap, mode: str) -> int:
@@ -120,7 +126,7 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
     steps = len(peer.executor.steps)
     middle = peer.executor.steps[steps // 2] if steps else None
 
-    later = set(map(id, peer.executor.steps[steps // 2:]))
+    later = set(map(id, peer.executor.steps[steps // 2 :]))
     corrupted = []
 
     def fault(where: str, info: dict) -> None:
@@ -130,7 +136,13 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
             os.kill(os.getpid(), signal.SIGKILL)
         if where == "step" and info["step"] is middle and mode == "slow-receiver":
             time.sleep(1.5 * config.deadline_s)
-        if where == "received" and mode == "corrupt" and not corrupted and id(info["step"]) in later and info["step"].recvs:
+        if (
+            where == "received"
+            and mode == "corrupt"
+            and not corrupted
+            and id(info["step"]) in later
+            and info["step"].recvs
+        ):
             info["step"].recvs[0].tensor.view(torch.uint8)[-1] ^= 0x10  # one byte, after the wire, before the check
             corrupted.append(True)
 
@@ -158,8 +170,9 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
         # nobody died: retrying version 2 must succeed, on a fresh group (the aborted refit may
         # have left messages in flight on the old one) and under a new name
         fresh = torch.distributed.new_group(list(range(world.world_size)), backend="gloo")
-        again = Peer(src, dst, world.rank, procs=procs, group=fresh,
-                     config=replace(config, name=f"{config.name}-retry"), **kw)
+        again = Peer(
+            src, dst, world.rank, procs=procs, group=fresh, config=replace(config, name=f"{config.name}-retry"), **kw
+        )
         again.run(2)
         again.close()
         retried = again.version
@@ -174,21 +187,53 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
     v2_exact = None
     if retried is not None and not is_src:
         v2_exact = holds(tensors, dst, rank, seed + 1)
-    return {"role": role, "rank": rank, "error": error, "elapsed_s": elapsed, "version": peer.version,
-            "v1_exact": bool(v1_exact and exact) if not is_src else None, "victim": victim,
-            "retried_version": retried, "v2_exact_after_retry": v2_exact}
+    return {
+        "role": role,
+        "rank": rank,
+        "error": error,
+        "elapsed_s": elapsed,
+        "version": peer.version,
+        "v1_exact": bool(v1_exact and exact) if not is_src else None,
+        "victim": victim,
+        "retried_version": retried,
+        "v2_exact_after_retry": v2_exact,
+    }
 
 
-def inject(src: ModelLayout, dst: ModelLayout, mode: str, *, deadline_s: float = 10.0, seed: int = 0,
-           config: TransferConfig | None = None) -> InjectResult:
+def inject(
+    src: ModelLayout,
+    dst: ModelLayout,
+    mode: str,
+    *,
+    deadline_s: float = 10.0,
+    seed: int = 0,
+    config: TransferConfig | None = None,
+) -> InjectResult:
     if mode not in MODES:
         raise ValueError(f"--inject must be one of {', '.join(MODES)}, got {mode!r}")
     base = config or TransferConfig(num_buffers=2, buffer_bytes=64 << 10)
-    cfg = replace(base, commit="staged", verify=True, deadline_s=deadline_s, name="inject",
-                  preflight_timeout_s=max(30.0, deadline_s))
+    cfg = replace(
+        base,
+        commit="staged",
+        verify=True,
+        deadline_s=deadline_s,
+        name="inject",
+        preflight_timeout_s=max(30.0, deadline_s),
+    )
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
     victim = _victim(procs, mode)
     dead = {victim} if mode.startswith("kill") else set()
-    rows = run_local(_worker, src.world_size, dst.world_size, src, dst, cfg, mode, seed, backend="gloo",
-                     timeout_s=max(120.0, 4 * deadline_s + 60), expect_dead=dead)
+    rows = run_local(
+        _worker,
+        src.world_size,
+        dst.world_size,
+        src,
+        dst,
+        cfg,
+        mode,
+        seed,
+        backend="gloo",
+        timeout_s=max(120.0, 4 * deadline_s + 60),
+        expect_dead=dead,
+    )
     return InjectResult(mode, victim, rows, deadline_s)

@@ -19,9 +19,10 @@ import queue
 import signal
 import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,7 +176,9 @@ def run_local(
             try:
                 rank, ok, val = results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors]
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors
+                ]
                 for r in [r for r in dead if r in expect_dead]:
                     out[r] = None
                 dead = [r for r in dead if r not in expect_dead]

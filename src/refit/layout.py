@@ -17,9 +17,9 @@ This module knows nothing of models, transports or devices.
 from __future__ import annotations
 
 import math
-from functools import cached_property
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Sequence
+from functools import cached_property
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -138,7 +138,7 @@ class Mesh:
             raise LayoutError(f"mesh ranks repeat: {self.ranks}")
 
     @classmethod
-    def from_nested(cls, nested, dim_names: Sequence[str] | None = None) -> "Mesh":
+    def from_nested(cls, nested, dim_names: Sequence[str] | None = None) -> Mesh:
         t = torch.as_tensor(nested, dtype=torch.long)
         names = tuple(dim_names) if dim_names is not None else tuple(f"d{i}" for i in range(t.dim()))
         return cls(tuple(t.shape), names, tuple(int(r) for r in t.flatten().tolist()))
@@ -215,7 +215,9 @@ class TensorLayout:
         if self.boxes is not None:
             for r, b in self.boxes.items():
                 if len(b) != len(self.shape) or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(b, self.shape)):
-                    raise LayoutError(f"tensor {self.name!r}: box {b} of rank {r} lies outside shape {list(self.shape)}")
+                    raise LayoutError(
+                        f"tensor {self.name!r}: box {b} of rank {r} lies outside shape {list(self.shape)}"
+                    )
             object.__setattr__(self, "boxes", dict(sorted(self.boxes.items())))
 
     @property
@@ -240,7 +242,7 @@ class TensorLayout:
             return dict(self.boxes)
         # (mesh dim, tensor dim) of each Shard, looked up once (isinstance on placements is slow)
         shards = [(i, p.dim) for i, p in enumerate(self.placements) if isinstance(p, Shard)]
-        strides = [math.prod(self.mesh.shape[i + 1:]) for i in range(self.mesh.ndim)]
+        strides = [math.prod(self.mesh.shape[i + 1 :]) for i in range(self.mesh.ndim)]
         sizes = self.mesh.shape
         memo: dict[tuple[int, ...], Box] = {}  # ranks with the same shard coordinates share a box
         out: dict[int, Box] = {}

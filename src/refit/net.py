@@ -22,9 +22,9 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 MODES = ("auto", "stripe", "off")
 
@@ -96,8 +96,16 @@ def discover_nics(sysfs_root: str | os.PathLike = "/sys") -> list[Nic]:
             rate = _rate(_read(port / "rate"))
             if "ACTIVE" not in state or rate is None:
                 continue
-            out.append(Nic(dev.name, int(port.name), rate, _numa(dev / "device" / "numa_node"),
-                           _pci_path(dev / "device", root), _read(port / "link_layer", "InfiniBand")))
+            out.append(
+                Nic(
+                    dev.name,
+                    int(port.name),
+                    rate,
+                    _numa(dev / "device" / "numa_node"),
+                    _pci_path(dev / "device", root),
+                    _read(port / "link_layer", "InfiniBand"),
+                )
+            )
     return out
 
 
@@ -150,8 +158,9 @@ def env_mode(env: Mapping[str, str] | None = None, default: str = "auto") -> str
     if raw is None or raw.strip() == "":
         return default
     if raw.strip().lower() not in MODES:
-        warnings.warn(f"REFIT_NIC_MODE={raw!r} is not one of {', '.join(MODES)}; using {default!r} instead",
-                      stacklevel=2)
+        warnings.warn(
+            f"REFIT_NIC_MODE={raw!r} is not one of {', '.join(MODES)}; using {default!r} instead", stacklevel=2
+        )
         return default
     return raw.strip().lower()
 
@@ -174,9 +183,15 @@ def select_nics(gpu: Gpu, nics: list[Nic], mode: str = "auto", min_rate_gbps: fl
     if mode == "off":
         return []
     cands = compute_nics(nics, min_rate_gbps)
-    ranked = sorted(cands, key=lambda n: (pci_hops(gpu.pci_path, n.pci_path),
-                                          0 if gpu.numa_node is not None and n.numa_node == gpu.numa_node else 1,
-                                          n.name, n.port))
+    ranked = sorted(
+        cands,
+        key=lambda n: (
+            pci_hops(gpu.pci_path, n.pci_path),
+            0 if gpu.numa_node is not None and n.numa_node == gpu.numa_node else 1,
+            n.name,
+            n.port,
+        ),
+    )
     return ranked[:1] if mode == "auto" else ranked
 
 
@@ -192,8 +207,9 @@ def ucx_env(selected: list[Nic], env: Mapping[str, str] | None = None) -> dict[s
     return out
 
 
-def nic_settings(gpu_index: int, sysfs_root: str | os.PathLike = "/sys",
-                 env: Mapping[str, str] | None = None) -> dict[str, str]:
+def nic_settings(
+    gpu_index: int, sysfs_root: str | os.PathLike = "/sys", env: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """What a process driving GPU ``gpu_index`` should export, from sysfs and the knobs."""
     mode = env_mode(env)
     min_rate = env_number("REFIT_NIC_MIN_RATE_GBPS", None, env)

@@ -87,16 +87,16 @@ class ProcessMap:
             and "cuda" in self.device_of(b)
         )
 
-    def with_devices(self, devices) -> "ProcessMap":
+    def with_devices(self, devices) -> ProcessMap:
         return ProcessMap(self.src, self.dst, tuple(devices))
 
     @classmethod
-    def disjoint(cls, n_src: int, n_dst: int) -> "ProcessMap":
+    def disjoint(cls, n_src: int, n_dst: int) -> ProcessMap:
         """Trainer ranks are processes ``0..n_src-1``, engine ranks follow."""
         return cls(tuple(range(n_src)), tuple(range(n_src, n_src + n_dst)))
 
     @classmethod
-    def colocated(cls, n_src: int, n_dst: int) -> "ProcessMap":
+    def colocated(cls, n_src: int, n_dst: int) -> ProcessMap:
         """Source rank i and destination rank i share process i."""
         return cls(tuple(range(n_src)), tuple(range(n_dst)))
 
@@ -154,9 +154,7 @@ class Plan:
     @cached_property
     def bytes_needed(self) -> int:
         """Bytes all destination ranks hold once the refit is done."""
-        return sum(
-            box_numel(b) * t.itemsize for t in self.dst_layout for r in t.ranks if (b := t.box(r)) is not None
-        )
+        return sum(box_numel(b) * t.itemsize for t in self.dst_layout for r in t.ranks if (b := t.box(r)) is not None)
 
     @cached_property
     def links(self) -> dict[int, dict[int, int]]:
@@ -212,7 +210,15 @@ class Plan:
             "devices": list(self.procs.devices) if self.procs.devices is not None else None,
             "buffers": [self.num_buffers, self.buffer_bytes],
             "messages": [
-                [m.src, m.dst, m.step, m.direct, m.transport, [[p.tensor, [list(x) for x in p.box]] for p in m.pieces], list(m.offsets)]
+                [
+                    m.src,
+                    m.dst,
+                    m.step,
+                    m.direct,
+                    m.transport,
+                    [[p.tensor, [list(x) for x in p.box]] for p in m.pieces],
+                    list(m.offsets),
+                ]
                 for m in self.messages
             ],
             "local": [[p.tensor, p.src, p.dst, [list(x) for x in p.box]] for p in self.local],
@@ -248,9 +254,7 @@ def check_compatible(src: ModelLayout, dst: ModelLayout) -> None:
         )
     extra = [n for n in src.names if n not in dst_names]
     if extra:
-        raise PlanError(
-            f"{len(extra)} source tensor(s) are not wanted by the destination, first: {extra[0]!r}"
-        )
+        raise PlanError(f"{len(extra)} source tensor(s) are not wanted by the destination, first: {extra[0]!r}")
     for d in dst:
         s = src[d.name]
         if s.shape != d.shape:
@@ -266,7 +270,9 @@ def _source_tiles(t: TensorLayout) -> list[tuple[Box, list[int]]]:
         for i, (a, _) in enumerate(tiles):
             for b, _ in tiles[i + 1 :]:
                 if box_intersect(a, b) is not None:
-                    raise PlanError(f"tensor {t.name!r}: source boxes {list(a)} and {list(b)} overlap without being replicas")
+                    raise PlanError(
+                        f"tensor {t.name!r}: source boxes {list(a)} and {list(b)} overlap without being replicas"
+                    )
     covered = sum(box_numel(b) for b, _ in tiles)
     if covered != t.numel:
         raise PlanError(
@@ -293,13 +299,17 @@ def check_coverage(dst: ModelLayout, pieces: list[Piece]) -> None:
             n = 0
             for i, a in enumerate(got):
                 if any(lo < wlo or hi > whi for (lo, hi), (wlo, whi) in zip(a, want)):
-                    raise PlanError(f"tensor {t.name!r}: piece {list(a)} for destination rank {r} lies outside its box {list(want)}")
+                    raise PlanError(
+                        f"tensor {t.name!r}: piece {list(a)} for destination rank {r} lies outside its box {list(want)}"
+                    )
                 n += box_numel(a)
                 for b in got[i + 1 :]:  # sorted by the first dim: only boxes starting before a ends can meet it
                     if a and b[0][0] >= a[0][1]:
                         break
                     if box_intersect(a, b) is not None:
-                        raise PlanError(f"tensor {t.name!r}: destination rank {r} would be written twice in {list(box_intersect(a, b))}")
+                        raise PlanError(
+                            f"tensor {t.name!r}: destination rank {r} would be written twice in {list(box_intersect(a, b))}"
+                        )
             if n != n_want:
                 raise PlanError(
                     f"tensor {t.name!r}: destination rank {r} would receive {n} of {n_want} elements of box {list(want)} (coverage gap)"
@@ -366,8 +376,9 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
                     near = by_dev.get(procs.device_of(procs.dst[r]))
                 if near is not None:
                     out.append((d.name, near, r, cut[i], item, nb, direct[i]))
-                elif r in holders and (identical if identical is not None else
-                                       (identical := canonical_tensor(s) == canonical_tensor(d))):
+                elif r in holders and (
+                    identical if identical is not None else (identical := canonical_tensor(s) == canonical_tensor(d))
+                ):
                     out.append((d.name, r, r, cut[i], item, nb, direct[i]))
                 else:
                     open_.append((len(out), d.name, r, cut[i], holders, k, item, nb, direct[i]))
@@ -376,8 +387,10 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
         for b, n in zip(dboxes, got):  # disjoint tiles covering the tensor cut every box exactly once
             if n != box_numel(b) * item:
                 r = next(r for r, i in ranks_in_order if dboxes[i] == b)
-                raise PlanError(f"tensor {d.name!r}: destination rank {r} would receive {n // item} of "
-                                f"{box_numel(b)} elements of box {list(b)} (coverage gap)")
+                raise PlanError(
+                    f"tensor {d.name!r}: destination rank {r} would receive {n // item} of "
+                    f"{box_numel(b)} elements of box {list(b)} (coverage gap)"
+                )
     if not open_:
         return out  # type: ignore[return-value]
     load: dict[int, int] = defaultdict(int)
@@ -452,8 +465,9 @@ def build_plan(
         return _build(src, dst, procs, num_buffers, buffer_bytes, transport)
 
 
-def _build(src: ModelLayout, dst: ModelLayout, procs: ProcessMap, num_buffers: int, buffer_bytes: int,
-           transport: str) -> Plan:
+def _build(
+    src: ModelLayout, dst: ModelLayout, procs: ProcessMap, num_buffers: int, buffer_bytes: int, transport: str
+) -> Plan:
     local_: list[Piece] = []
     per_link: dict[tuple[int, int], list[tuple[Piece, bool]]] = defaultdict(list)
     for name, h, r, box, item, nb, dr in _choose_sources(src, dst, procs):

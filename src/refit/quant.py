@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -76,13 +76,20 @@ def use_triton(block: tuple[int, int]) -> bool:
 
         _TRITON = quant_triton.AVAILABLE and os.environ.get("REFIT_FP8_TRITON", "1") != "0"
         if not _TRITON:
-            warnings.warn("refit: FP8 quantization on CUDA without Triton runs the multi-pass torch expression "
-                          "(same bytes, several times slower)")
+            warnings.warn(
+                "refit: FP8 quantization on CUDA without Triton runs the multi-pass torch expression "
+                "(same bytes, several times slower)"
+            )
     return _TRITON and all(b & (b - 1) == 0 for b in block)
 
 
-def quantize_into(w: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                  chunk_bytes: int = 512 << 20) -> None:
+def quantize_into(
+    w: torch.Tensor,
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    chunk_bytes: int = 512 << 20,
+) -> None:
     """``quantize_fp8_block(w)`` written into ``q`` and ``scale_inv``, a chunk at a time (whole
     blocks per chunk, so the bytes are the same) to bound the temporaries to ~``chunk_bytes``."""
     if w.is_cuda and use_triton(block):  # one pass, the same bytes (quant_triton.py)
@@ -139,13 +146,19 @@ def _scale_box(t: TensorLayout, rank: int, box: Box, block: tuple[int, int], sid
             raise LayoutError(
                 f"FP8 {side}: tensor {t.name!r} {list(t.shape)} on {side} rank {rank} holds {what}s [{lo}, {hi}), "
                 f"not on {b}-{what} block boundaries; each block's scale needs the whole block on one rank "
-                f"(shard on multiples of {b}, or use a smaller block)")
+                f"(shard on multiples of {b}, or use a smaller block)"
+            )
         out.append((lo // b, -(-hi // b)))
     return tuple(out)
 
 
-def fp8_layout(layout: ModelLayout, *, block: tuple[int, int] = (128, 128),
-               select: Callable[[TensorLayout], bool] = default_fp8_tensors, side: str = "source") -> ModelLayout:
+def fp8_layout(
+    layout: ModelLayout,
+    *,
+    block: tuple[int, int] = (128, 128),
+    select: Callable[[TensorLayout], bool] = default_fp8_tensors,
+    side: str = "source",
+) -> ModelLayout:
     """``layout`` with every selected tensor in FP8 plus its ``_scale_inv`` companion (after it)."""
     out: list[TensorLayout] = []
     for t in layout:
@@ -176,8 +189,14 @@ class Fp8Quantizer:
     quantized shards, about half their bf16 size, allocated once.
     """
 
-    def __init__(self, qlayout: ModelLayout, rank: int, live: Mapping[str, torch.Tensor],
-                 block: tuple[int, int] = (128, 128), chunk_bytes: int = 512 << 20) -> None:
+    def __init__(
+        self,
+        qlayout: ModelLayout,
+        rank: int,
+        live: Mapping[str, torch.Tensor],
+        block: tuple[int, int] = (128, 128),
+        chunk_bytes: int = 512 << 20,
+    ) -> None:
         self.block, self.chunk_bytes = block, chunk_bytes
         self.jobs: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.tensors: dict[str, torch.Tensor] = {}
@@ -210,7 +229,9 @@ class Fp8Quantizer:
                     quantize_into(w, q, s, self.block, self.chunk_bytes)
 
 
-def expected_fp8(full: torch.Tensor, box: Box, scale_box: Box | None, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def expected_fp8(
+    full: torch.Tensor, box: Box, scale_box: Box | None, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q, scale_inv) at ``box`` / ``scale_box`` of the whole tensor quantized at once (for checks)."""
     q, s = quantize_fp8_block(full, block)
     return q[box_slices(box)], (s[box_slices(scale_box)] if scale_box is not None else None)

@@ -31,8 +31,28 @@ except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch pat
 if AVAILABLE:
 
     @triton.jit
-    def _quant_block(x_ptr, q_ptr, s_ptr, n, k, gn, gk, sxb, sxn, sxk, sqb, sqn, sqk, ssb, ssn, ssk,
-                     BN: tl.constexpr, BK: tl.constexpr, AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr):
+    def _quant_block(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        n,
+        k,
+        gn,
+        gk,
+        sxb,
+        sxn,
+        sxk,
+        sqb,
+        sqn,
+        sqk,
+        ssb,
+        ssn,
+        ssk,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        AMAX_FLOOR: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         per = gn * gk
         b = pid // per
@@ -65,5 +85,20 @@ def quantize_into_triton(w: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tens
     grid = (x.shape[0] * gn * gk,)
     if grid[0] == 0:
         return
-    _quant_block[grid](x, qx, sx, n, k, gn, gk, *x.stride(), *qx.stride(), *sx.stride(),
-                       BN=bn, BK=bk, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=float(FP8_MAX), num_warps=8)
+    _quant_block[grid](
+        x,
+        qx,
+        sx,
+        n,
+        k,
+        gn,
+        gk,
+        *x.stride(),
+        *qx.stride(),
+        *sx.stride(),
+        BN=bn,
+        BK=bk,
+        AMAX_FLOOR=AMAX_FLOOR,
+        FP8_MAX=float(FP8_MAX),
+        num_warps=8,
+    )

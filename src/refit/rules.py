@@ -21,7 +21,7 @@ MoE (experts stacked per layer: ``mlp.experts.gate_up_proj`` ``[E, 2, I, H]``,
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import Replicate, Shard

@@ -44,8 +44,12 @@ class SoakResult:
 
     @property
     def ok(self) -> bool:
-        return (self.worst_rss_growth <= 0.05 and all(r["threads_end"] == r["threads_warm"] for r in self.rows)
-                and all(r["groups_end"] == r["groups_warm"] for r in self.rows) and all(r["exact"] is not False for r in self.rows))
+        return (
+            self.worst_rss_growth <= 0.05
+            and all(r["threads_end"] == r["threads_warm"] for r in self.rows)
+            and all(r["groups_end"] == r["groups_warm"] for r in self.rows)
+            and all(r["exact"] is not False for r in self.rows)
+        )
 
 
 def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, refits: int, warmup: int):
@@ -65,20 +69,35 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
         peer.run(v)
         if v == warmup:
             row.update(rss_warm=rss_bytes(), threads_warm=threading.active_count(), groups_warm=_process_groups())
-    row.update(rss_end=rss_bytes(), threads_end=threading.active_count(), groups_end=_process_groups(),
-               seconds=time.perf_counter() - t0)
+    row.update(
+        rss_end=rss_bytes(),
+        threads_end=threading.active_count(),
+        groups_end=_process_groups(),
+        seconds=time.perf_counter() - t0,
+    )
     factor = 2.0 if refits % 2 else 1.0  # the product of the scalings after `refits` steps
     row["exact"] = None if is_src else holds(tensors, dst, rank, scale=factor)
     peer.close()
     return row
 
 
-def soak(src: ModelLayout, dst: ModelLayout, refits: int = 200, warmup: int = 20,
-         config: TransferConfig = TransferConfig()) -> SoakResult:
+def soak(
+    src: ModelLayout, dst: ModelLayout, refits: int = 200, warmup: int = 20, config: TransferConfig = TransferConfig()
+) -> SoakResult:
     if not 1 <= warmup < refits:
         raise ValueError(f"need 1 <= warmup < refits, got warmup={warmup}, refits={refits}")
-    rows = run_local(_worker, src.world_size, dst.world_size, src, dst, config, refits, warmup, backend="gloo",
-                     timeout_s=600 + refits)
+    rows = run_local(
+        _worker,
+        src.world_size,
+        dst.world_size,
+        src,
+        dst,
+        config,
+        refits,
+        warmup,
+        backend="gloo",
+        timeout_s=600 + refits,
+    )
     return SoakResult(refits, warmup, rows)
 
 

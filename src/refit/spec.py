@@ -56,7 +56,7 @@ class ParallelSpec:
         parts = [f"{n}={d}" for n, d in self.degrees if d != 1]
         return ",".join(parts) or "tp=1"
 
-    def replica(self) -> "ParallelSpec":
+    def replica(self) -> ParallelSpec:
         """The spec of one data-parallel replica (``dp`` set to 1)."""
         return ParallelSpec(self.side, tuple((n, 1 if n == "dp" else d) for n, d in self.degrees))
 

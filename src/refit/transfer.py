@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import json
 import time
-
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -48,8 +47,12 @@ class TransferConfig:
     stages: int = 1  # all-IPC plans: pull in this many stages so a source's prepare (FP8) overlaps the pulls
 
     def __post_init__(self) -> None:
-        for field, value, least in (("num_buffers", self.num_buffers, 1), ("buffer_bytes", self.buffer_bytes, 1),
-                                    ("copy_streams", self.copy_streams, 1), ("stages", self.stages, 1)):
+        for field, value, least in (
+            ("num_buffers", self.num_buffers, 1),
+            ("buffer_bytes", self.buffer_bytes, 1),
+            ("copy_streams", self.copy_streams, 1),
+            ("stages", self.stages, 1),
+        ):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"TransferConfig.{field} must be an integer >= {least}, got {value!r}")
         if self.transport not in ("p2p", "ipc", "auto"):
@@ -158,7 +161,11 @@ class Peer:
             store = dist.distributed_c10d._get_default_store()
         try:
             self.plan = plan or build_plan(
-                src_layout, dst_layout, procs, num_buffers=config.num_buffers, buffer_bytes=config.buffer_bytes,
+                src_layout,
+                dst_layout,
+                procs,
+                num_buffers=config.num_buffers,
+                buffer_bytes=config.buffer_bytes,
                 transport=config.transport,
             )
             validate_local(self.plan, proc, src_tensors, dst_tensors)
@@ -172,10 +179,23 @@ class Peer:
         staged = config.commit == "staged" and bool(self.live)
         self.shadow = {n: torch.empty_like(t) for n, t in self.live.items()} if staged else {}
         self.executor = Executor(
-            self.plan, proc, src_tensors=src_tensors, dst_tensors=self.shadow or dst_tensors, group=group,
-            sync_group=sync_group, device=device, store=store, name=config.name, timeout_s=config.preflight_timeout_s,
-            standalone=standalone, copy_streams=config.copy_streams, cuda_graph=config.cuda_graph, verify=config.verify,
-            stages=config.stages, prepare=prepare, tag_base=tag_base,
+            self.plan,
+            proc,
+            src_tensors=src_tensors,
+            dst_tensors=self.shadow or dst_tensors,
+            group=group,
+            sync_group=sync_group,
+            device=device,
+            store=store,
+            name=config.name,
+            timeout_s=config.preflight_timeout_s,
+            standalone=standalone,
+            copy_streams=config.copy_streams,
+            cuda_graph=config.cuda_graph,
+            verify=config.verify,
+            stages=config.stages,
+            prepare=prepare,
+            tag_base=tag_base,
         )
         self.members = sorted({*self.plan.procs.src, *self.plan.procs.dst})
         self.channel = AbortChannel(store, f"{config.name}/run", proc, len(self.members)) if store is not None else None
@@ -187,8 +207,10 @@ class Peer:
 
     def run(self, version: int) -> RunStats:
         if self.broken is not None:
-            raise RefitAborted(f"this Peer's transfer group was left unusable by an aborted refit ({self.broken}); "
-                               "build a new Peer (fresh group, new config.name) to retry")
+            raise RefitAborted(
+                f"this Peer's transfer group was left unusable by an aborted refit ({self.broken}); "
+                "build a new Peer (fresh group, new config.name) to retry"
+            )
         if self.version is not None and version <= self.version:
             raise ValueError(f"version must increase: got {version} after {self.version}")
         attempt = self._attempts.get(version, 0)
@@ -247,5 +269,3 @@ class Receiver(Peer):
 
     def pull(self, version: int) -> RunStats:
         return self.run(version)
-
-

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -17,8 +17,9 @@ from refit.quant import FP8, Fp8Quantizer, expected_fp8, fp8_layout, quantized_n
 from refit.transfer import Receiver, Sender, TransferConfig
 
 
-def reference_tensor(name: str, shape: Sequence[int], dtype: torch.dtype, seed: int = 0,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
+def reference_tensor(
+    name: str, shape: Sequence[int], dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Deterministic, never-zero values for ``name``, the same in every process on the same
     kind of device (made on ``device`` with that device's generator)."""
     g = torch.Generator(device=device).manual_seed((zlib.crc32(name.encode()) + 7919 * seed) & 0x7FFFFFFF)
@@ -35,13 +36,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def reference_shards(layout: ModelLayout, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """This rank's boxes of every tensor's reference values (fresh tensors, contiguous)."""
-    return {t.name: reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)].clone() for t, b in layout.local_tensors(rank)}
+    return {
+        t.name: reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)].clone()
+        for t, b in layout.local_tensors(rank)
+    }
 
 
 def holds(tensors: dict[str, torch.Tensor], layout: ModelLayout, rank: int, seed: int = 0, scale: float = 1.0) -> bool:
     """Whether ``tensors`` are this rank's reference boxes (times ``scale``), bit for bit."""
-    return all(same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)] * scale)
-               for t, b in layout.local_tensors(rank))
+    return all(
+        same_bits(tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed)[box_slices(b)] * scale)
+        for t, b in layout.local_tensors(rank)
+    )
 
 
 @dataclass(frozen=True)
@@ -88,15 +94,25 @@ def _expected(plain: ModelLayout, dst: ModelLayout, rank: int, seed: int, block)
     return want
 
 
-def _verify_worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, seed: int, dump: str | None,
-                   plain_src: ModelLayout | None = None, block: tuple[int, int] | None = None):
+def _verify_worker(
+    world: World,
+    src: ModelLayout,
+    dst: ModelLayout,
+    config: TransferConfig,
+    seed: int,
+    dump: str | None,
+    plain_src: ModelLayout | None = None,
+    block: tuple[int, int] | None = None,
+):
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
     if world.src_rank is not None:
         if block:  # the trainer holds bf16/fp32 shards; its quantizer sends FP8 ones
             quantizer = Fp8Quantizer(src, world.src_rank, reference_shards(plain_src, world.src_rank, seed), block)
             Sender(src, dst, world.rank, quantizer.tensors, procs=procs, config=config, prepare=quantizer).push(1)
         else:
-            Sender(src, dst, world.rank, reference_shards(src, world.src_rank, seed), procs=procs, config=config).push(1)
+            Sender(src, dst, world.rank, reference_shards(src, world.src_rank, seed), procs=procs, config=config).push(
+                1
+            )
         return None
     r = world.dst_rank
     local = {t.name: _poisoned(tuple(b - a for a, b in box), t.dtype) for t, box in dst.local_tensors(r)}
@@ -137,11 +153,26 @@ def verify(
         os.makedirs(dump, exist_ok=True)
         from safetensors.torch import save_file
 
-        save_file({t.name: reference_tensor(t.name, t.shape, t.dtype, seed) for t in plain_src}, os.path.join(dump, "full.safetensors"))
+        save_file(
+            {t.name: reference_tensor(t.name, t.shape, t.dtype, seed) for t in plain_src},
+            os.path.join(dump, "full.safetensors"),
+        )
         with open(os.path.join(dump, "layout.json"), "w") as f:
             json.dump({"tensors": [t.to_json() for t in dst]}, f, indent=1)
-    results = run_local(_verify_worker, src.world_size, dst.world_size, src, dst, config, seed, dump, plain_src, fp8_block,
-                        backend="gloo", timeout_s=timeout_s)
+    results = run_local(
+        _verify_worker,
+        src.world_size,
+        dst.world_size,
+        src,
+        dst,
+        config,
+        seed,
+        dump,
+        plain_src,
+        fp8_block,
+        backend="gloo",
+        timeout_s=timeout_s,
+    )
     mismatches: list[str] = []
     nbytes = 0
     for res in results[src.world_size :]:

@@ -13,6 +13,7 @@ def ray_session():
 @pytest.fixture(scope="package")
 def ray_store(ray_session):
     from refit.data.ray_store import RayStore
+
     s = RayStore(num_units=3)  # actors start in seconds on a small machine: one set for the session
     yield s
     s.shutdown()
@@ -29,6 +30,7 @@ def _empty(store):
 def store(request):
     if request.param == "inprocess":
         from refit.data import InProcessStore
+
         yield InProcessStore()
         return
     s = _empty(request.getfixturevalue("ray_store"))

@@ -6,8 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refit.data import (balance_stats, balanced_shards, inverse_permutation, karmarkar_karp, restore_order,
-                        shard_order)
+from refit.data import balance_stats, balanced_shards, inverse_permutation, karmarkar_karp, restore_order, shard_order
 
 
 @st.composite
@@ -17,8 +16,11 @@ def problems(draw):
     groups = draw(st.integers(dp, 40))
     budget = draw(st.integers(16, 4096))
     # long-tailed: mostly short, a few near or above the budget
-    lens = draw(st.lists(st.one_of(st.integers(1, 64), st.integers(1, 2 * budget)), min_size=groups * group,
-                         max_size=groups * group))
+    lens = draw(
+        st.lists(
+            st.one_of(st.integers(1, 64), st.integers(1, 2 * budget)), min_size=groups * group, max_size=groups * group
+        )
+    )
     return lens, dp, budget, group
 
 

@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refit.data import (InProcessStore, LeaderFetchError, balanced_shards, leader_fetch, replica_groups,
-                        restore_order)
+from refit.data import InProcessStore, LeaderFetchError, balanced_shards, leader_fetch, replica_groups, restore_order
 from refit.launch import run_local
 
 pytestmark = pytest.mark.multiproc

@@ -14,8 +14,11 @@ def test_data_outlives_the_writer(ray_store):
     @ray.remote(num_cpus=0)
     class Writer:
         def write(self, store):
-            store.put(["w0", "w1"], {"x": torch.arange(6, dtype=torch.int16).reshape(2, 3).to(torch.bfloat16)},
-                      partition="dead")
+            store.put(
+                ["w0", "w1"],
+                {"x": torch.arange(6, dtype=torch.int16).reshape(2, 3).to(torch.bfloat16)},
+                partition="dead",
+            )
             return os.getpid()
 
     w = Writer.remote()
@@ -37,8 +40,22 @@ def test_grpo_example_runs_and_leaks_nothing(ray_session):
     spec = importlib.util.spec_from_file_location("grpo_dataplane", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    out = mod.main(["--steps", "3", "--prompts", "8", "--group", "4", "--dp", "2", "--max-len", "512",
-                    "--max-tokens-per-microbatch", "1024"])
+    out = mod.main(
+        [
+            "--steps",
+            "3",
+            "--prompts",
+            "8",
+            "--group",
+            "4",
+            "--dp",
+            "2",
+            "--max-len",
+            "512",
+            "--max-tokens-per-microbatch",
+            "1024",
+        ]
+    )
     assert out["keys_left"] == 0 and len(out["steps"]) == 3
     for row in out["steps"]:
         assert row["samples"] == 32 and len(set(row["microbatches"])) == 1 and row["keys_left"] == 0

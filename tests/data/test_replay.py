@@ -10,8 +10,12 @@ from refit.data import BufferFull, InProcessStore, ReplayBuffer
 
 def _add(store, buf, name, gen, target=None, n=2):
     keys = [f"{name}/{i}" for i in range(n)]
-    meta = store.put(keys, {"ids": torch.full((n, 3), gen), "gen": torch.full((n,), gen)},
-                     partition="rollouts", tags={"version": gen})
+    meta = store.put(
+        keys,
+        {"ids": torch.full((n, 3), gen), "gen": torch.full((n,), gen)},
+        partition="rollouts",
+        tags={"version": gen},
+    )
     buf.add(meta, gen, target)
     return keys
 

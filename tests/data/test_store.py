@@ -17,8 +17,13 @@ def _batch(n=6, seed=0):
 
 
 def _same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype != torch.bool
-                                                                      else a, b.view(torch.uint8) if b.dtype != torch.bool else b)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.view(torch.uint8) if a.dtype != torch.bool else a, b.view(torch.uint8) if b.dtype != torch.bool else b
+        )
+    )
 
 
 def test_put_get_round_trip_exact(store):
@@ -98,7 +103,9 @@ def test_select_fields_required(store):
 
 
 def test_bad_put_names_the_field(store):
-    with pytest.raises(ValueError, match=r"field 'ids' has shape \[3, 2\]; its first dimension must be the number of keys \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"field 'ids' has shape \[3, 2\]; its first dimension must be the number of keys \(2\)"
+    ):
         store.put(["a", "b"], {"ids": torch.zeros(3, 2)})
     with pytest.raises(ValueError, match="duplicate keys"):
         store.put(["a", "a"], {"ids": torch.zeros(2)})
@@ -139,8 +146,14 @@ def test_meta_rebuilds_tags_and_lengths(store):
 
 
 def test_batch_meta_ops():
-    m = BatchMeta(keys=[f"k{i}" for i in range(5)], partition="p", fields=["x"], tags=[{"v": i} for i in range(5)],
-                  seq_lens=[5, 4, 3, 2, 1], extra_info={"step": 1})
+    m = BatchMeta(
+        keys=[f"k{i}" for i in range(5)],
+        partition="p",
+        fields=["x"],
+        tags=[{"v": i} for i in range(5)],
+        seq_lens=[5, 4, 3, 2, 1],
+        extra_info={"step": 1},
+    )
     parts = m.chunk(2)
     assert [p.keys for p in parts] == [("k0", "k1", "k2"), ("k3", "k4")]
     assert BatchMeta.concat(parts) == m

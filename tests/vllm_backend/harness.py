@@ -64,20 +64,37 @@ def _train_step(model, spec: str, step: int, vocab: int) -> float:
     return float(out.loss)
 
 
-def trainer_loop(rank: int, port: int, xfer_port: int, model_name: str, spec: str, n_workers: int, steps: int, client=None,
-                 load_path: str = "auto"):
+def trainer_loop(
+    rank: int,
+    port: int,
+    xfer_port: int,
+    model_name: str,
+    spec: str,
+    n_workers: int,
+    steps: int,
+    client=None,
+    load_path: str = "auto",
+):
     """Both trainer ranks run this; rank 0 also passes the LLM client and returns full weights per step."""
     from refit.engines.vllm.trainer import RefitTrainerEngine, RefitTrainerInitInfo, ShardedModuleSource
     from refit.trainers.dtensor import full_state
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=300)
+    )
     try:
         model = _trainer_model(model_name, spec, rank)
         vocab = load_config(model_name).vocab_size
-        info = RefitTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=xfer_port, n_trainer=2,
-                                    n_workers=n_workers, timeout_s=300, load_path=load_path)
+        info = RefitTrainerInitInfo(
+            rank=rank,
+            master_address="127.0.0.1",
+            master_port=xfer_port,
+            n_trainer=2,
+            n_workers=n_workers,
+            timeout_s=300,
+            load_path=load_path,
+        )
         engine = RefitTrainerEngine.trainer_init(info, client=client, source=ShardedModuleSource(model, 2))
         history = []
         for step in range(1, steps + 1):
@@ -86,8 +103,15 @@ def trainer_loop(rank: int, port: int, xfer_port: int, model_name: str, spec: st
             stats = engine.send_weights(step)
             dt = time.perf_counter() - t0
             full = full_state(model)  # for the check only (a collective on both ranks)
-            history.append({"step": step, "loss": loss, "seconds": dt, "bytes_sent": stats.bytes_sent,
-                            "weights": full if rank == 0 else None})
+            history.append(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "seconds": dt,
+                    "bytes_sent": stats.bytes_sent,
+                    "weights": full if rank == 0 else None,
+                }
+            )
         return history
     finally:
         dist.destroy_process_group()
@@ -105,9 +129,17 @@ def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
     hf.save_pretrained(workdir)
     if engine_tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(engine_tp)))
-    return LLM(model=workdir, dtype="float32", tensor_parallel_size=engine_tp, skip_tokenizer_init=True,
-               gpu_memory_utilization=0.3, max_model_len=128, enforce_eager=True,
-               weight_transfer_config={"backend": "refit"}, **kw)
+    return LLM(
+        model=workdir,
+        dtype="float32",
+        tensor_parallel_size=engine_tp,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=128,
+        enforce_eager=True,
+        weight_transfer_config={"backend": "refit"},
+        **kw,
+    )
 
 
 def greedy(llm, n: int = 8):
@@ -135,7 +167,9 @@ def hf_reference(model_name: str, weights: dict, tokens: list[int]):
     return out_tokens, out_lp
 
 
-def run(model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, steps: int = 2, load_path: str = "auto"):
+def run(
+    model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, steps: int = 2, load_path: str = "auto"
+):
     """Returns per step: trainer history row, engine tokens/logprobs, HF tokens/logprobs, engine stats, version."""
     from refit.engines.vllm.client import LLMClient
 
@@ -147,8 +181,9 @@ def run(model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, 
         p = ctx.Process(target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path))
         p.start()
         try:
-            history = trainer_loop(0, port, xfer_port, model_name, spec, engine_tp, steps, client=LLMClient(llm),
-                                   load_path=load_path)
+            history = trainer_loop(
+                0, port, xfer_port, model_name, spec, engine_tp, steps, client=LLMClient(llm), load_path=load_path
+            )
         finally:
             p.join(timeout=120)
             if p.is_alive():
@@ -158,8 +193,17 @@ def run(model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, 
         tokens, lps = greedy(llm)
         ref_tokens, ref_lps = hf_reference(model_name, history[-1]["weights"], tokens)
         stats = llm.collective_rpc(lambda self: dict(self.weight_transfer_engine.stats))
-        rows.append({"history": history, "tokens": tokens, "logprobs": lps, "ref_tokens": ref_tokens,
-                     "ref_logprobs": ref_lps, "worker_stats": stats, "version": llm.get_weight_version()})
+        rows.append(
+            {
+                "history": history,
+                "tokens": tokens,
+                "logprobs": lps,
+                "ref_tokens": ref_tokens,
+                "ref_logprobs": ref_lps,
+                "worker_stats": stats,
+                "version": llm.get_weight_version(),
+            }
+        )
         del llm
         return rows[0]
 

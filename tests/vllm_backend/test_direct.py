@@ -91,16 +91,32 @@ def _compare_in_worker(self, config_dir):
     a, b, c = dict(loaded.named_parameters()), dict(direct.named_parameters()), dict(boxed.named_parameters())
     differ = [n for n in a if not torch.equal(a[n], b[n])] + [f"loader:{n}" for n in a if not torch.equal(a[n], c[n])]
     # what the live model does after loading on this (CPU) backend: linear weights repacked, originals dropped
-    live_box, live_rule = region(self.model_runner.model, "model.layers.0.self_attn.q_proj.weight",
-                                 weights["model.layers.0.self_attn.q_proj.weight"].shape)
-    _, why_live = live_target(self.model_runner.model, "model.layers.0.self_attn.q_proj.weight",
-                              weights["model.layers.0.self_attn.q_proj.weight"].shape, live_box, live_rule)
-    return {"differ": differ, "params": len(a), "rules": rules, "written": written,
-            "model_numel": sum(v.numel() for v in weights.values()), "why_live": why_live}
+    live_box, live_rule = region(
+        self.model_runner.model,
+        "model.layers.0.self_attn.q_proj.weight",
+        weights["model.layers.0.self_attn.q_proj.weight"].shape,
+    )
+    _, why_live = live_target(
+        self.model_runner.model,
+        "model.layers.0.self_attn.q_proj.weight",
+        weights["model.layers.0.self_attn.q_proj.weight"].shape,
+        live_box,
+        live_rule,
+    )
+    return {
+        "differ": differ,
+        "params": len(a),
+        "rules": rules,
+        "written": written,
+        "model_numel": sum(v.numel() for v in weights.values()),
+        "why_live": why_live,
+    }
 
 
-@pytest.mark.parametrize("model,tp,kv_heads", [("tiny-qwen3", 2, None), ("tiny-qwen2", 2, None), ("tiny-llama", 2, 1),
-                                               ("tiny-llama", 1, None)])
+@pytest.mark.parametrize(
+    "model,tp,kv_heads",
+    [("tiny-qwen3", 2, None), ("tiny-qwen2", 2, None), ("tiny-llama", 2, 1), ("tiny-llama", 1, None)],
+)
 def test_direct_writes_equal_vllm_loaders(model, tp, kv_heads):
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     cfg = load_config(model)
@@ -110,15 +126,25 @@ def test_direct_writes_equal_vllm_loaders(model, tp, kv_heads):
     for r in out:
         assert r["differ"] == [], r["differ"][:5]
         bias = 2 if getattr(cfg, "attention_bias", False) or model == "tiny-qwen2" else 1  # weight (+ bias) per layer
-        assert r["rules"].get("qkv:q") == bias * cfg.num_hidden_layers and r["rules"].get("merged:1") == cfg.num_hidden_layers
+        assert (
+            r["rules"].get("qkv:q") == bias * cfg.num_hidden_layers
+            and r["rules"].get("merged:1") == cfg.num_hidden_layers
+        )
         if tp == 2:  # each worker wrote its share, not the model
             assert r["written"] < 0.75 * r["model_numel"]
         assert "not as loaded" in r["why_live"]  # the CPU backend dropped the loaded weight: auto picks the loader
 
 
-@pytest.mark.parametrize("model,tp,ep", [("tiny-qwen3-moe", 1, False), ("tiny-qwen3-moe", 2, False),
-                                         ("tiny-qwen3-moe", 2, True), ("tiny-qwen2-moe", 2, False),
-                                         ("tiny-mixtral", 2, False)])
+@pytest.mark.parametrize(
+    "model,tp,ep",
+    [
+        ("tiny-qwen3-moe", 1, False),
+        ("tiny-qwen3-moe", 2, False),
+        ("tiny-qwen3-moe", 2, True),
+        ("tiny-qwen2-moe", 2, False),
+        ("tiny-mixtral", 2, False),
+    ],
+)
 def test_moe_writes_equal_vllm_loaders(model, tp, ep):
     """Stacked experts into vLLM's fused ``w13_weight`` [gate | up] / ``w2_weight``: EP (experts
     split over ranks), MoE TP (I split), shared experts (Qwen2-MoE), Mixtral's names."""
@@ -135,6 +161,9 @@ def test_moe_writes_equal_vllm_loaders(model, tp, ep):
 def test_direct_asked_where_vllm_repacked_fails_at_init_naming_the_parameter():
     from .harness import run
 
-    with pytest.raises(RuntimeError, match=r"refused the transfer at init.*load_path='direct'.*"
-                                           r"model\.layers\.\d+\.\S+ has shape \[0\], not as loaded"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"refused the transfer at init.*load_path='direct'.*"
+        r"model\.layers\.\d+\.\S+ has shape \[0\], not as loaded",
+    ):
         run("tiny-llama", "tp=2", 1, 1, load_path="direct")

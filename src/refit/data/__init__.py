@@ -3,21 +3,47 @@ a store of tensor columns (``Store``: ``InProcessStore``, ``RayStore``), planned
 from small columns (``BatchMeta``, ``balanced_shards``), fetched by each rank (``leader_fetch``
 inside a model-parallel group), with a versioned ``ReplayBuffer`` for asynchronous RL."""
 
-from .balance import (balance_stats, balanced_shards, inverse_permutation, karmarkar_karp, pack_microbatches,
-                      restore_order, shard_order)
+from .balance import (
+    balance_stats,
+    balanced_shards,
+    inverse_permutation,
+    karmarkar_karp,
+    pack_microbatches,
+    restore_order,
+    shard_order,
+)
 from .leader import LeaderFetchError, leader_fetch, replica_groups
 from .meta import BatchMeta
 from .replay import BufferFull, ReplayBuffer, ReplayStats
 from .store import InProcessStore, MissingFieldError, MissingKeyError, StorageUnit, Store
 
-__all__ = ["BatchMeta", "Store", "InProcessStore", "StorageUnit", "MissingKeyError", "MissingFieldError",
-           "balanced_shards", "karmarkar_karp", "shard_order", "inverse_permutation", "restore_order",
-           "balance_stats", "pack_microbatches", "ReplayBuffer", "ReplayStats", "BufferFull", "leader_fetch", "replica_groups",
-           "LeaderFetchError", "RayStore"]
+__all__ = [
+    "BatchMeta",
+    "Store",
+    "InProcessStore",
+    "StorageUnit",
+    "MissingKeyError",
+    "MissingFieldError",
+    "balanced_shards",
+    "karmarkar_karp",
+    "shard_order",
+    "inverse_permutation",
+    "restore_order",
+    "balance_stats",
+    "pack_microbatches",
+    "ReplayBuffer",
+    "ReplayStats",
+    "BufferFull",
+    "leader_fetch",
+    "replica_groups",
+    "LeaderFetchError",
+    "RayStore",
+]
 
 
 def __getattr__(name: str):
     if name == "RayStore":  # imports ray only when asked for
         from .ray_store import RayStore
+
         return RayStore
     raise AttributeError(name)

@@ -22,7 +22,8 @@ results (logprobs, values) that come back rank by rank.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -84,8 +85,13 @@ def _split(mb: list[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]
     return a, b
 
 
-def balanced_shards(lengths: Sequence[int] | torch.Tensor, dp_world: int, max_tokens_per_microbatch: int,
-                    group_size: int = 1, min_microbatches: int = 1) -> Shards:
+def balanced_shards(
+    lengths: Sequence[int] | torch.Tensor,
+    dp_world: int,
+    max_tokens_per_microbatch: int,
+    group_size: int = 1,
+    min_microbatches: int = 1,
+) -> Shards:
     """See the module docstring. ``min_microbatches``: at least this many per rank (e.g. the
     pipeline depth). Raises ``ValueError`` naming the parameter and numbers when no valid
     sharding exists (fewer samples than microbatches needed on some rank)."""
@@ -104,11 +110,15 @@ def balanced_shards(lengths: Sequence[int] | torch.Tensor, dp_world: int, max_to
         raise ValueError(f"balanced_shards: negative length {lens[neg[0]]} at sample {neg[0]}")
     groups = n // group_size
     if groups < dp_world:
-        raise ValueError(f"balanced_shards: {groups} groups of {group_size} samples for dp_world={dp_world}: "
-                         f"every rank needs at least one")
-    weights = [sum(lens[g * group_size:(g + 1) * group_size]) for g in range(groups)]
-    ranks = [[i for g in part for i in range(g * group_size, (g + 1) * group_size)]
-             for part in karmarkar_karp(weights, dp_world)]
+        raise ValueError(
+            f"balanced_shards: {groups} groups of {group_size} samples for dp_world={dp_world}: "
+            f"every rank needs at least one"
+        )
+    weights = [sum(lens[g * group_size : (g + 1) * group_size]) for g in range(groups)]
+    ranks = [
+        [i for g in part for i in range(g * group_size, (g + 1) * group_size)]
+        for part in karmarkar_karp(weights, dp_world)
+    ]
     ranks.sort(key=lambda r: r[0])  # deterministic rank order: by first sample
     packed = [pack_microbatches(r, lens, max_tokens_per_microbatch) for r in ranks]
     m = max(min_microbatches, max(len(p) for p in packed))
@@ -119,7 +129,8 @@ def balanced_shards(lengths: Sequence[int] | torch.Tensor, dp_world: int, max_to
                 raise ValueError(
                     f"balanced_shards: DP rank {rank} holds {len(ranks[rank])} samples but every rank needs {m} "
                     f"microbatches (max_tokens_per_microbatch={max_tokens_per_microbatch}, "
-                    f"min_microbatches={min_microbatches}); raise the token budget or give more samples")
+                    f"min_microbatches={min_microbatches}); raise the token budget or give more samples"
+                )
             big = max(splittable, key=lambda b: (sum(lens[i] for i in b), len(b)))
             bins.remove(big)
             bins.extend(_split(big, lens))
@@ -162,6 +173,10 @@ def balance_stats(shards: Shards, lengths: Sequence[int]) -> dict[str, float]:
     lens = [int(n) for n in lengths]
     tokens = [sum(lens[i] for mb in rank for i in mb) for rank in shards]
     mean = sum(tokens) / len(tokens)
-    return {"max_over_mean": max(tokens) / mean if mean else 1.0, "max_tokens": max(tokens),
-            "min_tokens": min(tokens), "microbatches": [len(r) for r in shards],
-            "max_microbatch_tokens": max(sum(lens[i] for i in mb) for r in shards for mb in r)}
+    return {
+        "max_over_mean": max(tokens) / mean if mean else 1.0,
+        "max_tokens": max(tokens),
+        "min_tokens": min(tokens),
+        "microbatches": [len(r) for r in shards],
+        "max_microbatch_tokens": max(sum(lens[i] for i in mb) for r in shards for mb in r),
+    }

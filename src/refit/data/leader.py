@@ -9,7 +9,8 @@ every field's bytes in one uint8 buffer (bit-exact for any dtype, bf16 included,
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def leader_fetch(store: Store | None, keys: BatchMeta | Sequence[str], select_fields: Sequence[str],
-                 group: Any = None, leader: int = 0, partition: str | None = None,
-                 device: torch.device | str = "cpu") -> dict[str, Rows]:
+def leader_fetch(
+    store: Store | None,
+    keys: BatchMeta | Sequence[str],
+    select_fields: Sequence[str],
+    group: Any = None,
+    leader: int = 0,
+    partition: str | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Rows]:
     """Every rank of ``group`` calls this with the same ``keys`` and ``select_fields``; only
     the rank whose group rank is ``leader`` uses ``store`` (the others may pass ``None``).
     ``device``: where the broadcast buffer lives (``cuda`` for NCCL groups); results are on it."""
@@ -43,9 +50,20 @@ def leader_fetch(store: Store | None, keys: BatchMeta | Sequence[str], select_fi
         else:
             try:
                 data = store.get(keys, select_fields=select_fields, partition=partition)
-                desc[0] = ("ok", [(f, [(str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                                        for t in (v if isinstance(v, list) else [v])], isinstance(v, list))
-                                  for f, v in data.items()])
+                desc[0] = (
+                    "ok",
+                    [
+                        (
+                            f,
+                            [
+                                (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                                for t in (v if isinstance(v, list) else [v])
+                            ],
+                            isinstance(v, list),
+                        )
+                        for f, v in data.items()
+                    ],
+                )
             except Exception as e:  # noqa: BLE001 - re-raised below, and on the others
                 desc[0] = ("error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(desc, src=src, group=group)
@@ -66,7 +84,7 @@ def leader_fetch(store: Store | None, keys: BatchMeta | Sequence[str], select_fi
         rows = []
         for d, s in specs:
             n = torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-            rows.append(buf[off:off + n].clone().view(d).reshape(s))
+            rows.append(buf[off : off + n].clone().view(d).reshape(s))
             off += n
         out[f] = rows if ragged else rows[0]
     return out

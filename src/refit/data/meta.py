@@ -10,8 +10,9 @@ per-sample lists (keys, tags, sequence lengths) aligned.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -47,26 +48,29 @@ class BatchMeta:
             raise ValueError(f"BatchMeta of partition {self.partition!r} has no seq_lens")
         return sum(self.seq_lens)
 
-    def select(self, indices: Sequence[int]) -> "BatchMeta":
+    def select(self, indices: Sequence[int]) -> BatchMeta:
         """The samples at ``indices`` (positions in this meta), in that order."""
         idx = [int(i) for i in indices]
         bad = [i for i in idx if not -len(self) <= i < len(self)]
         if bad:
             raise IndexError(f"BatchMeta.select: indices {bad[:3]} out of range for {len(self)} keys")
         return BatchMeta(
-            keys=[self.keys[i] for i in idx], partition=self.partition, fields=self.fields,
+            keys=[self.keys[i] for i in idx],
+            partition=self.partition,
+            fields=self.fields,
             tags=[self.tags[i] for i in idx],
             seq_lens=None if self.seq_lens is None else [self.seq_lens[i] for i in idx],
-            extra_info=copy.deepcopy(self.extra_info))
+            extra_info=copy.deepcopy(self.extra_info),
+        )
 
-    def reorder(self, perm: Sequence[int]) -> "BatchMeta":
+    def reorder(self, perm: Sequence[int]) -> BatchMeta:
         """Sample ``i`` of the result is sample ``perm[i]`` of this one; ``perm`` must be a
         permutation of ``range(len(self))``."""
         if sorted(int(p) for p in perm) != list(range(len(self))):
             raise ValueError(f"BatchMeta.reorder: not a permutation of range({len(self)}): {list(perm)[:8]}...")
         return self.select(perm)
 
-    def chunk(self, n: int) -> list["BatchMeta"]:
+    def chunk(self, n: int) -> list[BatchMeta]:
         """``n`` consecutive parts whose sizes differ by at most one (the first ones larger);
         ``n`` may exceed ``len(self)``, giving empty parts."""
         if n < 1:
@@ -79,16 +83,23 @@ class BatchMeta:
             start += size
         return out
 
-    def with_fields(self, fields: Sequence[str]) -> "BatchMeta":
-        return BatchMeta(self.keys, self.partition, tuple(dict.fromkeys([*self.fields, *fields])),
-                         self.tags, self.seq_lens, copy.deepcopy(self.extra_info))
+    def with_fields(self, fields: Sequence[str]) -> BatchMeta:
+        return BatchMeta(
+            self.keys,
+            self.partition,
+            tuple(dict.fromkeys([*self.fields, *fields])),
+            self.tags,
+            self.seq_lens,
+            copy.deepcopy(self.extra_info),
+        )
 
-    def with_extra_info(self, **info: Any) -> "BatchMeta":
-        return BatchMeta(self.keys, self.partition, self.fields, self.tags, self.seq_lens,
-                         {**copy.deepcopy(self.extra_info), **info})
+    def with_extra_info(self, **info: Any) -> BatchMeta:
+        return BatchMeta(
+            self.keys, self.partition, self.fields, self.tags, self.seq_lens, {**copy.deepcopy(self.extra_info), **info}
+        )
 
     @staticmethod
-    def concat(metas: Sequence["BatchMeta"]) -> "BatchMeta":
+    def concat(metas: Sequence[BatchMeta]) -> BatchMeta:
         """The samples of ``metas`` one after another; all in one partition. Fields: those every
         part has. seq_lens: kept when every part has them. extra_info: merged, later parts win."""
         if not metas:
@@ -103,6 +114,11 @@ class BatchMeta:
         info: dict[str, Any] = {}
         for m in metas:
             info.update(copy.deepcopy(m.extra_info))
-        return BatchMeta(keys=[k for m in metas for k in m.keys], partition=metas[0].partition,
-                         fields=fields, tags=[t for m in metas for t in m.tags], seq_lens=lens,
-                         extra_info=info)
+        return BatchMeta(
+            keys=[k for m in metas for k in m.keys],
+            partition=metas[0].partition,
+            fields=fields,
+            tags=[t for m in metas for t in m.tags],
+            seq_lens=lens,
+            extra_info=info,
+        )

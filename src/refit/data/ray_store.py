@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,8 +82,10 @@ class _StorageActor:
         self.unit.put(partition, keys, {f: (ref, f) for f in fields}, tags, seq_lens, overwrite, rows)
 
     def locate(self, partition, keys, select) -> dict[str, list]:
-        return {f: [([ref], name, pos, rows) for (ref, name), pos, rows in groups]
-                for f, groups in self.unit.locate(partition, keys, select).items()}
+        return {
+            f: [([ref], name, pos, rows) for (ref, name), pos, rows in groups]
+            for f, groups in self.unit.locate(partition, keys, select).items()
+        }
 
     def clear(self, partition, keys) -> int:
         return self.unit.clear(partition, keys)
@@ -108,8 +110,9 @@ class RayStore(Store):
     ``durable=False`` leaves each put's object owned by the writing process: one copy less per
     put, but the keys become unreadable (Ray raises an owner-died error) once the writer exits."""
 
-    def __init__(self, num_units: int = 2, actor_options: dict | None = None, durable: bool = True,
-                 _actors: list | None = None) -> None:
+    def __init__(
+        self, num_units: int = 2, actor_options: dict | None = None, durable: bool = True, _actors: list | None = None
+    ) -> None:
         if ray is None:
             raise ImportError("RayStore needs ray: pip install 'refit-rl[data]'")
         self.durable = durable
@@ -142,25 +145,43 @@ class RayStore(Store):
     def put(self, keys, fields, *, partition="default", tags=None, seq_lens=None, overwrite=False) -> BatchMeta:
         keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
         parts = self._split(partition, keys)
-        checks = [] if overwrite else [self.actors[u].check_put.remote(partition, [keys[i] for i in pos], list(fields))
-                                       for u, pos in parts.items()]
+        checks = (
+            []
+            if overwrite
+            else [
+                self.actors[u].check_put.remote(partition, [keys[i] for i in pos], list(fields))
+                for u, pos in parts.items()
+            ]
+        )
         ref = ray.put({n: _encode_field(d) for n, d in fields.items()})  # the copy overlaps the checks
         for e in ray.get(checks):
             if e:
                 raise ValueError(e)
         if self.durable:
             ref = ray.get(self.actors[next(iter(parts))].adopt.remote([ref]))[0]
-        ray.get([self.actors[u].put.remote(partition, [keys[i] for i in pos], [ref], list(fields), pos,
-                                           [tag_list[i] for i in pos],
-                                           None if lens is None else [lens[i] for i in pos], overwrite)
-                 for u, pos in parts.items()])
+        ray.get(
+            [
+                self.actors[u].put.remote(
+                    partition,
+                    [keys[i] for i in pos],
+                    [ref],
+                    list(fields),
+                    pos,
+                    [tag_list[i] for i in pos],
+                    None if lens is None else [lens[i] for i in pos],
+                    overwrite,
+                )
+                for u, pos in parts.items()
+            ]
+        )
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
 
     def get(self, keys, *, select_fields, partition=None) -> dict[str, Rows]:
         keys, partition, select = self._request(keys, partition, select_fields)
         parts = self._split(partition, keys)
-        located = ray.get([self.actors[u].locate.remote(partition, [keys[i] for i in pos], select)
-                           for u, pos in parts.items()])
+        located = ray.get(
+            [self.actors[u].locate.remote(partition, [keys[i] for i in pos], select) for u, pos in parts.items()]
+        )
         refs: dict[Any, Any] = {}
         for loc in located:
             for groups in loc.values():
@@ -183,8 +204,9 @@ class RayStore(Store):
     def clear(self, keys, *, partition=None) -> int:
         keys, partition = self._resolve(keys, partition)
         parts = self._split(partition, keys)
-        return sum(ray.get([self.actors[u].clear.remote(partition, [keys[i] for i in pos])
-                            for u, pos in parts.items()]))
+        return sum(
+            ray.get([self.actors[u].clear.remote(partition, [keys[i] for i in pos]) for u, pos in parts.items()])
+        )
 
     def clear_partition(self, partition: str) -> int:
         return self.clear(self.keys(partition), partition=partition)
@@ -196,16 +218,21 @@ class RayStore(Store):
     def meta(self, keys, *, partition="default") -> BatchMeta:
         keys = [str(k) for k in keys]
         parts = self._split(partition, keys)
-        metas = dict(zip(parts, ray.get([self.actors[u].meta.remote(partition, [keys[i] for i in pos])
-                                         for u, pos in parts.items()])))
+        metas = dict(
+            zip(
+                parts,
+                ray.get([self.actors[u].meta.remote(partition, [keys[i] for i in pos]) for u, pos in parts.items()]),
+            )
+        )
         where = {i: (u, j) for u, pos in parts.items() for j, i in enumerate(pos)}
         order = [where[i] for i in range(len(keys))]
         fields = [f for f in next(iter(metas.values())).fields if all(f in m.fields for m in metas.values())]
         lens = None
         if all(m.seq_lens is not None for m in metas.values()):
             lens = [metas[u].seq_lens[j] for u, j in order]
-        return BatchMeta(keys=keys, partition=partition, fields=fields,
-                         tags=[metas[u].tags[j] for u, j in order], seq_lens=lens)
+        return BatchMeta(
+            keys=keys, partition=partition, fields=fields, tags=[metas[u].tags[j] for u, j in order], seq_lens=lens
+        )
 
     def chunks(self) -> int:
         """Field payloads referenced (an object is freed once no chunk references it)."""

@@ -18,8 +18,8 @@ No key outlives its entry: consumed, expired or closed, the keys are cleared.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from .meta import BatchMeta
 from .store import Rows, Store
@@ -64,8 +64,9 @@ class ReplayBuffer:
         if len(meta) == 0:
             raise ValueError("ReplayBuffer.add: an entry needs at least one key")
         if target_version is not None and target_version < generated_version:
-            raise ValueError(f"ReplayBuffer.add: target_version {target_version} < generated_version "
-                             f"{generated_version}")
+            raise ValueError(
+                f"ReplayBuffer.add: target_version {target_version} < generated_version {generated_version}"
+            )
         with self._lock:
             if self.max_size is not None and len(self._entries) >= self.max_size:
                 raise BufferFull(f"ReplayBuffer.add: full ({len(self._entries)} of max_size={self.max_size} entries)")
@@ -73,8 +74,9 @@ class ReplayBuffer:
             self._stats.added += 1
 
     def _eligible(self, e: Entry, current: int) -> bool:
-        return current - e.generated_version <= self.max_age and (e.target_version is None or
-                                                                 e.target_version <= current)
+        return current - e.generated_version <= self.max_age and (
+            e.target_version is None or e.target_version <= current
+        )
 
     def _expire(self, current: int) -> None:
         stale = [e for e in self._entries if current - e.generated_version > self.max_age]
@@ -89,8 +91,9 @@ class ReplayBuffer:
         with self._lock:
             return sum(self._eligible(e, current_version) for e in self._entries)
 
-    def sample(self, n: int, current_version: int, *, select_fields: Sequence[str]
-               ) -> tuple[BatchMeta, dict[str, Rows]] | None:
+    def sample(
+        self, n: int, current_version: int, *, select_fields: Sequence[str]
+    ) -> tuple[BatchMeta, dict[str, Rows]] | None:
         if n < 1:
             raise ValueError(f"ReplayBuffer.sample: n must be >= 1, got {n}")
         with self._lock:
@@ -117,5 +120,10 @@ class ReplayBuffer:
 
     def stats(self) -> ReplayStats:
         with self._lock:
-            return ReplayStats(self._stats.added, self._stats.consumed, self._stats.expired,
-                               self._stats.keys_cleared, list(self._stats.ages))
+            return ReplayStats(
+                self._stats.added,
+                self._stats.consumed,
+                self._stats.expired,
+                self._stats.keys_cleared,
+                list(self._stats.ages),
+            )

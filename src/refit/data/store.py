@@ -29,7 +29,8 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
 
 import torch
 
@@ -53,8 +54,9 @@ class MissingFieldError(KeyError):
         return str(self.args[0])
 
 
-def normalize_put(keys: Sequence[str], fields: dict[str, FieldData], tags: Any,
-                  seq_lens: Sequence[int] | None) -> tuple[list[str], dict[str, FieldData], list[dict], list[int] | None]:
+def normalize_put(
+    keys: Sequence[str], fields: dict[str, FieldData], tags: Any, seq_lens: Sequence[int] | None
+) -> tuple[list[str], dict[str, FieldData], list[dict], list[int] | None]:
     """Check a put before anything is written; errors name the field and the numbers."""
     keys = [str(k) for k in keys]
     if not keys:
@@ -67,8 +69,10 @@ def normalize_put(keys: Sequence[str], fields: dict[str, FieldData], tags: Any,
     for name, data in fields.items():
         if isinstance(data, torch.Tensor):
             if data.dim() == 0 or data.shape[0] != len(keys):
-                raise ValueError(f"put: field {name!r} has shape {list(data.shape)}; its first dimension must be "
-                                 f"the number of keys ({len(keys)})")
+                raise ValueError(
+                    f"put: field {name!r} has shape {list(data.shape)}; its first dimension must be "
+                    f"the number of keys ({len(keys)})"
+                )
         else:
             rows = list(data)
             if len(rows) != len(keys):
@@ -138,8 +142,16 @@ class StorageUnit:
         self._info: dict[tuple[str, str], tuple[dict, int | None]] = {}  # tags, seq_len
 
     # -- writes -------------------------------------------------------------------------
-    def put(self, partition: str, keys: list[str], fields: dict[str, Any], tags: list[dict],
-            seq_lens: list[int] | None, overwrite: bool = False, rows: list[int] | None = None) -> None:
+    def put(
+        self,
+        partition: str,
+        keys: list[str],
+        fields: dict[str, Any],
+        tags: list[dict],
+        seq_lens: list[int] | None,
+        overwrite: bool = False,
+        rows: list[int] | None = None,
+    ) -> None:
         rows = list(range(len(keys))) if rows is None else rows
         with self._lock:
             if not overwrite:  # refuse before writing anything
@@ -157,8 +169,7 @@ class StorageUnit:
                         self._release(row[name][0])
                     row[name] = (cids[name], rows[i])
                 old_tags, old_len = self._info.get((partition, k), ({}, None))
-                self._info[(partition, k)] = ({**old_tags, **tags[i]},
-                                              seq_lens[i] if seq_lens is not None else old_len)
+                self._info[(partition, k)] = ({**old_tags, **tags[i]}, seq_lens[i] if seq_lens is not None else old_len)
 
     def clash(self, partition: str, keys: Sequence[str], fields: Iterable[str]) -> str | None:
         """Why a put of ``fields`` without ``overwrite`` would be refused, or None."""
@@ -171,8 +182,10 @@ class StorageUnit:
             have = self._rows.get((partition, k), {})
             clash = [f for f in fields if f in have]
             if clash:
-                return (f"put: key {k!r} in partition {partition!r} already has field {clash[0]!r} "
-                        f"(pass overwrite=True to replace it)")
+                return (
+                    f"put: key {k!r} in partition {partition!r} already has field {clash[0]!r} "
+                    f"(pass overwrite=True to replace it)"
+                )
         return None
 
     def _release(self, cid: int) -> None:
@@ -205,11 +218,14 @@ class StorageUnit:
                 raise MissingKeyError(f"get: key {k!r} is not in partition {partition!r} (never written, or cleared)")
             for f in select_fields:
                 if f not in row:
-                    raise MissingFieldError(f"get: field {f!r} was never produced for key {k!r} in partition "
-                                            f"{partition!r} (it has {sorted(row)})")
+                    raise MissingFieldError(
+                        f"get: field {f!r} was never produced for key {k!r} in partition "
+                        f"{partition!r} (it has {sorted(row)})"
+                    )
 
-    def locate(self, partition: str, keys: Sequence[str], select_fields: Sequence[str]
-               ) -> dict[str, list[tuple[Any, list[int], list[int]]]]:
+    def locate(
+        self, partition: str, keys: Sequence[str], select_fields: Sequence[str]
+    ) -> dict[str, list[tuple[Any, list[int], list[int]]]]:
         """Per field, the groups (payload, positions in ``keys``, rows in the payload)."""
         with self._lock:
             self._check(partition, keys, select_fields)
@@ -235,8 +251,13 @@ class StorageUnit:
             fields = [f for f in fields if all(f in self._rows[(partition, k)] for k in keys)]
             info = [self._info[(partition, k)] for k in keys]
             lens = [n for _, n in info]
-            return BatchMeta(keys=list(keys), partition=partition, fields=fields, tags=[t for t, _ in info],
-                             seq_lens=None if any(n is None for n in lens) else lens)  # type: ignore[arg-type]
+            return BatchMeta(
+                keys=list(keys),
+                partition=partition,
+                fields=fields,
+                tags=[t for t, _ in info],
+                seq_lens=None if any(n is None for n in lens) else lens,
+            )  # type: ignore[arg-type]
 
     def keys(self) -> list[tuple[str, str]]:
         with self._lock:
@@ -245,8 +266,14 @@ class StorageUnit:
     def nbytes(self) -> int:
         """Bytes of the tensor payloads held (opaque handles count 0)."""
         with self._lock:
-            return sum(sum(t.numel() * t.element_size() for t in (p if isinstance(p, list) else [p])
-                           if isinstance(t, torch.Tensor)) for p, _ in self._chunks.values())
+            return sum(
+                sum(
+                    t.numel() * t.element_size()
+                    for t in (p if isinstance(p, list) else [p])
+                    if isinstance(t, torch.Tensor)
+                )
+                for p, _ in self._chunks.values()
+            )
 
     def chunks(self) -> int:
         with self._lock:
@@ -257,13 +284,21 @@ class Store(ABC):
     """A client of the rollout store (see the module docstring for the contract)."""
 
     @abstractmethod
-    def put(self, keys: Sequence[str], fields: dict[str, FieldData], *, partition: str = "default",
-            tags: dict | Sequence[dict] | None = None, seq_lens: Sequence[int] | None = None,
-            overwrite: bool = False) -> BatchMeta: ...
+    def put(
+        self,
+        keys: Sequence[str],
+        fields: dict[str, FieldData],
+        *,
+        partition: str = "default",
+        tags: dict | Sequence[dict] | None = None,
+        seq_lens: Sequence[int] | None = None,
+        overwrite: bool = False,
+    ) -> BatchMeta: ...
 
     @abstractmethod
-    def get(self, keys: BatchMeta | Sequence[str], *, select_fields: Sequence[str],
-            partition: str | None = None) -> dict[str, Rows]: ...
+    def get(
+        self, keys: BatchMeta | Sequence[str], *, select_fields: Sequence[str], partition: str | None = None
+    ) -> dict[str, Rows]: ...
 
     @abstractmethod
     def clear(self, keys: BatchMeta | Sequence[str], *, partition: str | None = None) -> int: ...
@@ -292,8 +327,9 @@ class Store(ABC):
         return [str(k) for k in keys], partition or "default"
 
     @classmethod
-    def _request(cls, keys: BatchMeta | Sequence[str], partition: str | None,
-                 select_fields: Sequence[str] | None) -> tuple[list[str], str, list[str]]:
+    def _request(
+        cls, keys: BatchMeta | Sequence[str], partition: str | None, select_fields: Sequence[str] | None
+    ) -> tuple[list[str], str, list[str]]:
         """A get's keys, partition and fields, checked."""
         if select_fields is None or isinstance(select_fields, str) or len(select_fields) == 0:
             raise ValueError("get: select_fields must name at least one field (a list; nothing is read unasked)")
@@ -312,8 +348,10 @@ class InProcessStore(Store):
     def put(self, keys, fields, *, partition="default", tags=None, seq_lens=None, overwrite=False) -> BatchMeta:
         keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
         # keep a private copy: the caller may reuse its buffers after put returns
-        fields = {n: d.detach().clone() if isinstance(d, torch.Tensor) else [r.detach().clone() for r in d]
-                  for n, d in fields.items()}  # a list field: one chunk, row i = item i
+        fields = {
+            n: d.detach().clone() if isinstance(d, torch.Tensor) else [r.detach().clone() for r in d]
+            for n, d in fields.items()
+        }  # a list field: one chunk, row i = item i
         self.unit.put(partition, keys, fields, tag_list, lens, overwrite)
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
 

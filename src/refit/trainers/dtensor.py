@@ -15,7 +15,7 @@ rank [gate | up] of its share), and guessing would corrupt weights.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -44,8 +44,15 @@ def layout_from_module(module: nn.Module, world_size: int) -> ModelLayout:
                         f"parameter {name!r} has placement {pl!r}; refit supports Shard(d) and Replicate() "
                         "(strided or partial placements are not supported yet)"
                     )
-            out.append(TensorLayout(name, logical_shape(name, tuple(p.shape)), p.dtype, mesh,
-                                    _logical_placements(name, p.shape, p.placements)))
+            out.append(
+                TensorLayout(
+                    name,
+                    logical_shape(name, tuple(p.shape)),
+                    p.dtype,
+                    mesh,
+                    _logical_placements(name, p.shape, p.placements),
+                )
+            )
         else:
             out.append(TensorLayout(name, logical_shape(name, tuple(p.shape)), p.dtype, everyone, (Replicate(),)))
     return ModelLayout(tuple(out), world_size)
@@ -61,9 +68,11 @@ def _logical_placements(name: str, shape, placements) -> tuple:
     out = []
     for pl in placements:
         if isinstance(pl, Shard) and pl.dim == 1:
-            raise LayoutError(f"parameter {name!r} {list(shape)} is sharded on its fused gate/up dim (Shard(1)); "
-                              "refit cannot tell a plain split from a packed [gate | up] one there: shard experts "
-                              "(dim 0) or hidden (dim 2)")
+            raise LayoutError(
+                f"parameter {name!r} {list(shape)} is sharded on its fused gate/up dim (Shard(1)); "
+                "refit cannot tell a plain split from a packed [gate | up] one there: shard experts "
+                "(dim 0) or hidden (dim 2)"
+            )
         out.append(Shard(3) if isinstance(pl, Shard) and pl.dim == 2 else pl)
     return tuple(out)
 

@@ -8,7 +8,6 @@ the rest replicated), so a model parallelized here has the layout
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, Replicate

@@ -15,8 +15,8 @@ from __future__ import annotations
 import ctypes
 import pickle
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Callable, Sequence
 
 import torch
 
@@ -49,13 +49,27 @@ def _cudart() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(path)
         lib.cudaMemcpy2DAsync.restype = ctypes.c_int
-        lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                                          ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.cudaMemcpy2DAsync.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
         lib.cudaDeviceEnablePeerAccess.restype = ctypes.c_int
         lib.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
         lib.cudaGetLastError.restype = ctypes.c_int
         lib.cudaMemcpyAsync.restype = ctypes.c_int
-        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.cudaMemcpyAsync.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
     except (OSError, AttributeError):
         return None
     _CUDART = lib
@@ -71,7 +85,9 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
     if lib is None or device == peer:
         return
     if not torch.cuda.can_device_access_peer(device.index, peer.index):
-        raise RuntimeError(f"{device} cannot access {peer} directly; CUDA IPC between them would stage through the host")
+        raise RuntimeError(
+            f"{device} cannot access {peer} directly; CUDA IPC between them would stage through the host"
+        )
     with torch.cuda.device(device):
         rc = lib.cudaDeviceEnablePeerAccess(peer.index, 0)
         if rc == _PEER_ACCESS_ALREADY_ENABLED:
@@ -158,7 +174,9 @@ def make_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, Callable[[torc
         dptr, sptr = dst.data_ptr(), src.data_ptr()
 
         def copy2d(stream: torch.cuda.Stream) -> None:
-            rc = lib.cudaMemcpy2DAsync(dptr, dpitch, sptr, spitch, width, rows, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+            rc = lib.cudaMemcpy2DAsync(
+                dptr, dpitch, sptr, spitch, width, rows, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream
+            )
             if rc != 0:
                 raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {rc} ({rows} rows of {width} bytes)")
 
@@ -218,8 +236,13 @@ class IpcPuller:
 
     SMALL = 1 << 20  # copies below this are latency-bound: a stream of their own, beside the large ones
 
-    def __init__(self, device: torch.device, same_device: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 peer: Sequence[tuple[torch.Tensor, torch.Tensor]], streams_per_lane: int = 2) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        same_device: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        peer: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        streams_per_lane: int = 2,
+    ) -> None:
         if streams_per_lane < 1:
             raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
         self.device = device
@@ -324,8 +347,9 @@ class HostBarrier:
     """
 
     def __init__(self, name: str, index: int, size: int, timeout_s: float = 120.0) -> None:
-        import numpy as np
         from multiprocessing import shared_memory
+
+        import numpy as np
 
         self.index, self.size, self.timeout_s, self.gen = index, size, timeout_s, 0
         self.owner = index == 0

@@ -46,14 +46,22 @@ class RefitUpdateInfo:
 def open_store(info: RefitInitInfo, is_master: bool) -> dist.Store:
     """The rendezvous store (trainer rank 0 hosts it), under the session's prefix."""
     timeout = timedelta(seconds=info.timeout_s)
-    store = dist.TCPStore(info.master_address, info.master_port, info.world_size if is_master else None,
-                          is_master, timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(
+        info.master_address,
+        info.master_port,
+        info.world_size if is_master else None,
+        is_master,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(info.session, store)
 
 
 def join_group(info: RefitInitInfo, store: dist.Store, rank: int) -> dist.ProcessGroup:
     """A standalone gloo group of the trainer ranks and the workers (blocks until all join)."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("pg", store), rank, info.world_size, timedelta(seconds=info.timeout_s))
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore("pg", store), rank, info.world_size, timedelta(seconds=info.timeout_s)
+    )
 
 
 def wait_workers(store: dist.Store, n_workers: int, timeout_s: float) -> None:
@@ -65,7 +73,9 @@ def wait_workers(store: dist.Store, n_workers: int, timeout_s: float) -> None:
     while pending:
         for w in sorted(pending):
             if store.check([f"error/{w}"]):
-                raise RuntimeError(f"refit: vLLM worker {w} refused the transfer at init: {store.get(f'error/{w}').decode()}")
+                raise RuntimeError(
+                    f"refit: vLLM worker {w} refused the transfer at init: {store.get(f'error/{w}').decode()}"
+                )
             if store.check([f"dst/{w}"]):
                 pending.discard(w)
         if pending and time.monotonic() > deadline:
@@ -78,11 +88,15 @@ def layout_to_json(layout: ModelLayout) -> str:
     out = []
     for t in layout:
         boxes = {str(r): [list(x) for x in b] for r in t.ranks if (b := t.box(r)) is not None}
-        out.append({"name": t.name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "boxes": boxes})
+        out.append(
+            {"name": t.name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "boxes": boxes}
+        )
     return json.dumps({"world_size": layout.world_size, "tensors": out})
 
 
-def boxes_layout(entries: list[tuple[str, tuple[int, ...], torch.dtype, dict[int, Box]]], world_size: int) -> ModelLayout:
+def boxes_layout(
+    entries: list[tuple[str, tuple[int, ...], torch.dtype, dict[int, Box]]], world_size: int
+) -> ModelLayout:
     """A ModelLayout given by explicit per-rank boxes."""
     mesh = Mesh((world_size,), ("rank",), tuple(range(world_size)))
     return ModelLayout(
@@ -94,8 +108,12 @@ def boxes_layout(entries: list[tuple[str, tuple[int, ...], torch.dtype, dict[int
 def layout_from_json(text: str) -> ModelLayout:
     d = json.loads(text)
     entries = [
-        (t["name"], tuple(t["shape"]), getattr(torch, t["dtype"]),
-         {int(r): tuple(tuple(x) for x in b) for r, b in t["boxes"].items()})
+        (
+            t["name"],
+            tuple(t["shape"]),
+            getattr(torch, t["dtype"]),
+            {int(r): tuple(tuple(x) for x in b) for r, b in t["boxes"].items()},
+        )
         for t in d["tensors"]
     ]
     return boxes_layout(entries, d["world_size"])

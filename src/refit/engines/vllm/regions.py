@@ -30,14 +30,19 @@ one the loader will actually read.
 from __future__ import annotations
 
 import re
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from refit.layout import Box, box_slices, full_box
 
-_STACKED = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
-            ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
+_STACKED = {
+    ".q_proj": (".qkv_proj", "q"),
+    ".k_proj": (".qkv_proj", "k"),
+    ".v_proj": (".qkv_proj", "v"),
+    ".gate_proj": (".gate_up_proj", 0),
+    ".up_proj": (".gate_up_proj", 1),
+}
 _ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias)$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 _EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
@@ -76,14 +81,18 @@ def moe_share(mod: torch.nn.Module, name: str, shape: Sequence[int]) -> tuple[in
     cfg = mod.moe_config.moe_parallel_config
     local = [e for e in range(shape[0]) if mod.expert_map_manager.is_local_expert(e)]
     if not local or local != list(range(local[0], local[0] + len(local))):
-        raise RegionError(f"{name} {list(shape)}: this rank's experts {local[:8]} are not one contiguous range "
-                          f"(expert placement {getattr(mod, 'expert_placement_strategy', '?')!r}); refit needs 'linear'")
+        raise RegionError(
+            f"{name} {list(shape)}: this rank's experts {local[:8]} are not one contiguous range "
+            f"(expert placement {getattr(mod, 'expert_placement_strategy', '?')!r}); refit needs 'linear'"
+        )
     if any(mod.expert_map_manager.map_global_to_local(e) != i for i, e in enumerate(local)):
         raise RegionError(f"{name}: vLLM's local expert order is not the global order")
     s = mod.intermediate_size_per_partition
     i_dim = shape[2]
     if i_dim // cfg.tp_size != s:
-        raise RegionError(f"{name} {list(shape)}: vLLM pads I to {s} per rank (tp {cfg.tp_size}); refit sends unpadded shares")
+        raise RegionError(
+            f"{name} {list(shape)}: vLLM pads I to {s} per rank (tp {cfg.tp_size}); refit sends unpadded shares"
+        )
     return local[0], local[-1] + 1, cfg.tp_rank * s, s
 
 
@@ -121,7 +130,9 @@ def region(model: torch.nn.Module, name: str, shape: Sequence[int]) -> tuple[Box
                 lo = mod.tp_rank * n
                 rule = f"merged:{shard}"
             if lo + n > shape[0]:
-                raise RegionError(f"{name} {list(shape)}: vLLM's {type(mod).__name__} wants rows [{lo}, {lo + n}) beyond the tensor")
+                raise RegionError(
+                    f"{name} {list(shape)}: vLLM's {type(mod).__name__} wants rows [{lo}, {lo + n}) beyond the tensor"
+                )
             return _rows(shape, lo, lo + n), rule
     if _ROW.search(name):
         mod = _module(model, stem)
@@ -148,7 +159,9 @@ def _param(model: torch.nn.Module, path: str) -> torch.Tensor | None:
         return None
 
 
-def live_target(model: torch.nn.Module, name: str, shape: Sequence[int], box: Box, rule: str) -> tuple[torch.Tensor | None, str]:
+def live_target(
+    model: torch.nn.Module, name: str, shape: Sequence[int], box: Box, rule: str
+) -> tuple[torch.Tensor | None, str]:
     """(view, why): where this worker's ``box`` of HF tensor ``name`` lives in vLLM's live
     parameters, for writing received bytes there directly; (None, why not) where it cannot.
 
@@ -205,7 +218,10 @@ def live_target(model: torch.nn.Module, name: str, shape: Sequence[int], box: Bo
     if expect_rows is not None and (target.dim() == 0 or target.shape[0] != expect_rows[0]):
         return None, f"{where} has shape {list(target.shape)}, not as loaded ({expect_rows[0]} rows)"
     if target.dim() != len(want) or tuple(target.shape[1:]) != want[1:] or off + rows > target.shape[0]:
-        return None, f"{where} has shape {list(target.shape)}, not as loaded (rows [{off}, {off + rows}) of {list(want)})"
+        return (
+            None,
+            f"{where} has shape {list(target.shape)}, not as loaded (rows [{off}, {off + rows}) of {list(want)})",
+        )
     if rule == "full" and tuple(target.shape) != want:
         return None, f"{where} has shape {list(target.shape)}, the HF tensor {list(want)}"
     view = target.data[off : off + rows] if len(want) else target.data
@@ -226,8 +242,9 @@ def checkpoint_name(model: torch.nn.Module, name: str) -> str:
     return name
 
 
-def expert_checkpoint_tensors(model: torch.nn.Module, name: str, shape: Sequence[int], box: Box,
-                              part: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def expert_checkpoint_tensors(
+    model: torch.nn.Module, name: str, shape: Sequence[int], box: Box, part: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Per-expert checkpoint tensors (``experts.{e}.gate_proj.weight`` ...) for vLLM's loaders from
     this worker's ``part`` (at ``box``) of a stacked expert tensor: full-shaped ``[I, H]`` /
     ``[H, I]`` per expert of the box, of which only the box is valid (the part the loader reads)."""
@@ -242,7 +259,7 @@ def expert_checkpoint_tensors(model: torch.nn.Module, name: str, shape: Sequence
             (g0, g1), rows, cols = rest
             for g in range(g0, g1):
                 full = _outside(tuple(shape[2:]), part)
-                full[rows[0]:rows[1], cols[0]:cols[1]] = part[e - e0, g - g0]
+                full[rows[0] : rows[1], cols[0] : cols[1]] = part[e - e0, g - g0]
                 yield f"{base}.{e}.{(gate, up)[g]}.weight", full
         else:
             full = _outside(tuple(shape[1:]), part)
@@ -250,8 +267,9 @@ def expert_checkpoint_tensors(model: torch.nn.Module, name: str, shape: Sequence
             yield f"{base}.{e}.{down}.weight", full
 
 
-def loader_tensors(model: torch.nn.Module, name: str, shape: Sequence[int], box: Box,
-                   part: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def loader_tensors(
+    model: torch.nn.Module, name: str, shape: Sequence[int], box: Box, part: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
     """What vLLM's ``load_weights`` takes for this worker's ``part`` (at ``box``) of ``name``:
     checkpoint names and full shapes, of which only the box is valid (the part the loader reads).
     Stacked experts become per-expert checkpoint tensors."""

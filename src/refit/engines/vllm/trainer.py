@@ -14,19 +14,27 @@ while its own boxes go out), finish with ``weight_version``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
-
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
 from refit.plan import ProcessMap
 from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer, TransferConfig
 
-from .common import (DEFAULT_TIMEOUT_S, LOAD_PATHS, RefitInitInfo, gather_dst_layout, join_group, layout_to_json, open_store,
-                     wait_workers)
+from .common import (
+    DEFAULT_TIMEOUT_S,
+    LOAD_PATHS,
+    RefitInitInfo,
+    gather_dst_layout,
+    join_group,
+    layout_to_json,
+    open_store,
+    wait_workers,
+)
 
 
 class ShardedModuleSource(WeightSource):
@@ -72,8 +80,17 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     def worker_info(self) -> RefitInitInfo:
         if self.load_path not in LOAD_PATHS:
             raise ValueError(f"RefitTrainerInitInfo.load_path must be one of {LOAD_PATHS}, got {self.load_path!r}")
-        return RefitInitInfo(self.master_address, self.master_port, self.n_trainer, self.n_trainer + self.n_workers,
-                             self.timeout_s, self.num_buffers, self.buffer_bytes, self.session, self.load_path)
+        return RefitInitInfo(
+            self.master_address,
+            self.master_port,
+            self.n_trainer,
+            self.n_trainer + self.n_workers,
+            self.timeout_s,
+            self.num_buffers,
+            self.buffer_bytes,
+            self.session,
+            self.load_path,
+        )
 
 
 class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
@@ -105,11 +122,24 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
             raise
         pg = join_group(info, store, init_info.rank)
         dst = gather_dst_layout(store, src, init_info.n_workers)
-        cfg = TransferConfig(num_buffers=info.num_buffers, buffer_bytes=info.buffer_bytes,
-                             preflight_timeout_s=info.timeout_s, name="xfer")
-        self.peer = Peer(src, dst, init_info.rank, src_tensors=source.local(),
-                         procs=ProcessMap.disjoint(init_info.n_trainer, init_info.n_workers), group=pg, config=cfg,
-                         device=init_info.device, store=store, standalone=True)
+        cfg = TransferConfig(
+            num_buffers=info.num_buffers,
+            buffer_bytes=info.buffer_bytes,
+            preflight_timeout_s=info.timeout_s,
+            name="xfer",
+        )
+        self.peer = Peer(
+            src,
+            dst,
+            init_info.rank,
+            src_tensors=source.local(),
+            procs=ProcessMap.disjoint(init_info.n_trainer, init_info.n_workers),
+            group=pg,
+            config=cfg,
+            device=init_info.device,
+            store=store,
+            standalone=True,
+        )
         if rpc is not None:
             rpc.join()
         self.pg, self.store, self.version = pg, store, 0

@@ -26,17 +26,25 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit.layout import box_shape
 from refit.plan import ProcessMap
 from refit.transfer import Peer, TransferConfig
 
-from .common import RefitInitInfo, RefitUpdateInfo, gather_dst_layout, join_group, layout_from_json, open_store, wait_workers
+from .common import (
+    RefitInitInfo,
+    RefitUpdateInfo,
+    gather_dst_layout,
+    join_group,
+    layout_from_json,
+    open_store,
+    wait_workers,
+)
 from .regions import live_target, loader_tensors, region
 
 
@@ -86,7 +94,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 if view is not None and view.dtype == t.dtype:
                     targets[t.name] = view
                 elif rule != "full":  # tensors the mapping does not know may go through load_weights
-                    missing.append(f"{t.name}: {why if view is None else f'dtype {view.dtype}, trainer sends {t.dtype}'}")
+                    missing.append(
+                        f"{t.name}: {why if view is None else f'dtype {view.dtype}, trainer sends {t.dtype}'}"
+                    )
             self.direct = self._choose_path(init_info.load_path, missing)
         except Exception as e:
             store.set(f"error/{w}", f"{type(e).__name__}: {e}")
@@ -98,15 +108,31 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         # direct: received bytes land in the live parameters; the rest (and everything on the
         # loader path) in buffers handed to vLLM's loaders
         self.targets = targets if self.direct else {}
-        self.buffers = {t.name: torch.empty(box_shape(b), dtype=t.dtype, device=self.device)
-                        for t, b in dst.local_tensors(w) if t.name not in self.targets}
+        self.buffers = {
+            t.name: torch.empty(box_shape(b), dtype=t.dtype, device=self.device)
+            for t, b in dst.local_tensors(w)
+            if t.name not in self.targets
+        }
         self.boxes = {t.name: b for t, b in dst.local_tensors(w)}
         self.shapes = {t.name: t.shape for t in dst}
-        cfg = TransferConfig(num_buffers=init_info.num_buffers, buffer_bytes=init_info.buffer_bytes,
-                             preflight_timeout_s=init_info.timeout_s, name="xfer")
-        self.peer = Peer(src, dst, init_info.n_trainer + w, dst_tensors={**self.buffers, **self.targets},
-                         procs=ProcessMap.disjoint(init_info.n_trainer, n_workers), group=pg, config=cfg,
-                         device=self.device, store=store, standalone=True)
+        cfg = TransferConfig(
+            num_buffers=init_info.num_buffers,
+            buffer_bytes=init_info.buffer_bytes,
+            preflight_timeout_s=init_info.timeout_s,
+            name="xfer",
+        )
+        self.peer = Peer(
+            src,
+            dst,
+            init_info.n_trainer + w,
+            dst_tensors={**self.buffers, **self.targets},
+            procs=ProcessMap.disjoint(init_info.n_trainer, n_workers),
+            group=pg,
+            config=cfg,
+            device=self.device,
+            store=store,
+            standalone=True,
+        )
         self.pg, self.store = pg, store
         self.stats["rules"] = rules
         self.stats["load_path"] = "direct" if self.direct else "loader"
@@ -118,9 +144,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         if asked == "loader":
             return False
         if asked == "direct" and missing:
-            raise ValueError(f"refit backend: load_path='direct' needs vLLM's parameters as loaded, but "
-                             f"{len(missing)} tensor(s) have no live target, first {missing[0]} "
-                             f"(use load_path='loader' or 'auto')")
+            raise ValueError(
+                f"refit backend: load_path='direct' needs vLLM's parameters as loaded, but "
+                f"{len(missing)} tensor(s) have no live target, first {missing[0]} "
+                f"(use load_path='loader' or 'auto')"
+            )
         if asked not in ("direct", "auto"):
             raise ValueError(f"refit backend: load_path must be 'auto', 'direct' or 'loader', got {asked!r}")
         return not missing
@@ -145,9 +173,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         t1 = time.perf_counter()
         if self.buffers:
             self.model.load_weights(self._full_tensors())
-        self.stats.update(bytes_received=self.stats["bytes_received"] + stats.bytes_received,
-                          refits=self.stats["refits"] + 1, version=update_info.version,
-                          transfer_s=t1 - t0, load_s=time.perf_counter() - t1)
+        self.stats.update(
+            bytes_received=self.stats["bytes_received"] + stats.bytes_received,
+            refits=self.stats["refits"] + 1,
+            version=update_info.version,
+            transfer_s=t1 - t0,
+            load_s=time.perf_counter() - t1,
+        )
 
     def finish_weight_update(self) -> None:
         if self.direct:
