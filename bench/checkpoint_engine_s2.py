@@ -53,7 +53,7 @@ def _free_port() -> int:
 
 
 def _weights(device: torch.device) -> dict[str, torch.Tensor]:
-    from refit.models import param_shapes
+    from refit.layout.models import param_shapes
 
     from .weights import make_weight
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     floor_s = statistics.median(floor)
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    from bench.harness import device_kind
+    from refit.tools.bench.harness import device_kind
 
     command = "python -m bench.checkpoint_engine_s2 " + " ".join(sys.argv[1:] if argv is None else argv)
     rows = []

@@ -19,10 +19,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 [ -z "$SKIP_TESTS" ] && echo "== gpu tests" && timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
-[ -z "$SKIP_TESTS" ] && echo "== demo (nccl)" && timeout 90 python3 -m refit.cli demo --src tp=1 --dst tp=1 --steps 2 2>&1 | tail -4
-echo "== bench"; timeout ${BENCH_TIMEOUT:-420} python3 -m refit.cli bench ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
+[ -z "$SKIP_TESTS" ] && echo "== demo (nccl)" && timeout 90 python3 -m refit.tools.cli demo --src tp=1 --dst tp=1 --steps 2 2>&1 | tail -4
+echo "== bench"; timeout ${BENCH_TIMEOUT:-420} python3 -m refit.tools.cli bench ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
 if [ -n "$BENCH2_ARGS" ]; then  # a second matrix in the same call (e.g. the FP8 variant)
-  echo "== bench 2"; timeout ${BENCH_TIMEOUT:-420} python3 -m refit.cli bench $BENCH2_ARGS --out "$OUT/bench2.json" > "$OUT/bench2.txt" 2>&1
+  echo "== bench 2"; timeout ${BENCH_TIMEOUT:-420} python3 -m refit.tools.cli bench $BENCH2_ARGS --out "$OUT/bench2.json" > "$OUT/bench2.txt" 2>&1
   echo "bench 2 rc=$?"; tail -20 "$OUT/bench2.txt"
 fi
 if [ -z "$SKIP_CE" ] && [ -d .wheels/ce ]; then

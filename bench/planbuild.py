@@ -17,11 +17,11 @@ import os
 import statistics
 import time
 
-from refit.models import param_shapes
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap, build_plan, link_bytes
 from refit.quant import fp8_layout
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
 
 # (label, model, trainer spec, engine spec, colocated, fp8 block)
 CASES = [

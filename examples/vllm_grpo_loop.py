@@ -40,7 +40,7 @@ def main() -> int:
 
     from refit.engines.vllm.client import LLMClient
     from refit.engines.vllm.trainer import RefitTrainerEngine, RefitTrainerInitInfo, ShardedModuleSource
-    from refit.models import build_model, load_config
+    from refit.layout.models import build_model, load_config
 
     torch.set_num_threads(1)
     config = load_config(args.model)

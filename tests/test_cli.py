@@ -6,12 +6,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from refit.cli import main
 from refit.layout import Mesh, TensorLayout, box_slices, parse_placement
+from refit.tools.cli import main
 
 
 def _run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "refit.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "refit.tools.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize(

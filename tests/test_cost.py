@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from refit.cost import Topology, TopologyError, broadcast_time, loads, p2p_transfers, predict, transfer_time
-from refit.models import param_shapes
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
 from refit.plan import build_plan, link_bytes
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
+from refit.plan.cost import Topology, TopologyError, broadcast_time, loads, p2p_transfers, predict, transfer_time
 
 GB = 10**9
 
@@ -118,7 +118,7 @@ def test_predict_strategies_and_fanout():
 
 
 def test_cli_cluster(tmp_path, capsys):
-    from refit.cli import main
+    from refit.tools.cli import main
 
     p = tmp_path / "topo.json"
     p.write_text(json.dumps({"nodes": 2, "gpus_per_node": 8}))

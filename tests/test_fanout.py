@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from refit.fanout import Fanout, wave_plans, wave_schedule, waves_for
-from refit.launch import run_local
-from refit.models import param_shapes
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
+from refit.tools.launch import run_local
+from refit.tools.verify import holds, reference_shards
 from refit.transfer import TransferConfig
-from refit.verify import holds, reference_shards
 
 REPLICAS = 7
 

@@ -9,10 +9,10 @@ half way left nothing half-applied).
 
 import pytest
 
-from refit.faults import MODES, inject
-from refit.models import param_shapes
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
+from refit.tools.faults import MODES, inject
 
 DEADLINE_S = 3.0
 

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from refit.cli import main
 from refit.layout import LayoutError
-from refit.models import param_shapes
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
 from refit.quant import FP8, fp8_layout, quantized_names, scale_name
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
-from refit.verify import verify
+from refit.tools.cli import main
+from refit.tools.verify import verify
 
 
 def _layout(model, spec, side="src", shapes=None):
@@ -90,8 +90,8 @@ def test_kv_cache_scales_travel_as_small_tensors():
 def _two_versions(world):
     from refit.plan import ProcessMap
     from refit.quant import Fp8Quantizer, expected_fp8
+    from refit.tools.verify import reference_shards, same_bits
     from refit.transfer import Receiver, Sender
-    from refit.verify import reference_shards, same_bits
 
     plain = _layout("tiny-qwen3", "tp=1")
     src, dst = fp8_layout(plain, block=(32, 32)), fp8_layout(_layout("tiny-qwen3", "tp=1", "dst"), block=(32, 32))
@@ -122,7 +122,7 @@ def _two_versions(world):
 
 @pytest.mark.timeout(120)
 def test_quantizer_refreshes_from_the_live_weights_every_push():
-    from refit.launch import run_local
+    from refit.tools.launch import run_local
 
     out = run_local(_two_versions, 1, 1, backend="gloo", timeout_s=100)
     assert out[1] == (True, True, True)

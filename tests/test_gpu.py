@@ -5,14 +5,14 @@ import os
 import pytest
 import torch
 
-from refit.launch import run_local
 from refit.layout import box_slices
-from refit.models import param_shapes
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
+from refit.tools.launch import run_local
+from refit.tools.verify import reference_tensor
 from refit.transfer import Peer, TransferConfig
-from refit.verify import reference_tensor
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -139,7 +139,7 @@ def test_nccl_pipelined_with_packing(src, dst, verify):
 def test_triton_fp8_quantizer_bytes_equal_the_torch_expression(shape, block, dtype):
     from refit import quant_triton
     from refit.quant import quantize_fp8_block
-    from refit.quant_triton import quantize_into_triton
+    from refit.quant.fp8_triton import quantize_into_triton
 
     if not quant_triton.AVAILABLE:
         pytest.skip("no Triton")

@@ -5,11 +5,11 @@ import json
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
-from refit.cli import main
-from refit.models import load_config, param_shapes
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
-from refit.verify import verify
+from refit.layout.models import load_config, param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
+from refit.tools.cli import main
+from refit.tools.verify import verify
 
 MODEL = "tiny-qwen3-moe"
 
@@ -86,7 +86,7 @@ def _hf_moe_trainer(world, kind):
     import torch
     from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
 
-    from refit.models import build_model
+    from refit.layout.models import build_model
     from refit.plan import ProcessMap
     from refit.trainers.dtensor import full_state, layout_from_module, local_shards
     from refit.transfer import Receiver, Sender
@@ -121,9 +121,9 @@ def _hf_moe_trainer(world, kind):
 def test_trainer_with_hf_fused_experts_refits_bit_exact(kind):
     import torch
 
-    from refit.launch import run_local
     from refit.layout import box_slices
-    from refit.models import logical_shape
+    from refit.layout.models import logical_shape
+    from refit.tools.launch import run_local
 
     out = run_local(_hf_moe_trainer, 2, 2, kind, backend="gloo", timeout_s=280)
     full = {n: v.reshape(logical_shape(n, tuple(v.shape))) for n, v in out[0].items()}

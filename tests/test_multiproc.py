@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from refit.launch import WorkerError, run_local
 from refit.layout import Mesh, ModelLayout, TensorLayout, box_slices
-from refit.models import param_shapes
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
+from refit.tools.launch import WorkerError, run_local
+from refit.tools.verify import reference_tensor, verify
 from refit.transfer import Receiver, Sender, TransferConfig
-from refit.verify import reference_tensor, verify
 
 pytestmark = pytest.mark.multiproc
 
@@ -134,7 +134,7 @@ def test_non_dense_local_tensor_fails_at_setup_not_on_the_wire():
 
 
 def _dtensor_worker(world):
-    from refit.models import build_model, load_config
+    from refit.layout.models import build_model, load_config
     from refit.trainers.dtensor import layout_from_module, local_shards
     from refit.trainers.hf_tp import parallelize_tp
 

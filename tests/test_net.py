@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from refit.net import discover_gpus, discover_nics, env_number, nic_settings, pci_hops, select_nics, ucx_env
+from refit.transport.nics import discover_gpus, discover_nics, env_number, nic_settings, pci_hops, select_nics, ucx_env
 
 
 class FakeSysfs:
@@ -119,7 +119,7 @@ def test_valid_numbers_and_modes():
         assert env_number("X", 5.0, {"X": "0"}) == 0.0
         assert env_number("X", None, {"X": "200"}) == 200.0
     with pytest.warns(UserWarning, match="REFIT_NIC_MODE='fast' is not one of auto, stripe, off"):
-        from refit.net import env_mode
+        from refit.transport.nics import env_mode
 
         assert env_mode({"REFIT_NIC_MODE": "fast"}) == "auto"
 

@@ -16,10 +16,10 @@ from refit.layout import (
     box_shape,
     box_slices,
 )
-from refit.models import param_shapes
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
 from refit.plan import PlanError, ProcessMap, build_plan, check_coverage
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
 from strategies import meshes, placements_for, tensor_shapes
 
 
@@ -225,10 +225,10 @@ def test_budget_validation():
 
 def test_ipc_stages_cut_the_source_tensors_in_order_into_runs_of_about_equal_bytes():
     from refit.executor import ipc_stages
-    from refit.models import param_shapes
+    from refit.layout.models import param_shapes
+    from refit.layout.rules import layout_from_spec
+    from refit.layout.spec import parse_spec
     from refit.plan import build_plan
-    from refit.rules import layout_from_spec
-    from refit.spec import parse_spec
 
     shapes = param_shapes("tiny-qwen3")
     plan = build_plan(

@@ -2,10 +2,10 @@
 
 import pytest
 
-from refit.models import param_shapes
-from refit.rules import layout_from_spec
-from refit.soak import soak
-from refit.spec import parse_spec
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
+from refit.tools.soak import soak
 from refit.transfer import TransferConfig
 
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from refit.models import ModelError, load_config, param_shapes
-from refit.rules import layout_from_spec, pp_stage, stage_bounds, tp_placement
-from refit.spec import SpecError, parse_spec
+from refit.layout.models import ModelError, load_config, param_shapes
+from refit.layout.rules import layout_from_spec, pp_stage, stage_bounds, tp_placement
+from refit.layout.spec import SpecError, parse_spec
 
 
 def test_parse_spec_orders_dims_and_counts_ranks():

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
-from refit.abort import RefitAborted
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.transfer import Peer, TransferConfig
+from refit.transport.control import RefitAborted
 
 
 class FanoutError(RuntimeError):

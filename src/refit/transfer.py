@@ -24,10 +24,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from refit.abort import AbortChannel, RefitAborted
 from refit.executor import Executor, RunStats, validate_local
 from refit.layout import ModelLayout
 from refit.plan import Plan, PlanError, ProcessMap, build_plan
+from refit.transport.control import AbortChannel, RefitAborted
 
 DEFAULT_PREFLIGHT_TIMEOUT_S = 120.0
 

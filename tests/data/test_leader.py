@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from refit.data import InProcessStore, LeaderFetchError, balanced_shards, leader_fetch, replica_groups, restore_order
-from refit.launch import run_local
+from refit.tools.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 

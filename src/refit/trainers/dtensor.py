@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from refit.layout import LayoutError, Mesh, ModelLayout, TensorLayout
-from refit.models import FUSED_GATE_UP, logical_shape
+from refit.layout.models import FUSED_GATE_UP, logical_shape
 
 
 def _params(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

@@ -1,6 +1,6 @@
 """Tensor parallelism for HF Llama / Qwen2 / Qwen3 dense models with ``parallelize_module``.
 
-The placements match ``refit.rules`` (column-parallel q/k/v/gate/up and
+The placements match ``refit.layout.rules`` (column-parallel q/k/v/gate/up and
 vocab-parallel embeddings and lm_head: Shard(0); row-parallel o/down: Shard(1);
 the rest replicated), so a model parallelized here has the layout
 ``layout_from_spec(..., "tp=N")`` describes.

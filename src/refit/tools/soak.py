@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from refit.launch import World, run_local
 from refit.layout import ModelLayout
 from refit.plan import ProcessMap
+from refit.tools.launch import World, run_local
+from refit.tools.verify import holds, reference_shards
 from refit.transfer import Peer, TransferConfig
-from refit.verify import holds, reference_shards
 
 
 def rss_bytes() -> int:

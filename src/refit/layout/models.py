@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from refit.rules import ParamShape
+from refit.layout.rules import ParamShape
 
 
 class ModelError(ValueError):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from refit.verify import reference_tensor
+from refit.tools.verify import reference_tensor
 
 
 def make_weight(

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from refit.launch import World, run_local
 from refit.layout import box_numel, box_slices
-from refit.models import param_shapes
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap, build_plan
 from refit.quant import Fp8Quantizer, fp8_layout, quantize_fp8_block, quantized_names, scale_name
-from refit.rules import layout_from_spec
-from refit.spec import parse_spec
+from refit.tools.launch import World, run_local
 from refit.transfer import TransferConfig
 from refit.transport.ipc import HostBarrier
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from refit.launch import World, run_local
 from refit.layout import ModelLayout, box_slices
-from refit.models import build_model, load_config, param_shapes
+from refit.layout.models import build_model, load_config, param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import ParallelSpec
 from refit.plan import ProcessMap, build_plan
-from refit.rules import layout_from_spec
-from refit.spec import ParallelSpec
+from refit.tools.launch import World, run_local
 from refit.transfer import Receiver, Sender, TransferConfig
 
 PROMPT_LEN = 16

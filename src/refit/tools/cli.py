@@ -6,12 +6,12 @@ import argparse
 import json
 import sys
 
-from refit.cost import TopologyError
 from refit.layout import LayoutError
-from refit.models import PRESETS, ModelError, param_shapes
+from refit.layout.models import PRESETS, ModelError, param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import SpecError, parse_spec
 from refit.plan import Plan, PlanError, build_plan
-from refit.rules import layout_from_spec
-from refit.spec import SpecError, parse_spec
+from refit.plan.cost import TopologyError
 from refit.transfer import TransferConfig
 
 USAGE_ERRORS = (TopologyError, SpecError, ModelError, PlanError, LayoutError)
@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     _common(k)
     k.add_argument("--refits", type=int, default=200)
     k.add_argument("--warmup", type=int, default=20, help="refits before the baseline is taken")
-    b = sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S3); code under bench/")
+    b = sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S7)")
     b.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if GPUs are present")
     b.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
     b.add_argument(
@@ -131,14 +131,8 @@ def cmd_bench(args, console) -> int:
 
     import torch
 
-    try:
-        from bench import harness
-    except ImportError:
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        if not os.path.isdir(os.path.join(repo, "bench")):
-            raise SpecError("refit bench needs the repository's bench/ folder (run it from a checkout)") from None
-        sys.path.insert(0, repo)
-        from bench import harness
+    from refit.tools.bench import harness
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SpecError("--device cuda: no CUDA device is available")
@@ -223,7 +217,7 @@ def _cluster(args, console, src, dst, shapes, src_l, dst_l, t0: float) -> int:
 
     from rich.table import Table
 
-    from refit.cost import Topology, predict
+    from refit.plan.cost import Topology, predict
 
     topo = Topology.from_json(args.cluster)
     replicas = dst.degree("dp")
@@ -257,7 +251,7 @@ def _cluster(args, console, src, dst, shapes, src_l, dst_l, t0: float) -> int:
         f"{' (FP8 weights + scales)' if args.fp8 else ''}"
     )
     console.print(f"topology {topo.name}: {topo.describe()}")
-    table = Table(title="predicted refit time (bottleneck model, refit.cost)")
+    table = Table(title="predicted refit time (bottleneck model, refit.plan.cost)")
     for col in ("strategy", "seconds", "busiest resource", "its GB", "how"):
         table.add_column(col)
     for p in preds:
@@ -318,7 +312,7 @@ def _fp8(src_l, dst_l, block: int):
 
 
 def cmd_verify(args, console) -> int:
-    from refit.verify import verify
+    from refit.tools.verify import verify
 
     src, dst, cfg, shapes = _setup(args)
     src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
@@ -344,7 +338,7 @@ def cmd_verify(args, console) -> int:
 
 
 def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
-    from refit.faults import MODES, inject
+    from refit.tools.faults import MODES, inject
 
     if args.inject not in MODES:
         raise SpecError(f"--inject must be one of {', '.join(MODES)}, got {args.inject!r}")
@@ -374,7 +368,7 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
 
 
 def cmd_soak(args, console) -> int:
-    from refit.soak import soak
+    from refit.tools.soak import soak
 
     src, dst, cfg, shapes = _setup(args)
     if not 1 <= args.warmup < args.refits:
@@ -400,7 +394,7 @@ def cmd_soak(args, console) -> int:
 
 
 def cmd_demo(args, console) -> int:
-    from refit.demo import run_demo
+    from refit.tools.demo import run_demo
 
     src, dst, cfg, _ = _setup(args)
     if args.steps < 1:

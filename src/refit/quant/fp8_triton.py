@@ -74,9 +74,16 @@ if AVAILABLE:
         tl.store(s_ptr + b64 * ssb + i.to(tl.int64) * ssn + j.to(tl.int64) * ssk, scale_inv)
 
 
-def quantize_into_triton(w: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
-    """``quant.quantize_into`` in one kernel launch: ``w`` [..., N, K] on CUDA into ``q`` / ``scale_inv``."""
-    from refit.quant import AMAX_FLOOR, FP8_MAX
+def quantize_into_triton(
+    w: torch.Tensor,
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    fp8_max: float,
+    amax_floor: float,
+) -> None:
+    """``fp8.quantize_into`` in one kernel launch: ``w`` [..., N, K] on CUDA into ``q`` / ``scale_inv``
+    (``fp8_max`` and ``amax_floor``: fp8.FP8_MAX and fp8.AMAX_FLOOR, passed in so this module imports nothing of refit)."""
 
     *lead, n, k = w.shape
     bn, bk = block
@@ -98,7 +105,7 @@ def quantize_into_triton(w: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tens
         *sx.stride(),
         BN=bn,
         BK=bk,
-        AMAX_FLOOR=AMAX_FLOOR,
-        FP8_MAX=float(FP8_MAX),
+        AMAX_FLOOR=amax_floor,
+        FP8_MAX=float(fp8_max),
         num_warps=8,
     )

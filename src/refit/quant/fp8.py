@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from refit.layout import Box, LayoutError, ModelLayout, TensorLayout, box_slices
+from refit.layout.tensors import Box, LayoutError, ModelLayout, TensorLayout, box_slices
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -72,9 +72,9 @@ def use_triton(block: tuple[int, int]) -> bool:
         import os
         import warnings
 
-        from refit import quant_triton
+        from refit.quant import fp8_triton
 
-        _TRITON = quant_triton.AVAILABLE and os.environ.get("REFIT_FP8_TRITON", "1") != "0"
+        _TRITON = fp8_triton.AVAILABLE and os.environ.get("REFIT_FP8_TRITON", "1") != "0"
         if not _TRITON:
             warnings.warn(
                 "refit: FP8 quantization on CUDA without Triton runs the multi-pass torch expression "
@@ -92,10 +92,10 @@ def quantize_into(
 ) -> None:
     """``quantize_fp8_block(w)`` written into ``q`` and ``scale_inv``, a chunk at a time (whole
     blocks per chunk, so the bytes are the same) to bound the temporaries to ~``chunk_bytes``."""
-    if w.is_cuda and use_triton(block):  # one pass, the same bytes (quant_triton.py)
-        from refit.quant_triton import quantize_into_triton
+    if w.is_cuda and use_triton(block):  # one pass, the same bytes (fp8_triton.py)
+        from refit.quant.fp8_triton import quantize_into_triton
 
-        quantize_into_triton(w, q, scale_inv, block)
+        quantize_into_triton(w, q, scale_inv, block, FP8_MAX, AMAX_FLOOR)
         return
     *lead, n, k = w.shape
     bn, _ = block

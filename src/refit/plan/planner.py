@@ -35,7 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from refit.layout import (
+from refit.layout.tensors import (
     Box,
     ModelLayout,
     TensorLayout,

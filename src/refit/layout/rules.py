@@ -27,8 +27,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from refit.layout import Mesh, ModelLayout, TensorLayout
-from refit.spec import ParallelSpec
+from refit.layout.spec import ParallelSpec
+from refit.layout.tensors import Mesh, ModelLayout, TensorLayout
 
 # MLA (DeepSeek-V3, Kimi-K2): q_b_proj / kv_b_proj are column-parallel over heads; the low-rank
 # q_a_proj / kv_a_proj_with_mqa and their norms are replicated (no rule: Replicate)

@@ -26,11 +26,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from refit.launch import World, run_local
 from refit.layout import ModelLayout
 from refit.plan import ProcessMap
+from refit.tools.launch import World, run_local
+from refit.tools.verify import holds, reference_shards
 from refit.transfer import Peer, TransferConfig
-from refit.verify import holds, reference_shards
 
 MODES = ("kill-receiver", "kill-sender", "corrupt", "shape-mismatch", "slow-receiver")
 # what the survivors' common error must say, per mode

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from refit.layout import ModelLayout
-from refit.plan import ProcessMap, link_bytes
+from refit.plan.planner import ProcessMap, link_bytes
 
 
 class TopologyError(ValueError):

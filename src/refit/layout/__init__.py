@@ -1,0 +1,45 @@
+"""What each side holds: meshes, tensor and model layouts, boxes (``tensors``); parallelism specs (``spec``);
+HF parameter naming (``hf_names``); sharding rules from a spec (``rules``); model presets and configs (``models``).
+
+Only ``tensors`` is re-exported here; import the others from their modules.
+"""
+
+from refit.layout.tensors import (
+    Box,
+    LayoutError,
+    Mesh,
+    ModelLayout,
+    TensorLayout,
+    box_intersect,
+    box_is_contiguous,
+    box_numel,
+    box_relative,
+    box_runs_whole,
+    box_shape,
+    box_slices,
+    chunk_range,
+    full_box,
+    parse_placement,
+    placement_str,
+    split_box,
+)
+
+__all__ = [
+    "Box",
+    "LayoutError",
+    "Mesh",
+    "ModelLayout",
+    "TensorLayout",
+    "box_intersect",
+    "box_is_contiguous",
+    "box_numel",
+    "box_relative",
+    "box_runs_whole",
+    "box_shape",
+    "box_slices",
+    "chunk_range",
+    "full_box",
+    "parse_placement",
+    "placement_str",
+    "split_box",
+]

@@ -1,0 +1,1 @@
+"""``refit bench``: scenarios, methods (refit and what users run today) and the timing harness."""
