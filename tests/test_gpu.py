@@ -44,7 +44,7 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, v
         if drank is not None
         else None
     )
-    cfg = TransferConfig(num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph, verify=verify)
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph, checksums=verify)
     peer = Peer(
         src_l,
         dst_l,

@@ -6,6 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
+from refit.config import TransferConfig
+from refit.errors import ConfigError
 from refit.layout import (
     Mesh,
     ModelLayout,
@@ -43,7 +45,7 @@ def _all_pieces(plan):
 @given(layout_pairs(), st.integers(1, 3), st.sampled_from([64, 128, 1024, 1 << 20]))
 def test_plan_covers_every_destination_element_exactly_once(pair, num_buffers, buffer_bytes):
     src, dst = pair
-    plan = build_plan(src, dst, num_buffers=num_buffers, buffer_bytes=buffer_bytes)
+    plan = build_plan(src, dst, config=TransferConfig(num_buffers=num_buffers, buffer_bytes=buffer_bytes))
     counts = {}
     for t in dst:
         for r in t.ranks:
@@ -155,7 +157,7 @@ def test_schedule_keeps_a_link_in_order_and_the_ring_bounded():
     # no process holds more than half its ring in one step
     src = _one(shape=(64, 6), world=2, placement=Shard(1))
     dst = _one(shape=(64, 6), world=2, placement=Shard(0))
-    plan = build_plan(src, dst, num_buffers=2, buffer_bytes=256)
+    plan = build_plan(src, dst, config=TransferConfig(num_buffers=2, buffer_bytes=256))
     per_link = defaultdict(list)
     per_proc_step = defaultdict(int)
     for m in sorted(plan.messages, key=lambda m: m.step):
@@ -219,8 +221,10 @@ def test_overlapping_sources():
 
 
 def test_budget_validation():
-    with pytest.raises(PlanError, match="num_buffers must be >= 1, got 0"):
-        build_plan(_one(), _one(), num_buffers=0)
+    with pytest.raises(ConfigError, match="num_buffers must be an integer >= 1, got 0"):
+        TransferConfig(num_buffers=0)
+    with pytest.raises(ConfigError, match="buffer_bytes must be an integer >= 64, got 32"):
+        TransferConfig(buffer_bytes=32)
 
 
 def test_ipc_stages_cut_the_source_tensors_in_order_into_runs_of_about_equal_bytes():

@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from refit.errors import ChecksumError, DeadlineExceeded
 from refit.layout import Box, box_relative, box_shape, box_slices
 from refit.plan import Plan, PlanError
 from refit.transport.ipc import HostBarrier, IpcPuller, export_handles, import_handles
@@ -67,14 +68,6 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     words = b[:n8].view(torch.int64).sum() if n8 and b.data_ptr() % 8 == 0 else b[:n8].to(torch.int64).sum()
     tail = b[n8:].to(torch.int64).sum()
     return torch.stack([words + tail, torch.tensor(b.numel(), dtype=torch.int64, device=b.device)])
-
-
-class DeadlineExceeded(TimeoutError):
-    """A blocking step of a refit was still waiting when the refit's deadline passed."""
-
-
-class ChecksumError(RuntimeError):
-    """Verify mode: received bytes differ from what the sender sent."""
 
 
 @dataclass

@@ -36,14 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
+from refit.errors import FanoutError
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.transfer import Peer, TransferConfig
 from refit.transport.control import RefitAborted
-
-
-class FanoutError(RuntimeError):
-    pass
 
 
 def wave_schedule(replicas: int) -> list[list[int]]:
@@ -134,11 +131,13 @@ def waves_for(
     return out
 
 
-def wave_plans(waves: list[Wave], plans: Mapping[int, Plan] | None = None, **plan_kw) -> list[dict[str, Any]]:
+def wave_plans(
+    waves: list[Wave], plans: Mapping[int, Plan] | None = None, config: TransferConfig | None = None
+) -> list[dict[str, Any]]:
     """JSON-serializable: per wave, receiver process -> source process -> tensor boxes."""
     out = []
     for w in waves:
-        plan = (plans or {}).get(w.index) or build_plan(w.src_layout, w.dst_layout, w.procs, **plan_kw)
+        plan = (plans or {}).get(w.index) or build_plan(w.src_layout, w.dst_layout, w.procs, config)
         links: dict[str, dict[str, list]] = {}
         for m in plan.messages:
             row = links.setdefault(str(w.procs.dst[m.dst]), {})

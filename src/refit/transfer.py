@@ -18,49 +18,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from refit.config import TransferConfig
 from refit.executor import Executor, RunStats, validate_local
 from refit.layout import ModelLayout
 from refit.plan import Plan, PlanError, ProcessMap, build_plan
 from refit.transport.control import AbortChannel, RefitAborted
-
-DEFAULT_PREFLIGHT_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    num_buffers: int = 2
-    buffer_bytes: int = 64 << 20
-    preflight_timeout_s: float = DEFAULT_PREFLIGHT_TIMEOUT_S
-    transport: str = "p2p"  # "p2p", "ipc" or "auto" (IPC between CUDA processes of one host)
-    name: str = "refit"  # store namespace; give each Sender/Receiver pairing in one job its own
-    copy_streams: int = 2  # CUDA IPC: streams per source GPU a receiver pulls on (copies spread over them)
-    cuda_graph: bool = True  # CUDA IPC: a pull's copies recorded once into a CUDA graph, replayed per refit
-    deadline_s: float = 300.0  # every blocking step of one refit gives up this long after the refit began
-    commit: str = "in_place"  # "in_place": receive into the live tensors; "staged": all-or-nothing (see Peer)
-    verify: bool = False  # a checksum beside every message, checked by the receiver (costs a pass over the bytes)
-    stages: int = 1  # all-IPC plans: pull in this many stages so a source's prepare (FP8) overlaps the pulls
-
-    def __post_init__(self) -> None:
-        for field, value, least in (
-            ("num_buffers", self.num_buffers, 1),
-            ("buffer_bytes", self.buffer_bytes, 1),
-            ("copy_streams", self.copy_streams, 1),
-            ("stages", self.stages, 1),
-        ):
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"TransferConfig.{field} must be an integer >= {least}, got {value!r}")
-        if self.transport not in ("p2p", "ipc", "auto"):
-            raise ValueError(f"TransferConfig.transport must be 'p2p', 'ipc' or 'auto', got {self.transport!r}")
-        if self.commit not in ("in_place", "staged"):
-            raise ValueError(f"TransferConfig.commit must be 'in_place' or 'staged', got {self.commit!r}")
-        if not self.deadline_s > 0:
-            raise ValueError(f"TransferConfig.deadline_s must be > 0, got {self.deadline_s!r}")
 
 
 def _first_difference(side: str, mine: list, theirs: list) -> str | None:
@@ -160,14 +127,7 @@ class Peer:
         if store is None and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
         try:
-            self.plan = plan or build_plan(
-                src_layout,
-                dst_layout,
-                procs,
-                num_buffers=config.num_buffers,
-                buffer_bytes=config.buffer_bytes,
-                transport=config.transport,
-            )
+            self.plan = plan or build_plan(src_layout, dst_layout, procs, config)
             validate_local(self.plan, proc, src_tensors, dst_tensors)
         except Exception as e:
             publish_failure(store, proc, e, config.name)
@@ -192,7 +152,7 @@ class Peer:
             standalone=standalone,
             copy_streams=config.copy_streams,
             cuda_graph=config.cuda_graph,
-            verify=config.verify,
+            verify=config.checksums,
             stages=config.stages,
             prepare=prepare,
             tag_base=tag_base,

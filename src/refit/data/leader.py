@@ -15,11 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from refit.errors import DataError
+
 from .meta import BatchMeta
 from .store import Rows, Store
 
 
-class LeaderFetchError(RuntimeError):
+class LeaderFetchError(DataError):
     """The leader's fetch failed; raised on every rank of the group."""
 
 

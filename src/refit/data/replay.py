@@ -21,6 +21,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from refit.errors import DataError
+
 from .meta import BatchMeta
 from .store import Rows, Store
 
@@ -41,7 +43,7 @@ class ReplayStats:
     ages: list[int] = field(default_factory=list)  # age (current - generated) of each consumed entry
 
 
-class BufferFull(RuntimeError):
+class BufferFull(DataError):
     pass
 
 

@@ -34,20 +34,22 @@ from typing import Any, Union
 
 import torch
 
+from refit.errors import RefitError
+
 from .meta import BatchMeta
 
 Rows = Union[torch.Tensor, list[torch.Tensor]]
 FieldData = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
-class MissingKeyError(KeyError):
+class MissingKeyError(RefitError, KeyError):
     """A key that was never written (or already cleared)."""
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0])
 
 
-class MissingFieldError(KeyError):
+class MissingFieldError(RefitError, KeyError):
     """A field that was never produced for a key."""
 
     def __str__(self) -> str:

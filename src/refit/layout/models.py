@@ -9,11 +9,8 @@ from typing import Any
 
 import torch
 
+from refit.errors import ModelError
 from refit.layout.rules import ParamShape
-
-
-class ModelError(ValueError):
-    """Unknown preset or unreadable config."""
 
 
 @dataclass(frozen=True)

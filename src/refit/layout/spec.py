@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from refit.errors import SpecError
+
 Side = Literal["src", "dst"]
 
 SIDE_DIMS: dict[str, tuple[str, ...]] = {
@@ -26,10 +28,6 @@ SIDE_DIMS: dict[str, tuple[str, ...]] = {
     "dst": ("dp", "ep", "tp"),
 }
 _SIDE_NAMES = {"src": "source (trainer)", "dst": "destination (engine)"}
-
-
-class SpecError(ValueError):
-    """A parallelism spec string is malformed or does not fit the ranks."""
 
 
 @dataclass(frozen=True)

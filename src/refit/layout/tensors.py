@@ -25,11 +25,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from refit.errors import LayoutError
+
 Box = tuple[tuple[int, int], ...]
-
-
-class LayoutError(ValueError):
-    """A layout is inconsistent (mesh, placements, shapes or ranks)."""
 
 
 # --------------------------------------------------------------------------- boxes

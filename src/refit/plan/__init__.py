@@ -4,7 +4,6 @@ cost model that predicts a plan's time on a cluster (``cost``, imported from its
 
 from refit.plan.planner import (
     ALIGN,
-    TRANSPORTS,
     Message,
     Piece,
     Plan,
@@ -19,7 +18,6 @@ from refit.plan.planner import (
 
 __all__ = [
     "ALIGN",
-    "TRANSPORTS",
     "Message",
     "Piece",
     "Plan",

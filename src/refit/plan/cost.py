@@ -38,12 +38,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from refit.errors import TopologyError
 from refit.layout import ModelLayout
 from refit.plan.planner import ProcessMap, link_bytes
-
-
-class TopologyError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

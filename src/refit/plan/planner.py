@@ -35,6 +35,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from refit.config import PIECE_ALIGN, TransferConfig
+from refit.errors import PlanError
 from refit.layout.tensors import (
     Box,
     ModelLayout,
@@ -45,14 +47,7 @@ from refit.layout.tensors import (
     split_box,
 )
 
-ALIGN = 64  # byte alignment of pieces inside a staging buffer
-
-
-class PlanError(ValueError):
-    """The two layouts cannot be connected (names, shapes, dtypes, coverage, budget)."""
-
-
-TRANSPORTS = ("p2p", "ipc", "auto")
+ALIGN = PIECE_ALIGN  # byte alignment of pieces inside a staging buffer
 
 
 @dataclass(frozen=True)
@@ -139,16 +134,31 @@ class Message:
 
 @dataclass(frozen=True)
 class Plan:
+    """A built plan: every message (link, step, pieces, buffer offsets) and same-process copy of one refit.
+
+    Made by ``build_plan`` from two layouts, a process map and a ``TransferConfig``; immutable. Every
+    process of the refit builds it on its own and must get the same ``digest`` (pre-flight checks).
+    """
+
     src_layout: ModelLayout
     dst_layout: ModelLayout
     procs: ProcessMap
-    num_buffers: int
-    buffer_bytes: int
-    transport: str
+    config: TransferConfig
     messages: tuple[Message, ...]
     local: tuple[Piece, ...]  # same-process copies
     num_steps: int
-    _index: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_buffers(self) -> int:
+        return self.config.num_buffers
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.config.buffer_bytes
+
+    @property
+    def transport(self) -> str:
+        return self.config.transport
 
     # ---------------------------------------------------------------- stats
     @cached_property
@@ -437,23 +447,16 @@ def build_plan(
     src: ModelLayout,
     dst: ModelLayout,
     procs: ProcessMap | None = None,
-    *,
-    num_buffers: int = 2,
-    buffer_bytes: int = 64 << 20,
-    transport: str = "p2p",
+    config: TransferConfig | None = None,
 ) -> Plan:
     """Compute the plan; raises PlanError before anything moves if the sides cannot match.
 
-    ``transport``: ``"p2p"`` sends everything with torch.distributed; ``"ipc"``
-    has every receiver pull from its sources' memory (CUDA, one host; an error
+    ``config`` (default ``TransferConfig()``) gives the staging budget (``num_buffers`` x
+    ``buffer_bytes``) and the transport: ``"p2p"`` sends everything with torch.distributed;
+    ``"ipc"`` has every receiver pull from its sources' memory (CUDA, one host; an error
     otherwise); ``"auto"`` uses IPC where both ends are CUDA on one host.
     """
-    if transport not in TRANSPORTS:
-        raise PlanError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-    if num_buffers < 1:
-        raise PlanError(f"num_buffers must be >= 1, got {num_buffers}")
-    if buffer_bytes < ALIGN:
-        raise PlanError(f"buffer_bytes must be >= {ALIGN}, got {buffer_bytes}")
+    config = config if config is not None else TransferConfig()
     procs = procs or ProcessMap.disjoint(src.world_size, dst.world_size)
     if len(procs.src) != src.world_size or len(procs.dst) != dst.world_size:
         raise PlanError(
@@ -462,12 +465,11 @@ def build_plan(
         )
     check_compatible(src, dst)
     with _gc_paused():
-        return _build(src, dst, procs, num_buffers, buffer_bytes, transport)
+        return _build(src, dst, procs, config)
 
 
-def _build(
-    src: ModelLayout, dst: ModelLayout, procs: ProcessMap, num_buffers: int, buffer_bytes: int, transport: str
-) -> Plan:
+def _build(src: ModelLayout, dst: ModelLayout, procs: ProcessMap, config: TransferConfig) -> Plan:
+    num_buffers, buffer_bytes, transport = config.num_buffers, config.buffer_bytes, config.transport
     local_: list[Piece] = []
     per_link: dict[tuple[int, int], list[tuple[Piece, bool]]] = defaultdict(list)
     for name, h, r, box, item, nb, dr in _choose_sources(src, dst, procs):
@@ -564,4 +566,4 @@ def _build(
         messages.append(Message(s, r, step, direct, tuple(plist), tuple(offs), nbytes))
     messages.sort(key=lambda m: (m.step, m.src, m.dst))
     num_steps = max((m.step for m in messages), default=-1) + 1
-    return Plan(src, dst, procs, num_buffers, buffer_bytes, transport, tuple(messages + ipc_messages), local, num_steps)
+    return Plan(src, dst, procs, config, tuple(messages + ipc_messages), local, num_steps)

@@ -273,7 +273,7 @@ def cmd_plan(args, console) -> int:
         return _cluster(args, console, src, dst, shapes, src_l, dst_l, t0)
     if args.fp8:
         src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
-    plan = build_plan(src_l, dst_l, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes)
+    plan = build_plan(src_l, dst_l, config=cfg)
     info = _plan_json(plan, args.bandwidth)
     fp8 = f"; FP8 {args.fp8}x{args.fp8} blocks" if args.fp8 else ""
     if args.json:
@@ -347,7 +347,7 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
     from dataclasses import replace
 
     cfg = replace(cfg, buffer_bytes=min(cfg.buffer_bytes, 64 << 10))  # many steps: the fault lands mid-transfer
-    plan_steps = build_plan(src_l, dst_l, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes).num_steps
+    plan_steps = build_plan(src_l, dst_l, config=cfg).num_steps
     console.print(
         f"verify --inject {args.inject}: trainer {src} -> engine {dst}, deadline {args.deadline:g}s, "
         f"commit staged, checksums on, buffers {cfg.num_buffers} x {cfg.buffer_bytes >> 10} KiB "

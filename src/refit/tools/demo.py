@@ -165,8 +165,7 @@ def run_demo(model_name: str, src: ParallelSpec, dst: ParallelSpec, steps: int, 
     plan = build_plan(
         layout_from_spec(shapes, src),
         layout_from_spec(shapes, dst),
-        num_buffers=cfg.num_buffers,
-        buffer_bytes=cfg.buffer_bytes,
+        config=cfg,
     )
     console.print(
         f"refit demo: {model_name} ({len(shapes)} tensors, {plan.dst_layout.nbytes / 1e6:.1f} MB float32), "

@@ -215,7 +215,7 @@ def inject(
     cfg = replace(
         base,
         commit="staged",
-        verify=True,
+        checksums=True,
         deadline_s=deadline_s,
         name="inject",
         preflight_timeout_s=max(30.0, deadline_s),

@@ -148,7 +148,7 @@ def verify(
     plain_src = src
     if fp8_block:
         src, dst = fp8_layout(src, block=fp8_block), fp8_layout(dst, block=fp8_block, side="destination")
-    plan = build_plan(src, dst, num_buffers=config.num_buffers, buffer_bytes=config.buffer_bytes)  # fails fast
+    plan = build_plan(src, dst, config=config)  # fails fast
     if dump:
         os.makedirs(dump, exist_ok=True)
         from safetensors.torch import save_file

@@ -23,9 +23,7 @@ import time
 
 import torch.distributed as dist
 
-
-class RefitAborted(RuntimeError):
-    """A refit was abandoned; the message is the same on every process of it."""
+from refit.errors import RefitAborted
 
 
 def store_lost(version: int, error: BaseException) -> RefitAborted:

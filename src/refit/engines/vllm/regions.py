@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from refit.errors import LayoutError
 from refit.layout import Box, box_slices, full_box
 
 _STACKED = {
@@ -50,7 +51,7 @@ _EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 _MODULE_ALIASES = ((".mlp.", ".block_sparse_moe."),)
 
 
-class RegionError(ValueError):
+class RegionError(LayoutError):
     """The worker's share of a tensor cannot be determined or disagrees with the tensor."""
 
 

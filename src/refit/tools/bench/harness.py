@@ -24,7 +24,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,7 @@ def scenarios(device: str) -> dict[str, Scenario]:
                 "tp=1",
                 "tp=1",
                 ("cpu", "cpu"),
-                ("refit", "refit_verify", "per_tensor_broadcast", "floor"),
+                ("refit", "refit_checksums", "per_tensor_broadcast", "floor"),
             ),
             "S3": Scenario(
                 "S3",
@@ -80,7 +80,7 @@ def scenarios(device: str) -> dict[str, Scenario]:
                 "fsdp=2",
                 "tp=2",
                 ("cpu",) * 4,
-                ("refit", "refit_verify", "floor"),
+                ("refit", "refit_checksums", "floor"),
             ),
             "S6": Scenario(
                 "S6",
@@ -100,7 +100,7 @@ def scenarios(device: str) -> dict[str, Scenario]:
             ("cuda:0", "cuda:1"),
             (
                 "refit",
-                "refit_verify",
+                "refit_checksums",
                 "refit_nccl",
                 "per_tensor_broadcast",
                 "packed_broadcast_1buf",
@@ -114,7 +114,7 @@ def scenarios(device: str) -> dict[str, Scenario]:
             "tp=1",
             "tp=1",
             ("cuda:0", "cuda:0"),
-            ("refit", "refit_verify", "floor"),
+            ("refit", "refit_checksums", "floor"),
         ),
         "S3": Scenario(
             "S3",
@@ -122,7 +122,7 @@ def scenarios(device: str) -> dict[str, Scenario]:
             "fsdp=2",
             "tp=2",
             ("cuda:0", "cuda:1", "cuda:0", "cuda:1"),
-            ("refit", "refit_verify", "gather_then_slice", "floor"),
+            ("refit", "refit_checksums", "gather_then_slice", "floor"),
         ),
         "S4": Scenario(
             "S4",
@@ -341,7 +341,7 @@ def _bench_worker(
     if fp8:
         src_l, dst_l = fp8_layout(plain_src), fp8_layout(plain_dst, side="destination")
     procs = ProcessMap.disjoint(src_spec.world_size, dst_spec.world_size).with_devices(scen.devices)
-    plan = build_plan(src_l, dst_l, procs, num_buffers=cfg.num_buffers, buffer_bytes=cfg.buffer_bytes, transport="auto")
+    plan = build_plan(src_l, dst_l, procs, replace(cfg, transport="auto"))
     store = dist.distributed_c10d._get_default_store()
     if world.rank == 0:
         store.set("bench/barrier", f"refit_bench_{uuid.uuid4().hex[:12]}")
@@ -380,7 +380,7 @@ def _bench_worker(
     setups = {
         "refit": M.refit_method("auto"),
         "refit_nccl": M.refit_method("p2p"),
-        "refit_verify": M.refit_method("auto", verify=True),
+        "refit_checksums": M.refit_method("auto", checksums=True),
         "refit_1stage": M.refit_method("auto", stages=1),
         "refit_fanout": M.refit_fanout,
         "per_tensor_broadcast": M.per_tensor_broadcast,

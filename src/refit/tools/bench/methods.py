@@ -34,7 +34,7 @@ class Ctx:
 
 
 def refit_method(transport: str, **overrides) -> Callable[[Ctx], Callable[[], None]]:
-    """refit's own path; ``overrides``: TransferConfig fields (e.g. ``verify=True``)."""
+    """refit's own path; ``overrides``: TransferConfig fields (e.g. ``checksums=True``)."""
 
     def setup(ctx: Ctx) -> Callable[[], None]:
         fields = {

@@ -1,0 +1,99 @@
+"""One refit's settings: ``TransferConfig``, validated once where it is made and passed whole.
+
+The planner reads the buffer budget and transport from it (``build_plan(src, dst, procs, config)``), the
+executor its copy streams, CUDA graph, checksum and stage settings, a ``Peer`` its deadline, commit mode
+and store namespace. Fields that shape the bytes on the wire must agree on every process of a refit
+(``agreement()``; pre-flight compares them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from refit.errors import ConfigError
+
+PIECE_ALIGN = 64
+"""Byte alignment of pieces inside a staging buffer (a buffer must hold at least one aligned slot)."""
+
+TRANSPORTS = ("p2p", "ipc", "auto")
+COMMIT_MODES = ("in_place", "staged")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How one refit moves bytes. Invalid values raise ``ConfigError`` naming the field and the value.
+
+    * ``num_buffers`` x ``buffer_bytes``: the staging budget of a process (packed P2P messages).
+    * ``transport``: ``"p2p"`` (torch.distributed send/recv), ``"ipc"`` (receivers pull from the
+      sources' CUDA memory; every link must be CUDA on one host) or ``"auto"`` (IPC where possible).
+    * ``name``: the store namespace; give each Sender/Receiver pairing in one job its own.
+    * ``copy_streams`` / ``cuda_graph``: CUDA IPC pulls spread over this many streams per source GPU,
+      recorded once into a CUDA graph and replayed per refit.
+    * ``deadline_s``: every blocking step of one refit gives up this long after the refit began;
+      ``preflight_timeout_s``: how long setup waits for its peers' plans and IPC handles.
+    * ``commit``: ``"in_place"`` (bytes land in the live tensors) or ``"staged"`` (all-or-nothing).
+    * ``checksums``: a checksum beside every message, checked by the receiver (a pass over the bytes).
+    * ``stages``: all-IPC plans pull in this many stages so a source's prepare (FP8) overlaps the pulls.
+    """
+
+    num_buffers: int = 2
+    buffer_bytes: int = 64 << 20
+    preflight_timeout_s: float = 120.0
+    transport: str = "p2p"
+    name: str = "refit"
+    copy_streams: int = 2
+    cuda_graph: bool = True
+    deadline_s: float = 300.0
+    commit: str = "in_place"
+    checksums: bool = False
+    stages: int = 1
+
+    def __post_init__(self) -> None:
+        for field, value, least in (
+            ("num_buffers", self.num_buffers, 1),
+            ("buffer_bytes", self.buffer_bytes, PIECE_ALIGN),
+            ("copy_streams", self.copy_streams, 1),
+            ("stages", self.stages, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"TransferConfig.{field} must be an integer >= {least}, got {value!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(
+                f"TransferConfig.transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
+        if self.commit not in COMMIT_MODES:
+            raise ConfigError(f"TransferConfig.commit must be one of {', '.join(COMMIT_MODES)}, got {self.commit!r}")
+        for field, value in (("deadline_s", self.deadline_s), ("preflight_timeout_s", self.preflight_timeout_s)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (value > 0 and math.isfinite(value))
+            ):
+                raise ConfigError(f"TransferConfig.{field} must be a finite number of seconds > 0, got {value!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"TransferConfig.name must be a non-empty string, got {self.name!r}")
+        for field, value in (("cuda_graph", self.cuda_graph), ("checksums", self.checksums)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"TransferConfig.{field} must be True or False, got {value!r}")
+
+    @property
+    def staged(self) -> bool:
+        """Receivers write into a shadow copy and commit after every process holds the whole version."""
+        return self.commit == "staged"
+
+    @property
+    def staging_budget_bytes(self) -> int:
+        """The most staging memory a process allocates for packed P2P messages."""
+        return self.num_buffers * self.buffer_bytes
+
+    def agreement(self) -> dict:
+        """The fields every process of one refit must share (they shape the messages and the commit)."""
+        return {
+            "num_buffers": self.num_buffers,
+            "buffer_bytes": self.buffer_bytes,
+            "transport": self.transport,
+            "commit": self.commit,
+            "checksums": self.checksums,
+            "stages": self.stages,
+        }
