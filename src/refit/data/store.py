@@ -30,7 +30,7 @@ import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -38,8 +38,8 @@ from refit.errors import RefitError
 
 from .meta import BatchMeta
 
-Rows = Union[torch.Tensor, list[torch.Tensor]]
-FieldData = Union[torch.Tensor, Sequence[torch.Tensor]]
+Rows = torch.Tensor | list[torch.Tensor]
+FieldData = torch.Tensor | Sequence[torch.Tensor]
 
 
 class MissingKeyError(RefitError, KeyError):
