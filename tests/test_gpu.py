@@ -158,9 +158,10 @@ def _fp8_staged_worker(world, stages):
 
     dev = world.device
     plain_src, plain_dst = _layouts("qwen3-30b-a3b", "fsdp=2", "tp=2", torch.bfloat16)
-    keep = lambda lay: type(lay)(
-        tuple(t for t in lay if ".layers." not in t.name or ".layers.0." in t.name), lay.world_size
-    )  # noqa: E731
+
+    def keep(lay):  # layer 0 and the tensors outside the layers
+        return type(lay)(tuple(t for t in lay if ".layers." not in t.name or ".layers.0." in t.name), lay.world_size)
+
     plain_src, plain_dst = keep(plain_src), keep(plain_dst)
     src_l, dst_l = fp8_layout(plain_src), fp8_layout(plain_dst, side="destination")
     devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
@@ -269,7 +270,7 @@ def test_fanout_over_ipc_one_trainer_to_three_replicas():
     # (replica 2 pulls from replica 0, which committed the version in wave 0)
     devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     out = run_local(_fanout_worker, 1, 3, devices, devices=devices, timeout_s=240)
-    for ok, kinds, waves, seen in out[1:]:
+    for ok, kinds, _, _ in out[1:]:
         assert ok == [True, True]
         assert kinds == ["ipc"]
     assert out[0][2] == 2
