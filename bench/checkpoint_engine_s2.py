@@ -34,7 +34,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -43,19 +42,14 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from refit.transport.control import free_port
+
 MODEL = "llama-3.1-8b"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _weights(device: torch.device) -> dict[str, torch.Tensor]:
     from refit.layout.models import param_shapes
-
-    from .weights import make_weight
+    from refit.tools.bench.weights import make_weight
 
     return {n: make_weight(n, shape, dtype, device) for n, shape, dtype in param_shapes(MODEL)}
 
@@ -74,7 +68,7 @@ def _engine(cmd_q, res_q) -> None:
         import zmq
         from checkpoint_engine.worker import update_weights_from_ipc
 
-        from .weights import poison, same_bits
+        from refit.tools.bench.weights import poison, same_bits
 
         dev = torch.device("cuda:0")
         torch.cuda.set_device(dev)
@@ -131,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     _quiet_logs()
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mpc = mp.get_context("spawn")
     cmd_q, res_q = mpc.Queue(), mpc.Queue()
     proc = mpc.Process(target=_engine, args=(cmd_q, res_q), daemon=True)

@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
@@ -60,11 +61,11 @@ def main() -> None:
         samples: dict[str, list[float]] = {"link_bytes": [], "build_plan": []}
         info = {}
         for _ in range(args.repeats):
-            t, (s, d) = timed(lambda: layouts(shapes, src, dst, fp8))
-            t2, lb = timed(lambda: link_bytes(s, d, procs))
+            t, (s, d) = timed(partial(layouts, shapes, src, dst, fp8))
+            t2, lb = timed(partial(link_bytes, s, d, procs))
             samples["link_bytes"].append(t + t2)
             s, d = layouts(shapes, src, dst, fp8)
-            t3, plan = timed(lambda: build_plan(s, d, procs))
+            t3, plan = timed(partial(build_plan, s, d, procs))
             samples["build_plan"].append(t3)
             info = {
                 "links": len(lb),
@@ -92,7 +93,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print(
-        f"{'case':26s} {'pieces':>8s} {'messages':>9s} {'source choice s':>16s} {'full plan s':>12s}  (median of {args.repeats}, {cores} core(s))"
+        f"{'case':26s} {'pieces':>8s} {'messages':>9s} {'source choice s':>16s} {'full plan s':>12s}  "
+        f"(median of {args.repeats}, {cores} core(s))"
     )
     for r in rows:
         m = r["median_s"]

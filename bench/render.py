@@ -28,7 +28,8 @@ def table(rows: list[dict]) -> str:
         name = r["method"] + (f" ({r['variant']})" if r.get("variant") else "")
         peak = "-" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.0f}"
         out.append(
-            f"| {r['scenario']} | {name} | {r['median_s'] * 1e3:.2f} | {r['min_s'] * 1e3:.2f} | {r['max_s'] * 1e3:.2f} | "
+            f"| {r['scenario']} | {name} | {r['median_s'] * 1e3:.2f} | {r['min_s'] * 1e3:.2f} | "
+            f"{r['max_s'] * 1e3:.2f} | "
             f"{r['gbps']:.0f} | {r['ratio_to_floor']:.3f} | "
             f"{peak} | "
             f"{'-' if r['growth_bytes'] is None or r['method'] != 'refit' else r['growth_bytes']} | "

@@ -13,17 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 import time
 
 import torch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -41,6 +34,7 @@ def main() -> int:
     from refit.engines.vllm.client import LLMClient
     from refit.engines.vllm.trainer import RefitTrainerEngine, RefitTrainerInitInfo, ShardedModuleSource
     from refit.layout.models import build_model, load_config
+    from refit.transport.control import free_port
 
     torch.set_num_threads(1)
     config = load_config(args.model)
@@ -63,7 +57,7 @@ def main() -> int:
             rank=0, master_address="127.0.0.1", master_port=free_port(), n_trainer=1, n_workers=1
         )
         engine = RefitTrainerEngine.trainer_init(info, client=LLMClient(llm), source=ShardedModuleSource(policy, 1))
-        t = engine.send_weights(0)  # the engine starts from the trainer's weights
+        engine.send_weights(0)  # the engine starts from the trainer's weights
         g = torch.Generator().manual_seed(7)
         prompts = [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(args.prompts)]
         probe = prompts[0]

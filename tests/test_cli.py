@@ -165,3 +165,50 @@ def test_verify_inject_unknown_mode_and_soak_bad_warmup_are_usage_errors(capsys)
     assert "--inject must be one of kill-receiver, kill-sender, corrupt" in capsys.readouterr().err
     assert main(["soak", "--refits", "10", "--warmup", "10"]) == 2
     assert "--warmup" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,flag,value",
+    [
+        (["plan", "--buffer-mb", "nan"], "--buffer-mb", "nan"),
+        (["plan", "--buffer-mb", "inf"], "--buffer-mb", "inf"),
+        (["plan", "--buffer-mb", "-1"], "--buffer-mb", "-1"),
+        (["plan", "--buffer-mb", "0.00001"], "--buffer-mb", "1e-05"),
+        (["plan", "--num-buffers", "0"], "--num-buffers", "0"),
+        (["plan", "--bandwidth", "0"], "--bandwidth", "0"),
+        (["plan", "--bandwidth", "-10"], "--bandwidth", "-10"),
+        (["plan", "--bandwidth", "nan"], "--bandwidth", "nan"),
+        (["plan", "--model", "no-such-model"], "--model", "no-such-model"),
+        (["plan", "--src", "tp=2,xx=2"], "--src", "tp=2,xx=2"),
+        (["plan", "--dst", "tp=two"], "--dst", "tp=two"),
+        (["plan", "--fp8", "0"], "--fp8", "0"),
+        (["demo", "--steps", "0"], "--steps", "0"),
+        (["demo", "--src", "tp=3"], "--src", "tp=3"),
+        (["verify", "--inject", "corrupt", "--deadline", "0"], "--deadline", "0"),
+        (["verify", "--inject", "corrupt", "--deadline", "inf"], "--deadline", "inf"),
+        (["verify", "--inject", "unplug"], "--inject", "unplug"),
+        (["soak", "--refits", "10", "--warmup", "10"], "--warmup", "10"),
+        (["bench", "--device", "cpu", "--buffer-mb", "nan"], "--buffer-mb", "nan"),
+        (["bench", "--device", "cpu", "--num-buffers", "0"], "--num-buffers", "0"),
+        (["bench", "--device", "cpu", "--copy-streams", "0"], "--copy-streams", "0"),
+        (["bench", "--device", "cpu", "--stages", "0"], "--stages", "0"),
+        (["bench", "--device", "cpu", "--iters", "0"], "--iters", "0"),
+        (["bench", "--device", "cpu", "--model", "no-such-model"], "--model", "no-such-model"),
+        (["bench", "--device", "cpu", "--scenarios", "S9"], "--scenarios", "S9"),
+    ],
+)
+def test_user_error_is_one_line_naming_the_flag_and_value_exit_2(capsys, argv, flag, value):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("refit: error: ") and flag in lines[0] and value in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+def test_bench_without_a_gpu_is_a_user_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "refit: error: --device cuda: no CUDA device is available"

@@ -39,7 +39,7 @@ def test_wave_plans_spread_receivers_and_balance_bytes():
     assert last["receivers"] == [3, 4, 5, 6] and last["sources"] == ["trainer", 0, 1, 2]
     # every receiver gets the whole model; sources are spread: each of the 4 holders sends
     sent: dict[str, int] = {}
-    for recv, row in last["links"].items():
+    for row in last["links"].values():
         for src, pieces in row.items():
             sent[src] = sent.get(src, 0) + len(pieces)
     assert set(sent) == {"0", "1", "2", "3"}

@@ -172,7 +172,7 @@ def _fp8_staged_worker(world, stages):
     dev = world.device
     plain_src, plain_dst = _layouts("qwen3-30b-a3b", "fsdp=2", "tp=2", torch.bfloat16)
 
-    def keep(lay):
+    def keep(lay):  # layer 0 and the tensors outside the layers
         return type(lay)(tuple(t for t in lay if ".layers." not in t.name or ".layers.0." in t.name), lay.world_size)
 
     plain_src, plain_dst = keep(plain_src), keep(plain_dst)
@@ -283,7 +283,7 @@ def test_fanout_over_ipc_one_trainer_to_three_replicas():
     # replicas 1 and 2 (replica 2 pulls from replica 0, which committed the version in wave 0)
     devices = _two_gpus_or_one()
     out = run_local(_fanout_worker, 1, 3, devices, devices=devices, timeout_s=240)
-    for ok, kinds, _waves, _seen in out[1:]:
+    for ok, kinds, _, _ in out[1:]:
         assert ok == [True, True]
         assert kinds == ["ipc"]
     assert out[0][2] == 2

@@ -73,7 +73,7 @@ def test_boxes_match_torch_private_dtensor_helper(data):
         box = t.box(r)
         assert tuple(b - a for a, b in box) == tuple(local_shape)
         # DTensor reports offset = global size for empty shards; compare non-empty ones only
-        for (a, b), o, n in zip(box, offset, local_shape):
+        for (a, _), o, n in zip(box, offset, local_shape):
             if n:
                 assert a == o
 

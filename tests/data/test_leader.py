@@ -67,7 +67,7 @@ def _worker(world, mp_size):
 @pytest.mark.timeout(240)
 def test_leader_fetch_and_balanced_shares():
     out = run_local(_worker, 4, 0, 2, timeout_s=180)
-    for dp_rank, leader, err, _, _ in out:
+    for _, _, err, _, _ in out:
         assert err is not None and "field 'missing' was never produced" in err
     shards = out[0][4]
     per_rank = [torch.tensor(next(r for d, lead, _, r, _ in out if d == k and lead)) for k in range(2)]
@@ -81,7 +81,6 @@ def test_leader_fetch_and_balanced_shares():
 
 def _no_store_worker(world):
     group, _ = replica_groups(2)
-    leader = dist.get_rank(group) == 0
     try:
         leader_fetch(None, ["s0"], ["ids"], group=group)
     except LeaderFetchError as e:

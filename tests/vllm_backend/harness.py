@@ -8,7 +8,6 @@ is a spawned process. The trainer runs the HF model tensor-parallel
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -18,14 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from refit.layout.models import build_model, load_config
+from refit.transport.control import free_port
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 5]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _trainer_model(model_name: str, spec: str, rank: int):

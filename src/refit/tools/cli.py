@@ -1,20 +1,72 @@
-"""``refit demo | plan | verify`` — the command line."""
+"""``refit demo | plan | verify | soak | bench`` — the command line.
+
+A user error (``refit.errors.USER_ERRORS``: a bad flag, spec, model, topology, layout or plan) prints one
+line ``refit: error: <message>`` on stderr and exits with status 2; the message names the flag and the value
+where one flag is to blame. Flags that are ``TransferConfig`` fields are checked by ``TransferConfig``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 
-from refit.layout import LayoutError
-from refit.layout.models import PRESETS, ModelError, param_shapes
+from refit.config import TransferConfig
+from refit.errors import USER_ERRORS, ConfigError, SpecError
+from refit.layout.models import PRESETS, load_config, param_shapes
 from refit.layout.rules import layout_from_spec
-from refit.layout.spec import SpecError, parse_spec
-from refit.plan import Plan, PlanError, build_plan
-from refit.plan.cost import TopologyError
-from refit.transfer import TransferConfig
+from refit.layout.spec import parse_spec
+from refit.plan import Plan, build_plan
 
-USAGE_ERRORS = (TopologyError, SpecError, ModelError, PlanError, LayoutError)
+
+@contextmanager
+def _flag(flag: str) -> Iterator[None]:
+    """A ``ConfigError`` raised inside is about ``flag``: its message is prefixed with the flag."""
+    try:
+        yield
+    except ConfigError as e:
+        raise type(e)(f"{flag}: {e}") from None
+
+
+def _at_least(flag: str, value: int, least: int) -> None:
+    if value < least:
+        raise ConfigError(f"{flag} must be >= {least}, got {value}")
+
+
+def _finite_positive(flag: str, value: float, unit: str) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} must be a finite number of {unit} > 0, got {value:g}")
+
+
+def _mib(flag: str, mib: float) -> int:
+    """A size flag in MiB as bytes; nan and infinity are refused here, the rest by ``TransferConfig``."""
+    if not math.isfinite(mib):
+        raise ConfigError(f"{flag} must be a finite number of MiB, got {mib:g}")
+    return int(mib * (1 << 20))
+
+
+def _transfer_config(base: TransferConfig | None = None, **flags: tuple[str, object, object]) -> TransferConfig:
+    """``base`` (default ``TransferConfig()``) with fields set from flags: ``field=(flag, as given, value)``.
+
+    ``TransferConfig`` validates each value; its error is reported as the flag's, with the value as given."""
+    base = base or TransferConfig()
+    for field, (flag, given, value) in flags.items():
+        try:
+            replace(base, **{field: value})
+        except ConfigError as e:
+            raise ConfigError(f"{flag} {given}: {e}") from None
+    return replace(base, **{field: value for field, (_, _, value) in flags.items()})
+
+
+def _buffer_flags(args) -> dict[str, tuple[str, object, object]]:
+    return {
+        "num_buffers": ("--num-buffers", args.num_buffers, args.num_buffers),
+        "buffer_bytes": ("--buffer-mb", f"{args.buffer_mb:g}", _mib("--buffer-mb", args.buffer_mb)),
+    }
 
 
 def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama") -> None:
@@ -119,7 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--fp8",
         action="store_true",
-        help="FP8 engine (128x128 blocks): trainer ranks quantize before every refit; methods refit, fp8_quantize, floor",
+        help="FP8 engine (128x128 blocks): trainer ranks quantize before every refit; "
+        "methods refit, fp8_quantize, floor",
     )
     b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
     return ap
@@ -135,35 +188,40 @@ def cmd_bench(args, console) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise SpecError("--device cuda: no CUDA device is available")
+        raise ConfigError("--device cuda: no CUDA device is available")
+    if args.model is not None:
+        with _flag("--model"):
+            load_config(args.model)
     model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
-    which = args.scenarios.split(",") if args.scenarios else []  # []: every scenario this machine can run
-    for name, v, low in (
+    for flag, value, least in (
         ("--warmup", args.warmup, 0),
         ("--iters", args.iters, 1),
         ("--growth-iters", args.growth_iters, 1),
-        ("--num-buffers", args.num_buffers, 1),
-        ("--copy-streams", args.copy_streams, 1),
     ):
-        if v < low:
-            raise SpecError(f"{name} must be >= {low}, got {v}")
-    if args.stages < 1:
-        raise SpecError(f"--stages must be >= 1, got {args.stages}")
-    cfg = TransferConfig(
-        num_buffers=args.num_buffers,
-        buffer_bytes=int(args.buffer_mb * (1 << 20)),
-        copy_streams=args.copy_streams,
-        cuda_graph=not args.no_cuda_graph,
-        stages=args.stages,
+        _at_least(flag, value, least)
+    cfg = _transfer_config(
+        TransferConfig(cuda_graph=not args.no_cuda_graph),
+        **_buffer_flags(args),
+        copy_streams=("--copy-streams", args.copy_streams, args.copy_streams),
+        stages=("--stages", args.stages, args.stages),
     )
     out = args.out or os.path.join("bench", "results", f"{harness.device_kind() if device == 'cuda' else 'cpu'}.json")
     command = "refit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "refit bench"
-    try:
-        rows = harness.run_bench(
-            device, model, which, args.warmup, args.iters, args.growth_iters, cfg, out, command, console, fp8=args.fp8
-        )
-    except ValueError as e:
-        raise SpecError(str(e)) from None
+    opts = harness.BenchOptions(
+        device=device,
+        model=model,
+        scenarios=tuple(args.scenarios.split(",")) if args.scenarios else (),  # (): all this machine can run
+        warmup=args.warmup,
+        iters=args.iters,
+        growth_iters=args.growth_iters,
+        config=cfg,
+        fp8=args.fp8,
+        out_path=out,
+        command=command,
+    )
+    with _flag("--scenarios"):
+        opts = replace(opts, scenarios=tuple(harness.chosen_scenarios(opts)))
+    rows = harness.run_bench(opts, console)
     harness.print_table(rows, console)
     console.print(f"records written to {out}")
     bad = [r for r in rows if r["correct"] is False]
@@ -174,19 +232,20 @@ def cmd_bench(args, console) -> int:
 
 
 def _setup(args):
-    src = parse_spec(args.src, "src")
-    dst = parse_spec(args.dst, "dst")
-    if args.src_ranks is not None:
-        src.check_world_size(args.src_ranks)
-    if args.dst_ranks is not None:
-        dst.check_world_size(args.dst_ranks)
-    if args.num_buffers < 1:
-        raise SpecError(f"--num-buffers must be >= 1, got {args.num_buffers}")
-    if args.buffer_mb <= 0:
-        raise SpecError(f"--buffer-mb must be > 0, got {args.buffer_mb}")
-    cfg = TransferConfig(num_buffers=args.num_buffers, buffer_bytes=int(args.buffer_mb * (1 << 20)))
+    """The two specs, the transfer settings and the model's shapes from the common flags."""
+    with _flag("--src"):
+        src = parse_spec(args.src, "src")
+    with _flag("--dst"):
+        dst = parse_spec(args.dst, "dst")
+    for flag, spec, ranks in (("--src-ranks", src, args.src_ranks), ("--dst-ranks", dst, args.dst_ranks)):
+        if ranks is not None:
+            with _flag(flag):
+                spec.check_world_size(ranks)
+    cfg = _transfer_config(**_buffer_flags(args))
+    with _flag("--model"):  # read again for the shapes below; checked here so that its error names the flag
+        load_config(args.model)
     if getattr(args, "fp8", None) is not None and args.fp8 < 1:
-        raise SpecError(f"--fp8 block must be >= 1, got {args.fp8}")
+        raise ConfigError(f"--fp8 block must be >= 1, got {args.fp8}")
     shapes = param_shapes(args.model)
     n_layers = sum(1 for n, _, _ in shapes if n.endswith("input_layernorm.weight"))
     if src.degree("pp") > max(n_layers, 1):
@@ -219,7 +278,8 @@ def _cluster(args, console, src, dst, shapes, src_l, dst_l, t0: float) -> int:
 
     from refit.plan.cost import Topology, predict
 
-    topo = Topology.from_json(args.cluster)
+    with _flag("--cluster"):
+        topo = Topology.from_json(args.cluster)
     replicas = dst.degree("dp")
     one = None
     if replicas > 1:
@@ -266,6 +326,7 @@ def cmd_plan(args, console) -> int:
 
     from rich.table import Table
 
+    _finite_positive("--bandwidth", args.bandwidth, "GB/s")
     src, dst, cfg, shapes = _setup(args)
     t0 = time.perf_counter()  # plan building starts here: shapes are given
     src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
@@ -280,7 +341,8 @@ def cmd_plan(args, console) -> int:
         print(json.dumps({"model": args.model, "src": str(src), "dst": str(dst), "fp8_block": args.fp8, **info}))
         return 0
     console.print(
-        f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks){fp8}"
+        f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) "
+        f"-> engine {dst} ({dst.world_size} ranks){fp8}"
     )
     console.print(f"bytes destinations need : {plan.bytes_needed:>16,}")
     console.print(f"bytes moved over links  : {plan.bytes_moved:>16,}")
@@ -305,10 +367,7 @@ def cmd_plan(args, console) -> int:
 def _fp8(src_l, dst_l, block: int):
     from refit.quant import fp8_layout
 
-    try:
-        return fp8_layout(src_l, block=(block, block)), fp8_layout(dst_l, block=(block, block), side="destination")
-    except LayoutError as e:
-        raise SpecError(str(e)) from None
+    return fp8_layout(src_l, block=(block, block)), fp8_layout(dst_l, block=(block, block), side="destination")
 
 
 def cmd_verify(args, console) -> int:
@@ -318,13 +377,14 @@ def cmd_verify(args, console) -> int:
     src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
     if args.inject is not None:
         if args.fp8:
-            raise SpecError("--inject and --fp8 together are not supported (inject faults into a plain refit)")
+            raise ConfigError("--inject and --fp8 together are not supported (inject faults into a plain refit)")
         return _verify_inject(args, src, dst, src_l, dst_l, cfg, console)
     if args.fp8:
         _fp8(src_l, dst_l, args.fp8)  # block alignment errors as usage errors, before any process starts
     fp8 = f", engine FP8 in {args.fp8}x{args.fp8} blocks quantized by the trainer ranks" if args.fp8 else ""
     console.print(
-        f"verify {args.model}: trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks){fp8} on CPU gloo ..."
+        f"verify {args.model}: trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks)"
+        f"{fp8} on CPU gloo ..."
     )
     res = verify(
         src_l, dst_l, config=cfg, seed=args.seed, dump=args.dump, fp8_block=(args.fp8, args.fp8) if args.fp8 else None
@@ -341,11 +401,8 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
     from refit.tools.faults import MODES, inject
 
     if args.inject not in MODES:
-        raise SpecError(f"--inject must be one of {', '.join(MODES)}, got {args.inject!r}")
-    if not args.deadline > 0:
-        raise SpecError(f"--deadline must be > 0, got {args.deadline}")
-    from dataclasses import replace
-
+        raise ConfigError(f"--inject must be one of {', '.join(MODES)}, got {args.inject!r}")
+    cfg = _transfer_config(cfg, deadline_s=("--deadline", f"{args.deadline:g}", args.deadline))
     cfg = replace(cfg, buffer_bytes=min(cfg.buffer_bytes, 64 << 10))  # many steps: the fault lands mid-transfer
     plan_steps = build_plan(src_l, dst_l, config=cfg).num_steps
     console.print(
@@ -353,14 +410,15 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
         f"commit staged, checksums on, buffers {cfg.num_buffers} x {cfg.buffer_bytes >> 10} KiB "
         f"({plan_steps} steps); version 1 clean, the fault half way through version 2 ..."
     )
-    res = inject(src_l, dst_l, args.inject, deadline_s=args.deadline, seed=args.seed, config=cfg)
+    res = inject(src_l, dst_l, args.inject, deadline_s=cfg.deadline_s, seed=args.seed, config=cfg)
     for p, r in enumerate(res.rows):
         if r is None:
             console.print(f"  process {p}: died (the injected fault)", markup=False)
         else:
             console.print(
-                f"  process {p} ({r['role']} rank {r['rank']}): after {r['elapsed_s']:.2f}s: {r['error'] or 'no error'}; "
-                f"version {r['version']}" + ("" if r["v1_exact"] is None else f", v1 bit-exact: {r['v1_exact']}"),
+                f"  process {p} ({r['role']} rank {r['rank']}): after {r['elapsed_s']:.2f}s: "
+                f"{r['error'] or 'no error'}; version {r['version']}"
+                + ("" if r["v1_exact"] is None else f", v1 bit-exact: {r['v1_exact']}"),
                 markup=False,
             )
     print(res.last_line(), flush=True)
@@ -372,7 +430,7 @@ def cmd_soak(args, console) -> int:
 
     src, dst, cfg, shapes = _setup(args)
     if not 1 <= args.warmup < args.refits:
-        raise SpecError(f"need 1 <= --warmup < --refits, got --warmup {args.warmup}, --refits {args.refits}")
+        raise ConfigError(f"need 1 <= --warmup < --refits, got --warmup {args.warmup}, --refits {args.refits}")
     console.print(f"soak {args.model}: trainer {src} -> engine {dst}, {args.refits} refits on CPU gloo ...")
     res = soak(layout_from_spec(shapes, src), layout_from_spec(shapes, dst), args.refits, args.warmup, cfg)
     for p, r in enumerate(res.rows):
@@ -384,10 +442,10 @@ def cmd_soak(args, console) -> int:
             + ("" if r["exact"] is None else f", last refit exact: {r['exact']}"),
             markup=False,
         )
+    unchanged = all(r["threads_end"] == r["threads_warm"] and r["groups_end"] == r["groups_warm"] for r in res.rows)
     print(
         f"{'PASS' if res.ok else 'FAIL'}: {args.refits} refits (baseline after {args.warmup}); worst RSS growth "
-        f"{res.worst_rss_growth:+.2%} (limit +5%); threads and process groups "
-        f"{'unchanged' if all(r['threads_end'] == r['threads_warm'] and r['groups_end'] == r['groups_warm'] for r in res.rows) else 'GREW'}",
+        f"{res.worst_rss_growth:+.2%} (limit +5%); threads and process groups {'unchanged' if unchanged else 'GREW'}",
         flush=True,
     )
     return 0 if res.ok else 1
@@ -397,8 +455,7 @@ def cmd_demo(args, console) -> int:
     from refit.tools.demo import run_demo
 
     src, dst, cfg, _ = _setup(args)
-    if args.steps < 1:
-        raise SpecError(f"--steps must be >= 1, got {args.steps}")
+    _at_least("--steps", args.steps, 1)
     ok = run_demo(args.model, src, dst, args.steps, cfg, console)
     print(
         "PASS: every engine replica matches the trainer bit for bit"
@@ -409,23 +466,22 @@ def cmd_demo(args, console) -> int:
     return 0 if ok else 1
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a user error prints ``refit: error: <one line>`` on stderr and returns 2."""
     from rich.console import Console
 
     args = _parser().parse_args(argv)
     console = Console(stderr=False, highlight=False)
+    command = {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}[args.cmd]
     try:
-        return {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}[
-            args.cmd
-        ](args, console)
-    except USAGE_ERRORS as e:
-        print(f"refit: error: {e}", file=sys.stderr)
+        return command(args, console)
+    except USER_ERRORS as e:
+        print(f"refit: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except ValueError as e:  # e.g. a tp degree the model cannot run with
-        if args.cmd == "demo":
-            print(f"refit: error: {e}", file=sys.stderr)
-            return 2
-        raise
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from refit.errors import ConfigError
 from refit.layout import ModelLayout, box_slices
 from refit.layout.models import build_model, load_config, param_shapes
 from refit.layout.rules import layout_from_spec
@@ -158,9 +159,12 @@ def run_demo(model_name: str, src: ParallelSpec, dst: ParallelSpec, steps: int, 
     from refit.trainers.hf_tp import check_tp_degree
 
     config = load_config(model_name)
-    for spec in (src, dst):
+    for flag, spec in (("--src", src), ("--dst", dst)):
         if spec.degree("tp") > 1:
-            check_tp_degree(config, spec.degree("tp"))
+            try:
+                check_tp_degree(config, spec.degree("tp"))
+            except ValueError as e:  # the model cannot run with this tp degree: the spec is to blame
+                raise ConfigError(f"{flag}: {e}") from None
     shapes = param_shapes(model_name, torch.float32)
     plan = build_plan(
         layout_from_spec(shapes, src),

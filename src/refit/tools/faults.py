@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from refit.errors import ConfigError
 from refit.layout import ModelLayout
 from refit.plan import ProcessMap
 from refit.tools.launch import World, run_local
@@ -106,11 +107,27 @@ def _victim(procs: ProcessMap, mode: str) -> int:
     return procs.dst[0] if mode in ("kill-receiver", "corrupt", "slow-receiver") else procs.src[-1]
 
 
-def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, mode: str, seed: int):
+@dataclass
+class _Process:
+    """One process of the run: its role, its tensors and the Peer that committed version 1."""
+
+    world: World
+    procs: ProcessMap
+    is_src: bool
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    peer: Peer
+
+    @property
+    def tensors_kw(self) -> dict:
+        return {"src_tensors": self.tensors} if self.is_src else {"dst_tensors": self.tensors}
+
+
+def _version_1(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, seed: int) -> _Process:
+    """Every process commits version 1 (engines start from NaN)."""
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
     is_src = world.src_rank is not None
     rank = world.src_rank if is_src else world.dst_rank
-    role = "trainer" if is_src else "engine"
     tensors = reference_shards(src if is_src else dst, rank, seed)
     if not is_src:
         for t in tensors.values():
@@ -118,11 +135,12 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
     kw = {"src_tensors": tensors} if is_src else {"dst_tensors": tensors}
     peer = Peer(src, dst, world.rank, procs=procs, config=config, **kw)
     peer.run(1)
-    v1_exact = None if is_src else holds(tensors, dst, rank, seed)
-    if is_src:  # version 2: the trainer's new weights, in place
-        for name, t in reference_shards(src, rank, seed + 1).items():
-            tensors[name].copy_(t)
-    victim = _victim(procs, mode)
+    return _Process(world, procs, is_src, rank, tensors, peer)
+
+
+def _fault_hook(proc: _Process, victim: int, mode: str, config: TransferConfig):
+    """The executor's fault hook for ``mode``: it strikes on ``victim`` only, half way through the steps."""
+    world, peer = proc.world, proc.peer
     steps = len(peer.executor.steps)
     middle = peer.executor.steps[steps // 2] if steps else None
 
@@ -146,6 +164,15 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
             info["step"].recvs[0].tensor.view(torch.uint8)[-1] ^= 0x10  # one byte, after the wire, before the check
             corrupted.append(True)
 
+    return fault
+
+
+def _version_2(
+    proc: _Process, src: ModelLayout, dst: ModelLayout, config: TransferConfig, mode: str, victim: int
+) -> tuple[str | None, float]:
+    """Version 2 with the fault; returns the error it raised here (None: none) and how long it took."""
+    world, procs, is_src, tensors, peer = proc.world, proc.procs, proc.is_src, proc.tensors, proc.peer
+    fault = _fault_hook(proc, victim, mode, config)
     error, t0 = None, time.monotonic()
     try:
         if mode == "shape-mismatch":
@@ -160,23 +187,30 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
             peer.run(2)
     except Exception as e:  # noqa: BLE001 - the result to report
         error = str(e)
-    elapsed = time.monotonic() - t0
-    peer.close()
-    exact = None  # after the failed refit: still version 1, bit for bit?
-    if not is_src:
-        exact = holds(tensors, dst, rank, seed)
-    retried = None
-    if mode == "corrupt" and error is not None:
-        # nobody died: retrying version 2 must succeed, on a fresh group (the aborted refit may
-        # have left messages in flight on the old one) and under a new name
-        fresh = torch.distributed.new_group(list(range(world.world_size)), backend="gloo")
-        again = Peer(
-            src, dst, world.rank, procs=procs, group=fresh, config=replace(config, name=f"{config.name}-retry"), **kw
-        )
-        again.run(2)
-        again.close()
-        retried = again.version
-    # the store lives in process 0: it stays until every survivor is done with it
+    return error, time.monotonic() - t0
+
+
+def _retry(proc: _Process, src: ModelLayout, dst: ModelLayout, config: TransferConfig) -> int:
+    """Nobody died: retrying version 2 must succeed, on a fresh group (the aborted refit may have left
+    messages in flight on the old one) and under a new name. Returns the version it reached."""
+    world = proc.world
+    fresh = torch.distributed.new_group(list(range(world.world_size)), backend="gloo")
+    again = Peer(
+        src,
+        dst,
+        world.rank,
+        procs=proc.procs,
+        group=fresh,
+        config=replace(config, name=f"{config.name}-retry"),
+        **proc.tensors_kw,
+    )
+    again.run(2)
+    again.close()
+    return again.version
+
+
+def _wait_for_survivors(world: World, mode: str, config: TransferConfig) -> None:
+    """The store lives in process 0: it stays until every survivor is done with it."""
     store = torch.distributed.distributed_c10d._get_default_store()
     survivors = world.world_size - (1 if mode.startswith("kill") else 0)
     store.add("inject/done", 1)
@@ -184,15 +218,32 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
         until = time.monotonic() + 2 * config.deadline_s + 30
         while store.add("inject/done", 0) < survivors and time.monotonic() < until:
             time.sleep(0.01)
+
+
+def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferConfig, mode: str, seed: int):
+    proc = _version_1(world, src, dst, config, seed)
+    is_src, rank, tensors = proc.is_src, proc.rank, proc.tensors
+    v1_exact = None if is_src else holds(tensors, dst, rank, seed)
+    if is_src:  # version 2: the trainer's new weights, in place
+        for name, t in reference_shards(src, rank, seed + 1).items():
+            tensors[name].copy_(t)
+    victim = _victim(proc.procs, mode)
+    error, elapsed = _version_2(proc, src, dst, config, mode, victim)
+    proc.peer.close()
+    exact = None  # after the failed refit: still version 1, bit for bit?
+    if not is_src:
+        exact = holds(tensors, dst, rank, seed)
+    retried = _retry(proc, src, dst, config) if mode == "corrupt" and error is not None else None
+    _wait_for_survivors(world, mode, config)
     v2_exact = None
     if retried is not None and not is_src:
         v2_exact = holds(tensors, dst, rank, seed + 1)
     return {
-        "role": role,
+        "role": "trainer" if is_src else "engine",
         "rank": rank,
         "error": error,
         "elapsed_s": elapsed,
-        "version": peer.version,
+        "version": proc.peer.version,
         "v1_exact": bool(v1_exact and exact) if not is_src else None,
         "victim": victim,
         "retried_version": retried,
@@ -210,7 +261,7 @@ def inject(
     config: TransferConfig | None = None,
 ) -> InjectResult:
     if mode not in MODES:
-        raise ValueError(f"--inject must be one of {', '.join(MODES)}, got {mode!r}")
+        raise ConfigError(f"--inject must be one of {', '.join(MODES)}, got {mode!r}")
     base = config or TransferConfig(num_buffers=2, buffer_bytes=64 << 10)
     cfg = replace(
         base,

@@ -17,7 +17,7 @@ import os
 import pickle
 import queue
 import signal
-import socket
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from refit.transport.control import free_port
 
 
 class WorkerError(RuntimeError):
@@ -59,12 +61,6 @@ class World:
             return self.rank if self.rank < self.n_dst else None
         r = self.rank - self.n_src
         return r if 0 <= r < self.n_dst else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices):
@@ -141,10 +137,7 @@ def run_local(
     world_size = max(n_src, n_dst) if colocated else n_src + n_dst
     if devices is not None and len(devices) != world_size:
         raise ValueError(f"devices names {len(devices)} devices for {world_size} processes")
-    if backend is None and devices is not None:
-        backend = "gloo"  # the world may put several processes on one GPU; NCCL cannot
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    backend = _backend(backend, devices, world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -156,6 +149,29 @@ def run_local(
         )
         for r in range(world_size)
     ]
+    _start_single_threaded(procs)
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        _collect(procs, results, out, errors, timeout_s, expect_dead)
+        if errors:
+            _collect_late(procs, results, out, errors)
+            raise WorkerError(_describe_failure(procs, out, errors))
+        return [out[r] for r in range(world_size)]
+    finally:
+        _stop(procs, failed=bool(errors))
+
+
+def _backend(backend: str | None, devices: list[str] | None, world_size: int) -> str:
+    if backend is None and devices is not None:
+        return "gloo"  # the world may put several processes on one GPU; NCCL cannot
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    return backend
+
+
+def _start_single_threaded(procs: list) -> None:
+    """Start the processes with ``OMP_NUM_THREADS=1`` in their environment; ours is restored after."""
     env_before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -166,47 +182,48 @@ def run_local(
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = env_before
-    out: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    import time
 
+
+def _collect(procs: list, results, out: dict, errors: dict, timeout_s: float, expect_dead) -> None:
+    """Fill ``out`` (rank -> result) until every process reported, or stop at the first error or unexpected
+    death (recorded in ``errors``); a process in ``expect_dead`` that dies gets the result None."""
     deadline = time.monotonic() + timeout_s + 30
-    try:
-        while len(out) + len(errors) < world_size:
-            try:
-                rank, ok, val = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [
-                    r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors
-                ]
-                for r in [r for r in dead if r in expect_dead]:
-                    out[r] = None
-                dead = [r for r in dead if r not in expect_dead]
-                if dead:
-                    for r in dead:
-                        errors[r] = _death(procs[r].exitcode)
-                    break
-                if time.monotonic() > deadline:
-                    raise WorkerError(f"workers overran the {timeout_s:.0f}s deadline; killed")
-                continue
+    while len(out) + len(errors) < len(procs):
+        try:
+            rank, ok, val = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors]
+            for r in [r for r in dead if r in expect_dead]:
+                out[r] = None
+            dead = [r for r in dead if r not in expect_dead]
+            if dead:
+                for r in dead:
+                    errors[r] = _death(procs[r].exitcode)
+                return
+            if time.monotonic() > deadline:
+                raise WorkerError(f"workers overran the {timeout_s:.0f}s deadline; killed") from None
+            continue
+        (out if ok else errors)[rank] = pickle.loads(val) if ok else val
+        if not ok:
+            return
+
+
+def _collect_late(procs: list, results, out: dict, errors: dict) -> None:
+    """After a failure: give the others a moment to report their own error."""
+    end = time.monotonic() + 5
+    while len(out) + len(errors) < len(procs) and time.monotonic() < end:
+        try:
+            rank, ok, val = results.get(timeout=0.5)
             (out if ok else errors)[rank] = pickle.loads(val) if ok else val
-            if not ok:
-                break
-        if errors:
-            # give the others a moment to report their own error, then stop them
-            end = time.monotonic() + 5
-            while len(out) + len(errors) < world_size and time.monotonic() < end:
-                try:
-                    rank, ok, val = results.get(timeout=0.5)
-                    (out if ok else errors)[rank] = pickle.loads(val) if ok else val
-                except queue.Empty:
-                    pass
-            raise WorkerError(_describe_failure(procs, out, errors))
-        return [out[r] for r in range(world_size)]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.join(timeout=10 if not errors else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        except queue.Empty:
+            pass
+
+
+def _stop(procs: list, failed: bool) -> None:
+    """Join every process (briefly after a failure), killing those still alive."""
+    for p in procs:
+        if p.is_alive():
+            p.join(timeout=10 if not failed else 0.1)
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from refit.errors import ConfigError
 from refit.layout import ModelLayout
 from refit.plan import ProcessMap
 from refit.tools.launch import World, run_local
@@ -85,7 +86,7 @@ def soak(
     src: ModelLayout, dst: ModelLayout, refits: int = 200, warmup: int = 20, config: TransferConfig = TransferConfig()
 ) -> SoakResult:
     if not 1 <= warmup < refits:
-        raise ValueError(f"need 1 <= warmup < refits, got warmup={warmup}, refits={refits}")
+        raise ConfigError(f"need 1 <= warmup < refits, got warmup={warmup}, refits={refits}")
     rows = run_local(
         _worker,
         src.world_size,

@@ -15,15 +15,29 @@ it:
 
 Keys are per version and per session name, so a retried version or a second
 transfer in the same job does not see stale ones.
+
+``free_port(host)`` picks the port a store (or any rendezvous listener) binds to.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 
 import torch.distributed as dist
 
 from refit.errors import RefitAborted
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now: bound there (not on every interface) and released.
+
+    Another process may take it before the caller binds it; callers bind soon after.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def store_lost(version: int, error: BaseException) -> RefitAborted:

@@ -7,8 +7,8 @@ bit with the reference weights, regenerated tensor by tensor on the device
 engine holds FP8 weights and scales: the trainer ranks quantize their bf16
 shards before every refit (timed as part of it, overlapped with the pulls of
 earlier stages when ``--stages`` > 1; ``refit_1stage`` quantizes everything
-first; ``fp8_quantize`` times the quantization alone) and the check quantizes each whole reference tensor. Time per refit: the
-slowest process's time from a shared-memory barrier (all processes released
+first; ``fp8_quantize`` times the quantization alone) and the check quantizes each whole reference
+tensor. Time per refit: the slowest process's time from a shared-memory barrier (all processes released
 within microseconds) to its device being synchronized.
 Peak extra memory: ``torch.cuda.max_memory_allocated`` over the memory held
 before the method's setup, the largest over the processes. Memory growth: the
@@ -24,11 +24,13 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from refit.errors import ConfigError
 from refit.layout import box_numel, box_slices
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
@@ -48,125 +50,134 @@ FLOOR_CHUNK = 8 * GiB  # the floor's copies go through buffers of at most this s
 
 @dataclass(frozen=True)
 class Scenario:
+    """One benchmark setting: the two layouts, which device each process runs on, the methods timed."""
+
     name: str
     what: str
     src: str
     dst: str
     devices: tuple[str, ...]  # process -> device (trainer ranks first)
     methods: tuple[str, ...]
-    floor: str = (
-        "links"  # "links": every link's bytes as one copy, all at once; "one_link": one engine's bytes over one link
-    )
+    # "links": every link's bytes as one copy, all at once; "one_link": one engine's bytes over one link
+    floor: str = "links"
 
     @property
     def gpus(self) -> int:
         return len({d for d in self.devices if d.startswith("cuda")})
 
 
+def _gpus(n: int) -> tuple[str, ...]:
+    return tuple(f"cuda:{i}" for i in range(n))
+
+
+CPU_SCENARIOS = (
+    Scenario(
+        "S1",
+        "non-colocated 1 -> 1 (CPU, gloo)",
+        "tp=1",
+        "tp=1",
+        ("cpu", "cpu"),
+        ("refit", "refit_checksums", "per_tensor_broadcast", "floor"),
+    ),
+    Scenario(
+        "S3",
+        "reshard fsdp=2 -> tp=2 (CPU, gloo)",
+        "fsdp=2",
+        "tp=2",
+        ("cpu",) * 4,
+        ("refit", "refit_checksums", "floor"),
+    ),
+    Scenario(
+        "S6",
+        "one trainer -> 3 engine replicas (CPU, gloo)",
+        "tp=1",
+        "tp=1,dp=3",
+        ("cpu",) * 4,
+        ("refit", "refit_fanout", "floor"),
+    ),
+)
+
+CUDA_SCENARIOS = (
+    Scenario(
+        "S1",
+        "non-colocated 1 -> 1: trainer GPU0, engine tp=1 GPU1",
+        "tp=1",
+        "tp=1",
+        ("cuda:0", "cuda:1"),
+        (
+            "refit",
+            "refit_checksums",
+            "refit_nccl",
+            "per_tensor_broadcast",
+            "packed_broadcast_1buf",
+            "packed_broadcast_2buf",
+            "floor",
+        ),
+    ),
+    Scenario(
+        "S2",
+        "colocated on one GPU: trainer and engine processes on GPU0",
+        "tp=1",
+        "tp=1",
+        ("cuda:0", "cuda:0"),
+        ("refit", "refit_checksums", "floor"),
+    ),
+    Scenario(
+        "S3",
+        "colocated reshard: trainer fsdp=2 on GPU0-1 -> engine tp=2 on GPU0-1",
+        "fsdp=2",
+        "tp=2",
+        _gpus(2) * 2,
+        ("refit", "refit_checksums", "gather_then_slice", "floor"),
+    ),
+    Scenario(
+        "S4",
+        "non-colocated reshard: trainer tp=2 on GPU0-1 -> engine tp=2 on GPU2-3",
+        "tp=2",
+        "tp=2",
+        _gpus(4),
+        ("refit", "refit_nccl", "floor"),
+    ),
+    Scenario(
+        "S5",
+        "colocated reshard: trainer fsdp=4 -> engine tp=1,dp=4 on GPU0-3",
+        "fsdp=4",
+        "tp=1,dp=4",
+        _gpus(4) * 2,
+        ("refit", "floor"),
+    ),
+    Scenario(
+        "S6",
+        "one trainer GPU -> 3 engine replicas: trainer GPU0 -> engine tp=1,dp=3 on GPU1-3",
+        "tp=1",
+        "tp=1,dp=3",
+        _gpus(4),
+        ("refit", "refit_fanout", "per_tensor_broadcast", "floor"),
+        floor="one_link",
+    ),
+    Scenario(
+        "S6x7",
+        "one trainer GPU -> 7 engine replicas: trainer GPU0 -> engine tp=1,dp=7 on GPU1-7",
+        "tp=1",
+        "tp=1,dp=7",
+        _gpus(8),
+        ("refit", "refit_fanout", "per_tensor_broadcast", "floor"),
+        floor="one_link",
+    ),
+    Scenario(
+        "S7",
+        "MoE colocated reshard (run with --model qwen3-30b-a3b): trainer ep=4,tp=2 -> engine tp=4,dp=2 on GPU0-7",
+        "ep=4,tp=2",
+        "tp=4,dp=2",
+        _gpus(8) * 2,
+        ("refit", "floor"),
+    ),
+)
+
+
 def scenarios(device: str) -> dict[str, Scenario]:
-    if device == "cpu":
-        return {
-            "S1": Scenario(
-                "S1",
-                "non-colocated 1 -> 1 (CPU, gloo)",
-                "tp=1",
-                "tp=1",
-                ("cpu", "cpu"),
-                ("refit", "refit_checksums", "per_tensor_broadcast", "floor"),
-            ),
-            "S3": Scenario(
-                "S3",
-                "reshard fsdp=2 -> tp=2 (CPU, gloo)",
-                "fsdp=2",
-                "tp=2",
-                ("cpu",) * 4,
-                ("refit", "refit_checksums", "floor"),
-            ),
-            "S6": Scenario(
-                "S6",
-                "one trainer -> 3 engine replicas (CPU, gloo)",
-                "tp=1",
-                "tp=1,dp=3",
-                ("cpu",) * 4,
-                ("refit", "refit_fanout", "floor"),
-            ),
-        }
-    return {
-        "S1": Scenario(
-            "S1",
-            "non-colocated 1 -> 1: trainer GPU0, engine tp=1 GPU1",
-            "tp=1",
-            "tp=1",
-            ("cuda:0", "cuda:1"),
-            (
-                "refit",
-                "refit_checksums",
-                "refit_nccl",
-                "per_tensor_broadcast",
-                "packed_broadcast_1buf",
-                "packed_broadcast_2buf",
-                "floor",
-            ),
-        ),
-        "S2": Scenario(
-            "S2",
-            "colocated on one GPU: trainer and engine processes on GPU0",
-            "tp=1",
-            "tp=1",
-            ("cuda:0", "cuda:0"),
-            ("refit", "refit_checksums", "floor"),
-        ),
-        "S3": Scenario(
-            "S3",
-            "colocated reshard: trainer fsdp=2 on GPU0-1 -> engine tp=2 on GPU0-1",
-            "fsdp=2",
-            "tp=2",
-            ("cuda:0", "cuda:1", "cuda:0", "cuda:1"),
-            ("refit", "refit_checksums", "gather_then_slice", "floor"),
-        ),
-        "S4": Scenario(
-            "S4",
-            "non-colocated reshard: trainer tp=2 on GPU0-1 -> engine tp=2 on GPU2-3",
-            "tp=2",
-            "tp=2",
-            ("cuda:0", "cuda:1", "cuda:2", "cuda:3"),
-            ("refit", "refit_nccl", "floor"),
-        ),
-        "S5": Scenario(
-            "S5",
-            "colocated reshard: trainer fsdp=4 -> engine tp=1,dp=4 on GPU0-3",
-            "fsdp=4",
-            "tp=1,dp=4",
-            tuple(f"cuda:{i}" for i in range(4)) * 2,
-            ("refit", "floor"),
-        ),
-        "S6": Scenario(
-            "S6",
-            "one trainer GPU -> 3 engine replicas: trainer GPU0 -> engine tp=1,dp=3 on GPU1-3",
-            "tp=1",
-            "tp=1,dp=3",
-            tuple(f"cuda:{i}" for i in range(4)),
-            ("refit", "refit_fanout", "per_tensor_broadcast", "floor"),
-            floor="one_link",
-        ),
-        "S6x7": Scenario(
-            "S6x7",
-            "one trainer GPU -> 7 engine replicas: trainer GPU0 -> engine tp=1,dp=7 on GPU1-7",
-            "tp=1",
-            "tp=1,dp=7",
-            tuple(f"cuda:{i}" for i in range(8)),
-            ("refit", "refit_fanout", "per_tensor_broadcast", "floor"),
-            floor="one_link",
-        ),
-        "S7": Scenario(
-            "S7",
-            "MoE colocated reshard (run with --model qwen3-30b-a3b): trainer ep=4,tp=2 -> engine tp=4,dp=2 on GPU0-7",
-            "ep=4,tp=2",
-            "tp=4,dp=2",
-            tuple(f"cuda:{i}" for i in range(8)) * 2,
-            ("refit", "floor"),
-        ),
-    }
+    """The scenarios of ``device`` ("cpu" or "cuda") by name, in table order."""
+    return {s.name: s for s in (CPU_SCENARIOS if device == "cpu" else CUDA_SCENARIOS)}
 
 
 def _floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
@@ -290,24 +301,28 @@ def _time_runs(
     return times, oks, mems, peak
 
 
+def _fp8_reference(t, box, scale_box, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scales = quantize_fp8_block(make_weight(t.name, t.shape, t.dtype, dev))
+    return q[box_slices(box)], scales[box_slices(scale_box)]
+
+
+def _plain_reference(t, box, dev) -> tuple[torch.Tensor]:
+    return (make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)],)
+
+
 def _expected(plain, dst_l, rank: int, dev, fp8: bool):
-    """name -> callable giving what engine ``rank`` must hold there (made on demand, freed after)."""
+    """name -> (make, i): ``make()[i]`` is what engine ``rank`` must hold there (made on demand, freed after;
+    a quantized weight and its scales share one ``make``)."""
     boxes = {t.name: b for t, b in dst_l.local_tensors(rank)}
     quantized = set(quantized_names(dst_l)) if fp8 else set()
     out = {}
     for name, box in boxes.items():
         if name in quantized:
-            p = plain[name]
-
-            def q(p=p, box=box, sbox=boxes[scale_name(name)]):
-                qq, ss = quantize_fp8_block(make_weight(p.name, p.shape, p.dtype, dev))
-                return qq[box_slices(box)], ss[box_slices(sbox)]
-
-            out[name] = (q, 0)
-            out[scale_name(name)] = (q, 1)
+            make = partial(_fp8_reference, plain[name], box, boxes[scale_name(name)], dev)
+            out[name] = (make, 0)
+            out[scale_name(name)] = (make, 1)
         elif name not in out:
-            t = dst_l[name]
-            out[name] = (lambda t=t, box=box: (make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)],), 0)
+            out[name] = (partial(_plain_reference, dst_l[name], box, dev), 0)
     return out
 
 
@@ -323,22 +338,49 @@ def _check(dst: dict[str, torch.Tensor], expected) -> bool:
     return ok
 
 
-def _bench_worker(
-    world: World,
-    scen: Scenario,
-    model: str,
-    warmup: int,
-    iters: int,
-    growth_iters: int,
-    cfg: TransferConfig,
-    fp8: bool = False,
-):
+@dataclass
+class _Process:
+    """One process's share of a scenario: the methods' context, the host barrier, and for an engine
+    process what its tensors are poisoned with before a refit and checked against after it."""
+
+    ctx: M.Ctx
+    barrier: HostBarrier
+    quantizer: Fp8Quantizer | None
+    poison: Callable[[], None] | None
+    check: Callable[[], bool] | None
+
+
+def _local_tensors(world: World, n_src: int, plain_src, src_l, dst_l, fp8: bool):
+    """A trainer's shards (FP8: the quantizer's copies, which travel) or an engine's empty tensors and what
+    they must hold. Returns (src, dst, expected, quantizer), None where the role has none."""
     dev = world.device
-    shapes = param_shapes(model)
+    src = dst = expected = quantizer = None
+    if world.rank < n_src:
+        r = world.rank
+        src = {}
+        for t, box in plain_src.local_tensors(r):
+            src[t.name] = make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)].clone()
+        if fp8:  # the trainer keeps its bf16 shards; the quantizer's FP8 copies are what travels
+            quantizer = Fp8Quantizer(src_l, r, src)
+            src = quantizer.tensors
+    else:
+        r = world.rank - n_src
+        dst = {
+            t.name: torch.empty(tuple(b - a for a, b in box), dtype=t.dtype, device=dev)
+            for t, box in dst_l.local_tensors(r)
+        }
+        expected = _expected(plain_src, dst_l, r, dev, fp8)
+    return src, dst, expected, quantizer
+
+
+def _setup_process(world: World, scen: Scenario, opts: BenchOptions) -> _Process:
+    """Layouts, the plan (transport "auto"), the host barrier, the groups and this process's tensors."""
+    dev, cfg = world.device, opts.config
+    shapes = param_shapes(opts.model)
     src_spec, dst_spec = parse_spec(scen.src, "src"), parse_spec(scen.dst, "dst")
     plain_src, plain_dst = layout_from_spec(shapes, src_spec), layout_from_spec(shapes, dst_spec)
     src_l, dst_l = plain_src, plain_dst
-    if fp8:
+    if opts.fp8:
         src_l, dst_l = fp8_layout(plain_src), fp8_layout(plain_dst, side="destination")
     procs = ProcessMap.disjoint(src_spec.world_size, dst_spec.world_size).with_devices(scen.devices)
     plan = build_plan(src_l, dst_l, procs, replace(cfg, transport="auto"))
@@ -350,22 +392,7 @@ def _bench_worker(
     if dev.type == "cuda" and len(set(scen.devices[: src_spec.world_size])) == src_spec.world_size > 1:
         trainer_nccl = dist.new_group(list(range(src_spec.world_size)), backend="nccl")
     nccl = world.data_group if dev.type == "cuda" else dist.group.WORLD
-    src = dst = expected = quantizer = None
-    if world.rank < src_spec.world_size:
-        r = world.rank
-        src = {}
-        for t, box in plain_src.local_tensors(r):
-            src[t.name] = make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)].clone()
-        if fp8:  # the trainer keeps its bf16 shards; the quantizer's FP8 copies are what travels
-            quantizer = Fp8Quantizer(src_l, r, src)
-            src = quantizer.tensors
-    else:
-        r = world.rank - src_spec.world_size
-        dst = {
-            t.name: torch.empty(tuple(b - a for a, b in box), dtype=t.dtype, device=dev)
-            for t, box in dst_l.local_tensors(r)
-        }
-        expected = _expected(plain_src, dst_l, r, dev, fp8)
+    src, dst, expected, quantizer = _local_tensors(world, src_spec.world_size, plain_src, src_l, dst_l, opts.fp8)
     _sync(dev)
     ctx = M.Ctx(world.rank, dev, plan, src, dst, nccl, list(range(world.world_size)), trainer_nccl, store, cfg)
     ctx.extra["prepare"] = quantizer
@@ -376,8 +403,19 @@ def _bench_worker(
             [[n_src + r for r in ranks] for ranks in dst_spec.replica_ranks()],
             scen.devices,
         )
-    total = plan.bytes_moved + plan.bytes_local
-    setups = {
+    engine = dst is not None
+    return _Process(
+        ctx,
+        barrier,
+        quantizer,
+        partial(poison, dst) if engine else None,
+        partial(_check, dst, expected) if engine else None,
+    )
+
+
+def _method_setups(quantizer: Fp8Quantizer | None) -> dict[str, Callable[[M.Ctx], Callable[[], None]]]:
+    """Method name -> ``setup(ctx) -> run``."""
+    return {
         "refit": M.refit_method("auto"),
         "refit_nccl": M.refit_method("p2p"),
         "refit_checksums": M.refit_method("auto", checksums=True),
@@ -389,88 +427,108 @@ def _bench_worker(
         "gather_then_slice": M.gather_then_slice,
         "fp8_quantize": lambda c: quantizer or (lambda: None),
     }
-    records = []
-    check = (lambda: _check(dst, expected)) if dst is not None else None
-    before = (lambda: poison(dst)) if dst is not None else None
-    for round_, method in enumerate(scen.methods):
-        ctx.extra["round"] = round_
-        _sync(dev)
-        dist.barrier()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-        if method == "floor":
-            variants = _floor_setup(ctx, scen) if src is not None else _engine_peer_for_floor(ctx, scen)
-            names = sorted(set(dist_all(variants.keys())))
-            best = None
-            for v in names:
-                run = variants.get(v, lambda: None)
-                times, _, _, _ = _time_runs(barrier, dev, run, warmup + iters)
-                t = gather_max(times[warmup:])
-                rec = {"variant": v, "times": t}
-                if best is None or statistics.median(t) < statistics.median(best["times"]):
-                    best = rec
-            records.append(
-                {
-                    "method": "floor",
-                    "times": best["times"] if best else [],
-                    "variant": best["variant"] if best else "",
-                    "correct": None,
-                    "peak_extra_bytes": None,
-                    "growth_bytes": None,
-                }
-            )
-            del variants
-            continue
-        run = setups[method](ctx)
-        n = warmup + (growth_iters if method == "refit" else iters)
-        checked = method != "fp8_quantize"
-        times, oks, mems, peak = _time_runs(
-            barrier, dev, run, n, before if checked else None, check if checked else None, base
-        )
-        if method == "refit" and dev.type == "cuda" and os.environ.get("REFIT_BENCH_PROFILE"):
-            puller = run.peer.executor.puller if isinstance(run, M.RefitRun) else None
-            if puller is not None:
-                print(
-                    f"[{scen.name} rank {world.rank}] ipc profile: "
-                    + ", ".join(
-                        f"{k}: {c} copies {b / 1e9:.2f} GB {s * 1e3:.2f} ms ({b / s / 1e9:.0f} GB/s)"
-                        for k, (c, b, s) in puller.profile().items()
-                    ),
-                    flush=True,
-                )
-        times = gather_max(times[warmup:])
-        all_ok = dist_all([all(oks)])
-        peaks = dist_all([peak])
-        growth = dist_all([mems[-1] - mems[0]])
-        records.append(
-            {
-                "method": method,
-                "times": times,
-                "correct": all(all_ok) if checked else None,
-                "peak_extra_bytes": max(peaks),
-                "growth_bytes": max(growth),
-                "variant": "",
-            }
-        )
-        dist.barrier()  # nobody still pulls from this method's buffers
-        if hasattr(run, "close"):
-            run.close()
-        del run
+
+
+def _settle(dev: torch.device) -> int:
+    """Between methods: every process idle, CUDA caches emptied; returns the memory held now (the base)."""
+    _sync(dev)
     dist.barrier()
-    barrier.close()
-    return (
-        {
-            "records": records,
-            "bytes": total,
-            "bytes_moved": plan.bytes_moved,
-            "bytes_same_device": plan.bytes_same_device,
-            "digest": plan.digest,
-        }
-        if world.rank == 0
-        else None
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+
+
+def _time_floor(proc: _Process, scen: Scenario, opts: BenchOptions) -> dict:
+    """Every floor variant any process has, timed; the record of the fastest (by median)."""
+    ctx = proc.ctx
+    variants = _floor_setup(ctx, scen) if ctx.src is not None else _engine_peer_for_floor(ctx, scen)
+    names = sorted(set(dist_all(variants.keys())))
+    best = None
+    for v in names:
+        run = variants.get(v, lambda: None)
+        times, _, _, _ = _time_runs(proc.barrier, ctx.device, run, opts.warmup + opts.iters)
+        t = gather_max(times[opts.warmup :])
+        rec = {"variant": v, "times": t}
+        if best is None or statistics.median(t) < statistics.median(best["times"]):
+            best = rec
+    return {
+        "method": "floor",
+        "times": best["times"] if best else [],
+        "variant": best["variant"] if best else "",
+        "correct": None,
+        "peak_extra_bytes": None,
+        "growth_bytes": None,
+    }
+
+
+def _print_ipc_profile(scen: Scenario, rank: int, run) -> None:
+    puller = run.peer.executor.puller if isinstance(run, M.RefitRun) else None
+    if puller is not None:
+        print(
+            f"[{scen.name} rank {rank}] ipc profile: "
+            + ", ".join(
+                f"{k}: {c} copies {b / 1e9:.2f} GB {s * 1e3:.2f} ms ({b / s / 1e9:.0f} GB/s)"
+                for k, (c, b, s) in puller.profile().items()
+            ),
+            flush=True,
+        )
+
+
+def _time_method(proc: _Process, scen: Scenario, method: str, setup, base: int, opts: BenchOptions) -> dict:
+    """``method``'s refits timed (refit itself runs ``growth_iters``), checked bit for bit (except
+    ``fp8_quantize``), with the peak extra and the grown memory over every process."""
+    ctx, dev = proc.ctx, proc.ctx.device
+    run = setup(ctx)
+    n = opts.warmup + (opts.growth_iters if method == "refit" else opts.iters)
+    checked = method != "fp8_quantize"
+    times, oks, mems, peak = _time_runs(
+        proc.barrier, dev, run, n, proc.poison if checked else None, proc.check if checked else None, base
     )
+    if method == "refit" and dev.type == "cuda" and os.environ.get("REFIT_BENCH_PROFILE"):
+        _print_ipc_profile(scen, ctx.rank, run)
+    times = gather_max(times[opts.warmup :])
+    all_ok = dist_all([all(oks)])
+    peaks = dist_all([peak])
+    growth = dist_all([mems[-1] - mems[0]])
+    record = {
+        "method": method,
+        "times": times,
+        "correct": all(all_ok) if checked else None,
+        "peak_extra_bytes": max(peaks),
+        "growth_bytes": max(growth),
+        "variant": "",
+    }
+    dist.barrier()  # nobody still pulls from this method's buffers
+    if hasattr(run, "close"):
+        run.close()
+    return record
+
+
+def _bench_worker(world: World, scen: Scenario, opts: BenchOptions):
+    """One process of a scenario: every method in turn; process 0 returns the records and the plan's bytes."""
+    proc = _setup_process(world, scen, opts)
+    setups = _method_setups(proc.quantizer)
+    records = []
+    for round_, method in enumerate(scen.methods):
+        proc.ctx.extra["round"] = round_
+        base = _settle(world.device)
+        if method == "floor":
+            records.append(_time_floor(proc, scen, opts))
+        else:
+            records.append(_time_method(proc, scen, method, setups[method], base, opts))
+    dist.barrier()
+    proc.barrier.close()
+    plan = proc.ctx.plan
+    if world.rank != 0:
+        return None
+    return {
+        "records": records,
+        "bytes": plan.bytes_moved + plan.bytes_local,
+        "bytes_moved": plan.bytes_moved,
+        "bytes_same_device": plan.bytes_same_device,
+        "digest": plan.digest,
+    }
 
 
 def dist_all(items) -> list:
@@ -499,107 +557,124 @@ def device_kind() -> str:
 FP8_METHODS = ("refit", "refit_1stage", "fp8_quantize", "floor")
 
 
-def run_bench(
-    device: str,
-    model: str,
-    which: list[str],
-    warmup: int,
-    iters: int,
-    growth_iters: int,
-    cfg: TransferConfig,
-    out_path: str | None,
-    command: str,
-    console,
-    fp8: bool = False,
-) -> list[dict]:
-    """``fp8``: every scenario runs with an FP8 engine (methods ``FP8_METHODS``), rows named ``<S>-fp8``."""
-    all_s = scenarios(device)
+@dataclass(frozen=True)
+class BenchOptions:
+    """One ``refit bench`` run: where, which model and scenarios, how many refits, with which settings.
+
+    ``scenarios`` empty: every scenario this machine can run. Each method runs ``warmup`` untimed refits,
+    then ``iters`` timed ones (refit itself ``growth_iters``, to see its memory stay flat). ``fp8``: every
+    scenario runs with an FP8 engine (methods ``FP8_METHODS``), rows named ``<S>-fp8``. ``out_path``: the
+    JSON records (None: not written); ``command`` is recorded in each.
+    """
+
+    device: str
+    model: str
+    scenarios: tuple[str, ...] = ()
+    warmup: int = 2
+    iters: int = 5
+    growth_iters: int = 20
+    config: TransferConfig = field(default_factory=TransferConfig)
+    fp8: bool = False
+    out_path: str | None = None
+    command: str = "refit bench"
+
+
+def chosen_scenarios(opts: BenchOptions) -> list[str]:
+    """The names of ``opts.scenarios``, or of every scenario this machine can run if none are named;
+    ``ConfigError`` for an unknown name or too few GPUs."""
+    all_s = scenarios(opts.device)
+    which = list(opts.scenarios)
     if not which:  # the scenarios this machine can run
-        have = torch.cuda.device_count() if device == "cuda" else 0
-        moe = any(".experts." in n for n, _, _ in param_shapes(model))
+        have = torch.cuda.device_count() if opts.device == "cuda" else 0
+        moe = any(".experts." in n for n, _, _ in param_shapes(opts.model))
         which = [n for n, sc in all_s.items() if sc.gpus <= have and (n != "S7" or moe)]  # S7: MoE models only
     unknown = [w for w in which if w not in all_s]
     if unknown:
-        raise ValueError(f"unknown scenario(s) {unknown} for device {device!r}; available: {', '.join(all_s)}")
-    if device == "cuda":
+        raise ConfigError(f"unknown scenario(s) {unknown} for device {opts.device!r}; available: {', '.join(all_s)}")
+    if opts.device == "cuda":
         need = max(int(d.split(":")[1]) for s in which for d in all_s[s].devices) + 1
         have = torch.cuda.device_count()
         if have < need:
-            raise ValueError(f"scenarios {which} need {need} GPUs, this machine has {have}")
-    kind = device_kind() if device == "cuda" else "cpu"
+            raise ConfigError(f"scenarios {which} need {need} GPUs, this machine has {have}")
+    return which
+
+
+def _fp8_scenario(scen: Scenario) -> Scenario:
+    return replace(
+        scen,
+        name=f"{scen.name}-fp8",
+        what=scen.what + ", FP8 engine (128x128 blocks, quantized by the trainer)",
+        methods=FP8_METHODS,
+    )
+
+
+def _row(scen: Scenario, res: dict, r: dict, floor_s: float | None, opts: BenchOptions, kind: str, date: str) -> dict:
+    """The JSON record of method record ``r`` of scenario result ``res``."""
+    t = r["times"]
+    med = statistics.median(t)
+    cfg = opts.config
+    return {
+        "scenario": scen.name,
+        "method": r["method"],
+        "model": opts.model,
+        "bytes": res["bytes"],
+        "bytes_moved": res["bytes_moved"],
+        "bytes_same_device": res["bytes_same_device"],
+        "median_s": med,
+        "min_s": min(t),
+        "max_s": max(t),
+        "n": len(t),
+        "gbps": res["bytes"] / med / 1e9,
+        "floor_s": floor_s,
+        "ratio_to_floor": med / floor_s if floor_s else None,
+        "peak_extra_bytes": r["peak_extra_bytes"],
+        "growth_bytes": r["growth_bytes"],
+        "correct": r["correct"],
+        "variant": r["variant"],
+        "budget_bytes": cfg.num_buffers * cfg.buffer_bytes,
+        "copy_streams": cfg.copy_streams,
+        "cuda_graph": cfg.cuda_graph,
+        "device": kind,
+        "command": opts.command,
+        "date": date,
+        "plan_digest": res["digest"],
+    }
+
+
+def _run_scenario(scen: Scenario, opts: BenchOptions) -> dict:
+    """Every method of ``scen`` in its own processes; process 0's result."""
+    n_src = parse_spec(scen.src, "src").world_size
+    n_dst = parse_spec(scen.dst, "dst").world_size
+    return run_local(
+        _bench_worker, n_src, n_dst, scen, opts, devices=list(scen.devices), backend="gloo", timeout_s=1200
+    )[0]
+
+
+def run_bench(opts: BenchOptions, console) -> list[dict]:
+    """Run the scenarios of ``opts``, print a line per method as it finishes, write and return the records."""
+    all_s = scenarios(opts.device)
+    which = chosen_scenarios(opts)
+    kind = device_kind() if opts.device == "cuda" else "cpu"
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     rows = []
     for name in which:
-        scen = all_s[name]
-        if fp8:
-            from dataclasses import replace
-
-            scen = replace(
-                scen,
-                name=f"{name}-fp8",
-                what=scen.what + ", FP8 engine (128x128 blocks, quantized by the trainer)",
-                methods=FP8_METHODS,
-            )
-            name = scen.name
+        scen = _fp8_scenario(all_s[name]) if opts.fp8 else all_s[name]
         console.print(
-            f"[{name}] {scen.what}: {model}, trainer {scen.src} -> engine {scen.dst}, methods {', '.join(scen.methods)} ..."
+            f"[{scen.name}] {scen.what}: {opts.model}, trainer {scen.src} -> engine {scen.dst}, "
+            f"methods {', '.join(scen.methods)} ..."
         )
-        n_src = parse_spec(scen.src, "src").world_size
-        n_dst = parse_spec(scen.dst, "dst").world_size
-        res = run_local(
-            _bench_worker,
-            n_src,
-            n_dst,
-            scen,
-            model,
-            warmup,
-            iters,
-            growth_iters,
-            cfg,
-            fp8,
-            devices=list(scen.devices),
-            backend="gloo",
-            timeout_s=1200,
-        )[0]
+        res = _run_scenario(scen, opts)
         floor = next((r for r in res["records"] if r["method"] == "floor"), None)
         floor_s = statistics.median(floor["times"]) if floor and floor["times"] else None
         for r in res["records"]:
-            t = r["times"]
-            med = statistics.median(t)
-            rows.append(
-                {
-                    "scenario": name,
-                    "method": r["method"],
-                    "model": model,
-                    "bytes": res["bytes"],
-                    "bytes_moved": res["bytes_moved"],
-                    "bytes_same_device": res["bytes_same_device"],
-                    "median_s": med,
-                    "min_s": min(t),
-                    "max_s": max(t),
-                    "n": len(t),
-                    "gbps": res["bytes"] / med / 1e9,
-                    "floor_s": floor_s,
-                    "ratio_to_floor": med / floor_s if floor_s else None,
-                    "peak_extra_bytes": r["peak_extra_bytes"],
-                    "growth_bytes": r["growth_bytes"],
-                    "correct": r["correct"],
-                    "variant": r["variant"],
-                    "budget_bytes": cfg.num_buffers * cfg.buffer_bytes,
-                    "copy_streams": cfg.copy_streams,
-                    "cuda_graph": cfg.cuda_graph,
-                    "device": kind,
-                    "command": command,
-                    "date": date,
-                    "plan_digest": res["digest"],
-                }
-            )
+            rows.append(_row(scen, res, r, floor_s, opts, kind, date))
             console.print(
-                f"  {r['method']:<22} median {med * 1e3:9.2f} ms  ratio {rows[-1]['ratio_to_floor'] or 0:5.2f}  ok={r['correct']}"
+                f"  {r['method']:<22} median {rows[-1]['median_s'] * 1e3:9.2f} ms  "
+                f"ratio {rows[-1]['ratio_to_floor'] or 0:5.2f}  ok={r['correct']}"
             )
-    if out_path:
-        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-        with open(out_path, "w") as f:
+    if opts.out_path:
+        os.makedirs(os.path.dirname(opts.out_path) or ".", exist_ok=True)
+        with open(opts.out_path, "w") as f:
             json.dump(rows, f, indent=1)
     return rows
 
@@ -626,4 +701,4 @@ def print_table(rows: list[dict], console) -> None:
     console.print(table)
 
 
-__all__ = ["run_bench", "print_table", "scenarios"]
+__all__ = ["BenchOptions", "chosen_scenarios", "run_bench", "print_table", "scenarios"]
