@@ -37,6 +37,7 @@ import torch.distributed as dist
 from refit.errors import ChecksumError, DeadlineExceeded
 from refit.layout import Box, box_relative, box_shape, box_slices
 from refit.plan import Plan, PlanError
+from refit.plan.schedule import ipc_stages
 from refit.transport.ipc import HostBarrier, IpcPuller, export_handles, import_handles
 
 
@@ -538,21 +539,3 @@ class Executor:
         if self.uses_ipc:
             self._barrier()  # every pull is done: sources may change their weights again
         return RunStats(self.bytes_sent, self.bytes_received, self.bytes_local, time.perf_counter() - t0)
-
-
-def ipc_stages(plan: Plan, stages: int) -> list[set[str]]:
-    """The source tensors in plan order cut into ``stages`` runs of about equal bytes (the same on
-    every process: a function of the plan). One stage (all names) when ``stages`` <= 1."""
-    names = [t.name for t in plan.src_layout]
-    if stages <= 1 or len(names) <= 1:
-        return [set(names)]
-    sizes = [plan.src_layout[n].nbytes for n in names]
-    total, out, cur, acc = sum(sizes), [], set(), 0
-    for n, b in zip(names, sizes):
-        cur.add(n)
-        acc += b
-        if acc >= total * (len(out) + 1) / stages and len(out) < stages - 1:
-            out.append(cur)
-            cur = set()
-    out.append(cur)
-    return [c for c in out if c]
