@@ -22,20 +22,7 @@ from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import PlanError, ProcessMap, build_plan, check_coverage
-from strategies import meshes, placements_for, tensor_shapes
-
-
-@st.composite
-def layout_pairs(draw):
-    n_src, n_dst = draw(st.integers(1, 6)), draw(st.integers(1, 6))
-    src_mesh, dst_mesh = draw(meshes(n_src)), draw(meshes(n_dst))
-    src, dst = [], []
-    for i in range(draw(st.integers(1, 3))):
-        shape = draw(tensor_shapes())
-        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
-        src.append(TensorLayout(f"t{i}", shape, dtype, src_mesh, draw(placements_for(src_mesh, len(shape)))))
-        dst.append(TensorLayout(f"t{i}", shape, dtype, dst_mesh, draw(placements_for(dst_mesh, len(shape)))))
-    return ModelLayout(tuple(src), n_src), ModelLayout(tuple(dst), n_dst)
+from strategies import layout_pairs
 
 
 def _all_pieces(plan):
@@ -188,7 +175,7 @@ def test_digest_ignores_mesh_names_but_not_boxes():
 # ----------------------------------------------------------------------------- errors before anything moves
 
 
-def _one(name="w", shape=(8, 4), dtype=torch.float32, world=2, placement=Shard(0), boxes=None):
+def _one(name="w", shape=(8, 4), dtype=torch.float32, world=2, placement=Shard(0), boxes=None):  # noqa: B008
     mesh = Mesh((world,), ("tp",), tuple(range(world)))
     return ModelLayout((TensorLayout(name, shape, dtype, mesh, (placement,), boxes=boxes),), world)
 
@@ -225,24 +212,3 @@ def test_budget_validation():
         TransferConfig(num_buffers=0)
     with pytest.raises(ConfigError, match="buffer_bytes must be an integer >= 64, got 32"):
         TransferConfig(buffer_bytes=32)
-
-
-def test_ipc_stages_cut_the_source_tensors_in_order_into_runs_of_about_equal_bytes():
-    from refit.executor import ipc_stages
-    from refit.layout.models import param_shapes
-    from refit.layout.rules import layout_from_spec
-    from refit.layout.spec import parse_spec
-    from refit.plan import build_plan
-
-    shapes = param_shapes("tiny-qwen3")
-    plan = build_plan(
-        layout_from_spec(shapes, parse_spec("tp=1", "src")), layout_from_spec(shapes, parse_spec("tp=1", "dst"))
-    )
-    names = [t.name for t in plan.src_layout]
-    assert ipc_stages(plan, 1) == [set(names)]
-    st = ipc_stages(plan, 4)
-    assert len(st) == 4 and set().union(*st) == set(names) and sum(map(len, st)) == len(names)  # a partition
-    order = {n: i for i, n in enumerate(names)}
-    assert all(max(order[n] for n in a) < min(order[n] for n in b) for a, b in zip(st, st[1:]))  # runs, in order
-    total = plan.src_layout.nbytes
-    assert all(sum(plan.src_layout[n].nbytes for n in s) < total / 2 for s in st)

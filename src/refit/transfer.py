@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from refit.config import TransferConfig
-from refit.executor import Executor, RunStats, validate_local
+from refit.executor import Comms, Executor, FaultHook, RunStats, bind_local
 from refit.layout import ModelLayout
 from refit.plan import Plan, PlanError, ProcessMap, build_plan
 from refit.transport.control import AbortChannel, RefitAborted
@@ -112,7 +112,7 @@ class Peer:
         procs: ProcessMap | None = None,
         group: dist.ProcessGroup | None = None,
         sync_group: dist.ProcessGroup | None = None,
-        config: TransferConfig = TransferConfig(),
+        config: TransferConfig | None = None,
         device: torch.device | str = "cpu",
         plan: Plan | None = None,
         store: dist.Store | None = None,
@@ -120,15 +120,17 @@ class Peer:
         prepare: Callable[[set[str] | None], None] | None = None,
         tag_base: int = 0,
     ) -> None:
-        """``tag_base``: P2P tags start there (see ``Executor``). ``prepare(names)``: called on a source process in every ``run`` before its tensors
+        """``config``: default ``TransferConfig()``. ``tag_base``: P2P tags start there (see ``Executor``).
+        ``prepare(names)``: called on a source process in every ``run`` before its tensors
         ``names`` (``None``: all) are read (e.g. an ``Fp8Quantizer`` refreshing the FP8 copies the
         plan sends); with ``config.stages`` > 1 on an all-IPC plan, once per stage, overlapping
         the pulls of the stage before. A failure there aborts the refit like any other."""
+        config = config if config is not None else TransferConfig()
         if store is None and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
         try:
             self.plan = plan or build_plan(src_layout, dst_layout, procs, config)
-            validate_local(self.plan, proc, src_tensors, dst_tensors)
+            local = bind_local(self.plan, proc, src_tensors, dst_tensors)  # checked once, here
         except Exception as e:
             publish_failure(store, proc, e, config.name)
             raise
@@ -141,19 +143,10 @@ class Peer:
         self.executor = Executor(
             self.plan,
             proc,
-            src_tensors=src_tensors,
-            dst_tensors=self.shadow or dst_tensors,
-            group=group,
-            sync_group=sync_group,
+            local=local.with_destination(self.shadow) if self.shadow else local,
+            config=config,
+            comms=Comms(group=group, sync_group=sync_group, store=store, standalone=standalone),
             device=device,
-            store=store,
-            name=config.name,
-            timeout_s=config.preflight_timeout_s,
-            standalone=standalone,
-            copy_streams=config.copy_streams,
-            cuda_graph=config.cuda_graph,
-            verify=config.checksums,
-            stages=config.stages,
             prepare=prepare,
             tag_base=tag_base,
         )
@@ -165,7 +158,9 @@ class Peer:
         self.last: RunStats | None = None
         self._attempts: dict[int, int] = {}
 
-    def run(self, version: int) -> RunStats:
+    def run(self, version: int, *, fault_hook: FaultHook | None = None) -> RunStats:
+        """Move ``version`` (greater than the last one committed here; the same on every process).
+        ``fault_hook``: called inside the executor's steps (tests and ``refit verify --inject``)."""
         if self.broken is not None:
             raise RefitAborted(
                 f"this Peer's transfer group was left unusable by an aborted refit ({self.broken}); "
@@ -177,9 +172,9 @@ class Peer:
         self._attempts[version] = attempt + 1
         deadline = time.monotonic() + self.config.deadline_s
         ch = self.channel
-        self.executor.check_abort = (lambda: ch.raise_if_aborted(version, attempt)) if ch is not None else None
+        check_abort = (lambda: ch.raise_if_aborted(version, attempt)) if ch is not None else None
         try:
-            stats = self.executor.run(deadline)
+            stats = self.executor.run(deadline, check_abort, fault_hook)
             if self.shadow:
                 if ch is not None:
                     ch.vote(version, attempt, deadline, self.members)  # every process holds all of this version
@@ -212,20 +207,83 @@ class Peer:
 
 
 class Sender(Peer):
-    """Trainer side: ``Sender(src, dst, proc, tensors=local_shards).push(version)``."""
+    """Trainer side: ``Sender(src, dst, proc, tensors=local_shards).push(version)``; the keywords are ``Peer``'s."""
 
-    def __init__(self, src_layout: ModelLayout, dst_layout: ModelLayout, proc: int, tensors, **kw) -> None:
-        super().__init__(src_layout, dst_layout, proc, src_tensors=tensors, **kw)
+    def __init__(
+        self,
+        src_layout: ModelLayout,
+        dst_layout: ModelLayout,
+        proc: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        procs: ProcessMap | None = None,
+        group: dist.ProcessGroup | None = None,
+        sync_group: dist.ProcessGroup | None = None,
+        config: TransferConfig | None = None,
+        device: torch.device | str = "cpu",
+        plan: Plan | None = None,
+        store: dist.Store | None = None,
+        standalone: bool = False,
+        prepare: Callable[[set[str] | None], None] | None = None,
+        tag_base: int = 0,
+    ) -> None:
+        super().__init__(
+            src_layout,
+            dst_layout,
+            proc,
+            src_tensors=tensors,
+            procs=procs,
+            group=group,
+            sync_group=sync_group,
+            config=config,
+            device=device,
+            plan=plan,
+            store=store,
+            standalone=standalone,
+            prepare=prepare,
+            tag_base=tag_base,
+        )
 
     def push(self, version: int) -> RunStats:
         return self.run(version)
 
 
 class Receiver(Peer):
-    """Engine side: ``Receiver(src, dst, proc, tensors=live_shards).pull(version)`` writes in place."""
+    """Engine side: ``Receiver(src, dst, proc, tensors=live_shards).pull(version)`` writes in place; the
+    keywords are ``Peer``'s (no ``prepare``: it runs on sources only)."""
 
-    def __init__(self, src_layout: ModelLayout, dst_layout: ModelLayout, proc: int, tensors, **kw) -> None:
-        super().__init__(src_layout, dst_layout, proc, dst_tensors=tensors, **kw)
+    def __init__(
+        self,
+        src_layout: ModelLayout,
+        dst_layout: ModelLayout,
+        proc: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        procs: ProcessMap | None = None,
+        group: dist.ProcessGroup | None = None,
+        sync_group: dist.ProcessGroup | None = None,
+        config: TransferConfig | None = None,
+        device: torch.device | str = "cpu",
+        plan: Plan | None = None,
+        store: dist.Store | None = None,
+        standalone: bool = False,
+        tag_base: int = 0,
+    ) -> None:
+        super().__init__(
+            src_layout,
+            dst_layout,
+            proc,
+            dst_tensors=tensors,
+            procs=procs,
+            group=group,
+            sync_group=sync_group,
+            config=config,
+            device=device,
+            plan=plan,
+            store=store,
+            standalone=standalone,
+            tag_base=tag_base,
+        )
 
     def pull(self, version: int) -> RunStats:
         return self.run(version)

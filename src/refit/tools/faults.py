@@ -183,8 +183,7 @@ def _version_2(
             kw2 = {"src_tensors": bad} if is_src else {"dst_tensors": tensors}
             Peer(src, dst, world.rank, procs=procs, config=replace(config, name=f"{config.name}-2"), **kw2).run(2)
         else:
-            peer.executor.fault = fault
-            peer.run(2)
+            peer.run(2, fault_hook=fault)
     except Exception as e:  # noqa: BLE001 - the result to report
         error = str(e)
     return error, time.monotonic() - t0

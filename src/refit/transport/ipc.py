@@ -8,6 +8,11 @@ copy kernel where strided), peer pieces (other GPU, over NVLink) as
 copy-engine copies pushed from the source GPU, so both links work at once;
 peer pieces that are not one contiguous run use 2-D strided copies
 (``cudaMemcpy2DAsync``).
+
+``IpcLink.open`` does one process's whole IPC setup for a plan: export and map the
+handles, build one ``IpcPuller`` per stage (``refit.plan.schedule.ipc_stages``),
+capture each into a CUDA graph, and, for a plan whose links are all IPC (one
+host), agree on a shared-memory ``HostBarrier`` through the store.
 """
 
 from __future__ import annotations
@@ -15,10 +20,21 @@ from __future__ import annotations
 import ctypes
 import pickle
 import time
+import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+
+from refit.binding import LocalTensors
+from refit.config import TransferConfig
+from refit.errors import ChecksumError, PlanError
+from refit.layout import box_relative, box_slices
+from refit.plan import Plan
+from refit.plan.schedule import ipc_stages
+from refit.transport.checksum import checksum
 
 _CUDART: ctypes.CDLL | None = None
 _CUDA_MEMCPY_DEFAULT = 4
@@ -381,6 +397,16 @@ class HostBarrier:
         # process already bumped after attaching
         self.slots = np.ndarray((size,), dtype=np.int64, buffer=self.shm.buf)
 
+    @classmethod
+    def agree(cls, store: dist.Store, key: str, index: int, size: int, timeout_s: float) -> HostBarrier:
+        """Participant ``index`` of ``size`` joins the barrier whose segment name participant 0
+        publishes under ``key`` (a fresh random name per barrier)."""
+        if index == 0:
+            store.set(key, f"refit_{uuid.uuid4().hex[:16]}")
+        store.set_timeout(timedelta(seconds=timeout_s))
+        seg = store.get(key).decode()
+        return cls(seg, index, size, timeout_s)
+
     def wait(self, timeout_s: float | None = None) -> None:
         self.gen += 1
         self.slots[self.index] = self.gen
@@ -403,3 +429,131 @@ class HostBarrier:
                 self.shm.unlink()
             except FileNotFoundError:
                 pass
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, mapped source view)
+
+
+def _map_pulls(
+    plan: Plan, proc: int, local: LocalTensors, store: dist.Store, config: TransferConfig, stages: list[set[str]]
+) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[list[Pair], list[Pair]]], list[tuple[str, Pair]]]:
+    """Publish this process's handles, map its sources' (once each), and pair every pull's views.
+
+    Returns (mapped tensors per source process, per stage (same-GPU pairs, peer-GPU pairs),
+    (tensor name, pair) of every pull in order when checksums are on)."""
+    ipc = [m for m in plan.messages if m.transport == "ipc"]
+    name, timeout_s = config.name, config.preflight_timeout_s
+    exported = sorted({p.tensor for m in ipc if plan.procs.src[m.src] == proc for p in m.pieces})
+    if exported:
+        export_handles(store, f"{name}/ipc/{proc}", {n: local.src[n] for n in exported})
+    stage_of = {n: i for i, names in enumerate(stages) for n in names}
+    mapped: dict[int, dict[str, torch.Tensor]] = {}
+    pairs: list[tuple[list[Pair], list[Pair]]] = [([], []) for _ in stages]  # per stage: (same GPU, peer GPU)
+    checked: list[tuple[str, Pair]] = []
+    for m in (m for m in ipc if plan.procs.dst[m.dst] == proc):
+        sp = plan.procs.src[m.src]
+        if sp not in mapped:
+            mapped[sp] = import_handles(store, f"{name}/ipc/{sp}", timeout_s)
+        p = m.pieces[0]
+        s_box = plan.src_layout[p.tensor].box(m.src)
+        sv = mapped[sp][p.tensor][box_slices(box_relative(p.box, s_box))]
+        pair = (local.dst_view(p.tensor, p.box), sv)
+        same, peer = pairs[stage_of[p.tensor]]
+        (same if plan.procs.same_device(sp, proc) else peer).append(pair)
+        if config.checksums:
+            checked.append((p.tensor, pair))
+    return mapped, pairs, checked
+
+
+def _captured_puller(
+    device: torch.device, same: list[Pair], peer: list[Pair], config: TransferConfig, proc: int
+) -> IpcPuller | None:
+    """The puller of one stage (None without pulls), recorded into a CUDA graph if ``config.cuda_graph``;
+    a failed capture warns and leaves the copies to be issued one by one."""
+    puller = IpcPuller(device, same, peer, streams_per_lane=config.copy_streams) if same or peer else None
+    if puller is not None and config.cuda_graph:
+        try:
+            puller.capture()
+        except RuntimeError as e:  # speed only: the same copies are issued one by one
+            warnings.warn(
+                f"refit: rank {proc}: recording the IPC pull into a CUDA graph failed ({e}); "
+                "issuing its copies one by one (set TransferConfig.cuda_graph=False to skip)",
+                stacklevel=2,
+            )
+            puller.graph = None
+    return puller
+
+
+class IpcLink:
+    """One process's CUDA IPC part of a plan: its exported handles, its mapped sources, one puller per
+    stage, and (all-IPC plans) the shared-memory barrier.
+
+    Lifecycle: ``IpcLink.open(...)`` on every process of a plan with IPC links, after pre-flight
+    (collective through the store: each source publishes the handles of the tensors receivers pull,
+    each receiver maps its sources'); per refit, for each stage in order: the sources' tensors of
+    that stage are final (a barrier), then ``pull(stage)``; ``check_sums()`` once the pulls have
+    finished on the device; ``close()``.
+    Must agree on every process: the plan, ``config.name`` (store keys) and ``config.stages``.
+    Between refits: the mappings stay open and the graphs are replayed; sources change their
+    tensors in place only between the last barrier of one refit and the first of the next.
+    """
+
+    def __init__(
+        self,
+        stage_names: list[set[str]],
+        pullers: list[IpcPuller | None],
+        checked: list[tuple[str, Pair]],
+        mapped: dict[int, dict[str, torch.Tensor]],
+        host_barrier: HostBarrier | None,
+    ) -> None:
+        self.stage_names = stage_names  # the source tensors of each stage
+        self.pullers = pullers  # per stage; None where this process pulls nothing in it
+        self.puller = next((pl for pl in pullers if pl is not None), None) if len(pullers) == 1 else None
+        self.checked = checked  # checksum mode: (tensor name, (destination, source)) of every pull
+        self.host_barrier = host_barrier
+        self._mapped = mapped  # keep the mappings alive
+
+    @classmethod
+    def open(
+        cls,
+        plan: Plan,
+        proc: int,
+        local: LocalTensors,
+        store: dist.Store | None,
+        config: TransferConfig,
+        device: torch.device,
+    ) -> IpcLink:
+        """Exchange handles, build and capture the pullers, agree on the barrier (see the class)."""
+        if store is None:
+            raise PlanError("the plan has CUDA IPC links but no rendezvous store was given")
+        all_ipc = all(m.transport == "ipc" for m in plan.messages)
+        stages = ipc_stages(plan, config.stages if all_ipc else 1)
+        mapped, pairs, checked = _map_pulls(plan, proc, local, store, config, stages)
+        pullers = [_captured_puller(device, same, peer, config, proc) for same, peer in pairs]
+        barrier = None
+        if all_ipc:  # a plan whose links are all IPC (one host) synchronizes through shared memory
+            members = sorted({*plan.procs.src, *plan.procs.dst})
+            barrier = HostBarrier.agree(
+                store, f"{config.name}/barrier", members.index(proc), len(members), config.preflight_timeout_s
+            )
+        return cls(stages, pullers, checked, mapped, barrier)
+
+    def pull(self, stage: int) -> None:
+        """Enqueue stage ``stage``'s copies on the GPU (the host does not wait)."""
+        if self.pullers[stage] is not None:
+            self.pullers[stage].pull()
+
+    def check_sums(self) -> None:
+        """Every pulled tensor's checksum against its source's (checksum mode; after the pulls finished)."""
+        for name, (dst, src) in self.checked:
+            got, want = checksum(dst).tolist(), checksum(src).tolist()
+            if got != want:
+                raise ChecksumError(
+                    f"checksum mismatch in tensor {name!r} pulled over CUDA IPC: "
+                    f"source {want[0]}, received {got[0]} ({want[1]} bytes)"
+                )
+
+    def close(self) -> None:
+        if self.host_barrier is not None:
+            self.host_barrier.close()
+            self.host_barrier = None

@@ -1,0 +1,43 @@
+"""One refit's clock: its deadline and the check for another process's abort, polled by every wait."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from refit.errors import DeadlineExceeded
+
+
+class RunClock:
+    """The deadline (``time.monotonic()`` value, or None) and abort check (or None) of one run.
+
+    Made per run by the executor and handed to every blocking wait of that run; holds no other state.
+    """
+
+    def __init__(self, deadline: float | None = None, check_abort: Callable[[], None] | None = None) -> None:
+        self.deadline = deadline
+        self.check_abort = check_abort
+
+    @property
+    def bounded(self) -> bool:
+        """Whether waits must poll (a deadline or an abort check); otherwise they may block."""
+        return self.deadline is not None or self.check_abort is not None
+
+    def left(self) -> float | None:
+        """Seconds until the deadline (0 once past it), or None without one."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def watch(self, finished: Callable[[], bool], pending: Callable[[], str]) -> None:
+        """Poll ``finished`` until it is true, giving up at the deadline and checking the side
+        channel every 20 ms for another process's abort (short waits spin, longer ones yield)."""
+        start = time.monotonic()
+        next_check = start + 0.02
+        while not finished():
+            now = time.monotonic()
+            if self.deadline is not None and now > self.deadline:
+                raise DeadlineExceeded(f"{pending()} still pending at the deadline")
+            if self.check_abort is not None and now >= next_check:
+                self.check_abort()
+                next_check = now + 0.02
+            if now - start > 0.05:
+                time.sleep(0.0001)

@@ -1,0 +1,300 @@
+"""torch.distributed P2P: one process's send/receive steps of a plan, over gloo (CPU) or NCCL (GPU).
+
+Setup (once, no communication): allocate the staging ring (``StagingRing``), build every step's ops
+(peer, tag, the tensor on the wire, the (buffer view, tensor view) pairs to pack or unpack, ring slot;
+``P2PSchedule``) from the plan's messages, tags and slots (``refit.plan.schedule``).
+
+Per refit, per step: pack outgoing buckets into ring buffers, post all of the step's sends and receives
+in one ``batch_isend_irecv`` (or, on a standalone group, its own ``send``/``recv``), unpack. On CUDA,
+packing runs on a pack stream and unpacking on an unpack stream, ordered by events, so packing step k+1
+and unpacking step k-1 overlap the transfer of step k; a ring buffer is reused only after the event of
+its last use. Direct pieces (contiguous on both sides) go from the source tensor straight into the
+destination tensor. With checksums on, a [sum, bytes] message travels beside every message (tag plus
+``SUM_TAG``) and the receiver compares.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from refit.binding import LocalTensors
+from refit.config import TransferConfig
+from refit.errors import ChecksumError
+from refit.plan import Plan
+from refit.plan.schedule import assign_slots, assign_tags, p2p_messages
+from refit.transport.checksum import checksum
+from refit.transport.clock import RunClock
+
+SUM_TAG = 1 << 20  # checksum messages use the message's tag plus this
+
+
+@dataclass
+class _Op:
+    peer: int
+    tag: int
+    tensor: torch.Tensor  # what is sent or received into (a view or a buffer slice)
+    pack: list[tuple[torch.Tensor, torch.Tensor]]  # (buffer view, tensor view)
+    slot: int = -1  # ring buffer index (packed only)
+    names: tuple[str, ...] = ()  # the tensors whose pieces this message carries
+    step: int = 0
+    sum: torch.Tensor | None = None  # checksum mode: [checksum, bytes] sent beside the message
+    got: torch.Tensor | None = None  # checksum mode, CUDA receivers: the received message's checksum
+
+    def what(self) -> str:
+        more = f" and {len(self.names) - 3} more" if len(self.names) > 3 else ""
+        return f"step {self.step}, tensors {', '.join(self.names[:3])}{more}"
+
+
+@dataclass
+class _Step:
+    sends: list[_Op] = field(default_factory=list)
+    recvs: list[_Op] = field(default_factory=list)
+
+
+FaultHook = Callable[[str, _Step], None]
+"""``fault(where, step)``: called at "step" (sends packed, nothing posted) and, on CPU, "received" (not yet checked)."""
+
+
+class StagingRing:
+    """The staging buffers of one process's packed P2P messages.
+
+    ``min(num_buffers, packed messages)`` buffers, each as long as the largest packed message (so at
+    most the plan's budget); ``slot_of[i]`` is the buffer of message ``plan.messages[i]``
+    (``assign_slots``). Allocated once; reused every refit.
+    """
+
+    def __init__(self, plan: Plan, proc: int, device: torch.device) -> None:
+        packed = [i for i in p2p_messages(plan, proc) if not plan.messages[i].direct]
+        messages = [plan.messages[i] for i in packed]
+        n_buf = min(plan.num_buffers, len(messages))
+        buf_len = max((m.nbytes for m in messages), default=0)
+        self.buffers = [torch.empty(buf_len, dtype=torch.uint8, device=device) for _ in range(n_buf)]
+        self.staging_bytes = n_buf * buf_len
+        self.slot_of = dict(zip(packed, assign_slots(messages, plan.num_buffers)))
+
+
+class _Waiter:
+    """A daemon thread that blocks in ``Work.wait()`` for the executor's thread, which keeps the clock."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="refit-waiter", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            works, done = item
+            for i, w in enumerate(works):
+                try:
+                    w.wait()
+                except BaseException as e:  # noqa: BLE001 - handed to the executor's thread
+                    done.error = (i, e)
+                    break
+            done.set()
+
+    def submit(self, works: list) -> threading.Event:
+        done = threading.Event()
+        done.error = None
+        self.queue.put((works, done))
+        return done
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+
+def _build_steps(plan: Plan, proc: int, local: LocalTensors, ring: StagingRing, tag_base: int) -> list[_Step]:
+    """Every P2P op of ``proc``, per step (steps without ops dropped); sends and receives in plan order."""
+    tags = assign_tags(plan, proc, tag_base)
+    steps = [_Step() for _ in range(plan.num_steps)]
+    for i in p2p_messages(plan, proc):
+        m = plan.messages[i]
+        is_send = plan.procs.src[m.src] == proc
+        peer = plan.procs.dst[m.dst] if is_send else plan.procs.src[m.src]
+        view = local.src_view if is_send else local.dst_view
+        names = tuple(dict.fromkeys(p.tensor for p in m.pieces))
+        if m.direct:
+            p = m.pieces[0]
+            op = _Op(peer, tags[i], view(p.tensor, p.box), [], names=names, step=m.step)
+        else:
+            slot = ring.slot_of[i]
+            buf = ring.buffers[slot]
+            pack = []
+            for p, off in zip(m.pieces, m.offsets):
+                tv = view(p.tensor, p.box)
+                pack.append((buf[off : off + p.nbytes].view(tv.dtype).view(tv.shape), tv))
+            op = _Op(peer, tags[i], buf[: m.nbytes], pack, slot, names=names, step=m.step)
+        (steps[m.step].sends if is_send else steps[m.step].recvs).append(op)
+    return [s for s in steps if s.sends or s.recvs]
+
+
+class P2PSchedule:
+    """One process's P2P steps of a plan, built once and walked every refit.
+
+    Lifecycle: built on every process of the plan (no communication: tags, slots and views come from
+    the plan); ``run_cpu`` (gloo) or ``run_cuda`` (NCCL) once per refit, on every process in the same
+    order; ``check_sums`` after a CUDA run; ``close()``.
+    Must agree with every peer: the plan, ``tag_base`` (tags) and ``config.checksums`` (the checksum
+    messages); a mismatch hangs in a receive until the deadline.
+    Between refits: the ring and the views stay bound; the local tensors change in place.
+    ``standalone``: ``group`` is a ProcessGroup object made outside torch.distributed's world (e.g.
+    ``ProcessGroupGloo(store, rank, size)`` inside a vLLM worker); peers are its ranks and ops go
+    straight to it.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        proc: int,
+        local: LocalTensors,
+        device: torch.device,
+        config: TransferConfig,
+        tag_base: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        standalone: bool = False,
+    ) -> None:
+        self.group, self.standalone = group, standalone
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.ring = StagingRing(plan, proc, device)
+        self.steps = _build_steps(plan, proc, local, self.ring, tag_base)
+        self.checksums = config.checksums
+        if self.checksums:  # a checksum travels beside every message
+            for step in self.steps:
+                for op in step.sends + step.recvs:
+                    op.sum = torch.zeros(2, dtype=torch.int64, device=device)
+                for op in step.recvs:
+                    op.got = torch.zeros(2, dtype=torch.int64, device=device)
+        self._waiter: _Waiter | None = None
+        if self.cuda:
+            self.pack_stream = torch.cuda.Stream(device)
+            self.unpack_stream = torch.cuda.Stream(device)
+            self.free = [None] * len(self.ring.buffers)  # event: ring buffer's last use finished
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.stop()
+            self._waiter = None
+
+    def _post(self, step: _Step, sums: bool = False) -> list:
+        """Post every send and receive of a step (or, ``sums``, of their checksums); return the works."""
+
+        def msgs(ops: list[_Op]) -> list[tuple[int, torch.Tensor, int]]:
+            return [(op.peer, op.sum, op.tag + SUM_TAG) if sums else (op.peer, op.tensor, op.tag) for op in ops]
+
+        sends, recvs = msgs(step.sends), msgs(step.recvs)
+        if self.standalone:
+            return [self.group.send([t], p, tag) for p, t, tag in sends] + [
+                self.group.recv([t], p, tag) for p, t, tag in recvs
+            ]
+        return dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, t, p, self.group, tag) for p, t, tag in sends]
+            + [dist.P2POp(dist.irecv, t, p, self.group, tag) for p, t, tag in recvs]
+        )
+
+    def _wait(self, clock: RunClock, works: list, ops: list[_Op], what: str) -> None:
+        """Wait for ``works`` (one per op, in order) under ``clock.watch``; a failed work names its peer.
+
+        A blocked gloo wait cannot be interrupted (and gloo's own wait-with-timeout breaks the
+        pair), so a waiter thread blocks in ``wait()`` while this thread keeps the clock; past
+        the deadline the waiter stays blocked until the group's own timeout, and the refit is
+        aborted (its Peer is then unusable anyway)."""
+        if not clock.bounded:
+            for w in works:
+                w.wait()
+            return
+        if self._waiter is None:
+            self._waiter = _Waiter()
+        done = self._waiter.submit(works)
+        peers = ", ".join(f"process {p}" for p in sorted({op.peer for op in ops}))
+        clock.watch(lambda: done.wait(0.001), lambda: f"{what} with {peers} ({ops[0].what() if ops else '-'})")
+        if done.error is not None:
+            i, e = done.error
+            raise RuntimeError(f"{what} with process {ops[i].peer} ({ops[i].what()}) failed: {e}") from e
+
+    def run_cpu(self, clock: RunClock, fault: FaultHook | None = None) -> None:
+        """Every step in turn on the host: pack, post, wait, check, unpack."""
+        for step in self.steps:
+            for op in step.sends:
+                for bv, tv in op.pack:
+                    bv.copy_(tv)
+                if op.sum is not None:
+                    op.sum.copy_(checksum(op.tensor))
+            if fault is not None:
+                fault("step", step)
+            ops = step.sends + step.recvs
+            self._wait(clock, self._post(step), ops, "transfer")
+            if self.checksums:
+                self._wait(clock, self._post(step, sums=True), ops, "checksum exchange")
+            if fault is not None:
+                fault("received", step)
+            self._check_step(step)
+            for op in step.recvs:
+                for bv, tv in op.pack:
+                    tv.copy_(bv)
+
+    def run_cuda(self, fault: FaultHook | None = None) -> None:
+        """Every step enqueued on the GPU (pack stream, NCCL on the main stream, unpack stream); the
+        host does not wait: the caller synchronizes, then ``check_sums``."""
+        main = torch.cuda.current_stream(self.device)
+        self.pack_stream.wait_stream(main)  # the source weights are final
+        for step in self.steps:
+            packed = [op for op in step.sends + step.recvs if op.pack]
+            with torch.cuda.stream(self.pack_stream):
+                for op in packed:
+                    if self.free[op.slot] is not None:
+                        self.pack_stream.wait_event(self.free[op.slot])
+                for op in step.sends:
+                    for bv, tv in op.pack:
+                        bv.copy_(tv, non_blocking=True)
+                    if op.sum is not None:
+                        op.sum.copy_(checksum(op.tensor))
+            main.wait_stream(self.pack_stream)
+            if fault is not None:
+                fault("step", step)
+            for w in self._post(step):
+                w.wait()  # the main stream waits for NCCL; the host does not
+            if self.checksums:
+                for w in self._post(step, sums=True):
+                    w.wait()
+                for op in step.recvs:
+                    op.got.copy_(checksum(op.tensor))
+            done = torch.cuda.Event()
+            done.record(main)
+            with torch.cuda.stream(self.unpack_stream):
+                self.unpack_stream.wait_event(done)
+                for op in step.recvs:
+                    for bv, tv in op.pack:
+                        tv.copy_(bv, non_blocking=True)
+                free = torch.cuda.Event()
+                free.record(self.unpack_stream)
+            for op in packed:
+                self.free[op.slot] = free
+        main.wait_stream(self.unpack_stream)
+
+    def check_sums(self) -> None:
+        """After a CUDA run has finished on the device: every received message's checksum."""
+        for step in self.steps:
+            self._check_step(step)
+
+    def _check_step(self, step: _Step) -> None:
+        if not self.checksums:
+            return
+        for op in step.recvs:
+            got = (op.got if self.cuda else checksum(op.tensor)).tolist()
+            want = op.sum.tolist()
+            if got != want:
+                raise ChecksumError(
+                    f"checksum mismatch in the message from process {op.peer} ({op.what()}): "
+                    f"sent {want[0]} over {want[1]} bytes, "
+                    f"received {got[0]} over {got[1]} bytes"
+                )
