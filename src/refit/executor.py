@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from refit.binding import LocalTensors, bind_local
 from refit.config import TransferConfig
-from refit.errors import PlanError
+from refit.errors import ConfigError
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
 from refit.transport.clock import RunClock
@@ -74,7 +74,7 @@ class Comms:
 
     def __post_init__(self) -> None:
         if self.standalone and self.group is None:
-            raise PlanError("standalone=True needs the ProcessGroup object as group")
+            raise ConfigError("Comms(standalone=True) needs the ProcessGroup object as group, got group=None")
 
 
 class Executor:
