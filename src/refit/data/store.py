@@ -316,24 +316,30 @@ class Store(ABC):
         tags: dict | Sequence[dict] | None = None,
         seq_lens: Sequence[int] | None = None,
         overwrite: bool = False,
-    ) -> BatchMeta: ...
+    ) -> BatchMeta:
+        """Write one row of every field per key; the ``BatchMeta`` of what was written."""
 
     @abstractmethod
     def get(
         self, keys: BatchMeta | Sequence[str], *, select_fields: Sequence[str], partition: str | None = None
-    ) -> dict[str, Rows]: ...
+    ) -> dict[str, Rows]:
+        """``{field: rows}`` of ``select_fields`` in key order, never aliasing the store."""
 
     @abstractmethod
-    def clear(self, keys: BatchMeta | Sequence[str], *, partition: str | None = None) -> int: ...
+    def clear(self, keys: BatchMeta | Sequence[str], *, partition: str | None = None) -> int:
+        """Drop ``keys`` (absent ones skipped); returns how many were held."""
 
     @abstractmethod
-    def clear_partition(self, partition: str) -> int: ...
+    def clear_partition(self, partition: str) -> int:
+        """Drop every key of ``partition``; returns how many there were."""
 
     @abstractmethod
-    def keys(self, partition: str | None = None) -> list[str] | list[tuple[str, str]]: ...
+    def keys(self, partition: str | None = None) -> list[str] | list[tuple[str, str]]:
+        """Keys held in ``partition``, or every ``(partition, key)`` when it is None."""
 
     @abstractmethod
-    def meta(self, keys: Sequence[str], *, partition: str = "default") -> BatchMeta: ...
+    def meta(self, keys: Sequence[str], *, partition: str = "default") -> BatchMeta:
+        """The ``BatchMeta`` of held ``keys`` (fields all of them have, tags, seq_lens)."""
 
     @abstractmethod
     def chunks(self) -> int:
