@@ -192,9 +192,10 @@ class Fanout:
     ``replica_procs[j][r]``: the global process of each rank (``ValueError`` naming the counts
     when they do not match the layouts' world sizes). The first trainer process coordinates.
 
-    Owns: one ``Peer`` per wave this process is a member of (rebuilt under a new name and P2P
-    tag range after a failed attempt or a death), the processes it knows are dead, and
-    ``version``: the last version this process committed (None before the first).
+    Owns: one ``Peer`` per wave this process is a member of (rebuilt when the known-dead set
+    changes, and under a new name and P2P tag range after a failed attempt), the processes it
+    knows are dead, and ``version``: the last version this process committed (None before the
+    first).
 
     Lifecycle: construct on every process at once (collective: each wave's Peer runs its
     pre-flight through ``store``, in wave order, for up to ``config.preflight_timeout_s``);
