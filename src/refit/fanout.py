@@ -207,8 +207,8 @@ class Fanout:
     process that must outlive the refit) and each ``run``'s ``version``. Per process: ``proc``,
     ``tensors``, ``device``.
 
-    Versions: a receiver commits a version when its wave's outcome is ok (the coordinator then
-    publishes ``<config.name>/holds/<proc>``), a trainer process when ``run`` returns. A wave
+    Versions: a receiver commits a version when its wave's outcome is ok (the coordinator, before
+    publishing that outcome, sets ``<config.name>/holds/<proc>``), a trainer process when ``run`` returns. A wave
     attempt starts only if every source replica process holds exactly the version being sent
     (``FanoutError`` otherwise). ``FanoutError`` also ends the refit when a trainer process dies,
     a wave fails ``max_attempts`` times, or a store wait runs out.
