@@ -17,10 +17,11 @@ both versions). No replica pulls from a replica on another version.
 Failures: every wave ends with a status from each participant; the coordinator (the first
 trainer process) waits for them up to ``deadline_s`` and publishes the outcome. A participant
 that posted nothing is dead; if anyone died or failed, the survivors re-plan the wave without
-the dead (its receivers onto the remaining holders) on a fresh group and run it again. A
+the dead (its receivers onto the remaining holders) and run it again with a fresh Peer. A
 receiver that died simply has no version; later waves plan without it. The trainer must
-survive (it hosts the store). Every wave runs on the default group; an attempt after a failure
-uses a fresh P2P tag range, so a failed attempt's leftover receives can never match its sends.
+survive (it hosts the store). Every wave runs on one group (``group``, by default the default
+group); an attempt after a failure uses a fresh P2P tag range, so a failed attempt's leftover
+receives can never match its sends.
 """
 
 from __future__ import annotations
@@ -77,6 +78,15 @@ def _stack(parts: list[tuple[ModelLayout, int]]) -> ModelLayout:
 
 @dataclass(frozen=True)
 class Wave:
+    """One wave of a fan-out, as plan inputs: who receives, who sends.
+
+    ``receivers`` / ``sources``: replica indices; the trainer is a source of every wave and is
+    not listed. ``src_layout`` is one side made of the trainer's ranks followed by each source
+    replica's ranks (in ``sources`` order); ``dst_layout`` of each receiver's ranks. ``procs``
+    maps those side-local ranks to global processes; ``members`` is every process taking part.
+    Pure data: the same inputs give the same Wave on every process.
+    """
+
     index: int
     receivers: tuple[int, ...]  # replica indices
     sources: tuple[int, ...]  # replica indices holding the version (the trainer is always a source)
@@ -99,6 +109,9 @@ def build_wave(
     replica_procs: list[list[int]],
     devices: Sequence[str] | None = None,
 ) -> Wave:
+    """Wave ``index``: replicas ``receivers`` pull from the trainer and replicas ``sources``.
+    ``trainer_procs[r]`` is the process of trainer rank ``r``, ``replica_procs[j][r]`` that of
+    rank ``r`` of replica ``j``; ``devices``: every global process's device, or None."""
     nt, nr = trainer.world_size, replica.world_size
     src = _stack([(trainer, nt)] + [(replica, nr) for _ in sources])
     dst = _stack([(replica, nr) for _ in receivers])
@@ -153,6 +166,14 @@ def wave_plans(
 
 @dataclass
 class FanoutStats:
+    """What one ``Fanout.run`` did on this process.
+
+    ``waves``: waves it took part in that succeeded; ``attempts``: wave attempts it ran
+    (retries included); ``dead``: processes known dead when it returned, sorted; ``seconds``:
+    its wall time here; ``sources_seen``: per source replica process checked before an
+    attempt, (wave, attempt, process, the version the store says it holds).
+    """
+
     waves: int = 0
     attempts: int = 0
     dead: list[int] = field(default_factory=list)
@@ -163,13 +184,42 @@ class FanoutStats:
 
 
 class Fanout:
-    """One process's part of a fan-out refit. ``tensors``: the trainer rank's shards (on a
-    trainer process) or the replica rank's live tensors (on an engine process). Every process
-    constructs it with the same layouts and process lists; ``run(version)`` on all of them.
+    """One process's part of a fan-out refit (the module docstring: schedule, versions, failures).
+
+    ``tensors``: the trainer rank's shards (on a trainer process) or the replica rank's live
+    tensors (on an engine process); the caller's, written in place on a receiver. ``trainer``
+    / ``replica``: the trainer's layout and one replica's; ``trainer_procs[r]`` /
+    ``replica_procs[j][r]``: the global process of each rank (``ValueError`` naming the counts
+    when they do not match the layouts' world sizes). The first trainer process coordinates.
+
+    Owns: one ``Peer`` per wave this process is a member of (rebuilt when the known-dead set
+    changes, and under a new name and P2P tag range after a failed attempt), the processes it
+    knows are dead, and ``version``: the last version this process committed (None before the
+    first).
+
+    Lifecycle: construct on every process at once (collective: each wave's Peer runs its
+    pre-flight through ``store``, in wave order, for up to ``config.preflight_timeout_s``);
+    ``run(version)`` on every process once per refit, with increasing versions; ``close()``.
+
+    Must agree on every process: ``trainer``, ``replica``, ``trainer_procs``,
+    ``replica_procs``, ``config`` (its ``name`` prefixes every store key, ``deadline_s`` bounds
+    every wait), ``max_attempts``, ``devices``, ``group``, the ``store`` itself (hosted by a
+    process that must outlive the refit) and each ``run``'s ``version``. Per process: ``proc``,
+    ``tensors``, ``device``.
+
+    Versions: a receiver commits a version when its wave's outcome is ok (the coordinator, before
+    publishing that outcome, sets ``<config.name>/holds/<proc>``), a trainer process when ``run`` returns. A wave
+    attempt starts only if every source replica process holds exactly the version being sent
+    (``FanoutError`` otherwise). ``FanoutError`` also ends the refit when a trainer process dies,
+    a wave fails ``max_attempts`` times, or a store wait runs out.
+
+    Between calls: a trainer updates its tensors in place. ``hook`` (tests, fault injection):
+    None, or ``hook(wave index, attempt)``, called on this process before each wave attempt.
 
     On GPUs: ``devices`` (every global process's device), ``device`` (this process's),
     ``group`` (the NCCL group P2P links use; default: the default group) and
-    ``config.transport`` (``"auto"``: CUDA IPC between processes of one host)."""
+    ``config.transport`` (``"auto"``: CUDA IPC between processes of one host).
+    """
 
     def __init__(
         self,
@@ -223,7 +273,7 @@ class Fanout:
 
     # -- helpers ---------------------------------------------------------------------------
     def _peer(self, wave: Wave) -> Peer:
-        """This process's Peer for ``wave`` on the default group; its name and P2P tag range
+        """This process's Peer for ``wave`` on ``self.group``; its name and P2P tag range
         depend on how many attempts of this wave failed so far (the same count on every member),
         so a failed attempt's leftover receives never match a later attempt's sends."""
         n = self.failures.get(wave.index, 0)
@@ -285,8 +335,9 @@ class Fanout:
 
     # -- one refit -------------------------------------------------------------------------
     def run(self, version: int) -> FanoutStats:
-        """Every process calls it with the same ``version``; returns once this process's waves
-        are done (the trainer's: once every wave is done)."""
+        """Every process calls it with the same ``version`` (``ValueError`` unless it exceeds
+        this process's last committed one); returns once this process's waves are done (a
+        trainer process's: every wave)."""
         if self.version is not None and version <= self.version:
             raise ValueError(f"version must increase: got {version} after {self.version}")
         t0, stats = time.perf_counter(), FanoutStats()

@@ -12,8 +12,9 @@ each DP rank, its microbatches (lists of sample indices) such that
   sample that alone exceeds it;
 - the ``group_size`` consecutive samples of a GRPO group land on one rank;
 - token totals per rank are balanced: groups are partitioned over ranks by Karmarkar-Karp's
-  largest differencing method, then each rank packs its own samples (first fit decreasing) and
-  ranks with fewer bins split their fullest bins until every rank has as many as the largest.
+  largest differencing method, then each rank packs its own samples (first fit decreasing);
+  a rank with fewer bins than the most any rank has (or than ``min_microbatches``) splits its
+  heaviest bin of two or more samples in two, until every rank has that many.
 
 ``shard_order`` / ``inverse_permutation`` / ``restore_order`` undo the reordering for per-sample
 results (logprobs, values) that come back rank by rank.
@@ -93,8 +94,13 @@ def balanced_shards(
     min_microbatches: int = 1,
 ) -> Shards:
     """See the module docstring. ``min_microbatches``: at least this many per rank (e.g. the
-    pipeline depth). Raises ``ValueError`` naming the parameter and numbers when no valid
-    sharding exists (fewer samples than microbatches needed on some rank)."""
+    pipeline depth). Raises ``ValueError`` naming the parameter and numbers for a bad argument
+    (a degree, budget or count below 1, a negative length, ``group_size`` not dividing the
+    samples, fewer groups than ranks) or when no valid sharding exists (fewer samples than
+    microbatches needed on some rank).
+
+    Deterministic. Ranks are ordered by their smallest sample index; a rank's microbatches run
+    heaviest first, each listing its sample indices in ascending order."""
     lens = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
     n = len(lens)
     if dp_world < 1:
@@ -144,6 +150,8 @@ def shard_order(shards: Shards) -> list[int]:
 
 
 def inverse_permutation(perm: Sequence[int]) -> list[int]:
+    """``inv`` with ``inv[perm[j]] == j``; ``ValueError`` if ``perm`` is not a permutation of
+    ``range(len(perm))``."""
     inv = [-1] * len(perm)
     for j, i in enumerate(perm):
         if not 0 <= i < len(perm) or inv[i] != -1:
@@ -168,8 +176,9 @@ def restore_order(per_rank: Sequence[Any], shards: Shards) -> Any:
     return [flat[j] for j in inv]
 
 
-def balance_stats(shards: Shards, lengths: Sequence[int]) -> dict[str, float]:
-    """max/mean tokens per rank, microbatches per rank, largest microbatch."""
+def balance_stats(shards: Shards, lengths: Sequence[int]) -> dict[str, Any]:
+    """Tokens per rank (``max_over_mean``, 1.0 when there are none; ``max_tokens``,
+    ``min_tokens``), ``microbatches`` (the count per rank) and ``max_microbatch_tokens``."""
     lens = [int(n) for n in lengths]
     tokens = [sum(lens[i] for mb in rank for i in mb) for rank in shards]
     mean = sum(tokens) / len(tokens)

@@ -38,9 +38,16 @@ def leader_fetch(
     partition: str | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, Rows]:
-    """Every rank of ``group`` calls this with the same ``keys`` and ``select_fields``; only
-    the rank whose group rank is ``leader`` uses ``store`` (the others may pass ``None``).
-    ``device``: where the broadcast buffer lives (``cuda`` for NCCL groups); results are on it."""
+    """Every rank of ``group`` (None: the default group) calls this together: it is two
+    broadcasts from the rank whose group rank is ``leader``, so it must sit at the same point of
+    every rank's sequence of collectives on ``group``. Only the leader uses ``store``, ``keys``,
+    ``select_fields`` and ``partition`` (the others may pass ``store=None``; they learn fields,
+    dtypes and shapes from the leader's descriptor). Every rank, the leader included, returns
+    the same ``{field: rows}`` (as ``Store.get``), copied out of the broadcast buffer.
+
+    ``device``: where the broadcast buffer lives (``cuda`` for NCCL groups); results are on it.
+    If the leader's fetch fails (or it has no store), every rank raises ``LeaderFetchError``
+    carrying the leader's error."""
     me = dist.get_rank(group)
     src = dist.get_global_rank(group, leader) if group is not None else leader
     desc: list[Any] = [None]

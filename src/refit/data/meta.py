@@ -17,6 +17,22 @@ from typing import Any
 
 @dataclass(frozen=True)
 class BatchMeta:
+    """The samples ``keys`` of store partition ``partition``, described without their data.
+
+    Owns nothing in the store: it names keys; whoever holds it fetches (``Store.get``) or clears
+    them. ``fields``: the fields every key has (as written or as ``Store.meta`` found them, not
+    re-checked). ``tags``: one dict per key (default: an empty dict each). ``seq_lens``: one
+    int per key, or None when unknown. ``extra_info``: free-form (e.g. a rank's packing).
+
+    Must agree: ``keys`` are unique; ``tags`` and ``seq_lens`` have one entry per key, entry
+    ``i`` describing ``keys[i]``. Checked in ``__post_init__`` (``ValueError`` naming the
+    partition or both counts), which also turns the lists into tuples.
+
+    Frozen: ``select``, ``reorder``, ``chunk``, ``concat``, ``with_fields`` and
+    ``with_extra_info`` return a new ``BatchMeta`` (``extra_info`` deep-copied), keeping the
+    per-key entries aligned.
+    """
+
     keys: tuple[str, ...]
     partition: str
     fields: tuple[str, ...] = ()  # fields present for every key
@@ -44,6 +60,7 @@ class BatchMeta:
 
     @property
     def total_tokens(self) -> int:
+        """The sum of ``seq_lens``; ``ValueError`` when they are unknown."""
         if self.seq_lens is None:
             raise ValueError(f"BatchMeta of partition {self.partition!r} has no seq_lens")
         return sum(self.seq_lens)
@@ -84,6 +101,7 @@ class BatchMeta:
         return out
 
     def with_fields(self, fields: Sequence[str]) -> BatchMeta:
+        """The same samples with ``fields`` added to ``self.fields`` (order kept, no repeats)."""
         return BatchMeta(
             self.keys,
             self.partition,
@@ -94,6 +112,7 @@ class BatchMeta:
         )
 
     def with_extra_info(self, **info: Any) -> BatchMeta:
+        """The same samples with ``info`` merged into ``extra_info`` (``info`` wins)."""
         return BatchMeta(
             self.keys, self.partition, self.fields, self.tags, self.seq_lens, {**copy.deepcopy(self.extra_info), **info}
         )

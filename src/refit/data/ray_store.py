@@ -39,11 +39,15 @@ except ImportError:  # pragma: no cover - exercised only without ray
 
 
 def encode(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
+    """``t``'s bytes as a flat uint8 array (sharing memory with a contiguous CPU ``t``), its dtype
+    name and its shape: any dtype survives ``decode`` bit for bit."""
     t = t.detach().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
 def decode(w: tuple[np.ndarray, str, tuple[int, ...]], copy: bool) -> torch.Tensor:
+    """The tensor ``encode`` described; ``copy=False`` views the array's memory (never write to it
+    when it is an object-store buffer), ``copy=True`` owns a writable copy."""
     arr, dtype, shape = w
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only object-store buffers
@@ -106,9 +110,20 @@ def _shard(partition: str, key: str, n: int) -> int:
 
 class RayStore(Store):
     """``RayStore(num_units=2)`` starts ``num_units`` storage actors (Ray must be initialized);
-    ``actor_options`` go to ``.options()`` (e.g. ``num_cpus``, a node ``scheduling_strategy``).
-    ``durable=False`` leaves each put's object owned by the writing process: one copy less per
-    put, but the keys become unreadable (Ray raises an owner-died error) once the writer exits."""
+    ``actor_options`` go to ``.options()`` (default ``num_cpus=0``; e.g. a node
+    ``scheduling_strategy``). ``durable=False`` leaves each put's object owned by the writing
+    process: one copy less per put, but the keys become unreadable (Ray raises an owner-died
+    error) once the writer exits.
+
+    Lifecycle: built once, on a process where ``ray.init()`` ran (the driver); pickling it
+    (passing it to a Ray task or actor) gives a client of the same actors, in the same order,
+    with the same ``durable``. ``shutdown()`` kills the actors, dropping every key they hold:
+    call it once, when no client is in use.
+
+    Must agree: every client routes a key to an actor by a stable hash of (partition, key)
+    modulo the number of actors, so clients must come from one store by pickling (never build
+    a second one over the same keys). Two writers racing on the same keys are not serialized.
+    """
 
     def __init__(
         self, num_units: int = 2, actor_options: dict | None = None, durable: bool = True, _actors: list | None = None
@@ -132,6 +147,7 @@ class RayStore(Store):
         return (RayStore, (len(self.actors), None, self.durable, self.actors))
 
     def shutdown(self) -> None:
+        """Kill the storage actors (everything they hold is lost); no client can be used after."""
         for a in self.actors:
             ray.kill(a)
         self.actors = []

@@ -29,6 +29,9 @@ from .store import Rows, Store
 
 @dataclass(frozen=True)
 class Entry:
+    """One ``ReplayBuffer.add``: the keys of a trajectory or a GRPO group, the weight version
+    that generated them, and the earliest version allowed to train on them (None: any)."""
+
     meta: BatchMeta
     generated_version: int
     target_version: int | None
@@ -36,6 +39,13 @@ class Entry:
 
 @dataclass
 class ReplayStats:
+    """A ``ReplayBuffer``'s counters since it was built (``stats()`` returns a copy).
+
+    ``added`` / ``consumed`` / ``expired``: entries; ``keys_cleared``: store keys the buffer
+    cleared (consumed, expired or closed, as ``Store.clear`` counted them); ``ages``: per
+    consumed entry, ``current_version - generated_version``, in the order they were sampled.
+    """
+
     added: int = 0
     consumed: int = 0
     expired: int = 0
@@ -44,10 +54,28 @@ class ReplayStats:
 
 
 class BufferFull(DataError):
-    pass
+    """``ReplayBuffer.add`` on a buffer already holding ``max_size`` entries; nothing was added."""
 
 
 class ReplayBuffer:
+    """Entries (``BatchMeta`` of keys in ``store``) by weight version; the module docstring
+    gives the eligibility and expiry rules.
+
+    Owns: its entries and, from ``add`` on, their keys in the store: it clears them when they
+    are sampled, expire or at ``close()`` (the caller must not clear them itself). The store is
+    the caller's. ``max_age >= 0``; ``max_size``: None (unbounded) or ``>= 1`` entries
+    (``ValueError`` naming the value).
+
+    Lifecycle: ``add`` (rollout workers) and ``sample`` (the trainer) in any order, from any
+    threads: every method takes one lock, and ``sample`` holds it across its store ``get`` and
+    ``clear``. ``close()`` when done: clears the keys still held.
+
+    Must agree: ``current_version`` (``sample``, ``eligible``) and ``generated_version`` /
+    ``target_version`` (``add``) count the same weight versions. Entries expired at one
+    ``sample`` are gone, even if a later call passes a smaller version. The entries one
+    ``sample`` takes must share a partition (``BatchMeta.concat`` raises otherwise; they stay).
+    """
+
     def __init__(self, store: Store, max_age: int, max_size: int | None = None) -> None:
         if max_age < 0:
             raise ValueError(f"ReplayBuffer: max_age must be >= 0, got {max_age}")
@@ -63,6 +91,8 @@ class ReplayBuffer:
             return len(self._entries)
 
     def add(self, meta: BatchMeta, generated_version: int, target_version: int | None = None) -> None:
+        """Hold ``meta`` (at least one key) as one entry. ``ValueError`` for an empty meta or
+        ``target_version < generated_version``; ``BufferFull`` at ``max_size`` entries."""
         if len(meta) == 0:
             raise ValueError("ReplayBuffer.add: an entry needs at least one key")
         if target_version is not None and target_version < generated_version:
@@ -90,12 +120,17 @@ class ReplayBuffer:
         self._stats.expired += len(stale)
 
     def eligible(self, current_version: int) -> int:
+        """How many entries a ``sample`` at ``current_version`` could take (drops nothing)."""
         with self._lock:
             return sum(self._eligible(e, current_version) for e in self._entries)
 
     def sample(
         self, n: int, current_version: int, *, select_fields: Sequence[str]
     ) -> tuple[BatchMeta, dict[str, Rows]] | None:
+        """Drop expired entries, then take the ``n`` oldest eligible ones (in ``add`` order):
+        their concatenated ``BatchMeta`` and ``{field: rows}`` for ``select_fields``, their keys
+        cleared. None, taking nothing, when fewer than ``n`` are eligible; a failed ``get``
+        propagates and leaves them in the buffer."""
         if n < 1:
             raise ValueError(f"ReplayBuffer.sample: n must be >= 1, got {n}")
         with self._lock:
@@ -121,6 +156,7 @@ class ReplayBuffer:
             return n
 
     def stats(self) -> ReplayStats:
+        """A copy of the counters."""
         with self._lock:
             return ReplayStats(
                 self._stats.added,

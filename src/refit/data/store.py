@@ -134,7 +134,9 @@ class StorageUnit:
     """Rows of columns. Each field of a put is one chunk — a payload whose row ``rows[i]``
     belongs to ``keys[i]``: a batch tensor, a list of row tensors, or an opaque handle (the Ray
     backend keeps object references). A put costs one reference per field, a get one gather
-    per chunk; a chunk is dropped when its last row is cleared or overwritten. Thread-safe."""
+    per chunk; a chunk is dropped when its last row is cleared or overwritten. Thread-safe (one
+    lock per unit). It stores what it is given as is: copying (``InProcessStore``) or encoding
+    (``RayStore``) is the caller's job."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -154,6 +156,9 @@ class StorageUnit:
         overwrite: bool = False,
         rows: list[int] | None = None,
     ) -> None:
+        """Record each field's payload as one chunk whose row ``rows[i]`` (default ``i``) belongs
+        to ``keys[i]``; tags merge into a key's tags, a given seq_len replaces its own. Without
+        ``overwrite`` a field a key already has refuses the whole put (``ValueError``) first."""
         rows = list(range(len(keys))) if rows is None else rows
         with self._lock:
             if not overwrite:  # refuse before writing anything
@@ -210,6 +215,7 @@ class StorageUnit:
         return n
 
     def clear_partition(self, partition: str) -> int:
+        """Drop every key of ``partition``; returns how many there were."""
         return self.clear(partition, [k for p, k in self.keys() if p == partition])
 
     # -- reads --------------------------------------------------------------------------
@@ -247,6 +253,8 @@ class StorageUnit:
         return {f: gather(len(keys), groups) for f, groups in self.locate(partition, keys, select_fields).items()}
 
     def meta(self, partition: str, keys: Sequence[str]) -> BatchMeta:
+        """The ``BatchMeta`` of held ``keys``: fields all of them have, their tags, and seq_lens
+        if every key has one. ``MissingKeyError`` for a key not held."""
         with self._lock:
             self._check(partition, keys, ())
             fields = [f for f in self._rows[(partition, keys[0])]] if keys else []
@@ -262,6 +270,7 @@ class StorageUnit:
             )  # type: ignore[arg-type]
 
     def keys(self) -> list[tuple[str, str]]:
+        """Every ``(partition, key)`` held."""
         with self._lock:
             return list(self._rows)
 
@@ -278,12 +287,24 @@ class StorageUnit:
             )
 
     def chunks(self) -> int:
+        """Chunks held (one per field per put while any of its rows lives)."""
         with self._lock:
             return len(self._chunks)
 
 
 class Store(ABC):
-    """A client of the rollout store (see the module docstring for the contract)."""
+    """A client of the rollout store; the module docstring is the contract every backend keeps.
+
+    Holds every row put, per ``(partition, key)``, until it is cleared (nothing expires); a
+    ``BatchMeta`` only names keys. Callers: rollout workers ``put``; the driver plans from the
+    ``BatchMeta`` objects ``put`` or ``meta`` return and may ``put`` more fields; trainer ranks
+    ``get`` (or one rank per group, ``leader_fetch``); whoever owns the keys (the driver, a
+    ``ReplayBuffer``) clears them.
+
+    Must agree: writers and readers name the same partition (a ``BatchMeta`` carries its own;
+    one passed with a different ``partition=`` is a ``ValueError``); ``keys`` is a list of
+    keys or a ``BatchMeta``, never one string (``TypeError``).
+    """
 
     @abstractmethod
     def put(
@@ -295,24 +316,30 @@ class Store(ABC):
         tags: dict | Sequence[dict] | None = None,
         seq_lens: Sequence[int] | None = None,
         overwrite: bool = False,
-    ) -> BatchMeta: ...
+    ) -> BatchMeta:
+        """Write one row of every field per key; the ``BatchMeta`` of what was written."""
 
     @abstractmethod
     def get(
         self, keys: BatchMeta | Sequence[str], *, select_fields: Sequence[str], partition: str | None = None
-    ) -> dict[str, Rows]: ...
+    ) -> dict[str, Rows]:
+        """``{field: rows}`` of ``select_fields`` in key order, never aliasing the store."""
 
     @abstractmethod
-    def clear(self, keys: BatchMeta | Sequence[str], *, partition: str | None = None) -> int: ...
+    def clear(self, keys: BatchMeta | Sequence[str], *, partition: str | None = None) -> int:
+        """Drop ``keys`` (absent ones skipped); returns how many were held."""
 
     @abstractmethod
-    def clear_partition(self, partition: str) -> int: ...
+    def clear_partition(self, partition: str) -> int:
+        """Drop every key of ``partition``; returns how many there were."""
 
     @abstractmethod
-    def keys(self, partition: str | None = None) -> list[str] | list[tuple[str, str]]: ...
+    def keys(self, partition: str | None = None) -> list[str] | list[tuple[str, str]]:
+        """Keys held in ``partition``, or every ``(partition, key)`` when it is None."""
 
     @abstractmethod
-    def meta(self, keys: Sequence[str], *, partition: str = "default") -> BatchMeta: ...
+    def meta(self, keys: Sequence[str], *, partition: str = "default") -> BatchMeta:
+        """The ``BatchMeta`` of held ``keys`` (fields all of them have, tags, seq_lens)."""
 
     @abstractmethod
     def chunks(self) -> int:
@@ -342,7 +369,9 @@ class Store(ABC):
 
 
 class InProcessStore(Store):
-    """The embedded store: one ``StorageUnit`` in this process (threads may share it)."""
+    """The embedded store: one ``StorageUnit`` in this process; threads may share it, other
+    processes cannot (``RayStore`` is the shared one). ``put`` copies the caller's tensors (they
+    may be reused once it returns); ``get`` returns fresh tensors."""
 
     def __init__(self) -> None:
         self.unit = StorageUnit()
@@ -376,6 +405,7 @@ class InProcessStore(Store):
         return self.unit.meta(partition, [str(k) for k in keys])
 
     def nbytes(self) -> int:
+        """Bytes of the tensors held."""
         return self.unit.nbytes()
 
     def chunks(self) -> int:

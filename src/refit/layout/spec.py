@@ -32,10 +32,26 @@ _SIDE_NAMES = {"src": "source (trainer)", "dst": "destination (engine)"}
 
 @dataclass(frozen=True)
 class ParallelSpec:
+    """The degree of every parallel dim of one side, in mesh order (``SIDE_DIMS[side]``, the
+    last varying fastest).
+
+    Built by ``parse_spec``, the one validator: known keys, each once, integer degrees >= 1,
+    every dim of the side listed (1 where not given); ``SpecError`` quotes the spec and names
+    the offending key or value. Constructing one directly is not checked. Derived, never
+    stored: ``world_size`` (the product of the degrees), ``mesh_shape``, ``dim_names``,
+    ``degree(dim)`` (1 for a dim not listed), ``replica()`` and ``replica_ranks()``. ``str()``
+    lists the degrees other than 1 (``"tp=1"`` when all are 1). ``layout_from_spec`` builds the
+    mesh from it.
+
+    ``check_world_size(n)`` raises ``SpecError`` naming each factor and both counts ("source
+    (trainer) spec pp=2,tp=2 needs pp=2 x tp=2 = 4 ranks, but 3 are given").
+    """
+
     side: Side
     degrees: tuple[tuple[str, int], ...]  # (dim, degree) in mesh order, all dims of the side
 
     def degree(self, dim: str) -> int:
+        """The degree of ``dim``; 1 for a dim this spec does not list."""
         return dict(self.degrees).get(dim, 1)
 
     @property
@@ -59,13 +75,16 @@ class ParallelSpec:
         return ParallelSpec(self.side, tuple((n, 1 if n == "dp" else d) for n, d in self.degrees))
 
     def replica_ranks(self) -> list[list[int]]:
-        """Side-local ranks of each ``dp`` replica (``dp`` is the outermost mesh dim when present)."""
+        """Side-local ranks of each ``dp`` replica: consecutive blocks of ``world_size // dp``.
+        Needs ``dp`` outermost, as on the destination side; a source spec with ``dp`` > 1 (where
+        ``pp`` comes first) raises ``SpecError``."""
         if self.dim_names[:1] != ("dp",) and self.degree("dp") > 1:
             raise SpecError(f"spec {self}: dp is not the outermost dim")
         per = self.world_size // self.degree("dp")
         return [list(range(j * per, (j + 1) * per)) for j in range(self.degree("dp"))]
 
     def check_world_size(self, world_size: int) -> None:
+        """``SpecError`` naming each factor and both counts unless ``self.world_size == world_size``."""
         if self.world_size != world_size:
             detail = " x ".join(f"{n}={d}" for n, d in self.degrees if d != 1) or "1"
             raise SpecError(

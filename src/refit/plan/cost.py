@@ -45,6 +45,18 @@ from refit.plan.planner import ProcessMap, link_bytes
 
 @dataclass(frozen=True)
 class Topology:
+    """A cluster for the cost model: ``nodes`` x ``gpus_per_node`` GPUs (GPU ``g`` on node
+    ``g // gpus_per_node``) and the speed of each resource in GB/s, one direction
+    (``hbm_gbps``: read + write). Defaults: measured H200 numbers, noted per field.
+
+    Validated once in ``__post_init__``: every number finite and > 0 (booleans refused), the
+    three counts whole, ``nic_mode`` "auto" or "stripe"; ``TopologyError`` names the topology,
+    the field and the value. ``from_dict`` / ``from_json`` also refuse unknown fields and need
+    ``nodes`` and ``gpus_per_node``; ``from_json`` names the topology after its file unless
+    the JSON sets ``name``. Derived: ``gpus``, ``node(g)``, ``gpu_nic_gbps`` (one NIC in
+    "auto"; in "stripe" all the node's NICs, capped by ``pcie_gbps``). Frozen.
+    """
+
     nodes: int
     gpus_per_node: int
     nvlink_gbps: float = 396.0  # GPU -> GPU peer copy, one direction (H200 NV18, measured)
@@ -72,6 +84,7 @@ class Topology:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Topology:
+        """A topology from its fields (``topology_json`` gives them back)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -83,6 +96,7 @@ class Topology:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> Topology:
+        """A topology from a JSON file of its fields; ``TopologyError`` names an unreadable file."""
         try:
             with open(path) as f:
                 d = json.load(f)
@@ -95,15 +109,18 @@ class Topology:
         return self.nodes * self.gpus_per_node
 
     def node(self, gpu: int) -> int:
+        """The node of GPU ``gpu``."""
         return gpu // self.gpus_per_node
 
     @property
     def gpu_nic_gbps(self) -> float:
+        """The network speed one GPU gets, one direction."""
         if self.nic_mode == "stripe":
             return min(self.pcie_gbps, self.nics_per_node * self.nic_gbps)
         return self.nic_gbps
 
     def describe(self) -> str:
+        """One line: the shape and the speeds."""
         return (
             f"{self.nodes} node(s) x {self.gpus_per_node} GPUs; NVLink {self.nvlink_gbps:g} GB/s per GPU per "
             f"direction; HBM {self.hbm_gbps:g} GB/s (read+write); {self.nics_per_node} NICs x {self.nic_gbps:g} "
@@ -113,6 +130,10 @@ class Topology:
 
 @dataclass(frozen=True)
 class Prediction:
+    """One strategy's predicted refit time (``predict``): ``seconds``, the resource that sets it
+    (``busiest``, e.g. "nic_out of GPU 3") and the bytes that resource moves, with a ``note``
+    on what was counted."""
+
     strategy: str
     seconds: float
     busiest: str  # the resource that sets the time
@@ -155,6 +176,8 @@ def loads(
 
 
 def transfer_time(transfers: dict[tuple[int, int], int], topo: Topology) -> tuple[float, str, int]:
+    """The bottleneck bound of ``transfers``: (seconds, busiest resource, its bytes); (0.0, "-",
+    0) when nothing moves."""
     secs, raw = loads(transfers, topo)
     if not secs:
         return 0.0, "-", 0
@@ -164,6 +187,8 @@ def transfer_time(transfers: dict[tuple[int, int], int], topo: Topology) -> tupl
 
 
 def gpu_placement(n_src: int, n_dst: int, topo: Topology, colocated: bool = False) -> ProcessMap:
+    """Trainer rank ``r`` on GPU ``r``, engine rank ``r`` on GPU ``n_src + r`` (on GPU ``r`` when
+    ``colocated``); ``TopologyError`` naming both counts when the topology has too few GPUs."""
     need = max(n_src, n_dst) if colocated else n_src + n_dst
     if need > topo.gpus:
         raise TopologyError(
@@ -198,6 +223,8 @@ def p2p_transfers(
 def broadcast_time(
     model_bytes: int, n_src: int, n_dst: int, topo: Topology, colocated: bool = False
 ) -> tuple[float, str]:
+    """(seconds, what sets them) of a pipelined ring broadcast of ``model_bytes`` from trainer
+    rank 0's GPU to every engine GPU (the module docstring's ``broadcast``)."""
     procs = gpu_placement(n_src, n_dst, topo, colocated)
     ring = [procs.src[0]] + [g for g in procs.dst if g != procs.src[0]]
     crosses = any(topo.node(a) != topo.node(b) for a, b in zip(ring, ring[1:]))
@@ -237,4 +264,5 @@ def predict(
 
 
 def topology_json(topo: Topology) -> dict[str, Any]:
+    """``topo``'s fields as a JSON-serializable dict (``Topology.from_dict`` reads it back)."""
     return asdict(topo)

@@ -33,6 +33,12 @@ PROMPT_LEN = 16
 
 @dataclass(frozen=True)
 class StepRow:
+    """One row of the demo's table: a training step, the version it refit, the bytes moved,
+    the slowest engine process's refit seconds, the largest logit difference between trainer
+    and engines (must be 0) and the training loss. ``run_demo`` prints these columns without
+    building one.
+    """
+
     step: int
     version: int
     bytes_moved: int
@@ -154,6 +160,9 @@ def _demo_worker(world: World, model_name: str, src: ParallelSpec, dst: Parallel
 
 
 def run_demo(model_name: str, src: ParallelSpec, dst: ParallelSpec, steps: int, cfg: TransferConfig, console) -> bool:
+    """Run the demo (module docstring) on this machine, printing one row per step to
+    ``console``; True when every step's logits match exactly. ``ConfigError`` naming the flag
+    when the model cannot run at a spec's tp degree."""
     from rich.table import Table
 
     from refit.trainers.hf_tp import check_tp_degree

@@ -46,6 +46,17 @@ EXPECT = {
 
 @dataclass(frozen=True)
 class InjectResult:
+    """What one ``inject`` run did: the fault ``mode``, the process it hit (``victim``) and the
+    deadline used, with one row per process, by rank (None: it died).
+
+    A row: ``role``, ``rank``, ``victim``; ``error`` (what version 2 raised there, None if
+    nothing) and ``elapsed_s``; ``version`` (the last it committed) and ``v1_exact`` (an engine
+    still holds version 1 bit for bit); ``retried_version`` and ``v2_exact_after_retry`` (None
+    unless ``corrupt`` retried version 2). ``problems()`` lists where the run fell short of the
+    module docstring's specification (empty: handled as specified); ``last_line()`` is the
+    CLI's line.
+    """
+
     mode: str
     victim: int  # the process the fault hit
     rows: list[dict | None]  # per process: None if it died
@@ -86,6 +97,7 @@ class InjectResult:
         return out
 
     def last_line(self) -> str:
+        """One line: DETECTED or NOT HANDLED, the shortest error, each engine's version, problems."""
         engines = ", ".join(
             f"process {p}: "
             + ("dead" if r is None else f"v{r['version']}" + (" (bit-exact)" if r["v1_exact"] else " (DIFFERS)"))
@@ -259,6 +271,10 @@ def inject(
     seed: int = 0,
     config: TransferConfig | None = None,
 ) -> InjectResult:
+    """One refit of ``src`` to ``dst`` on this machine (gloo, one process per rank) with fault
+    ``mode`` in version 2 (``ConfigError`` for a mode not in ``MODES``). The transfer config
+    (``config``, default 2 buffers of 64 KiB) is run with staged commit, checksums on,
+    ``deadline_s``, a pre-flight timeout of ``max(30, deadline_s)`` and name ``"inject"``."""
     if mode not in MODES:
         raise ConfigError(f"--inject must be one of {', '.join(MODES)}, got {mode!r}")
     base = config or TransferConfig(num_buffers=2, buffer_bytes=64 << 10)

@@ -37,6 +37,18 @@ class WorkerError(RuntimeError):
 
 @dataclass
 class World:
+    """What ``run_local`` hands ``fn`` in each spawned process: the world's shape, this
+    process's place in it, and the groups, all set up before ``fn`` runs (the process group is
+    destroyed after it returns).
+
+    Processes ``0..n_src-1`` are trainer ranks; engine ranks are processes ``n_src..`` (or
+    ``0..n_dst-1`` when ``colocated``: both sides share processes). ``src_rank`` / ``dst_rank``:
+    this process's rank on each side, or None. ``trainer_group`` / ``engine_group``: groups over
+    those processes (None for an empty side); every process is in the world group, on
+    ``backend``. ``device``: this process's; ``devices``: every process's, when ``run_local`` was
+    given them (else empty).
+    """
+
     rank: int
     world_size: int
     n_src: int

@@ -25,6 +25,7 @@ from refit.transfer import Peer, TransferConfig
 
 
 def rss_bytes() -> int:
+    """This process's resident set size in bytes (Linux ``/proc/self/statm``)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -35,6 +36,15 @@ def _process_groups() -> int:
 
 @dataclass(frozen=True)
 class SoakResult:
+    """What ``soak`` measured: one row per process, by process rank.
+
+    A row: ``role``, ``rank``; ``rss_*`` (bytes), ``threads_*`` and ``groups_*`` (process
+    groups) after ``warmup`` refits (``_warm``) and after the last (``_end``); ``seconds``;
+    ``exact``: whether the engine's final weights are right bit for bit (None on a trainer).
+    ``ok``: resident memory grew by at most 5% on every process, no thread or process-group
+    count changed, and no engine's weights differ.
+    """
+
     refits: int
     warmup: int
     rows: list[dict]  # per process: rss/threads/groups after warm-up and at the end, exact, seconds
@@ -85,6 +95,8 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
 def soak(
     src: ModelLayout, dst: ModelLayout, refits: int = 200, warmup: int = 20, config: TransferConfig = TransferConfig()
 ) -> SoakResult:
+    """``refits`` refits from ``src`` to ``dst``, one process per rank on this machine (gloo),
+    measured after ``warmup`` and at the end; ``ConfigError`` unless ``1 <= warmup < refits``."""
     if not 1 <= warmup < refits:
         raise ConfigError(f"need 1 <= warmup < refits, got warmup={warmup}, refits={refits}")
     rows = run_local(

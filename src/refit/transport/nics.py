@@ -31,6 +31,10 @@ MODES = ("auto", "stripe", "off")
 
 @dataclass(frozen=True)
 class Nic:
+    """One active RDMA port as ``discover_nics`` read it from sysfs: device ``name`` and
+    ``port`` (``ucx_name``: ``"name:port"``, as ``UCX_NET_DEVICES`` wants it), its rate, NUMA
+    node (None when unknown) and PCI path (compared with a ``Gpu``'s by ``pci_hops``)."""
+
     name: str  # e.g. mlx5_0
     port: int
     rate_gbps: float
@@ -45,6 +49,10 @@ class Nic:
 
 @dataclass(frozen=True)
 class Gpu:
+    """One NVIDIA GPU as ``discover_gpus`` read it from sysfs. ``index`` counts the node's GPUs
+    in PCI bus order: CUDA's device index only under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` with every
+    GPU visible."""
+
     index: int  # in PCI bus order
     pci_address: str
     numa_node: int | None
@@ -153,6 +161,8 @@ def env_number(name: str, default: float | None, env: Mapping[str, str] | None =
 
 
 def env_mode(env: Mapping[str, str] | None = None, default: str = "auto") -> str:
+    """``REFIT_NIC_MODE`` (case-insensitive): one of ``MODES``; unset or empty gives ``default``,
+    anything else ``default`` and a warning naming the value."""
     env = os.environ if env is None else env
     raw = env.get("REFIT_NIC_MODE")
     if raw is None or raw.strip() == "":

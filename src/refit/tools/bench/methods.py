@@ -2,6 +2,9 @@
 
 ``ctx`` is a ``Ctx``: this process's role, its source / destination tensors,
 the groups, the plan. Methods that do not apply to a process return a no-op.
+The harness calls ``setup`` on every process together (refit's methods build a
+Peer: collective), then ``run()`` on every process once per iteration (warm-up
+included), then, after a barrier, ``run.close()`` where it exists.
 """
 
 from __future__ import annotations
@@ -20,6 +23,19 @@ from refit.transfer import Peer, TransferConfig
 
 @dataclass
 class Ctx:
+    """One benchmark process's inputs, built once per scenario by the harness and passed to
+    every method's ``setup``.
+
+    ``rank``: the global process; ``src`` / ``dst``: its source shards / engine tensors (None
+    when it has none); ``plan``: refit's plan for the scenario, the same on every process;
+    ``nccl`` / ``nccl_ranks``: the group the broadcast methods and ``refit_nccl`` use, and its
+    ranks (broadcasts go from ``nccl_ranks[0]``); ``trainer_nccl``: a NCCL group over the
+    trainer ranks (``gather_then_slice``) or None; ``store``: the rendezvous store;
+    ``config``: the bench's ``TransferConfig``. ``extra``: ``"round"`` (the method's index in
+    the scenario: fresh session names), ``"prepare"`` (the FP8 quantizer, Peer's ``prepare``,
+    or None) and, for ``refit_fanout``, ``"fanout"``.
+    """
+
     rank: int
     device: torch.device
     plan: Plan  # refit's plan for this scenario (transport "auto")
