@@ -50,6 +50,9 @@ unpacked); ``info`` holds ``"step"`` (its ops: ``sends``, ``recvs``) and ``"exec
 
 @dataclass(frozen=True)
 class RunStats:
+    """What one ``Executor.run`` moved on this process: link bytes sent and received (P2P and IPC),
+    bytes copied inside the process, and the run's wall seconds."""
+
     bytes_sent: int
     bytes_received: int
     bytes_local: int

@@ -14,8 +14,6 @@ same plain forward on a fixed prompt; max |delta logit| must be exactly 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
@@ -29,22 +27,6 @@ from refit.tools.launch import World, run_local
 from refit.transfer import Receiver, Sender, TransferConfig
 
 PROMPT_LEN = 16
-
-
-@dataclass(frozen=True)
-class StepRow:
-    """One row of the demo's table: a training step, the version it refit, the bytes moved,
-    the slowest engine process's refit seconds, the largest logit difference between trainer
-    and engines (must be 0) and the training loss. ``run_demo`` prints these columns without
-    building one.
-    """
-
-    step: int
-    version: int
-    bytes_moved: int
-    seconds: float
-    max_delta: float
-    loss: float
 
 
 def _prompt(vocab: int) -> torch.Tensor:
