@@ -31,12 +31,18 @@ from refit.transport.control import AbortChannel, RefitAborted
 
 
 def _first_difference(side: str, mine: list, theirs: list) -> str | None:
-    """Entries are [name, shape, dtype, boxes]; describe the first that differs."""
+    """Entries are ``canonical_tensor``'s ``[name, shape, dtype, ranks, boxes]``; describe the first that
+    differs (its name, shape and dtype, else the first rank whose box differs)."""
     for a, b in zip(mine, theirs):
         if a[:3] != b[:3]:
             return f"first differing {side} tensor: here {a[:3]}, there {b[:3]}"
-        if a[3] != b[3]:
-            return f"{side} tensor {a[0]!r} is sharded differently: here {a[3]}, there {b[3]}"
+        if a[3:] != b[3:]:
+            here, there = dict(zip(a[3], a[4])), dict(zip(b[3], b[4]))
+            r = min(r for r in here.keys() | there.keys() if here.get(r) != there.get(r))
+            return (
+                f"{side} tensor {a[0]!r} is sharded differently: {side} rank {r} holds "
+                f"{here.get(r, 'nothing')} here, {there.get(r, 'nothing')} there"
+            )
     if len(mine) != len(theirs):
         return f"{side} tensor counts differ: here {len(mine)}, there {len(theirs)}"
     return None
@@ -73,7 +79,7 @@ def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float,
             why = (
                 _first_difference("source", canon["src"], other["src"])
                 or _first_difference("destination", canon["dst"], other["dst"])
-                or "the layouts agree; the process map or buffer settings differ"
+                or "the layouts agree; the process map, devices or agreed settings differ"
             )
             raise PlanError(
                 f"pre-flight: plan digest of process {proc} is {plan.digest}, of process {p} is {other['digest']}; {why}"

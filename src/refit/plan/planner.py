@@ -31,9 +31,14 @@ import contextlib
 import gc
 import hashlib
 import json
+import sys
+from array import array
 from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import chain
+from operator import attrgetter
 
 from refit.config import PIECE_ALIGN, TransferConfig
 from refit.errors import PlanError
@@ -212,45 +217,104 @@ class Plan:
 
     # ---------------------------------------------------------------- identity
     def canonical(self) -> dict:
-        """What the plan means, independent of how the layouts were described (mesh names etc.)."""
-        return {
-            "src": [canonical_tensor(t) for t in self.src_layout],
-            "dst": [canonical_tensor(t) for t in self.dst_layout],
-            "procs": [list(self.procs.src), list(self.procs.dst)],
-            "devices": list(self.procs.devices) if self.procs.devices is not None else None,
-            "buffers": [self.num_buffers, self.buffer_bytes],
-            "messages": [
-                [
-                    m.src,
-                    m.dst,
-                    m.step,
-                    m.direct,
-                    m.transport,
-                    [[p.tensor, [list(x) for x in p.box]] for p in m.pieces],
-                    list(m.offsets),
-                ]
-                for m in self.messages
-            ],
-            "local": [[p.tensor, p.src, p.dst, [list(x) for x in p.box]] for p in self.local],
-        }
+        """What every process must agree on besides the messages, independent of how the layouts were
+        described (mesh names etc.): both sides' tensors with every rank's box, the process map, the
+        devices and ``config.agreement()``. Plain JSON data; pre-flight compares it part by part to name
+        the first difference."""
+        with _gc_paused():  # its lists are few per tensor, but no collection should walk the plan meanwhile
+            return {
+                "src": [canonical_tensor(t) for t in self.src_layout],
+                "dst": [canonical_tensor(t) for t in self.dst_layout],
+                "procs": [list(self.procs.src), list(self.procs.dst)],
+                "devices": list(self.procs.devices) if self.procs.devices is not None else None,
+                "config": self.config.agreement(),
+            }
 
     @cached_property
     def digest(self) -> str:
-        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """sha256 over ``canonical()`` (as JSON), then every message and local copy packed as 64-bit ints.
+
+        Equal on two processes exactly when they would run the same plan: it changes with any layout
+        box, the process map, a device, an agreed config field, and any message's link, step, transport,
+        offsets or piece (tensor, ranks, box), or any local copy."""
+        with _gc_paused():  # nothing it allocates outlives it: no collection needs to walk the plan meanwhile
+            h = hashlib.sha256(json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode())
+            index = {t.name: i for i, t in enumerate(self.dst_layout)}  # the order canonical() hashed
+            h.update(_packed([self.num_steps, len(self.messages), len(self.local)]))
+            for lo in range(0, len(self.messages), _DIGEST_CHUNK):
+                for column in _message_columns(self.messages[lo : lo + _DIGEST_CHUNK], index):
+                    h.update(_packed(column))
+            for lo in range(0, len(self.local), _DIGEST_CHUNK):
+                for column in _piece_columns(self.local[lo : lo + _DIGEST_CHUNK], index):
+                    h.update(_packed(column))
+        return h.hexdigest()[:16]
 
     # ---------------------------------------------------------------- per process
     def local_of(self, proc: int) -> list[Piece]:
         return [p for p in self.local if self.procs.dst[p.dst] == proc]
 
 
-# ---------------------------------------------------------------------------- building
-
-
 def canonical_tensor(t: TensorLayout) -> list:
-    """Name, shape, dtype and the box of every rank: equal for equivalent layouts."""
-    boxes = [[r, [list(x) for x in b]] for r in t.ranks if (b := t.box(r)) is not None]
-    return [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), boxes]
+    """``[name, shape, dtype, ranks, boxes]``: every rank holding a part (sorted) and its box, as JSON
+    lists; equal for equivalent layouts however described (mesh names, explicit boxes)."""
+    lists: dict[int, list] = {}  # id(box) -> its JSON form: the ranks of one shard share a box object
+    boxes = []
+    for b in t._all_boxes.values():
+        j = lists.get(id(b))
+        if j is None:
+            j = lists[id(b)] = [list(x) for x in b]
+        boxes.append(j)
+    return [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), list(t._all_boxes), boxes]
+
+
+# ---------------------------------------------------------------------------- digest
+# The digest reads the plan column by column (one attribute of every message or piece at a time) through
+# C-level iterators: at cluster scale (~10^6 pieces) a Python loop per piece would be most of its cost.
+
+_DIGEST_CHUNK = 1 << 16  # messages (or local pieces) hashed at a time
+_TRANSPORT_CODES = {"p2p": 0, "ipc": 1}
+_PIECES, _OFFSETS, _TRANSPORT, _TENSOR, _BOX = (
+    attrgetter(a) for a in ("pieces", "offsets", "transport", "tensor", "box")
+)
+_MESSAGE_INTS = tuple(attrgetter(a) for a in ("src", "dst", "step", "direct", "nbytes"))
+_PIECE_INTS = tuple(attrgetter(a) for a in ("src", "dst"))
+
+
+def _packed(words: Iterable[int]) -> bytes:
+    """Little-endian signed 64-bit ints (the same bytes on every host)."""
+    a = array("q", words)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _message_columns(messages: Sequence[Message], index: dict[str, int]) -> Iterator[Iterable[int]]:
+    """Link, step, direct, bytes and transport of every message, its offsets and pieces (counts first,
+    so every column's length follows from the ones before it)."""
+    for get in _MESSAGE_INTS:
+        yield map(get, messages)
+    transports = list(map(_TRANSPORT, messages))
+    unknown = set(transports) - _TRANSPORT_CODES.keys()
+    if unknown:
+        raise PlanError(f"plan has messages with unknown transport(s) {sorted(unknown)}; known: p2p, ipc")
+    yield map(_TRANSPORT_CODES.__getitem__, transports)
+    yield map(len, map(_OFFSETS, messages))
+    yield chain.from_iterable(map(_OFFSETS, messages))
+    yield map(len, map(_PIECES, messages))
+    yield from _piece_columns(list(chain.from_iterable(map(_PIECES, messages))), index)
+
+
+def _piece_columns(pieces: Sequence[Piece], index: dict[str, int]) -> Iterator[Iterable[int]]:
+    """Tensor (its index in the destination layout), source and destination rank, and box of every piece."""
+    yield map(index.__getitem__, map(_TENSOR, pieces))
+    for get in _PIECE_INTS:
+        yield map(get, pieces)
+    boxes = list(map(_BOX, pieces))
+    yield map(len, boxes)
+    yield chain.from_iterable(chain.from_iterable(boxes))
+
+
+# ---------------------------------------------------------------------------- building
 
 
 def check_compatible(src: ModelLayout, dst: ModelLayout) -> None:
