@@ -87,6 +87,13 @@ def test_a_peers_setup_error_is_reported():
         preflight(plan, 0, store, 5.0)
 
 
+def test_a_peer_of_another_version_is_named():
+    store = dist.HashStore()
+    store.set("refit/preflight/1", '{"digest": "0123", "src": [], "dst": []}')
+    with pytest.raises(PlanError, match="process 1 published a plan record of another refit version"):
+        preflight(_plan(), 0, store, 5.0)
+
+
 def test_a_silent_peer_times_out_naming_it():
     plan = _plan()
     store = dist.HashStore()

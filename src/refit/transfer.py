@@ -96,6 +96,10 @@ def check_peers(proc: int, peers: list[int], store: dist.Store, timeout_s: float
             raise PlanError(f"pre-flight: process {p} did not publish its plan within {timeout_s:.0f}s ({e})") from e
         if "error" in theirs:
             raise PlanError(f"pre-flight: process {p} failed its setup: {theirs['error']}")
+        if "agreed" not in theirs:
+            raise PlanError(
+                f"pre-flight: process {p} published a plan record of another refit version: {sorted(theirs)}"
+            )
         a, b = mine["agreed"], theirs["agreed"]
         for k in [*a, *(k for k in b if k not in a)]:
             if a.get(k) != b.get(k):
