@@ -1,4 +1,5 @@
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 import torch
@@ -170,6 +171,129 @@ def test_digest_ignores_mesh_names_but_not_boxes():
     c = ModelLayout((TensorLayout("w", (8, 4), torch.float32, Mesh((2,), ("tp",), (0, 1)), (Shard(1),)),), 2)
     dst = ModelLayout((TensorLayout("w", (8, 4), torch.float32, Mesh((1,), ("tp",), (0,)), (Replicate(),)),), 1)
     assert build_plan(a, dst).digest == build_plan(b, dst).digest != build_plan(c, dst).digest
+
+
+def test_digest_equal_for_a_mesh_and_the_same_boxes_given_explicitly():
+    mesh = Mesh((2, 2), ("dp", "tp"), (0, 1, 2, 3))
+    a = ModelLayout((TensorLayout("w", (8, 6), torch.float32, mesh, (Replicate(), Shard(1))),), 4)
+    boxes = {r: a["w"].box(r) for r in range(4)}
+    flat = Mesh((4,), ("x",), (0, 1, 2, 3))
+    b = ModelLayout((TensorLayout("w", (8, 6), torch.float32, flat, (Replicate(),), boxes=boxes),), 4)
+    dst = _one(shape=(8, 6), world=2)
+    assert build_plan(a, dst).digest == build_plan(b, dst).digest
+    assert build_plan(a, dst).canonical() == build_plan(b, dst).canonical()
+
+
+def _digest_base():
+    # local copies ("n"), a direct message ("c") and a packed one with two pieces ("a", "b" on one link)
+    src_mesh, dst_mesh = Mesh((2,), ("fsdp",), (0, 1)), Mesh((2,), ("tp",), (0, 1))
+    src, dst = [], []
+    for name, shape, s, d in (
+        ("a", (8, 4), Shard(1), Shard(0)),
+        ("b", (8, 4), Shard(1), Shard(0)),
+        ("c", (8, 4), Shard(0), Replicate()),
+        ("n", (8,), Shard(0), Shard(0)),
+    ):
+        src.append(TensorLayout(name, shape, torch.float32, src_mesh, (s,)))
+        dst.append(TensorLayout(name, shape, torch.float32, dst_mesh, (d,)))
+    procs = ProcessMap.colocated(2, 2)
+    return build_plan(ModelLayout(tuple(src), 2), ModelLayout(tuple(dst), 2), procs, TransferConfig(buffer_bytes=1024))
+
+
+def _with_message(plan, i, **kw):
+    messages = list(plan.messages)
+    messages[i] = replace(messages[i], **kw)
+    return replace(plan, messages=tuple(messages))
+
+
+def _with_piece(plan, i, j, **kw):
+    pieces = list(plan.messages[i].pieces)
+    pieces[j] = replace(pieces[j], **kw)
+    return _with_message(plan, i, pieces=tuple(pieces))
+
+
+def _shrunk(box):
+    (lo, hi), *rest = box
+    return ((lo, hi - 1), *rest)
+
+
+def _mutated(plan, what):
+    packed = next(i for i, m in enumerate(plan.messages) if len(m.pieces) > 1)
+    m = plan.messages[packed]
+    other = next(t.name for t in plan.dst_layout if t.name != m.pieces[0].tensor)
+    if what == "piece box":
+        return _with_piece(plan, packed, 0, box=_shrunk(m.pieces[0].box))
+    if what == "piece tensor":
+        return _with_piece(plan, packed, 0, tensor=other)
+    if what == "piece source rank":
+        return _with_piece(plan, packed, 0, src=1 - m.src)
+    if what == "message step":
+        return _with_message(plan, packed, step=m.step + 1)
+    if what == "message offset":
+        return _with_message(plan, packed, offsets=(m.offsets[0], m.offsets[1] + 64, *m.offsets[2:]))
+    if what == "message transport":
+        return _with_message(plan, packed, transport="ipc")
+    if what == "message direct":
+        return _with_message(plan, packed, direct=True)
+    if what == "message link":
+        return _with_message(plan, packed, dst=1 - m.dst)
+    if what == "message order":
+        messages = list(plan.messages)
+        messages[0], messages[-1] = messages[-1], messages[0]
+        return replace(plan, messages=tuple(messages))
+    if what == "message dropped":
+        return replace(plan, messages=plan.messages[1:])
+    if what == "local copy box":
+        return replace(plan, local=(replace(plan.local[0], box=_shrunk(plan.local[0].box)), *plan.local[1:]))
+    if what == "local copy dropped":
+        return replace(plan, local=plan.local[1:])
+    if what == "layout":
+        return replace(
+            plan, src_layout=ModelLayout(tuple(replace(t, placements=(Shard(0),)) for t in plan.src_layout), 2)
+        )
+    if what == "process map":
+        return replace(plan, procs=ProcessMap((1, 0), plan.procs.dst))
+    if what == "devices":
+        return replace(plan, procs=plan.procs.with_devices(["cuda:0", "cuda:1"]))
+    if what in TransferConfig().agreement():
+        value = {"num_buffers": 3, "buffer_bytes": 2048, "transport": "auto", "commit": "staged"}.get(what)
+        changed = {what: value if value is not None else {"checksums": True, "stages": 2}[what]}
+        return replace(plan, config=replace(plan.config, **changed))
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        "piece box",
+        "piece tensor",
+        "piece source rank",
+        "message step",
+        "message offset",
+        "message transport",
+        "message direct",
+        "message link",
+        "message order",
+        "message dropped",
+        "local copy box",
+        "local copy dropped",
+        "layout",
+        "process map",
+        "devices",
+        *TransferConfig().agreement(),
+    ],
+)
+def test_digest_changes_with_any_part_of_the_plan(what):
+    plan = _digest_base()
+    changed = _mutated(plan, what)
+    assert changed != plan
+    assert changed.digest != plan.digest
+
+
+def test_digest_ignores_settings_that_need_not_agree():
+    plan = _digest_base()
+    other = replace(plan.config, name="other", deadline_s=9.0, preflight_timeout_s=5.0, copy_streams=4)
+    assert replace(plan, config=other).digest == plan.digest
 
 
 # ----------------------------------------------------------------------------- errors before anything moves

@@ -31,14 +31,38 @@ from refit.transport.control import AbortChannel, RefitAborted
 
 
 def _first_difference(side: str, mine: list, theirs: list) -> str | None:
-    """Entries are [name, shape, dtype, boxes]; describe the first that differs."""
+    """Entries are ``canonical_tensor``'s ``[name, shape, dtype, ranks, boxes]``; describe the first that
+    differs (its name, shape and dtype, else the first rank whose box differs)."""
     for a, b in zip(mine, theirs):
         if a[:3] != b[:3]:
             return f"first differing {side} tensor: here {a[:3]}, there {b[:3]}"
-        if a[3] != b[3]:
-            return f"{side} tensor {a[0]!r} is sharded differently: here {a[3]}, there {b[3]}"
+        if a[3:] != b[3:]:
+            here, there = dict(zip(a[3], a[4])), dict(zip(b[3], b[4]))
+            r = min(r for r in here.keys() | there.keys() if here.get(r) != there.get(r))
+            return (
+                f"{side} tensor {a[0]!r} is sharded differently: {side} rank {r} holds "
+                f"{here.get(r, 'nothing')} here, {there.get(r, 'nothing')} there"
+            )
     if len(mine) != len(theirs):
         return f"{side} tensor counts differ: here {len(mine)}, there {len(theirs)}"
+    return None
+
+
+def _process_difference(mine: dict, theirs: dict) -> str | None:
+    """``Plan.canonical()``'s process map and devices: describe the first difference."""
+    for i, side in enumerate(("source", "destination")):
+        a, b = mine["procs"][i], theirs["procs"][i]
+        if len(a) != len(b):
+            return f"the process map has {len(a)} {side} ranks here, {len(b)} there"
+        for r, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"the process map differs: {side} rank {r} is process {x} here, process {y} there"
+    a, b = mine["devices"], theirs["devices"]
+    if (a is None) != (b is None) or (a is not None and len(a) != len(b)):
+        return f"devices differ: {len(a) if a else 'none'} given here, {len(b) if b else 'none'} there"
+    for p, (x, y) in enumerate(zip(a or (), b or ())):
+        if x != y:
+            return f"devices differ: process {p} is on {x} here, on {y} there"
     return None
 
 
@@ -48,8 +72,62 @@ def publish_failure(store: dist.Store | None, proc: int, error: BaseException, t
         store.set(f"{tag}/preflight/{proc}", json.dumps({"error": f"{type(error).__name__}: {error}"}))
 
 
-def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float, tag: str = "refit") -> None:
-    """Publish this process's plan digest and manifest; check every peer's against it.
+def publish_plan(plan: Plan, proc: int, store: dist.Store, tag: str = "refit", tag_base: int = 0) -> None:
+    """Publish what the peers' pre-flight checks: ``{tag}/preflight/{proc}/plan`` holds ``plan.canonical()``
+    (read only on a mismatch, to name it), then ``{tag}/preflight/{proc}`` the digest and the settings
+    that must agree (``config.agreement()`` and ``tag_base``). Plain JSON."""
+    store.set(f"{tag}/preflight/{proc}/plan", json.dumps(plan.canonical()))
+    agreed = {**plan.config.agreement(), "tag_base": tag_base}
+    store.set(f"{tag}/preflight/{proc}", json.dumps({"digest": plan.digest, "agreed": agreed}))
+
+
+def check_peers(proc: int, peers: list[int], store: dist.Store, timeout_s: float, tag: str = "refit") -> None:
+    """Compare what ``proc`` published with what every peer published (waiting up to ``timeout_s`` for
+    each); raise PlanError naming the first difference: a peer's setup error, an agreed setting with
+    both values, else both digests and the first differing tensor, process or device."""
+    store.set_timeout(timedelta(seconds=timeout_s))
+    mine = json.loads(store.get(f"{tag}/preflight/{proc}"))
+    for p in peers:
+        if p == proc:
+            continue
+        try:
+            theirs = json.loads(store.get(f"{tag}/preflight/{p}"))
+        except Exception as e:  # the store raises on timeout
+            raise PlanError(f"pre-flight: process {p} did not publish its plan within {timeout_s:.0f}s ({e})") from e
+        if "error" in theirs:
+            raise PlanError(f"pre-flight: process {p} failed its setup: {theirs['error']}")
+        if "agreed" not in theirs:
+            raise PlanError(
+                f"pre-flight: process {p} published a plan record of another refit version: {sorted(theirs)}"
+            )
+        a, b = mine["agreed"], theirs["agreed"]
+        for k in [*a, *(k for k in b if k not in a)]:
+            if a.get(k) != b.get(k):
+                raise PlanError(f"pre-flight: process {proc} has {k}={a.get(k)!r}, process {p} has {k}={b.get(k)!r}")
+        if theirs["digest"] != mine["digest"]:
+            raise PlanError(
+                f"pre-flight: plan digest of process {proc} is {mine['digest']}, of process {p} is "
+                f"{theirs['digest']}; {_plan_difference(store, tag, proc, p)}"
+            )
+
+
+def _plan_difference(store: dist.Store, tag: str, proc: int, p: int) -> str:
+    """Why the plans ``proc`` and ``p`` published differ: the first differing tensor, process or device."""
+    here = json.loads(store.get(f"{tag}/preflight/{proc}/plan"))
+    there = json.loads(store.get(f"{tag}/preflight/{p}/plan"))
+    return (
+        _first_difference("source", here["src"], there["src"])
+        or _first_difference("destination", here["dst"], there["dst"])
+        or _process_difference(here, there)
+        or "layouts, process map, devices and settings agree; the messages differ (another refit version?)"
+    )
+
+
+def preflight(
+    plan: Plan, proc: int, store: dist.Store | None, timeout_s: float, tag: str = "refit", tag_base: int = 0
+) -> None:
+    """Publish this process's plan digest and agreed settings (``publish_plan``); check every peer's
+    against them (``check_peers``).
 
     Runs through the rendezvous store only, so a mismatch can never become a
     hang inside a data collective; every process raises the same kind of error.
@@ -57,27 +135,8 @@ def preflight(plan: Plan, proc: int, store: dist.Store | None, timeout_s: float,
     peers = sorted({*plan.procs.src, *plan.procs.dst})
     if store is None or len(peers) == 1:
         return
-    canon = plan.canonical()
-    store.set(f"{tag}/preflight/{proc}", json.dumps({"digest": plan.digest, "src": canon["src"], "dst": canon["dst"]}))
-    store.set_timeout(timedelta(seconds=timeout_s))
-    for p in peers:
-        if p == proc:
-            continue
-        try:
-            other = json.loads(store.get(f"{tag}/preflight/{p}"))
-        except Exception as e:  # the store raises on timeout
-            raise PlanError(f"pre-flight: process {p} did not publish its plan within {timeout_s:.0f}s ({e})") from e
-        if "error" in other:
-            raise PlanError(f"pre-flight: process {p} failed its setup: {other['error']}")
-        if other["digest"] != plan.digest:
-            why = (
-                _first_difference("source", canon["src"], other["src"])
-                or _first_difference("destination", canon["dst"], other["dst"])
-                or "the layouts agree; the process map or buffer settings differ"
-            )
-            raise PlanError(
-                f"pre-flight: plan digest of process {proc} is {plan.digest}, of process {p} is {other['digest']}; {why}"
-            )
+    publish_plan(plan, proc, store, tag, tag_base)
+    check_peers(proc, peers, store, timeout_s, tag)
 
 
 class Peer:

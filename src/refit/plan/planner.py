@@ -31,9 +31,14 @@ import contextlib
 import gc
 import hashlib
 import json
+import sys
+from array import array
 from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import chain
+from operator import attrgetter
 
 from refit.config import PIECE_ALIGN, TransferConfig
 from refit.errors import PlanError
@@ -212,45 +217,104 @@ class Plan:
 
     # ---------------------------------------------------------------- identity
     def canonical(self) -> dict:
-        """What the plan means, independent of how the layouts were described (mesh names etc.)."""
-        return {
-            "src": [canonical_tensor(t) for t in self.src_layout],
-            "dst": [canonical_tensor(t) for t in self.dst_layout],
-            "procs": [list(self.procs.src), list(self.procs.dst)],
-            "devices": list(self.procs.devices) if self.procs.devices is not None else None,
-            "buffers": [self.num_buffers, self.buffer_bytes],
-            "messages": [
-                [
-                    m.src,
-                    m.dst,
-                    m.step,
-                    m.direct,
-                    m.transport,
-                    [[p.tensor, [list(x) for x in p.box]] for p in m.pieces],
-                    list(m.offsets),
-                ]
-                for m in self.messages
-            ],
-            "local": [[p.tensor, p.src, p.dst, [list(x) for x in p.box]] for p in self.local],
-        }
+        """What every process must agree on besides the messages, independent of how the layouts were
+        described (mesh names etc.): both sides' tensors with every rank's box, the process map, the
+        devices and ``config.agreement()``. Plain JSON data; pre-flight compares it part by part to name
+        the first difference."""
+        with _gc_paused():  # its lists are few per tensor, but no collection should walk the plan meanwhile
+            return {
+                "src": [canonical_tensor(t) for t in self.src_layout],
+                "dst": [canonical_tensor(t) for t in self.dst_layout],
+                "procs": [list(self.procs.src), list(self.procs.dst)],
+                "devices": list(self.procs.devices) if self.procs.devices is not None else None,
+                "config": self.config.agreement(),
+            }
 
     @cached_property
     def digest(self) -> str:
-        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """sha256 over ``canonical()`` (as JSON), then every message and local copy packed as 64-bit ints.
+
+        Equal on two processes exactly when they would run the same plan: it changes with any layout
+        box, the process map, a device, an agreed config field, and any message's link, step, transport,
+        offsets or piece (tensor, ranks, box), or any local copy."""
+        with _gc_paused():  # nothing it allocates outlives it: no collection needs to walk the plan meanwhile
+            h = hashlib.sha256(json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode())
+            index = {t.name: i for i, t in enumerate(self.dst_layout)}  # the order canonical() hashed
+            h.update(_packed([self.num_steps, len(self.messages), len(self.local)]))
+            for lo in range(0, len(self.messages), _DIGEST_CHUNK):
+                for column in _message_columns(self.messages[lo : lo + _DIGEST_CHUNK], index):
+                    h.update(_packed(column))
+            for lo in range(0, len(self.local), _DIGEST_CHUNK):
+                for column in _piece_columns(self.local[lo : lo + _DIGEST_CHUNK], index):
+                    h.update(_packed(column))
+        return h.hexdigest()[:16]
 
     # ---------------------------------------------------------------- per process
     def local_of(self, proc: int) -> list[Piece]:
         return [p for p in self.local if self.procs.dst[p.dst] == proc]
 
 
-# ---------------------------------------------------------------------------- building
-
-
 def canonical_tensor(t: TensorLayout) -> list:
-    """Name, shape, dtype and the box of every rank: equal for equivalent layouts."""
-    boxes = [[r, [list(x) for x in b]] for r in t.ranks if (b := t.box(r)) is not None]
-    return [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), boxes]
+    """``[name, shape, dtype, ranks, boxes]``: every rank holding a part (sorted) and its box, as JSON
+    lists; equal for equivalent layouts however described (mesh names, explicit boxes)."""
+    lists: dict[int, list] = {}  # id(box) -> its JSON form: the ranks of one shard share a box object
+    boxes = []
+    for b in t._all_boxes.values():
+        j = lists.get(id(b))
+        if j is None:
+            j = lists[id(b)] = [list(x) for x in b]
+        boxes.append(j)
+    return [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), list(t._all_boxes), boxes]
+
+
+# ---------------------------------------------------------------------------- digest
+# The digest reads the plan column by column (one attribute of every message or piece at a time) through
+# C-level iterators: at cluster scale (~10^6 pieces) a Python loop per piece would be most of its cost.
+
+_DIGEST_CHUNK = 1 << 16  # messages (or local pieces) hashed at a time
+_TRANSPORT_CODES = {"p2p": 0, "ipc": 1}
+_PIECES, _OFFSETS, _TRANSPORT, _TENSOR, _BOX = (
+    attrgetter(a) for a in ("pieces", "offsets", "transport", "tensor", "box")
+)
+_MESSAGE_INTS = tuple(attrgetter(a) for a in ("src", "dst", "step", "direct", "nbytes"))
+_PIECE_INTS = tuple(attrgetter(a) for a in ("src", "dst"))
+
+
+def _packed(words: Iterable[int]) -> bytes:
+    """Little-endian signed 64-bit ints (the same bytes on every host)."""
+    a = array("q", words)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _message_columns(messages: Sequence[Message], index: dict[str, int]) -> Iterator[Iterable[int]]:
+    """Link, step, direct, bytes and transport of every message, its offsets and pieces (counts first,
+    so every column's length follows from the ones before it)."""
+    for get in _MESSAGE_INTS:
+        yield map(get, messages)
+    transports = list(map(_TRANSPORT, messages))
+    unknown = set(transports) - _TRANSPORT_CODES.keys()
+    if unknown:
+        raise PlanError(f"plan has messages with unknown transport(s) {sorted(unknown)}; known: p2p, ipc")
+    yield map(_TRANSPORT_CODES.__getitem__, transports)
+    yield map(len, map(_OFFSETS, messages))
+    yield chain.from_iterable(map(_OFFSETS, messages))
+    yield map(len, map(_PIECES, messages))
+    yield from _piece_columns(list(chain.from_iterable(map(_PIECES, messages))), index)
+
+
+def _piece_columns(pieces: Sequence[Piece], index: dict[str, int]) -> Iterator[Iterable[int]]:
+    """Tensor (its index in the destination layout), source and destination rank, and box of every piece."""
+    yield map(index.__getitem__, map(_TENSOR, pieces))
+    for get in _PIECE_INTS:
+        yield map(get, pieces)
+    boxes = list(map(_BOX, pieces))
+    yield map(len, boxes)
+    yield chain.from_iterable(chain.from_iterable(boxes))
+
+
+# ---------------------------------------------------------------------------- building
 
 
 def check_compatible(src: ModelLayout, dst: ModelLayout) -> None:
@@ -318,17 +382,22 @@ def check_coverage(dst: ModelLayout, pieces: list[Piece]) -> None:
                         break
                     if box_intersect(a, b) is not None:
                         raise PlanError(
-                            f"tensor {t.name!r}: destination rank {r} would be written twice in {list(box_intersect(a, b))}"
+                            f"tensor {t.name!r}: destination rank {r} would be written twice in "
+                            f"{list(box_intersect(a, b))}"
                         )
             if n != n_want:
                 raise PlanError(
-                    f"tensor {t.name!r}: destination rank {r} would receive {n} of {n_want} elements of box {list(want)} (coverage gap)"
+                    f"tensor {t.name!r}: destination rank {r} would receive {n} of {n_want} elements of box "
+                    f"{list(want)} (coverage gap)"
                 )
 
 
 # (tensor, source rank, destination rank, global box, itemsize, bytes, direct): one piece before it is a
 # Piece; direct: one contiguous run in both the source's and the destination's local tensor
 _Choice = tuple[str, int, int, Box, int, int, bool]
+# a piece whose source LPT still has to choose: (its index in the choices, tensor, destination rank, box,
+# holders, the receiver's index among the tile's receivers, itemsize, bytes, direct)
+_Open = tuple[int, str, int, Box, list[int], int, int, int, bool]
 
 
 def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> list[_Choice]:
@@ -340,81 +409,103 @@ def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> li
     cluster scale (~10^6 pieces) object creation is most of the cost.
     """
     out: list[_Choice | None] = []  # in receiver order; None where LPT still has to choose
-    open_: list[tuple[int, str, int, Box, list[int], int, int, int, bool]] = []  # (index in out, ...)
+    open_: list[_Open] = []
     for d in dst:
-        s = src[d.name]
-        item = d.itemsize
-        # distinct destination boxes (replicas share one), then every rank in rank
-        # order with the index of its box
-        distinct: dict[Box, int] = {}  # box -> index in dboxes, -1 for an empty box
-        dboxes: list[Box] = []
-        ranks_in_order: list[tuple[int, int]] = []
-        for r, b in d._all_boxes.items():
-            i = distinct.get(b)
-            if i is None:
-                i = distinct[b] = len(dboxes) if box_numel(b) > 0 else -1
-                if i >= 0:
-                    dboxes.append(b)
+        _tensor_choices(src[d.name], d, procs, out, open_)
+    if open_:
+        _choose_least_loaded(out, open_, procs)
+    return out  # type: ignore[return-value]  (every None was filled)
+
+
+def _receivers(d: TensorLayout) -> tuple[list[Box], list[tuple[int, int]]]:
+    """The distinct non-empty boxes of ``d`` (replicas share one), and every rank holding one, in rank
+    order, with the index of its box."""
+    distinct: dict[Box, int] = {}  # box -> index in dboxes, -1 for an empty box
+    dboxes: list[Box] = []
+    ranks_in_order: list[tuple[int, int]] = []
+    for r, b in d._all_boxes.items():
+        i = distinct.get(b)
+        if i is None:
+            i = distinct[b] = len(dboxes) if box_numel(b) > 0 else -1
             if i >= 0:
-                ranks_in_order.append((r, i))
-        got = [0] * len(dboxes)  # bytes each distinct box receives, summed over the tiles
-        identical: bool | None = None  # same boxes on both sides: computed only when it matters
-        for tile, holders in _source_tiles(s):
-            cut = [box_intersect(tile, b) for b in dboxes]  # once per distinct box, not per rank
-            nbytes = [box_numel(c) * item if c is not None else 0 for c in cut]
-            got = [a + b for a, b in zip(got, nbytes)]
-            # holders hold exactly ``tile``: contiguity on both sides is a property of the cut
-            direct = [c is not None and box_runs_whole(c, tile) and box_runs_whole(c, b) for c, b in zip(cut, dboxes)]
-            if len(holders) == 1:
-                h = holders[0]
-                out += [(d.name, h, r, cut[i], item, nbytes[i], direct[i]) for r, i in ranks_in_order if nbytes[i]]
+                dboxes.append(b)
+        if i >= 0:
+            ranks_in_order.append((r, i))
+    return dboxes, ranks_in_order
+
+
+def _tensor_choices(
+    s: TensorLayout, d: TensorLayout, procs: ProcessMap, out: list[_Choice | None], open_: list[_Open]
+) -> None:
+    """Append the pieces of destination tensor ``d`` to ``out``, tile by tile, receivers in rank order:
+    forced sources fixed, the others ``None`` with their entry in ``open_``. Raises PlanError if a
+    destination box would not be covered exactly."""
+    item = d.itemsize
+    dboxes, ranks_in_order = _receivers(d)
+    got = [0] * len(dboxes)  # bytes each distinct box receives, summed over the tiles
+    identical: bool | None = None  # same boxes on both sides: computed only when it matters
+    for tile, holders in _source_tiles(s):
+        cut = [box_intersect(tile, b) for b in dboxes]  # once per distinct box, not per rank
+        nbytes = [box_numel(c) * item if c is not None else 0 for c in cut]
+        got = [a + b for a, b in zip(got, nbytes)]
+        # holders hold exactly ``tile``: contiguity on both sides is a property of the cut
+        direct = [c is not None and box_runs_whole(c, tile) and box_runs_whole(c, b) for c, b in zip(cut, dboxes)]
+        if len(holders) == 1:
+            h = holders[0]
+            out += [(d.name, h, r, cut[i], item, nbytes[i], direct[i]) for r, i in ranks_in_order if nbytes[i]]
+            continue
+        by_proc, by_dev = _nearest_holders(holders, procs)
+        k = 0  # the receiver's index among this tile's receivers
+        for r, i in ranks_in_order:
+            nb = nbytes[i]
+            if not nb:
                 continue
-            # the first holder in this process, else the first on this device (looked up, not scanned)
-            by_proc: dict[int, int] = {}
-            by_dev: dict[str, int] = {}
-            for h in holders:
-                by_proc.setdefault(procs.src[h], h)
-                if procs.devices is not None:
-                    by_dev.setdefault(procs.device_of(procs.src[h]), h)
-            k = 0  # the receiver's index among this tile's receivers
-            for r, i in ranks_in_order:
-                nb = nbytes[i]
-                if not nb:
-                    continue
-                near = by_proc.get(procs.dst[r])
-                if near is None and by_dev:
-                    near = by_dev.get(procs.device_of(procs.dst[r]))
-                if near is not None:
-                    out.append((d.name, near, r, cut[i], item, nb, direct[i]))
-                elif r in holders and (
-                    identical if identical is not None else (identical := canonical_tensor(s) == canonical_tensor(d))
-                ):
-                    out.append((d.name, r, r, cut[i], item, nb, direct[i]))
-                else:
-                    open_.append((len(out), d.name, r, cut[i], holders, k, item, nb, direct[i]))
-                    out.append(None)
-                k += 1
-        for b, n in zip(dboxes, got):  # disjoint tiles covering the tensor cut every box exactly once
-            if n != box_numel(b) * item:
-                r = next(r for r, i in ranks_in_order if dboxes[i] == b)
-                raise PlanError(
-                    f"tensor {d.name!r}: destination rank {r} would receive {n // item} of "
-                    f"{box_numel(b)} elements of box {list(b)} (coverage gap)"
-                )
-    if not open_:
-        return out  # type: ignore[return-value]
+            near = by_proc.get(procs.dst[r])
+            if near is None and by_dev:
+                near = by_dev.get(procs.device_of(procs.dst[r]))
+            if near is not None:
+                out.append((d.name, near, r, cut[i], item, nb, direct[i]))
+            elif r in holders and (
+                identical if identical is not None else (identical := canonical_tensor(s) == canonical_tensor(d))
+            ):
+                out.append((d.name, r, r, cut[i], item, nb, direct[i]))
+            else:
+                open_.append((len(out), d.name, r, cut[i], holders, k, item, nb, direct[i]))
+                out.append(None)
+            k += 1
+    for b, n in zip(dboxes, got):  # disjoint tiles covering the tensor cut every box exactly once
+        if n != box_numel(b) * item:
+            r = next(r for r, i in ranks_in_order if dboxes[i] == b)
+            raise PlanError(
+                f"tensor {d.name!r}: destination rank {r} would receive {n // item} of "
+                f"{box_numel(b)} elements of box {list(b)} (coverage gap)"
+            )
+
+
+def _nearest_holders(holders: list[int], procs: ProcessMap) -> tuple[dict[int, int], dict[str, int]]:
+    """The first holder in each process, and (with devices) on each device: looked up, not scanned."""
+    by_proc: dict[int, int] = {}
+    by_dev: dict[str, int] = {}
+    for h in holders:
+        by_proc.setdefault(procs.src[h], h)
+        if procs.devices is not None:
+            by_dev.setdefault(procs.device_of(procs.src[h]), h)
+    return by_proc, by_dev
+
+
+def _choose_least_loaded(out: list[_Choice | None], open_: list[_Open], procs: ProcessMap) -> None:
+    """Fill every open choice: largest pieces first (LPT), each to the least-loaded holder by bytes sent
+    over links so far (forced pieces counted first); ties go to the rotation that starts at the
+    receiver's index among the tile's receivers."""
     load: dict[int, int] = defaultdict(int)
     for c in out:
         if c is not None and not procs.same_device(procs.src[c[1]], procs.dst[c[2]]):
             load[c[1]] += c[5]
-    # largest pieces first (LPT), each to the least-loaded holder; ties go to the
-    # rotation that starts at the receiver's index among the tile's receivers
     for at, name, r, piece, holders, k, item, nb, dr in sorted(open_, key=lambda x: (-x[7], x[0])):
         start = k % len(holders)
         h = min(holders[start:] + holders[:start], key=load.__getitem__)  # first of equals (defaultdict: 0 if unseen)
         load[h] += nb
         out[at] = (name, h, r, piece, item, nb, dr)
-    return out  # type: ignore[return-value]  (every None was filled)
 
 
 @contextlib.contextmanager
@@ -469,101 +560,139 @@ def build_plan(
 
 
 def _build(src: ModelLayout, dst: ModelLayout, procs: ProcessMap, config: TransferConfig) -> Plan:
-    num_buffers, buffer_bytes, transport = config.num_buffers, config.buffer_bytes, config.transport
-    local_: list[Piece] = []
-    per_link: dict[tuple[int, int], list[tuple[Piece, bool]]] = defaultdict(list)
-    for name, h, r, box, item, nb, dr in _choose_sources(src, dst, procs):
-        p = Piece(name, h, r, box, item, nb)
-        if procs.src[h] == procs.dst[r]:
-            local_.append(p)
-        else:
-            per_link[(h, r)].append((p, dr))
-    local = tuple(local_)
-
-    def link_transport(s: int, r: int) -> str:
-        ok = procs.ipc_capable(procs.src[s], procs.dst[r])
-        if transport == "ipc" and not ok:
-            raise PlanError(
-                f"transport 'ipc' needs source rank {s} ({procs.device_of(procs.src[s])}) and destination rank {r} "
-                f"({procs.device_of(procs.dst[r])}) on CUDA devices of one host"
-            )
-        return "ipc" if ok and transport in ("ipc", "auto") else "p2p"
-
-    # group each link's pieces into messages (link order, then piece order)
-    raw: list[tuple[int, int, bool, list[Piece], list[int], int]] = []
+    """Sources chosen, each link's pieces grouped into messages (IPC links: one per piece), the packed
+    ones scheduled into steps."""
+    local, per_link = _by_link(_choose_sources(src, dst, procs), procs)
+    raw: list[_Raw] = []
     ipc_messages: list[Message] = []
     for (s, r), plist in sorted(per_link.items()):
-        if link_transport(s, r) == "ipc":  # pulled piece by piece from mapped memory: no staging
+        if _link_transport(procs, config.transport, s, r) == "ipc":  # pulled piece by piece: no staging
             ipc_messages += [Message(s, r, 0, True, (p,), (0,), p.nbytes, "ipc") for p, _ in plist]
+        else:
+            _pack_link(s, r, plist, config.buffer_bytes, raw)
+    messages = _schedule(raw, procs, config.num_buffers)
+    num_steps = max((m.step for m in messages), default=-1) + 1
+    return Plan(src, dst, procs, config, tuple(messages + ipc_messages), local, num_steps)
+
+
+def _by_link(
+    choices: list[_Choice], procs: ProcessMap
+) -> tuple[tuple[Piece, ...], dict[tuple[int, int], list[tuple[Piece, bool]]]]:
+    """The chosen pieces as Pieces: the same-process copies, and per link (source rank, destination
+    rank) the others, in choice order, each with its direct flag."""
+    local: list[Piece] = []
+    per_link: dict[tuple[int, int], list[tuple[Piece, bool]]] = defaultdict(list)
+    for name, h, r, box, item, nb, dr in choices:
+        p = Piece(name, h, r, box, item, nb)
+        if procs.src[h] == procs.dst[r]:
+            local.append(p)
+        else:
+            per_link[(h, r)].append((p, dr))
+    return tuple(local), per_link
+
+
+def _link_transport(procs: ProcessMap, transport: str, s: int, r: int) -> str:
+    """``"ipc"`` where the config allows it and both ends are CUDA on one host, else ``"p2p"``; raises
+    PlanError where the config demands IPC and the link cannot have it."""
+    ok = procs.ipc_capable(procs.src[s], procs.dst[r])
+    if transport == "ipc" and not ok:
+        raise PlanError(
+            f"transport 'ipc' needs source rank {s} ({procs.device_of(procs.src[s])}) and destination rank {r} "
+            f"({procs.device_of(procs.dst[r])}) on CUDA devices of one host"
+        )
+    return "ipc" if ok and transport in ("ipc", "auto") else "p2p"
+
+
+# one P2P message before it has a step: (source rank, destination rank, direct, pieces, offsets, bytes)
+_Raw = tuple[int, int, bool, list[Piece], list[int], int]
+
+
+def _pack_link(s: int, r: int, plist: list[tuple[Piece, bool]], buffer_bytes: int, raw: list[_Raw]) -> None:
+    """Append one P2P link's messages to ``raw``, in piece order: a direct piece travels alone; the others
+    are packed at ``ALIGN``-ed offsets into buckets of at most ``buffer_bytes`` (a larger piece is split
+    row-major first)."""
+    bucket: list[Piece] = []
+    offs: list[int] = []
+    used = 0
+    for p, dr in plist:
+        if dr:
+            raw.append((s, r, True, [p], [0], p.nbytes))
             continue
-        bucket: list[Piece] = []
-        offs: list[int] = []
-        used = 0
-
-        def flush() -> None:
-            nonlocal bucket, offs, used
-            if bucket:
+        subs = [p.box] if p.nbytes <= buffer_bytes else split_box(p.box, max(1, buffer_bytes // p.itemsize))
+        for sub in subs:
+            q = p if sub is p.box else Piece(p.tensor, p.src, p.dst, sub, p.itemsize)
+            start = -(-used // ALIGN) * ALIGN
+            if bucket and start + q.nbytes > buffer_bytes:
                 raw.append((s, r, False, bucket, offs, used))
-            bucket, offs, used = [], [], 0
+                bucket, offs, start = [], [], 0
+            bucket.append(q)
+            offs.append(start)
+            used = start + q.nbytes
+    if bucket:
+        raw.append((s, r, False, bucket, offs, used))
 
-        for p, dr in plist:
-            if dr:
-                raw.append((s, r, True, [p], [0], p.nbytes))
-                continue
-            subs = [p.box] if p.nbytes <= buffer_bytes else split_box(p.box, max(1, buffer_bytes // p.itemsize))
-            for sub in subs:
-                q = p if sub is p.box else Piece(p.tensor, p.src, p.dst, sub, p.itemsize)
-                start = -(-used // ALIGN) * ALIGN
-                if bucket and start + q.nbytes > buffer_bytes:
-                    flush()
-                    start = 0
-                bucket.append(q)
-                offs.append(start)
-                used = start + q.nbytes
-        flush()
 
-    # schedule: earliest step >= the link's previous one where both ends have a free buffer.
-    # Half the ring may be in flight per step, so the other half can be packed / unpacked
-    # meanwhile (the executor overlaps consecutive steps on CUDA).
-    per_step = max(1, num_buffers // 2)
-    used: dict[int, list[int]] = defaultdict(list)  # proc -> buffers in use per step
-    low: dict[int, int] = defaultdict(int)  # proc -> every step below this one is full
+def _schedule(raw: list[_Raw], procs: ProcessMap, num_buffers: int) -> list[Message]:
+    """Give every message of ``raw`` (grouped by link, in link order) its step and sort by (step, link).
 
-    def free_from(proc: int, step: int) -> int:
-        """The first step >= ``step`` where ``proc`` has a free buffer (full prefix skipped)."""
-        u = used[proc]
-        step = max(step, low[proc])
-        while step < len(u) and u[step] >= per_step:
-            step += 1
-        return step
-
-    def take(proc: int, step: int) -> None:
-        u = used[proc]
-        if step >= len(u):
-            u.extend([0] * (step + 1 - len(u)))
-        u[step] += 1
-        lo = low[proc]
-        while lo < len(u) and u[lo] >= per_step:
-            lo += 1
-        low[proc] = lo
-
+    A packed message takes the earliest step >= its link's previous one where both ends have a free
+    buffer; half the ring may be in flight per step, so the other half can be packed / unpacked
+    meanwhile (the executor overlaps consecutive steps on CUDA). A direct message needs no buffer: it
+    goes in its link's current step."""
+    steps = _StepBuffers(max(1, num_buffers // 2))
     messages: list[Message] = []
     psrc, pdst = procs.src, procs.dst
     link, step = None, 0
-    for s, r, direct, plist, offs, nbytes in raw:  # grouped by link, in link order
+    for s, r, direct, plist, offs, nbytes in raw:
         if (s, r) != link:
             link, step = (s, r), 0
         if not direct:
-            ps, pr = psrc[s], pdst[r]
-            while True:
-                step = free_from(ps, step)
-                later = free_from(pr, step)
-                if later == step:
-                    break
-                step = later
-            take(ps, step)
-            take(pr, step)
+            step = steps.take_both(psrc[s], pdst[r], step)
         messages.append(Message(s, r, step, direct, tuple(plist), tuple(offs), nbytes))
     messages.sort(key=lambda m: (m.step, m.src, m.dst))
-    num_steps = max((m.step for m in messages), default=-1) + 1
-    return Plan(src, dst, procs, config, tuple(messages + ipc_messages), local, num_steps)
+    return messages
+
+
+class _StepBuffers:
+    """Buffers each process has in flight per step (at most ``per_step``), and the first step from a
+    given one where a process has a free buffer.
+
+    A full step points past itself (``skip``, paths compressed as they are walked), so a busy process's
+    full steps are jumped over, not rescanned, for every message."""
+
+    def __init__(self, per_step: int) -> None:
+        self.per_step = per_step
+        self.used: dict[int, list[int]] = defaultdict(list)  # proc -> buffers in use per step
+        self.skip: dict[int, list[int]] = defaultdict(list)  # proc -> per step: itself if free, else a later step
+
+    def free_from(self, proc: int, step: int) -> int:
+        """The first step >= ``step`` where ``proc`` has a free buffer."""
+        skip = self.skip[proc]
+        n = len(skip)
+        free = step
+        while free < n and skip[free] != free:
+            free = skip[free]
+        while step < n and skip[step] != step:  # every step walked over now points at ``free``
+            skip[step], step = free, skip[step]
+        return free
+
+    def take_both(self, a: int, b: int, step: int) -> int:
+        """Take a buffer on processes ``a`` and ``b`` in the first step >= ``step`` where both have one."""
+        while True:
+            step = self.free_from(a, step)
+            later = self.free_from(b, step)
+            if later == step:
+                break
+            step = later
+        self._take(a, step)
+        self._take(b, step)
+        return step
+
+    def _take(self, proc: int, step: int) -> None:
+        used, skip = self.used[proc], self.skip[proc]
+        if step >= len(used):
+            skip.extend(range(len(used), step + 1))
+            used.extend([0] * (step + 1 - len(used)))
+        used[step] += 1
+        if used[step] >= self.per_step:
+            skip[step] = step + 1
