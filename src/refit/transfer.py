@@ -3,10 +3,12 @@
 Contract
 --------
 * Both sides are constructed with the same two ModelLayouts (source and
-  destination), process map and buffer budget; each derives the Plan on its
-  own, then the pre-flight exchanges ``(digest, manifest)`` through the
+  destination), process map and ``TransferConfig``; each derives the Plan on its
+  own, then pre-flight exchanges ``{digest, agreed settings}`` through the
   rendezvous store (no data collective): a mismatch raises ``PlanError`` on
-  every process, naming the first differing tensor and both digests.
+  every process, naming the differing setting (``stages``, ``checksums``,
+  ``tag_base``, ...) with both values, or both digests and the first differing
+  tensor.
 * ``push(v)`` / ``pull(v)`` are called once per refit, with the same ``v`` on
   every process; the local tensors must be updated in place between refits
   (as optimizers do), so the views bound at setup stay valid.
@@ -194,7 +196,7 @@ class Peer:
             publish_failure(store, proc, e, config.name)
             raise
         # the executor's setup may exchange IPC handles: only once the plans agree
-        preflight(self.plan, proc, store, config.preflight_timeout_s, config.name)
+        preflight(self.plan, proc, store, config.preflight_timeout_s, config.name, tag_base=tag_base)
         self.config, self.proc = config, proc
         self.live = dict(dst_tensors or {})
         staged = config.commit == "staged" and bool(self.live)
