@@ -7,6 +7,7 @@ import json
 import sys
 
 from refit.layout import LayoutError
+from refit.layout.hf_names import num_layers
 from refit.layout.models import PRESETS, ModelError, param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import SpecError, parse_spec
@@ -188,7 +189,7 @@ def _setup(args):
     if getattr(args, "fp8", None) is not None and args.fp8 < 1:
         raise SpecError(f"--fp8 block must be >= 1, got {args.fp8}")
     shapes = param_shapes(args.model)
-    n_layers = sum(1 for n, _, _ in shapes if n.endswith("input_layernorm.weight"))
+    n_layers = num_layers(n for n, _, _ in shapes)
     if src.degree("pp") > max(n_layers, 1):
         raise SpecError(f"source spec {src}: pp={src.degree('pp')} exceeds the model's {n_layers} decoder layers")
     return src, dst, cfg, shapes
