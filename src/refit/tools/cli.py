@@ -278,7 +278,9 @@ def cmd_plan(args, console) -> int:
     info = _plan_json(plan, args.bandwidth)
     fp8 = f"; FP8 {args.fp8}x{args.fp8} blocks" if args.fp8 else ""
     if args.json:
-        print(json.dumps({"model": args.model, "src": str(src), "dst": str(dst), "fp8_block": args.fp8, **info}))
+        head = {"model": args.model, "src": str(src), "dst": str(dst), "fp8_block": args.fp8}
+        layouts = {"src_layout": plan.src_layout.to_json(), "dst_layout": plan.dst_layout.to_json()}  # refit.layout/1
+        print(json.dumps({**head, **info, **layouts}))
         return 0
     console.print(
         f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks){fp8}"
