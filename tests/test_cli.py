@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from refit.layout import Mesh, TensorLayout, box_slices, parse_placement
+from refit.layout import ModelLayout, box_slices
 from refit.tools.cli import main
 
 
@@ -72,21 +72,15 @@ def test_verify_dump_can_be_rechecked_independently(tmp_path):
     last = r.stdout.strip().splitlines()[-1]
     assert last.startswith("verified 47 tensors on 4 ranks,") and last.endswith("moved/needed=1.00")
     full = load_file(tmp_path / "full.safetensors")
-    layout = json.loads((tmp_path / "layout.json").read_text())
+    layouts = json.loads((tmp_path / "layout.json").read_text())  # refit.layout/1, docs/layout-json.md
+    src, dst = ModelLayout.from_json(layouts["src"]), ModelLayout.from_json(layouts["dst"])
+    assert (src.world_size, dst.world_size, len(src), len(dst)) == (4, 4, 47, 47)
     shards = {d: load_file(tmp_path / f"dst_rank{d}.safetensors") for d in range(4)}
     checked = 0
-    for t in layout["tensors"]:
-        mesh = Mesh.from_nested(t["mesh"])
-        tl = TensorLayout(
-            t["name"],
-            tuple(t["global_shape"]),
-            getattr(torch, t["dtype"]),
-            mesh,
-            tuple(parse_placement(p) for p in t["placements"]),
-        )
-        assert (full[t["name"]] != 0).all()
-        for d in mesh.ranks:
-            assert torch.equal(shards[d][t["name"]], full[t["name"]][box_slices(tl.box(d))])
+    for t in dst:
+        assert (full[t.name] != 0).all()
+        for d in t.mesh.ranks:
+            assert torch.equal(shards[d][t.name], full[t.name][box_slices(t.box(d))])
             checked += 1
     assert checked == 47 * 4
 

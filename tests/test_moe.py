@@ -122,7 +122,7 @@ def test_trainer_with_hf_fused_experts_refits_bit_exact(kind):
     import torch
 
     from refit.layout import box_slices
-    from refit.layout.models import logical_shape
+    from refit.layout.hf_names import logical_shape
     from refit.tools.launch import run_local
 
     out = run_local(_hf_moe_trainer, 2, 2, kind, backend="gloo", timeout_s=280)

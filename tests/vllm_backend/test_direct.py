@@ -64,7 +64,7 @@ def _compare_in_worker(self, config_dir):
 
     from refit.engines.vllm.regions import live_target, loader_tensors, region
     from refit.layout import box_slices
-    from refit.layout.models import logical_shape
+    from refit.layout.hf_names import logical_shape
 
     hf = build_model(load_config(config_dir), torch.float32, seed=7)
     checkpoint = load_file(os.path.join(config_dir, "ckpt", "model.safetensors"))  # the same weights, as saved

@@ -5,6 +5,7 @@ Only ``tensors`` is re-exported here; import the others from their modules.
 """
 
 from refit.layout.tensors import (
+    LAYOUT_FORMAT,
     Box,
     LayoutError,
     Mesh,
@@ -25,6 +26,7 @@ from refit.layout.tensors import (
 )
 
 __all__ = [
+    "LAYOUT_FORMAT",
     "Box",
     "LayoutError",
     "Mesh",

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from refit.errors import ModelError
+from refit.layout.hf_names import logical_shape
 from refit.layout.rules import ParamShape
 
 
@@ -230,20 +231,6 @@ def build_model(config, dtype: torch.dtype, device: str | torch.device = "cpu", 
     return model
 
 
-FUSED_GATE_UP = ".experts.gate_up_proj"
-
-
-def logical_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape refit's layouts give HF parameter ``name``: HF's fused stacked-expert
-    ``gate_up_proj`` ``[E, 2I, H]`` is ``[E, 2, I, H]`` (gate, then up); everything else as is."""
-    if name.endswith(FUSED_GATE_UP) and len(shape) == 3:
-        e, two_i, h = shape
-        if two_i % 2:
-            raise ModelError(f"{name} {list(shape)}: the fused gate/up dim {two_i} is odd")
-        return (e, 2, two_i // 2, h)
-    return tuple(shape)
-
-
 def param_shapes(model: str, dtype: torch.dtype | None = None) -> list[ParamShape]:
     """(name, shape, dtype) of every logical tensor of ``model``, from shapes alone (tied ones once).
 
@@ -251,7 +238,7 @@ def param_shapes(model: str, dtype: torch.dtype | None = None) -> list[ParamShap
     (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) with the fused
     gate/up dim split in two: ``gate_up_proj`` is ``[E, 2, I, H]`` (HF holds
     ``[E, 2I, H]``, gate rows then up rows: the same memory), ``down_proj``
-    ``[E, H, I]``. So tensor parallelism inside experts (``Shard(2)``) splits
+    ``[E, H, I]`` (``hf_names.logical_shape``). So tensor parallelism inside experts (``Shard(2)``) splits
     gate and up alike, as Megatron's fc1 and vLLM's ``w13`` do, and a rank's
     share is one dense block in HF's tensor, in Megatron's and in vLLM's.
     """

@@ -1,10 +1,12 @@
-"""Sharding rules for HF Llama / Qwen2 / Qwen3 dense checkpoints, and layouts from specs.
+"""Sharding rules for HF decoder checkpoints, and layouts from specs.
 
-Tensor parallel (Megatron style):
-  * column-parallel, ``Shard(0)``: q/k/v/gate/up projections (weight and bias),
-    ``embed_tokens`` and ``lm_head`` (vocab-parallel);
+Parameters are told apart by their role (``hf_names.param_role``), never by matching names here.
+Tensor parallel (Megatron style, ``hf_names``' TP groups):
+  * column-parallel, ``Shard(0)``: q/k/v/gate/up projections and MLA's ``q_b_proj`` / ``kv_b_proj``
+    (weight and bias), ``embed_tokens`` and ``lm_head`` (vocab-parallel);
   * row-parallel, ``Shard(1)``: o/down projection weights; their biases are replicated;
-  * everything else (norms, q_norm/k_norm, unknown names) is replicated.
+  * everything else (norms, q_norm/k_norm, MLA's low-rank ``q_a_proj`` / ``kv_a_proj_with_mqa``,
+    routers, unknown names) is replicated.
 Pipeline parallel: decoder layers split into contiguous stages (the first
 ``layers % pp`` stages get one more); embeddings on the first stage, the final
 norm and ``lm_head`` on the last; any other tensor on the first stage.
@@ -20,23 +22,26 @@ MoE (experts stacked per layer: ``mlp.experts.gate_up_proj`` ``[E, 2, I, H]``,
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from refit.layout.hf_names import (
+    COLUMN_PARALLEL,
+    LAST_STAGE,
+    ROW_PARALLEL,
+    STACKED_EXPERTS,
+    VOCAB_PARALLEL,
+    is_weight,
+    is_weight_or_bias,
+    layer_of,
+    num_layers,
+    param_role,
+)
 from refit.layout.spec import ParallelSpec
 from refit.layout.tensors import Mesh, ModelLayout, TensorLayout
-
-# MLA (DeepSeek-V3, Kimi-K2): q_b_proj / kv_b_proj are column-parallel over heads; the low-rank
-# q_a_proj / kv_a_proj_with_mqa and their norms are replicated (no rule: Replicate)
-_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
-_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
-_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
-_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 ParamShape = tuple[str, Sequence[int], torch.dtype]
 
@@ -44,24 +49,19 @@ ParamShape = tuple[str, Sequence[int], torch.dtype]
 def expert_placement(name: str, dim: str) -> Placement | None:
     """The placement of a stacked expert tensor over mesh dim ``dim`` ("ep" or the expert TP dim),
     or None if ``name`` is not one."""
-    m = _EXPERTS.search(name)
-    if m is None:
+    if param_role(name) not in STACKED_EXPERTS:
         return None
     return Shard(0) if dim == "ep" else Shard(2)  # [E, 2, I, H] and [E, H, I]: I is dim 2 of both
 
 
 def tp_placement(name: str) -> Placement:
     """The tensor-parallel placement of an HF dense decoder parameter."""
-    if _COLUMN.search(name) or _VOCAB.search(name):
+    role = param_role(name)
+    if (role in COLUMN_PARALLEL and is_weight_or_bias(name)) or (role in VOCAB_PARALLEL and is_weight(name)):
         return Shard(0)
-    if _ROW.search(name):
+    if role in ROW_PARALLEL and is_weight(name):
         return Shard(1)
     return Replicate()
-
-
-def layer_index(name: str) -> int | None:
-    m = _LAYER.search(name)
-    return int(m.group(2)) if m else None
 
 
 def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -76,22 +76,21 @@ def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
 
 
 def pp_stage(name: str, num_layers: int, pp: int) -> int:
+    """The pipeline stage holding ``name``: its layer's, the last for ``lm_head`` and the final norm,
+    else the first."""
     if pp == 1:
         return 0
-    i = layer_index(name)
+    i = layer_of(name)
     if i is not None:
         for s, (a, b) in enumerate(stage_bounds(num_layers, pp)):
             if a <= i < b:
                 return s
         raise ValueError(f"tensor {name!r}: layer {i} is beyond num_layers={num_layers}")
-    if name.endswith("lm_head.weight") or re.search(r"(^|\.)model\.norm\.", name) or name.startswith("norm."):
-        return pp - 1
-    return 0
+    return pp - 1 if param_role(name) in LAST_STAGE else 0
 
 
 def num_layers_of(params: Sequence[ParamShape]) -> int:
-    idx = [i for i in (layer_index(n) for n, _, _ in params) if i is not None]
-    return max(idx) + 1 if idx else 0
+    return num_layers(n for n, _, _ in params)
 
 
 def layout_from_spec(params: Sequence[ParamShape], spec: ParallelSpec) -> ModelLayout:
@@ -100,7 +99,7 @@ def layout_from_spec(params: Sequence[ParamShape], spec: ParallelSpec) -> ModelL
     names = spec.dim_names
     grid = torch.arange(spec.world_size).reshape(shape)
     pp = spec.degree("pp")
-    num_layers = num_layers_of(params)
+    n_layers = num_layers_of(params)
     if "pp" in names:
         stage_axis = names.index("pp")
         sub_names = names[:stage_axis] + names[stage_axis + 1 :]
@@ -108,7 +107,7 @@ def layout_from_spec(params: Sequence[ParamShape], spec: ParallelSpec) -> ModelL
         stage_axis, sub_names = None, names
     out = []
     for name, pshape, dtype in params:
-        stage = pp_stage(name, num_layers, pp)
+        stage = pp_stage(name, n_layers, pp)
         sub = grid.select(stage_axis, stage) if stage_axis is not None else grid
         placements: list[Placement] = []
         expert_tp = "etp" if spec.degree("etp") > 1 else "tp"

@@ -204,7 +204,8 @@ class TensorLayout:
         object.__setattr__(self, "placements", tuple(self.placements))
         if len(self.placements) != self.mesh.ndim:
             raise LayoutError(
-                f"tensor {self.name!r}: {len(self.placements)} placements for a {self.mesh.ndim}-d mesh {self.mesh.dim_names}"
+                f"tensor {self.name!r}: {len(self.placements)} placements "
+                f"for a {self.mesh.ndim}-d mesh {self.mesh.dim_names}"
             )
         for p in self.placements:
             placement_str(p)  # rejects unsupported kinds
@@ -273,19 +274,6 @@ class TensorLayout:
                 out.setdefault(b, []).append(r)
         return out
 
-    def to_json(self) -> dict:
-        d = {
-            "name": self.name,
-            "global_shape": list(self.shape),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "mesh": self.mesh.to_nested(),
-            "mesh_dims": list(self.mesh.dim_names),
-            "placements": [placement_str(p) for p in self.placements],
-        }
-        if self.boxes is not None:
-            d["boxes"] = {str(r): [list(x) for x in b] for r, b in self.boxes.items()}
-        return d
-
 
 @dataclass(frozen=True)
 class ModelLayout:
@@ -334,4 +322,106 @@ class ModelLayout:
                 yield t, b
 
     def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
-        return [(t.name, t.shape, str(t.dtype).removeprefix("torch.")) for t in self.tensors]
+        return [(t.name, t.shape, dtype_name(t.dtype)) for t in self.tensors]
+
+    def to_json(self) -> dict:
+        """This layout as a ``refit.layout/1`` document (plain JSON data; docs/layout-json.md):
+        meshes listed once and referred to by index, explicit ``boxes`` only where a tensor has them.
+        ``ModelLayout.from_json(layout.to_json()) == layout``."""
+        meshes: dict[Mesh, int] = {}
+        tensors = []
+        for t in self.tensors:
+            d = {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": dtype_name(t.dtype),
+                "mesh": meshes.setdefault(t.mesh, len(meshes)),
+                "placements": [placement_str(p) for p in t.placements],
+            }
+            if t.boxes is not None:
+                d["boxes"] = {str(r): [list(x) for x in b] for r, b in t.boxes.items()}
+            tensors.append(d)
+        return {
+            "format": LAYOUT_FORMAT,
+            "world_size": self.world_size,
+            "meshes": [
+                {"shape": list(m.shape), "dim_names": list(m.dim_names), "ranks": list(m.ranks)} for m in meshes
+            ],
+            "tensors": tensors,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping) -> ModelLayout:
+        """The layout a ``refit.layout/1`` document describes (``to_json``'s inverse). A document that
+        is not one, or describes an inconsistent layout, raises ``LayoutError`` naming the tensor."""
+        fmt = doc.get("format") if isinstance(doc, Mapping) else None
+        if fmt != LAYOUT_FORMAT:
+            raise LayoutError(f"not a {LAYOUT_FORMAT} layout document (format {fmt!r})")
+        try:
+            world_size = _int(doc["world_size"], "world_size")
+            meshes = [_mesh_from_json(i, m) for i, m in enumerate(doc["meshes"])]
+            tensors = doc["tensors"]
+        except LayoutError as e:
+            raise LayoutError(f"{LAYOUT_FORMAT} layout document: {e}") from e
+        except (KeyError, TypeError) as e:
+            raise LayoutError(f"{LAYOUT_FORMAT} layout document: missing or malformed field {e}") from e
+        return cls(tuple(_tensor_from_json(i, t, meshes) for i, t in enumerate(tensors)), world_size)
+
+
+LAYOUT_FORMAT = "refit.layout/1"
+"""The ``format`` key of ``ModelLayout.to_json`` documents (docs/layout-json.md)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; anything that is not a torch dtype raises ``LayoutError``."""
+    d = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(d, torch.dtype):
+        raise LayoutError(f"unknown dtype {name!r}")
+    return d
+
+
+def _int(v, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise LayoutError(f"{what} must be an integer, got {v!r}")
+    return v
+
+
+def _ints(values, what: str) -> tuple[int, ...]:
+    return tuple(_int(v, what) for v in values)
+
+
+def _mesh_from_json(i: int, d: Mapping) -> Mesh:
+    """Mesh ``i`` of a ``refit.layout/1`` document."""
+    try:
+        shape, ranks = _ints(d["shape"], "shape"), _ints(d["ranks"], "ranks")
+        return Mesh(shape, tuple(map(str, d["dim_names"])), ranks)
+    except LayoutError as e:
+        raise LayoutError(f"mesh {i}: {e}") from e
+
+
+def _tensor_from_json(i: int, d: Mapping, meshes: Sequence[Mesh]) -> TensorLayout:
+    """Tensor ``i`` of a ``refit.layout/1`` document (``TensorLayout`` checks the rest, naming it)."""
+    name = d.get("name") if isinstance(d, Mapping) else None
+    if not isinstance(name, str):
+        raise LayoutError(f"{LAYOUT_FORMAT} layout document: tensor #{i} has no name")
+    try:
+        mesh = _int(d["mesh"], "mesh index")
+        if not 0 <= mesh < len(meshes):
+            raise LayoutError(f"mesh index {mesh} is not one of the document's {len(meshes)} meshes")
+        boxes = d.get("boxes")
+        if boxes is not None:
+            boxes = {int(r): tuple(_ints(x, "box bound") for x in b) for r, b in boxes.items()}
+        shape, dtype = _ints(d["shape"], "shape"), dtype_from_name(d["dtype"])
+        placements = tuple(parse_placement(p) for p in d["placements"])
+    except LayoutError as e:
+        raise LayoutError(f"{LAYOUT_FORMAT} layout document, tensor {name!r}: {e}") from e
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise LayoutError(
+            f"{LAYOUT_FORMAT} layout document, tensor {name!r}: missing or malformed field ({type(e).__name__}: {e})"
+        ) from e
+    return TensorLayout(name, shape, dtype, meshes[mesh], placements, boxes)

@@ -25,11 +25,11 @@ live weights before every push; the plan then moves FP8 bytes like any other.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 
 import torch
 
+from refit.layout.hf_names import LINEAR, STACKED_EXPERTS, Role, is_weight, param_role
 from refit.layout.tensors import Box, LayoutError, ModelLayout, TensorLayout, box_slices
 
 FP8 = torch.float8_e4m3fn
@@ -78,7 +78,8 @@ def use_triton(block: tuple[int, int]) -> bool:
         if not _TRITON:
             warnings.warn(
                 "refit: FP8 quantization on CUDA without Triton runs the multi-pass torch expression "
-                "(same bytes, several times slower)"
+                "(same bytes, several times slower)",
+                stacklevel=2,
             )
     return _TRITON and all(b & (b - 1) == 0 for b in block)
 
@@ -125,13 +126,18 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
 
 
 SCALE_SUFFIX = "_scale_inv"
-_LINEAR = re.compile(r"_proj\.weight$|\.experts\.(gate_up_proj|down_proj)$")
+# DeepSeek-V3's FP8 checkpoints also quantize kv_a_proj_with_mqa; refit has always sent it unquantized
+# (plans and bytes stay as they were until that is changed on purpose)
+FP8_ROLES = LINEAR - {Role.KV_A_PROJ}
 
 
 def default_fp8_tensors(t: TensorLayout) -> bool:
-    """The tensors vLLM's block-FP8 checkpoints quantize: linear projections (attention, MLP,
-    shared and routed experts); not embeddings, lm_head, norms, routers or biases."""
-    return t.dtype.is_floating_point and len(t.shape) >= 2 and bool(_LINEAR.search(t.name))
+    """The tensors vLLM's block-FP8 checkpoints quantize: linear projection weights (attention, MLP,
+    shared and routed experts: ``hf_names.LINEAR``); not embeddings, lm_head, norms, routers or biases."""
+    if not (t.dtype.is_floating_point and len(t.shape) >= 2):
+        return False
+    role = param_role(t.name)
+    return role in FP8_ROLES and (role in STACKED_EXPERTS or is_weight(t.name))
 
 
 def scale_name(name: str) -> str:
@@ -202,7 +208,7 @@ class Fp8Quantizer:
         self.tensors: dict[str, torch.Tensor] = {}
         quantized = set(quantized_names(qlayout))
         boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
-        for name, box in boxes.items():
+        for name in boxes:
             if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in quantized:
                 continue
             if name not in live:

@@ -83,7 +83,7 @@ def quantize_into_triton(
     amax_floor: float,
 ) -> None:
     """``fp8.quantize_into`` in one kernel launch: ``w`` [..., N, K] on CUDA into ``q`` / ``scale_inv``
-    (``fp8_max`` and ``amax_floor``: fp8.FP8_MAX and fp8.AMAX_FLOOR, passed in so this module imports nothing of refit)."""
+    (``fp8_max``, ``amax_floor``: fp8.FP8_MAX and fp8.AMAX_FLOOR, passed in: this module imports nothing of refit)."""
 
     *lead, n, k = w.shape
     bn, bk = block

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from refit.config import TransferConfig
 from refit.errors import USER_ERRORS, ConfigError, SpecError
+from refit.layout.hf_names import num_layers
 from refit.layout.models import PRESETS, load_config, param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
@@ -247,9 +248,9 @@ def _setup(args):
     if getattr(args, "fp8", None) is not None and args.fp8 < 1:
         raise ConfigError(f"--fp8 block must be >= 1, got {args.fp8}")
     shapes = param_shapes(args.model)
-    n_layers = sum(1 for n, _, _ in shapes if n.endswith("input_layernorm.weight"))
+    n_layers = num_layers(n for n, _, _ in shapes)
     if src.degree("pp") > max(n_layers, 1):
-        raise SpecError(f"source spec {src}: pp={src.degree('pp')} exceeds the model's {n_layers} decoder layers")
+        raise SpecError(f"--src {src}: pp={src.degree('pp')} exceeds the model's {n_layers} decoder layers")
     return src, dst, cfg, shapes
 
 
@@ -338,7 +339,9 @@ def cmd_plan(args, console) -> int:
     info = _plan_json(plan, args.bandwidth)
     fp8 = f"; FP8 {args.fp8}x{args.fp8} blocks" if args.fp8 else ""
     if args.json:
-        print(json.dumps({"model": args.model, "src": str(src), "dst": str(dst), "fp8_block": args.fp8, **info}))
+        head = {"model": args.model, "src": str(src), "dst": str(dst), "fp8_block": args.fp8}
+        layouts = {"src_layout": plan.src_layout.to_json(), "dst_layout": plan.dst_layout.to_json()}  # refit.layout/1
+        print(json.dumps({**head, **info, **layouts}))
         return 0
     console.print(
         f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) "

@@ -137,7 +137,7 @@ def verify(
     src: ModelLayout,
     dst: ModelLayout,
     *,
-    config: TransferConfig = TransferConfig(),
+    config: TransferConfig | None = None,
     seed: int = 0,
     dump: str | None = None,
     timeout_s: float = 600.0,
@@ -145,6 +145,7 @@ def verify(
 ) -> VerifyResult:
     """``fp8_block``: the engine holds FP8 weights (and their scales) blockwise-quantized with
     this block; the trainer's ranks quantize their shards before sending (``Fp8Quantizer``)."""
+    config = config if config is not None else TransferConfig()
     plain_src = src
     if fp8_block:
         src, dst = fp8_layout(src, block=fp8_block), fp8_layout(dst, block=fp8_block, side="destination")
@@ -157,8 +158,8 @@ def verify(
             {t.name: reference_tensor(t.name, t.shape, t.dtype, seed) for t in plain_src},
             os.path.join(dump, "full.safetensors"),
         )
-        with open(os.path.join(dump, "layout.json"), "w") as f:
-            json.dump({"tensors": [t.to_json() for t in dst]}, f, indent=1)
+        with open(os.path.join(dump, "layout.json"), "w") as f:  # both sides, refit.layout/1 (docs/layout-json.md)
+            json.dump({"src": src.to_json(), "dst": dst.to_json()}, f, indent=1)
     results = run_local(
         _verify_worker,
         src.world_size,

@@ -6,7 +6,7 @@ Works for models parallelized with ``parallelize_module`` (TP) or
 placements; plain parameters are replicated on every trainer rank.
 
 HF's fused stacked experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``) are
-seen as ``[E, 2, I, H]`` (``models.logical_shape``): a view of the same memory,
+seen as ``[E, 2, I, H]`` (``hf_names.logical_shape``): a view of the same memory,
 so sharding over experts (EP, FSDP: ``Shard(0)``) or hidden (``Shard(2)`` ->
 ``Shard(3)``) carries over. ``Shard(1)`` of the fused dim is refused: a
 DTensor cannot tell a plain split (rank 0 all gate) from a packed one (each
@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from refit.layout import LayoutError, Mesh, ModelLayout, TensorLayout
-from refit.layout.models import FUSED_GATE_UP, logical_shape
+from refit.layout.hf_names import is_fused_gate_up, logical_shape
 
 
 def _params(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
@@ -58,12 +58,8 @@ def layout_from_module(module: nn.Module, world_size: int) -> ModelLayout:
     return ModelLayout(tuple(out), world_size)
 
 
-def _fused(name: str, shape) -> bool:
-    return name.endswith(FUSED_GATE_UP) and len(shape) == 3
-
-
 def _logical_placements(name: str, shape, placements) -> tuple:
-    if not _fused(name, shape):
+    if not is_fused_gate_up(name, tuple(shape)):
         return tuple(placements)
     out = []
     for pl in placements:
@@ -78,7 +74,7 @@ def _logical_placements(name: str, shape, placements) -> tuple:
 
 
 def _logical_local(name: str, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    if not _fused(name, p.shape):
+    if not is_fused_gate_up(name, tuple(p.shape)):
         return local
     e, two_i, h = local.shape
     return local.view(e, 2, two_i // 2, h)  # a view: the same memory the optimizer updates

@@ -1,4 +1,8 @@
-"""What the trainer side and the worker side share: rendezvous, layout exchange, info types."""
+"""What the trainer side and the worker side share: the init info, rendezvous, layout exchange.
+
+The trainer publishes its source layout in the store as a ``refit.layout/1`` document
+(``publish_src_layout`` / ``read_src_layout``); each worker publishes the box of every tensor it
+loads (``dst/<worker>``), gathered into the destination layout on every process."""
 
 from __future__ import annotations
 
@@ -10,31 +14,51 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
+from refit.config import TransferConfig
 from refit.layout import Box, Mesh, ModelLayout, TensorLayout
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
+LOAD_PATHS = ("auto", "direct", "loader")
+
+
 @dataclass
 class RefitInitInfo:
-    """Worker-side init info (sent by trainer rank 0 through the client).
+    """How one refit job's trainer ranks and vLLM workers meet and move bytes; each field declared once.
 
-    The transfer group has ``world_size`` ranks: trainer ranks ``0..n_trainer-1``
-    then workers ``n_trainer + (dp_index * tp * pp + worker rank)``.
+    The trainer side (``trainer.RefitTrainerInitInfo``) adds its own fields to these; the worker side
+    receives exactly these (``RefitTrainerInitInfo.worker_info()``, sent as plain data by trainer
+    rank 0 through the client and rebuilt with ``RefitInitInfo(**fields)``). Every field must be the
+    same on all processes of the job. The transfer group has ``world_size = n_trainer + n_workers``
+    ranks: trainer ranks ``0..n_trainer-1``, then workers ``n_trainer + (dp_index * tp * pp + worker
+    rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` become one ``TransferConfig``
+    (``transfer_config()``), validated there.
     """
 
-    master_address: str
-    master_port: int
-    n_trainer: int
-    world_size: int
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    n_trainer: int = 1
+    n_workers: int = 1
     timeout_s: float = DEFAULT_TIMEOUT_S
     num_buffers: int = 2
     buffer_bytes: int = 64 << 20
     session: str = "refit"
-    load_path: str = "auto"  # "direct", "loader" or "auto" (direct where vLLM keeps parameters as loaded)
+    load_path: str = "auto"  # worker side: "direct" (into live params), "loader" (vLLM's loaders) or "auto"
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of the transfer group: the trainer ranks, then the workers."""
+        return self.n_trainer + self.n_workers
 
-LOAD_PATHS = ("auto", "direct", "loader")
+    def transfer_config(self) -> TransferConfig:
+        """The ``TransferConfig`` both sides run the transfer with (``ConfigError`` on a bad field)."""
+        return TransferConfig(
+            num_buffers=self.num_buffers,
+            buffer_bytes=self.buffer_bytes,
+            preflight_timeout_s=self.timeout_s,
+            name="xfer",
+        )
 
 
 @dataclass
@@ -84,16 +108,6 @@ def wait_workers(store: dist.Store, n_workers: int, timeout_s: float) -> None:
             time.sleep(0.01)
 
 
-def layout_to_json(layout: ModelLayout) -> str:
-    out = []
-    for t in layout:
-        boxes = {str(r): [list(x) for x in b] for r in t.ranks if (b := t.box(r)) is not None}
-        out.append(
-            {"name": t.name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "boxes": boxes}
-        )
-    return json.dumps({"world_size": layout.world_size, "tensors": out})
-
-
 def boxes_layout(
     entries: list[tuple[str, tuple[int, ...], torch.dtype, dict[int, Box]]], world_size: int
 ) -> ModelLayout:
@@ -105,18 +119,14 @@ def boxes_layout(
     )
 
 
-def layout_from_json(text: str) -> ModelLayout:
-    d = json.loads(text)
-    entries = [
-        (
-            t["name"],
-            tuple(t["shape"]),
-            getattr(torch, t["dtype"]),
-            {int(r): tuple(tuple(x) for x in b) for r, b in t["boxes"].items()},
-        )
-        for t in d["tensors"]
-    ]
-    return boxes_layout(entries, d["world_size"])
+def publish_src_layout(store: dist.Store, src: ModelLayout) -> None:
+    """Trainer rank 0: the source layout, for the workers (``ModelLayout.to_json``)."""
+    store.set("src", json.dumps(src.to_json(), separators=(",", ":")))
+
+
+def read_src_layout(store: dist.Store) -> ModelLayout:
+    """A worker: the trainer's source layout (waits for it)."""
+    return ModelLayout.from_json(json.loads(store.get("src")))
 
 
 def gather_dst_layout(store: dist.Store, src: ModelLayout, n_workers: int) -> ModelLayout:

@@ -24,31 +24,32 @@ share. The share is a property of the module the loader belongs to:
   gets exactly what a full load would give it).
 
 Reading the module attributes rather than the HF config makes the share the
-one the loader will actually read.
+one the loader will actually read. Which HF tensor goes to which module (fused
+``qkv_proj`` / ``gate_up_proj``, row- and vocab-parallel, stacked experts) is
+``refit.layout.hf_names``' to say.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from refit.errors import LayoutError
 from refit.layout import Box, box_slices, full_box
-
-_STACKED = {
-    ".q_proj": (".qkv_proj", "q"),
-    ".k_proj": (".qkv_proj", "k"),
-    ".v_proj": (".qkv_proj", "v"),
-    ".gate_proj": (".gate_up_proj", 0),
-    ".up_proj": (".gate_up_proj", 1),
-}
-_ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias)$")
-_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
-_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
-# where vLLM's module lives when its name differs from transformers' (Mixtral: block_sparse_moe)
-_MODULE_ALIASES = ((".mlp.", ".block_sparse_moe."),)
+from refit.layout.hf_names import (
+    QKV_SHARDS,
+    ROW_PARALLEL,
+    STACKED_EXPERTS,
+    VOCAB_PARALLEL,
+    FusedTarget,
+    Role,
+    fused_target,
+    is_weight,
+    is_weight_or_bias,
+    module_aliases,
+    param_role,
+)
 
 
 class RegionError(LayoutError):
@@ -65,7 +66,7 @@ def _module(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
 def moe_layer(model: torch.nn.Module, stem: str) -> tuple[torch.nn.Module, str] | None:
     """(vLLM's fused-MoE layer holding ``w13_weight`` / ``w2_weight``, its path) for the
     transformers experts module path ``stem``, or None."""
-    for path in (stem, *(stem.replace(a, b) for a, b in _MODULE_ALIASES if a in stem)):
+    for path in (stem, *module_aliases(stem)):
         mod = _module(model, path)
         if mod is None:
             continue
@@ -101,41 +102,51 @@ def _rows(shape: Sequence[int], lo: int, hi: int) -> Box:
     return ((lo, hi),) + full_box(shape[1:])
 
 
+def _dense_fused(name: str) -> FusedTarget | None:
+    """The ``qkv_proj`` / ``gate_up_proj`` target of a q/k/v/gate/up tensor (dense or shared-expert MLP)."""
+    t = fused_target(name)
+    return t if t is not None and (t.shard in QKV_SHARDS or isinstance(t.shard, int)) else None
+
+
+def _fused_rows(mod: torch.nn.Module, name: str, shape: Sequence[int], shard: str | int) -> tuple[Box, str]:
+    """(rows, rule) of ``shard`` of a ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` this rank loads."""
+    if shard in QKV_SHARDS:
+        if shard == "q":
+            n = mod.num_heads * mod.head_size
+            lo = mod.tp_rank * n
+        else:
+            head = mod.v_head_size if shard == "v" else mod.head_size
+            n = mod.num_kv_heads * head
+            lo = (mod.tp_rank // mod.num_kv_head_replicas) * n
+        rule = f"qkv:{shard}"
+    else:
+        n = mod.output_sizes[shard] // mod.tp_size
+        lo = mod.tp_rank * n
+        rule = f"merged:{shard}"
+    if lo + n > shape[0]:
+        raise RegionError(
+            f"{name} {list(shape)}: vLLM's {type(mod).__name__} wants rows [{lo}, {lo + n}) beyond the tensor"
+        )
+    return _rows(shape, lo, lo + n), rule
+
+
 def region(model: torch.nn.Module, name: str, shape: Sequence[int]) -> tuple[Box, str]:
     """(box, rule) for HF tensor ``name`` of ``shape`` on this worker; rule names what decided it."""
     stem, _, leaf = name.rpartition(".")
-    m = _EXPERTS.search(name)
-    if m is not None and len(shape) in (3, 4):
+    role = param_role(name)
+    if role in STACKED_EXPERTS and len(shape) in (3, 4):
         found = moe_layer(model, stem)
         if found is not None:
             e0, e1, i0, n = moe_share(found[0], name, shape)
-            if m.group(1) == "gate_up_proj":
+            if role is Role.EXPERTS_GATE_UP:
                 return ((e0, e1), (0, 2), (i0, i0 + n), (0, shape[3])), "moe:w13"
             return ((e0, e1), (0, shape[1]), (i0, i0 + n)), "moe:w2"
-    for hf, (vllm_name, shard) in _STACKED.items():
-        if stem.endswith(hf):
-            mod = _module(model, stem[: -len(hf)] + vllm_name)
-            if mod is None:
-                break
-            if shard in ("q", "k", "v"):
-                if shard == "q":
-                    n = mod.num_heads * mod.head_size
-                    lo = mod.tp_rank * n
-                else:
-                    head = mod.v_head_size if shard == "v" else mod.head_size
-                    n = mod.num_kv_heads * head
-                    lo = (mod.tp_rank // mod.num_kv_head_replicas) * n
-                rule = f"qkv:{shard}"
-            else:
-                n = mod.output_sizes[shard] // mod.tp_size
-                lo = mod.tp_rank * n
-                rule = f"merged:{shard}"
-            if lo + n > shape[0]:
-                raise RegionError(
-                    f"{name} {list(shape)}: vLLM's {type(mod).__name__} wants rows [{lo}, {lo + n}) beyond the tensor"
-                )
-            return _rows(shape, lo, lo + n), rule
-    if _ROW.search(name):
+    target = _dense_fused(name)
+    if target is not None:
+        mod = _module(model, target.module)
+        if mod is not None:
+            return _fused_rows(mod, name, shape, target.shard)
+    if role in ROW_PARALLEL and is_weight_or_bias(name):
         mod = _module(model, stem)
         if mod is not None and leaf == "weight" and hasattr(mod, "input_size_per_partition"):
             n = mod.input_size_per_partition
@@ -144,7 +155,7 @@ def region(model: torch.nn.Module, name: str, shape: Sequence[int]) -> tuple[Box
                 raise RegionError(f"{name} {list(shape)}: vLLM's RowParallelLinear wants columns [{lo}, {lo + n})")
             return ((0, shape[0]), (lo, lo + n)), "row"
         return full_box(shape), "row-bias"
-    if _VOCAB.search(name):
+    if role in VOCAB_PARALLEL and is_weight(name):
         mod = _module(model, stem)
         idx = getattr(mod, "shard_indices", None)
         if idx is not None:
@@ -192,20 +203,19 @@ def live_target(
             return None, f"{where} is not contiguous"
         return target, where
     if rule.startswith(("qkv:", "merged:")):
-        hf = next(h for h in _STACKED if stem.endswith(h))
-        vllm_name, shard = _STACKED[hf]
-        path = stem[: -len(hf)] + vllm_name
+        fused = _dense_fused(name)  # region() found it
+        path, shard = fused.module, fused.shard
         mod = _module(model, path)
-        param = _param(model, f"{path}.{leaf}")
+        param = _param(model, fused.name)
         if mod is None or param is None:
-            return None, f"{path}.{leaf} not found"
-        if shard in ("q", "k", "v"):
+            return None, f"{fused.name} not found"
+        if shard in QKV_SHARDS:
             q = mod.num_heads * mod.head_size
             k = mod.num_kv_heads * mod.head_size
             off = {"q": 0, "k": q, "v": q + k}[shard]
         else:
             off = sum(mod.output_sizes[:shard]) // mod.tp_size
-        target, where = param, f"{path}.{leaf}"
+        target, where = param, fused.name
         expect_rows = (mod.output_size_per_partition,)
     elif rule in ("row", "row-bias", "vocab", "full"):
         where = checkpoint_name(model, name)
@@ -237,9 +247,9 @@ def checkpoint_name(model: torch.nn.Module, name: str) -> str:
     stem = name.rpartition(".")[0]
     if _module(model, stem) is not None:
         return name
-    for a, b in _MODULE_ALIASES:
-        if a in stem and _module(model, stem.replace(a, b)) is not None:
-            return name.replace(a, b)
+    for alias in module_aliases(stem):
+        if _module(model, alias) is not None:
+            return alias + name[len(stem) :]
     return name
 
 
@@ -256,7 +266,7 @@ def expert_checkpoint_tensors(
     gate, up, down = (getattr(mod, f"ckpt_{k}_proj_name", k + "_proj") for k in ("gate", "up", "down"))
     (e0, e1), rest = box[0], box[1:]
     for e in range(e0, e1):
-        if name.endswith(".gate_up_proj"):
+        if param_role(name) is Role.EXPERTS_GATE_UP:
             (g0, g1), rows, cols = rest
             for g in range(g0, g1):
                 full = _outside(tuple(shape[2:]), part)
@@ -274,7 +284,7 @@ def loader_tensors(
     """What vLLM's ``load_weights`` takes for this worker's ``part`` (at ``box``) of ``name``:
     checkpoint names and full shapes, of which only the box is valid (the part the loader reads).
     Stacked experts become per-expert checkpoint tensors."""
-    if _EXPERTS.search(name) and len(shape) in (3, 4):
+    if param_role(name) in STACKED_EXPERTS and len(shape) in (3, 4):
         yield from expert_checkpoint_tensors(model, name, shape, box, part)
         return
     ckpt = checkpoint_name(model, name)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -23,16 +23,15 @@ from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, Tr
 
 from refit.plan import ProcessMap
 from refit.trainers.dtensor import layout_from_module, local_shards
-from refit.transfer import Peer, TransferConfig
+from refit.transfer import Peer
 
 from .common import (
-    DEFAULT_TIMEOUT_S,
     LOAD_PATHS,
     RefitInitInfo,
     gather_dst_layout,
     join_group,
-    layout_to_json,
     open_store,
+    publish_src_layout,
     wait_workers,
 )
 
@@ -63,37 +62,34 @@ class ShardedModuleSource(WeightSource):
 
 
 @dataclass
-class RefitTrainerInitInfo(TrainerInitInfo):
+class RefitTrainerInitInfo(RefitInitInfo, TrainerInitInfo):
+    """A trainer rank's init info: the shared fields of ``RefitInitInfo`` (the same on every
+    process of the job), this rank (``rank``, keyword-only, from vLLM's ``TrainerInitInfo``: rank 0
+    sends and drives the engine), the device its shards live on, and ``extra``. ``worker_info()``
+    is what the workers receive."""
+
     backend: ClassVar[str] = "refit"
-    master_address: str = "127.0.0.1"
-    master_port: int = 0
-    n_trainer: int = 1
-    n_workers: int = 1
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    num_buffers: int = 2
-    buffer_bytes: int = 64 << 20
-    session: str = "refit"
     device: str = "cpu"
-    load_path: str = "auto"  # worker side: "direct" (into live params), "loader" (vLLM's loaders) or "auto"
     extra: dict = field(default_factory=dict)
 
     def worker_info(self) -> RefitInitInfo:
+        """The shared fields, for the workers; ``load_path`` and the transfer config are checked here,
+        before anything starts (``ValueError`` / ``ConfigError`` naming the field)."""
         if self.load_path not in LOAD_PATHS:
             raise ValueError(f"RefitTrainerInitInfo.load_path must be one of {LOAD_PATHS}, got {self.load_path!r}")
-        return RefitInitInfo(
-            self.master_address,
-            self.master_port,
-            self.n_trainer,
-            self.n_trainer + self.n_workers,
-            self.timeout_s,
-            self.num_buffers,
-            self.buffer_bytes,
-            self.session,
-            self.load_path,
-        )
+        self.transfer_config()
+        return RefitInitInfo(**{f.name: getattr(self, f.name) for f in fields(RefitInitInfo)})
 
 
 class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
+    """refit's trainer side of vLLM's weight transfer, one per trainer rank.
+
+    Lifecycle: ``trainer_init`` on every trainer rank at once (collective with the workers: rank 0
+    publishes the source layout and asks the engine to init; all join one gloo group and build the
+    same plan); ``send_weights(version)`` after each optimizer step, on every rank, same order;
+    ``shutdown``. Must agree on every process: the ``RefitInitInfo`` fields and the source layout.
+    """
+
     init_info_cls = RefitTrainerInitInfo
 
     @classmethod
@@ -113,7 +109,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
             rpc = _Call(client.init_weight_transfer_engine, vars(info))
         store = open_store(info, is_master=self.is_sender)
         if self.is_sender:
-            store.set("src", layout_to_json(src))
+            publish_src_layout(store, src)
         try:
             wait_workers(store, init_info.n_workers, info.timeout_s)
         except Exception:
@@ -122,12 +118,6 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
             raise
         pg = join_group(info, store, init_info.rank)
         dst = gather_dst_layout(store, src, init_info.n_workers)
-        cfg = TransferConfig(
-            num_buffers=info.num_buffers,
-            buffer_bytes=info.buffer_bytes,
-            preflight_timeout_s=info.timeout_s,
-            name="xfer",
-        )
         self.peer = Peer(
             src,
             dst,
@@ -135,7 +125,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
             src_tensors=source.local(),
             procs=ProcessMap.disjoint(init_info.n_trainer, init_info.n_workers),
             group=pg,
-            config=cfg,
+            config=info.transfer_config(),
             device=init_info.device,
             store=store,
             standalone=True,

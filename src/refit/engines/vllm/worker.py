@@ -34,15 +34,15 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit.layout import box_shape
 from refit.plan import ProcessMap
-from refit.transfer import Peer, TransferConfig
+from refit.transfer import Peer
 
 from .common import (
     RefitInitInfo,
     RefitUpdateInfo,
     gather_dst_layout,
     join_group,
-    layout_from_json,
     open_store,
+    read_src_layout,
     wait_workers,
 )
 from .regions import live_target, loader_tensors, region
@@ -64,6 +64,9 @@ def check_supported(vllm_config, model: torch.nn.Module) -> None:
 
 
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+    """refit's worker side of vLLM's weight transfer, one per vLLM worker: the lifecycle in the
+    module docstring; it receives only this worker's share (``regions``) of every tensor."""
+
     init_info_cls = RefitInitInfo
     update_info_cls = RefitUpdateInfo
 
@@ -78,13 +81,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         w = self._worker_rank()
-        n_workers = init_info.world_size - init_info.n_trainer
+        n_workers = init_info.n_workers
         if not 0 <= w < n_workers:
             raise ValueError(f"worker rank {w} is outside the {n_workers} workers of init_info {init_info}")
         store = open_store(init_info, is_master=False)
         try:  # nothing has moved yet: a refusal reaches every trainer rank through the store
             check_supported(self.vllm_config, self.model)
-            src = layout_from_json(store.get("src").decode())
+            src = read_src_layout(store)
             regions, rules, targets, missing = {}, {}, {}, []
             for t in src:
                 box, rule = region(self.model, t.name, t.shape)
@@ -115,12 +118,6 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         }
         self.boxes = {t.name: b for t, b in dst.local_tensors(w)}
         self.shapes = {t.name: t.shape for t in dst}
-        cfg = TransferConfig(
-            num_buffers=init_info.num_buffers,
-            buffer_bytes=init_info.buffer_bytes,
-            preflight_timeout_s=init_info.timeout_s,
-            name="xfer",
-        )
         self.peer = Peer(
             src,
             dst,
@@ -128,7 +125,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             dst_tensors={**self.buffers, **self.targets},
             procs=ProcessMap.disjoint(init_info.n_trainer, n_workers),
             group=pg,
-            config=cfg,
+            config=init_info.transfer_config(),
             device=self.device,
             store=store,
             standalone=True,
