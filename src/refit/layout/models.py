@@ -16,6 +16,9 @@ from refit.layout.rules import ParamShape
 
 @dataclass(frozen=True)
 class Preset:
+    """A named model: its HF ``model_type``, the dtype its weights are trained in, and the config fields
+    (``transformers``' ``AutoConfig.for_model(model_type, **config)``) from which shapes are derived."""
+
     model_type: str
     dtype: torch.dtype
     config: dict[str, Any]

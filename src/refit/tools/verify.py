@@ -52,6 +52,9 @@ def holds(tensors: dict[str, torch.Tensor], layout: ModelLayout, rank: int, seed
 
 @dataclass(frozen=True)
 class VerifyResult:
+    """What ``verify`` found: tensors and destination ranks checked, bytes compared, every mismatching
+    shard (``"tensor rank r: ..."``; empty when every byte matched) and the plan that moved them."""
+
     tensors: int
     ranks: int
     bytes_checked: int

@@ -6,6 +6,13 @@ from typing import Any
 
 
 class LLMClient:
+    """vLLM's four weight-sync calls on an ``LLM`` that lives in this process (trainer rank 0 owns it).
+
+    Call order, as vLLM's ``VLLMWeightSyncClient``: ``init_weight_transfer_engine`` once, then per
+    version ``start_weight_update``, ``update_weights`` (blocks until the workers received it: run it
+    while the trainer ranks send), ``finish_weight_update(weight_version)``. Owns nothing but the handle.
+    """
+
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 

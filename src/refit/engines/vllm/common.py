@@ -63,6 +63,9 @@ class RefitInitInfo:
 
 @dataclass
 class RefitUpdateInfo:
+    """Per-version update info the trainer's rank 0 sends through the client: the weight ``version``
+    every process of the refit runs (it must increase), and ``extra`` (free-form, not read by refit)."""
+
     version: int = 0
     extra: dict = field(default_factory=dict)
 
