@@ -10,9 +10,9 @@ from refit.layout import ModelLayout, box_slices
 from refit.tools.cli import main
 
 
-def _run(*args, timeout=300):
+def _run(*args, timeout=300, cwd=None):
     return subprocess.run(
-        [sys.executable, "-m", "refit.tools.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "refit.tools.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
 
 
@@ -109,8 +109,22 @@ def test_demo_other_layouts(model, src, dst):
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_bench_cpu_writes_records(tmp_path):
+    # run outside the repository: the harness ships in the package (refit.tools.bench), no checkout needed
     out = tmp_path / "cpu.json"
-    r = _run("bench", "--device", "cpu", "--iters", "3", "--growth-iters", "3", "--warmup", "1", "--out", str(out))
+    r = _run(
+        "bench",
+        "--device",
+        "cpu",
+        "--iters",
+        "3",
+        "--growth-iters",
+        "3",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
     keys = {
