@@ -6,13 +6,13 @@ import os
 import pytest
 import torch
 
+from refit.config import TransferConfig
 from refit.fanout import Fanout, wave_plans, wave_schedule, waves_for
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.tools.launch import run_local
 from refit.tools.verify import holds, reference_shards
-from refit.transfer import TransferConfig
 
 REPLICAS = 7
 

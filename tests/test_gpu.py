@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from refit.config import TransferConfig
 from refit.layout import box_slices
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
@@ -16,7 +17,7 @@ from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap
 from refit.tools.launch import run_local
 from refit.tools.verify import reference_tensor
-from refit.transfer import Peer, TransferConfig
+from refit.transfer import Peer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -36,7 +37,7 @@ def _layouts(model, src, dst, dtype):
     return layout_from_spec(shapes, parse_spec(src, "src")), layout_from_spec(shapes, parse_spec(dst, "dst"))
 
 
-def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, verify=False):
+def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, checksums=False):
     dev = world.device
     srank = procs.src.index(world.rank) if world.rank in procs.src else None
     drank = procs.dst.index(world.rank) if world.rank in procs.dst else None
@@ -56,7 +57,9 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, v
         if drank is not None
         else None
     )
-    cfg = TransferConfig(num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph, checksums=verify)
+    cfg = TransferConfig(
+        num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph, checksums=checksums
+    )
     peer = Peer(
         src_l,
         dst_l,
@@ -93,7 +96,7 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, v
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "dtype,graph,verify",
+    "dtype,graph,checksums",
     [
         (torch.bfloat16, True, False),
         (torch.float32, True, False),
@@ -101,11 +104,11 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, v
         (torch.bfloat16, True, True),
     ],
 )
-def test_ipc_colocated_reshard_fsdp2_to_tp2(dtype, graph, verify):
+def test_ipc_colocated_reshard_fsdp2_to_tp2(dtype, graph, checksums):
     src_l, dst_l = _layouts("tiny-qwen2", "fsdp=2", "tp=2", dtype)
     devices = _two_gpus_or_one()
     procs = ProcessMap.disjoint(2, 2).with_devices(devices)
-    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, graph, verify, devices=devices, timeout_s=240)
+    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, graph, checksums, devices=devices, timeout_s=240)
     for ok, kinds, staging, used_graph in out[2:]:
         assert ok == [True, True, True]
         assert kinds == ["ipc"] and staging == 0
@@ -126,15 +129,15 @@ def test_ipc_peer_pull_1_to_1():
 @pytest.mark.timeout(300)
 @TWO_GPUS
 @pytest.mark.parametrize(
-    "src,dst,verify", [("fsdp=2", "tp=2", False), ("tp=2", "dp=2", False), ("fsdp=2", "tp=2", True)]
+    "src,dst,checksums", [("fsdp=2", "tp=2", False), ("tp=2", "dp=2", False), ("fsdp=2", "tp=2", True)]
 )
-def test_nccl_pipelined_with_packing(src, dst, verify):
+def test_nccl_pipelined_with_packing(src, dst, checksums):
     # processes are both trainer and engine ranks (one per GPU): cross-GPU pieces go over NCCL,
     # through small staging buffers; same-process pieces are local copies
     src_l, dst_l = _layouts("tiny-qwen2", src, dst, torch.bfloat16)
     procs = ProcessMap.colocated(2, 2).with_devices(["cuda:0", "cuda:1"])
     out = run_local(
-        _worker, 2, 2, src_l, dst_l, procs, "p2p", True, True, verify, colocated=True, backend="nccl", timeout_s=240
+        _worker, 2, 2, src_l, dst_l, procs, "p2p", True, True, checksums, colocated=True, backend="nccl", timeout_s=240
     )
     for ok, kinds, staging, _ in out:
         assert ok == [True, True, True]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from refit.config import TransferConfig
 from refit.layout import Mesh, ModelLayout, TensorLayout, box_slices
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
@@ -10,7 +11,7 @@ from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap
 from refit.tools.launch import WorkerError, run_local
 from refit.tools.verify import reference_tensor, verify
-from refit.transfer import Receiver, Sender, TransferConfig
+from refit.transfer import Receiver, Sender
 
 pytestmark = pytest.mark.multiproc
 

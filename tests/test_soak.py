@@ -2,11 +2,11 @@
 
 import pytest
 
+from refit.config import TransferConfig
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.tools.soak import soak
-from refit.transfer import TransferConfig
 
 
 @pytest.mark.timeout(300)

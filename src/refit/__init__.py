@@ -1,10 +1,11 @@
 """refit: weight refit between trainer and inference-engine layouts."""
 
+from refit.config import TransferConfig
 from refit.layout import Box, LayoutError, Mesh, ModelLayout, TensorLayout
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import ParallelSpec, SpecError, parse_spec
 from refit.plan import Plan, PlanError, ProcessMap, build_plan
-from refit.transfer import Peer, Receiver, Sender, TransferConfig
+from refit.transfer import Peer, Receiver, Sender
 
 __all__ = [
     "Box",

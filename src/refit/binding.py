@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from refit.errors import PlanError
+from refit.errors import LayoutError
 from refit.layout import Box, ModelLayout, box_relative, box_shape, box_slices
 from refit.plan import Plan
 
@@ -52,15 +52,15 @@ def _check_local(side: str, rank: int, layout: ModelLayout, tensors: Mapping[str
     boxes: dict[str, Box] = {}
     for t, box in layout.local_tensors(rank):
         if t.name not in tensors:
-            raise PlanError(f"{side} rank {rank}: local tensor {t.name!r} is missing")
+            raise LayoutError(f"{side} rank {rank}: local tensor {t.name!r} is missing")
         x = tensors[t.name]
         if tuple(x.shape) != box_shape(box):
-            raise PlanError(
+            raise LayoutError(
                 f"{side} rank {rank}: local tensor {t.name!r} has shape {list(x.shape)}, "
                 f"the layout expects {list(box_shape(box))}"
             )
         if x.dtype != t.dtype:
-            raise PlanError(
+            raise LayoutError(
                 f"{side} rank {rank}: local tensor {t.name!r} has dtype {x.dtype}, the layout expects {t.dtype}"
             )
         boxes[t.name] = box
@@ -85,12 +85,12 @@ def _check_messages(
                 for p in m.pieces:
                     dev = tensors[p.tensor].device
                     if dev.type != "cuda":
-                        raise PlanError(f"{side} tensor {p.tensor!r} is on {dev}; CUDA IPC needs CUDA tensors")
+                        raise LayoutError(f"{side} tensor {p.tensor!r} is on {dev}; CUDA IPC needs CUDA tensors")
             elif m.direct:  # sent or received as it lies: the piece must be one dense run in memory
                 p = m.pieces[0]
                 view = tensors[p.tensor][box_slices(box_relative(p.box, layout[p.tensor].box(rank)))]
                 if not view.is_contiguous():
-                    raise PlanError(
+                    raise LayoutError(
                         f"{side} rank {rank}: local tensor {p.tensor!r} (strides {list(tensors[p.tensor].stride())}) "
                         f"is not laid out densely, so its piece {[list(b) for b in p.box]} cannot go on the wire "
                         "as it lies; pass contiguous tensors"
@@ -103,7 +103,7 @@ def bind_local(
     src_tensors: Mapping[str, torch.Tensor] | None,
     dst_tensors: Mapping[str, torch.Tensor] | None,
 ) -> LocalTensors:
-    """Check this process's tensors against ``plan`` (``PlanError`` naming side, rank, tensor and both
+    """Check this process's tensors against ``plan`` (``LayoutError`` naming side, rank, tensor and both
     values) and bind them. Run before pre-flight: a failure here is published to the peers."""
     src_rank = plan.procs.src.index(proc) if proc in plan.procs.src else None
     dst_rank = plan.procs.dst.index(proc) if proc in plan.procs.dst else None

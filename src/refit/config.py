@@ -35,6 +35,10 @@ class TransferConfig:
     * ``commit``: ``"in_place"`` (bytes land in the live tensors) or ``"staged"`` (all-or-nothing).
     * ``checksums``: a checksum beside every message, checked by the receiver (a pass over the bytes).
     * ``stages``: all-IPC plans pull in this many stages so a source's prepare (FP8) overlaps the pulls.
+
+    Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,
+    stages; plus the Peer's ``tag_base``). Pre-flight compares them and names a difference with both
+    values. The others (name, timeouts, copy streams, CUDA graph) are each process's own.
     """
 
     num_buffers: int = 2
@@ -81,11 +85,6 @@ class TransferConfig:
     def staged(self) -> bool:
         """Receivers write into a shadow copy and commit after every process holds the whole version."""
         return self.commit == "staged"
-
-    @property
-    def staging_budget_bytes(self) -> int:
-        """The most staging memory a process allocates for packed P2P messages."""
-        return self.num_buffers * self.buffer_bytes
 
     def agreement(self) -> dict:
         """The fields every process of one refit must share (they shape the messages and the commit)."""

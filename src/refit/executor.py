@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from refit.binding import LocalTensors, bind_local
+from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.errors import ConfigError
 from refit.plan import Plan
@@ -40,7 +40,7 @@ from refit.transport.clock import RunClock
 from refit.transport.ipc import IpcLink, IpcPuller
 from refit.transport.p2p import P2PSchedule, _Step
 
-__all__ = ["Comms", "Executor", "FaultHook", "LocalTensors", "RunStats", "bind_local"]
+__all__ = ["Comms", "Executor", "FaultHook", "RunStats"]
 
 FaultHook = Callable[[str, dict], None]
 """``fault(where, info)`` (tests and ``refit verify --inject``): ``where`` is "step" (a P2P step's sends
@@ -87,7 +87,8 @@ class Executor:
     through the store); ``run(deadline, check_abort)`` once per refit, in the same order on every
     process; ``close()`` stops the waiter thread and the shared-memory barrier.
     Must agree on every process: the plan (digest), ``tag_base``, ``config.stages`` and
-    ``config.checksums``; a mismatch shows as a hang until the deadline, not an error.
+    ``config.checksums`` (``Peer``'s pre-flight checks them; a direct user who skips it sees a mismatch as
+    a wait until the deadline, not an error).
     Between calls: the local tensors are changed in place only (the views bound at setup stay
     valid); a source's tensors must be final when ``run`` begins (or made so by ``prepare``).
 

@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
-from refit.errors import FanoutError
+from refit.config import TransferConfig
+from refit.errors import FanoutError, RefitAborted
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.plan import Plan, ProcessMap, build_plan
-from refit.transfer import Peer, TransferConfig
-from refit.transport.control import RefitAborted
+from refit.transfer import Peer
 
 
 def wave_schedule(replicas: int) -> list[list[int]]:

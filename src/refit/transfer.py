@@ -25,10 +25,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from refit.binding import bind_local
 from refit.config import TransferConfig
-from refit.executor import Comms, Executor, FaultHook, RunStats, bind_local
+from refit.errors import PlanError
+from refit.executor import Comms, Executor, FaultHook, RunStats
 from refit.layout import ModelLayout
-from refit.plan import Plan, PlanError, ProcessMap, build_plan
+from refit.plan import Plan, ProcessMap, build_plan
 from refit.transport.control import AbortChannel, RefitAborted
 
 
@@ -158,8 +160,22 @@ class Peer:
       shadow into the live tensors. After an abort the live tensors are still
       the last committed version, bit for bit.
 
-    After an abort the transfer group may hold unfinished operations: build a
-    new Peer (fresh group, new ``config.name``) to retry.
+    Lifecycle: construction is collective — it builds the plan, checks this
+    process's tensors, then blocks in pre-flight until every process of the
+    refit has published its plan (up to ``config.preflight_timeout_s``), then
+    sets up the executor (IPC handles go through the store). ``run(v)`` once
+    per refit on every process, with the same increasing ``v``; ``close()``
+    when done (stops the waiter thread, unlinks the shared-memory barrier).
+    Must agree on every process: the layouts, process map, ``config.agreement()``
+    and ``tag_base`` (pre-flight raises ``PlanError`` naming what differs).
+    Between calls: the local tensors change in place only (views bound at setup
+    stay valid); sources hold their final weights when ``run`` begins (or make
+    them so in ``prepare``).
+
+    After an abort the transfer group may hold unfinished operations: retry
+    with a new Peer, either on a fresh group or on the same group with a new
+    ``config.name`` and a fresh ``tag_base`` range (as ``Fanout`` does), so a
+    receive left posted by the failed attempt never matches.
     """
 
     def __init__(
@@ -199,7 +215,7 @@ class Peer:
         preflight(self.plan, proc, store, config.preflight_timeout_s, config.name, tag_base=tag_base)
         self.config, self.proc = config, proc
         self.live = dict(dst_tensors or {})
-        staged = config.commit == "staged" and bool(self.live)
+        staged = config.staged and bool(self.live)
         self.shadow = {n: torch.empty_like(t) for n, t in self.live.items()} if staged else {}
         self.executor = Executor(
             self.plan,
@@ -243,7 +259,7 @@ class Peer:
                     t.copy_(self.shadow[n])
                 if self.executor.cuda:
                     torch.cuda.synchronize(self.executor.device)
-            elif self.config.commit == "staged" and ch is not None:
+            elif self.config.staged and ch is not None:
                 ch.vote(version, attempt, deadline, self.members)  # sources too: they learn of a receiver's failure
         except RefitAborted as e:
             self._fail(str(e))
@@ -306,6 +322,7 @@ class Sender(Peer):
         )
 
     def push(self, version: int) -> RunStats:
+        """Send this trainer rank's share of ``version`` (``Peer.run``); every receiver pulls the same one."""
         return self.run(version)
 
 
@@ -347,4 +364,5 @@ class Receiver(Peer):
         )
 
     def pull(self, version: int) -> RunStats:
+        """Receive ``version`` into the live tensors (``Peer.run``); committed when it returns."""
         return self.run(version)

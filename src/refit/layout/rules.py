@@ -89,17 +89,13 @@ def pp_stage(name: str, num_layers: int, pp: int) -> int:
     return pp - 1 if param_role(name) in LAST_STAGE else 0
 
 
-def num_layers_of(params: Sequence[ParamShape]) -> int:
-    return num_layers(n for n, _, _ in params)
-
-
 def layout_from_spec(params: Sequence[ParamShape], spec: ParallelSpec) -> ModelLayout:
     """Place every parameter on the ranks of ``spec`` by the dense TP/PP/FSDP rules."""
     shape = spec.mesh_shape
     names = spec.dim_names
     grid = torch.arange(spec.world_size).reshape(shape)
     pp = spec.degree("pp")
-    n_layers = num_layers_of(params)
+    n_layers = num_layers(n for n, _, _ in params)
     if "pp" in names:
         stage_axis = names.index("pp")
         sub_names = names[:stage_axis] + names[stage_axis + 1 :]

@@ -321,9 +321,6 @@ class ModelLayout:
             if b is not None:
                 yield t, b
 
-    def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
-        return [(t.name, t.shape, dtype_name(t.dtype)) for t in self.tensors]
-
     def to_json(self) -> dict:
         """This layout as a ``refit.layout/1`` document (plain JSON data; docs/layout-json.md):
         meshes listed once and referred to by index, explicit ``boxes`` only where a tensor has them.

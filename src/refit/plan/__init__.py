@@ -3,7 +3,6 @@ cost model that predicts a plan's time on a cluster (``cost``, imported from its
 """
 
 from refit.plan.planner import (
-    ALIGN,
     Message,
     Piece,
     Plan,
@@ -17,7 +16,6 @@ from refit.plan.planner import (
 )
 
 __all__ = [
-    "ALIGN",
     "Message",
     "Piece",
     "Plan",

@@ -35,7 +35,7 @@ import json
 import math
 import os
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from refit.errors import TopologyError
@@ -84,7 +84,7 @@ class Topology:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Topology:
-        """A topology from its fields (``topology_json`` gives them back)."""
+        """A topology from its fields (``dataclasses.asdict`` gives them back)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -261,8 +261,3 @@ def predict(
             )
         )
     return out
-
-
-def topology_json(topo: Topology) -> dict[str, Any]:
-    """``topo``'s fields as a JSON-serializable dict (``Topology.from_dict`` reads it back)."""
-    return asdict(topo)

@@ -52,8 +52,6 @@ from refit.layout.tensors import (
     split_box,
 )
 
-ALIGN = PIECE_ALIGN  # byte alignment of pieces inside a staging buffer
-
 
 @dataclass(frozen=True)
 class ProcessMap:
@@ -143,6 +141,10 @@ class Plan:
 
     Made by ``build_plan`` from two layouts, a process map and a ``TransferConfig``; immutable. Every
     process of the refit builds it on its own and must get the same ``digest`` (pre-flight checks).
+    ``messages`` are sorted by (step, source rank, destination rank), P2P before IPC: that order is part
+    of the contract, since ring slots and P2P tags are derived from it (``plan.schedule``). ``num_steps``:
+    the P2P steps (IPC messages are all step 0, pulled at once); ``local``: pieces whose source and
+    destination rank share a process (copied, never sent).
     """
 
     src_layout: ModelLayout
@@ -609,7 +611,7 @@ _Raw = tuple[int, int, bool, list[Piece], list[int], int]
 
 def _pack_link(s: int, r: int, plist: list[tuple[Piece, bool]], buffer_bytes: int, raw: list[_Raw]) -> None:
     """Append one P2P link's messages to ``raw``, in piece order: a direct piece travels alone; the others
-    are packed at ``ALIGN``-ed offsets into buckets of at most ``buffer_bytes`` (a larger piece is split
+    are packed at ``PIECE_ALIGN``-ed offsets into buckets of at most ``buffer_bytes`` (a larger piece is split
     row-major first)."""
     bucket: list[Piece] = []
     offs: list[int] = []
@@ -621,7 +623,7 @@ def _pack_link(s: int, r: int, plist: list[tuple[Piece, bool]], buffer_bytes: in
         subs = [p.box] if p.nbytes <= buffer_bytes else split_box(p.box, max(1, buffer_bytes // p.itemsize))
         for sub in subs:
             q = p if sub is p.box else Piece(p.tensor, p.src, p.dst, sub, p.itemsize)
-            start = -(-used // ALIGN) * ALIGN
+            start = -(-used // PIECE_ALIGN) * PIECE_ALIGN
             if bucket and start + q.nbytes > buffer_bytes:
                 raw.append((s, r, False, bucket, offs, used))
                 bucket, offs, start = [], [], 0

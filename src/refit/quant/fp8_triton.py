@@ -1,6 +1,6 @@
 """One-pass FP8 block quantization on CUDA (Triton), byte-identical to ``quant.quantize_fp8_block``.
 
-The torch expression in ``quant.py`` makes ~8 passes over fp32 temporaries
+The torch expression in ``refit.quant.fp8`` makes ~8 passes over fp32 temporaries
 (abs, cast, amax, scale, multiply, cast): 388 ms for Qwen3-30B-A3B's 57 GB on
 an H200. Here one program reads one ``bn x bk`` block once (bf16/fp16/fp32),
 and writes its e4m3 bytes and its scale: one read of the weight and a write

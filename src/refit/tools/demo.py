@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from refit.config import TransferConfig
 from refit.errors import ConfigError
 from refit.layout import ModelLayout, box_slices
 from refit.layout.models import build_model, load_config, param_shapes
@@ -24,7 +25,7 @@ from refit.layout.rules import layout_from_spec
 from refit.layout.spec import ParallelSpec
 from refit.plan import ProcessMap, build_plan
 from refit.tools.launch import World, run_local
-from refit.transfer import Receiver, Sender, TransferConfig
+from refit.transfer import Receiver, Sender
 
 PROMPT_LEN = 16
 

@@ -6,7 +6,7 @@ during version 2:
 * ``kill-receiver`` / ``kill-sender``: destination rank 0 / the last source
   rank dies (SIGKILL) half way through the transfer's steps;
 * ``corrupt``: one byte of a message flips after it arrived at destination
-  rank 0, before the checksum check (verify mode on);
+  rank 0, before the checksum check (checksums on);
 * ``shape-mismatch``: the next transfer's setup gets a source tensor of the
   wrong shape on source rank 0;
 * ``slow-receiver``: destination rank 0 stalls for 1.5x the deadline half way.
@@ -26,12 +26,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from refit.config import TransferConfig
 from refit.errors import ConfigError
 from refit.layout import ModelLayout
 from refit.plan import ProcessMap
 from refit.tools.launch import World, run_local
 from refit.tools.verify import holds, reference_shards
-from refit.transfer import Peer, TransferConfig
+from refit.transfer import Peer
 
 MODES = ("kill-receiver", "kill-sender", "corrupt", "shape-mismatch", "slow-receiver")
 # what the survivors' common error must say, per mode

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from refit.config import TransferConfig
 from refit.errors import ConfigError
 from refit.layout import ModelLayout
 from refit.plan import ProcessMap
 from refit.tools.launch import World, run_local
 from refit.tools.verify import holds, reference_shards
-from refit.transfer import Peer, TransferConfig
+from refit.transfer import Peer
 
 
 def rss_bytes() -> int:

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from refit.config import TransferConfig
 from refit.layout import ModelLayout, box_slices
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.quant import FP8, Fp8Quantizer, expected_fp8, fp8_layout, quantized_names, scale_name
 from refit.tools.launch import World, run_local
-from refit.transfer import Receiver, Sender, TransferConfig
+from refit.transfer import Receiver, Sender
 
 
 def reference_tensor(

@@ -243,6 +243,9 @@ def import_handles(store, key: str, timeout_s: float) -> dict[str, torch.Tensor]
 class IpcPuller:
     """The receiver's pulls of one plan, precomputed.
 
+    Call order: construct (at setup, after the sources' handles are mapped), optionally ``capture()``
+    once, then ``pull()`` per refit. The mapped source tensors must outlive it (``IpcLink`` holds them).
+
     Same-GPU copies run on a stream of the receiver's GPU. Copies from another
     GPU run on a stream of that source GPU, in this process, with peer access
     enabled from the source to the receiver's GPU: the source's copy engine

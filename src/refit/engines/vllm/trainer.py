@@ -149,6 +149,8 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         return stats
 
     def shutdown(self) -> None:
+        if self.peer is not None:
+            self.peer.close()  # its waiter thread and shared-memory barrier
         self.peer = None
         self.pg = None
 

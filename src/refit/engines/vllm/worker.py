@@ -186,5 +186,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
+        if self.peer is not None:
+            self.peer.close()  # its waiter thread and shared-memory barrier
         self.peer = None
         self.pg = None

@@ -30,6 +30,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from refit.config import TransferConfig
 from refit.errors import ConfigError
 from refit.layout import box_numel, box_slices
 from refit.layout.models import param_shapes
@@ -38,7 +39,6 @@ from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap, build_plan
 from refit.quant import Fp8Quantizer, fp8_layout, quantize_fp8_block, quantized_names, scale_name
 from refit.tools.launch import World, run_local
-from refit.transfer import TransferConfig
 from refit.transport.ipc import HostBarrier
 
 from . import methods as M

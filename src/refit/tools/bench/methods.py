@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from refit.config import TransferConfig
 from refit.layout import box_slices
 from refit.plan import Plan
-from refit.transfer import Peer, TransferConfig
+from refit.transfer import Peer
 
 
 @dataclass
