@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
 from refit.config import TransferConfig
+from refit.errors import ConfigError
 from refit.layout import Box, Mesh, ModelLayout, TensorLayout
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -45,6 +46,21 @@ class RefitInitInfo:
     buffer_bytes: int = 64 << 20
     session: str = "refit"
     load_path: str = "auto"  # worker side: "direct" (into live params), "loader" (vLLM's loaders) or "auto"
+
+    def __post_init__(self) -> None:
+        """Checked where it is made (trainer side, and again where a worker rebuilds it): ``ConfigError``
+        naming the field and the value."""
+        who = type(self).__name__
+        if self.load_path not in LOAD_PATHS:
+            raise ConfigError(f"{who}.load_path must be one of {', '.join(LOAD_PATHS)}, got {self.load_path!r}")
+        for name in ("n_trainer", "n_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{who}.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int):
+            raise ConfigError(f"{who}.master_port must be an integer port, got {self.master_port!r}")
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"{who}.master_port must be in 0..65535, got {self.master_port}")
 
     @property
     def world_size(self) -> int:

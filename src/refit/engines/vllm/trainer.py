@@ -26,7 +26,6 @@ from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer
 
 from .common import (
-    LOAD_PATHS,
     RefitInitInfo,
     gather_dst_layout,
     join_group,
@@ -73,10 +72,8 @@ class RefitTrainerInitInfo(RefitInitInfo, TrainerInitInfo):
     extra: dict = field(default_factory=dict)
 
     def worker_info(self) -> RefitInitInfo:
-        """The shared fields, for the workers; ``load_path`` and the transfer config are checked here,
-        before anything starts (``ValueError`` / ``ConfigError`` naming the field)."""
-        if self.load_path not in LOAD_PATHS:
-            raise ValueError(f"RefitTrainerInitInfo.load_path must be one of {LOAD_PATHS}, got {self.load_path!r}")
+        """The shared fields, for the workers; the transfer config is checked here, before anything starts
+        (``ConfigError`` naming the field; the other fields were checked when this info was made)."""
         self.transfer_config()
         return RefitInitInfo(**{f.name: getattr(self, f.name) for f in fields(RefitInitInfo)})
 

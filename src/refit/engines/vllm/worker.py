@@ -146,9 +146,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 f"{len(missing)} tensor(s) have no live target, first {missing[0]} "
                 f"(use load_path='loader' or 'auto')"
             )
-        if asked not in ("direct", "auto"):
-            raise ValueError(f"refit backend: load_path must be 'auto', 'direct' or 'loader', got {asked!r}")
-        return not missing
+        return not missing  # "auto" (any other value was refused when the init info was made)
 
     def start_weight_update(self) -> None:
         if self.direct:
