@@ -220,3 +220,34 @@ def test_bench_without_a_gpu_is_a_user_error(capsys, monkeypatch):
     assert main(["bench", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "refit: error: --device cuda: no CUDA device is available"
+
+
+@pytest.mark.parametrize(
+    "content,flag,says",
+    [
+        ("[1, 2]", "--model", "must hold a JSON object, got a list"),
+        ("{}", "--model", "has no 'model_type' field"),
+        ('{"model_type": "nonesuch"}', "--model", "unknown model_type 'nonesuch'"),
+        (
+            '{"model_type": "llama", "hidden_size": -8, "num_hidden_layers": 2, "num_attention_heads": 4}',
+            "--model",
+            "hidden_size must be an integer >= 1, got -8",
+        ),
+        ('{"model_type": "llama", "num_hidden_layers": -2}', "--model", "num_hidden_layers must be an integer >= 1"),
+        ("[1]", "--cluster", "must hold a JSON object of fields, got a list"),
+    ],
+)
+def test_bad_config_files_are_one_short_line_and_exit_2(tmp_path, capsys, content, flag, says):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    argv = ["plan", "--model", str(path)] if flag == "--model" else ["plan", "--cluster", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"refit: error: {flag}: ") and says in err, err
+    assert len(err.splitlines()) == 1 and len(err) < 400 and "Traceback" not in err
+
+
+def test_a_local_run_of_too_many_ranks_is_refused_before_any_process_starts(capsys):
+    assert main(["verify", "--src", "tp=100000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "100002 processes on this machine, more than the limit of 256" in err, err

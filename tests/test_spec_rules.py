@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from refit.layout.models import ModelError, load_config, param_shapes
+from refit.layout.models import PRESETS, ModelError, load_config, param_shapes
 from refit.layout.rules import layout_from_spec, pp_stage, stage_bounds, tp_placement
 from refit.layout.spec import SpecError, parse_spec
 
@@ -107,3 +107,10 @@ def test_layout_from_spec_pp_tp_fsdp():
     assert [q.box(r)[0] for r in range(4)] == [(0, 32), (32, 64), (64, 96), (96, 128)]
     head = lay["lm_head.weight"]
     assert head.mesh.ranks == (4, 5, 6, 7) and head.box(0) is None
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_presets_saved_config_json_loads_back(tmp_path, name):
+    """A config.json transformers wrote passes refit's checks (object, known model_type, positive sizes)."""
+    load_config(name).save_pretrained(tmp_path)
+    assert load_config(str(tmp_path)).to_dict() == load_config(name).to_dict()

@@ -209,9 +209,50 @@ def load_config(model: str):
     try:
         with open(path) as f:
             raw = json.load(f)
-        return AutoConfig.for_model(raw.pop("model_type"), **raw)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         raise ModelError(f"cannot read model config {path!r}: {e}") from e
+    _check_raw_config(path, raw)
+    try:
+        return AutoConfig.for_model(raw.pop("model_type"), **raw)
+    except (ValueError, KeyError) as e:
+        raise ModelError(f"cannot read model config {path!r}: {e}") from e
+
+
+_SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+)
+
+
+def _check_raw_config(path: str, raw: Any) -> None:
+    """What a config.json must be before transformers reads it: an object with a known ``model_type`` and
+    positive integer sizes (``ModelError`` naming the field and the value)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(raw, dict):
+        raise ModelError(f"model config {path!r} must hold a JSON object, got a {type(raw).__name__}")
+    kind = raw.get("model_type")
+    if kind is None:
+        raise ModelError(f'model config {path!r} has no \'model_type\' field (e.g. "llama", "qwen3")')
+    if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
+        known = len(list(CONFIG_MAPPING.keys()))
+        examples = ", ".join(sorted({p.model_type for p in PRESETS.values()}))
+        raise ModelError(
+            f"model config {path!r}: unknown model_type {kind!r} (transformers knows {known} types, e.g. {examples})"
+        )
+    for name in _SIZE_FIELDS:
+        value = raw.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelError(f"model config {path!r}: {name} must be an integer >= 1, got {value!r}")
 
 
 def model_dtype(model: str, config) -> torch.dtype:

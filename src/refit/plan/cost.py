@@ -102,6 +102,8 @@ class Topology:
                 d = json.load(f)
         except (OSError, ValueError) as e:
             raise TopologyError(f"cannot read topology {path}: {e}") from e
+        if not isinstance(d, dict):
+            raise TopologyError(f"topology {path} must hold a JSON object of fields, got a {type(d).__name__}")
         return cls.from_dict({"name": os.path.basename(str(path)), **d})
 
     @property

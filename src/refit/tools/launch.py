@@ -28,7 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from refit.errors import ConfigError
 from refit.transport.control import free_port
+
+MAX_LOCAL_PROCESSES = 256
+"""The most processes ``run_local`` starts on one machine (one per rank): a typo such as ``tp=100000`` is an
+error, not a fork bomb."""
 
 
 class WorkerError(RuntimeError):
@@ -147,6 +152,11 @@ def run_local(
     if n_src < 0 or n_dst < 0 or n_src + n_dst < 1:
         raise ValueError(f"need at least one process, got n_src={n_src}, n_dst={n_dst}")
     world_size = max(n_src, n_dst) if colocated else n_src + n_dst
+    if world_size > MAX_LOCAL_PROCESSES:
+        raise ConfigError(
+            f"{n_src} trainer + {n_dst} engine ranks need {world_size} processes on this machine, more than "
+            f"the limit of {MAX_LOCAL_PROCESSES} for a local run (plan such layouts with `refit plan`)"
+        )
     if devices is not None and len(devices) != world_size:
         raise ValueError(f"devices names {len(devices)} devices for {world_size} processes")
     backend = _backend(backend, devices, world_size)
