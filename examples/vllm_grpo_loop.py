@@ -12,7 +12,6 @@ and checks that vLLM's greedy logprob of a fixed prompt now equals the trainer's
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 
@@ -105,5 +104,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     raise SystemExit(main())

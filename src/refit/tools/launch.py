@@ -225,6 +225,8 @@ def _collect(procs: list, results, out: dict, errors: dict, timeout_s: float, ex
             if time.monotonic() > deadline:
                 raise WorkerError(f"workers overran the {timeout_s:.0f}s deadline; killed") from None
             continue
+        # ``results`` is a multiprocessing queue: a pipe this process made and handed to its own spawned
+        # children, never a socket or the store, so only those children can write what is unpickled here
         (out if ok else errors)[rank] = pickle.loads(val) if ok else val
         if not ok:
             return
