@@ -1,8 +1,12 @@
 import os
+import secrets
 
 import pytest
 import torch
 from hypothesis import settings
+
+# processes that tests start by hand (not through refit's launcher, which makes its own) share one job secret
+os.environ.setdefault("REFIT_SECRET", "refit-tests-" + secrets.token_hex(16))
 
 settings.register_profile("ci", max_examples=60, deadline=None)
 settings.register_profile("dev", max_examples=30, deadline=None)

@@ -10,8 +10,13 @@ from refit.errors import PlanError
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.plan import ProcessMap, build_plan
 from refit.transfer import check_peers, preflight, publish_failure, publish_plan
+from refit.transport.store import SignedStore
 
 PEERS = [0, 1, 2, 3]  # source ranks 0, 1 and destination ranks 0, 1 as processes 0..3
+
+
+def _store() -> SignedStore:
+    return SignedStore(dist.HashStore(), b"preflight-test-secret")
 
 
 def _plan(dst_placement=None, shape=(8, 4), devices=None, **config):
@@ -24,7 +29,7 @@ def _plan(dst_placement=None, shape=(8, 4), devices=None, **config):
 
 def _check(plans, tag_bases=None):
     """Every process but 0 publishes its plan; process 0 runs the whole pre-flight."""
-    store = dist.HashStore()
+    store = _store()
     tag_bases = tag_bases or {}
     for proc, plan in plans.items():
         if proc != 0:
@@ -81,22 +86,22 @@ def test_differing_devices_name_the_process():
 
 def test_a_peers_setup_error_is_reported():
     plan = _plan()
-    store = dist.HashStore()
+    store = _store()
     publish_failure(store, 1, ValueError("local tensor 'w' has shape [3, 3]"))
     with pytest.raises(PlanError, match=r"process 1 failed its setup: ValueError: local tensor 'w' has shape \[3, 3\]"):
         preflight(plan, 0, store, 5.0)
 
 
 def test_a_peer_of_another_version_is_named():
-    store = dist.HashStore()
-    store.set("refit/preflight/1", '{"digest": "0123", "src": [], "dst": []}')
+    store = _store()
+    store.put("refit/preflight/1", {"digest": "0123", "src": [], "dst": []})
     with pytest.raises(PlanError, match="process 1 published a plan record of another refit version"):
         preflight(_plan(), 0, store, 5.0)
 
 
 def test_a_silent_peer_times_out_naming_it():
     plan = _plan()
-    store = dist.HashStore()
+    store = _store()
     publish_plan(plan, 1, store)
     with pytest.raises(PlanError, match="process 2 did not publish its plan within 1s"):
         preflight(plan, 0, store, 1.0)

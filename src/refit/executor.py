@@ -39,6 +39,7 @@ from refit.plan.schedule import ipc_stages
 from refit.transport.clock import RunClock
 from refit.transport.ipc import IpcLink, IpcPuller
 from refit.transport.p2p import P2PSchedule, _Step
+from refit.transport.store import SignedStore
 
 __all__ = ["Comms", "Executor", "FaultHook", "RunStats"]
 
@@ -72,7 +73,7 @@ class Comms:
 
     group: dist.ProcessGroup | None = None
     sync_group: dist.ProcessGroup | None = None
-    store: dist.Store | None = None
+    store: SignedStore | None = None
     standalone: bool = False
 
     def __post_init__(self) -> None:

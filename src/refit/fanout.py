@@ -26,7 +26,6 @@ receives can never match its sends.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,6 +41,7 @@ from refit.errors import FanoutError, RefitAborted
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.transfer import Peer
+from refit.transport.store import SignedStore, signed
 
 
 def wave_schedule(replicas: int) -> list[list[int]]:
@@ -230,7 +230,7 @@ class Fanout:
         replica_procs: list[list[int]],
         tensors: Mapping[str, torch.Tensor],
         *,
-        store: dist.Store | None = None,
+        store: dist.Store | SignedStore | None = None,
         config: TransferConfig = TransferConfig(name="fanout"),
         max_attempts: int = 3,
         devices: Sequence[str] | None = None,
@@ -239,6 +239,7 @@ class Fanout:
     ) -> None:
         if store is None:
             store = dist.distributed_c10d._get_default_store()
+        store = signed(store)  # every value tagged with the job secret; forged ones are ignored
         if any(len(p) != replica.world_size for p in replica_procs):
             raise ValueError(
                 f"Fanout: every replica needs {replica.world_size} processes, got {[len(p) for p in replica_procs]}"
@@ -309,17 +310,16 @@ class Fanout:
     def _key(self, version: int, wave: int, what: str) -> str:
         return f"{self.config.name}/fanout/v{version}/w{wave}/{what}"
 
-    def _get(self, key: str, timeout_s: float) -> str:
-        self.store.set_timeout(timedelta(seconds=timeout_s))
+    def _get(self, key: str, timeout_s: float) -> Any:
         try:
-            return self.store.get(key).decode()
-        except Exception as e:  # the store raises on timeout
+            return self.store.get(key, timeout_s)
+        except (TimeoutError, RuntimeError, OSError) as e:  # no valid value in time, or the store is gone
             raise FanoutError(f"fan-out: process {self.proc} waited {timeout_s:.0f}s for {key} ({e})") from e
 
     def _check_sources(self, wave: Wave, version: int, attempt: int, stats: FanoutStats) -> None:
         for j in wave.sources:
             for p in self.replica_procs[j]:
-                got = int(self._get(f"{self.config.name}/holds/{p}", self.config.deadline_s))
+                got = _as_int(self._get(f"{self.config.name}/holds/{p}", self.config.deadline_s))
                 stats.sources_seen.append((wave.index, attempt, p, got))
                 if got != version:
                     raise FanoutError(
@@ -346,13 +346,13 @@ class Fanout:
             if self.proc == self.coordinator:
                 wave = self._current(k)
                 if wave is None:  # every receiver of this wave is dead
-                    self.store.set(self._key(version, k, "final"), json.dumps(sorted(self.dead)))
+                    self.store.put(self._key(version, k, "final"), sorted(self.dead))
                     continue
             else:
                 if not self._takes_part(self._current(k)):
                     continue
                 if k > 0:  # the wave before must be over: learn who died in it
-                    self._learn(json.loads(self._get(self._key(version, k - 1, "final"), wait_s)))
+                    self._learn(_int_list(self._get(self._key(version, k - 1, "final"), wait_s)))
                 wave = self._current(k)
                 if not self._takes_part(wave):
                     continue
@@ -376,7 +376,7 @@ class Fanout:
                 raise
             except (RefitAborted, RuntimeError, OSError) as e:
                 status = f"failed: {type(e).__name__}: {str(e)[:300]}"
-            self.store.set(self._key(version, k, f"a{attempt}/status/{self.proc}"), status)
+            self.store.put(self._key(version, k, f"a{attempt}/status/{self.proc}"), status)
             outcome = self._outcome(wave, version, attempt)
             self._learn(outcome["dead"])
             if not outcome["ok"]:
@@ -388,7 +388,7 @@ class Fanout:
                 return
             nxt = self._current(k)  # re-planned without the dead
             if self.proc == self.coordinator and nxt is None:
-                self.store.set(self._key(version, k, "final"), json.dumps(sorted(self.dead)))
+                self.store.put(self._key(version, k, "final"), sorted(self.dead))
             if not self._takes_part(nxt):
                 return
             wave = nxt  # type: ignore[assignment]
@@ -402,13 +402,14 @@ class Fanout:
         dead), commits the receivers' version when all is well, and publishes the outcome."""
         key = self._key(version, wave.index, f"a{attempt}/outcome")
         if self.proc != self.coordinator:
-            return json.loads(self._get(key, 3 * self.config.deadline_s))
+            return _outcome_record(self._get(key, 3 * self.config.deadline_s), key)
         keys = {m: self._key(version, wave.index, f"a{attempt}/status/{m}") for m in wave.members}
         try:  # blocks until every member has posted (no polling delay on the refit's path)
-            self.store.wait(list(keys.values()), timedelta(seconds=self.config.deadline_s))
-        except Exception:  # noqa: BLE001 - the store raises on timeout: someone is silent
+            self.store.raw.wait(list(keys.values()), timedelta(seconds=self.config.deadline_s))
+        except (RuntimeError, OSError):  # the store raises on timeout: someone is silent
             pass
-        status = {m: self.store.get(k).decode() for m, k in keys.items() if self.store.check([k])}
+        posted = self.store.get_all(keys.values())  # only validly tagged statuses count
+        status = {m: str(posted[k]) for m, k in keys.items() if k in posted}
         dead = sorted(set(wave.members) - set(status))
         failed = sorted(m for m, st in status.items() if st != "ok")
         out = {
@@ -419,10 +420,10 @@ class Fanout:
         }
         if out["ok"]:  # the receivers hold the version: they may serve the next waves
             for p in wave.procs.dst:
-                self.store.set(f"{self.config.name}/holds/{p}", str(version))
-        self.store.set(key, json.dumps(out))
+                self.store.put(f"{self.config.name}/holds/{p}", version)
+        self.store.put(key, out)
         if out["ok"]:
-            self.store.set(self._key(version, wave.index, "final"), json.dumps(sorted(self.dead | set(dead))))
+            self.store.put(self._key(version, wave.index, "final"), sorted(self.dead | set(dead)))
         return out
 
     def _learn(self, dead: list[int]) -> None:
@@ -437,3 +438,21 @@ class Fanout:
         self.waves = waves_for(
             self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead, devices=self.devices
         )
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FanoutError(f"fan-out: a version record holds {value!r}, not a version number")
+    return value
+
+
+def _int_list(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise FanoutError(f"fan-out: a wave record holds {type(value).__name__}, not a list of processes")
+    return [_as_int(v) for v in value]
+
+
+def _outcome_record(value: Any, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not {"ok", "dead"} <= set(value):
+        raise FanoutError(f"fan-out: the outcome under {key!r} is not an outcome record")
+    return {**value, "dead": _int_list(value["dead"])}

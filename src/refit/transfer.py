@@ -17,10 +17,8 @@ Contract
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,6 +30,7 @@ from refit.executor import Comms, Executor, FaultHook, RunStats
 from refit.layout import ModelLayout
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.transport.control import AbortChannel, RefitAborted
+from refit.transport.store import SignedStore, signed
 
 
 def _first_difference(side: str, mine: list, theirs: list) -> str | None:
@@ -70,37 +69,45 @@ def _process_difference(mine: dict, theirs: dict) -> str | None:
     return None
 
 
-def publish_failure(store: dist.Store | None, proc: int, error: BaseException, tag: str = "refit") -> None:
+def publish_failure(store: SignedStore | None, proc: int, error: BaseException, tag: str = "refit") -> None:
     """Tell the peers waiting in pre-flight that this process failed its setup, and why."""
     if store is not None:
-        store.set(f"{tag}/preflight/{proc}", json.dumps({"error": f"{type(error).__name__}: {error}"}))
+        store.put(f"{tag}/preflight/{proc}", {"error": f"{type(error).__name__}: {error}"})
 
 
-def publish_plan(plan: Plan, proc: int, store: dist.Store, tag: str = "refit", tag_base: int = 0) -> None:
+def publish_plan(plan: Plan, proc: int, store: SignedStore, tag: str = "refit", tag_base: int = 0) -> None:
     """Publish what the peers' pre-flight checks: ``{tag}/preflight/{proc}/plan`` holds ``plan.canonical()``
     (read only on a mismatch, to name it), then ``{tag}/preflight/{proc}`` the digest and the settings
-    that must agree (``config.agreement()`` and ``tag_base``). Plain JSON."""
-    store.set(f"{tag}/preflight/{proc}/plan", json.dumps(plan.canonical()))
+    that must agree (``config.agreement()`` and ``tag_base``). Plain JSON, tagged with the job secret."""
+    store.put(f"{tag}/preflight/{proc}/plan", plan.canonical())
     agreed = {**plan.config.agreement(), "tag_base": tag_base}
-    store.set(f"{tag}/preflight/{proc}", json.dumps({"digest": plan.digest, "agreed": agreed}))
+    store.put(f"{tag}/preflight/{proc}", {"digest": plan.digest, "agreed": agreed})
 
 
-def check_peers(proc: int, peers: list[int], store: dist.Store, timeout_s: float, tag: str = "refit") -> None:
+def _record(store: SignedStore, tag: str, p: int, timeout_s: float) -> dict:
+    """Process ``p``'s pre-flight record (a validly tagged JSON object), waiting up to ``timeout_s``."""
+    try:
+        theirs = store.get(f"{tag}/preflight/{p}", timeout_s)
+    except TimeoutError as e:
+        raise PlanError(f"pre-flight: process {p} did not publish its plan within {timeout_s:.0f}s ({e})") from e
+    if not isinstance(theirs, dict):
+        raise PlanError(f"pre-flight: process {p} published {type(theirs).__name__}, not a plan record")
+    return theirs
+
+
+def check_peers(proc: int, peers: list[int], store: SignedStore, timeout_s: float, tag: str = "refit") -> None:
     """Compare what ``proc`` published with what every peer published (waiting up to ``timeout_s`` for
     each); raise PlanError naming the first difference: a peer's setup error, an agreed setting with
-    both values, else both digests and the first differing tensor, process or device."""
-    store.set_timeout(timedelta(seconds=timeout_s))
-    mine = json.loads(store.get(f"{tag}/preflight/{proc}"))
+    both values, else both digests and the first differing tensor, process or device. Only values
+    tagged with the job secret count: a forged error or plan is ignored."""
+    mine = _record(store, tag, proc, timeout_s)
     for p in peers:
         if p == proc:
             continue
-        try:
-            theirs = json.loads(store.get(f"{tag}/preflight/{p}"))
-        except Exception as e:  # the store raises on timeout
-            raise PlanError(f"pre-flight: process {p} did not publish its plan within {timeout_s:.0f}s ({e})") from e
+        theirs = _record(store, tag, p, timeout_s)
         if "error" in theirs:
             raise PlanError(f"pre-flight: process {p} failed its setup: {theirs['error']}")
-        if "agreed" not in theirs:
+        if not isinstance(theirs.get("agreed"), dict) or "digest" not in theirs:
             raise PlanError(
                 f"pre-flight: process {p} published a plan record of another refit version: {sorted(theirs)}"
             )
@@ -111,14 +118,14 @@ def check_peers(proc: int, peers: list[int], store: dist.Store, timeout_s: float
         if theirs["digest"] != mine["digest"]:
             raise PlanError(
                 f"pre-flight: plan digest of process {proc} is {mine['digest']}, of process {p} is "
-                f"{theirs['digest']}; {_plan_difference(store, tag, proc, p)}"
+                f"{theirs['digest']}; {_plan_difference(store, tag, proc, p, timeout_s)}"
             )
 
 
-def _plan_difference(store: dist.Store, tag: str, proc: int, p: int) -> str:
+def _plan_difference(store: SignedStore, tag: str, proc: int, p: int, timeout_s: float) -> str:
     """Why the plans ``proc`` and ``p`` published differ: the first differing tensor, process or device."""
-    here = json.loads(store.get(f"{tag}/preflight/{proc}/plan"))
-    there = json.loads(store.get(f"{tag}/preflight/{p}/plan"))
+    here = store.get(f"{tag}/preflight/{proc}/plan", timeout_s)
+    there = store.get(f"{tag}/preflight/{p}/plan", timeout_s)
     return (
         _first_difference("source", here["src"], there["src"])
         or _first_difference("destination", here["dst"], there["dst"])
@@ -128,7 +135,7 @@ def _plan_difference(store: dist.Store, tag: str, proc: int, p: int) -> str:
 
 
 def preflight(
-    plan: Plan, proc: int, store: dist.Store | None, timeout_s: float, tag: str = "refit", tag_base: int = 0
+    plan: Plan, proc: int, store: SignedStore | None, timeout_s: float, tag: str = "refit", tag_base: int = 0
 ) -> None:
     """Publish this process's plan digest and agreed settings (``publish_plan``); check every peer's
     against them (``check_peers``).
@@ -192,7 +199,7 @@ class Peer:
         config: TransferConfig | None = None,
         device: torch.device | str = "cpu",
         plan: Plan | None = None,
-        store: dist.Store | None = None,
+        store: dist.Store | SignedStore | None = None,
         standalone: bool = False,
         prepare: Callable[[set[str] | None], None] | None = None,
         tag_base: int = 0,
@@ -205,6 +212,7 @@ class Peer:
         config = config if config is not None else TransferConfig()
         if store is None and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
+        store = signed(store)  # the job's secret (``ConfigError`` if this process was given none)
         try:
             self.plan = plan or build_plan(src_layout, dst_layout, procs, config)
             local = bind_local(self.plan, proc, src_tensors, dst_tensors)  # checked once, here
@@ -299,7 +307,7 @@ class Sender(Peer):
         config: TransferConfig | None = None,
         device: torch.device | str = "cpu",
         plan: Plan | None = None,
-        store: dist.Store | None = None,
+        store: dist.Store | SignedStore | None = None,
         standalone: bool = False,
         prepare: Callable[[set[str] | None], None] | None = None,
         tag_base: int = 0,
@@ -343,7 +351,7 @@ class Receiver(Peer):
         config: TransferConfig | None = None,
         device: torch.device | str = "cpu",
         plan: Plan | None = None,
-        store: dist.Store | None = None,
+        store: dist.Store | SignedStore | None = None,
         standalone: bool = False,
         tag_base: int = 0,
     ) -> None:

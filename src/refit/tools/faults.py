@@ -221,14 +221,14 @@ def _retry(proc: _Process, src: ModelLayout, dst: ModelLayout, config: TransferC
     return again.version
 
 
-def _wait_for_survivors(world: World, mode: str, config: TransferConfig) -> None:
-    """The store lives in process 0: it stays until every survivor is done with it."""
-    store = torch.distributed.distributed_c10d._get_default_store()
-    survivors = world.world_size - (1 if mode.startswith("kill") else 0)
-    store.add("inject/done", 1)
+def _wait_for_survivors(world: World, dead: set[int], config: TransferConfig) -> None:
+    """The store lives in process 0: it stays until every survivor (all but ``dead``) is done with it."""
+    store = world.store
+    store.put(f"inject/done/{world.rank}", True)
     if world.rank == 0:
+        keys = [f"inject/done/{r}" for r in range(world.world_size) if r not in dead]
         until = time.monotonic() + 2 * config.deadline_s + 30
-        while store.add("inject/done", 0) < survivors and time.monotonic() < until:
+        while len(store.get_all(keys)) < len(keys) and time.monotonic() < until:
             time.sleep(0.01)
 
 
@@ -246,7 +246,7 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
     if not is_src:
         exact = holds(tensors, dst, rank, seed)
     retried = _retry(proc, src, dst, config) if mode == "corrupt" and error is not None else None
-    _wait_for_survivors(world, mode, config)
+    _wait_for_survivors(world, {victim} if mode.startswith("kill") else set(), config)
     v2_exact = None
     if retried is not None and not is_src:
         v2_exact = holds(tensors, dst, rank, seed + 1)

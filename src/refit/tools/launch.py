@@ -2,9 +2,11 @@
 
 ``run_local(fn, n_src, n_dst, *args)`` spawns ``n_src + n_dst`` processes
 (processes ``0..n_src-1`` are trainer ranks, the rest engine ranks), joins them
-with a TCP rendezvous on 127.0.0.1, creates the trainer group and the engine
+with a TCP rendezvous on the bind address, creates the trainer group and the engine
 group, calls ``fn(world, *args)`` in each and returns the results by process
-rank. A worker's exception is re-raised in the caller with its rank; a worker
+rank. The job's secret (``REFIT_SECRET`` if set, else a fresh one) and bind address
+(``REFIT_BIND_ADDRESS``, default loopback) reach each child through spawn's pipe; the store,
+gloo and NCCL listen on that address only. A worker's exception is re-raised in the caller with its rank; a worker
 that dies or overruns ``timeout_s`` fails the call instead of hanging it.
 ``devices`` pins each process to a device (several may share a GPU, as in
 colocated refits); the world group is then gloo, used for barriers and the
@@ -29,7 +31,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from refit.errors import ConfigError
+from refit.transport import auth
 from refit.transport.control import free_port
+from refit.transport.store import BIND_ENV, SignedStore, bind_address, open_store, pin_interfaces, signed
 
 MAX_LOCAL_PROCESSES = 256
 """The most processes ``run_local`` starts on one machine (one per rank): a typo such as ``tp=100000`` is an
@@ -69,6 +73,11 @@ class World:
     data_group: Any = None
 
     @property
+    def store(self) -> SignedStore:
+        """The job's rendezvous store (hosted by process 0), signed with the job's secret."""
+        return signed(dist.distributed_c10d._get_default_store())
+
+    @property
     def src_rank(self) -> int | None:
         return self.rank if self.rank < self.n_src else None
 
@@ -80,7 +89,20 @@ class World:
         return r if 0 <= r < self.n_dst else None
 
 
-def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices):
+def _join(rank: int, world_size: int, backend: str, port: int, secret: bytes, address: str, timeout_s: float) -> None:
+    """This process's part of the job: its secret and bind address in its environment (for ``Peer``s it
+    builds), gloo/NCCL pinned to that address's interface, the store hosted by process 0 on that address
+    alone, then the default group over it."""
+    os.environ.update(auth.child_env(secret))
+    os.environ[BIND_ENV] = address
+    pin_interfaces(address)
+    store = open_store(address, port, world_size, rank == 0, timeout_s)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices, job):
     try:
         torch.set_num_threads(1)
         if devices:
@@ -91,13 +113,7 @@ def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, 
             device = torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        _join(rank, world_size, backend, port, *job, timeout_s)
         trainer = dist.new_group(list(range(n_src))) if n_src else None
         engine_ranks = list(range(n_dst)) if colocated else list(range(n_src, n_src + n_dst))
         engine = dist.new_group(engine_ranks) if n_dst else None
@@ -162,11 +178,13 @@ def run_local(
     backend = _backend(backend, devices, world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    address = bind_address()
+    port = free_port(address)
+    job = (auth.secret_or_new(), address)  # handed to the children through spawn's pipe, never a socket
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices),
+            args=(r, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices, job),
             daemon=False,
         )
         for r in range(world_size)

@@ -14,6 +14,9 @@ it:
   every process has said so, and nobody commits at all if one aborts or the
   deadline passes first.
 
+Every value is tagged with the job's secret (``refit.transport.store.SignedStore``):
+a forged abort or vote is ignored.
+
 Keys are per session name, version and attempt, so a retried version or a
 second transfer in the same job does not see stale ones.
 
@@ -25,9 +28,8 @@ from __future__ import annotations
 import socket
 import time
 
-import torch.distributed as dist
-
 from refit.errors import RefitAborted
+from refit.transport.store import SignedStore
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,15 +52,15 @@ def store_lost(version: int, error: BaseException) -> RefitAborted:
 
 
 class AbortChannel:
-    """One transfer session's abort and commit signals, in the rendezvous store ``store``.
+    """One transfer session's abort and commit signals, in the signed rendezvous store ``store``.
 
-    Keys it owns (``<name>/v<version>.<attempt>/...``; never deleted):
+    Keys it owns (``<name>/v<version>.<attempt>/...``; never deleted), every value tagged with the job
+    secret (``SignedStore``: a value without a valid tag is ignored, so a stranger cannot abort or commit):
 
-    * ``.../abort``: the first abort message. ``abort`` writes it by compare-and-set
-      (``store.compare_set(key, "", message)`` writes only while the key is absent, and returns
-      the value that stands), so exactly one message wins and every caller gets it back.
-    * ``.../ok``: a counter, one ``add`` per vote; ``.../ok/<proc>``: ``proc`` has voted (to
-      name the late ones).
+    * ``.../abort``: the first abort message. ``abort`` writes it with ``SignedStore.first`` (a
+      compare-and-set that displaces an invalid value), so exactly one real message wins and every
+      caller gets it back.
+    * ``.../ok/<proc>``: ``proc`` holds all of the version (its vote; ``{"version": v}``).
 
     Who calls (``Peer.run``): a process whose refit failed calls ``abort`` once and raises
     ``RefitAborted`` with the winning message; ``raise_if_aborted`` is polled while a process
@@ -72,7 +74,7 @@ class AbortChannel:
 
     POLL_S = 0.005
 
-    def __init__(self, store: dist.Store, name: str, proc: int, world: int) -> None:
+    def __init__(self, store: SignedStore, name: str, proc: int, world: int) -> None:
         self.store, self.name, self.proc, self.world = store, name, proc, world
 
     def _call(self, version: int, fn, *args):
@@ -86,16 +88,13 @@ class AbortChannel:
 
     def abort(self, version: int, attempt: int, message: str) -> str:
         """Publish ``message`` unless another process was first; return the message that won."""
-        key = self._key(version, "abort", attempt)
-        won = self._call(version, self.store.compare_set, key, "", message)
-        return won.decode() if isinstance(won, bytes) else str(won)
+        won = self._call(version, self.store.first, self._key(version, "abort", attempt), {"abort": message})
+        return str(won.get("abort", message)) if isinstance(won, dict) else message
 
     def aborted(self, version: int, attempt: int) -> str | None:
         """The abort message of this version and attempt, or None while there is none."""
-        key = self._key(version, "abort", attempt)
-        if self._call(version, self.store.check, [key]):
-            return self._call(version, self.store.get, key).decode()
-        return None
+        value = self._call(version, self.store.peek, self._key(version, "abort", attempt))
+        return str(value["abort"]) if isinstance(value, dict) and "abort" in value else None
 
     def raise_if_aborted(self, version: int, attempt: int) -> None:
         """Raise ``RefitAborted`` with the abort message, if one was published."""
@@ -104,19 +103,20 @@ class AbortChannel:
             raise RefitAborted(msg)
 
     def vote(self, version: int, attempt: int, deadline: float, members: list[int]) -> None:
-        """Say this process holds all of ``version``; return once ``world`` processes have.
+        """Say this process holds all of ``version``; return once every process of ``members`` has.
         Raises ``RefitAborted`` if one aborts first, ``TimeoutError`` naming the processes of
         ``members`` that had not voted when ``deadline`` (``time.monotonic()``) passes."""
-        key = self._key(version, "ok", attempt)
-        self._call(version, self.store.set, f"{key}/{self.proc}", "1")
-        n = self._call(version, self.store.add, key, 1)
-        while n < self.world:
+        keys = {p: self._key(version, f"ok/{p}", attempt) for p in members}
+        self._call(version, self.store.put, keys[self.proc], {"version": version})
+        while True:
+            votes = self._call(version, self.store.get_all, keys.values())
+            late = [p for p, k in keys.items() if votes.get(k) != {"version": version}]
+            if not late:
+                return
             self.raise_if_aborted(version, attempt)
             if time.monotonic() > deadline:
-                late = [p for p in members if not self._call(version, self.store.check, [f"{key}/{p}"])]
                 raise TimeoutError(
                     f"version {version} was not finished before the deadline by "
                     + ", ".join(f"process {p}" for p in late)
                 )
             time.sleep(self.POLL_S)
-            n = self._call(version, self.store.add, key, 0)

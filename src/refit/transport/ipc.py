@@ -17,16 +17,17 @@ host), agree on a shared-memory ``HostBarrier`` through the store.
 
 from __future__ import annotations
 
+import base64
 import ctypes
-import pickle
+import json
+import os
+import re
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
@@ -35,6 +36,7 @@ from refit.layout import box_relative, box_slices
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
 from refit.transport.checksum import checksum
+from refit.transport.store import SignedStore
 
 _CUDART: ctypes.CDLL | None = None
 _CUDA_MEMCPY_DEFAULT = 4
@@ -221,23 +223,115 @@ def _widen(view: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def export_handles(store, key: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Publish IPC handles of ``tensors`` (CUDA) under ``key``."""
-    from torch.multiprocessing.reductions import reduce_tensor
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+_HANDLE_FIELDS = {
+    "size": list, "stride": list, "offset": int, "dtype": str, "device": int, "handle": str,
+    "storage_bytes": int, "storage_offset": int, "ref_handle": str, "ref_offset": int,
+    "event_handle": (str, type(None)), "event_sync": bool,
+}  # fmt: skip
+_MAX_HANDLE_BYTES = 1024
 
+
+def handle_fields(t: torch.Tensor) -> dict:
+    """Plain data for another process to map CUDA tensor ``t`` (torch's own IPC export, field by field)."""
+    (device, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle, event_sync) = (
+        t.untyped_storage()._share_cuda_()
+    )
+    from torch.multiprocessing.reductions import StorageWeakRef, shared_cache
+
+    shared_cache[handle] = StorageWeakRef(t.untyped_storage())  # as torch's reduce_tensor: keep it exported
+    b64 = lambda b: None if b is None else base64.b64encode(b).decode()  # noqa: E731
+    return {
+        "size": list(t.shape), "stride": list(t.stride()), "offset": t.storage_offset(),
+        "dtype": str(t.dtype).removeprefix("torch."), "device": int(device), "handle": b64(handle),
+        "storage_bytes": int(storage_bytes), "storage_offset": int(storage_offset), "ref_handle": b64(ref_handle),
+        "ref_offset": int(ref_offset), "event_handle": b64(event_handle), "event_sync": bool(event_sync),
+    }  # fmt: skip
+
+
+def _bytes_field(name: str, value: str) -> bytes:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (ValueError, TypeError):
+        raise PlanError(f"CUDA IPC handle field {name!r} is not base64") from None
+    if not 0 < len(raw) <= _MAX_HANDLE_BYTES:
+        raise PlanError(f"CUDA IPC handle field {name!r} has {len(raw)} bytes (1..{_MAX_HANDLE_BYTES} allowed)")
+    return raw
+
+
+def check_handle_fields(f: object) -> dict:
+    """``f`` if it is a well-formed ``handle_fields`` record (known keys, types, ranges, the view inside
+    its storage), else ``PlanError`` naming the field."""
+    if not isinstance(f, dict) or set(f) != set(_HANDLE_FIELDS):
+        keys = sorted(f) if isinstance(f, dict) else type(f).__name__
+        raise PlanError(f"CUDA IPC handle record has keys {keys}, expected {sorted(_HANDLE_FIELDS)}")
+    for k, typ in _HANDLE_FIELDS.items():
+        if not isinstance(f[k], typ) or (typ is int and isinstance(f[k], bool)):
+            raise PlanError(f"CUDA IPC handle field {k!r} has type {type(f[k]).__name__}")
+    dims = f["size"] + f["stride"]
+    if len(f["size"]) != len(f["stride"]) or len(f["size"]) > 8 or not all(_nonneg_int(x) for x in dims):
+        raise PlanError(f"CUDA IPC handle has size {f['size']} and stride {f['stride']}")
+    if f["dtype"] not in _DTYPES:
+        raise PlanError(f"CUDA IPC handle dtype {f['dtype']!r} is not one of {sorted(_DTYPES)}")
+    if min(f["offset"], f["storage_bytes"], f["storage_offset"], f["ref_offset"], f["device"]) < 0:
+        raise PlanError("CUDA IPC handle has a negative offset, size or device")
+    item = _DTYPES[f["dtype"]].itemsize
+    last = f["offset"] + sum((n - 1) * st for n, st in zip(f["size"], f["stride"])) + 1
+    if all(f["size"]) and last * item > f["storage_bytes"]:
+        raise PlanError(f"CUDA IPC handle view ends at byte {last * item}, past its {f['storage_bytes']}-byte storage")
+    return f
+
+
+def _nonneg_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def rebuild_handle(f: dict) -> torch.Tensor:
+    """Map the tensor a validated ``handle_fields`` record describes, with torch's own rebuild function."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    f = check_handle_fields(f)
+    event = None if f["event_handle"] is None else _bytes_field("event_handle", f["event_handle"])
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size(f["size"]), tuple(f["stride"]), f["offset"], torch.storage.TypedStorage,
+        _DTYPES[f["dtype"]], f["device"], _bytes_field("handle", f["handle"]), f["storage_bytes"],
+        f["storage_offset"], False, _bytes_field("ref_handle", f["ref_handle"]), f["ref_offset"], event,
+        f["event_sync"],
+    )  # fmt: skip
+
+
+def export_handles(store: SignedStore, key: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Publish IPC handles of ``tensors`` (CUDA) under ``key``: plain data, sealed with the job secret."""
     handles = {}
     for name, t in tensors.items():
         if t.device.type != "cuda":
             raise ValueError(f"CUDA IPC needs CUDA tensors; {name!r} is on {t.device}")
-        handles[name] = reduce_tensor(t)
-    store.set(key, pickle.dumps(handles))
+        handles[name] = handle_fields(t)
+    store.put_sealed(key, json.dumps(handles).encode())
 
 
-def import_handles(store, key: str, timeout_s: float) -> dict[str, torch.Tensor]:
-    """Map the tensors another process published under ``key``."""
-    store.set_timeout(timedelta(seconds=timeout_s))
-    handles = pickle.loads(store.get(key))
-    return {name: fn(*args) for name, (fn, args) in handles.items()}
+def import_handles(store: SignedStore, key: str, timeout_s: float) -> dict[str, torch.Tensor]:
+    """Map the tensors another process published under ``key`` (each record validated before use)."""
+    handles = json.loads(store.get_sealed(key, timeout_s))
+    if not isinstance(handles, dict) or not all(isinstance(n, str) for n in handles):
+        raise PlanError(f"the CUDA IPC handles under {key!r} are not a mapping of tensor names")
+    return {name: rebuild_handle(f) for name, f in handles.items()}
 
 
 class IpcPuller:
@@ -362,52 +456,65 @@ class HostBarrier:
 
     Slot i of a shared int64 array holds participant i's generation. ``wait()``
     bumps this process's generation and spins until every slot has reached it.
-    The lowest participant creates the segment; the others attach to it.
+    The lowest participant creates the segment (tracked by its resource tracker, so a
+    crash still frees it) and alone unlinks it; the others map ``/dev/shm/<name>``
+    directly, so no other process's resource tracker ever registers, warns about or
+    unlinks a segment it does not own.
     """
 
     def __init__(self, name: str, index: int, size: int, timeout_s: float = 120.0) -> None:
-        from multiprocessing import shared_memory
-
         import numpy as np
 
         self.index, self.size, self.timeout_s, self.gen = index, size, timeout_s, 0
         self.owner = index == 0
-        if self.owner:
-            try:  # a stale segment of a crashed earlier run
-                old = shared_memory.SharedMemory(name=name)
-                old.close()
-                old.unlink()
-            except FileNotFoundError:
-                pass
-            self.shm = shared_memory.SharedMemory(name=name, create=True, size=8 * size)
-        else:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    shm = shared_memory.SharedMemory(name=name)
-                    if shm.size >= 8 * size:
-                        self.shm = shm
-                        break
-                    shm.close()  # created but not sized yet
-                except (FileNotFoundError, ValueError):  # not there yet / there but still empty (mmap of 0 bytes)
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"barrier segment {name!r} did not appear within {timeout_s:.0f}s")
-                time.sleep(0.001)
-            # (processes spawned from one parent share its resource tracker: registering the
-            # name again is harmless, and only the owner unlinks it)
+        self.name = name
+        self.shm = self._create(name, size) if self.owner else None
+        self._map = None if self.owner else self._attach(name, size, timeout_s)
+        buf = self.shm.buf if self.shm is not None else self._map
         # a new segment is zero-filled by the OS; zeroing it here could erase a slot another
         # process already bumped after attaching
-        self.slots = np.ndarray((size,), dtype=np.int64, buffer=self.shm.buf)
+        self.slots = np.ndarray((size,), dtype=np.int64, buffer=buf)
+
+    @staticmethod
+    def _create(name: str, size: int):
+        from multiprocessing import shared_memory
+
+        try:  # a stale segment of a crashed earlier run
+            old = shared_memory.SharedMemory(name=name)
+            old.close()
+            old.unlink()
+        except FileNotFoundError:
+            pass
+        return shared_memory.SharedMemory(name=name, create=True, size=8 * size)
+
+    @staticmethod
+    def _attach(name: str, size: int, timeout_s: float):
+        import mmap
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+                try:
+                    if os.fstat(fd).st_size >= 8 * size:
+                        return mmap.mmap(fd, 8 * size)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:  # not there yet (or created but not sized yet: checked above)
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"barrier segment {name!r} did not appear within {timeout_s:.0f}s")
+            time.sleep(0.001)
 
     @classmethod
-    def agree(cls, store: dist.Store, key: str, index: int, size: int, timeout_s: float) -> HostBarrier:
+    def agree(cls, store: SignedStore, key: str, index: int, size: int, timeout_s: float) -> HostBarrier:
         """Participant ``index`` of ``size`` joins the barrier whose segment name participant 0
-        publishes under ``key`` (a fresh random name per barrier)."""
+        publishes under ``key`` (a fresh random name per barrier, checked against its pattern)."""
         if index == 0:
-            store.set(key, f"refit_{uuid.uuid4().hex[:16]}")
-        store.set_timeout(timedelta(seconds=timeout_s))
-        seg = store.get(key).decode()
+            store.put(key, {"segment": f"refit_{uuid.uuid4().hex[:16]}"})
+        seg = store.get(key, timeout_s).get("segment", "")
+        if not re.fullmatch(r"refit_[0-9a-f]{16}", seg):
+            raise PlanError(f"barrier segment name {seg!r} under {key!r} is not one refit makes")
         return cls(seg, index, size, timeout_s)
 
     def wait(self, timeout_s: float | None = None) -> None:
@@ -425,20 +532,25 @@ class HostBarrier:
                     raise TimeoutError(f"barrier: participants {behind} did not arrive within {timeout_s:.1f}s")
 
     def close(self) -> None:
+        """Unmap the segment; the owner also unlinks it."""
         self.slots = None
-        self.shm.close()
-        if self.owner:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self.shm is not None:
+            self.shm.close()
             try:
                 self.shm.unlink()
             except FileNotFoundError:
                 pass
+            self.shm = None
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, mapped source view)
 
 
 def _map_pulls(
-    plan: Plan, proc: int, local: LocalTensors, store: dist.Store, config: TransferConfig, stages: list[set[str]]
+    plan: Plan, proc: int, local: LocalTensors, store: SignedStore, config: TransferConfig, stages: list[set[str]]
 ) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[list[Pair], list[Pair]]], list[tuple[str, Pair]]]:
     """Publish this process's handles, map its sources' (once each), and pair every pull's views.
 
@@ -522,7 +634,7 @@ class IpcLink:
         plan: Plan,
         proc: int,
         local: LocalTensors,
-        store: dist.Store | None,
+        store: SignedStore | None,
         config: TransferConfig,
         device: torch.device,
     ) -> IpcLink:
@@ -556,7 +668,21 @@ class IpcLink:
                     f"source {want[0]}, received {got[0]} ({want[1]} bytes)"
                 )
 
+    CLOSE_WAIT_S = 5.0
+
     def close(self) -> None:
+        """Release every mapping of another process's memory (graphs, pullers, mapped tensors; torch's IPC
+        reference counts drop), then, on one host, wait at the barrier so that no source process exits
+        while a receiver still maps its memory (best effort: a peer that died is not waited for), and
+        unlink the barrier (its owner)."""
+        self.pullers, self.puller, self.checked, self._mapped = [], None, [], {}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.ipc_collect()
         if self.host_barrier is not None:
+            try:
+                self.host_barrier.wait(self.CLOSE_WAIT_S)
+            except TimeoutError:
+                pass  # a peer failed or left: nothing of ours is mapped any more
             self.host_barrier.close()
             self.host_barrier = None

@@ -6,9 +6,7 @@ loads (``dst/<worker>``), gathered into the destination layout on every process.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,6 +15,8 @@ from torch.distributed.tensor import Replicate
 from refit.config import TransferConfig
 from refit.errors import ConfigError
 from refit.layout import Box, Mesh, ModelLayout, TensorLayout
+from refit.transport.store import SignedStore, bind_address, gloo_group
+from refit.transport.store import open_store as open_store_at
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -46,6 +46,7 @@ class RefitInitInfo:
     buffer_bytes: int = 64 << 20
     session: str = "refit"
     load_path: str = "auto"  # worker side: "direct" (into live params), "loader" (vLLM's loaders) or "auto"
+    secret: str = field(default="", repr=False)  # the job secret (text); the trainer fills it, see job_secret
 
     def __post_init__(self) -> None:
         """Checked where it is made (trainer side, and again where a worker rebuilds it): ``ConfigError``
@@ -61,6 +62,8 @@ class RefitInitInfo:
             raise ConfigError(f"{who}.master_port must be an integer port, got {self.master_port!r}")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"{who}.master_port must be in 0..65535, got {self.master_port}")
+        if not isinstance(self.secret, str):
+            raise ConfigError(f"{who}.secret must be text, got {type(self.secret).__name__}")
 
     @property
     def world_size(self) -> int:
@@ -86,28 +89,22 @@ class RefitUpdateInfo:
     extra: dict = field(default_factory=dict)
 
 
-def open_store(info: RefitInitInfo, is_master: bool) -> dist.Store:
-    """The rendezvous store (trainer rank 0 hosts it), under the session's prefix."""
-    timeout = timedelta(seconds=info.timeout_s)
-    store = dist.TCPStore(
-        info.master_address,
-        info.master_port,
-        info.world_size if is_master else None,
-        is_master,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
-    return dist.PrefixStore(info.session, store)
+def open_store(info: RefitInitInfo, is_master: bool) -> SignedStore:
+    """The rendezvous store (trainer rank 0 hosts it, its listener bound to ``master_address`` alone),
+    under the session's prefix, signed with the job secret (``info.secret``)."""
+    if not info.secret:
+        raise ConfigError("RefitInitInfo.secret is empty: the trainer side sets the job secret (see job_secret)")
+    raw = open_store_at(info.master_address, info.master_port, info.world_size, is_master, info.timeout_s)
+    return SignedStore(dist.PrefixStore(info.session, raw), info.secret.encode())
 
 
-def join_group(info: RefitInitInfo, store: dist.Store, rank: int) -> dist.ProcessGroup:
-    """A standalone gloo group of the trainer ranks and the workers (blocks until all join)."""
-    return dist.ProcessGroupGloo(
-        dist.PrefixStore("pg", store), rank, info.world_size, timedelta(seconds=info.timeout_s)
-    )
+def join_group(info: RefitInitInfo, store: SignedStore, rank: int) -> dist.ProcessGroup:
+    """A standalone gloo group of the trainer ranks and the workers (blocks until all join), listening on
+    this process's bind address (``REFIT_BIND_ADDRESS``, default loopback) only."""
+    return gloo_group(dist.PrefixStore("pg", store.raw), rank, info.world_size, info.timeout_s, bind_address())
 
 
-def wait_workers(store: dist.Store, n_workers: int, timeout_s: float) -> None:
+def wait_workers(store: SignedStore, n_workers: int, timeout_s: float) -> None:
     """Wait until every worker published its regions; raise at once with a worker's setup error."""
     import time
 
@@ -115,11 +112,10 @@ def wait_workers(store: dist.Store, n_workers: int, timeout_s: float) -> None:
     pending = set(range(n_workers))
     while pending:
         for w in sorted(pending):
-            if store.check([f"error/{w}"]):
-                raise RuntimeError(
-                    f"refit: vLLM worker {w} refused the transfer at init: {store.get(f'error/{w}').decode()}"
-                )
-            if store.check([f"dst/{w}"]):
+            error = store.peek(f"error/{w}")
+            if error is not None:
+                raise RuntimeError(f"refit: vLLM worker {w} refused the transfer at init: {error}")
+            if store.has(f"dst/{w}"):
                 pending.discard(w)
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"refit: vLLM workers {sorted(pending)} did not answer within {timeout_s:.0f}s")
@@ -138,19 +134,19 @@ def boxes_layout(
     )
 
 
-def publish_src_layout(store: dist.Store, src: ModelLayout) -> None:
+def publish_src_layout(store: SignedStore, src: ModelLayout) -> None:
     """Trainer rank 0: the source layout, for the workers (``ModelLayout.to_json``)."""
-    store.set("src", json.dumps(src.to_json(), separators=(",", ":")))
+    store.put("src", src.to_json())
 
 
-def read_src_layout(store: dist.Store) -> ModelLayout:
-    """A worker: the trainer's source layout (waits for it)."""
-    return ModelLayout.from_json(json.loads(store.get("src")))
+def read_src_layout(store: SignedStore, timeout_s: float) -> ModelLayout:
+    """A worker: the trainer's source layout (waits for it; ``ModelLayout.from_json`` validates it)."""
+    return ModelLayout.from_json(store.get("src", timeout_s))
 
 
-def gather_dst_layout(store: dist.Store, src: ModelLayout, n_workers: int) -> ModelLayout:
+def gather_dst_layout(store: SignedStore, src: ModelLayout, n_workers: int, timeout_s: float) -> ModelLayout:
     """Every worker's published regions, as the destination layout (HF names, worker ranks)."""
-    per_worker = [json.loads(store.get(f"dst/{w}")) for w in range(n_workers)]
+    per_worker = [store.get(f"dst/{w}", timeout_s) for w in range(n_workers)]
     entries = []
     for t in src:
         boxes = {w: tuple(tuple(x) for x in regs[t.name]) for w, regs in enumerate(per_worker)}

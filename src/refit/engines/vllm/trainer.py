@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
+from refit.errors import ConfigError
 from refit.plan import ProcessMap
 from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer
+from refit.transport import auth
 
 from .common import (
     RefitInitInfo,
@@ -98,7 +101,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         if init_info.is_sender and client is None:
             raise ValueError("trainer rank 0 drives the engine and needs a client")
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
-        info = init_info.worker_info()
+        info = replace(init_info.worker_info(), secret=job_secret(init_info))
         src = source.layout()
         # rank 0 hosts the store; it also tells the workers to join, concurrently
         rpc = None
@@ -114,7 +117,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
                 rpc.thread.join(timeout=info.timeout_s)  # the client call fails too; do not leave it behind
             raise
         pg = join_group(info, store, init_info.rank)
-        dst = gather_dst_layout(store, src, init_info.n_workers)
+        dst = gather_dst_layout(store, src, init_info.n_workers, info.timeout_s)
         self.peer = Peer(
             src,
             dst,
@@ -171,3 +174,32 @@ class _Call:
         self.thread.join()
         if self.error is not None:
             raise RuntimeError(f"refit: the engine's weight-sync call failed: {self.error}") from self.error
+
+
+def job_secret(info: RefitTrainerInitInfo) -> str:
+    """The job secret every trainer rank and worker signs the store's values with: ``info.secret`` if set,
+    else ``REFIT_SECRET`` / ``REFIT_SECRET_FILE``, else (one trainer rank) a fresh one, else rank 0's fresh
+    one broadcast over the trainer's default process group (as bytes in a tensor: nothing is unpickled).
+    Workers receive it in their init info, through the engine's own client call."""
+    if info.secret:
+        return info.secret
+    secret = auth.secret_from_env()
+    if secret is None and info.n_trainer == 1:
+        secret = auth.new_secret()
+    if secret is None:
+        secret = _broadcast_secret(info)
+    return auth.as_text(secret)
+
+
+def _broadcast_secret(info: RefitTrainerInitInfo) -> bytes:
+    if not dist.is_initialized() or dist.get_world_size() != info.n_trainer:
+        raise ConfigError(
+            f"{info.n_trainer} trainer ranks need one job secret: set RefitTrainerInitInfo.secret or REFIT_SECRET "
+            "on every rank (or initialize the trainer's default process group so rank 0 can share one)"
+        )
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    buf = torch.zeros(64, dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        buf.copy_(torch.frombuffer(bytearray(auth.new_secret()), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    return bytes(buf.cpu().tolist())

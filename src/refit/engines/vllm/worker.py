@@ -24,7 +24,6 @@ naming the parameter.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -87,7 +86,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         store = open_store(init_info, is_master=False)
         try:  # nothing has moved yet: a refusal reaches every trainer rank through the store
             check_supported(self.vllm_config, self.model)
-            src = read_src_layout(store)
+            src = read_src_layout(store, init_info.timeout_s)
             regions, rules, targets, missing = {}, {}, {}, []
             for t in src:
                 box, rule = region(self.model, t.name, t.shape)
@@ -102,12 +101,12 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                     )
             self.direct = self._choose_path(init_info.load_path, missing)
         except Exception as e:
-            store.set(f"error/{w}", f"{type(e).__name__}: {e}")
+            store.put(f"error/{w}", f"{type(e).__name__}: {e}")
             raise
-        store.set(f"dst/{w}", json.dumps(regions))
+        store.put(f"dst/{w}", regions)
         wait_workers(store, n_workers, init_info.timeout_s)
         pg = join_group(init_info, store, init_info.n_trainer + w)
-        dst = gather_dst_layout(store, src, n_workers)
+        dst = gather_dst_layout(store, src, n_workers, init_info.timeout_s)
         # direct: received bytes land in the live parameters; the rest (and everything on the
         # loader path) in buffers handed to vLLM's loaders
         self.targets = targets if self.direct else {}

@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -384,10 +383,8 @@ def _setup_process(world: World, scen: Scenario, opts: BenchOptions) -> _Process
         src_l, dst_l = fp8_layout(plain_src), fp8_layout(plain_dst, side="destination")
     procs = ProcessMap.disjoint(src_spec.world_size, dst_spec.world_size).with_devices(scen.devices)
     plan = build_plan(src_l, dst_l, procs, replace(cfg, transport="auto"))
-    store = dist.distributed_c10d._get_default_store()
-    if world.rank == 0:
-        store.set("bench/barrier", f"refit_bench_{uuid.uuid4().hex[:12]}")
-    barrier = HostBarrier(store.get("bench/barrier").decode(), world.rank, world.world_size, timeout_s=600)
+    store = world.store
+    barrier = HostBarrier.agree(store, "bench/barrier", world.rank, world.world_size, timeout_s=600)
     trainer_nccl = None
     if dev.type == "cuda" and len(set(scen.devices[: src_spec.world_size])) == src_spec.world_size > 1:
         trainer_nccl = dist.new_group(list(range(src_spec.world_size)), backend="nccl")
