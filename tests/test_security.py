@@ -331,3 +331,40 @@ def test_bind_address_defaults_to_loopback(monkeypatch):
     mine = [c for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == store.port]
     assert [c.laddr.ip for c in mine] == ["127.0.0.1"]
     del store
+
+
+def _ipc_export_import(world):
+    from refit.transport.ipc import export_handles, handle_fields, import_handles
+
+    store = world.store
+    if world.rank == 0:
+        t = torch.arange(4096, dtype=torch.float32, device="cuda:0").reshape(64, 64)
+        export_handles(store, "sec/ipc/0", {"w": t, "view": t[8:16, 4:36]})
+        raw_handle = base64.b64decode(handle_fields(t)["handle"])
+        torch.distributed.barrier()  # the receiver has mapped and checked
+        torch.distributed.barrier()  # ... and released its mapping
+        return raw_handle not in store.raw.get("sec/ipc/0")
+    stranger = SignedStore(store.raw, b"stranger-without-the-secret-000")
+    try:
+        stranger.get_sealed("sec/ipc/0", 2.0)
+        stolen = True
+    except TimeoutError:
+        stolen = False
+    got = import_handles(store, "sec/ipc/0", 30.0)
+    want = torch.arange(4096, dtype=torch.float32, device="cuda:0").reshape(64, 64)
+    ok = torch.equal(got["w"], want) and torch.equal(got["view"], want[8:16, 4:36])
+    torch.distributed.barrier()
+    del got
+    torch.cuda.ipc_collect()
+    torch.distributed.barrier()
+    return {"stolen": stolen, "ok": ok}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_handles_map_with_the_secret_and_not_without():
+    from refit.tools.launch import run_local
+
+    out = run_local(_ipc_export_import, 1, 1, backend="gloo", devices=["cuda:0", "cuda:0"], timeout_s=120)
+    assert out[0] is True  # the store holds no raw handle bytes
+    assert out[1] == {"stolen": False, "ok": True}
