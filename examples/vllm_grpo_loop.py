@@ -103,7 +103,8 @@ def main() -> int:
         (w,) = llm.collective_rpc("refit_stats")  # one worker; plain data
         print(f"worker: {w['refits']} refits, {w['bytes_per_refit']:,} bytes each, load path {w['load_path']}")
         ok &= w["refits"] == args.steps + 1 and w["version"] == args.steps
-        engine.shutdown()
+        engine.shutdown()  # the trainer's side
+        llm.shutdown_weight_transfer_engine()  # the workers' side
         del llm
     print("PASS: vLLM served every refitted version exactly" if ok else "FAIL: vLLM disagrees with the trainer")
     return 0 if ok else 1

@@ -5,7 +5,8 @@ is a spawned process. The trainer runs the HF model tensor-parallel
 (``parallelize_module``) or FSDP2 (``fully_shard``) over gloo.
 
 vLLM runs with its insecure serialization switch off (``secure_env``): the driver calls worker
-methods by name (``worker_ext.WorkerTestExtension``), never ships a function.
+methods by name (``worker_ext.WorkerTestExtension``), never ships a function. After the refits
+both sides shut refit down and must hold no thread or socket refit opened (``leaks``).
 By hand: ``cd tests && python -m vllm_backend.harness tiny-llama tp=2 1``.
 """
 
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 from refit.layout.models import build_model, load_config
 from refit.transport.control import free_port
 
+from .leaks import leftovers, snapshot
 from .worker_ext import WorkerTestExtension
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 5]
@@ -115,8 +117,9 @@ def trainer_loop(
     steps: int,
     client=None,
     load_path: str = "auto",
-) -> list[dict]:
-    """Both trainer ranks run this; rank 0 also passes the LLM client and returns full weights per step."""
+) -> tuple[list[dict], dict[str, list]]:
+    """Both trainer ranks run this; rank 0 also passes the LLM client and gets full weights per step.
+    Returns the history and what refit left behind after ``engine.shutdown()`` (``leaks.leftovers``)."""
     from refit.engines.vllm.trainer import RefitTrainerEngine, RefitTrainerInitInfo, ShardedModuleSource
     from refit.trainers.dtensor import full_state
 
@@ -136,6 +139,7 @@ def trainer_loop(
             timeout_s=300,
             load_path=load_path,
         )
+        before = snapshot()
         engine = RefitTrainerEngine.trainer_init(info, client=client, source=ShardedModuleSource(model, 2))
         history = []
         for step in range(1, steps + 1):
@@ -153,13 +157,15 @@ def trainer_loop(
                     "weights": full if rank == 0 else None,
                 }
             )
-        return history
+        engine.shutdown()
+        return history, leftovers(before, snapshot())
     finally:
         dist.destroy_process_group()
 
 
 def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path):
-    trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path)
+    _, left = trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path)
+    assert left == {"threads": [], "sockets": []}, f"trainer rank 1 after shutdown: {left}"
 
 
 def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
@@ -213,8 +219,8 @@ def hf_reference(model_name: str, weights: dict, tokens: list[int]):
 
 
 def _train_and_refit(llm, model_name: str, spec: str, engine_tp: int, steps: int, load_path: str):
-    """Trainer rank 0 here, rank 1 spawned; both refit the engine after each step. Returns rank 0's history
-    (a failure on rank 1 is its exit code)."""
+    """Trainer rank 0 here, rank 1 spawned; both refit the engine after each step, then shut refit down.
+    Returns rank 0's history and leftovers (rank 1 checks its own: a failure there is its exit code)."""
     from refit.engines.vllm.client import LLMClient
 
     port, xfer_port = free_port(), free_port()
@@ -238,11 +244,16 @@ def run(
     model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, steps: int = 2, load_path: str = "auto"
 ) -> dict:
     """Refit a fresh engine ``steps`` times; returns the trainer history, the engine's greedy tokens/logprobs
-    and HF's on the last weights, the workers' ``refit_stats`` and the version vLLM reports."""
+    and HF's on the last weights, the workers' ``refit_stats``, the version vLLM reports, and what refit
+    left behind after shutdown on trainer rank 0 (``trainer_leftovers``) and in each worker
+    (``worker_leftovers``, after ``llm.shutdown_weight_transfer_engine()``)."""
     with tempfile.TemporaryDirectory() as workdir:
         llm = make_llm(model_name, engine_tp, workdir)
-        history = _train_and_refit(llm, model_name, spec, engine_tp, steps, load_path)
+        workers_before = llm.collective_rpc("refit_test_snapshot")
+        history, trainer_left = _train_and_refit(llm, model_name, spec, engine_tp, steps, load_path)
         stats = llm.collective_rpc("refit_stats")
+        llm.shutdown_weight_transfer_engine()
+        workers_after = llm.collective_rpc("refit_test_snapshot")
         # the last step's weights are what the engine holds now
         tokens, lps = greedy(llm)
         ref_tokens, ref_lps = hf_reference(model_name, history[-1]["weights"], tokens)
@@ -254,6 +265,8 @@ def run(
             "ref_logprobs": ref_lps,
             "worker_stats": stats,
             "version": llm.get_weight_version(),
+            "trainer_leftovers": trainer_left,
+            "worker_leftovers": [leftovers(b, a) for b, a in zip(workers_before, workers_after)],
         }
         del llm
         return result
@@ -265,3 +278,4 @@ if __name__ == "__main__":
     print("max |dlogprob|", max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])))
     print("version", r["version"], "stats", r["worker_stats"])
     print("trainer", [{k: v for k, v in h.items() if k != "weights"} for h in r["history"]])
+    print("leftovers", r["trainer_leftovers"], r["worker_leftovers"])

@@ -15,11 +15,17 @@ import torch
 from refit.engines.vllm.extension import RefitWorkerExtension
 from refit.layout.models import build_model, load_config
 
+from .leaks import snapshot
+
 PROBE = "model.layers.0.self_attn.q_proj.weight"
 
 
 class WorkerTestExtension(RefitWorkerExtension):
     """refit's worker methods plus the tests' own (``refit_test_*``)."""
+
+    def refit_test_snapshot(self) -> dict[str, list]:
+        """This worker's threads and TCP sockets (``leaks.snapshot``)."""
+        return snapshot()
 
     def refit_test_compare_loaders(self, config_dir: str) -> dict[str, Any]:
         """Three fresh copies of this worker's model (its TP share), zeroed: one loaded by vLLM's loaders
