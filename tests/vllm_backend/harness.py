@@ -3,14 +3,23 @@
 The driver process is trainer rank 0 and owns the ``vllm.LLM``; trainer rank 1
 is a spawned process. The trainer runs the HF model tensor-parallel
 (``parallelize_module``) or FSDP2 (``fully_shard``) over gloo.
+
+vLLM runs with its insecure serialization switch off (``secure_env``): the driver calls worker
+methods by name (``worker_ext.WorkerTestExtension``), never ships a function. After the refits
+both sides shut refit down and must hold no thread or socket refit opened (``leaks``).
+By hand: ``cd tests && python -m vllm_backend.harness tiny-llama tp=2 1``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +28,47 @@ import torch.multiprocessing as mp
 from refit.layout.models import build_model, load_config
 from refit.transport.control import free_port
 
+from .leaks import leftovers, snapshot
+from .worker_ext import WorkerTestExtension
+
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 5]
+INSECURE = "INSECURE_SERIALIZATION"  # the suffix of vLLM's switch that lets collective_rpc pickle
+
+
+def secure_env(env: MutableMapping[str, str]) -> None:
+    """Remove from ``env`` every variable named ``*INSECURE_SERIALIZATION`` (vLLM's pickle switch)."""
+    for name in [n for n in env if n.endswith(INSECURE)]:
+        del env[name]
+
+
+def check_vllm_secure() -> None:
+    """Unset vLLM's pickle switch in this process (engines started from here inherit that) and check that
+    vLLM itself reads it as off."""
+    import vllm.envs as envs
+
+    secure_env(os.environ)
+    switches = [n for n in dir(envs) if n.endswith(INSECURE)]
+    assert switches, f"vLLM has no *{INSECURE} setting any more: update the harness"
+    assert not any(getattr(envs, n) for n in switches), switches
+
+
+@contextmanager
+def importable_by_workers(cls: type) -> Iterator[str]:
+    """Yield ``cls``'s qualified name for ``worker_extension_cls`` while the directory its module is imported
+    from leads ``PYTHONPATH``: processes started meanwhile (vLLM's engine, its workers) import it too.
+    ``PYTHONPATH`` is restored afterwards."""
+    base = Path(sys.modules[cls.__module__].__file__).resolve()
+    for _ in cls.__module__.split("."):
+        base = base.parent
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(base), *([old] if old else [])])
+    try:
+        yield f"{cls.__module__}.{cls.__qualname__}"
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def _trainer_model(model_name: str, spec: str, rank: int):
@@ -68,8 +117,9 @@ def trainer_loop(
     steps: int,
     client=None,
     load_path: str = "auto",
-):
-    """Both trainer ranks run this; rank 0 also passes the LLM client and returns full weights per step."""
+) -> tuple[list[dict], dict[str, list]]:
+    """Both trainer ranks run this; rank 0 also passes the LLM client and gets full weights per step.
+    Returns the history and what refit left behind after ``engine.shutdown()`` (``leaks.leftovers``)."""
     from refit.engines.vllm.trainer import RefitTrainerEngine, RefitTrainerInitInfo, ShardedModuleSource
     from refit.trainers.dtensor import full_state
 
@@ -89,6 +139,7 @@ def trainer_loop(
             timeout_s=300,
             load_path=load_path,
         )
+        before = snapshot()
         engine = RefitTrainerEngine.trainer_init(info, client=client, source=ShardedModuleSource(model, 2))
         history = []
         for step in range(1, steps + 1):
@@ -106,34 +157,40 @@ def trainer_loop(
                     "weights": full if rank == 0 else None,
                 }
             )
-        return history
+        engine.shutdown()
+        return history, leftovers(before, snapshot())
     finally:
         dist.destroy_process_group()
 
 
 def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path):
-    trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path)
+    _, left = trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path)
+    assert left == {"threads": [], "sockets": []}, f"trainer rank 1 after shutdown: {left}"
 
 
 def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
-    """An LLM over a tiny model saved with different (seed 1000) weights."""
+    """An LLM over a tiny model saved with different (seed 1000) weights; vLLM's pickle switch off, the
+    workers extended with ``WorkerTestExtension``."""
     from vllm import LLM
 
+    check_vllm_secure()
     hf = build_model(load_config(model_name), torch.float32, seed=1000)
     hf.save_pretrained(workdir)
     if engine_tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(engine_tp)))
-    return LLM(
-        model=workdir,
-        dtype="float32",
-        tensor_parallel_size=engine_tp,
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=128,
-        enforce_eager=True,
-        weight_transfer_config={"backend": "refit"},
-        **kw,
-    )
+    with importable_by_workers(WorkerTestExtension) as extension:
+        return LLM(
+            model=workdir,
+            dtype="float32",
+            tensor_parallel_size=engine_tp,
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=0.3,
+            max_model_len=128,
+            enforce_eager=True,
+            weight_transfer_config={"backend": "refit"},
+            worker_extension_cls=extension,
+            **kw,
+        )
 
 
 def greedy(llm, n: int = 8):
@@ -161,52 +218,64 @@ def hf_reference(model_name: str, weights: dict, tokens: list[int]):
     return out_tokens, out_lp
 
 
-def run(
-    model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, steps: int = 2, load_path: str = "auto"
-):
-    """Returns per step: trainer history row, engine tokens/logprobs, HF tokens/logprobs, engine stats, version."""
+def _train_and_refit(llm, model_name: str, spec: str, engine_tp: int, steps: int, load_path: str):
+    """Trainer rank 0 here, rank 1 spawned; both refit the engine after each step, then shut refit down.
+    Returns rank 0's history and leftovers (rank 1 checks its own: a failure there is its exit code)."""
     from refit.engines.vllm.client import LLMClient
 
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    port, xfer_port = free_port(), free_port()
+    p = mp.get_context("spawn").Process(
+        target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path)
+    )
+    p.start()
+    try:
+        out = trainer_loop(
+            0, port, xfer_port, model_name, spec, engine_tp, steps, client=LLMClient(llm), load_path=load_path
+        )
+    finally:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0, f"trainer rank 1 failed (exit code {p.exitcode}; its traceback is in the output)"
+    return out
+
+
+def run(
+    model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, steps: int = 2, load_path: str = "auto"
+) -> dict:
+    """Refit a fresh engine ``steps`` times; returns the trainer history, the engine's greedy tokens/logprobs
+    and HF's on the last weights, the workers' ``refit_stats``, the version vLLM reports, and what refit
+    left behind after shutdown on trainer rank 0 (``trainer_leftovers``) and in each worker
+    (``worker_leftovers``, after ``llm.shutdown_weight_transfer_engine()``)."""
     with tempfile.TemporaryDirectory() as workdir:
         llm = make_llm(model_name, engine_tp, workdir)
-        port, xfer_port = free_port(), free_port()
-        ctx = mp.get_context("spawn")
-        p = ctx.Process(target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path))
-        p.start()
-        try:
-            history = trainer_loop(
-                0, port, xfer_port, model_name, spec, engine_tp, steps, client=LLMClient(llm), load_path=load_path
-            )
-        finally:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-        rows = []
+        workers_before = llm.collective_rpc("refit_test_snapshot")
+        history, trainer_left = _train_and_refit(llm, model_name, spec, engine_tp, steps, load_path)
+        stats = llm.collective_rpc("refit_stats")
+        llm.shutdown_weight_transfer_engine()
+        workers_after = llm.collective_rpc("refit_test_snapshot")
         # the last step's weights are what the engine holds now
         tokens, lps = greedy(llm)
         ref_tokens, ref_lps = hf_reference(model_name, history[-1]["weights"], tokens)
-        stats = llm.collective_rpc(lambda self: dict(self.weight_transfer_engine.stats))
-        rows.append(
-            {
-                "history": history,
-                "tokens": tokens,
-                "logprobs": lps,
-                "ref_tokens": ref_tokens,
-                "ref_logprobs": ref_lps,
-                "worker_stats": stats,
-                "version": llm.get_weight_version(),
-            }
-        )
+        result = {
+            "history": history,
+            "tokens": tokens,
+            "logprobs": lps,
+            "ref_tokens": ref_tokens,
+            "ref_logprobs": ref_lps,
+            "worker_stats": stats,
+            "version": llm.get_weight_version(),
+            "trainer_leftovers": trainer_left,
+            "worker_leftovers": [leftovers(b, a) for b, a in zip(workers_before, workers_after)],
+        }
         del llm
-        return rows[0]
+        return result
 
 
 if __name__ == "__main__":
-    import sys
-
     r = run(*sys.argv[1:3], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
     print("tokens", r["tokens"], "ref", r["ref_tokens"])
     print("max |dlogprob|", max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])))
-    print("version", r["version"], "stats", [{k: v for k, v in s.items()} for s in r["worker_stats"]])
+    print("version", r["version"], "stats", r["worker_stats"])
     print("trainer", [{k: v for k, v in h.items() if k != "weights"} for h in r["history"]])
+    print("leftovers", r["trainer_leftovers"], r["worker_leftovers"])

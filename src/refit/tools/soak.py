@@ -5,6 +5,7 @@ each (the trainer changes its weights in place before each). After
 ``warmup`` refits it records its resident set size (``/proc/self/statm``),
 its thread count and the number of process groups torch.distributed knows;
 after the last refit again. The last refit's weights are checked bit for bit.
+After ``Peer.close()`` no refit thread may be left.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ class SoakResult:
 
     A row: ``role``, ``rank``; ``rss_*`` (bytes), ``threads_*`` and ``groups_*`` (process
     groups) after ``warmup`` refits (``_warm``) and after the last (``_end``); ``seconds``;
-    ``exact``: whether the engine's final weights are right bit for bit (None on a trainer).
+    ``exact``: whether the engine's final weights are right bit for bit (None on a trainer);
+    ``refit_threads_closed``: names of ``refit*`` threads still alive once ``Peer.close()`` returned.
     ``ok``: resident memory grew by at most 5% on every process, no thread or process-group
-    count changed, and no engine's weights differ.
+    count changed, no engine's weights differ, and no refit thread outlived ``close``.
     """
 
     refits: int
@@ -61,6 +63,7 @@ class SoakResult:
             and all(r["threads_end"] == r["threads_warm"] for r in self.rows)
             and all(r["groups_end"] == r["groups_warm"] for r in self.rows)
             and all(r["exact"] is not False for r in self.rows)
+            and not any(r["refit_threads_closed"] for r in self.rows)
         )
 
 
@@ -90,6 +93,7 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
     factor = 2.0 if refits % 2 else 1.0  # the product of the scalings after `refits` steps
     row["exact"] = None if is_src else holds(tensors, dst, rank, scale=factor)
     peer.close()
+    row["refit_threads_closed"] = [t.name for t in threading.enumerate() if t.name.startswith("refit")]
     return row
 
 

@@ -84,6 +84,7 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.last: threading.Event | None = None  # the latest submission's event (set once it is done)
         self.thread = threading.Thread(target=self._loop, name="refit-waiter", daemon=True)
         self.thread.start()
 
@@ -105,10 +106,16 @@ class _Waiter:
         done = threading.Event()
         done.error = None
         self.queue.put((works, done))
+        self.last = done
         return done
 
     def stop(self) -> None:
+        """End the thread. Idle (every submitted wait returned): joined, gone when this returns. Still in a
+        ``Work.wait()`` that an aborted refit left pending (it cannot be interrupted): not waited for; the
+        daemon thread ends when that wait does, or with the process."""
         self.queue.put(None)
+        if self.last is None or self.last.is_set():
+            self.thread.join()
 
 
 def _build_steps(plan: Plan, proc: int, local: LocalTensors, ring: StagingRing, tag_base: int) -> list[_Step]:
@@ -181,6 +188,7 @@ class P2PSchedule:
             self.free = [None] * len(self.ring.buffers)  # event: ring buffer's last use finished
 
     def close(self) -> None:
+        """Stop the waiter thread (joined; see ``_Waiter.stop``). Idempotent."""
         if self._waiter is not None:
             self._waiter.stop()
             self._waiter = None

@@ -91,6 +91,9 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
     """
 
     init_info_cls = RefitTrainerInitInfo
+    peer: Peer | None = None  # set by trainer_init; shutdown drops these three
+    pg: Any = None
+    store: Any = None
 
     @classmethod
     def trainer_init(cls, init_info: RefitTrainerInitInfo, *, client=None, source: WeightSource | None = None):
@@ -114,7 +117,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
             wait_workers(store, init_info.n_workers, info.timeout_s)
         except Exception:
             if rpc is not None:
-                rpc.thread.join(timeout=info.timeout_s)  # the client call fails too; do not leave it behind
+                rpc.settle(info.timeout_s)  # the client call fails too; do not leave it behind
             raise
         pg = join_group(info, store, init_info.rank)
         dst = gather_dst_layout(store, src, init_info.n_workers, info.timeout_s)
@@ -132,7 +135,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         )
         if rpc is not None:
             rpc.join()
-        self.pg, self.store, self.version = pg, store, 0
+        self.pg, self.store, self.version, self.timeout_s = pg, store, 0, info.timeout_s
         return self
 
     def send_weights(self, version: int | None = None) -> Any:
@@ -141,7 +144,12 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         if self.is_sender:
             self.client.start_weight_update()
             rpc = _Call(self.client.update_weights, {"version": version})
-        stats = self.peer.run(version)
+        try:
+            stats = self.peer.run(version)
+        except Exception:
+            if rpc is not None:
+                rpc.settle(self.timeout_s)  # the workers abort too, and so does their update call
+            raise
         if rpc is not None:
             rpc.join()
             self.client.finish_weight_update(weight_version=str(version))
@@ -149,14 +157,19 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         return stats
 
     def shutdown(self) -> None:
+        """Release this rank's side: the Peer (its waiter thread, joined, and shared-memory barrier), the
+        gloo group and the rendezvous store, all references dropped so that on rank 0 the store's
+        server closes its listening socket. Not collective: call it on each rank after its last
+        ``send_weights``. The workers' side is released by ``llm.shutdown_weight_transfer_engine()``
+        (or when the engine exits). Idempotent; this engine cannot send afterwards."""
         if self.peer is not None:
-            self.peer.close()  # its waiter thread and shared-memory barrier
-        self.peer = None
-        self.pg = None
+            self.peer.close()
+        self.peer = self.pg = self.store = None
 
 
 class _Call:
-    """Run a blocking client call in a thread; ``join`` re-raises its error."""
+    """Run a blocking client call in a thread named ``refit-rpc``; ``join`` waits and re-raises its error;
+    ``settle(timeout_s)`` waits at most that long on an error path (the caller raises its own error)."""
 
     def __init__(self, fn, *args) -> None:
         self.error: BaseException | None = None
@@ -167,8 +180,11 @@ class _Call:
             except BaseException as e:  # noqa: BLE001 - re-raised in join
                 self.error = e
 
-        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread = threading.Thread(target=run, name="refit-rpc", daemon=True)
         self.thread.start()
+
+    def settle(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
 
     def join(self) -> None:
         self.thread.join()

@@ -183,7 +183,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
+        """Release this worker's side (``llm.shutdown_weight_transfer_engine()``, or vLLM's worker
+        shutdown): the Peer (its waiter thread, joined), the gloo group, the store connection and the
+        receive buffers, all references dropped. Not collective; idempotent. The live weights stay as
+        the last refit left them; ``stats`` stay readable; a new ``init_transfer_engine`` may follow."""
         if self.peer is not None:
-            self.peer.close()  # its waiter thread and shared-memory barrier
-        self.peer = None
-        self.pg = None
+            self.peer.close()
+        self.peer = self.pg = self.store = None
+        self.buffers, self.targets = {}, {}
