@@ -34,7 +34,7 @@ from refit.errors import ChecksumError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
-from refit.transport.checksum import checksum
+from refit.transport.checksum import Piece, PieceSums, fusable
 from refit.transport.rows import row_copy
 
 _CUDART: ctypes.CDLL | None = None
@@ -203,6 +203,9 @@ class IpcPuller:
     Call order: construct (at setup, after the sources' handles are mapped), optionally ``capture()``
     once, then ``pull()`` per refit. The mapped source tensors must outlive it (``IpcLink`` holds them).
 
+    ``fused`` (checksum mode): the same-GPU pieces that one Triton kernel copies and checksums at
+    once (``IpcSums``); ``pull()`` launches it on a stream of its own beside the graph.
+
     Same-GPU copies run on a stream of the receiver's GPU. Copies from another
     GPU run on a stream of that source GPU, in this process, with peer access
     enabled from the source to the receiver's GPU: the source's copy engine
@@ -218,10 +221,13 @@ class IpcPuller:
         same_device: Sequence[tuple[torch.Tensor, torch.Tensor]],
         peer: Sequence[tuple[torch.Tensor, torch.Tensor]],
         streams_per_lane: int = 2,
+        fused: PieceSums | None = None,
     ) -> None:
         if streams_per_lane < 1:
             raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
         self.device = device
+        self.fused = fused
+        self.fused_stream = torch.cuda.Stream(device) if fused is not None else None
         groups: dict[torch.device, list] = {device: list(same_device)} if same_device else {}
         for d, s in peer:
             groups.setdefault(s.device, []).append((d, s))
@@ -275,8 +281,8 @@ class IpcPuller:
             current.wait_stream(stream)
 
     def capture(self) -> None:
-        """Record every copy of a pull into one CUDA graph (setup): a pull is then one launch
-        instead of hundreds of host calls (3-5 us each, which the GPU otherwise waits for)."""
+        """Record every copy of a pull (not ``fused``) into one CUDA graph (setup): a pull is then one
+        launch instead of hundreds of host calls (3-5 us each, which the GPU otherwise waits for)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
             for _, stream, _ in self.lanes:
@@ -286,11 +292,18 @@ class IpcPuller:
         self.graph = graph
 
     def pull(self) -> None:
+        current = torch.cuda.current_stream(self.device)
+        if self.fused is not None:  # beside the copies: it waits for what the current stream has queued
+            self.fused_stream.wait_stream(current)
+            with torch.cuda.stream(self.fused_stream):
+                self.fused.run()
         if self.graph is not None:
             with torch.cuda.device(self.device):
                 self.graph.replay()
-        else:
+        elif self.lanes:
             self._issue()
+        if self.fused is not None:
+            current.wait_stream(self.fused_stream)
 
     def profile(self, repeats: int = 3) -> dict[str, tuple[int, int, float]]:
         """Seconds per lane and copy kind ("same/memcpy", "peer0/memcpy2d", ...), each run alone."""
@@ -394,13 +407,16 @@ class HostBarrier:
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, mapped source view)
 
 
+Checked = tuple[str, int, bool, Pair]  # (tensor name, stage, same GPU, pair) of one pull
+
+
 def _map_pulls(
     plan: Plan, proc: int, local: LocalTensors, store: dist.Store, config: TransferConfig, stages: list[set[str]]
-) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[list[Pair], list[Pair]]], list[tuple[str, Pair]]]:
+) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[list[Pair], list[Pair]]], list[Checked]]:
     """Publish this process's handles, map its sources' (once each), and pair every pull's views.
 
     Returns (mapped tensors per source process, per stage (same-GPU pairs, peer-GPU pairs),
-    (tensor name, pair) of every pull in order when checksums are on)."""
+    every pull in order as ``Checked`` when checksums are on)."""
     ipc = [m for m in plan.messages if m.transport == "ipc"]
     name, timeout_s = config.name, config.preflight_timeout_s
     exported = sorted({p.tensor for m in ipc if plan.procs.src[m.src] == proc for p in m.pieces})
@@ -409,7 +425,7 @@ def _map_pulls(
     stage_of = {n: i for i, names in enumerate(stages) for n in names}
     mapped: dict[int, dict[str, torch.Tensor]] = {}
     pairs: list[tuple[list[Pair], list[Pair]]] = [([], []) for _ in stages]  # per stage: (same GPU, peer GPU)
-    checked: list[tuple[str, Pair]] = []
+    checked: list[Checked] = []
     for m in (m for m in ipc if plan.procs.dst[m.dst] == proc):
         sp = plan.procs.src[m.src]
         if sp not in mapped:
@@ -419,19 +435,28 @@ def _map_pulls(
         sv = mapped[sp][p.tensor][box_slices(box_relative(p.box, s_box))]
         pair = (local.dst_view(p.tensor, p.box), sv)
         same, peer = pairs[stage_of[p.tensor]]
-        (same if plan.procs.same_device(sp, proc) else peer).append(pair)
+        on_gpu = plan.procs.same_device(sp, proc)
+        (same if on_gpu else peer).append(pair)
         if config.checksums:
-            checked.append((p.tensor, pair))
+            checked.append((p.tensor, stage_of[p.tensor], on_gpu, pair))
     return mapped, pairs, checked
 
 
 def _captured_puller(
-    device: torch.device, same: list[Pair], peer: list[Pair], config: TransferConfig, proc: int
+    device: torch.device,
+    same: list[Pair],
+    peer: list[Pair],
+    config: TransferConfig,
+    proc: int,
+    fused: PieceSums | None = None,
 ) -> IpcPuller | None:
-    """The puller of one stage (None without pulls), recorded into a CUDA graph if ``config.cuda_graph``;
-    a failed capture warns and leaves the copies to be issued one by one."""
-    puller = IpcPuller(device, same, peer, streams_per_lane=config.copy_streams) if same or peer else None
-    if puller is not None and config.cuda_graph:
+    """The puller of one stage (None without pulls), its copies recorded into a CUDA graph if
+    ``config.cuda_graph``; a failed capture warns and leaves the copies to be issued one by one.
+    ``fused``: the stage's same-GPU pieces that one kernel copies and checksums (not in ``same``)."""
+    if not (same or peer or fused):
+        return None
+    puller = IpcPuller(device, same, peer, streams_per_lane=config.copy_streams, fused=fused)
+    if puller.lanes and config.cuda_graph:
         try:
             puller.capture()
         except RuntimeError as e:  # speed only: the same copies are issued one by one
@@ -442,6 +467,70 @@ def _captured_puller(
             )
             puller.graph = None
     return puller
+
+
+class IpcSums:
+    """Checksum mode of one receiver's IPC pulls: every pulled piece against its source, batched into
+    a few kernel launches and one host sync per refit.
+
+    Same-GPU pieces that the Triton kernel can address (``fusable``) are not memcpy'd: the kernel
+    copies them and sums the bytes it moves (``fused[stage]``, launched by that stage's puller).
+    ``check()`` then sums every piece's source again, on the source's GPU (one launch per GPU), sums
+    the destinations of the other pieces (peer GPUs, whose copy engine moved them, or no Triton; one
+    launch), compares everything on this GPU and reads back one flag and index. A fused piece thus
+    catches a source changed after the pull read it and a copy that read wrong; the others catch
+    any difference between destination and source. Traffic per byte beside the copy's read and
+    write: one read for a fused piece, two for the others.
+    Lifecycle: built at setup from ``_map_pulls``' checked pulls; per refit the pullers run
+    ``fused``, then, after the pulls finished on the device, ``check()``.
+    """
+
+    def __init__(self, checked: list[Checked], device: torch.device, stages: int) -> None:
+        self.device = device
+        self.names = [name for name, *_ in checked]
+        self.nbytes = [dst.numel() * dst.element_size() for *_, (dst, _) in checked]
+        self.got = torch.zeros(len(checked), dtype=torch.int64, device=device)
+        fused: list[list[Piece]] = [[] for _ in range(stages)]
+        others: list[Piece] = []
+        sources: dict[torch.device, list[Piece]] = {}
+        self._fused_ids: set[int] = set()
+        for slot, (_, stage, on_gpu, pair) in enumerate(checked):
+            dst, src = pair
+            piece = Piece(src, slot, dst=dst)
+            if on_gpu and fusable(piece):
+                fused[stage].append(piece)
+                self._fused_ids.add(id(pair))
+            else:
+                others.append(Piece(dst, slot))
+            sources.setdefault(src.device, []).append(Piece(src, slot))
+        self.fused = [PieceSums(ps, self.got) if ps else None for ps in fused]
+        self.dst_sums = PieceSums(others, self.got) if others else None
+        self.want = {d: torch.zeros(len(checked), dtype=torch.int64, device=d) for d in sources}
+        self.src_sums = {d: PieceSums(ps, self.want[d]) for d, ps in sources.items()}
+
+    def fuses(self, pair: Pair) -> bool:
+        """Whether the fused kernel copies ``pair`` (the puller then leaves it out)."""
+        return id(pair) in self._fused_ids
+
+    def check(self) -> None:
+        """Compare every piece's received sum with its source's; ``ChecksumError`` names the first
+        tensor that differs. Enqueues on the current streams; one host sync."""
+        if not self.names:  # pulls nothing (a source process)
+            return
+        if self.dst_sums is not None:
+            self.dst_sums.run()
+        want = torch.zeros_like(self.got)
+        for d, ps in self.src_sums.items():
+            with torch.cuda.device(d):
+                ps.run()
+            want += self.want[d].to(self.device)  # slots of other GPUs stay 0 here
+        bad = self.got != want
+        flag, i = torch.stack([bad.any().to(torch.int64), torch.argmax(bad.to(torch.int32)).to(torch.int64)]).tolist()
+        if flag:
+            raise ChecksumError(
+                f"checksum mismatch in tensor {self.names[i]!r} pulled over CUDA IPC: "
+                f"source {int(want[i])}, received {int(self.got[i])} ({self.nbytes[i]} bytes)"
+            )
 
 
 class IpcLink:
@@ -462,14 +551,14 @@ class IpcLink:
         self,
         stage_names: list[set[str]],
         pullers: list[IpcPuller | None],
-        checked: list[tuple[str, Pair]],
+        sums: IpcSums | None,
         mapped: dict[int, dict[str, torch.Tensor]],
         host_barrier: HostBarrier | None,
     ) -> None:
         self.stage_names = stage_names  # the source tensors of each stage
         self.pullers = pullers  # per stage; None where this process pulls nothing in it
         self.puller = next((pl for pl in pullers if pl is not None), None) if len(pullers) == 1 else None
-        self.checked = checked  # checksum mode: (tensor name, (destination, source)) of every pull
+        self.sums = sums  # checksum mode
         self.host_barrier = host_barrier
         self._mapped = mapped  # keep the mappings alive
 
@@ -489,14 +578,25 @@ class IpcLink:
         all_ipc = all(m.transport == "ipc" for m in plan.messages)
         stages = ipc_stages(plan, config.stages if all_ipc else 1)
         mapped, pairs, checked = _map_pulls(plan, proc, local, store, config, stages)
-        pullers = [_captured_puller(device, same, peer, config, proc) for same, peer in pairs]
+        sums = IpcSums(checked, device, len(stages)) if config.checksums else None
+        pullers = [
+            _captured_puller(
+                device,
+                [q for q in same if sums is None or not sums.fuses(q)],
+                peer,
+                config,
+                proc,
+                None if sums is None else sums.fused[i],
+            )
+            for i, (same, peer) in enumerate(pairs)
+        ]
         barrier = None
         if all_ipc:  # a plan whose links are all IPC (one host) synchronizes through shared memory
             members = sorted({*plan.procs.src, *plan.procs.dst})
             barrier = HostBarrier.agree(
                 store, f"{config.name}/barrier", members.index(proc), len(members), config.preflight_timeout_s
             )
-        return cls(stages, pullers, checked, mapped, barrier)
+        return cls(stages, pullers, sums, mapped, barrier)
 
     def pull(self, stage: int) -> None:
         """Enqueue stage ``stage``'s copies on the GPU (the host does not wait)."""
@@ -504,14 +604,10 @@ class IpcLink:
             self.pullers[stage].pull()
 
     def check_sums(self) -> None:
-        """Every pulled tensor's checksum against its source's (checksum mode; after the pulls finished)."""
-        for name, (dst, src) in self.checked:
-            got, want = checksum(dst).tolist(), checksum(src).tolist()
-            if got != want:
-                raise ChecksumError(
-                    f"checksum mismatch in tensor {name!r} pulled over CUDA IPC: "
-                    f"source {want[0]}, received {got[0]} ({want[1]} bytes)"
-                )
+        """Every pulled piece's checksum against its source's (checksum mode; after the pulls finished):
+        ``IpcSums.check``, one host sync."""
+        if self.sums is not None:
+            self.sums.check()
 
     def close(self) -> None:
         if self.host_barrier is not None:
