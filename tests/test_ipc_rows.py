@@ -1,8 +1,8 @@
-"""How the IPC transport sees a piece as strided rows, for 2-D copies (CPU: pure stride arithmetic)."""
+"""How a strided piece is seen as evenly spaced rows, for 2-D copies and pitched kernels (pure stride math)."""
 
 import torch
 
-from refit.transport.ipc import row_copy, rows_of
+from refit.transport.rows import row_copy, rows_of
 
 
 def test_rows_of_dense_strided_and_irregular():

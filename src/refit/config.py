@@ -33,7 +33,10 @@ class TransferConfig:
     * ``deadline_s``: every blocking step of one refit gives up this long after the refit began;
       ``preflight_timeout_s``: how long setup waits for its peers' plans and IPC handles.
     * ``commit``: ``"in_place"`` (bytes land in the live tensors) or ``"staged"`` (all-or-nothing).
-    * ``checksums``: a checksum beside every message, checked by the receiver (a pass over the bytes).
+    * ``checksums``: a position-sensitive 64-bit checksum of every message / IPC piece, compared by the
+      receiver (``ChecksumError`` names the peer or tensor): catches flipped, swapped and zeroed bytes.
+      On CUDA with Triton it is computed in the copy that moves the bytes where it can (one kernel per
+      P2P step, per IPC stage), plus one read of each IPC source to compare; one host sync per run.
     * ``stages``: all-IPC plans pull in this many stages so a source's prepare (FP8) overlaps the pulls.
 
     Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,

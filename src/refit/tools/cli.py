@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         "--inject",
         default=None,
         metavar="MODE",
-        help="kill-receiver | kill-sender | corrupt | shape-mismatch | slow-receiver: commit version 1, "
+        help="kill-receiver | kill-sender | corrupt | swap | zero | shape-mismatch | slow-receiver: commit version 1, "
         "strike during version 2, exit 0 only if the fault is detected and handled",
     )
     v.add_argument("--deadline", type=float, default=10.0, help="with --inject: seconds a refit may take (default 10)")

@@ -7,6 +7,8 @@ during version 2:
   rank dies (SIGKILL) half way through the transfer's steps;
 * ``corrupt``: one byte of a message flips after it arrived at destination
   rank 0, before the checksum check (checksums on);
+* ``swap`` / ``zero``: likewise, the message's largest piece has its first two
+  64-byte blocks exchanged / is zeroed (what an order-insensitive sum misses);
 * ``shape-mismatch``: the next transfer's setup gets a source tensor of the
   wrong shape on source rank 0;
 * ``slow-receiver``: destination rank 0 stalls for 1.5x the deadline half way.
@@ -34,12 +36,15 @@ from refit.tools.launch import World, run_local
 from refit.tools.verify import holds, reference_shards
 from refit.transfer import Peer
 
-MODES = ("kill-receiver", "kill-sender", "corrupt", "shape-mismatch", "slow-receiver")
+MODES = ("kill-receiver", "kill-sender", "corrupt", "swap", "zero", "shape-mismatch", "slow-receiver")
+CORRUPTING = ("corrupt", "swap", "zero")  # received bytes change; retrying the version must succeed
 # what the survivors' common error must say, per mode
 EXPECT = {
     "kill-receiver": ("process {victim}",),
     "kill-sender": ("process {victim}",),
     "corrupt": ("checksum mismatch",),
+    "swap": ("checksum mismatch",),
+    "zero": ("checksum mismatch",),
     "shape-mismatch": ("has shape",),
     "slow-receiver": ("deadline", "process {victim}"),
 }
@@ -53,7 +58,7 @@ class InjectResult:
     A row: ``role``, ``rank``, ``victim``; ``error`` (what version 2 raised there, None if
     nothing) and ``elapsed_s``; ``version`` (the last it committed) and ``v1_exact`` (an engine
     still holds version 1 bit for bit); ``retried_version`` and ``v2_exact_after_retry`` (None
-    unless ``corrupt`` retried version 2). ``problems()`` lists where the run fell short of the
+    unless a corrupting mode (``CORRUPTING``) retried version 2). ``problems()`` lists where the run fell short of the
     module docstring's specification (empty: handled as specified); ``last_line()`` is the
     CLI's line.
     """
@@ -88,7 +93,7 @@ class InjectResult:
                 if want not in e:
                     out.append(f"an error does not say {want!r}: {e}")
         for p, r in survivors:
-            if self.mode == "corrupt" and (r["retried_version"] != 2 or r["v2_exact_after_retry"] is False):
+            if self.mode in CORRUPTING and (r["retried_version"] != 2 or r["v2_exact_after_retry"] is False):
                 out.append(
                     f"process {p}: retrying version 2 gave version {r['retried_version']} "
                     f"(bit-exact: {r['v2_exact_after_retry']})"
@@ -117,7 +122,7 @@ def _victim(procs: ProcessMap, mode: str) -> int:
     """Destination rank 0's process, or the last source rank's (process 0 hosts the rendezvous
     store; its death takes the side channel with it, a case of its own: every process then
     reports the store lost)."""
-    return procs.dst[0] if mode in ("kill-receiver", "corrupt", "slow-receiver") else procs.src[-1]
+    return procs.dst[0] if mode in ("kill-receiver", "slow-receiver", *CORRUPTING) else procs.src[-1]
 
 
 @dataclass
@@ -169,15 +174,32 @@ def _fault_hook(proc: _Process, victim: int, mode: str, config: TransferConfig):
             time.sleep(1.5 * config.deadline_s)
         if (
             where == "received"
-            and mode == "corrupt"
+            and mode in CORRUPTING
             and not corrupted
             and id(info["step"]) in later
             and info["step"].recvs
         ):
-            info["step"].recvs[0].tensor.view(torch.uint8)[-1] ^= 0x10  # one byte, after the wire, before the check
+            _damage(info["step"].recvs[0], mode)  # after the wire, before the check
             corrupted.append(True)
 
     return fault
+
+
+def _damage(op, mode: str) -> None:
+    """``corrupt``: flip a bit of the message's last byte; ``swap``: exchange the first two 64-byte blocks
+    of its largest piece (half its length each if shorter); ``zero``: zero that piece."""
+    if mode == "corrupt":
+        op.tensor.view(torch.uint8)[-1] ^= 0x10
+        return
+    data = max((bv for bv, _ in op.pack), key=lambda v: v.numel() * v.element_size()) if op.pack else op.tensor
+    b = data.reshape(-1).view(torch.uint8)
+    if mode == "zero":
+        b.zero_()
+        return
+    k = min(64, b.numel() // 2)
+    first = b[:k].clone()
+    b[:k] = b[k : 2 * k]
+    b[k : 2 * k] = first
 
 
 def _version_2(
@@ -245,7 +267,7 @@ def _worker(world: World, src: ModelLayout, dst: ModelLayout, config: TransferCo
     exact = None  # after the failed refit: still version 1, bit for bit?
     if not is_src:
         exact = holds(tensors, dst, rank, seed)
-    retried = _retry(proc, src, dst, config) if mode == "corrupt" and error is not None else None
+    retried = _retry(proc, src, dst, config) if mode in CORRUPTING and error is not None else None
     _wait_for_survivors(world, {victim} if mode.startswith("kill") else set(), config)
     v2_exact = None
     if retried is not None and not is_src:

@@ -35,7 +35,8 @@ from refit.errors import ChecksumError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
-from refit.transport.checksum import checksum
+from refit.transport.checksum import Piece, PieceSums, fusable
+from refit.transport.rows import row_copy
 from refit.transport.store import SignedStore
 
 _CUDART: ctypes.CDLL | None = None
@@ -112,50 +113,6 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> None:
             lib.cudaGetLastError()  # clear the sticky-free error so later checks do not see it
         elif rc != 0:
             raise RuntimeError(f"cudaDeviceEnablePeerAccess({device} -> {peer}) failed with CUDA error {rc}")
-
-
-def rows_of(view: torch.Tensor) -> tuple[int, int, int] | None:
-    """(rows, row_bytes, pitch_bytes) if ``view`` is evenly spaced contiguous rows, else None."""
-    if view.dim() == 0:
-        return None
-    shape, stride = list(view.shape), list(view.stride())
-    k, expect = len(shape), 1
-    while k > 0 and (stride[k - 1] == expect or shape[k - 1] == 1):
-        expect *= shape[k - 1]
-        k -= 1
-    if k == len(shape) and any(n != 1 for n in shape):
-        return None  # not even the last dim is dense: no rows to copy
-    head = [(n, s) for n, s in zip(shape[:k], stride[:k]) if n != 1]
-    while len(head) > 1 and head[-2][1] == head[-1][0] * head[-1][1]:  # evenly spaced across dims: merge
-        (n0, _), (n1, s1) = head[-2], head[-1]
-        head[-2:] = [(n0 * n1, s1)]
-    if len(head) > 1:
-        return None
-    item = view.element_size()
-    if not head:
-        return 1, expect * item, expect * item
-    return head[0][0], expect * item, head[0][1] * item
-
-
-def row_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """(rows, width, dst_pitch, src_pitch) in bytes if ``dst <- src`` is a copy of equal rows, else None.
-
-    A side that is one dense run takes the other side's row width (pitch = width)."""
-    if dst.shape != src.shape or dst.dtype != src.dtype:
-        return None
-    d, s = rows_of(dst), rows_of(src)
-    if d is None or s is None:
-        return None
-    if d[:2] != s[:2]:
-        if d[0] == 1 and s[0] * s[1] == d[1]:
-            d = (s[0], s[1], s[1])
-        elif s[0] == 1 and d[0] * d[1] == s[1]:
-            s = (d[0], d[1], d[1])
-        else:
-            return None
-    if d[0] == 1:  # one run: pitches are irrelevant
-        return 1, d[1], d[1], d[1]
-    return d[0], d[1], d[2], s[2]
 
 
 def make_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, Callable[[torch.cuda.Stream], None]]:
@@ -340,6 +297,9 @@ class IpcPuller:
     Call order: construct (at setup, after the sources' handles are mapped), optionally ``capture()``
     once, then ``pull()`` per refit. The mapped source tensors must outlive it (``IpcLink`` holds them).
 
+    ``fused`` (checksum mode): the same-GPU pieces that one Triton kernel copies and checksums at
+    once (``IpcSums``); ``pull()`` launches it on a stream of its own beside the graph.
+
     Same-GPU copies run on a stream of the receiver's GPU. Copies from another
     GPU run on a stream of that source GPU, in this process, with peer access
     enabled from the source to the receiver's GPU: the source's copy engine
@@ -355,10 +315,13 @@ class IpcPuller:
         same_device: Sequence[tuple[torch.Tensor, torch.Tensor]],
         peer: Sequence[tuple[torch.Tensor, torch.Tensor]],
         streams_per_lane: int = 2,
+        fused: PieceSums | None = None,
     ) -> None:
         if streams_per_lane < 1:
             raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
         self.device = device
+        self.fused = fused
+        self.fused_stream = torch.cuda.Stream(device) if fused is not None else None
         groups: dict[torch.device, list] = {device: list(same_device)} if same_device else {}
         for d, s in peer:
             groups.setdefault(s.device, []).append((d, s))
@@ -412,8 +375,8 @@ class IpcPuller:
             current.wait_stream(stream)
 
     def capture(self) -> None:
-        """Record every copy of a pull into one CUDA graph (setup): a pull is then one launch
-        instead of hundreds of host calls (3-5 us each, which the GPU otherwise waits for)."""
+        """Record every copy of a pull (not ``fused``) into one CUDA graph (setup): a pull is then one
+        launch instead of hundreds of host calls (3-5 us each, which the GPU otherwise waits for)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
             for _, stream, _ in self.lanes:
@@ -423,11 +386,18 @@ class IpcPuller:
         self.graph = graph
 
     def pull(self) -> None:
+        current = torch.cuda.current_stream(self.device)
+        if self.fused is not None:  # beside the copies: it waits for what the current stream has queued
+            self.fused_stream.wait_stream(current)
+            with torch.cuda.stream(self.fused_stream):
+                self.fused.run()
         if self.graph is not None:
             with torch.cuda.device(self.device):
                 self.graph.replay()
-        else:
+        elif self.lanes:
             self._issue()
+        if self.fused is not None:
+            current.wait_stream(self.fused_stream)
 
     def profile(self, repeats: int = 3) -> dict[str, tuple[int, int, float]]:
         """Seconds per lane and copy kind ("same/memcpy", "peer0/memcpy2d", ...), each run alone."""
@@ -549,13 +519,16 @@ class HostBarrier:
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, mapped source view)
 
 
+Checked = tuple[str, int, bool, Pair]  # (tensor name, stage, same GPU, pair) of one pull
+
+
 def _map_pulls(
     plan: Plan, proc: int, local: LocalTensors, store: SignedStore, config: TransferConfig, stages: list[set[str]]
-) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[list[Pair], list[Pair]]], list[tuple[str, Pair]]]:
+) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[list[Pair], list[Pair]]], list[Checked]]:
     """Publish this process's handles, map its sources' (once each), and pair every pull's views.
 
     Returns (mapped tensors per source process, per stage (same-GPU pairs, peer-GPU pairs),
-    (tensor name, pair) of every pull in order when checksums are on)."""
+    every pull in order as ``Checked`` when checksums are on)."""
     ipc = [m for m in plan.messages if m.transport == "ipc"]
     name, timeout_s = config.name, config.preflight_timeout_s
     exported = sorted({p.tensor for m in ipc if plan.procs.src[m.src] == proc for p in m.pieces})
@@ -564,7 +537,7 @@ def _map_pulls(
     stage_of = {n: i for i, names in enumerate(stages) for n in names}
     mapped: dict[int, dict[str, torch.Tensor]] = {}
     pairs: list[tuple[list[Pair], list[Pair]]] = [([], []) for _ in stages]  # per stage: (same GPU, peer GPU)
-    checked: list[tuple[str, Pair]] = []
+    checked: list[Checked] = []
     for m in (m for m in ipc if plan.procs.dst[m.dst] == proc):
         sp = plan.procs.src[m.src]
         if sp not in mapped:
@@ -574,19 +547,28 @@ def _map_pulls(
         sv = mapped[sp][p.tensor][box_slices(box_relative(p.box, s_box))]
         pair = (local.dst_view(p.tensor, p.box), sv)
         same, peer = pairs[stage_of[p.tensor]]
-        (same if plan.procs.same_device(sp, proc) else peer).append(pair)
+        on_gpu = plan.procs.same_device(sp, proc)
+        (same if on_gpu else peer).append(pair)
         if config.checksums:
-            checked.append((p.tensor, pair))
+            checked.append((p.tensor, stage_of[p.tensor], on_gpu, pair))
     return mapped, pairs, checked
 
 
 def _captured_puller(
-    device: torch.device, same: list[Pair], peer: list[Pair], config: TransferConfig, proc: int
+    device: torch.device,
+    same: list[Pair],
+    peer: list[Pair],
+    config: TransferConfig,
+    proc: int,
+    fused: PieceSums | None = None,
 ) -> IpcPuller | None:
-    """The puller of one stage (None without pulls), recorded into a CUDA graph if ``config.cuda_graph``;
-    a failed capture warns and leaves the copies to be issued one by one."""
-    puller = IpcPuller(device, same, peer, streams_per_lane=config.copy_streams) if same or peer else None
-    if puller is not None and config.cuda_graph:
+    """The puller of one stage (None without pulls), its copies recorded into a CUDA graph if
+    ``config.cuda_graph``; a failed capture warns and leaves the copies to be issued one by one.
+    ``fused``: the stage's same-GPU pieces that one kernel copies and checksums (not in ``same``)."""
+    if not (same or peer or fused):
+        return None
+    puller = IpcPuller(device, same, peer, streams_per_lane=config.copy_streams, fused=fused)
+    if puller.lanes and config.cuda_graph:
         try:
             puller.capture()
         except RuntimeError as e:  # speed only: the same copies are issued one by one
@@ -597,6 +579,70 @@ def _captured_puller(
             )
             puller.graph = None
     return puller
+
+
+class IpcSums:
+    """Checksum mode of one receiver's IPC pulls: every pulled piece against its source, batched into
+    a few kernel launches and one host sync per refit.
+
+    Same-GPU pieces that the Triton kernel can address (``fusable``) are not memcpy'd: the kernel
+    copies them and sums the bytes it moves (``fused[stage]``, launched by that stage's puller).
+    ``check()`` then sums every piece's source again, on the source's GPU (one launch per GPU), sums
+    the destinations of the other pieces (peer GPUs, whose copy engine moved them, or no Triton; one
+    launch), compares everything on this GPU and reads back one flag and index. A fused piece thus
+    catches a source changed after the pull read it and a copy that read wrong; the others catch
+    any difference between destination and source. Traffic per byte beside the copy's read and
+    write: one read for a fused piece, two for the others.
+    Lifecycle: built at setup from ``_map_pulls``' checked pulls; per refit the pullers run
+    ``fused``, then, after the pulls finished on the device, ``check()``.
+    """
+
+    def __init__(self, checked: list[Checked], device: torch.device, stages: int) -> None:
+        self.device = device
+        self.names = [name for name, *_ in checked]
+        self.nbytes = [dst.numel() * dst.element_size() for *_, (dst, _) in checked]
+        self.got = torch.zeros(len(checked), dtype=torch.int64, device=device)
+        fused: list[list[Piece]] = [[] for _ in range(stages)]
+        others: list[Piece] = []
+        sources: dict[torch.device, list[Piece]] = {}
+        self._fused_ids: set[int] = set()
+        for slot, (_, stage, on_gpu, pair) in enumerate(checked):
+            dst, src = pair
+            piece = Piece(src, slot, dst=dst)
+            if on_gpu and fusable(piece):
+                fused[stage].append(piece)
+                self._fused_ids.add(id(pair))
+            else:
+                others.append(Piece(dst, slot))
+            sources.setdefault(src.device, []).append(Piece(src, slot))
+        self.fused = [PieceSums(ps, self.got) if ps else None for ps in fused]
+        self.dst_sums = PieceSums(others, self.got) if others else None
+        self.want = {d: torch.zeros(len(checked), dtype=torch.int64, device=d) for d in sources}
+        self.src_sums = {d: PieceSums(ps, self.want[d]) for d, ps in sources.items()}
+
+    def fuses(self, pair: Pair) -> bool:
+        """Whether the fused kernel copies ``pair`` (the puller then leaves it out)."""
+        return id(pair) in self._fused_ids
+
+    def check(self) -> None:
+        """Compare every piece's received sum with its source's; ``ChecksumError`` names the first
+        tensor that differs. Enqueues on the current streams; one host sync."""
+        if not self.names:  # pulls nothing (a source process)
+            return
+        if self.dst_sums is not None:
+            self.dst_sums.run()
+        want = torch.zeros_like(self.got)
+        for d, ps in self.src_sums.items():
+            with torch.cuda.device(d):
+                ps.run()
+            want += self.want[d].to(self.device)  # slots of other GPUs stay 0 here
+        bad = self.got != want
+        flag, i = torch.stack([bad.any().to(torch.int64), torch.argmax(bad.to(torch.int32)).to(torch.int64)]).tolist()
+        if flag:
+            raise ChecksumError(
+                f"checksum mismatch in tensor {self.names[i]!r} pulled over CUDA IPC: "
+                f"source {int(want[i])}, received {int(self.got[i])} ({self.nbytes[i]} bytes)"
+            )
 
 
 class IpcLink:
@@ -617,14 +663,14 @@ class IpcLink:
         self,
         stage_names: list[set[str]],
         pullers: list[IpcPuller | None],
-        checked: list[tuple[str, Pair]],
+        sums: IpcSums | None,
         mapped: dict[int, dict[str, torch.Tensor]],
         host_barrier: HostBarrier | None,
     ) -> None:
         self.stage_names = stage_names  # the source tensors of each stage
         self.pullers = pullers  # per stage; None where this process pulls nothing in it
         self.puller = next((pl for pl in pullers if pl is not None), None) if len(pullers) == 1 else None
-        self.checked = checked  # checksum mode: (tensor name, (destination, source)) of every pull
+        self.sums = sums  # checksum mode
         self.host_barrier = host_barrier
         self._mapped = mapped  # keep the mappings alive
 
@@ -644,14 +690,25 @@ class IpcLink:
         all_ipc = all(m.transport == "ipc" for m in plan.messages)
         stages = ipc_stages(plan, config.stages if all_ipc else 1)
         mapped, pairs, checked = _map_pulls(plan, proc, local, store, config, stages)
-        pullers = [_captured_puller(device, same, peer, config, proc) for same, peer in pairs]
+        sums = IpcSums(checked, device, len(stages)) if config.checksums else None
+        pullers = [
+            _captured_puller(
+                device,
+                [q for q in same if sums is None or not sums.fuses(q)],
+                peer,
+                config,
+                proc,
+                None if sums is None else sums.fused[i],
+            )
+            for i, (same, peer) in enumerate(pairs)
+        ]
         barrier = None
         if all_ipc:  # a plan whose links are all IPC (one host) synchronizes through shared memory
             members = sorted({*plan.procs.src, *plan.procs.dst})
             barrier = HostBarrier.agree(
                 store, f"{config.name}/barrier", members.index(proc), len(members), config.preflight_timeout_s
             )
-        return cls(stages, pullers, checked, mapped, barrier)
+        return cls(stages, pullers, sums, mapped, barrier)
 
     def pull(self, stage: int) -> None:
         """Enqueue stage ``stage``'s copies on the GPU (the host does not wait)."""
@@ -659,14 +716,10 @@ class IpcLink:
             self.pullers[stage].pull()
 
     def check_sums(self) -> None:
-        """Every pulled tensor's checksum against its source's (checksum mode; after the pulls finished)."""
-        for name, (dst, src) in self.checked:
-            got, want = checksum(dst).tolist(), checksum(src).tolist()
-            if got != want:
-                raise ChecksumError(
-                    f"checksum mismatch in tensor {name!r} pulled over CUDA IPC: "
-                    f"source {want[0]}, received {got[0]} ({want[1]} bytes)"
-                )
+        """Every pulled piece's checksum against its source's (checksum mode; after the pulls finished):
+        ``IpcSums.check``, one host sync."""
+        if self.sums is not None:
+            self.sums.check()
 
     CLOSE_WAIT_S = 5.0
 
@@ -675,7 +728,7 @@ class IpcLink:
         reference counts drop), then, on one host, wait at the barrier so that no source process exits
         while a receiver still maps its memory (best effort: a peer that died is not waited for), and
         unlink the barrier (its owner)."""
-        self.pullers, self.puller, self.checked, self._mapped = [], None, [], {}
+        self.pullers, self.puller, self.sums, self._mapped = [], None, None, {}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
             torch.cuda.ipc_collect()

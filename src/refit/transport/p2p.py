@@ -10,7 +10,7 @@ packing runs on a pack stream and unpacking on an unpack stream, ordered by even
 and unpacking step k-1 overlap the transfer of step k; a ring buffer is reused only after the event of
 its last use. Direct pieces (contiguous on both sides) go from the source tensor straight into the
 destination tensor. With checksums on, a [sum, bytes] message travels beside every message (tag plus
-``SUM_TAG``) and the receiver compares.
+``SUM_TAG``) and the receiver compares (``MessageSums``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from refit.config import TransferConfig
 from refit.errors import ChecksumError
 from refit.plan import Plan
 from refit.plan.schedule import assign_slots, assign_tags, p2p_messages
-from refit.transport.checksum import checksum
+from refit.transport.checksum import Piece, PieceSums, triton_enabled
 from refit.transport.clock import RunClock
 
 SUM_TAG = 1 << 20  # checksum messages use the message's tag plus this
@@ -44,7 +44,7 @@ class _Op:
     names: tuple[str, ...] = ()  # the tensors whose pieces this message carries
     step: int = 0
     sum: torch.Tensor | None = None  # checksum mode: [checksum, bytes] sent beside the message
-    got: torch.Tensor | None = None  # checksum mode, CUDA receivers: the received message's checksum
+    got: torch.Tensor | None = None  # checksum mode, receivers: the received message's checksum
 
     def what(self) -> str:
         more = f" and {len(self.names) - 3} more" if len(self.names) > 3 else ""
@@ -55,6 +55,8 @@ class _Op:
 class _Step:
     sends: list[_Op] = field(default_factory=list)
     recvs: list[_Op] = field(default_factory=list)
+    pack_sums: PieceSums | None = None  # checksum mode: the sends' sums (on CUDA: fused with packing)
+    unpack_sums: PieceSums | None = None  # checksum mode: the receives' sums (on CUDA: fused with unpacking)
 
 
 FaultHook = Callable[[str, _Step], None]
@@ -143,6 +145,79 @@ def _build_steps(plan: Plan, proc: int, local: LocalTensors, ring: StagingRing, 
     return [s for s in steps if s.sends or s.recvs]
 
 
+def _message_pieces(op: _Op, slot: int, fused: bool, outgoing: bool) -> list[Piece]:
+    """``op``'s message as checksum pieces: each packed piece at its word offset in the ring buffer
+    (fused: with its pack or unpack copy), or a direct message's tensor at 0."""
+    if not op.pack:
+        return [Piece(op.tensor, slot)]
+    start, pieces = op.tensor.data_ptr(), []
+    for bv, tv in op.pack:
+        base = (bv.data_ptr() - start) // 8  # offsets are PIECE_ALIGN-ed
+        if not fused:
+            pieces.append(Piece(bv, slot, base=base))
+        else:
+            pieces.append(Piece(tv, slot, dst=bv, base=base) if outgoing else Piece(bv, slot, dst=tv, base=base))
+    return pieces
+
+
+class MessageSums:
+    """Checksum mode of one process's P2P messages.
+
+    A message's checksum is the sum (``refit.transport.checksum``) of its pieces' bytes, each at its
+    word offset in the message (a direct message: one piece at 0); both sides leave out the padding
+    between packed pieces. Senders keep ``[sum, bytes]`` per send in ``sent`` (sent beside the
+    message, tag plus ``SUM_TAG``); receivers get the peer's row in ``want`` and compute theirs in
+    ``got``. ``fused`` (CUDA with Triton): one kernel per step packs every outgoing piece into the ring
+    buffer and sums it, one unpacks every received piece and sums what it read: packed bytes are
+    read no extra time; a direct message is summed once on each side. Otherwise (CPU, or no Triton)
+    the ring buffer is summed after packing and before unpacking.
+    Lifecycle: built once with the steps (sets every op's ``sum`` / ``got`` and each step's
+    ``pack_sums`` / ``unpack_sums``); per run the steps run them; ``check()`` compares every received
+    message at once (CUDA: after the run finished on the device; one host sync).
+    """
+
+    def __init__(self, steps: list[_Step], device: torch.device, fused: bool) -> None:
+        self.fused = fused
+        sends = [op for st in steps for op in st.sends]
+        self.recvs = [op for st in steps for op in st.recvs]
+        self._row = {id(op): k for k, op in enumerate(self.recvs)}
+        sent = torch.zeros(len(sends), 2, dtype=torch.int64)
+        sent[:, 1] = torch.tensor([op.tensor.numel() * op.tensor.element_size() for op in sends], dtype=torch.int64)
+        got = torch.zeros(len(self.recvs), 2, dtype=torch.int64)
+        got[:, 1] = torch.tensor([op.tensor.numel() * op.tensor.element_size() for op in self.recvs])
+        self.sent, self.got = sent.to(device), got.to(device)
+        self.want = torch.zeros_like(self.got)
+        for k, op in enumerate(sends):
+            op.sum = self.sent[k]
+        for k, op in enumerate(self.recvs):
+            op.sum, op.got = self.want[k], self.got[k]
+        slot = {id(op): 2 * k for k, op in enumerate(sends)} | {id(op): 2 * k for k, op in enumerate(self.recvs)}
+        for st in steps:
+            for ops, out, outgoing in ((st.sends, self.sent, True), (st.recvs, self.got, False)):
+                pieces = [p for op in ops for p in _message_pieces(op, slot[id(op)], fused, outgoing)]
+                sums = PieceSums(pieces, out.view(-1), use_triton=fused) if pieces else None
+                if outgoing:
+                    st.pack_sums = sums
+                else:
+                    st.unpack_sums = sums
+
+    def check(self, ops: list[_Op] | None = None) -> None:
+        """Every received message in ``ops`` (default: all) against its sender's sum; one host read."""
+        idx = [self._row[id(op)] for op in ops] if ops is not None else None
+        got, want = (self.got, self.want) if idx is None else (self.got[idx], self.want[idx])
+        if not got.numel():
+            return
+        bad = (got != want).any(1)
+        flag, i = torch.stack([bad.any().to(torch.int64), torch.argmax(bad.to(torch.int32)).to(torch.int64)]).tolist()
+        if flag:
+            op = self.recvs[i if idx is None else idx[i]]
+            (g, gn), (w, wn) = op.got.tolist(), op.sum.tolist()
+            raise ChecksumError(
+                f"checksum mismatch in the message from process {op.peer} ({op.what()}): "
+                f"sent {w} over {wn} bytes, received {g} over {gn} bytes"
+            )
+
+
 class P2PSchedule:
     """One process's P2P steps of a plan, built once and walked every refit.
 
@@ -175,12 +250,7 @@ class P2PSchedule:
         self.ring = StagingRing(plan, proc, device)
         self.steps = _build_steps(plan, proc, local, self.ring, tag_base)
         self.checksums = config.checksums
-        if self.checksums:  # a checksum travels beside every message
-            for step in self.steps:
-                for op in step.sends + step.recvs:
-                    op.sum = torch.zeros(2, dtype=torch.int64, device=device)
-                for op in step.recvs:
-                    op.got = torch.zeros(2, dtype=torch.int64, device=device)
+        self.sums = MessageSums(self.steps, device, self.cuda and triton_enabled()) if self.checksums else None
         self._waiter: _Waiter | None = None
         if self.cuda:
             self.pack_stream = torch.cuda.Stream(device)
@@ -235,8 +305,8 @@ class P2PSchedule:
             for op in step.sends:
                 for bv, tv in op.pack:
                     bv.copy_(tv)
-                if op.sum is not None:
-                    op.sum.copy_(checksum(op.tensor))
+            if step.pack_sums is not None:
+                step.pack_sums.run()
             if fault is not None:
                 fault("step", step)
             ops = step.sends + step.recvs
@@ -245,7 +315,9 @@ class P2PSchedule:
                 self._wait(clock, self._post(step, sums=True), ops, "checksum exchange")
             if fault is not None:
                 fault("received", step)
-            self._check_step(step)
+            if self.sums is not None and step.recvs:
+                step.unpack_sums.run()
+                self.sums.check(step.recvs)
             for op in step.recvs:
                 for bv, tv in op.pack:
                     tv.copy_(bv)
@@ -261,11 +333,12 @@ class P2PSchedule:
                 for op in packed:
                     if self.free[op.slot] is not None:
                         self.pack_stream.wait_event(self.free[op.slot])
-                for op in step.sends:
+                fused = self.sums is not None and self.sums.fused
+                for op in [] if fused else step.sends:
                     for bv, tv in op.pack:
                         bv.copy_(tv, non_blocking=True)
-                    if op.sum is not None:
-                        op.sum.copy_(checksum(op.tensor))
+                if step.pack_sums is not None:
+                    step.pack_sums.run()  # fused: packs too
             main.wait_stream(self.pack_stream)
             if fault is not None:
                 fault("step", step)
@@ -274,13 +347,14 @@ class P2PSchedule:
             if self.checksums:
                 for w in self._post(step, sums=True):
                     w.wait()
-                for op in step.recvs:
-                    op.got.copy_(checksum(op.tensor))
             done = torch.cuda.Event()
             done.record(main)
             with torch.cuda.stream(self.unpack_stream):
                 self.unpack_stream.wait_event(done)
-                for op in step.recvs:
+                fused = self.sums is not None and self.sums.fused
+                if step.unpack_sums is not None:
+                    step.unpack_sums.run()  # fused: unpacks too
+                for op in [] if fused else step.recvs:
                     for bv, tv in op.pack:
                         tv.copy_(bv, non_blocking=True)
                 free = torch.cuda.Event()
@@ -290,19 +364,6 @@ class P2PSchedule:
         main.wait_stream(self.unpack_stream)
 
     def check_sums(self) -> None:
-        """After a CUDA run has finished on the device: every received message's checksum."""
-        for step in self.steps:
-            self._check_step(step)
-
-    def _check_step(self, step: _Step) -> None:
-        if not self.checksums:
-            return
-        for op in step.recvs:
-            got = (op.got if self.cuda else checksum(op.tensor)).tolist()
-            want = op.sum.tolist()
-            if got != want:
-                raise ChecksumError(
-                    f"checksum mismatch in the message from process {op.peer} ({op.what()}): "
-                    f"sent {want[0]} over {want[1]} bytes, "
-                    f"received {got[0]} over {got[1]} bytes"
-                )
+        """After a CUDA run has finished on the device: every received message's checksum, at once."""
+        if self.sums is not None:
+            self.sums.check()

@@ -1,0 +1,99 @@
+"""Throughput of the checksum kernel (``refit.transport.checksum_triton``) on one GPU, against a plain copy.
+
+    python -m bench.checksum_kernels [--gib 4] [--out bench/results/checksum-kernels.json]
+
+For Llama-3.1-8B-like pieces (bf16, a few hundred tensors making up ``--gib``): torch ``copy_`` of all
+pieces (what the IPC pull does), the sum-only kernel over the sources (one launch), the fused
+copy-and-sum kernel (one launch), and the torch reference (for scale), each the median of 10 after a
+warm-up, in CUDA events, for a few block / steps / warps shapes of the kernel (``best``: the least
+time for one fused pass plus one sum, what S2 with checksums does; ``REFIT_SUM_KERNEL`` runs refit
+with a shape). Every kernel result is checked against the torch reference first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from refit.transport.checksum import KEY, LEN_KEY, MUL1, MUL2, Piece, PieceSums, reference_sum
+from refit.transport.checksum_triton import SumLaunch, kernel_row
+
+VARIANTS = ((1024, 2, 4), (1024, 4, 4), (2048, 2, 4), (1024, 8, 4), (512, 8, 4), (2048, 4, 8), (1024, 8, 8))
+
+
+def _pieces(gib: float, dev: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
+    per_layer = sum(a * b for a, b in shapes) * 2
+    layers = max(1, int(gib * (1 << 30) // per_layer))
+    src = [torch.randn(s, device=dev).to(torch.bfloat16) for _ in range(layers) for s in shapes]
+    src += [torch.randn(4096, device=dev).to(torch.bfloat16) for _ in range(2 * layers)]  # norms
+    return src, [torch.empty_like(t) for t in src]
+
+
+def _time(fn, n: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _launch(pairs, copy: bool, shape: tuple[int, int, int], out: torch.Tensor):
+    rows = [kernel_row(s, d if copy else None, 0, i) for i, (d, s) in enumerate(pairs)]
+    block, steps, warps = shape
+    launch = SumLaunch(rows, out.device, (KEY, MUL1, MUL2, LEN_KEY), block=block, steps=steps, num_warps=warps)
+
+    def run() -> None:
+        out.zero_()
+        launch.launch(out)
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=4.0)
+    ap.add_argument("--out", default="bench/results/checksum-kernels.json")
+    args = ap.parse_args()
+    src, dst = _pieces(args.gib, "cuda")
+    nbytes = sum(t.numel() * t.element_size() for t in src)
+    pairs = list(zip(dst, src))
+    out = torch.zeros(len(src), dtype=torch.int64, device="cuda")
+    want = [int(reference_sum(t)) for t in src]
+    PieceSums([Piece(s, i, dst=d) for i, (d, s) in enumerate(pairs)], out).run()
+    assert out.tolist() == want and all(torch.equal(d, s) for d, s in pairs), "fused kernel differs"
+    PieceSums([Piece(s, i) for i, s in enumerate(src)], out).run()
+    assert out.tolist() == want, "sum kernel differs"
+    rows = {"device": torch.cuda.get_device_name(), "bytes": nbytes, "pieces": len(src)}
+    rows["copy_s"] = _time(lambda: [d.copy_(s) for d, s in pairs])
+    rows["reference_sum_s"] = _time(lambda: [reference_sum(s) for s in src], n=3)
+    variants = []
+    for shape in VARIANTS:
+        v = dict(zip(("block", "steps", "warps"), shape))
+        v["sum_s"] = _time(_launch(pairs, False, shape, out))
+        v["fused_s"] = _time(_launch(pairs, True, shape, out))
+        variants.append(v)
+        print(
+            f"shape {shape}: sum {nbytes / v['sum_s'] / 1e9:.0f} GB/s read, "
+            f"fused {v['fused_s'] * 1e3:.2f} ms vs copy {rows['copy_s'] * 1e3:.2f} ms",
+            flush=True,
+        )
+    rows["variants"] = variants
+    best = min(variants, key=lambda v: v["sum_s"] + v["fused_s"])  # S2 with checksums: one fused pass, one sum
+    rows["best"] = f"{best['block']},{best['steps']},{best['warps']}"
+    print(json.dumps(rows, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

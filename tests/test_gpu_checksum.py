@@ -1,0 +1,129 @@
+"""The checksum kernel on a GPU (skipped on CPU): equal to the torch reference bit for bit, one launch for
+many pieces, the fused copy, and IPC pulls with checksums on that catch a changed piece (one GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from refit.config import TransferConfig
+from refit.layout import box_slices
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
+from refit.plan import ProcessMap
+from refit.tools.launch import run_local
+from refit.tools.verify import reference_tensor
+from refit.transfer import Peer
+from refit.transport.checksum import Piece, PieceSums, checksum, reference_sum, triton_enabled
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(torch.cuda.is_available() and not triton_enabled(), reason="needs triton"),
+]
+
+
+def _views(dev: str) -> list[torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    u8 = torch.randint(0, 256, ((64 << 20) + 5,), dtype=torch.uint8, device=dev, generator=g)
+    m = torch.randn(1024, 4096, device=dev, generator=g).to(torch.bfloat16)
+    return [
+        *(u8[:n] for n in (0, 1, 7, 8, 9, 1023)),
+        u8,  # 64 MiB and a tail
+        m,
+        m[:, 1024:3072],  # rows of 512 words, pitch 1024: a step crosses a row end
+        m[:, 8:24],  # rows of 4 words: narrower than a step
+        m[3:900],
+        m.view(torch.float32)[:, 100:1900],
+        m[:, 3:11],  # 6-byte offset: not addressable, torch path
+    ]
+
+
+def test_kernel_equals_torch_reference_on_cuda_and_cpu():
+    for v in _views("cuda"):
+        got = checksum(v).tolist()
+        assert got[0] == int(reference_sum(v)) == int(reference_sum(v.cpu())), v.shape
+        assert got[1] == v.numel() * v.element_size()
+
+
+def test_one_launch_for_many_pieces_equals_one_per_piece():
+    views = _views("cuda")
+    out = torch.zeros(len(views), dtype=torch.int64, device="cuda")
+    sums = PieceSums([Piece(v, i) for i, v in enumerate(views)], out)
+    sums.run()
+    assert sums.kernel_pieces == len(views) - 1  # all but the unaligned one
+    assert out.tolist() == [int(checksum(v)[0]) for v in views]
+
+
+def test_fused_copy_moves_the_bytes_and_sums_them():
+    views = _views("cuda")
+    dsts = [torch.full_like(v, float("nan")) if v.is_floating_point() else torch.zeros_like(v) for v in views]
+    pitched = torch.zeros(1024, 4096, dtype=torch.bfloat16, device="cuda")[:, 2048:]  # pitched destination
+    pairs = [*zip(dsts, views), (pitched, views[8])]
+    out = torch.zeros(len(pairs), dtype=torch.int64, device="cuda")
+    PieceSums([Piece(s, i, dst=d) for i, (d, s) in enumerate(pairs)], out).run()
+    assert all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in pairs if d.numel())
+    assert out.tolist() == [int(checksum(s)[0]) for _, s in pairs]
+
+
+def _ipc_worker(world, src_l, dst_l, procs, damage: str):
+    """Version 1 clean; version 2 with one pulled piece changed after the pull (on the receiver)."""
+    os.environ["REFIT_SUM_TRITON"] = "0" if damage == "destination" else "1"
+    dev = world.device
+    is_src = world.rank in procs.src
+    layout = src_l if is_src else dst_l
+    tensors = {
+        t.name: reference_tensor(t.name, t.shape, t.dtype, seed=1)[box_slices(b)].clone().to(dev)
+        for t, b in layout.local_tensors(0)
+    }
+    if not is_src:
+        for t in tensors.values():
+            t.fill_(float("nan"))
+    kw = {"src_tensors": tensors} if is_src else {"dst_tensors": tensors}
+    cfg = TransferConfig(transport="ipc", checksums=True, deadline_s=60.0)
+    peer = Peer(src_l, dst_l, world.rank, procs=procs, config=cfg, device=dev, **kw)
+    peer.run(1)
+    exact = is_src or all(
+        torch.equal(t.cpu(), reference_tensor(n, t.shape, t.dtype, seed=1)) for n, t in tensors.items()
+    )
+    fused = 0
+    if not is_src:
+        sums = peer.executor.ipc.sums
+        fused = sum(f.kernel_pieces for f in sums.fused if f is not None)
+        check = sums.check
+
+        def damaged_check() -> None:
+            piece = next(iter(sums.src_sums.values())).pieces[0]  # the first pulled piece's source ...
+            view = piece.src if damage == "source" else sums.dst_sums.pieces[0].src  # ... or destination
+            b = view.view(torch.uint8)
+            b[(0,) * b.dim()] ^= 1
+            check()
+
+        sums.check = damaged_check
+    try:
+        peer.run(2)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the result to report
+        error = str(e)
+    return exact, fused, error
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("damage", ["source", "destination"])
+def test_ipc_colocated_checksums_catch_a_changed_piece(damage):
+    # same GPU: with Triton the kernel copies and sums (a source changed after the pull differs);
+    # without it the destination and source are summed after the pull (a changed destination differs)
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
+    src_l = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    dst_l = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    devices = ["cuda:0", "cuda:0"]
+    procs = ProcessMap.disjoint(1, 1).with_devices(devices)
+    out = run_local(_ipc_worker, 1, 1, src_l, dst_l, procs, damage, devices=devices, timeout_s=240)
+    (_, _, src_error), (exact, fused, dst_error) = out
+    assert exact
+    assert (fused > 0) == (damage == "source")
+    assert dst_error is not None and "checksum mismatch in tensor" in dst_error, dst_error
+    assert src_error is not None and "checksum mismatch" in src_error, src_error
