@@ -16,6 +16,7 @@ from refit.layout.rules import check_spec_fits, layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.tools import resources
 from refit.tools.cli import main, natural_int, positive_float, positive_int
+from refit.tools.faults import InjectResult, plain_error
 
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 
@@ -231,3 +232,28 @@ def test_dump_onto_a_file_or_over_its_files_is_refused_and_nothing_is_written(tm
         sorted(os.listdir(folder)) == ["dst_rank1.safetensors"]
         and (folder / "dst_rank1.safetensors").read_bytes() == b"old"
     )
+
+
+GLOO = (
+    "refit of version 2 aborted: process 3: RuntimeError: transfer with process 1 (step 0, tensors "
+    "model.embed_tokens.weight) failed: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+    "Connection closed by peer [127.0.0.1]:26498. This is typically caused by a remote worker crashing. Check the "
+    "logs of the remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f"
+)
+
+
+def test_injected_faults_are_told_in_refits_words():
+    assert plain_error(GLOO) == (
+        "refit of version 2 aborted: process 3: RuntimeError: transfer with process 1 (step 0, tensors "
+        "model.embed_tokens.weight) failed: Connection closed by peer [127.0.0.1]:26498."
+    )
+    engine = {"role": "engine", "error": GLOO, "elapsed_s": 0.1, "version": 1, "v1_exact": True}
+    rows = [{**engine, "role": "trainer", "v1_exact": None}, None, engine, engine]
+    rows = [
+        None if r is None else {**r, "rank": p % 2, "retried_version": None, "v2_exact_after_retry": None}
+        for p, r in enumerate(rows)
+    ]
+    line = InjectResult("kill-sender", 1, rows, 3.0).last_line()
+    assert line.startswith("DETECTED kill-sender: trainer process 1 was killed half way through version 2; ")
+    assert "GLHF" not in line and "pair.cc" not in line
+    assert line.endswith("| trainer process 1: dead | engines: process 2: v1 (bit-exact), process 3: v1 (bit-exact)")

@@ -429,7 +429,7 @@ def cmd_verify(args, console) -> int:
 
 
 def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
-    from refit.tools.faults import MODES, inject
+    from refit.tools.faults import MODES, inject, plain_error
     from refit.tools.resources import check_memory
     from refit.tools.verify import verify_bytes
 
@@ -453,7 +453,7 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
         else:
             console.print(
                 f"  process {p} ({r['role']} rank {r['rank']}): after {r['elapsed_s']:.2f}s: "
-                f"{r['error'] or 'no error'}; version {r['version']}"
+                f"{plain_error(r['error']) if r['error'] else 'no error'}; version {r['version']}"
                 + ("" if r["v1_exact"] is None else f", v1 bit-exact: {r['v1_exact']}"),
                 markup=False,
             )
