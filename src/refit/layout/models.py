@@ -223,6 +223,7 @@ _SIZE_FIELDS = (
     "hidden_size",
     "intermediate_size",
     "moe_intermediate_size",
+    "shared_expert_intermediate_size",
     "num_hidden_layers",
     "num_attention_heads",
     "num_key_value_heads",
@@ -230,12 +231,23 @@ _SIZE_FIELDS = (
     "num_experts",
     "num_local_experts",
     "n_routed_experts",
+    "num_experts_per_tok",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
 )
+"""config.json fields that size a tensor or count heads, experts or layers: integers >= 1 where given."""
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")
+"""The weight dtypes a config.json may name (``torch_dtype`` or ``dtype``): those transformers can build a
+model in. FP8 engines are ``--fp8``; integer dtypes are quantized checkpoints refit does not read."""
 
 
 def _check_raw_config(path: str, raw: Any) -> None:
-    """What a config.json must be before transformers reads it: an object with a known ``model_type`` and
-    positive integer sizes (``ModelError`` naming the field and the value)."""
+    """What a config.json must be before transformers reads it: an object with a known ``model_type``,
+    positive integer sizes and a usable dtype (``ModelError`` naming the field and the value)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if not isinstance(raw, dict):
@@ -249,16 +261,27 @@ def _check_raw_config(path: str, raw: Any) -> None:
         raise ModelError(
             f"model config {path!r}: unknown model_type {kind!r} (transformers knows {known} types, e.g. {examples})"
         )
+    _check_fields(path, raw)
+
+
+def _check_fields(path: str, raw: dict) -> None:
+    """Sizes are integers >= 1 and the dtype is one of ``MODEL_DTYPES``, where given."""
     for name in _SIZE_FIELDS:
         value = raw.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ModelError(f"model config {path!r}: {name} must be an integer >= 1, got {value!r}")
+    for name in ("torch_dtype", "dtype"):
+        value = raw.get(name)
+        if value is not None and (not isinstance(value, str) or value not in MODEL_DTYPES):
+            raise ModelError(f"model config {path!r}: {name} must be one of {', '.join(MODEL_DTYPES)}, got {value!r}")
 
 
 def model_dtype(model: str, config) -> torch.dtype:
+    """A preset's dtype, else the config's ``dtype`` (``torch_dtype`` before transformers 5), else float32."""
     if model in PRESETS:
         return PRESETS[model].dtype
-    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # read torch_dtype from the instance: transformers 5 answers the attribute with a deprecation warning
+    d = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
     if isinstance(d, str):
         d = getattr(torch, d, None)
     return d if isinstance(d, torch.dtype) else torch.float32

@@ -18,16 +18,22 @@ MoE (experts stacked per layer: ``mlp.experts.gate_up_proj`` ``[E, 2, I, H]``,
 (``Shard(2)``); the router
 (``mlp.gate.weight``) and every dense tensor are replicated over ``ep`` and
 ``etp``.
+
+``layout_from_spec`` places any degree (a split may be uneven, chunked as ``torch.chunk`` does), as the
+planner's tests use; ``check_spec_fits`` says whether a model can run under a spec as trainers and engines
+run it (whole heads and experts on each rank, even splits): a user's spec is checked with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from refit.errors import SpecError
 from refit.layout.hf_names import (
     COLUMN_PARALLEL,
     LAST_STAGE,
@@ -125,3 +131,41 @@ def layout_from_spec(params: Sequence[ParamShape], spec: ParallelSpec) -> ModelL
         mesh = Mesh(tuple(sub_kept.shape), tuple(sub_names[i] for i in keep), tuple(sub_kept.flatten().tolist()))
         out.append(TensorLayout(name, tuple(pshape), dtype, mesh, tuple(placements[i] for i in keep)))
     return ModelLayout(tuple(out), spec.world_size)
+
+
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""The config field that counts a MoE layer's routed experts (Qwen-MoE, Mixtral, DeepSeek-V3)."""
+
+
+def check_spec_fits(params: Sequence[ParamShape], spec: ParallelSpec, config: Any) -> None:
+    """``SpecError`` unless every rank of ``spec`` holds whole units of the model (``config``: its HF config):
+
+    * ``tp`` divides ``num_attention_heads`` and ``num_key_value_heads`` (spec layouts split KV heads; they
+      cannot replicate them, as vLLM does when tp exceeds their number);
+    * ``ep`` divides the routed experts (``EXPERT_COUNTS``);
+    * every ``tp``, ``ep`` or ``etp`` split of a tensor is even (MLP and expert intermediate sizes), but for
+      the vocab, which may end in a shorter chunk (DTensor's vocab-parallel embedding does the same).
+
+    The message names the degree, the config field or tensor and its size, not the spec (the caller's).
+    """
+    _divides(spec, "tp", config, "num_attention_heads", "a rank holds whole attention heads")
+    _divides(spec, "tp", config, "num_key_value_heads", "spec layouts split KV heads, they cannot replicate them")
+    experts = next((f for f in EXPERT_COUNTS if getattr(config, f, None)), None)
+    if experts is not None:
+        _divides(spec, "ep", config, experts, "a rank holds whole experts")
+    for t in layout_from_spec(params, spec):
+        if param_role(t.name) in VOCAB_PARALLEL:
+            continue
+        for dim, p in zip(t.mesh.dim_names, t.placements):
+            degree = spec.degree(dim)
+            if dim in ("tp", "ep", "etp") and isinstance(p, Shard) and t.shape[p.dim] % degree:
+                raise SpecError(
+                    f"{dim}={degree} must divide dim {p.dim} of {t.name} {list(t.shape)}: "
+                    f"{t.shape[p.dim]} is not a multiple of {degree}"
+                )
+
+
+def _divides(spec: ParallelSpec, dim: str, config: Any, field: str, why: str) -> None:
+    value, degree = getattr(config, field, None), spec.degree(dim)
+    if isinstance(value, int) and value % degree:
+        raise SpecError(f"{dim}={degree} must divide {field}={value} ({why})")

@@ -2,7 +2,10 @@
 
 A user error (``refit.errors.USER_ERRORS``: a bad flag, spec, model, topology, layout or plan) prints one
 line ``refit: error: <message>`` on stderr and exits with status 2; the message names the flag and the value
-where one flag is to blame. Flags that are ``TransferConfig`` fields are checked by ``TransferConfig``.
+where one flag is to blame. Numeric flags are typed at parsing (``positive_int``, ``natural_int``,
+``positive_float``: finite and in range), argparse's own errors are the same one line; flags that are
+``TransferConfig`` fields are then checked by ``TransferConfig``, specs against the model by
+``rules.check_spec_fits``, all before any process starts.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from refit.config import TransferConfig
 from refit.errors import USER_ERRORS, ConfigError, SpecError
 from refit.layout.hf_names import num_layers
 from refit.layout.models import PRESETS, load_config, param_shapes
-from refit.layout.rules import layout_from_spec
+from refit.layout.rules import check_spec_fits, layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import Plan, build_plan
 
@@ -33,21 +36,38 @@ def _flag(flag: str) -> Iterator[None]:
         raise type(e)(f"{flag}: {e}") from None
 
 
-def _at_least(flag: str, value: int, least: int) -> None:
-    if value < least:
-        raise ConfigError(f"{flag} must be >= {least}, got {value}")
+def _number(text: str, kind: type, least: float, above: bool = False) -> float:
+    """``text`` as a finite ``kind`` >= ``least`` (> with ``above``); argparse names the flag in the error."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < least or (above and value == least):
+        what = "an integer" if kind is int else "a finite number"
+        raise argparse.ArgumentTypeError(f"must be {what} {'>' if above else '>='} {least:g}, got {text!r}")
+    return value
 
 
-def _finite_positive(flag: str, value: float, unit: str) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{flag} must be a finite number of {unit} > 0, got {value:g}")
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (counts, sizes, degrees)."""
+    return _number(text, int, 1)
 
 
-def _mib(flag: str, mib: float) -> int:
-    """A size flag in MiB as bytes; nan and infinity are refused here, the rest by ``TransferConfig``."""
-    if not math.isfinite(mib):
-        raise ConfigError(f"{flag} must be a finite number of MiB, got {mib:g}")
-    return int(mib * (1 << 20))
+def natural_int(text: str) -> int:
+    """argparse type: an integer >= 0 (warm-up rounds, seeds)."""
+    return _number(text, int, 0)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (MiB, GB/s, seconds); nan and infinity are refused."""
+    return _number(text, float, 0, above=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are the CLI's one line: ``ConfigError``, not usage text and exit."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
 
 
 def _transfer_config(base: TransferConfig | None = None, **flags: tuple[str, object, object]) -> TransferConfig:
@@ -66,7 +86,7 @@ def _transfer_config(base: TransferConfig | None = None, **flags: tuple[str, obj
 def _buffer_flags(args) -> dict[str, tuple[str, object, object]]:
     return {
         "num_buffers": ("--num-buffers", args.num_buffers, args.num_buffers),
-        "buffer_bytes": ("--buffer-mb", f"{args.buffer_mb:g}", _mib("--buffer-mb", args.buffer_mb)),
+        "buffer_bytes": ("--buffer-mb", f"{args.buffer_mb:g}", int(args.buffer_mb * (1 << 20))),
     }
 
 
@@ -79,16 +99,20 @@ def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama"
     )
     p.add_argument("--src", default="tp=2", help="trainer layout, keys pp,dp,fsdp,ep,etp,tp (default tp=2)")
     p.add_argument("--dst", default="tp=1,dp=2", help="engine layout, keys dp,ep,tp (default tp=1,dp=2)")
-    p.add_argument("--src-ranks", type=int, default=None, help="check the trainer spec against this many ranks")
-    p.add_argument("--dst-ranks", type=int, default=None, help="check the engine spec against this many ranks")
-    p.add_argument("--num-buffers", type=int, default=2, help="staging buffers per process (default 2)")
-    p.add_argument("--buffer-mb", type=float, default=64.0, help="size of one staging buffer in MiB (default 64)")
+    p.add_argument(
+        "--src-ranks", type=positive_int, default=None, help="check the trainer spec against this many ranks"
+    )
+    p.add_argument("--dst-ranks", type=positive_int, default=None, help="check the engine spec against this many ranks")
+    p.add_argument("--num-buffers", type=positive_int, default=2, help="staging buffers per process (default 2)")
+    p.add_argument(
+        "--buffer-mb", type=positive_float, default=64.0, help="size of one staging buffer in MiB (default 64)"
+    )
 
 
 def _fp8_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fp8",
-        type=int,
+        type=positive_int,
         nargs="?",
         const=128,
         default=None,
@@ -99,16 +123,18 @@ def _fp8_option(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="refit", description="Weight refit between trainer and engine layouts.")
+    ap = _Parser(prog="refit", description="Weight refit between trainer and engine layouts.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train a tiny model, refit after each step, compare logits")
     _common(d)
-    d.add_argument("--steps", type=int, default=3)
+    d.add_argument("--steps", type=positive_int, default=3)
     p = sub.add_parser("plan", help="print the transfer plan without running it (shapes only)")
     _common(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _fp8_option(p)
-    p.add_argument("--bandwidth", type=float, default=370.0, help="link bandwidth in GB/s for the predicted time")
+    p.add_argument(
+        "--bandwidth", type=positive_float, default=370.0, help="link bandwidth in GB/s for the predicted time"
+    )
     p.add_argument(
         "--cluster",
         default=None,
@@ -124,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--dump", default=None, metavar="DIR", help="write full.safetensors, dst_rank{r}.safetensors, layout.json"
     )
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=natural_int, default=0)
     v.add_argument(
         "--inject",
         default=None,
@@ -132,11 +158,13 @@ def _parser() -> argparse.ArgumentParser:
         help="kill-receiver | kill-sender | corrupt | swap | zero | shape-mismatch | slow-receiver: commit version 1, "
         "strike during version 2, exit 0 only if the fault is detected and handled",
     )
-    v.add_argument("--deadline", type=float, default=10.0, help="with --inject: seconds a refit may take (default 10)")
+    v.add_argument(
+        "--deadline", type=positive_float, default=10.0, help="with --inject: seconds a refit may take (default 10)"
+    )
     k = sub.add_parser("soak", help="many consecutive refits on CPU: memory, threads and process groups must not grow")
     _common(k)
-    k.add_argument("--refits", type=int, default=200)
-    k.add_argument("--warmup", type=int, default=20, help="refits before the baseline is taken")
+    k.add_argument("--refits", type=positive_int, default=200)
+    k.add_argument("--warmup", type=positive_int, default=20, help="refits before the baseline is taken")
     b = sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S7)")
     b.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if GPUs are present")
     b.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
@@ -146,14 +174,16 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated (S1-S3 need 2 GPUs, S4-S6 4, S6x7 and S7 8; S7 is the MoE "
         "scenario, with --model qwen3-30b-a3b); default: all this machine can run",
     )
-    b.add_argument("--warmup", type=int, default=2)
-    b.add_argument("--iters", type=int, default=5, help="timed refits per method (refit itself runs --growth-iters)")
-    b.add_argument("--growth-iters", type=int, default=20, help="consecutive refits of refit's own path")
-    b.add_argument("--num-buffers", type=int, default=2)
-    b.add_argument("--buffer-mb", type=float, default=256.0)
+    b.add_argument("--warmup", type=natural_int, default=2)
+    b.add_argument(
+        "--iters", type=positive_int, default=5, help="timed refits per method (refit itself runs --growth-iters)"
+    )
+    b.add_argument("--growth-iters", type=positive_int, default=20, help="consecutive refits of refit's own path")
+    b.add_argument("--num-buffers", type=positive_int, default=2)
+    b.add_argument("--buffer-mb", type=positive_float, default=256.0)
     b.add_argument(
         "--copy-streams",
-        type=int,
+        type=positive_int,
         default=TransferConfig.copy_streams,
         help="CUDA IPC: streams per source GPU a receiver pulls on",
     )
@@ -164,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--stages",
-        type=int,
+        type=positive_int,
         default=1,
         help="all-IPC plans: pull in this many stages, so the trainer's FP8 quantization of stage i+1 "
         "overlaps the pull of stage i (default 1)",
@@ -194,12 +224,6 @@ def cmd_bench(args, console) -> int:
         with _flag("--model"):
             load_config(args.model)
     model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
-    for flag, value, least in (
-        ("--warmup", args.warmup, 0),
-        ("--iters", args.iters, 1),
-        ("--growth-iters", args.growth_iters, 1),
-    ):
-        _at_least(flag, value, least)
     cfg = _transfer_config(
         TransferConfig(cuda_graph=not args.no_cuda_graph),
         **_buffer_flags(args),
@@ -244,13 +268,14 @@ def _setup(args):
                 spec.check_world_size(ranks)
     cfg = _transfer_config(**_buffer_flags(args))
     with _flag("--model"):  # read again for the shapes below; checked here so that its error names the flag
-        load_config(args.model)
-    if getattr(args, "fp8", None) is not None and args.fp8 < 1:
-        raise ConfigError(f"--fp8 block must be >= 1, got {args.fp8}")
+        config = load_config(args.model)
     shapes = param_shapes(args.model)
     n_layers = num_layers(n for n, _, _ in shapes)
     if src.degree("pp") > max(n_layers, 1):
         raise SpecError(f"--src {src}: pp={src.degree('pp')} exceeds the model's {n_layers} decoder layers")
+    for flag, spec in (("--src", src), ("--dst", dst)):
+        with _flag(f"{flag} {spec}"):
+            check_spec_fits(shapes, spec, config)
     return src, dst, cfg, shapes
 
 
@@ -327,7 +352,6 @@ def cmd_plan(args, console) -> int:
 
     from rich.table import Table
 
-    _finite_positive("--bandwidth", args.bandwidth, "GB/s")
     src, dst, cfg, shapes = _setup(args)
     t0 = time.perf_counter()  # plan building starts here: shapes are given
     src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
@@ -374,14 +398,18 @@ def _fp8(src_l, dst_l, block: int):
 
 
 def cmd_verify(args, console) -> int:
-    from refit.tools.verify import verify
+    from refit.tools.verify import check_dump, verify
 
     src, dst, cfg, shapes = _setup(args)
     src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
     if args.inject is not None:
-        if args.fp8:
-            raise ConfigError("--inject and --fp8 together are not supported (inject faults into a plain refit)")
+        for flag, given in (("--fp8", args.fp8), ("--dump", args.dump)):
+            if given is not None:
+                raise ConfigError(f"--inject and {flag} together are not supported (inject faults into a plain refit)")
         return _verify_inject(args, src, dst, src_l, dst_l, cfg, console)
+    if args.dump is not None:
+        with _flag("--dump"):
+            check_dump(args.dump, dst.world_size)
     if args.fp8:
         _fp8(src_l, dst_l, args.fp8)  # block alignment errors as usage errors, before any process starts
     fp8 = f", engine FP8 in {args.fp8}x{args.fp8} blocks quantized by the trainer ranks" if args.fp8 else ""
@@ -401,10 +429,15 @@ def cmd_verify(args, console) -> int:
 
 
 def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
-    from refit.tools.faults import MODES, inject
+    from refit.tools.faults import MODES, inject, plain_error
+    from refit.tools.resources import check_memory
+    from refit.tools.verify import verify_bytes
 
     if args.inject not in MODES:
         raise ConfigError(f"--inject must be one of {', '.join(MODES)}, got {args.inject!r}")
+    check_memory(
+        verify_bytes(src_l, src_l, dst_l, None), f"verify --inject on {src.world_size + dst.world_size} processes"
+    )
     cfg = _transfer_config(cfg, deadline_s=("--deadline", f"{args.deadline:g}", args.deadline))
     cfg = replace(cfg, buffer_bytes=min(cfg.buffer_bytes, 64 << 10))  # many steps: the fault lands mid-transfer
     plan_steps = build_plan(src_l, dst_l, config=cfg).num_steps
@@ -420,7 +453,7 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
         else:
             console.print(
                 f"  process {p} ({r['role']} rank {r['rank']}): after {r['elapsed_s']:.2f}s: "
-                f"{r['error'] or 'no error'}; version {r['version']}"
+                f"{plain_error(r['error']) if r['error'] else 'no error'}; version {r['version']}"
                 + ("" if r["v1_exact"] is None else f", v1 bit-exact: {r['v1_exact']}"),
                 markup=False,
             )
@@ -459,7 +492,6 @@ def cmd_demo(args, console) -> int:
     from refit.tools.demo import run_demo
 
     src, dst, cfg, _ = _setup(args)
-    _at_least("--steps", args.steps, 1)
     ok = run_demo(args.model, src, dst, args.steps, cfg, console)
     print(
         "PASS: every engine replica matches the trainer bit for bit"
@@ -478,11 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; a user error prints ``refit: error: <one line>`` on stderr and returns 2."""
     from rich.console import Console
 
-    args = _parser().parse_args(argv)
     console = Console(stderr=False, highlight=False)
-    command = {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}[args.cmd]
     try:
-        return command(args, console)
+        args = _parser().parse_args(argv)
+        command = {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}
+        return command[args.cmd](args, console)
     except USER_ERRORS as e:
         print(f"refit: error: {_one_line(e)}", file=sys.stderr)
         return 2

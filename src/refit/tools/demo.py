@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from refit.config import TransferConfig
-from refit.errors import ConfigError
 from refit.layout import ModelLayout, box_slices
 from refit.layout.models import build_model, load_config, param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import ParallelSpec
 from refit.plan import ProcessMap, build_plan
 from refit.tools.launch import World, run_local
+from refit.tools.resources import check_memory
 from refit.transfer import Receiver, Sender
 
 PROMPT_LEN = 16
@@ -144,25 +144,20 @@ def _demo_worker(world: World, model_name: str, src: ParallelSpec, dst: Parallel
 
 def run_demo(model_name: str, src: ParallelSpec, dst: ParallelSpec, steps: int, cfg: TransferConfig, console) -> bool:
     """Run the demo (module docstring) on this machine, printing one row per step to
-    ``console``; True when every step's logits match exactly. ``ConfigError`` naming the flag
-    when the model cannot run at a spec's tp degree."""
+    ``console``; True when every step's logits match exactly. The specs must fit the model
+    (``rules.check_spec_fits``: the CLI checks them); ``ConfigError`` before any process starts if
+    the processes' models cannot fit in this machine's memory (each builds the whole float32
+    model, process 0 a second one to check the trainer's logits)."""
     from rich.table import Table
 
-    from refit.trainers.hf_tp import check_tp_degree
-
-    config = load_config(model_name)
-    for flag, spec in (("--src", src), ("--dst", dst)):
-        if spec.degree("tp") > 1:
-            try:
-                check_tp_degree(config, spec.degree("tp"))
-            except ValueError as e:  # the model cannot run with this tp degree: the spec is to blame
-                raise ConfigError(f"{flag}: {e}") from None
     shapes = param_shapes(model_name, torch.float32)
     plan = build_plan(
         layout_from_spec(shapes, src),
         layout_from_spec(shapes, dst),
         config=cfg,
     )
+    n = src.world_size + dst.world_size
+    check_memory((n + 1) * plan.dst_layout.nbytes, f"demo on {n} processes")
     console.print(
         f"refit demo: {model_name} ({len(shapes)} tensors, {plan.dst_layout.nbytes / 1e6:.1f} MB float32), "
         f"trainer {src} -> engine {dst}, {steps} steps; plan {plan.digest}, moved/needed={plan.ratio:.2f}"

@@ -22,6 +22,7 @@ every surviving engine rank still holds version 1, bit for bit (commit mode
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -48,6 +49,34 @@ EXPECT = {
     "shape-mismatch": ("has shape",),
     "slow-receiver": ("deadline", "process {victim}"),
 }
+# the side of the process each mode strikes, and what it does there (the CLI's words)
+VICTIM_ROLE = {
+    "kill-receiver": "engine",
+    "kill-sender": "trainer",
+    "corrupt": "engine",
+    "swap": "engine",
+    "zero": "engine",
+    "shape-mismatch": "trainer",
+    "slow-receiver": "engine",
+}
+HAPPENED = {
+    "kill-receiver": "engine process {victim} was killed half way through version 2",
+    "kill-sender": "trainer process {victim} was killed half way through version 2",
+    "corrupt": "a byte flipped on engine process {victim} after the wire, before the checksum check",
+    "swap": "two pieces were swapped on engine process {victim} after the wire, before the checksum check",
+    "zero": "a piece was zeroed on engine process {victim} after the wire, before the checksum check",
+    "shape-mismatch": "trainer process {victim} set up version 2 with a tensor of the wrong shape",
+    "slow-receiver": "engine process {victim} stalled for 1.5x the deadline half way through version 2",
+}
+_TRANSPORT_NOISE = re.compile(
+    r"\s*\[[^\]\s]+\.(?:cc|cpp|h):\d+\]\s*|\s*This is typically caused by.*?GLHF!\s*\S*", re.DOTALL
+)
+
+
+def plain_error(text: str) -> str:
+    """``text`` on one line without gloo's internals (its source file and line, its advice to read the
+    remote worker's logs); refit's own words (who, which step, which tensors) stay."""
+    return " ".join(_TRANSPORT_NOISE.sub(" ", text).split())
 
 
 @dataclass(frozen=True)
@@ -102,19 +131,29 @@ class InjectResult:
             out.append(f"process {self.victim} was to die but returned")
         return out
 
+    def role(self, process: int) -> str:
+        """``"trainer"`` or ``"engine"``: a row's role, or the victim's for a process that died."""
+        row = self.rows[process]
+        return row["role"] if row is not None else VICTIM_ROLE[self.mode]
+
     def last_line(self) -> str:
-        """One line: DETECTED or NOT HANDLED, the shortest error, each engine's version, problems."""
+        """One line: DETECTED or NOT HANDLED, what the fault did, the survivors' shortest error (without the
+        transport's internals), a dead trainer, each engine's version, problems."""
         engines = ", ".join(
             f"process {p}: "
             + ("dead" if r is None else f"v{r['version']}" + (" (bit-exact)" if r["v1_exact"] else " (DIFFERS)"))
             for p, r in enumerate(self.rows)
-            if r is None or r["role"] == "engine"
+            if self.role(p) == "engine"
+        )
+        dead = "".join(
+            f" | trainer process {p}: dead" for p, r in enumerate(self.rows) if r is None and self.role(p) == "trainer"
         )
         probs = self.problems()
         head = "DETECTED" if not probs else "NOT HANDLED"
-        what = min(self.errors, key=len) if self.errors else "no error raised"
-        return f"{head} {self.mode}: {what} | engines: {engines}" + (
-            f" | problems: {'; '.join(probs)}" if probs else ""
+        what = plain_error(min(self.errors, key=len)) if self.errors else "no error raised"
+        happened = HAPPENED[self.mode].format(victim=self.victim)
+        return f"{head} {self.mode}: {happened}; the survivors raised: {what}{dead} | engines: {engines}" + (
+            f" | problems: {'; '.join(plain_error(p) for p in probs)}" if probs else ""
         )
 
 
@@ -122,7 +161,7 @@ def _victim(procs: ProcessMap, mode: str) -> int:
     """Destination rank 0's process, or the last source rank's (process 0 hosts the rendezvous
     store; its death takes the side channel with it, a case of its own: every process then
     reports the store lost)."""
-    return procs.dst[0] if mode in ("kill-receiver", "slow-receiver", *CORRUPTING) else procs.src[-1]
+    return procs.dst[0] if VICTIM_ROLE[mode] == "engine" else procs.src[-1]
 
 
 @dataclass

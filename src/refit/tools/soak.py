@@ -22,6 +22,7 @@ from refit.errors import ConfigError
 from refit.layout import ModelLayout
 from refit.plan import ProcessMap
 from refit.tools.launch import World, run_local
+from refit.tools.resources import check_memory, held_bytes
 from refit.tools.verify import holds, reference_shards
 from refit.transfer import Peer
 
@@ -101,9 +102,12 @@ def soak(
     src: ModelLayout, dst: ModelLayout, refits: int = 200, warmup: int = 20, config: TransferConfig = TransferConfig()
 ) -> SoakResult:
     """``refits`` refits from ``src`` to ``dst``, one process per rank on this machine (gloo),
-    measured after ``warmup`` and at the end; ``ConfigError`` unless ``1 <= warmup < refits``."""
+    measured after ``warmup`` and at the end; ``ConfigError`` unless ``1 <= warmup < refits`` and the
+    shards of both sides fit in this machine's memory."""
     if not 1 <= warmup < refits:
         raise ConfigError(f"need 1 <= warmup < refits, got warmup={warmup}, refits={refits}")
+    n = src.world_size + dst.world_size
+    check_memory(held_bytes(src) + held_bytes(dst), f"soak on {n} processes")
     rows = run_local(
         _worker,
         src.world_size,

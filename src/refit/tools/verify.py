@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from refit.config import TransferConfig
+from refit.errors import ConfigError
 from refit.layout import ModelLayout, box_slices
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.quant import FP8, Fp8Quantizer, expected_fp8, fp8_layout, quantized_names, scale_name
 from refit.tools.launch import World, run_local
+from refit.tools.resources import check_memory, held_bytes
 from refit.transfer import Receiver, Sender
 
 
@@ -137,6 +139,36 @@ def _verify_worker(
     return mismatches, nbytes
 
 
+def dump_files(n_dst: int) -> list[str]:
+    """The files ``verify(dump=...)`` writes into its folder."""
+    return ["full.safetensors", "layout.json", *(f"dst_rank{r}.safetensors" for r in range(n_dst))]
+
+
+def check_dump(dump: str, n_dst: int) -> None:
+    """``ConfigError`` unless ``dump`` is a folder (or a path to make one at, under a folder this process may
+    write) holding none of ``dump_files``: verify never overwrites a file."""
+    if os.path.exists(dump) and not os.path.isdir(dump):
+        raise ConfigError(f"{dump!r} is a file, not a folder to write into")
+    parent = os.path.abspath(dump)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write into {dump!r}: {parent!r} is not a folder this process may write")
+    existing = [f for f in dump_files(n_dst) if os.path.lexists(os.path.join(dump, f))]
+    if existing:
+        raise ConfigError(
+            f"folder {dump!r} already holds {existing[0]} ({len(existing)} of the {n_dst + 2} files verify writes); "
+            "choose a new or empty folder"
+        )
+
+
+def verify_bytes(plain_src: ModelLayout, src: ModelLayout, dst: ModelLayout, dump: str | None) -> int:
+    """A lower bound of the bytes ``verify``'s processes hold together: the trainers' shards (plain and, with
+    FP8, quantized), the engines' shards twice (received and expected) and, to dump it, the whole model."""
+    quantized = held_bytes(src) if src is not plain_src else 0
+    return held_bytes(plain_src) + quantized + 2 * held_bytes(dst) + (plain_src.nbytes if dump else 0)
+
+
 def verify(
     src: ModelLayout,
     dst: ModelLayout,
@@ -148,14 +180,24 @@ def verify(
     fp8_block: tuple[int, int] | None = None,
 ) -> VerifyResult:
     """``fp8_block``: the engine holds FP8 weights (and their scales) blockwise-quantized with
-    this block; the trainer's ranks quantize their shards before sending (``Fp8Quantizer``)."""
+    this block; the trainer's ranks quantize their shards before sending (``Fp8Quantizer``).
+
+    Refused with ``ConfigError`` before any process starts: a ``dump`` that would overwrite a file
+    (``check_dump``), more memory than this machine has (``verify_bytes``), too many processes."""
     config = config if config is not None else TransferConfig()
+    if dump:
+        check_dump(dump, dst.world_size)
     plain_src = src
     if fp8_block:
         src, dst = fp8_layout(src, block=fp8_block), fp8_layout(dst, block=fp8_block, side="destination")
     plan = build_plan(src, dst, config=config)  # fails fast
+    n = src.world_size + dst.world_size
+    check_memory(verify_bytes(plain_src, src, dst, dump), f"verify on {n} processes")
     if dump:
-        os.makedirs(dump, exist_ok=True)
+        try:
+            os.makedirs(dump, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot make dump folder {dump!r}: {e.strerror}") from None
         from safetensors.torch import save_file
 
         save_file(
