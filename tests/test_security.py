@@ -69,6 +69,9 @@ def test_a_valid_value_moved_to_another_key_or_job_is_rejected():
     assert s.peek("run/v2.0/ok/1") is None
     other = SignedStore(s.raw, b"another-job-secret-0123456789")
     assert other.peek("run/v1.0/ok/1") is None
+    job_a, job_b = SignedStore(s.raw, SECRET, "job-a"), SignedStore(s.raw, SECRET, "job-b")
+    job_a.put("run/v1.0/abort", {"abort": "from job a"})  # the same secret, reused for another job
+    assert job_b.peek("run/v1.0/abort") is None and job_a.peek("run/v1.0/abort") == {"abort": "from job a"}
 
 
 def test_first_writer_displaces_a_forgery_but_not_a_real_value():
@@ -76,6 +79,55 @@ def test_first_writer_displaces_a_forgery_but_not_a_real_value():
     s.raw.set("abort", b"forged abort")
     assert s.first("abort", {"abort": "real"}) == {"abort": "real"}
     assert s.first("abort", {"abort": "second"}) == {"abort": "real"}
+
+
+def test_first_ends_when_a_forgery_vanishes_under_it():
+    s = _store()
+    raw, calls = s.raw, []
+
+    class Vanishing:  # the stranger's value is deleted between our read and our compare-and-set
+        def compare_set(self, key, expected, desired):
+            calls.append(expected)
+            if len(calls) == 1:
+                return b"junk"
+            return raw.compare_set(key, expected, desired)
+
+    s.raw = Vanishing()
+    assert s.first("abort", {"abort": "real"}, timeout_s=5.0) == {"abort": "real"}
+    assert len(calls) <= 3
+
+
+def test_waiting_for_every_member_ignores_keys_that_merely_exist():
+    s = _store()
+    keys = [f"status/{m}" for m in range(3)]
+    for k in keys:
+        s.raw.set(k, b"forged ok")  # a stranger's values: the keys exist
+    s.put(keys[0], "ok")
+    assert s.wait_all(keys, 0.2) == {keys[0]: "ok"}  # not "everyone posted", not "1 and 2 are dead" early
+
+
+def test_get_times_out_with_timeout_error_naming_the_key():
+    s = SignedStore(dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5), wait_for_workers=False), SECRET)
+    for _ in range(5):
+        with pytest.raises(TimeoutError, match="'absent'"):
+            s.get("absent", 0.01)
+    s.raw.set("forged", b"x")
+    with pytest.raises(TimeoutError, match="same secret"):
+        s.get("forged", 0.05)
+
+
+def test_a_deleted_commit_vote_comes_back():
+    from refit.transport.control import AbortChannel
+
+    s = _store()
+    a, b = AbortChannel(s, "j", 0, 2), AbortChannel(SignedStore(s.raw, SECRET), "j", 1, 2)
+    s.put("j/v1.0/ok/1", {"version": 1})  # process 1 voted ...
+    s.raw.delete_key("j/v1.0/ok/1")  # ... and a stranger deleted the vote
+    done = threading.Thread(target=b.vote, args=(1, 0, time.monotonic() + 10, [0, 1]))
+    done.start()
+    a.vote(1, 0, time.monotonic() + 10, [0, 1])  # returns: 1's vote is re-written while it waits
+    done.join(timeout=10)
+    assert not done.is_alive() and s.peek("j/v1.0/commit") == {"version": 1}
 
 
 def test_get_waits_past_a_forgery_for_the_real_value():

@@ -29,7 +29,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -319,13 +318,23 @@ class Fanout:
     def _check_sources(self, wave: Wave, version: int, attempt: int, stats: FanoutStats) -> None:
         for j in wave.sources:
             for p in self.replica_procs[j]:
-                got = _as_int(self._get(f"{self.config.name}/holds/{p}", self.config.deadline_s))
+                got = self._holds(p, version)
                 stats.sources_seen.append((wave.index, attempt, p, got))
                 if got != version:
                     raise FanoutError(
                         f"fan-out wave {wave.index}: source process {p} (replica {j}) holds version "
                         f"{got}, not {version}; refusing to pull from it"
                     )
+
+    def _holds(self, p: int, version: int) -> int:
+        """The version process ``p`` holds, waiting (up to the deadline) for it to be ``version``: a value
+        replayed from an earlier version only delays the check, the last one read is returned."""
+        key, deadline = f"{self.config.name}/holds/{p}", time.monotonic() + self.config.deadline_s
+        got = _as_int(self._get(key, self.config.deadline_s))
+        while got != version and time.monotonic() < deadline:
+            time.sleep(0.01)
+            got = _as_int(self._get(key, max(deadline - time.monotonic(), 0.01)))
+        return got
 
     def _current(self, index: int) -> Wave | None:
         return next((w for w in self.waves if w.index == index), None)
@@ -404,11 +413,9 @@ class Fanout:
         if self.proc != self.coordinator:
             return _outcome_record(self._get(key, 3 * self.config.deadline_s), key)
         keys = {m: self._key(version, wave.index, f"a{attempt}/status/{m}") for m in wave.members}
-        try:  # blocks until every member has posted (no polling delay on the refit's path)
-            self.store.raw.wait(list(keys.values()), timedelta(seconds=self.config.deadline_s))
-        except (RuntimeError, OSError):  # the store raises on timeout: someone is silent
-            pass
-        posted = self.store.get_all(keys.values())  # only validly tagged statuses count
+        # until every member has posted a validly tagged status, or the deadline: a key that merely
+        # exists (a stranger's value) neither ends the wait nor counts as a status
+        posted = self.store.wait_all(keys.values(), self.config.deadline_s)
         status = {m: str(posted[k]) for m, k in keys.items() if k in posted}
         dead = sorted(set(wave.members) - set(status))
         failed = sorted(m for m, st in status.items() if st != "ok")

@@ -21,6 +21,7 @@ import queue
 import signal
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,7 +34,7 @@ import torch.multiprocessing as mp
 from refit.errors import ConfigError
 from refit.transport import auth
 from refit.transport.control import free_port
-from refit.transport.store import BIND_ENV, SignedStore, bind_address, open_store, pin_interfaces, signed
+from refit.transport.store import BIND_ENV, JOB_ENV, SignedStore, bind_address, open_store, pin_interfaces, signed
 
 MAX_LOCAL_PROCESSES = 256
 """The most processes ``run_local`` starts on one machine (one per rank): a typo such as ``tp=100000`` is an
@@ -89,11 +90,14 @@ class World:
         return r if 0 <= r < self.n_dst else None
 
 
-def _join(rank: int, world_size: int, backend: str, port: int, secret: bytes, address: str, timeout_s: float) -> None:
+def _join(
+    rank: int, world_size: int, backend: str, port: int, secret: bytes, address: str, job_id: str, timeout_s: float
+) -> None:
     """This process's part of the job: its secret and bind address in its environment (for ``Peer``s it
     builds), gloo/NCCL pinned to that address's interface, the store hosted by process 0 on that address
     alone, then the default group over it."""
     os.environ.update(auth.child_env(secret))
+    os.environ[JOB_ENV] = job_id  # this run's scope in every tag: values of another run do not verify
     os.environ[BIND_ENV] = address
     pin_interfaces(address)
     store = open_store(address, port, world_size, rank == 0, timeout_s)
@@ -180,7 +184,7 @@ def run_local(
     results = ctx.Queue()
     address = bind_address()
     port = free_port(address)
-    job = (auth.secret_or_new(), address)  # handed to the children through spawn's pipe, never a socket
+    job = (auth.secret_or_new(), address, uuid.uuid4().hex)  # through spawn's pipe to the children, never a socket
     procs = [
         ctx.Process(
             target=_worker,

@@ -46,8 +46,8 @@ def _checked(secret: bytes, source: str) -> bytes:
 
 def _from_file(path: str) -> bytes:
     try:
-        st = os.stat(path)
         with open(path, "rb") as f:
+            st = os.fstat(f.fileno())  # the file read, not whatever the path names a moment later
             data = f.read().strip()
     except OSError as e:
         raise ConfigError(f"{SECRET_FILE_ENV}={path!r} cannot be read: {e.strerror or e}") from None

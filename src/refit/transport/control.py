@@ -61,6 +61,7 @@ class AbortChannel:
       compare-and-set that displaces an invalid value), so exactly one real message wins and every
       caller gets it back.
     * ``.../ok/<proc>``: ``proc`` holds all of the version (its vote; ``{"version": v}``).
+    * ``.../commit``: every member voted (written by the first process to see it).
 
     Who calls (``Peer.run``): a process whose refit failed calls ``abort`` once and raises
     ``RefitAborted`` with the winning message; ``raise_if_aborted`` is polled while a process
@@ -105,13 +106,22 @@ class AbortChannel:
     def vote(self, version: int, attempt: int, deadline: float, members: list[int]) -> None:
         """Say this process holds all of ``version``; return once every process of ``members`` has.
         Raises ``RefitAborted`` if one aborts first, ``TimeoutError`` naming the processes of
-        ``members`` that had not voted when ``deadline`` (``time.monotonic()``) passes."""
+        ``members`` that had not voted when ``deadline`` (``time.monotonic()``) passes.
+
+        Votes are sticky (a voter re-writes its own vote while it waits, so a deleted vote comes
+        back), and the first process to see every vote records ``.../commit`` (``first``): a process
+        whose deadline passes commits anyway if that record stands, so a stranger deleting keys
+        after some processes returned cannot split the commit unless it also deletes the record."""
         keys = {p: self._key(version, f"ok/{p}", attempt) for p in members}
-        self._call(version, self.store.put, keys[self.proc], {"version": version})
+        commit = self._key(version, "commit", attempt)
+        mine = {"version": version}
         while True:
             votes = self._call(version, self.store.get_all, keys.values())
-            late = [p for p, k in keys.items() if votes.get(k) != {"version": version}]
-            if not late:
+            if votes.get(keys[self.proc]) != mine:
+                self._call(version, self.store.put, keys[self.proc], mine)
+            late = [p for p, k in keys.items() if votes.get(k) != mine and p != self.proc]
+            if not late or self._call(version, self.store.peek, commit) == mine:
+                self._call(version, self.store.first, commit, mine)
                 return
             self.raise_if_aborted(version, attempt)
             if time.monotonic() > deadline:

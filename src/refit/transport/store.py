@@ -12,8 +12,8 @@ value only if its tag is valid for that key, and otherwise ignores it (counted i
 ``rejected``, warned once per key) as if the key were absent. Nothing read is ever
 unpickled or evaluated. ``put_sealed`` / ``get_sealed`` encrypt a payload that
 grants access (CUDA IPC handles). A stranger who can reach the store can still
-overwrite or delete keys (the store has no access control): that can delay a
-refit until its deadline, never steer it.
+overwrite or delete keys (the store has no access control): that can make a
+refit fail at its deadline (denial of service), never steer it or run code.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ from refit.errors import ConfigError
 from refit.transport import auth
 
 BIND_ENV = "REFIT_BIND_ADDRESS"
+JOB_ENV = "REFIT_JOB_ID"  # a per-job scope bound into every tag (replays between jobs fail)
 LOOPBACK = "127.0.0.1"
 _MAGIC = b"refit1."
 _POLL_S = 0.002
+_ABSENT = b"\0refit-absent\0"  # never written: compare_set(key, _ABSENT, _ABSENT) is a non-blocking read
 
 
 def bind_address(address: str | None = None) -> str:
@@ -48,7 +50,7 @@ def bind_address(address: str | None = None) -> str:
 
 def interface_of(address: str) -> str:
     """The network interface that holds ``address`` (``lo`` for loopback); ``ConfigError`` if none does."""
-    if address in ("127.0.0.1", "localhost", "::1"):
+    if address.startswith("127.") or address in ("localhost", "::1"):
         return "lo"
     import psutil
 
@@ -58,6 +60,18 @@ def interface_of(address: str) -> str:
     raise ConfigError(f"{BIND_ENV}={address!r} is not an address of any interface of this host")
 
 
+def local_address_for(peer_host: str, port: int = 9) -> str:
+    """This host's address on the route to ``peer_host`` (loopback for a loopback peer): what a listener
+    that peer must reach binds to. Asks the kernel's routing table (a UDP socket connected, nothing sent)."""
+    family = socket.AF_INET6 if ":" in peer_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer_host, port))
+        except OSError as e:
+            raise ConfigError(f"no route from this host to {peer_host!r}: {e.strerror or e}") from None
+        return s.getsockname()[0]
+
+
 def pin_interfaces(address: str) -> None:
     """Make gloo and NCCL (bootstrap and sockets) listen on ``address``'s interface only, unless the user
     chose interfaces already (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``). Call before any group."""
@@ -65,7 +79,7 @@ def pin_interfaces(address: str) -> None:
         return
     name = interface_of(address)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", f"={name}")  # "=": this interface exactly, not a prefix
 
 
 def _listener(address: str, port: int) -> socket.socket:
@@ -114,48 +128,67 @@ def sock_port(fd: int) -> int:
 class SignedStore:
     """A store whose values carry the job secret's tag; readers act only on values whose tag is valid.
 
-    Values are JSON-able plain data (``put``/``get``/``peek``/``first``); ``raw`` is the wrapped
-    store (for torch's own rendezvous, e.g. a process group). Every process of a job wraps the
-    same store with the same secret. Reads that wait take an explicit timeout (never the store's
-    global one) and raise ``TimeoutError`` naming the key. ``rejected`` counts, per key, the
-    distinct invalid values seen (forged, corrupt, or from another job).
+    Values are JSON-able plain data (``put``/``get``/``peek``/``get_all``/``first``); ``raw`` is the
+    wrapped store (for torch's own rendezvous, e.g. a process group). Every process of a job wraps the
+    same store with the same secret and ``scope``; the tag covers scope, key and payload, so a value
+    cannot be replayed under another key, nor into another job whose scope differs (refit's launchers
+    give every job a fresh scope: ``REFIT_JOB_ID``). Reads that wait take an explicit timeout (never the
+    store's global one) and raise ``TimeoutError`` naming the key (and, if invalid values were seen
+    there, that the processes may hold different secrets). ``rejected`` counts, per key, the distinct
+    invalid values seen (forged, corrupt, or from another job).
     """
 
-    def __init__(self, store: dist.Store, secret: bytes) -> None:
+    def __init__(self, store: dist.Store, secret: bytes, scope: str = "") -> None:
         self.raw = store
         self._secret = secret
+        self.scope = scope
         self.rejected: Counter[str] = Counter()
         self._bad: dict[str, bytes] = {}
 
     # -- encoding ---------------------------------------------------------------------------
+    def _mac_key(self, key: str) -> str:
+        return f"{self.scope}\0{key}"
+
     def _encode(self, key: str, value: Any) -> bytes:
         payload = json.dumps(value, separators=(",", ":")).encode()
-        return _MAGIC + auth.tag(self._secret, key, payload).hex().encode() + b"." + payload
+        return _MAGIC + auth.tag(self._secret, self._mac_key(key), payload).hex().encode() + b"." + payload
 
     def _decode(self, key: str, raw: bytes) -> tuple[bool, Any]:
         """(True, value) for a validly tagged JSON value of ``key``; (False, None) otherwise (counted)."""
-        if raw.startswith(_MAGIC) and len(raw) > len(_MAGIC) + 2 * auth.TAG_BYTES:
-            head, payload = raw[len(_MAGIC) : len(_MAGIC) + 2 * auth.TAG_BYTES], raw[len(_MAGIC) + 2 * auth.TAG_BYTES :]
+        head = len(_MAGIC) + 2 * auth.TAG_BYTES
+        if raw.startswith(_MAGIC) and raw[head : head + 1] == b".":
             try:
-                mac = bytes.fromhex(head.decode())
-            except ValueError:
+                mac = bytes.fromhex(raw[len(_MAGIC) : head].decode())
+            except (ValueError, UnicodeDecodeError):
                 mac = b""
-            if payload[:1] == b"." and auth.verify(self._secret, key, payload[1:], mac):
-                return True, json.loads(payload[1:])
+            if auth.verify(self._secret, self._mac_key(key), raw[head + 1 :], mac):
+                return True, json.loads(raw[head + 1 :])
         self._reject(key, raw)
         return False, None
 
     def _reject(self, key: str, raw: bytes) -> None:
-        if self._bad.get(key) == raw:
+        if self._bad.get(key) == raw[:256]:
             return
-        self._bad[key] = raw
+        self._bad[key] = raw[:256]
         self.rejected[key] += 1
         if self.rejected[key] == 1:
             warnings.warn(
-                f"refit: ignored a value under {key!r} without a valid job-secret tag "
-                f"({len(raw)} bytes): another process on the network wrote it",
+                f"refit: ignored a value under {key!r} without a valid job-secret tag ({len(raw)} bytes): "
+                "another process on the network wrote it, or this job's processes hold different secrets",
                 stacklevel=3,
             )
+
+    def _read(self, key: str) -> bytes | None:
+        """The raw value under ``key`` now, or None; one round trip, never blocking (a compare-and-set
+        whose expected value no writer uses: it never writes, and returns what stands or the sentinel)."""
+        got = bytes(self.raw.compare_set(key, _ABSENT, _ABSENT))
+        return None if got == _ABSENT else got
+
+    def _timeout(self, key: str, timeout_s: float) -> TimeoutError:
+        hint = " (values with invalid tags were there: do all processes hold the same secret?)"
+        return TimeoutError(
+            f"no valid value under {key!r} within {timeout_s:.0f}s" + (hint if self.rejected[key] else "")
+        )
 
     # -- plain values -----------------------------------------------------------------------
     def put(self, key: str, value: Any) -> None:
@@ -164,9 +197,10 @@ class SignedStore:
 
     def peek(self, key: str) -> Any:
         """The valid value under ``key`` now, or None (absent, or not validly tagged)."""
-        if not self.raw.check([key]):
+        raw = self._read(key)
+        if raw is None:
             return None
-        ok, value = self._decode(key, self.raw.get(key))
+        ok, value = self._decode(key, raw)
         return value if ok else None
 
     def has(self, key: str) -> bool:
@@ -179,64 +213,72 @@ class SignedStore:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no valid value under {key!r} within {timeout_s:.0f}s")
+                raise self._timeout(key, timeout_s)
             try:
                 self.raw.wait([key], timedelta(seconds=left))
-            except (RuntimeError, OSError) as e:
-                if time.monotonic() < deadline:
-                    raise
-                raise TimeoutError(f"no valid value under {key!r} within {timeout_s:.0f}s") from e
-            ok, value = self._decode(key, self.raw.get(key))
-            if ok:
+            except dist.DistStoreError:  # the store's wait timed out: the loop's deadline decides
+                continue
+            value = self.peek(key)
+            if value is not None:
                 return value
             time.sleep(_POLL_S)
 
     def get_all(self, keys: Iterable[str]) -> dict[str, Any]:
-        """The keys of ``keys`` that hold a valid value now, with their values (one round trip)."""
-        keys = list(keys)
-        present = [k for k in keys if self.raw.check([k])]
-        if not present:
-            return {}
-        values = self.raw.multi_get(present)
+        """The keys of ``keys`` that hold a valid value now, with their values."""
         out = {}
-        for k, raw in zip(present, values):
-            ok, value = self._decode(k, bytes(raw))
-            if ok:
+        for k in keys:
+            value = self.peek(k)
+            if value is not None:
                 out[k] = value
         return out
 
-    def first(self, key: str, value: Any) -> Any:
+    def wait_all(self, keys: Iterable[str], timeout_s: float) -> dict[str, Any]:
+        """``get_all`` once every key holds a valid value, or when ``timeout_s`` has passed (then the
+        valid ones so far). A key that merely exists (a forgery) does not end the wait."""
+        keys, deadline = list(keys), time.monotonic() + timeout_s
+        while True:
+            got = self.get_all(keys)
+            if len(got) == len(keys) or time.monotonic() > deadline:
+                return got
+            time.sleep(_POLL_S)
+
+    def first(self, key: str, value: Any, timeout_s: float = 60.0) -> Any:
         """Write ``value`` under ``key`` unless a valid value is there already; return the one that stands.
         An invalid value in the way is displaced (compare-and-set), so a forgery cannot block the first
-        real writer."""
+        real writer; ``TimeoutError`` if a stranger keeps the key contested for ``timeout_s``."""
         mine = self._encode(key, value)
-        expected = b""
-        while True:
+        expected, deadline = b"", time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             cur = bytes(self.raw.compare_set(key, expected, mine))
             if cur == mine:
                 return value
+            if cur == expected:  # the key vanished after we read it: compare-and-set wrote nothing
+                expected = b""
+                continue
             ok, theirs = self._decode(key, cur)
             if ok:
                 return theirs
             expected = cur
+        raise self._timeout(key, timeout_s)
 
     # -- sealed values (grant access: IPC handles) -------------------------------------------
     def put_sealed(self, key: str, plaintext: bytes) -> None:
         """Write ``plaintext`` encrypted and tagged under ``key``: useless to whoever lacks the secret."""
-        self.put(key, {"sealed": base64.b64encode(auth.seal(self._secret, key, plaintext)).decode()})
+        self.put(key, {"sealed": base64.b64encode(auth.seal(self._secret, self._mac_key(key), plaintext)).decode()})
 
     def get_sealed(self, key: str, timeout_s: float) -> bytes:
         """The plaintext ``put_sealed`` wrote under ``key`` (waits like ``get``)."""
         value = self.get(key, timeout_s)
         blob = value.get("sealed") if isinstance(value, dict) else None
-        plain = auth.unseal(self._secret, key, base64.b64decode(blob)) if isinstance(blob, str) else None
+        plain = auth.unseal(self._secret, self._mac_key(key), base64.b64decode(blob)) if isinstance(blob, str) else None
         if plain is None:
             raise ConfigError(f"the value under {key!r} is not sealed with this job's secret")
         return plain
 
 
 def signed(store: dist.Store | SignedStore | None, secret: bytes | None = None) -> SignedStore | None:
-    """``store`` as a ``SignedStore`` (with ``secret``, else the job's: ``auth.job_secret()``); None stays None."""
+    """``store`` as a ``SignedStore`` (with ``secret``, else the job's: ``auth.job_secret()``; scope
+    ``REFIT_JOB_ID``, which refit's launchers set fresh per job); None stays None."""
     if store is None or isinstance(store, SignedStore):
         return store
-    return SignedStore(store, secret if secret is not None else auth.job_secret())
+    return SignedStore(store, secret if secret is not None else auth.job_secret(), os.environ.get(JOB_ENV, ""))

@@ -6,6 +6,7 @@ loads (``dst/<worker>``), gathered into the destination layout on every process.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +16,8 @@ from torch.distributed.tensor import Replicate
 from refit.config import TransferConfig
 from refit.errors import ConfigError
 from refit.layout import Box, Mesh, ModelLayout, TensorLayout
-from refit.transport.store import SignedStore, bind_address, gloo_group
+from refit.transport import auth
+from refit.transport.store import BIND_ENV, SignedStore, gloo_group, local_address_for
 from refit.transport.store import open_store as open_store_at
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -46,7 +48,8 @@ class RefitInitInfo:
     buffer_bytes: int = 64 << 20
     session: str = "refit"
     load_path: str = "auto"  # worker side: "direct" (into live params), "loader" (vLLM's loaders) or "auto"
-    secret: str = field(default="", repr=False)  # the job secret (text); the trainer fills it, see job_secret
+    secret: str = field(default="", repr=False)  # the job secret (text); "" = REFIT_SECRET(_FILE); see job_secret
+    job_id: str = ""  # this job's scope in every tag (the trainer fills it: replays between jobs fail)
 
     def __post_init__(self) -> None:
         """Checked where it is made (trainer side, and again where a worker rebuilds it): ``ConfigError``
@@ -62,8 +65,9 @@ class RefitInitInfo:
             raise ConfigError(f"{who}.master_port must be an integer port, got {self.master_port!r}")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"{who}.master_port must be in 0..65535, got {self.master_port}")
-        if not isinstance(self.secret, str):
-            raise ConfigError(f"{who}.secret must be text, got {type(self.secret).__name__}")
+        for name in ("secret", "job_id"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{who}.{name} must be text, got {type(getattr(self, name)).__name__}")
 
     @property
     def world_size(self) -> int:
@@ -91,17 +95,23 @@ class RefitUpdateInfo:
 
 def open_store(info: RefitInitInfo, is_master: bool) -> SignedStore:
     """The rendezvous store (trainer rank 0 hosts it, its listener bound to ``master_address`` alone),
-    under the session's prefix, signed with the job secret (``info.secret``)."""
-    if not info.secret:
-        raise ConfigError("RefitInitInfo.secret is empty: the trainer side sets the job secret (see job_secret)")
+    under the session's prefix, signed with the job secret (``info.secret``, else ``REFIT_SECRET`` /
+    ``REFIT_SECRET_FILE`` of this process) in the scope of the session and ``info.job_id``."""
+    secret = info.secret.encode() if info.secret else auth.secret_from_env()
+    if secret is None:
+        raise ConfigError(
+            "no job secret: RefitInitInfo.secret is empty and REFIT_SECRET / REFIT_SECRET_FILE are unset here"
+        )
     raw = open_store_at(info.master_address, info.master_port, info.world_size, is_master, info.timeout_s)
-    return SignedStore(dist.PrefixStore(info.session, raw), info.secret.encode())
+    return SignedStore(dist.PrefixStore(info.session, raw), secret, f"{info.session}:{info.job_id}")
 
 
 def join_group(info: RefitInitInfo, store: SignedStore, rank: int) -> dist.ProcessGroup:
-    """A standalone gloo group of the trainer ranks and the workers (blocks until all join), listening on
-    this process's bind address (``REFIT_BIND_ADDRESS``, default loopback) only."""
-    return gloo_group(dist.PrefixStore("pg", store.raw), rank, info.world_size, info.timeout_s, bind_address())
+    """A standalone gloo group of the trainer ranks and the workers (blocks until all join), listening only
+    on ``REFIT_BIND_ADDRESS`` if set, else on this host's address on the route to ``master_address``
+    (loopback when the store is on loopback)."""
+    address = os.environ.get(BIND_ENV) or local_address_for(info.master_address, info.master_port or 9)
+    return gloo_group(dist.PrefixStore("pg", store.raw), rank, info.world_size, info.timeout_s, address)
 
 
 def wait_workers(store: SignedStore, n_workers: int, timeout_s: float) -> None:

@@ -104,7 +104,8 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         if init_info.is_sender and client is None:
             raise ValueError("trainer rank 0 drives the engine and needs a client")
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
-        info = replace(init_info.worker_info(), secret=job_secret(init_info))
+        secret, job_id = job_secret(init_info)
+        info = replace(init_info.worker_info(), secret=secret, job_id=job_id)
         src = source.layout()
         # rank 0 hosts the store; it also tells the workers to join, concurrently
         rpc = None
@@ -192,30 +193,37 @@ class _Call:
             raise RuntimeError(f"refit: the engine's weight-sync call failed: {self.error}") from self.error
 
 
-def job_secret(info: RefitTrainerInitInfo) -> str:
-    """The job secret every trainer rank and worker signs the store's values with: ``info.secret`` if set,
-    else ``REFIT_SECRET`` / ``REFIT_SECRET_FILE``, else (one trainer rank) a fresh one, else rank 0's fresh
-    one broadcast over the trainer's default process group (as bytes in a tensor: nothing is unpickled).
-    Workers receive it in their init info, through the engine's own client call."""
-    if info.secret:
-        return info.secret
-    secret = auth.secret_from_env()
-    if secret is None and info.n_trainer == 1:
-        secret = auth.new_secret()
-    if secret is None:
-        secret = _broadcast_secret(info)
-    return auth.as_text(secret)
+def job_secret(info: RefitTrainerInitInfo) -> tuple[str, str]:
+    """(secret, job_id) for the job's store, agreed by every trainer rank.
+
+    The secret: ``info.secret`` if set, else ``REFIT_SECRET`` / ``REFIT_SECRET_FILE`` (then the workers
+    read it from their own environment and it is not sent: ``""``), else a fresh one from rank 0. The
+    job id: ``info.job_id`` if set, else fresh from rank 0. "From rank 0" with several trainer ranks
+    means broadcast over the trainer's default process group, as bytes in a tensor (nothing is
+    unpickled). Returns what the workers' init info carries; ``open_store`` resolves the same secret."""
+    secret = info.secret or (None if auth.secret_from_env() is not None else "")
+    need = [secret == "", not info.job_id]
+    fresh = _from_rank0(info, sum(need)) if any(need) else []
+    if secret == "":
+        secret = fresh.pop(0)
+    return (secret or ""), (info.job_id or fresh.pop(0))
 
 
-def _broadcast_secret(info: RefitTrainerInitInfo) -> bytes:
+def _from_rank0(info: RefitTrainerInitInfo, n: int) -> list[str]:
+    """``n`` fresh random texts (64 hex characters each) made by trainer rank 0, the same on every rank."""
+    if info.n_trainer == 1:
+        return [auth.new_secret().decode() for _ in range(n)]
     if not dist.is_initialized() or dist.get_world_size() != info.n_trainer:
         raise ConfigError(
-            f"{info.n_trainer} trainer ranks need one job secret: set RefitTrainerInitInfo.secret or REFIT_SECRET "
-            "on every rank (or initialize the trainer's default process group so rank 0 can share one)"
+            f"{info.n_trainer} trainer ranks need one job secret and job id: set RefitTrainerInitInfo.secret "
+            "and .job_id (or REFIT_SECRET) on every rank, or initialize the trainer's default process group "
+            "so rank 0 can share fresh ones"
         )
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    buf = torch.zeros(64, dtype=torch.uint8, device=device)
+    buf = torch.zeros(64 * n, dtype=torch.uint8, device=device)
     if dist.get_rank() == 0:
-        buf.copy_(torch.frombuffer(bytearray(auth.new_secret()), dtype=torch.uint8))
+        made = b"".join(auth.new_secret() for _ in range(n))
+        buf.copy_(torch.frombuffer(bytearray(made), dtype=torch.uint8))
     dist.broadcast(buf, src=0)
-    return bytes(buf.cpu().tolist())
+    raw = bytes(buf.cpu().tolist())
+    return [raw[64 * i : 64 * (i + 1)].decode() for i in range(n)]
