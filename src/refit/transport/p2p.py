@@ -270,14 +270,18 @@ class P2PSchedule:
             return [(op.peer, op.sum, op.tag + SUM_TAG) if sums else (op.peer, op.tensor, op.tag) for op in ops]
 
         sends, recvs = msgs(step.sends), msgs(step.recvs)
-        if self.standalone:
-            return [self.group.send([t], p, tag) for p, t, tag in sends] + [
-                self.group.recv([t], p, tag) for p, t, tag in recvs
-            ]
-        return dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, t, p, self.group, tag) for p, t, tag in sends]
-            + [dist.P2POp(dist.irecv, t, p, self.group, tag) for p, t, tag in recvs]
-        )
+        try:
+            if self.standalone:
+                return [self.group.send([t], p, tag) for p, t, tag in sends] + [
+                    self.group.recv([t], p, tag) for p, t, tag in recvs
+                ]
+            return dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, t, p, self.group, tag) for p, t, tag in sends]
+                + [dist.P2POp(dist.irecv, t, p, self.group, tag) for p, t, tag in recvs]
+            )
+        except RuntimeError as e:  # a peer gone before the ops were even posted: name who they were for
+            peers = ", ".join(f"process {p}" for p in sorted({p for p, _, _ in sends + recvs}))
+            raise RuntimeError(f"posting the step's sends and receives with {peers} failed: {e}") from e
 
     def _wait(self, clock: RunClock, works: list, ops: list[_Op], what: str) -> None:
         """Wait for ``works`` (one per op, in order) under ``clock.watch``; a failed work names its peer.
