@@ -94,7 +94,9 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, c
     # every copy the puller issues is recorded in its graph (with checksums on one GPU the checksum
     # kernel copies every piece itself: nothing is left to record)
     in_graph = puller is not None and (puller.graph is not None or not puller.lanes)
-    return ok, kinds, peer.executor.staging_bytes, in_graph
+    staging = peer.executor.staging_bytes
+    peer.close()  # every process (collective for all-IPC plans): no mapping outlives its producer
+    return ok, kinds, staging, in_graph
 
 
 @pytest.mark.timeout(300)
@@ -228,7 +230,9 @@ def _fp8_staged_worker(world, stages):
                 good &= torch.equal(dst[name].view(torch.uint8), q[box_slices(boxes[name])].view(torch.uint8))
                 good &= torch.equal(dst[scale_name(name)], s[box_slices(boxes[scale_name(name)])])
             ok.append(bool(good))
-    return ok, len(peer.executor.stage_names)
+    stages = len(peer.executor.stage_names)
+    peer.close()  # every process (collective: all-IPC plan)
+    return ok, stages
 
 
 @pytest.mark.timeout(300)
@@ -280,6 +284,7 @@ def _fanout_worker(world, devices):
             if peer.plan.procs.dst[m.dst] == world.rank
         }
     )
+    f.close()  # every process: each wave's Peers (collective per wave)
     return ok, sorted(kinds), stats.waves, pulled_from
 
 

@@ -262,3 +262,117 @@ def test_host_barrier_attaches_to_a_segment_created_but_not_yet_sized():
         b.close()
     finally:
         os.unlink(path)
+
+
+def _shm_name() -> str:
+    import uuid
+
+    return f"refit_test_{uuid.uuid4().hex[:8]}"
+
+
+def test_host_barrier_refuses_a_segment_others_can_open_or_a_symlink():
+    # another local user could pre-create the segment (mode 0666) to read or forge the slots
+    import os
+
+    from refit.errors import PlanError
+    from refit.transport.ipc import HostBarrier
+
+    name, link = _shm_name(), _shm_name()
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 16)
+        os.fchmod(fd, 0o666)
+        with pytest.raises(PlanError, match=f"{path} has owner uid .* mode -rw-rw-rw-"):
+            HostBarrier(name, 1, 2, timeout_s=5)
+        os.fchmod(fd, 0o600)
+        os.symlink(path, f"/dev/shm/{link}")
+        with pytest.raises(PlanError, match="symbolic link"):
+            HostBarrier(link, 1, 2, timeout_s=5)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        if os.path.lexists(f"/dev/shm/{link}"):
+            os.unlink(f"/dev/shm/{link}")
+
+
+class _Store:
+    """A dict standing in for ``SignedStore``: ``put``, ``get``, ``get_all``; ``on_put`` sees each put."""
+
+    def __init__(self, on_put=None):
+        self.data, self.on_put = {}, on_put
+
+    def put(self, key, value):
+        if self.on_put is not None:
+            self.on_put(key, value)
+        self.data[key] = value
+
+    def get(self, key, timeout_s):
+        return self.data[key]
+
+    def get_all(self, keys):
+        return {k: self.data[k] for k in keys if k in self.data}
+
+
+def test_host_barrier_owner_creates_a_private_segment_before_publishing_its_name():
+    import os
+    import stat
+
+    from refit.transport.ipc import HostBarrier
+
+    seen = {}
+
+    def on_put(key, value):  # the name is published only once the segment exists, private
+        seen["mode"] = stat.S_IMODE(os.stat(f"/dev/shm/{value['segment']}").st_mode)
+
+    store = _Store(on_put)
+    owner = HostBarrier.agree(store, "t/barrier", 0, 2, 5.0)
+    other = HostBarrier.agree(store, "t/barrier", 1, 2, 5.0)
+    assert seen["mode"] == 0o600 and owner.name == other.name
+    path = f"/dev/shm/{owner.name}"
+    other.close()
+    owner.close()
+    owner.close()  # idempotent
+    assert not os.path.exists(path)
+
+
+def test_host_barrier_never_closed_is_unlinked_when_collected():
+    import gc
+    import os
+
+    from refit.transport.ipc import HostBarrier
+
+    name = _shm_name()
+    owner, other = HostBarrier(name, 0, 2, timeout_s=5), HostBarrier(name, 1, 2, timeout_s=5)
+    assert os.path.exists(f"/dev/shm/{name}")
+    del owner, other
+    gc.collect()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_launch_exit_barrier_is_skipped_without_cuda():
+    # a process that never initialized CUDA maps nobody's GPU memory: it neither writes nor waits at exit
+    from refit.tools.launch import release_at_exit
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the store was used: {name}")
+
+    assert not torch.cuda.is_initialized()
+    assert release_at_exit(Untouchable(), 0, [0, 1]) is False
+
+
+def test_launch_exit_barrier_waits_for_the_listed_ranks_and_not_past_a_failed_store():
+    from refit.tools.launch import _wait_for_all
+
+    store = _Store()
+    store.put("launch/exit/1", True)
+    _wait_for_all(store, 0, [0, 1], timeout_s=30)  # both there: returns without waiting out the timeout
+    assert store.get_all(["launch/exit/0", "launch/exit/1"]) == {"launch/exit/0": True, "launch/exit/1": True}
+    _wait_for_all(store, 2, [0, 1, 2, 3], timeout_s=0.05)  # rank 3 never comes: bounded
+
+    class Gone(_Store):
+        def get_all(self, keys):
+            raise RuntimeError("Connection reset by peer")  # the store's host (process 0) left
+
+    _wait_for_all(Gone(), 1, [0, 1], timeout_s=30)

@@ -15,6 +15,7 @@ store, and ``world.data_group`` is a NCCL group when every process has a GPU of 
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue
@@ -125,13 +126,57 @@ def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, 
         world = World(rank, world_size, n_src, n_dst, backend, device, trainer, engine, colocated, all_devices)
         if backend != "nccl" and len(set(all_devices)) == world_size and all(d.startswith("cuda") for d in all_devices):
             world.data_group = dist.new_group(list(range(world_size)), backend="nccl")
-        out = fn(world, *args)
-        results.put((rank, True, pickle.dumps(out)))  # plain bytes: no shared memory outliving us
+        payload = pickle.dumps(fn(world, *args))  # plain bytes: no shared memory outliving us
+        release_at_exit(world.store, rank, _cuda_ranks(world))
+        results.put((rank, True, payload))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+EXIT_WAIT_S = 10.0
+"""How long a process that used CUDA waits at exit for the others (``release_at_exit``): a dead peer costs this."""
+
+
+def _cuda_ranks(world: World) -> list[int]:
+    """The processes a CUDA process waits for at exit: those pinned to a GPU, or every one when ``run_local``
+    was given no devices (one of those that never initializes CUDA does not come: waited for ``EXIT_WAIT_S``)."""
+    if world.devices:
+        return [r for r, d in enumerate(world.devices) if d.startswith("cuda")]
+    return list(range(world.world_size))
+
+
+def release_at_exit(store: Any, rank: int, ranks: list[int], timeout_s: float = EXIT_WAIT_S) -> bool:
+    """After a worker's ``fn`` returned: free its garbage and, if this process initialized CUDA, the CUDA
+    IPC memory it shared that no one maps any more; so that no process exits while another still maps its
+    memory, first wait (at most ``timeout_s``; a dead peer is not waited for longer) until every process of
+    ``ranks`` got here, recorded under ``launch/exit/<rank>`` in ``store`` (a ``SignedStore``).
+
+    Returns whether it waited. Without CUDA initialized it returns False at once and never touches
+    ``store``. A store that fails (its host, process 0, already left) ends the wait: everyone got here."""
+    gc.collect()  # cycles still holding tensors or mappings (Peers, graphs)
+    if not torch.cuda.is_initialized():  # no driver call
+        return False
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()  # mappings this process dropped; the blocks it exported that others released
+    _wait_for_all(store, rank, ranks, timeout_s)
+    torch.cuda.ipc_collect()  # the others have dropped their mappings of ours by now
+    return True
+
+
+def _wait_for_all(store: Any, rank: int, ranks: list[int], timeout_s: float) -> None:
+    """Publish that ``rank`` reached its exit, then poll until every rank of ``ranks`` has, ``timeout_s``
+    passes, or the store fails (best effort: never raises for a peer that is gone)."""
+    keys = [f"launch/exit/{r}" for r in ranks]
+    deadline = time.monotonic() + timeout_s
+    try:
+        store.put(f"launch/exit/{rank}", True)
+        while len(store.get_all(keys)) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    except (RuntimeError, OSError):  # the store's host left: it got here before it did
+        pass
 
 
 _COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import errno
 import json
 import os
 import re
+import stat
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -426,10 +429,12 @@ class HostBarrier:
 
     Slot i of a shared int64 array holds participant i's generation. ``wait()``
     bumps this process's generation and spins until every slot has reached it.
-    The lowest participant creates the segment (tracked by its resource tracker, so a
-    crash still frees it) and alone unlinks it; the others map ``/dev/shm/<name>``
-    directly, so no other process's resource tracker ever registers, warns about or
-    unlinks a segment it does not own.
+    The lowest participant creates the segment (``O_EXCL``, mode 0600, tracked by its resource
+    tracker, so a crash still frees it) and alone unlinks it; the others map ``/dev/shm/<name>``
+    directly (no symlink; refused unless it belongs to this user and grants nobody else access), so
+    no other process's resource tracker ever registers, warns about or unlinks a segment it does not own.
+    ``close()`` (idempotent) unmaps and, in the owner, unlinks; a barrier never closed does the same
+    when it is collected or at interpreter exit.
     """
 
     def __init__(self, name: str, index: int, size: int, timeout_s: float = 120.0) -> None:
@@ -440,6 +445,8 @@ class HostBarrier:
         self.name = name
         self.shm = self._create(name, size) if self.owner else None
         self._map = None if self.owner else self._attach(name, size, timeout_s)
+        # holds the segment, never ``self``: runs once, from close(), on collection or at exit
+        self._finalizer = weakref.finalize(self, HostBarrier._release, self.shm, self._map)
         buf = self.shm.buf if self.shm is not None else self._map
         # a new segment is zero-filled by the OS; zeroing it here could erase a slot another
         # process already bumped after attaching
@@ -447,31 +454,49 @@ class HostBarrier:
 
     @staticmethod
     def _create(name: str, size: int):
+        """A new segment ``name`` of ``size`` slots, created exclusively with mode 0600 (a stale file of
+        ours, from a crashed earlier run, is removed first; anyone else's is an error)."""
         from multiprocessing import shared_memory
 
-        try:  # a stale segment of a crashed earlier run
-            old = shared_memory.SharedMemory(name=name)
-            old.close()
-            old.unlink()
+        path = f"/dev/shm/{name}"
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
         except FileNotFoundError:
             pass
-        return shared_memory.SharedMemory(name=name, create=True, size=8 * size)
+        try:  # shm_open(O_CREAT | O_EXCL, 0o600): never opens an existing file
+            return shared_memory.SharedMemory(name=name, create=True, size=8 * size)
+        except FileExistsError:
+            raise PlanError(
+                f"barrier segment {path} already exists (not a stale segment of this user's); not using it"
+            ) from None
 
     @staticmethod
     def _attach(name: str, size: int, timeout_s: float):
+        """Map the owner's segment once it exists and is sized, after ``_check_private``."""
         import mmap
 
+        path = f"/dev/shm/{name}"
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
                 try:
-                    if os.fstat(fd).st_size >= 8 * size:
+                    st = os.fstat(fd)
+                    HostBarrier._check_private(path, st)
+                    if st.st_size >= 8 * size:
                         return mmap.mmap(fd, 8 * size)
                 finally:
                     os.close(fd)
             except FileNotFoundError:  # not there yet (or created but not sized yet: checked above)
                 pass
+            except PermissionError:
+                raise PlanError(f"barrier segment {path} is not this user's; not using it") from None
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise PlanError(f"barrier segment {path} is a symbolic link; not using it") from None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"barrier segment {name!r} did not appear within {timeout_s:.0f}s")
             time.sleep(0.001)
@@ -479,9 +504,16 @@ class HostBarrier:
     @classmethod
     def agree(cls, store: SignedStore, key: str, index: int, size: int, timeout_s: float) -> HostBarrier:
         """Participant ``index`` of ``size`` joins the barrier whose segment name participant 0
-        publishes under ``key`` (a fresh random name per barrier, checked against its pattern)."""
+        publishes under ``key``: a fresh random name, published only once participant 0 has created
+        the segment, checked against its pattern by the others."""
         if index == 0:
-            store.put(key, {"segment": f"refit_{uuid.uuid4().hex[:16]}"})
+            barrier = cls(f"refit_{uuid.uuid4().hex[:16]}", 0, size, timeout_s)
+            try:
+                store.put(key, {"segment": barrier.name})
+            except BaseException:
+                barrier.close()
+                raise
+            return barrier
         seg = store.get(key, timeout_s).get("segment", "")
         if not re.fullmatch(r"refit_[0-9a-f]{16}", seg):
             raise PlanError(f"barrier segment name {seg!r} under {key!r} is not one refit makes")
@@ -502,18 +534,37 @@ class HostBarrier:
                     raise TimeoutError(f"barrier: participants {behind} did not arrive within {timeout_s:.1f}s")
 
     def close(self) -> None:
-        """Unmap the segment; the owner also unlinks it."""
-        self.slots = None
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self.shm is not None:
-            self.shm.close()
+        """Unmap the segment; the owner also unlinks it. Idempotent."""
+        self.slots = None  # the view on the mapping goes first, so the mapping can close
+        self.shm = self._map = None
+        self._finalizer()
+
+    @staticmethod
+    def _check_private(path: str, st: os.stat_result) -> None:
+        """``PlanError`` unless ``st`` (of ``path``) is a regular file of this user that grants nobody else access
+        (what ``HostBarrier._create`` makes): another local user cannot plant or read a barrier segment."""
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise PlanError(
+                f"barrier segment {path} has owner uid {st.st_uid} and mode {stat.filemode(st.st_mode)}; "
+                f"refit only maps a regular file of its own user (uid {os.geteuid()}) with mode 0600"
+            )
+
+    @staticmethod
+    def _release(shm, mapping) -> None:
+        """A ``HostBarrier``'s finalizer: unlink the owner's segment (``shm``), then unmap. Unlinking needs no
+        mapping, so it happens even when the barrier is being collected with its slot view still holding the
+        buffer; that mapping then goes with the view."""
+        if shm is not None:
             try:
-                self.shm.unlink()
+                shm.unlink()
             except FileNotFoundError:
                 pass
-            self.shm = None
+        for m in (shm, mapping):
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:  # the slot view is still alive (collection, exit): it unmaps when freed
+                    pass
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, mapped source view)
@@ -726,10 +777,11 @@ class IpcLink:
     def close(self) -> None:
         """Release every mapping of another process's memory (graphs, pullers, mapped tensors; torch's IPC
         reference counts drop), then, on one host, wait at the barrier so that no source process exits
-        while a receiver still maps its memory (best effort: a peer that died is not waited for), and
-        unlink the barrier (its owner)."""
+        while a receiver still maps its memory (best effort: a peer that died is not waited for), free what
+        the receivers released (sources), and unlink the barrier (its owner). Idempotent."""
         self.pullers, self.puller, self.sums, self._mapped = [], None, None, {}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
             torch.cuda.synchronize()
             torch.cuda.ipc_collect()
         if self.host_barrier is not None:
@@ -737,5 +789,7 @@ class IpcLink:
                 self.host_barrier.wait(self.CLOSE_WAIT_S)
             except TimeoutError:
                 pass  # a peer failed or left: nothing of ours is mapped any more
+            if cuda:  # every receiver has dropped its mappings: a source's exported blocks can go now
+                torch.cuda.ipc_collect()
             self.host_barrier.close()
             self.host_barrier = None
