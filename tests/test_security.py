@@ -11,6 +11,7 @@ loopback.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import pickle
@@ -233,7 +234,7 @@ def _keys_refit_reads(n_procs: int) -> list[str]:
     for p in range(n_procs):
         keys += [f"{NAME}/preflight/{p}", f"{NAME}/preflight/{p}/plan"]
         keys += [f"{NAME}/run/v{v}.0/ok/{p}" for v in VERSIONS]
-    keys += [f"{NAME}/run/v{v}.0/abort" for v in VERSIONS]
+    keys += [f"{NAME}/run/v{v}.0/{what}" for v in VERSIONS for what in ("abort", "commit")]
     return keys
 
 
@@ -282,7 +283,8 @@ def _attacked_worker(world, workdir: str):
     listening = [c.laddr.ip for c in psutil.Process(os.getpid()).net_connections("tcp") if c.status == "LISTEN"]
     peer.close()
     rejected = sum(store.rejected.values()) + sum(peer.channel.store.rejected.values())
-    return {"exact": exact, "listening": listening, "rejected": rejected}
+    secret = hashlib.sha256(os.environ["REFIT_SECRET"].encode()).hexdigest()
+    return {"exact": exact, "listening": listening, "rejected": rejected, "secret": secret}
 
 
 class _Stranger(threading.Thread):
@@ -370,6 +372,20 @@ def test_a_stranger_on_the_store_and_ports_cannot_steer_a_live_refit(tmp_path):
     assert refit_keys <= set(stranger.planted)  # every key refit used had a pickle planted first
     assert len(stranger.ports_hit) >= 5  # (d) junk reached the store and the gloo listeners
     assert all(ip == "127.0.0.1" for row in out for ip in row["listening"])  # bound where told
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_the_launcher_makes_one_fresh_secret_for_its_job(tmp_path, monkeypatch):
+    from refit.tools.launch import run_local
+
+    before = hashlib.sha256(os.environ.get(auth.SECRET_ENV, "").encode()).hexdigest()
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    (tmp_path / "ready").write_text("1")  # no stranger here
+    out = run_local(_attacked_worker, 2, 2, str(tmp_path), backend="gloo", timeout_s=150)
+    assert all(row["exact"] == [True, True] for row in out)
+    assert len({row["secret"] for row in out}) == 1  # every process of the job holds the same one
+    assert out[0]["secret"] != before  # a fresh one, not whatever this process had
 
 
 def test_bind_address_defaults_to_loopback(monkeypatch):

@@ -128,7 +128,17 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a tiny model, refit after each step, compare logits")
     _common(d)
     d.add_argument("--steps", type=positive_int, default=3)
-    p = sub.add_parser("plan", help="print the transfer plan without running it (shapes only)")
+    _plan_parser(sub.add_parser("plan", help="print the transfer plan without running it (shapes only)"))
+    _verify_parser(sub.add_parser("verify", help="run a real multi-process reshard on CPU and check every shard"))
+    k = sub.add_parser("soak", help="many consecutive refits on CPU: memory, threads and process groups must not grow")
+    _common(k)
+    k.add_argument("--refits", type=positive_int, default=200)
+    k.add_argument("--warmup", type=positive_int, default=20, help="refits before the baseline is taken")
+    _bench_parser(sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S7)"))
+    return ap
+
+
+def _plan_parser(p: argparse.ArgumentParser) -> None:
     _common(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _fp8_option(p)
@@ -144,7 +154,9 @@ def _parser() -> argparse.ArgumentParser:
         "printing the plan",
     )
     p.add_argument("--colocated", action="store_true", help="with --cluster: engine ranks share the trainer's GPUs")
-    v = sub.add_parser("verify", help="run a real multi-process reshard on CPU and check every shard")
+
+
+def _verify_parser(v: argparse.ArgumentParser) -> None:
     _common(v)
     _fp8_option(v)
     v.add_argument(
@@ -161,11 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--deadline", type=positive_float, default=10.0, help="with --inject: seconds a refit may take (default 10)"
     )
-    k = sub.add_parser("soak", help="many consecutive refits on CPU: memory, threads and process groups must not grow")
-    _common(k)
-    k.add_argument("--refits", type=positive_int, default=200)
-    k.add_argument("--warmup", type=positive_int, default=20, help="refits before the baseline is taken")
-    b = sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S7)")
+
+
+def _bench_parser(b: argparse.ArgumentParser) -> None:
     b.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if GPUs are present")
     b.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
     b.add_argument(
@@ -206,7 +216,6 @@ def _parser() -> argparse.ArgumentParser:
         "methods refit, fp8_quantize, floor",
     )
     b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
-    return ap
 
 
 def cmd_bench(args, console) -> int:
