@@ -402,13 +402,14 @@ def test_bind_address_defaults_to_loopback(monkeypatch):
 
 
 def _ipc_export_import(world):
-    from refit.transport.ipc import export_handles, handle_fields, import_handles
+    from refit.transport.ipc import handle_fields, import_handles
 
     store = world.store
     if world.rank == 0:
         t = torch.arange(4096, dtype=torch.float32, device="cuda:0").reshape(64, 64)
-        export_handles(store, "sec/ipc/0", {"w": t, "view": t[8:16, 4:36]})
-        raw_handle = base64.b64decode(handle_fields(t)["handle"])
+        fields = {"w": handle_fields(t), "view": handle_fields(t[8:16, 4:36])}  # what export_handles seals
+        store.put_sealed("sec/ipc/0", json.dumps(fields).encode())
+        raw_handle = base64.b64decode(fields["w"]["handle"])
         torch.distributed.barrier()  # the receiver has mapped and checked
         torch.distributed.barrier()  # ... and released its mapping
         return raw_handle not in store.raw.get("sec/ipc/0")

@@ -573,6 +573,19 @@ Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, mapped source vie
 Checked = tuple[str, int, bool, Pair]  # (tensor name, stage, same GPU, pair) of one pull
 
 
+def _export_per_receiver(plan: Plan, proc: int, local: LocalTensors, store: SignedStore, name: str, ipc: list) -> None:
+    """Publish, for each receiver that pulls from this process, the handles of exactly the tensors it
+    pulls (``<name>/ipc/<proc>/<receiver>``). One export per receiver: torch counts one release per
+    export, so a handle mapped by two receivers would leave its count wrong (and the producer warning
+    at exit that its memory is still shared); and no receiver learns handles it does not need."""
+    wanted: dict[int, set[str]] = {}
+    for m in ipc:
+        if plan.procs.src[m.src] == proc:
+            wanted.setdefault(plan.procs.dst[m.dst], set()).update(p.tensor for p in m.pieces)
+    for receiver, names in sorted(wanted.items()):
+        export_handles(store, f"{name}/ipc/{proc}/{receiver}", {n: local.src[n] for n in sorted(names)})
+
+
 def _map_pulls(
     plan: Plan, proc: int, local: LocalTensors, store: SignedStore, config: TransferConfig, stages: list[set[str]]
 ) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[list[Pair], list[Pair]]], list[Checked]]:
@@ -582,9 +595,7 @@ def _map_pulls(
     every pull in order as ``Checked`` when checksums are on)."""
     ipc = [m for m in plan.messages if m.transport == "ipc"]
     name, timeout_s = config.name, config.preflight_timeout_s
-    exported = sorted({p.tensor for m in ipc if plan.procs.src[m.src] == proc for p in m.pieces})
-    if exported:
-        export_handles(store, f"{name}/ipc/{proc}", {n: local.src[n] for n in exported})
+    _export_per_receiver(plan, proc, local, store, name, ipc)
     stage_of = {n: i for i, names in enumerate(stages) for n in names}
     mapped: dict[int, dict[str, torch.Tensor]] = {}
     pairs: list[tuple[list[Pair], list[Pair]]] = [([], []) for _ in stages]  # per stage: (same GPU, peer GPU)
@@ -592,7 +603,7 @@ def _map_pulls(
     for m in (m for m in ipc if plan.procs.dst[m.dst] == proc):
         sp = plan.procs.src[m.src]
         if sp not in mapped:
-            mapped[sp] = import_handles(store, f"{name}/ipc/{sp}", timeout_s)
+            mapped[sp] = import_handles(store, f"{name}/ipc/{sp}/{proc}", timeout_s)
         p = m.pieces[0]
         s_box = plan.src_layout[p.tensor].box(m.src)
         sv = mapped[sp][p.tensor][box_slices(box_relative(p.box, s_box))]
