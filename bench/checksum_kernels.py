@@ -21,7 +21,18 @@ import torch
 from refit.transport.checksum import KEY, LEN_KEY, MUL1, MUL2, Piece, PieceSums, reference_sum
 from refit.transport.checksum_triton import SumLaunch, kernel_row
 
-VARIANTS = ((1024, 2, 4), (1024, 4, 4), (2048, 2, 4), (1024, 8, 4), (512, 8, 4), (2048, 4, 8), (1024, 8, 8))
+VARIANTS = (  # block, steps, warps, loop (1: the steps are a loop, 0: unrolled)
+    (1024, 8, 4, 1),
+    (1024, 4, 4, 1),
+    (1024, 16, 4, 1),
+    (512, 8, 4, 1),
+    (512, 16, 4, 1),
+    (2048, 8, 8, 1),
+    (1024, 8, 8, 1),
+    (2048, 4, 4, 1),
+    (1024, 2, 4, 0),
+    (1024, 4, 4, 0),
+)
 
 
 def _pieces(gib: float, dev: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -47,10 +58,11 @@ def _time(fn, n: int = 10) -> float:
     return statistics.median(times)
 
 
-def _launch(pairs, copy: bool, shape: tuple[int, int, int], out: torch.Tensor):
+def _launch(pairs, copy: bool, shape: tuple[int, int, int, int], out: torch.Tensor):
     rows = [kernel_row(s, d if copy else None, 0, i) for i, (d, s) in enumerate(pairs)]
-    block, steps, warps = shape
-    launch = SumLaunch(rows, out.device, (KEY, MUL1, MUL2, LEN_KEY), block=block, steps=steps, num_warps=warps)
+    block, steps, warps, loop = shape
+    constants = (KEY, MUL1, MUL2, LEN_KEY)
+    launch = SumLaunch(rows, out.device, constants, block=block, steps=steps, num_warps=warps, loop=bool(loop))
 
     def run() -> None:
         out.zero_()
@@ -78,7 +90,7 @@ def main() -> None:
     rows["reference_sum_s"] = _time(lambda: [reference_sum(s) for s in src], n=3)
     variants = []
     for shape in VARIANTS:
-        v = dict(zip(("block", "steps", "warps"), shape))
+        v = dict(zip(("block", "steps", "warps", "loop"), shape))
         v["sum_s"] = _time(_launch(pairs, False, shape, out))
         v["fused_s"] = _time(_launch(pairs, True, shape, out))
         variants.append(v)
@@ -89,7 +101,7 @@ def main() -> None:
         )
     rows["variants"] = variants
     best = min(variants, key=lambda v: v["sum_s"] + v["fused_s"])  # S2 with checksums: one fused pass, one sum
-    rows["best"] = f"{best['block']},{best['steps']},{best['warps']}"
+    rows["best"] = f"{best['block']},{best['steps']},{best['warps']},{best['loop']}"
     print(json.dumps(rows, indent=1))
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -44,21 +44,23 @@ def odd_sizes() -> None:
         ps = PieceSums([Piece(t, 0, dst=d)], out, use_triton=True)
         ps.run()
         assert torch.equal(d, t) and int(out[0]) == ref(t), n
-        small = kernel_sums([Piece(t, 0)], 1, block=16, steps=2)  # many chunks per piece
-        assert int(small[0]) == ref(t), n
+        for loop in (False, True):  # many chunks per piece
+            small = kernel_sums([Piece(t, 0)], 1, block=16, steps=2, loop=loop)
+            assert int(small[0]) == ref(t), n
 
 
 def pitched_rows() -> None:
     narrow = torch.randn(40, 30, generator=G)[:, 4:24]  # rows of 10 words, pitch 15: shorter than a block
     wide = torch.randn(40, 100, generator=G)[:, 4:68]  # rows of 32 words, pitch 50: a block crosses one row end
     for v in (narrow, wide):
-        assert int(kernel_sums([Piece(v, 0)], 1, block=16, steps=2)[0]) == ref(v)
-        assert int(kernel_sums([Piece(v, 0)], 1, block=16, steps=4)[0]) == ref(v)
-        dense = torch.zeros(v.shape)
-        pitched = torch.zeros(v.shape[0], v.shape[1] + 16)[:, 8:-8]
-        out = kernel_sums([Piece(v, 0, dst=dense), Piece(v, 1, dst=pitched)], 2, block=16, steps=2)
-        assert torch.equal(dense, v) and torch.equal(pitched, v)
-        assert out.tolist() == [ref(v)] * 2
+        for loop in (False, True):
+            assert int(kernel_sums([Piece(v, 0)], 1, block=16, steps=2, loop=loop)[0]) == ref(v)
+            assert int(kernel_sums([Piece(v, 0)], 1, block=16, steps=4, loop=loop)[0]) == ref(v)
+            dense = torch.zeros(v.shape)
+            pitched = torch.zeros(v.shape[0], v.shape[1] + 16)[:, 8:-8]
+            out = kernel_sums([Piece(v, 0, dst=dense), Piece(v, 1, dst=pitched)], 2, block=16, steps=2, loop=loop)
+            assert torch.equal(dense, v) and torch.equal(pitched, v)
+            assert out.tolist() == [ref(v)] * 2
     bf = torch.randn(64, 2048, generator=G).to(torch.bfloat16)[:, 1024:]  # rows of 256 words, default block
     out = torch.zeros(1, dtype=torch.int64)
     PieceSums([Piece(bf, 0)], out, use_triton=True).run()
@@ -67,9 +69,11 @@ def pitched_rows() -> None:
 
 def many_pieces_one_launch() -> None:
     a, b, c = rand_bytes(100), torch.randn(9, 20, generator=G)[:, 2:18], rand_bytes(8)
-    out = kernel_sums([Piece(a, 0, base=2), Piece(b, 0, base=40), Piece(c, 1), Piece(a, 2)], 3, block=16, steps=2)
     want = [(ref(a, 2) + ref(b, 40) + (1 << 63)) % (1 << 64) - (1 << 63), ref(c), ref(a)]
-    assert out.tolist() == want, (out.tolist(), want)
+    for loop in (False, True):
+        pieces = [Piece(a, 0, base=2), Piece(b, 0, base=40), Piece(c, 1), Piece(a, 2)]
+        out = kernel_sums(pieces, 3, block=16, steps=2, loop=loop)
+        assert out.tolist() == want, (loop, out.tolist(), want)
 
 
 def unaligned_falls_back() -> None:

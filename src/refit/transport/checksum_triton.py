@@ -8,20 +8,18 @@ address, destination address (0: sum only), byte count, and how its logical word
 one endless row). A second table cuts every piece into chunks of ``BLOCK * STEPS`` words; one
 program per chunk loads each word once (and stores it to the destination: the copy is the read the
 checksum needs anyway), hashes it with its position and adds its chunk's total into ``out[slot]``
-with one 64-bit atomic add (wrapping addition is order-free, so the result is deterministic). A
-program's steps are unrolled and branch-free: whether it copies and whether rows are narrower than a
-step (then a division per word finds the row) are per launch, one launch per kind present.
+with one 64-bit atomic add (wrapping addition is order-free, so the result is deterministic). Per
+launch (one per kind present): whether it copies, and how rows are addressed (1-D runs: a base
+pointer per step and 32-bit offsets; rows at least a step wide; narrower rows, a division per word).
+A chunk wholly inside its piece runs unmasked; the steps are a loop (or unrolled: ``LOOP``).
 
 Addressable here: pieces whose rows are 8-byte aligned (base address, row width and pitches
 multiples of 8 bytes), or 1-D runs at an 8-byte aligned address with any length (the tail bytes
 are read one by one). Anything else goes to the torch path (``kernel_row`` returns None).
-Measured on an H100 (``bench/checksum_kernels.py``: 3.93 GB in 81 Llama-shaped bf16 pieces, one launch):
-the sum alone reads 2.5 TB/s in every shape tried, below the ~3 TB/s a read can reach: each word costs
-three 64-bit multiplications and three 64-bit xor-shifts (several 32-bit instructions each), and the
-pass is bound by issuing them. Fused with the copy: 3.71 ms with the default shape against 2.84 ms for
-torch ``copy_`` of the same pieces; a first version whose steps were a loop (8 steps of 1024 words,
-4 warps; per-step branches on row width and copy) took 2.89 ms, i.e. copy speed: the next shape to
-try (docs/benchmarks.md).
+Measured on an H100 (``bench/checksum_kernels.py``: 3.93 GB in 81 Llama-shaped bf16 pieces, one launch;
+docs/benchmarks.md, "Checksum kernel, second pass"): the sum alone reads ~3 TB/s, the fused copy and sum
+takes 2.68 ms against 2.84 ms for torch ``copy_`` of the same pieces. Most of the gain over the first
+version (2.5 TB/s, 3.71 ms) came from the unmasked full chunks and the 1-D addressing, not the shape.
 """
 
 from __future__ import annotations
@@ -42,9 +40,10 @@ except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch pat
     AVAILABLE = False
 
 DENSE = 1 << 62  # row_words / pitch of a 1-D run: one row longer than any piece
-BLOCK = 1024  # words a program handles per step
-STEPS = 2  # steps per program, unrolled (a chunk: 16 KiB)
-NUM_WARPS = 4
+BLOCK = 2048  # words a program handles per step
+STEPS = 8  # steps per program (a chunk: 128 KiB)
+NUM_WARPS = 8
+LOOP = True  # the steps are a loop (not unrolled)
 
 
 if AVAILABLE:
@@ -83,12 +82,110 @@ if AVAILABLE:
         return _mix(word ^ ((n8 + base + 1).to(tl.uint64) * KEY), MUL1, MUL2)
 
     @triton.jit
+    def _step(
+        acc,
+        sptr,
+        dptr,
+        s,
+        r0,
+        c0,
+        rw,
+        sp,
+        dp,
+        n8,
+        kbase,
+        ar,
+        ar_key,
+        COPY: tl.constexpr,
+        ROWS: tl.constexpr,
+        MASKED: tl.constexpr,
+        BLOCK: tl.constexpr,
+        KEY: tl.constexpr,
+        MUL1: tl.constexpr,
+        MUL2: tl.constexpr,
+    ):
+        """One step: the ``BLOCK`` logical words from ``s`` loaded (and copied), hashed and added into ``acc``.
+        ``ROWS``: 0 a 1-D run (offset = word), 1 rows at least a step wide (``r0``/``c0``: the row and column
+        the step starts at, advanced here without division), 2 narrower rows (a division per word).
+        ``MASKED``: words past ``n8`` are skipped (only a piece's last chunk needs it)."""
+        sq, dq = sptr, dptr
+        if ROWS == 0:  # the step's base pointers, then 32-bit offsets
+            sq, dq = sptr + s, dptr + s
+            so, do = ar, ar
+        elif ROWS == 1:
+            c = c0 + ar
+            so = _wide_offsets(r0, c, rw, sp)
+            do = _wide_offsets(r0, c, rw, dp)
+            c0 += BLOCK
+            wrap = (c0 >= rw).to(tl.int64)
+            c0 -= wrap * rw
+            r0 += wrap
+        else:
+            w = s + ar
+            so = _narrow_offsets(w, rw, sp)
+            do = _narrow_offsets(w, rw, dp)
+        key = (s + kbase).to(tl.uint64) * KEY + ar_key
+        if MASKED:
+            mask = (s + ar) < n8
+            x = tl.load(sq + so, mask=mask, other=0)
+            if COPY:
+                tl.store(dq + do, x, mask=mask)
+            acc += tl.where(mask, _mix(x.to(tl.uint64, bitcast=True) ^ key, MUL1, MUL2), 0)
+        else:
+            x = tl.load(sq + so)
+            if COPY:
+                tl.store(dq + do, x)
+            acc += _mix(x.to(tl.uint64, bitcast=True) ^ key, MUL1, MUL2)
+        return acc, r0, c0
+
+    @triton.jit
+    def _steps(
+        acc,
+        sptr,
+        dptr,
+        w0,
+        r0,
+        c0,
+        rw,
+        sp,
+        dp,
+        n8,
+        kbase,
+        ar,
+        ar_key,
+        COPY: tl.constexpr,
+        ROWS: tl.constexpr,
+        MASKED: tl.constexpr,
+        LOOP: tl.constexpr,
+        BLOCK: tl.constexpr,
+        STEPS: tl.constexpr,
+        KEY: tl.constexpr,
+        MUL1: tl.constexpr,
+        MUL2: tl.constexpr,
+    ):
+        """A chunk's ``STEPS`` steps: a loop (``LOOP``) or unrolled."""
+        if LOOP:
+            for j in range(STEPS):
+                acc, r0, c0 = _step(
+                    acc, sptr, dptr, w0 + j * BLOCK, r0, c0, rw, sp, dp, n8, kbase, ar, ar_key,
+                    COPY, ROWS, MASKED, BLOCK, KEY, MUL1, MUL2,
+                )  # fmt: skip
+        else:
+            for j in tl.static_range(STEPS):
+                acc, r0, c0 = _step(
+                    acc, sptr, dptr, w0 + j * BLOCK, r0, c0, rw, sp, dp, n8, kbase, ar, ar_key,
+                    COPY, ROWS, MASKED, BLOCK, KEY, MUL1, MUL2,
+                )  # fmt: skip
+        return acc
+
+    @triton.jit
     def _sum_kernel(
         meta_ptr,
         chunk_ptr,
         out_ptr,
         COPY: tl.constexpr,
-        NARROW: tl.constexpr,
+        ROWS: tl.constexpr,
+        LOOP: tl.constexpr,
         BLOCK: tl.constexpr,
         STEPS: tl.constexpr,
         KEY: tl.constexpr,
@@ -111,30 +208,21 @@ if AVAILABLE:
         n8 = nbytes // 8
         sptr = src.to(tl.pointer_type(tl.int64))
         dptr = dst.to(tl.pointer_type(tl.int64))
-        ar = tl.arange(0, BLOCK).to(tl.int64)
+        ar = tl.arange(0, BLOCK)
         ar_key = ar.to(tl.uint64) * KEY
         acc = tl.zeros([BLOCK], dtype=tl.uint64)
-        r0 = w0 // rw  # wide rows: the row and column each step starts at, advanced without division
+        r0 = w0 // rw  # wide rows: the row and column the first step starts at
         c0 = w0 - r0 * rw
-        for j in tl.static_range(STEPS):  # unrolled, no branches inside: all loads can be in flight at once
-            s = w0 + j * BLOCK
-            w = s + ar
-            mask = w < n8
-            if NARROW:
-                x = tl.load(sptr + _narrow_offsets(w, rw, sp), mask=mask, other=0)
-                if COPY:
-                    tl.store(dptr + _narrow_offsets(w, rw, dp), x, mask=mask)
-            else:
-                c = c0 + ar
-                x = tl.load(sptr + _wide_offsets(r0, c, rw, sp), mask=mask, other=0)
-                if COPY:
-                    tl.store(dptr + _wide_offsets(r0, c, rw, dp), x, mask=mask)
-                c0 += BLOCK
-                wrap = (c0 >= rw).to(tl.int64)
-                c0 -= wrap * rw
-                r0 += wrap
-            key = (s + base + 1).to(tl.uint64) * KEY + ar_key
-            acc += tl.where(mask, _mix(x.to(tl.uint64, bitcast=True) ^ key, MUL1, MUL2), 0)
+        if w0 + BLOCK * STEPS <= n8:  # a whole chunk (all but a piece's last): no masks
+            acc = _steps(
+                acc, sptr, dptr, w0, r0, c0, rw, sp, dp, n8, base + 1, ar, ar_key,
+                COPY, ROWS, False, LOOP, BLOCK, STEPS, KEY, MUL1, MUL2,
+            )  # fmt: skip
+        else:
+            acc = _steps(
+                acc, sptr, dptr, w0, r0, c0, rw, sp, dp, n8, base + 1, ar, ar_key,
+                COPY, ROWS, True, LOOP, BLOCK, STEPS, KEY, MUL1, MUL2,
+            )  # fmt: skip
         total = tl.sum(acc, axis=0)
         if w0 == 0:
             total += _mix(nbytes.to(tl.uint64) ^ LEN_KEY, MUL1, MUL2)
@@ -167,17 +255,18 @@ def kernel_row(src: torch.Tensor, dst: torch.Tensor | None, base: int, slot: int
     return (*ptrs, nbytes, width // 8, spitch // 8, dpitch // 8, base, slot)
 
 
-def tuning() -> tuple[int, int, int]:
-    """(block, steps, warps): the defaults (the shape ``refit bench`` S2 was measured with, see
-    docs/benchmarks.md), or ``REFIT_SUM_KERNEL=block,steps,warps`` (powers of two) to measure another
-    shape of the same kernel (``bench/checksum_kernels.py`` compares some)."""
+def tuning() -> tuple[int, int, int, bool]:
+    """(block, steps, warps, loop): the defaults (the shape ``refit bench`` S2 was measured with, see
+    docs/benchmarks.md), or ``REFIT_SUM_KERNEL=block,steps,warps[,loop]`` (powers of two; loop 1: the
+    steps are a loop, 0: unrolled; default 1) to measure another shape of the same kernel
+    (``bench/checksum_kernels.py`` compares some)."""
     env = os.environ.get("REFIT_SUM_KERNEL")
     if not env:
-        return BLOCK, STEPS, NUM_WARPS
+        return BLOCK, STEPS, NUM_WARPS, LOOP
     vals = tuple(int(v) for v in env.split(","))
-    if len(vals) != 3 or any(v < 1 or v & (v - 1) for v in vals):
-        raise ValueError(f"REFIT_SUM_KERNEL must be block,steps,warps (powers of two), got {env!r}")
-    return vals
+    if len(vals) not in (3, 4) or any(v < 1 or v & (v - 1) for v in vals[:3]) or vals[3:] not in ((), (0,), (1,)):
+        raise ValueError(f"REFIT_SUM_KERNEL must be block,steps,warps[,loop] (powers of two; 0 or 1), got {env!r}")
+    return vals[0], vals[1], vals[2], bool(vals[3]) if len(vals) == 4 else True
 
 
 class _Group:
@@ -211,25 +300,28 @@ class SumLaunch:
         block: int | None = None,
         steps: int | None = None,
         num_warps: int | None = None,
+        loop: bool | None = None,
     ) -> None:
-        tb, ts, tw = tuning()
+        tb, ts, tw, tl_ = tuning()
         self.block, self.steps, self.num_warps = block or tb, steps or ts, num_warps or tw
+        self.loop = tl_ if loop is None else loop
         self.device, self.entries = torch.device(device), len(rows)
         self.constants = dict(zip(("KEY", "MUL1", "MUL2", "LEN_KEY"), constants))
-        kinds: dict[tuple[bool, bool], list[tuple[int, ...]]] = {}
+        kinds: dict[tuple[bool, int], list[tuple[int, ...]]] = {}
         for r in rows:
-            kinds.setdefault((r[1] != 0, r[3] < self.block), []).append(r)
+            kinds.setdefault((r[1] != 0, 0 if r[3] == DENSE else 1 if r[3] >= self.block else 2), []).append(r)
         self.groups = {k: _Group(rs, self.block * self.steps, self.device) for k, rs in sorted(kinds.items())}
 
     def launch(self, out: torch.Tensor) -> None:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            for (copy, narrow), g in self.groups.items():
+            for (copy, rows), g in self.groups.items():
                 _sum_kernel[(g.programs,)](
                     g.meta,
                     g.chunks,
                     out,
                     COPY=copy,
-                    NARROW=narrow,
+                    ROWS=rows,
+                    LOOP=self.loop,
                     BLOCK=self.block,
                     STEPS=self.steps,
                     num_warps=self.num_warps,
