@@ -39,6 +39,8 @@ def _first_difference(side: str, mine: list, theirs: list) -> str | None:
     for a, b in zip(mine, theirs):
         if a[:3] != b[:3]:
             return f"first differing {side} tensor: here {a[:3]}, there {b[:3]}"
+        if a[5:] != b[5:]:
+            return f"{side} tensor {a[0]!r} is stored in blocks of {a[5:] or 'all'} rows here, {b[5:] or 'all'} there"
         if a[3:] != b[3:]:
             here, there = dict(zip(a[3], a[4])), dict(zip(b[3], b[4]))
             r = min(r for r in here.keys() | there.keys() if here.get(r) != there.get(r))

@@ -9,6 +9,10 @@ Vocabulary
   box a rank holds. Several mesh dims sharding the same tensor dim nest in
   mesh-dim order, each splitting the previous one's piece with ``torch.chunk``
   semantics (ceil-sized chunks, the last ones short or empty), as DTensor does.
+  A source tensor may be stored in blocks (``row_block``): every aligned run of
+  ``row_block`` indices of dim 0 a rank holds lies in memory of its own (a query
+  group inside Megatron's interleaved ``linear_qkv``, one expert among separate
+  expert parameters); the rank's box is then the union of its ``parts``.
 * ``ModelLayout``: the ordered TensorLayouts of one side and its world size.
 
 This module knows nothing of models, transports or devices.
@@ -58,6 +62,11 @@ def box_intersect(a: Box, b: Box) -> Box | None:
             return None
         out.append((lo, hi))
     return tuple(out)
+
+
+def box_contains(outer: Box, inner: Box) -> bool:
+    """True if ``inner`` lies inside ``outer`` (same coordinates)."""
+    return all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(inner, outer))
 
 
 def box_relative(box: Box, origin: Box) -> Box:
@@ -190,6 +199,10 @@ class TensorLayout:
 
     The boxes come from ``mesh`` and ``placements`` unless ``boxes`` is given
     explicitly (rank -> box), for shardings that no mesh describes.
+
+    ``row_block`` (source layouts): each holder stores every aligned run of ``row_block``
+    indices of dim 0 separately, so no piece may cross a multiple of ``row_block`` there;
+    ``parts(rank)`` lists its box cut at those multiples. None: each rank's box is one tensor.
     """
 
     name: str
@@ -198,6 +211,7 @@ class TensorLayout:
     mesh: Mesh
     placements: tuple[Placement, ...]
     boxes: Mapping[int, Box] | None = field(default=None, compare=True)
+    row_block: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -218,6 +232,22 @@ class TensorLayout:
                         f"tensor {self.name!r}: box {b} of rank {r} lies outside shape {list(self.shape)}"
                     )
             object.__setattr__(self, "boxes", dict(sorted(self.boxes.items())))
+        rb = self.row_block
+        if rb is not None and (isinstance(rb, bool) or not isinstance(rb, int) or rb < 1 or not self.shape):
+            raise LayoutError(f"tensor {self.name!r}: row_block must be an integer >= 1 (on dim 0), not {rb!r}")
+
+    def parts(self, rank: int) -> list[Box]:
+        """The boxes ``rank`` stores as separate tensors, in order along dim 0: its box cut at every
+        multiple of ``row_block`` (without ``row_block``: the box itself); empty if it holds nothing."""
+        b = self.box(rank)
+        if b is None or box_numel(b) == 0:
+            return []
+        if self.row_block is None:
+            return [b]
+        lo, hi = b[0]
+        rb = self.row_block
+        cuts = [lo, *range((lo // rb + 1) * rb, hi, rb), hi]
+        return [((a, z),) + b[1:] for a, z in zip(cuts, cuts[1:])]
 
     @property
     def numel(self) -> int:
@@ -337,6 +367,8 @@ class ModelLayout:
             }
             if t.boxes is not None:
                 d["boxes"] = {str(r): [list(x) for x in b] for r, b in t.boxes.items()}
+            if t.row_block is not None:
+                d["row_block"] = t.row_block
             tensors.append(d)
         return {
             "format": LAYOUT_FORMAT,
@@ -415,10 +447,16 @@ def _tensor_from_json(i: int, d: Mapping, meshes: Sequence[Mesh]) -> TensorLayou
             boxes = {int(r): tuple(_ints(x, "box bound") for x in b) for r, b in boxes.items()}
         shape, dtype = _ints(d["shape"], "shape"), dtype_from_name(d["dtype"])
         placements = tuple(parse_placement(p) for p in d["placements"])
+        row_block = d.get("row_block")
+        if row_block is not None:
+            row_block = _int(row_block, "row_block")
     except LayoutError as e:
         raise LayoutError(f"{LAYOUT_FORMAT} layout document, tensor {name!r}: {e}") from e
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise LayoutError(
             f"{LAYOUT_FORMAT} layout document, tensor {name!r}: missing or malformed field ({type(e).__name__}: {e})"
         ) from e
-    return TensorLayout(name, shape, dtype, meshes[mesh], placements, boxes)
+    try:
+        return TensorLayout(name, shape, dtype, meshes[mesh], placements, boxes, row_block)
+    except LayoutError as e:
+        raise LayoutError(f"{LAYOUT_FORMAT} layout document: {e}") from e

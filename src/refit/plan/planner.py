@@ -257,8 +257,9 @@ class Plan:
 
 
 def canonical_tensor(t: TensorLayout) -> list:
-    """``[name, shape, dtype, ranks, boxes]``: every rank holding a part (sorted) and its box, as JSON
-    lists; equal for equivalent layouts however described (mesh names, explicit boxes)."""
+    """``[name, shape, dtype, ranks, boxes]`` (and ``row_block`` where set): every rank holding a part
+    (sorted) and its box, as JSON lists; equal for equivalent layouts however described (mesh names,
+    explicit boxes)."""
     lists: dict[int, list] = {}  # id(box) -> its JSON form: the ranks of one shard share a box object
     boxes = []
     for b in t._all_boxes.values():
@@ -266,7 +267,8 @@ def canonical_tensor(t: TensorLayout) -> list:
         if j is None:
             j = lists[id(b)] = [list(x) for x in b]
         boxes.append(j)
-    return [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), list(t._all_boxes), boxes]
+    out = [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), list(t._all_boxes), boxes]
+    return out if t.row_block is None else [*out, t.row_block]
 
 
 # ---------------------------------------------------------------------------- digest
@@ -340,8 +342,11 @@ def check_compatible(src: ModelLayout, dst: ModelLayout) -> None:
 
 
 def _source_tiles(t: TensorLayout) -> list[tuple[Box, list[int]]]:
-    """Distinct source boxes with their holders; they must tile the tensor exactly."""
+    """Distinct source boxes with their holders, cut into the parts the holders store separately
+    (``row_block``); they must tile the tensor exactly."""
     tiles = sorted(t.holders().items())
+    if t.row_block is not None:
+        tiles = [(part, holders) for box, holders in tiles for part in t.parts(holders[0])]
     if t.boxes is not None:  # boxes from a mesh and placements are disjoint by construction
         for i, (a, _) in enumerate(tiles):
             for b, _ in tiles[i + 1 :]:
