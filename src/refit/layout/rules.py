@@ -40,6 +40,7 @@ from refit.layout.hf_names import (
     ROW_PARALLEL,
     STACKED_EXPERTS,
     VOCAB_PARALLEL,
+    Role,
     is_weight,
     is_weight_or_bias,
     layer_of,
@@ -137,11 +138,14 @@ EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 """The config field that counts a MoE layer's routed experts (Qwen-MoE, Mixtral, DeepSeek-V3)."""
 
 
-def check_spec_fits(params: Sequence[ParamShape], spec: ParallelSpec, config: Any) -> None:
+def check_spec_fits(
+    params: Sequence[ParamShape], spec: ParallelSpec, config: Any, *, kv_replicas: bool = False
+) -> None:
     """``SpecError`` unless every rank of ``spec`` holds whole units of the model (``config``: its HF config):
 
     * ``tp`` divides ``num_attention_heads`` and ``num_key_value_heads`` (spec layouts split KV heads; they
-      cannot replicate them, as vLLM does when tp exceeds their number);
+      cannot replicate them, as vLLM does when tp exceeds their number); with ``kv_replicas`` (Megatron's
+      layout, which cuts the interleaved query groups) ``tp`` may instead be a multiple of them;
     * ``ep`` divides the routed experts (``EXPERT_COUNTS``);
     * every ``tp``, ``ep`` or ``etp`` split of a tensor is even (MLP and expert intermediate sizes), but for
       the vocab, which may end in a shorter chunk (DTensor's vocab-parallel embedding does the same).
@@ -149,12 +153,14 @@ def check_spec_fits(params: Sequence[ParamShape], spec: ParallelSpec, config: An
     The message names the degree, the config field or tensor and its size, not the spec (the caller's).
     """
     _divides(spec, "tp", config, "num_attention_heads", "a rank holds whole attention heads")
-    _divides(spec, "tp", config, "num_key_value_heads", "spec layouts split KV heads, they cannot replicate them")
+    kv, tp = getattr(config, "num_key_value_heads", None), spec.degree("tp")
+    if not (kv_replicas and isinstance(kv, int) and tp % kv == 0):
+        _divides(spec, "tp", config, "num_key_value_heads", "spec layouts split KV heads, they cannot replicate them")
     experts = next((f for f in EXPERT_COUNTS if getattr(config, f, None)), None)
     if experts is not None:
         _divides(spec, "ep", config, experts, "a rank holds whole experts")
     for t in layout_from_spec(params, spec):
-        if param_role(t.name) in VOCAB_PARALLEL:
+        if param_role(t.name) in VOCAB_PARALLEL or (kv_replicas and param_role(t.name) in (Role.K_PROJ, Role.V_PROJ)):
             continue
         for dim, p in zip(t.mesh.dim_names, t.placements):
             degree = spec.degree(dim)

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from refit.config import TransferConfig
 from refit.errors import USER_ERRORS, ConfigError, SpecError
+from refit.layout import megatron as megatron_rules
 from refit.layout.hf_names import num_layers
 from refit.layout.models import PRESETS, load_config, param_shapes
 from refit.layout.rules import check_spec_fits, layout_from_spec
@@ -97,7 +98,11 @@ def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama"
         required=model_default is None,
         help=f"preset ({', '.join(PRESETS)}) or path to an HF config.json",
     )
-    p.add_argument("--src", default="tp=2", help="trainer layout, keys pp,dp,fsdp,ep,etp,tp (default tp=2)")
+    p.add_argument(
+        "--src",
+        default="tp=2",
+        help="trainer layout, keys pp,dp,fsdp,ep,etp,tp (default tp=2); prefix megatron: for Megatron-Core's storage",
+    )
     p.add_argument("--dst", default="tp=1,dp=2", help="engine layout, keys dp,ep,tp (default tp=1,dp=2)")
     p.add_argument(
         "--src-ranks", type=positive_int, default=None, help="check the trainer spec against this many ranks"
@@ -268,7 +273,7 @@ def cmd_bench(args, console) -> int:
 def _setup(args):
     """The two specs, the transfer settings and the model's shapes from the common flags."""
     with _flag("--src"):
-        src = parse_spec(args.src, "src")
+        src = parse_spec(_src_family(args.src)[1], "src")
     with _flag("--dst"):
         dst = parse_spec(args.dst, "dst")
     for flag, spec, ranks in (("--src-ranks", src, args.src_ranks), ("--dst-ranks", dst, args.dst_ranks)):
@@ -282,10 +287,28 @@ def _setup(args):
     n_layers = num_layers(n for n, _, _ in shapes)
     if src.degree("pp") > max(n_layers, 1):
         raise SpecError(f"--src {src}: pp={src.degree('pp')} exceeds the model's {n_layers} decoder layers")
+    megatron = _src_family(args.src)[0] == megatron_rules.FAMILY
     for flag, spec in (("--src", src), ("--dst", dst)):
         with _flag(f"{flag} {spec}"):
-            check_spec_fits(shapes, spec, config)
+            check_spec_fits(shapes, spec, config, kv_replicas=megatron and spec is src)
     return src, dst, cfg, shapes
+
+
+def _src_family(text: str) -> tuple[str | None, str]:
+    """``("megatron", "tp=2")`` for ``--src megatron:tp=2``; ``(None, text)`` without a family."""
+    family, sep, rest = text.partition(":")
+    if not sep:
+        return None, text
+    if family.strip() != megatron_rules.FAMILY:
+        raise SpecError(f"unknown trainer family {family.strip()!r} in {text!r}; known: {megatron_rules.FAMILY}")
+    return megatron_rules.FAMILY, rest
+
+
+def _src_layout(args, shapes, src):
+    """The trainer's layout: Megatron-Core's (``--src megatron:...``) or the generic DTensor rules'."""
+    if _src_family(args.src)[0] == megatron_rules.FAMILY:
+        return megatron_rules.megatron_layout(shapes, src, load_config(args.model))
+    return layout_from_spec(shapes, src)
 
 
 def _plan_json(plan: Plan, bandwidth: float) -> dict:
@@ -363,7 +386,7 @@ def cmd_plan(args, console) -> int:
 
     src, dst, cfg, shapes = _setup(args)
     t0 = time.perf_counter()  # plan building starts here: shapes are given
-    src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
+    src_l, dst_l = _src_layout(args, shapes, src), layout_from_spec(shapes, dst)
     if args.cluster:
         return _cluster(args, console, src, dst, shapes, src_l, dst_l, t0)
     if args.fp8:
@@ -410,7 +433,7 @@ def cmd_verify(args, console) -> int:
     from refit.tools.verify import check_dump, verify
 
     src, dst, cfg, shapes = _setup(args)
-    src_l, dst_l = layout_from_spec(shapes, src), layout_from_spec(shapes, dst)
+    src_l, dst_l = _src_layout(args, shapes, src), layout_from_spec(shapes, dst)
     if args.inject is not None:
         for flag, given in (("--fp8", args.fp8), ("--dump", args.dump)):
             if given is not None:
@@ -477,7 +500,7 @@ def cmd_soak(args, console) -> int:
     if not 1 <= args.warmup < args.refits:
         raise ConfigError(f"need 1 <= --warmup < --refits, got --warmup {args.warmup}, --refits {args.refits}")
     console.print(f"soak {args.model}: trainer {src} -> engine {dst}, {args.refits} refits on CPU gloo ...")
-    res = soak(layout_from_spec(shapes, src), layout_from_spec(shapes, dst), args.refits, args.warmup, cfg)
+    res = soak(_src_layout(args, shapes, src), layout_from_spec(shapes, dst), args.refits, args.warmup, cfg)
     for p, r in enumerate(res.rows):
         console.print(
             f"  process {p} ({r['role']} rank {r['rank']}): RSS {r['rss_warm'] / 2**20:.1f} -> "

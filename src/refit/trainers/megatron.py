@@ -43,6 +43,7 @@ from torch.distributed.tensor import Replicate
 
 from refit.layout import Box, LayoutError, Mesh, ModelLayout, TensorLayout, box_shape
 from refit.layout.hf_names import logical_shape
+from refit.layout.megatron import qkv_row_block, qkv_rows
 from refit.layout.tensors import dtype_from_name, dtype_name
 from refit.trainers.gather import all_gather_json
 
@@ -268,29 +269,20 @@ def _vocab_hold(name: str, mname: str, p: torch.Tensor, ctx: _Ctx) -> Iterator[H
 
 def _qkv_holds(prefix: str, kind: str, mname: str, p: torch.Tensor, ctx: _Ctx) -> Iterator[Hold]:
     """q, k, v parts of this rank's rows of the interleaved ``[q_g; k_g; v_g]`` groups."""
-    hd, per = ctx.head_dim, ctx.heads // ctx.groups
-    seg = (per + 2) * hd  # rows of one query group
+    hd, groups = ctx.head_dim, ctx.groups
     rows, (r, size) = p.shape[0], (ctx.tp if getattr(p, "tensor_model_parallel", False) else (0, 1))
-    lo = r * rows
-    if rows * size != ctx.groups * seg:
+    if rows * size != groups * (ctx.heads // groups + 2) * hd:
         raise LayoutError(
-            f"Megatron parameter {mname!r} has {rows} rows per rank; {ctx.groups} query groups of "
-            f"{per} q heads + k + v at head size {hd} need {ctx.groups * seg} in all"
+            f"Megatron parameter {mname!r} has {rows} rows on each of {size} ranks; {groups} query groups of "
+            f"{ctx.heads // groups} q heads + k + v at head size {hd} need {groups * (ctx.heads // groups + 2) * hd}"
         )
-    parts: dict[str, list[Part]] = {"q": [], "k": [], "v": []}
-    w = p.detach()
-    for g in range(lo // seg, -(-(lo + rows) // seg)):
-        for what, off, n in (("q", 0, per * hd), ("k", per * hd, hd), ("v", (per + 1) * hd, hd)):
-            a, b = max(lo, g * seg + off), min(lo + rows, g * seg + off + n)
-            if a < b:
-                base = g * n - (g * seg + off)  # global interleaved row -> HF row
-                parts[what].append((((a + base, b + base),) + _whole(w.shape[1:]), w[a - lo : b - lo]))
-    for what, ps in parts.items():
-        if ps:
+    w, rest = p.detach(), _whole(p.shape[1:])
+    for what, runs in qkv_rows(r * rows, (r + 1) * rows, ctx.heads, groups, hd).items():
+        if runs:
             name = f"{prefix}{what}_proj.{kind}"
-            block = per * hd if what == "q" else hd
-            hold = Hold(name, ctx.shape(name, mname), p.dtype, tuple(ps), block)
-            yield _checked(hold, mname)
+            parts = tuple((((a, b),) + rest, w[o : o + b - a]) for a, b, o in runs)
+            block = qkv_row_block(what, ctx.heads, groups, hd)
+            yield _checked(Hold(name, ctx.shape(name, mname), p.dtype, parts, block), mname)
 
 
 def _fc1_holds(prefix: str, mname: str, p: torch.Tensor, ctx: _Ctx) -> Iterator[Hold]:

@@ -3,6 +3,7 @@
     info = RefitTrainerInitInfo(rank=r, master_address=..., master_port=..., n_trainer=N, n_workers=W)
     engine = RefitTrainerEngine.trainer_init(info, client=LLMClient(llm) if r == 0 else None,
                                              source=ShardedModuleSource(model, N))
+    # a Megatron-Core trainer: source=MegatronSource(gpt_model, hf_config) (refit.trainers.megatron)
     ...optimizer step...
     engine.send_weights(version)
 
@@ -97,8 +98,11 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
 
     @classmethod
     def trainer_init(cls, init_info: RefitTrainerInitInfo, *, client=None, source: WeightSource | None = None):
-        if not isinstance(source, ShardedModuleSource):
-            raise TypeError("the refit backend needs source=ShardedModuleSource(module, trainer_world_size)")
+        if not all(callable(getattr(source, a, None)) for a in ("layout", "local")):
+            raise TypeError(
+                "the refit backend needs a source with layout() and local(): ShardedModuleSource(module, "
+                f"trainer_world_size) or refit.trainers.megatron.MegatronSource(model, hf_config); got {source!r}"
+            )
         if source.world_size != init_info.n_trainer:
             raise ValueError(f"source world_size={source.world_size} != n_trainer={init_info.n_trainer}")
         if init_info.is_sender and client is None:
