@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from refit.layout.hf_names import LINEAR, STACKED_EXPERTS, Role, is_weight, param_role
-from refit.layout.tensors import Box, LayoutError, ModelLayout, TensorLayout, box_slices
+from refit.layout.tensors import Box, LayoutError, ModelLayout, TensorLayout, box_shape, box_slices
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -174,7 +174,7 @@ def fp8_layout(
         boxes = {r: b for r in t.ranks if (b := t.box(r)) is not None}
         scales = {r: _scale_box(t, r, b, block, side) for r, b in boxes.items()}
         gshape = tuple(t.shape[:-2]) + tuple(-(-n // b) for n, b in zip(t.shape[-2:], block))
-        out.append(TensorLayout(t.name, t.shape, FP8, t.mesh, t.placements, t.boxes))
+        out.append(TensorLayout(t.name, t.shape, FP8, t.mesh, t.placements, t.boxes, t.row_block))
         out.append(TensorLayout(scale_name(t.name), gshape, torch.float32, t.mesh, t.placements, scales))
     return ModelLayout(tuple(out), layout.world_size)
 
@@ -217,11 +217,12 @@ class Fp8Quantizer:
             if name not in quantized:
                 self.tensors[name] = w
                 continue
-            sbox = boxes[scale_name(name)]
-            q = torch.empty(w.shape, dtype=FP8, device=w.device)
-            s = torch.empty(tuple(hi - lo for lo, hi in sbox), dtype=torch.float32, device=w.device)
+            sbox, box = boxes[scale_name(name)], boxes[name]
+            parts = list(w) if isinstance(w, (list, tuple)) else [w]
+            q = torch.empty(box_shape(box), dtype=FP8, device=parts[0].device)
+            s = torch.empty(box_shape(sbox), dtype=torch.float32, device=parts[0].device)
             self.tensors[name], self.tensors[scale_name(name)] = q, s
-            self.jobs.append((name, w, q, s))
+            self.jobs += _part_jobs(qlayout[name], rank, parts, q, s, block)
 
     @property
     def nbytes(self) -> int:
@@ -233,6 +234,27 @@ class Fp8Quantizer:
             for name, w, q, s in self.jobs:
                 if w.numel() and (names is None or name in names):
                     quantize_into(w, q, s, self.block, self.chunk_bytes)
+
+
+def _part_jobs(t: TensorLayout, rank: int, live: list[torch.Tensor], q: torch.Tensor, s: torch.Tensor, block):
+    """``(name, live part, its rows of q, its rows of s)`` per part of a source stored in parts (``row_block``;
+    one part: the whole tensor). Splitting dim 0 of a 2-D weight needs each part on whole blocks of rows."""
+    parts = t.parts(rank)
+    if len(live) == 1:
+        return [(t.name, live[0], q, s)]
+    lo, out = parts[0][0][0], []
+    for part, w in zip(parts, live):
+        a, b = part[0]
+        rows = (a - lo, b - lo)
+        if len(t.shape) == 2:
+            if a % block[0] or (b % block[0] and b != t.shape[0]):
+                raise LayoutError(
+                    f"FP8 source: tensor {t.name!r} is stored in parts of {t.row_block} rows; part [{a}, {b}) is "
+                    f"not on {block[0]}-row block boundaries (use a smaller block)"
+                )
+            rows = (a // block[0] - lo // block[0], -(-b // block[0]) - lo // block[0])
+        out.append((t.name, w, q[a - lo : b - lo], s[rows[0] : rows[1]]))
+    return out
 
 
 def expected_fp8(
