@@ -63,6 +63,14 @@ def test_refit_into_vllm_matches_hf(model, spec, engine_tp):
 
 
 def test_grpo_example_runs():
+    lines = _run_example("vllm_grpo_loop.py", "--steps", "2")
+    assert lines[-1].startswith("PASS"), lines[-10:]
+    rows = [ln.split() for ln in lines if ln.split() and ln.split()[0] in ("1", "2")]
+    assert [row[-1] for row in rows] == ["1", "2"]  # the version vLLM reports after each refit
+
+
+def _run_example(name: str, *args: str) -> list[str]:
+    """Run ``examples/<name>`` with vLLM's pickle switch unset; its output lines other than vLLM's own logs."""
     import os
     import subprocess
     import sys
@@ -71,17 +79,29 @@ def test_grpo_example_runs():
     env = dict(os.environ)
     secure_env(env)  # the example needs no pickling
     r = subprocess.run(
-        [sys.executable, os.path.join(root, "examples", "vllm_grpo_loop.py"), "--steps", "2"],
+        [sys.executable, os.path.join(root, "examples", name), *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=800,
         env=env,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = [ln for ln in r.stdout.strip().splitlines() if not ln.startswith("(")]  # vLLM's own logs start with "(pid"
-    assert lines[-1].startswith("PASS"), lines[-10:]
-    rows = [ln.split() for ln in lines if ln.split() and ln.split()[0] in ("1", "2")]
-    assert [row[-1] for row in rows] == ["1", "2"]  # the version vLLM reports after each refit
+    return [ln for ln in r.stdout.strip().splitlines() if not ln.startswith("(")]  # vLLM's logs start with "(pid"
+
+
+@pytest.mark.multiproc
+def test_megatron_trainer_refits_vllm_and_greedy_tokens_equal_hf():
+    pytest.importorskip("megatron.core")
+    lines = _run_example("megatron_vllm.py", "--steps", "2")
+    assert lines[-1] == "PASS", lines[-10:]
+    got = {ln.split()[0]: ln.split(None, 1)[1] for ln in lines if ln.split()[:1] in (["vLLM"], ["HF"], ["Megatron"])}
+    assert got["vLLM"] == got["HF"] == got["Megatron"] and len(_token_list(got["vLLM"])) == 8
+    assert "vLLM reports version 2" in lines[-5]
+
+
+def _token_list(text: str) -> list[int]:
+    """``[7, 392, 73]`` printed by the example, as ints."""
+    return [int(x) for x in text.strip("[] ").split(",")]
 
 
 def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path):
