@@ -4,9 +4,10 @@ One spawn of 4 processes runs every case in turn (Megatron's import costs second
 process first builds the single-process model of the seed and converts it to HF tensors with an independent
 oracle (``megatron_cpu.hf_state``), then the case's layout of the same seed, applies one in-place elementwise
 "optimizer step" to both, and refits from ``MegatronSource`` into an engine layout hosted by the same processes
-(refit's own Receiver side). Checked: every engine shard equals the oracle's slice bit for bit, bytes moved /
-bytes needed = 1.00, the live layout equals ``megatron_layout`` of the spec where a spec can say it, and, after
-real training steps, Megatron's own logits equal an HF model fed refit's reconstruction.
+(refit's own Receiver side), twice, a step before each. Checked: every engine shard equals the oracle's slice
+bit for bit after each refit, bytes moved / bytes needed = 1.00, the live layout equals ``megatron_layout`` of
+the spec where a spec can say it, and, after real training steps, Megatron's own logits equal an HF model fed
+refit's reconstruction.
 """
 
 import pytest
@@ -96,9 +97,7 @@ def _refit(world, src_l, local, dst_l, fp8, name):
         prepare=prepare,
         config=config,
     )
-    peer.run(1)
-    peer.close()
-    return peer.plan, dst_l, dst_rank, out
+    return peer, dst_l, dst_rank, out
 
 
 def _wrong(ref: dict, dst_l, rank, out, fp8) -> list[str]:
@@ -142,10 +141,21 @@ def _case(mc, world, cid, preset, layout, engine, spec, fp8) -> dict:
             sorted(src_l.names) == sorted(want.names)
         ]
     dst_l = layout_from_spec(shapes, parse_spec(engine, "dst"))
-    plan, dst_l, rank, out = _refit(world, src_l, source.local(), dst_l, fp8, f"mc-{cid}")
+    peer, dst_l, rank, out = _refit(world, src_l, source.local(), dst_l, fp8, f"mc-{cid}")
+    wrong = []
+    for version in (1, 2):  # two refits, a step in place before each
+        if version == 2:
+            with torch.no_grad():
+                for p in model.parameters():
+                    _step(p.data)
+            ref = {n: _step(t) for n, t in ref.items()}
+        peer.run(version)
+        wrong += [f"v{version}: {n}" for n in (_wrong(ref, dst_l, rank, out, fp8) if rank is not None else [])]
+    peer.close()
+    plan = peer.plan
     return dict(
         ratio=(plan.bytes_moved + plan.bytes_local) / plan.bytes_needed,  # colocated: some copies stay local
-        wrong=_wrong(ref, dst_l, rank, out, fp8) if rank is not None else [],
+        wrong=wrong,
         checked=len(out or {}),
         same_as_spec=same_as_spec,
         parts=sum(1 for t in src_l if t.row_block is not None),
