@@ -301,3 +301,81 @@ def test_fanout_over_ipc_one_trainer_to_three_replicas():
     if len(set(devices)) == 2:
         # each receiver pulls from the holder on its own GPU: replica 1 from the trainer, replica 2 from replica 0
         assert out[1][3] == [0] and out[2][3] == [0] and out[3][3] == [1]
+
+
+def _megatron_parts_worker(world, src_l, dst_l, procs, checksums, dims):
+    """The source holds each layer's q/k/v as views into one interleaved ``linear_qkv`` (Megatron's
+    storage: parts); the engines pull their TP shards over IPC. Two versions, changed in place."""
+    from refit.layout.megatron import qkv_rows
+
+    heads, groups, hd = dims
+    dev = world.device
+    if world.rank in procs.src:
+        tensors, qkv = {}, {}
+        for t, b in src_l.local_tensors(0):
+            stem, _, what = t.name.rpartition(".self_attn.")
+            if t.row_block is None:
+                tensors[t.name] = reference_tensor(t.name, t.shape, t.dtype, seed=1)[box_slices(b)].clone().to(dev)
+                continue
+            w = what.split("_")[0]  # q, k or v
+            rows = heads * hd + 2 * groups * hd
+            buf = qkv.setdefault(stem, torch.zeros(rows, t.shape[1], dtype=t.dtype, device=dev))
+            runs = qkv_rows(0, rows, heads, groups, hd)[w]
+            tensors[t.name] = [buf[o : o + y - x] for x, y, o in runs]
+            full = reference_tensor(t.name, t.shape, t.dtype, seed=1).to(dev)
+            for (x, y, _), part in zip(runs, tensors[t.name]):
+                part.copy_(full[x:y])
+        kw = {"src_tensors": tensors}
+    else:
+        drank = procs.dst.index(world.rank)
+        tensors = {
+            t.name: torch.full(tuple(y - x for x, y in b), float("nan"), dtype=t.dtype, device=dev)
+            for t, b in dst_l.local_tensors(drank)
+        }
+        kw = {"dst_tensors": tensors}
+    cfg = TransferConfig(transport="ipc", checksums=checksums, deadline_s=60.0)
+    peer = Peer(src_l, dst_l, world.rank, procs=procs, config=cfg, device=dev, **kw)
+    ok = []
+    for v in (1, 2):
+        if v == 2 and world.rank in procs.src:  # an optimizer step in place: every bound part sees it
+            for buf in qkv.values():
+                buf.mul_(2)
+            for t in tensors.values():
+                if isinstance(t, torch.Tensor):
+                    t.mul_(2)
+        torch.cuda.synchronize(dev)
+        peer.run(v)
+        if world.rank in procs.dst:
+            ok.append(
+                all(
+                    torch.equal(
+                        tensors[t.name].cpu(),
+                        reference_tensor(t.name, t.shape, t.dtype, seed=1)[box_slices(b)] * (2 if v == 2 else 1),
+                    )
+                    for t, b in dst_l.local_tensors(procs.dst.index(world.rank))
+                )
+            )
+    parts = sum(1 for t in src_l if t.row_block is not None)
+    peer.close()
+    return ok, parts
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checksums", [False, True])
+def test_ipc_pulls_from_a_source_held_in_parts_megatron_qkv(checksums):
+    # Megatron tp=1 (q/k/v as parts of one interleaved tensor per layer) -> engine tp=2, all on cuda:0
+    from refit.layout.megatron import megatron_layout
+    from refit.layout.models import load_config
+
+    cfg = load_config("tiny-llama")
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
+    src_l = megatron_layout(shapes, parse_spec("tp=1", "src"), cfg)
+    dst_l = layout_from_spec(shapes, parse_spec("tp=2", "dst"))
+    heads = cfg.num_attention_heads
+    dims = (heads, cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    devices = ["cuda:0"] * 3
+    procs = ProcessMap.disjoint(1, 2).with_devices(devices)
+    out = run_local(_megatron_parts_worker, 1, 2, src_l, dst_l, procs, checksums, dims, devices=devices, timeout_s=240)
+    assert out[0][1] >= 3  # q, k and v of every layer are held in parts
+    for ok, _ in out[1:]:
+        assert ok == [True, True]
