@@ -160,3 +160,53 @@ def test_cli_bad_megatron_spec_is_one_line_exit_2(capsys, src, msg):
     assert main(["plan", "--model", "tiny-llama", "--src", src, "--dst", "tp=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and msg in err
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, extra: str | None, hidden: int) -> None:
+        super().__init__()
+        self.layer_number = 1
+        self.input_layernorm = torch.nn.Module()
+        self.input_layernorm.weight = torch.nn.Parameter(torch.ones(hidden))
+        if extra is not None:  # a parameter the HF model has no counterpart for, at a dotted path
+            mod = self
+            for part in extra.split(".")[:-1]:
+                mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(extra.rsplit(".", 1)[1], torch.nn.Parameter(torch.zeros(hidden, hidden)))
+
+
+def _fake_gpt(extra: str | None, stride: int = 1):
+    """A stand-in for a Megatron ``GPTModel`` chunk: the attributes ``read_holds`` reads, one layer."""
+    cfg = load_config("tiny-llama")
+    chunk = torch.nn.Module()
+    chunk.config = type("Cfg", (), {"num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 32})()
+    chunk.decoder = torch.nn.Module()
+    chunk.decoder.layers = torch.nn.ModuleList([_Layer(extra, cfg.hidden_size)])
+    if stride != 1:
+        proj = torch.nn.Parameter(torch.zeros(cfg.hidden_size, cfg.hidden_size))
+        proj.tensor_model_parallel, proj.partition_dim, proj.partition_stride = True, 1, stride
+        chunk.decoder.layers[0].add_module("self_attention", torch.nn.Module())
+        chunk.decoder.layers[0].self_attention.add_module("linear_proj", torch.nn.Module())
+        chunk.decoder.layers[0].self_attention.linear_proj.weight = proj
+    return chunk, cfg
+
+
+@pytest.mark.parametrize(
+    "extra,stride,msg",
+    [
+        ("mlp.shared_experts.linear_fc1.weight", 1, "'decoder.layers.0.mlp.shared_experts.linear_fc1.weight' .* no HF"),
+        ("self_attention.linear_proj.bias", 1, "'decoder.layers.0.self_attention.linear_proj.bias' .* no HF"),
+        (None, 2, "'decoder.layers.0.self_attention.linear_proj.weight' has partition_stride 2"),
+    ],
+)
+def test_a_megatron_parameter_that_is_not_boxes_of_hf_tensors_is_named_at_setup(monkeypatch, extra, stride, msg):
+    from refit.trainers import megatron as mt
+
+    monkeypatch.setattr(mt, "_tp_coords", lambda: ((0, 1), (0, 1)))  # parallel_state without Megatron
+    chunk, cfg = _fake_gpt(extra, stride)
+    with pytest.raises(LayoutError, match=msg):
+        mt.read_holds([chunk], cfg)
+    ok, _ = _fake_gpt(None)
+    names = [h.name for h in mt.read_holds([ok], cfg)]  # the same model without it maps
+    assert names == ["model.layers.0.input_layernorm.weight"]
