@@ -218,20 +218,17 @@ def hf_reference(model_name: str, weights: dict, tokens: list[int]):
     return out_tokens, out_lp
 
 
-def _train_and_refit(llm, model_name: str, spec: str, engine_tp: int, steps: int, load_path: str):
-    """Trainer rank 0 here, rank 1 spawned; both refit the engine after each step, then shut refit down.
-    Returns rank 0's history and leftovers (rank 1 checks its own: a failure there is its exit code)."""
-    from refit.engines.vllm.client import LLMClient
-
+def train_and_refit(client, model_name: str, spec: str, engine_tp: int, steps: int, load_path: str = "auto"):
+    """Trainer rank 0 here (driving the engine through ``client``: ``LLMClient(llm)``, vLLM's HTTP client, ...),
+    rank 1 spawned; both refit the engine after each step, then shut refit down. Returns rank 0's history
+    and leftovers (rank 1 checks its own: a failure there is its exit code)."""
     port, xfer_port = free_port(), free_port()
     p = mp.get_context("spawn").Process(
         target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path)
     )
     p.start()
     try:
-        out = trainer_loop(
-            0, port, xfer_port, model_name, spec, engine_tp, steps, client=LLMClient(llm), load_path=load_path
-        )
+        out = trainer_loop(0, port, xfer_port, model_name, spec, engine_tp, steps, client=client, load_path=load_path)
     finally:
         p.join(timeout=120)
         if p.is_alive():
@@ -247,10 +244,12 @@ def run(
     and HF's on the last weights, the workers' ``refit_stats``, the version vLLM reports, and what refit
     left behind after shutdown on trainer rank 0 (``trainer_leftovers``) and in each worker
     (``worker_leftovers``, after ``llm.shutdown_weight_transfer_engine()``)."""
+    from refit.engines.vllm.client import LLMClient
+
     with tempfile.TemporaryDirectory() as workdir:
         llm = make_llm(model_name, engine_tp, workdir)
         workers_before = llm.collective_rpc("refit_test_snapshot")
-        history, trainer_left = _train_and_refit(llm, model_name, spec, engine_tp, steps, load_path)
+        history, trainer_left = train_and_refit(LLMClient(llm), model_name, spec, engine_tp, steps, load_path)
         stats = llm.collective_rpc("refit_stats")
         llm.shutdown_weight_transfer_engine()
         workers_after = llm.collective_rpc("refit_test_snapshot")

