@@ -85,10 +85,10 @@ def test_http_client_without_secret_is_refused_before_anything_starts(monkeypatc
 def test_refit_vllm_server_over_http_matches_hf(server, monkeypatch):
     srv, secret = server
     monkeypatch.setenv("REFIT_SECRET", secret)  # both trainer ranks (rank 1 is spawned from here)
-    assert (
-        srv.post("collective_rpc", {"method": "refit_test_insecure"})["results"]
-        == [{"read": {"VLLM_ALLOW_INSECURE_SERIALIZATION": False}, "in_env": []}] * TP
-    )
+    # vLLM's pickle switch (the one *INSECURE_SERIALIZATION setting) is off in every worker, and unset
+    switches = srv.post("collective_rpc", {"method": "refit_test_insecure"})["results"]
+    assert len(switches) == TP and all(len(s["read"]) == 1 for s in switches)
+    assert all(not any(s["read"].values()) and s["in_env"] == [] for s in switches), switches
     before = srv.post("collective_rpc", {"method": "refit_test_snapshot"})["results"]
     client = RecordingClient(srv.url)
     history, trainer_left = train_and_refit(client, MODEL, "fsdp=2", TP, STEPS)
