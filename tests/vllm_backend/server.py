@@ -44,8 +44,7 @@ class VllmServer:
         port = free_port()
         env = {**os.environ, **env, "VLLM_SERVER_DEV_MODE": "1"}
         secure_env(env)
-        tests_dir = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([tests_dir, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+        env["PYTHONPATH"] = os.pathsep.join([package_root(), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
         if tp > 1:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
         args = ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
@@ -117,6 +116,11 @@ class VllmServer:
         deadline = time.monotonic() + 30
         while _port_busy(self.port) and time.monotonic() < deadline:
             time.sleep(0.5)
+
+
+def package_root() -> str:
+    """The directory ``vllm_backend`` is imported from (what vLLM's workers need on ``PYTHONPATH``)."""
+    return str(Path(__file__).resolve().parent.parent)
 
 
 def _port_busy(port: int) -> bool:
