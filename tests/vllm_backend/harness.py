@@ -168,6 +168,21 @@ def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path):
     assert left == {"threads": [], "sockets": []}, f"trainer rank 1 after shutdown: {left}"
 
 
+def engine_args(workdir: str, engine_tp: int, extension: str) -> dict:
+    """The test engines' ``LLM`` arguments (CPU, float32, token ids in, the refit backend, ``extension``)."""
+    return {
+        "model": workdir,
+        "dtype": "float32",
+        "tensor_parallel_size": engine_tp,
+        "skip_tokenizer_init": True,
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 128,
+        "enforce_eager": True,
+        "weight_transfer_config": {"backend": "refit"},
+        "worker_extension_cls": extension,
+    }
+
+
 def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
     """An LLM over a tiny model saved with different (seed 1000) weights; vLLM's pickle switch off, the
     workers extended with ``WorkerTestExtension``."""
@@ -179,18 +194,7 @@ def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
     if engine_tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(engine_tp)))
     with importable_by_workers(WorkerTestExtension) as extension:
-        return LLM(
-            model=workdir,
-            dtype="float32",
-            tensor_parallel_size=engine_tp,
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=0.3,
-            max_model_len=128,
-            enforce_eager=True,
-            weight_transfer_config={"backend": "refit"},
-            worker_extension_cls=extension,
-            **kw,
-        )
+        return LLM(**engine_args(workdir, engine_tp, extension), **kw)
 
 
 def greedy(llm, n: int = 8):

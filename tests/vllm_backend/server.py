@@ -26,7 +26,7 @@ from pathlib import Path
 
 from refit.transport.control import free_port
 
-from .harness import secure_env
+from .harness import engine_args, secure_env
 
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 
@@ -47,10 +47,7 @@ class VllmServer:
         env["PYTHONPATH"] = os.pathsep.join([package_root(), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
         if tp > 1:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
-        args = ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-        args += ["--tensor-parallel-size", str(tp), "--skip-tokenizer-init", "--gpu-memory-utilization", "0.3"]
-        args += ["--max-model-len", "128", "--enforce-eager", "--weight-transfer-config", '{"backend":"refit"}']
-        args += ["--worker-extension-cls", extension]
+        args = ["--host", "127.0.0.1", "--port", str(port), *cli_flags(engine_args(model_dir, tp, extension))]
         log = Path(model_dir) / "server.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
@@ -116,6 +113,15 @@ class VllmServer:
         deadline = time.monotonic() + 30
         while _port_busy(self.port) and time.monotonic() < deadline:
             time.sleep(0.5)
+
+
+def cli_flags(kwargs: dict) -> list[str]:
+    """``LLM`` keyword arguments as the server's command-line flags (``True``: the bare flag; a dict: JSON)."""
+    flags = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return flags
 
 
 def package_root() -> str:

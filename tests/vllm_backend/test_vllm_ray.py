@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed")
 
 from refit.layout.models import build_model, load_config, param_shapes  # noqa: E402
 
-from .harness import PROMPT, check_vllm_secure, hf_reference, train_and_refit  # noqa: E402
+from .harness import PROMPT, check_vllm_secure, engine_args, hf_reference, train_and_refit  # noqa: E402
 from .server import package_root  # noqa: E402
 from .worker_ext import WorkerTestExtension  # noqa: E402
 
@@ -44,20 +44,7 @@ def actor(tmp_path, monkeypatch):
     )
     try:
         extension = f"{WorkerTestExtension.__module__}.{WorkerTestExtension.__qualname__}"
-        handle = (
-            ray.remote(LLM)
-            .options(num_cpus=1)
-            .remote(
-                model=str(tmp_path),
-                dtype="float32",
-                skip_tokenizer_init=True,
-                gpu_memory_utilization=0.3,
-                max_model_len=128,
-                enforce_eager=True,
-                weight_transfer_config={"backend": "refit"},
-                worker_extension_cls=extension,
-            )
-        )
+        handle = ray.remote(LLM).options(num_cpus=1).remote(**engine_args(str(tmp_path), 1, extension))
         yield handle
     finally:
         ray.shutdown()
