@@ -117,6 +117,7 @@ def trainer_loop(
     steps: int,
     client=None,
     load_path: str = "auto",
+    master_address: str = "127.0.0.1",
 ) -> tuple[list[dict], dict[str, list]]:
     """Both trainer ranks run this; rank 0 also passes the LLM client and gets full weights per step.
     Returns the history and what refit left behind after ``engine.shutdown()`` (``leaks.leftovers``)."""
@@ -132,7 +133,7 @@ def trainer_loop(
         vocab = load_config(model_name).vocab_size
         info = RefitTrainerInitInfo(
             rank=rank,
-            master_address="127.0.0.1",
+            master_address=master_address,
             master_port=xfer_port,
             n_trainer=2,
             n_workers=n_workers,
@@ -163,8 +164,10 @@ def trainer_loop(
         dist.destroy_process_group()
 
 
-def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path):
-    _, left = trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path)
+def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path, master_address):
+    _, left = trainer_loop(
+        1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path, master_address=master_address
+    )
     assert left == {"threads": [], "sockets": []}, f"trainer rank 1 after shutdown: {left}"
 
 
@@ -222,17 +225,26 @@ def hf_reference(model_name: str, weights: dict, tokens: list[int]):
     return out_tokens, out_lp
 
 
-def train_and_refit(client, model_name: str, spec: str, engine_tp: int, steps: int, load_path: str = "auto"):
+def train_and_refit(
+    client,
+    model_name: str,
+    spec: str,
+    engine_tp: int,
+    steps: int,
+    load_path: str = "auto",
+    master_address: str = "127.0.0.1",
+):
     """Trainer rank 0 here (driving the engine through ``client``: ``LLMClient(llm)``, vLLM's HTTP client, ...),
-    rank 1 spawned; both refit the engine after each step, then shut refit down. Returns rank 0's history
-    and leftovers (rank 1 checks its own: a failure there is its exit code)."""
-    port, xfer_port = free_port(), free_port()
+    rank 1 spawned; both refit the engine after each step, then shut refit down. The store listens on
+    ``master_address`` (the engine's workers connect there). Returns rank 0's history and leftovers (rank 1
+    checks its own: a failure there is its exit code)."""
+    port, xfer_port = free_port(), free_port(master_address)
     p = mp.get_context("spawn").Process(
-        target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path)
+        target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path, master_address)
     )
     p.start()
     try:
-        out = trainer_loop(0, port, xfer_port, model_name, spec, engine_tp, steps, client=client, load_path=load_path)
+        out = trainer_loop(0, port, xfer_port, model_name, spec, engine_tp, steps, client, load_path, master_address)
     finally:
         p.join(timeout=120)
         if p.is_alive():

@@ -34,20 +34,23 @@ ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 class VllmServer:
     """One server process group; ``url`` is its base URL, ``log`` the file holding its output."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
-        self.proc, self.port, self.log = proc, port, log
-        self.url = f"http://127.0.0.1:{port}"
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, log: Path) -> None:
+        self.proc, self.host, self.port, self.log = proc, host, port, log
+        self.url = f"http://{host}:{port}"
 
     @classmethod
-    def start(cls, model_dir: str, tp: int, env: dict[str, str], extension: str, timeout_s: float = 400) -> VllmServer:
-        """Launch and wait until it serves (``RuntimeError`` with the log's tail if it dies or times out)."""
-        port = free_port()
+    def start(
+        cls, model_dir: str, tp: int, env: dict[str, str], extension: str, host: str = "127.0.0.1", timeout_s=400
+    ) -> VllmServer:
+        """Launch on ``host`` (a free port there) and wait until it serves (``RuntimeError`` with the log's
+        tail if it dies or times out)."""
+        port = free_port(host)
         env = {**os.environ, **env, "VLLM_SERVER_DEV_MODE": "1"}
         secure_env(env)
         env["PYTHONPATH"] = os.pathsep.join([package_root(), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
         if tp > 1:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
-        args = ["--host", "127.0.0.1", "--port", str(port), *cli_flags(engine_args(model_dir, tp, extension))]
+        args = ["--host", host, "--port", str(port), *cli_flags(engine_args(model_dir, tp, extension))]
         log = Path(model_dir) / "server.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
@@ -57,7 +60,7 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        server = cls(proc, port, log)
+        server = cls(proc, host, port, log)
         try:
             server._wait_ready(timeout_s)
         except BaseException:
@@ -111,7 +114,7 @@ class VllmServer:
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + 30
-        while _port_busy(self.port) and time.monotonic() < deadline:
+        while _port_busy(self.host, self.port) and time.monotonic() < deadline:
             time.sleep(0.5)
 
 
@@ -129,8 +132,8 @@ def package_root() -> str:
     return str(Path(__file__).resolve().parent.parent)
 
 
-def _port_busy(port: int) -> bool:
-    """Whether something still accepts connections on 127.0.0.1:``port``."""
+def _port_busy(host: str, port: int) -> bool:
+    """Whether something still accepts connections on ``host``:``port``."""
     with socket.socket() as s:
         s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0

@@ -6,11 +6,16 @@ drives it through vLLM's own ``HTTPVLLMWeightSyncClient``: 3 refits, then the se
 (completions API, token-id prompt, temperature 0) must equal HF holding the trainer's weights, each worker
 must have received exactly its tensor-parallel share per refit (read by name through ``/collective_rpc``),
 and the secret must not have travelled (the init info carried ``secret=""``).
+
+``REFIT_TEST_SERVE_HOST`` (default ``127.0.0.1``): an address of this host on which the server listens and
+the trainer's store too (``master_address``), e.g. its cluster interface, to run the same test off loopback
+(the workers then bind gloo on their route to it, as on a server on another host).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import secrets
 
 import pytest
@@ -30,6 +35,7 @@ from .worker_ext import WorkerTestExtension  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MODEL, TP, STEPS = "tiny-llama", 2, 3
+HOST = os.environ.get("REFIT_TEST_SERVE_HOST", "127.0.0.1")
 
 
 class RecordingClient(HTTPVLLMWeightSyncClient):
@@ -57,12 +63,12 @@ def server(tmp_path_factory):
     build_model(load_config(MODEL), torch.float32, seed=1000).save_pretrained(workdir)
     secret = secrets.token_hex(32)
     extension = f"{WorkerTestExtension.__module__}.{WorkerTestExtension.__qualname__}"
-    srv = VllmServer.start(str(workdir), TP, {"REFIT_SECRET": secret}, extension)
+    srv = VllmServer.start(str(workdir), TP, {"REFIT_SECRET": secret}, extension, host=HOST)
     try:
         yield srv, secret
     finally:
         srv.stop()
-        assert srv.proc.poll() is not None and not _port_busy(srv.port)
+        assert srv.proc.poll() is not None and not _port_busy(srv.host, srv.port)
 
 
 def _shard_bytes(name: str) -> int:
@@ -91,7 +97,7 @@ def test_refit_vllm_server_over_http_matches_hf(server, monkeypatch):
     assert all(not any(s["read"].values()) and s["in_env"] == [] for s in switches), switches
     before = srv.post("collective_rpc", {"method": "refit_test_snapshot"})["results"]
     client = RecordingClient(srv.url)
-    history, trainer_left = train_and_refit(client, MODEL, "fsdp=2", TP, STEPS)
+    history, trainer_left = train_and_refit(client, MODEL, "fsdp=2", TP, STEPS, master_address=HOST)
     stats = srv.post("collective_rpc", {"method": "refit_stats"})["results"]
     srv.post("shutdown_weight_transfer_engine")
     after = srv.post("collective_rpc", {"method": "refit_test_snapshot"})["results"]
@@ -120,7 +126,7 @@ def test_refit_vllm_server_over_http_matches_hf(server, monkeypatch):
     assert [(s["bytes_received"], s["refits"], s["version"]) for s in stats] == [(STEPS * need, STEPS, STEPS)] * TP
     # what went over HTTP: plain JSON, the secret not among it (each side has it in its environment)
     init = [info for kind, info in client.sent if kind == "init"]
-    assert len(init) == 1 and init[0]["secret"] == "" and init[0]["master_address"] == "127.0.0.1"
+    assert len(init) == 1 and init[0]["secret"] == "" and init[0]["master_address"] == HOST
     assert [info for kind, info in client.sent if kind == "update"] == [{"version": v} for v in range(1, STEPS + 1)]
     # nothing refit opened is left: trainer rank 0 after shutdown, the workers after the server's shutdown route
     nothing = {"threads": [], "sockets": []}
