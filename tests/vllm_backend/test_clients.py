@@ -28,8 +28,8 @@ from refit.engines.vllm.trainer import (  # noqa: E402
     RefitTrainerEngine,
     RefitTrainerInitInfo,
     ShardedModuleSource,
-    check_args,
     job_secret,
+    rank0_refusal,
 )
 from refit.errors import ConfigError  # noqa: E402
 from refit.transport.control import free_port  # noqa: E402
@@ -87,9 +87,10 @@ def test_server_on_another_host_needs_a_reachable_master_address():
     assert server_host(Mine()) is None
     remote = HTTPVLLMWeightSyncClient("http://10.1.2.3:8000")
     with pytest.raises(ConfigError, match=r"master_address='127\.0\.0\.1' is loopback"):
-        check_args(RefitTrainerInitInfo(rank=0, master_port=1), remote, _source())
-    check_args(RefitTrainerInitInfo(rank=0, master_address="10.1.2.9", master_port=1), remote, _source())
-    check_args(RefitTrainerInitInfo(rank=0, master_port=1), HTTPVLLMWeightSyncClient("http://localhost:8"), _source())
+        job_secret(RefitTrainerInitInfo(rank=0, master_port=1, secret="s" * 32), remote)
+    assert rank0_refusal(RefitTrainerInitInfo(rank=0, master_address="10.1.2.9", master_port=1), remote, "x") is None
+    local = HTTPVLLMWeightSyncClient("http://localhost:8")
+    assert rank0_refusal(RefitTrainerInitInfo(rank=0, master_port=1), local, "x") is None
 
 
 def test_secret_per_client(no_env_secret, monkeypatch):

@@ -105,8 +105,8 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         ``client``: on rank 0, anything with vLLM's four weight-sync methods (``LLMClient(llm)``, vLLM's
         ``HTTPVLLMWeightSyncClient`` / ``RayVLLMWeightSyncClient``, or yours); other ranks may pass None.
         Refused before anything starts: a client lacking a method (``TypeError`` naming it), a client
-        that cannot carry a secret refit made (``job_secret``), a server on another host while the store
-        is on loopback (``ConfigError``)."""
+        that cannot carry a secret refit made, a server on another host while the store is on loopback
+        (``ConfigError``: ``rank0_refusal``, raised by ``job_secret``)."""
         check_args(init_info, client, source)
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
         secret, job_id = job_secret(init_info, client)
@@ -213,16 +213,31 @@ def check_args(info: RefitTrainerInitInfo, client: Any, source: Any) -> None:
         raise ValueError(f"source world_size={source.world_size} != n_trainer={info.n_trainer}")
     if info.is_sender and client is None:
         raise ValueError("trainer rank 0 drives the engine and needs a client")
-    if client is None:
-        return
-    check_client(client)
+    if client is not None:
+        check_client(client)
+
+
+def rank0_refusal(info: RefitTrainerInitInfo, client: Any, secret: str | None) -> ConfigError | None:
+    """Why trainer rank 0 must not start this job with ``client``, or None: ``secret`` (``job_secret``'s
+    choice so far) is one refit would make, and the client has no private channel; or the client posts to
+    a server on another host while ``master_address`` (where that server's workers connect) is loopback."""
+    if not info.is_sender:
+        return None
     host = server_host(client)
     if host is not None and not _is_loopback(host) and _is_loopback(info.master_address):
-        raise ConfigError(
+        return ConfigError(
             f"the engine server {client.base_url} is not on this host, but RefitTrainerInitInfo.master_address="
             f"{info.master_address!r} is loopback: its workers connect there; set master_address to trainer "
             "rank 0's address that the server's host can reach"
         )
+    if secret == "" and not private_channel(client):
+        return ConfigError(
+            f"no job secret to give the engine behind {type(client).__name__}, and refit will not send one it "
+            "made over a channel that may be plain HTTP: set REFIT_SECRET (or REFIT_SECRET_FILE) to the same "
+            "value for the trainer and the vLLM server, or pass RefitTrainerInitInfo(secret=...) to send it "
+            "(private network or TLS only)"
+        )
+    return None
 
 
 def _is_loopback(host: str) -> bool:
@@ -237,21 +252,15 @@ def job_secret(info: RefitTrainerInitInfo, client: Any = None) -> tuple[str, str
     workers read it from their own environment and it is not sent: ``""``), else a fresh one from rank 0,
     sent to the workers in the init info, which rank 0 does only through a client with a private channel
     (``client.private_channel``: in-process, Ray); with any other (HTTP) it raises ``ConfigError`` saying
-    what to set, and the other ranks with it. The job id: ``info.job_id`` if set, else fresh from rank 0.
-    "From rank 0" with several trainer ranks means broadcast over the trainer's default process group, as
-    bytes in a tensor (nothing is unpickled). Returns what the workers' init info carries; ``open_store``
-    resolves the same secret."""
+    what to set (``rank0_refusal``, which also refuses a remote server with a loopback store), and the
+    other ranks with it where they wait for rank 0's fresh values (else they time out joining its store).
+    The job id: ``info.job_id`` if set, else fresh from rank 0. "From rank 0" with several trainer ranks
+    means broadcast over the trainer's default process group, as bytes in a tensor (nothing is
+    unpickled). Returns what the workers' init info carries; ``open_store`` resolves the same secret."""
     secret = info.secret or (None if auth.secret_from_env() is not None else "")
-    refusal = None
-    if secret == "" and info.is_sender and not private_channel(client):
-        refusal = ConfigError(
-            f"no job secret to give the engine behind {type(client).__name__}, and refit will not send one it "
-            "made over a channel that may be plain HTTP: set REFIT_SECRET (or REFIT_SECRET_FILE) to the same "
-            "value for the trainer and the vLLM server, or pass RefitTrainerInitInfo(secret=...) to send it "
-            "(private network or TLS only)"
-        )
+    refusal = rank0_refusal(info, client, secret)
     need = [secret == "", not info.job_id]
-    if refusal is not None and info.n_trainer == 1:
+    if refusal is not None and (info.n_trainer == 1 or not any(need)):
         raise refusal
     fresh = _from_rank0(info, sum(need), refuse=refusal is not None) if any(need) else []
     if refusal is not None:
@@ -282,5 +291,5 @@ def _from_rank0(info: RefitTrainerInitInfo, n: int, refuse: bool = False) -> lis
         return []  # rank 0 raises its own error
     raw = bytes(buf.cpu().tolist())
     if not any(raw):  # hex text is never zero bytes: rank 0 refused
-        raise ConfigError("trainer rank 0 refused to start the job (its error says why: the job secret)")
+        raise ConfigError("trainer rank 0 refused to start the job (its error says why)")
     return [raw[64 * i : 64 * (i + 1)].decode() for i in range(n)]
