@@ -1,7 +1,8 @@
 """A real vLLM OpenAI-compatible server (what ``vllm serve`` runs) in a subprocess, for the HTTP tests.
 
 ``VllmServer.start(...)`` launches it on a free port of 127.0.0.1 in its own process group (so that
-``stop`` ends the API server, the engine core and every worker together), waits for ``/health``, and
+``stop`` ends the API server, the engine core and every worker together; the server also dies with the test
+process, finalizer or not), waits for ``/health``, and
 returns a handle with ``post`` / ``get`` (plain JSON) and ``stop`` (idempotent; waits until the port is
 free again). The environment: vLLM's pickle switch removed (``harness.secure_env``),
 ``VLLM_SERVER_DEV_MODE=1`` (vLLM registers its weight-transfer routes and ``/collective_rpc`` only then),
@@ -59,6 +60,7 @@ class VllmServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         server = cls(proc, host, port, log)
         try:
@@ -125,6 +127,15 @@ def cli_flags(kwargs: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         flags += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it starts (Linux): SIGKILL it when the test process dies, even killed
+    outright (no finalizer runs then); vLLM's engine core and workers follow their parent on their own."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
 
 
 def package_root() -> str:
