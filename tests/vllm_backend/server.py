@@ -1,8 +1,8 @@
 """A real vLLM OpenAI-compatible server (what ``vllm serve`` runs) in a subprocess, for the HTTP tests.
 
 ``VllmServer.start(...)`` launches it on a free port of 127.0.0.1 in its own process group (so that
-``stop`` ends the API server, the engine core and every worker together; the server also dies with the test
-process, finalizer or not), waits for ``/health``, and
+``stop`` ends the API server, the engine core and every worker together; a watchdog process ends the group
+too when the test process dies, finalizer or not), waits for ``/health``, and
 returns a handle with ``post`` / ``get`` (plain JSON) and ``stop`` (idempotent; waits until the port is
 free again). The environment: vLLM's pickle switch removed (``harness.secure_env``),
 ``VLLM_SERVER_DEV_MODE=1`` (vLLM registers its weight-transfer routes and ``/collective_rpc`` only then),
@@ -38,6 +38,7 @@ class VllmServer:
     def __init__(self, proc: subprocess.Popen, host: str, port: int, log: Path) -> None:
         self.proc, self.host, self.port, self.log = proc, host, port, log
         self.url = f"http://{host}:{port}"
+        self.watchdog = _watchdog(proc.pid)
 
     @classmethod
     def start(
@@ -60,7 +61,6 @@ class VllmServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         server = cls(proc, host, port, log)
         try:
@@ -111,6 +111,9 @@ class VllmServer:
                 self.proc.wait(timeout=30)
             except ProcessLookupError:
                 pass
+        if not self.watchdog.stdin.closed:
+            self.watchdog.stdin.close()  # the watchdog kills the group (what outlived the leader) and exits
+        self.watchdog.wait(timeout=30)
         try:  # workers that outlived the leader are still in its group
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -129,13 +132,20 @@ def cli_flags(kwargs: dict) -> list[str]:
     return flags
 
 
-def _die_with_parent() -> None:
-    """In the server's process before it starts (Linux): SIGKILL it when the test process dies, even killed
-    outright (no finalizer runs then); vLLM's engine core and workers follow their parent on their own."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+_WATCH = """
+import os, signal, sys
+sys.stdin.buffer.read()  # returns when the test process closes the pipe, or dies
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+def _watchdog(pgid: int) -> subprocess.Popen:
+    """A small process that SIGKILLs process group ``pgid`` once this (test) process closes its pipe or dies,
+    even killed outright with no finalizer run (vLLM's engine core and workers outlive a killed API server)."""
+    return subprocess.Popen([sys.executable, "-c", _WATCH, str(pgid)], stdin=subprocess.PIPE, start_new_session=True)
 
 
 def package_root() -> str:
