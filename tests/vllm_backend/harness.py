@@ -117,6 +117,7 @@ def trainer_loop(
     steps: int,
     client=None,
     load_path: str = "auto",
+    master_address: str = "127.0.0.1",
 ) -> tuple[list[dict], dict[str, list]]:
     """Both trainer ranks run this; rank 0 also passes the LLM client and gets full weights per step.
     Returns the history and what refit left behind after ``engine.shutdown()`` (``leaks.leftovers``)."""
@@ -132,7 +133,7 @@ def trainer_loop(
         vocab = load_config(model_name).vocab_size
         info = RefitTrainerInitInfo(
             rank=rank,
-            master_address="127.0.0.1",
+            master_address=master_address,
             master_port=xfer_port,
             n_trainer=2,
             n_workers=n_workers,
@@ -163,9 +164,26 @@ def trainer_loop(
         dist.destroy_process_group()
 
 
-def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path):
-    _, left = trainer_loop(1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path)
+def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path, master_address):
+    _, left = trainer_loop(
+        1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path, master_address=master_address
+    )
     assert left == {"threads": [], "sockets": []}, f"trainer rank 1 after shutdown: {left}"
+
+
+def engine_args(workdir: str, engine_tp: int, extension: str) -> dict:
+    """The test engines' ``LLM`` arguments (CPU, float32, token ids in, the refit backend, ``extension``)."""
+    return {
+        "model": workdir,
+        "dtype": "float32",
+        "tensor_parallel_size": engine_tp,
+        "skip_tokenizer_init": True,
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 128,
+        "enforce_eager": True,
+        "weight_transfer_config": {"backend": "refit"},
+        "worker_extension_cls": extension,
+    }
 
 
 def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
@@ -179,18 +197,7 @@ def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
     if engine_tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(engine_tp)))
     with importable_by_workers(WorkerTestExtension) as extension:
-        return LLM(
-            model=workdir,
-            dtype="float32",
-            tensor_parallel_size=engine_tp,
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=0.3,
-            max_model_len=128,
-            enforce_eager=True,
-            weight_transfer_config={"backend": "refit"},
-            worker_extension_cls=extension,
-            **kw,
-        )
+        return LLM(**engine_args(workdir, engine_tp, extension), **kw)
 
 
 def greedy(llm, n: int = 8):
@@ -218,20 +225,26 @@ def hf_reference(model_name: str, weights: dict, tokens: list[int]):
     return out_tokens, out_lp
 
 
-def _train_and_refit(llm, model_name: str, spec: str, engine_tp: int, steps: int, load_path: str):
-    """Trainer rank 0 here, rank 1 spawned; both refit the engine after each step, then shut refit down.
-    Returns rank 0's history and leftovers (rank 1 checks its own: a failure there is its exit code)."""
-    from refit.engines.vllm.client import LLMClient
-
-    port, xfer_port = free_port(), free_port()
+def train_and_refit(
+    client,
+    model_name: str,
+    spec: str,
+    engine_tp: int,
+    steps: int,
+    load_path: str = "auto",
+    master_address: str = "127.0.0.1",
+):
+    """Trainer rank 0 here (driving the engine through ``client``: ``LLMClient(llm)``, vLLM's HTTP client, ...),
+    rank 1 spawned; both refit the engine after each step, then shut refit down. The store listens on
+    ``master_address`` (the engine's workers connect there). Returns rank 0's history and leftovers (rank 1
+    checks its own: a failure there is its exit code)."""
+    port, xfer_port = free_port(), free_port(master_address)
     p = mp.get_context("spawn").Process(
-        target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path)
+        target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path, master_address)
     )
     p.start()
     try:
-        out = trainer_loop(
-            0, port, xfer_port, model_name, spec, engine_tp, steps, client=LLMClient(llm), load_path=load_path
-        )
+        out = trainer_loop(0, port, xfer_port, model_name, spec, engine_tp, steps, client, load_path, master_address)
     finally:
         p.join(timeout=120)
         if p.is_alive():
@@ -247,10 +260,12 @@ def run(
     and HF's on the last weights, the workers' ``refit_stats``, the version vLLM reports, and what refit
     left behind after shutdown on trainer rank 0 (``trainer_leftovers``) and in each worker
     (``worker_leftovers``, after ``llm.shutdown_weight_transfer_engine()``)."""
+    from refit.engines.vllm.client import LLMClient
+
     with tempfile.TemporaryDirectory() as workdir:
         llm = make_llm(model_name, engine_tp, workdir)
         workers_before = llm.collective_rpc("refit_test_snapshot")
-        history, trainer_left = _train_and_refit(llm, model_name, spec, engine_tp, steps, load_path)
+        history, trainer_left = train_and_refit(LLMClient(llm), model_name, spec, engine_tp, steps, load_path)
         stats = llm.collective_rpc("refit_stats")
         llm.shutdown_weight_transfer_engine()
         workers_after = llm.collective_rpc("refit_test_snapshot")

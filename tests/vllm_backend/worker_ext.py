@@ -27,6 +27,14 @@ class WorkerTestExtension(RefitWorkerExtension):
         """This worker's threads and TCP sockets (``leaks.snapshot``)."""
         return snapshot()
 
+    def refit_test_insecure(self) -> dict[str, Any]:
+        """vLLM's pickle switches (``*INSECURE_SERIALIZATION``) as this worker reads them, and whether any is in
+        its environment: ``{"read": {name: value}, "in_env": [names]}``."""
+        import vllm.envs as envs
+
+        names = [n for n in dir(envs) if n.endswith("INSECURE_SERIALIZATION")]
+        return {"read": {n: bool(getattr(envs, n)) for n in names}, "in_env": [n for n in names if n in os.environ]}
+
     def refit_test_compare_loaders(self, config_dir: str) -> dict[str, Any]:
         """Three fresh copies of this worker's model (its TP share), zeroed: one loaded by vLLM's loaders
         from the checkpoint transformers wrote (``config_dir/ckpt``), one written box by box through

@@ -6,7 +6,9 @@ loads (``dst/<worker>``), gathered into the destination layout on every process.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,9 +67,16 @@ class RefitInitInfo:
             raise ConfigError(f"{who}.master_port must be an integer port, got {self.master_port!r}")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"{who}.master_port must be in 0..65535, got {self.master_port}")
-        for name in ("secret", "job_id"):
+        for name in ("secret", "job_id", "master_address", "session"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{who}.{name} must be text, got {type(getattr(self, name)).__name__}")
+        for name in ("master_address", "session"):
+            if not getattr(self, name):
+                raise ConfigError(f"{who}.{name} must not be empty")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"{who}.timeout_s must be a finite number of seconds > 0, got {t!r}")
+        self.transfer_config()  # num_buffers, buffer_bytes: ConfigError naming the field
 
     @property
     def world_size(self) -> int:
@@ -92,6 +101,14 @@ class RefitUpdateInfo:
     version: int = 0
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Checked where a worker rebuilds it from what arrived (plain JSON over HTTP): ``ConfigError``."""
+        v = self.version
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"RefitUpdateInfo.version must be an integer >= 0, got {v!r}")
+        if not isinstance(self.extra, dict):
+            raise ConfigError(f"RefitUpdateInfo.extra must be a dict, got {type(self.extra).__name__}")
+
 
 def open_store(info: RefitInitInfo, is_master: bool) -> SignedStore:
     """The rendezvous store (trainer rank 0 hosts it, its listener bound to ``master_address`` alone),
@@ -114,19 +131,28 @@ def join_group(info: RefitInitInfo, store: SignedStore, rank: int) -> dist.Proce
     return gloo_group(dist.PrefixStore("pg", store.raw), rank, info.world_size, info.timeout_s, address)
 
 
-def wait_workers(store: SignedStore, n_workers: int, timeout_s: float) -> None:
-    """Wait until every worker published its regions; raise at once with a worker's setup error."""
+def wait_workers(
+    store: SignedStore, n_workers: int, timeout_s: float, failed: Callable[[], BaseException | None] | None = None
+) -> None:
+    """Wait until every worker published its regions; raise at once with a worker's setup error, or with
+    ``failed()``'s error once it returns one (trainer rank 0: the engine's init call failed, e.g. a server
+    that refused the request or a worker that could not reach the store). A worker writes its error before
+    its call fails, so ``failed()`` is read before the store: a worker's error, more precise, wins."""
     import time
 
     deadline = time.monotonic() + timeout_s
     pending = set(range(n_workers))
     while pending:
+        call_error = failed() if failed is not None else None
         for w in sorted(pending):
             error = store.peek(f"error/{w}")
             if error is not None:
                 raise RuntimeError(f"refit: vLLM worker {w} refused the transfer at init: {error}")
             if store.has(f"dst/{w}"):
                 pending.discard(w)
+        if call_error is not None:
+            why = f"refit: the engine's init_weight_transfer_engine call failed: {call_error}"
+            raise RuntimeError(why) from call_error
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"refit: vLLM workers {sorted(pending)} did not answer within {timeout_s:.0f}s")
         if pending:

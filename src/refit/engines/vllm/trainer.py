@@ -3,6 +3,8 @@
     info = RefitTrainerInitInfo(rank=r, master_address=..., master_port=..., n_trainer=N, n_workers=W)
     engine = RefitTrainerEngine.trainer_init(info, client=LLMClient(llm) if r == 0 else None,
                                              source=ShardedModuleSource(model, N))
+    # a vLLM server: client=HTTPVLLMWeightSyncClient("http://host:8000") (vllm.distributed.weight_transfer
+    # .clients; REFIT_SECRET set on both sides); a Ray actor: client=RayVLLMWeightSyncClient(actor)
     # a Megatron-Core trainer: source=MegatronSource(gpt_model, hf_config) (refit.trainers.megatron)
     ...optimizer step...
     engine.send_weights(version)
@@ -29,6 +31,7 @@ from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer
 from refit.transport import auth
 
+from .client import check_client, private_channel, server_host
 from .common import (
     RefitInitInfo,
     gather_dst_layout,
@@ -76,9 +79,8 @@ class RefitTrainerInitInfo(RefitInitInfo, TrainerInitInfo):
     extra: dict = field(default_factory=dict)
 
     def worker_info(self) -> RefitInitInfo:
-        """The shared fields, for the workers; the transfer config is checked here, before anything starts
-        (``ConfigError`` naming the field; the other fields were checked when this info was made)."""
-        self.transfer_config()
+        """The shared fields, for the workers (all checked when this info was made; a worker checks them
+        again where it rebuilds them from the plain JSON its client carried)."""
         return RefitInitInfo(**{f.name: getattr(self, f.name) for f in fields(RefitInitInfo)})
 
 
@@ -98,17 +100,16 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
 
     @classmethod
     def trainer_init(cls, init_info: RefitTrainerInitInfo, *, client=None, source: WeightSource | None = None):
-        if not all(callable(getattr(source, a, None)) for a in ("layout", "local")):
-            raise TypeError(
-                "the refit backend needs a source with layout() and local(): ShardedModuleSource(module, "
-                f"trainer_world_size) or refit.trainers.megatron.MegatronSource(model, hf_config); got {source!r}"
-            )
-        if source.world_size != init_info.n_trainer:
-            raise ValueError(f"source world_size={source.world_size} != n_trainer={init_info.n_trainer}")
-        if init_info.is_sender and client is None:
-            raise ValueError("trainer rank 0 drives the engine and needs a client")
+        """Join the job (collective over the trainer ranks and the workers; see the class docstring).
+
+        ``client``: on rank 0, anything with vLLM's four weight-sync methods (``LLMClient(llm)``, vLLM's
+        ``HTTPVLLMWeightSyncClient`` / ``RayVLLMWeightSyncClient``, or yours); other ranks may pass None.
+        Refused before anything starts: a client lacking a method (``TypeError`` naming it), a client
+        that cannot carry a secret refit made, a server on another host while the store is on loopback
+        (``ConfigError``: ``rank0_refusal``, raised by ``job_secret``)."""
+        check_args(init_info, client, source)
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
-        secret, job_id = job_secret(init_info)
+        secret, job_id = job_secret(init_info, client)
         info = replace(init_info.worker_info(), secret=secret, job_id=job_id)
         src = source.layout()
         # rank 0 hosts the store; it also tells the workers to join, concurrently
@@ -118,8 +119,8 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         store = open_store(info, is_master=self.is_sender)
         if self.is_sender:
             publish_src_layout(store, src)
-        try:
-            wait_workers(store, init_info.n_workers, info.timeout_s)
+        try:  # an init call that failed (a worker's setup error, a refused request) ends the wait at once
+            wait_workers(store, init_info.n_workers, info.timeout_s, failed=None if rpc is None else rpc.failed)
         except Exception:
             if rpc is not None:
                 rpc.settle(info.timeout_s)  # the client call fails too; do not leave it behind
@@ -188,6 +189,10 @@ class _Call:
         self.thread = threading.Thread(target=run, name="refit-rpc", daemon=True)
         self.thread.start()
 
+    def failed(self) -> BaseException | None:
+        """The call's error once it has failed, else None (still running, or succeeded)."""
+        return self.error
+
     def settle(self, timeout_s: float) -> None:
         self.thread.join(timeout_s)
 
@@ -197,24 +202,77 @@ class _Call:
             raise RuntimeError(f"refit: the engine's weight-sync call failed: {self.error}") from self.error
 
 
-def job_secret(info: RefitTrainerInitInfo) -> tuple[str, str]:
+def check_args(info: RefitTrainerInitInfo, client: Any, source: Any) -> None:
+    """``trainer_init``'s arguments, checked on this rank before anything starts (see ``trainer_init``)."""
+    if not all(callable(getattr(source, a, None)) for a in ("layout", "local")):
+        raise TypeError(
+            "the refit backend needs a source with layout() and local(): ShardedModuleSource(module, "
+            f"trainer_world_size) or refit.trainers.megatron.MegatronSource(model, hf_config); got {source!r}"
+        )
+    if source.world_size != info.n_trainer:
+        raise ValueError(f"source world_size={source.world_size} != n_trainer={info.n_trainer}")
+    if info.is_sender and client is None:
+        raise ValueError("trainer rank 0 drives the engine and needs a client")
+    if client is not None:
+        check_client(client)
+
+
+def rank0_refusal(info: RefitTrainerInitInfo, client: Any, secret: str | None) -> ConfigError | None:
+    """Why trainer rank 0 must not start this job with ``client``, or None: ``secret`` (``job_secret``'s
+    choice so far) is one refit would make, and the client has no private channel; or the client posts to
+    a server on another host while ``master_address`` (where that server's workers connect) is loopback."""
+    if not info.is_sender:
+        return None
+    host = server_host(client)
+    if host is not None and not _is_loopback(host) and _is_loopback(info.master_address):
+        return ConfigError(
+            f"the engine server {client.base_url} is not on this host, but RefitTrainerInitInfo.master_address="
+            f"{info.master_address!r} is loopback: its workers connect there; set master_address to trainer "
+            "rank 0's address that the server's host can reach"
+        )
+    if secret == "" and not private_channel(client):
+        return ConfigError(
+            f"no job secret to give the engine behind {type(client).__name__}, and refit will not send one it "
+            "made over a channel that may be plain HTTP: set REFIT_SECRET (or REFIT_SECRET_FILE) to the same "
+            "value for the trainer and the vLLM server, or pass RefitTrainerInitInfo(secret=...) to send it "
+            "(private network or TLS only)"
+        )
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def job_secret(info: RefitTrainerInitInfo, client: Any = None) -> tuple[str, str]:
     """(secret, job_id) for the job's store, agreed by every trainer rank.
 
-    The secret: ``info.secret`` if set, else ``REFIT_SECRET`` / ``REFIT_SECRET_FILE`` (then the workers
-    read it from their own environment and it is not sent: ``""``), else a fresh one from rank 0. The
-    job id: ``info.job_id`` if set, else fresh from rank 0. "From rank 0" with several trainer ranks
+    The secret: ``info.secret`` if set (sent to the workers in the init info as given: through an HTTP
+    client only on a private network or TLS), else ``REFIT_SECRET`` / ``REFIT_SECRET_FILE`` (then the
+    workers read it from their own environment and it is not sent: ``""``), else a fresh one from rank 0,
+    sent to the workers in the init info, which rank 0 does only through a client with a private channel
+    (``client.private_channel``: in-process, Ray); with any other (HTTP) it raises ``ConfigError`` saying
+    what to set (``rank0_refusal``, which also refuses a remote server with a loopback store), and the
+    other ranks with it where they wait for rank 0's fresh values (else they time out joining its store).
+    The job id: ``info.job_id`` if set, else fresh from rank 0. "From rank 0" with several trainer ranks
     means broadcast over the trainer's default process group, as bytes in a tensor (nothing is
     unpickled). Returns what the workers' init info carries; ``open_store`` resolves the same secret."""
     secret = info.secret or (None if auth.secret_from_env() is not None else "")
+    refusal = rank0_refusal(info, client, secret)
     need = [secret == "", not info.job_id]
-    fresh = _from_rank0(info, sum(need)) if any(need) else []
+    if refusal is not None and (info.n_trainer == 1 or not any(need)):
+        raise refusal
+    fresh = _from_rank0(info, sum(need), refuse=refusal is not None) if any(need) else []
+    if refusal is not None:
+        raise refusal
     if secret == "":
         secret = fresh.pop(0)
     return (secret or ""), (info.job_id or fresh.pop(0))
 
 
-def _from_rank0(info: RefitTrainerInitInfo, n: int) -> list[str]:
-    """``n`` fresh random texts (64 hex characters each) made by trainer rank 0, the same on every rank."""
+def _from_rank0(info: RefitTrainerInitInfo, n: int, refuse: bool = False) -> list[str]:
+    """``n`` fresh random texts (64 hex characters each) made by trainer rank 0, the same on every rank.
+    ``refuse`` (rank 0): send zero bytes instead, on which the other ranks raise ``ConfigError``."""
     if info.n_trainer == 1:
         return [auth.new_secret().decode() for _ in range(n)]
     if not dist.is_initialized() or dist.get_world_size() != info.n_trainer:
@@ -225,9 +283,13 @@ def _from_rank0(info: RefitTrainerInitInfo, n: int) -> list[str]:
         )
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     buf = torch.zeros(64 * n, dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and not refuse:
         made = b"".join(auth.new_secret() for _ in range(n))
         buf.copy_(torch.frombuffer(bytearray(made), dtype=torch.uint8))
     dist.broadcast(buf, src=0)
+    if refuse:
+        return []  # rank 0 raises its own error
     raw = bytes(buf.cpu().tolist())
+    if not any(raw):  # hex text is never zero bytes: rank 0 refused
+        raise ConfigError("trainer rank 0 refused to start the job (its error says why)")
     return [raw[64 * i : 64 * (i + 1)].decode() for i in range(n)]
