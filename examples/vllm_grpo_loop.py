@@ -46,7 +46,7 @@ def main() -> int:
             model=workdir,
             dtype="float32",
             skip_tokenizer_init=True,
-            gpu_memory_utilization=0.3,
+            gpu_memory_utilization=0.1,  # on CPU: the share of RAM each worker reserves
             max_model_len=128,
             enforce_eager=True,
             seed=0,

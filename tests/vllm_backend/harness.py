@@ -178,7 +178,7 @@ def engine_args(workdir: str, engine_tp: int, extension: str) -> dict:
         "dtype": "float32",
         "tensor_parallel_size": engine_tp,
         "skip_tokenizer_init": True,
-        "gpu_memory_utilization": 0.3,
+        "gpu_memory_utilization": 0.1,  # on CPU: the share of RAM each worker reserves (tiny models)
         "max_model_len": 128,
         "enforce_eager": True,
         "weight_transfer_config": {"backend": "refit"},
