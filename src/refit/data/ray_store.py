@@ -27,7 +27,7 @@ with its owner). An object is freed when the last of its rows is cleared.
 Trade-offs: a reader on another node pulls the whole objects that hold its rows (Ray moves
 objects, not rows): put batches the size you want readers to move. One partition's metadata is
 served by one actor (spread partitions to spread the load). Two writers racing on the same keys
-are serialized by the actor (the second is refused, or overwrites with ``overwrite=True``).
+are serialized by the actor's lock (the second is refused, or overwrites with ``overwrite=True``).
 
 The client (``RayStore``) is a small picklable object (the actor handles): pass it to rollout
 workers and trainer ranks. Nothing refit reads is unpickled outside Ray's own transport.
@@ -100,7 +100,10 @@ class _StorageActor:
                 ref = ray.put(ray.get(ref))
             except ray.exceptions.RayError as e:  # the writer died before its object was adopted
                 return f"put: the writer's object is gone ({type(e).__name__}); nothing was written"
-        self.unit.put(partition, keys, {f: (ref, f) for f in fields}, tags, seq_lens, overwrite)
+        try:  # checks again under the unit's lock: a racing put of the same keys may have won
+            self.unit.put(partition, keys, {f: (ref, f) for f in fields}, tags, seq_lens, overwrite)
+        except ValueError as e:
+            return str(e)
         return None
 
     def locate(self, partition, keys, select) -> dict[str, list]:
@@ -132,7 +135,7 @@ def _shard(partition: str, n: int) -> int:
 class RayStore(Store):
     """``RayStore(num_units=2)`` starts ``num_units`` storage actors (Ray must be initialized);
     each partition lives on one of them. ``actor_options`` go to ``.options()`` (default
-    ``num_cpus=0``; e.g. a node ``scheduling_strategy``). ``durable=False`` leaves each put's
+    ``num_cpus=0, max_concurrency=16``; e.g. a node ``scheduling_strategy``). ``durable=False`` leaves each put's
     object owned by the writing process: one copy less per put, but the keys become unreadable
     (Ray raises an owner-died error) once the writer exits.
 
@@ -165,7 +168,8 @@ class RayStore(Store):
         if not ray.is_initialized():
             raise RuntimeError("RayStore: call ray.init() first")
         cls = ray.remote(_StorageActor)
-        opts = {"num_cpus": 0, **(actor_options or {})}
+        # threaded: one put's adoption copy does not hold up other calls (StorageUnit is locked)
+        opts = {"num_cpus": 0, "max_concurrency": 16, **(actor_options or {})}
         self.actors = [cls.options(**opts).remote() for _ in range(num_units)]
         ray.get([a.chunks.remote() for a in self.actors])  # started
 
