@@ -49,6 +49,19 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
+def timing_row(part: str, method: str, times_s: list[float], size: int) -> dict:
+    med = statistics.median(times_s)
+    return {
+        "part": part,
+        "method": method,
+        "median_ms": 1e3 * med,
+        "p99_ms": 1e3 * pct(times_s, 99),
+        "gbps": size / med / 1e9,
+        "bytes": size,
+        "n": len(times_s),
+    }
+
+
 def make_batch(samples: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
@@ -187,21 +200,10 @@ def run_put_get(methods: dict, batch: dict, iters: int) -> list[dict]:
             t[name]["put"].append(t1 - t0)
             t[name]["get"].append(t2 - t1)
             t[name]["total"].append(t2 - t0)
-    size = nbytes(batch)
-    return [
-        {
-            "part": "put_get",
-            "method": m,
-            "median_ms": 1e3 * statistics.median(v["total"]),
-            "p99_ms": 1e3 * pct(v["total"], 99),
-            "put_median_ms": 1e3 * statistics.median(v["put"]),
-            "get_median_ms": 1e3 * statistics.median(v["get"]),
-            "gbps": size / statistics.median(v["total"]) / 1e9,
-            "bytes": size,
-            "n": iters,
-        }
-        for m, v in t.items()
-    ]
+    rows = [timing_row("put_get", m, v["total"], nbytes(batch)) for m, v in t.items()]
+    for r, v in zip(rows, t.values()):
+        r["put_median_ms"], r["get_median_ms"] = 1e3 * statistics.median(v["put"]), 1e3 * statistics.median(v["get"])
+    return rows
 
 
 def make_dp_consumer(ray):
@@ -273,19 +275,7 @@ def run_dp(ray, tq, store, store_nd, batch, dp, iters, counter) -> list[dict]:
             done()
     for c in consumers:
         ray.kill(c)
-    size = nbytes(batch)
-    return [
-        {
-            "part": f"dp{dp}",
-            "method": m,
-            "median_ms": 1e3 * statistics.median(v),
-            "p99_ms": 1e3 * pct(v, 99),
-            "gbps": size / statistics.median(v) / 1e9,
-            "bytes": size,
-            "n": iters,
-        }
-        for m, v in times.items()
-    ]
+    return [timing_row(f"dp{dp}", m, v, nbytes(batch)) for m, v in times.items()]
 
 
 def make_mpmc_actors(ray):
