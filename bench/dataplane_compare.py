@@ -317,12 +317,16 @@ def make_mpmc_actors(ray):
             self.tq = tq
 
         def run(self, mode, store, queue, count):
-            lat, moved = [], 0
+            lat, moved, self.errors = [], 0, []
             for _ in range(count):
                 h = queue.get()
                 t0 = time.perf_counter()
                 if mode.startswith("refit"):
-                    out = store.get(h, select_fields=FIELDS)
+                    try:
+                        out = store.get(h, select_fields=FIELDS)
+                    except KeyError as e:  # counted and reported, never expected
+                        self.errors.append(f"{e} (held now: {h.keys[0] in store.keys(h.partition)})")
+                        continue
                 elif mode == "ray numpy":
                     out = {f: torch.from_numpy(v) for f, v in ray.get(h[0]).items()}
                 else:
@@ -335,7 +339,7 @@ def make_mpmc_actors(ray):
                     store.clear(h)
                 elif mode == "transferqueue":
                     self.tq.kv_clear(keys=h, partition_id="mpmc")
-            return lat, moved
+            return lat, moved, self.errors
 
     return Producer, Consumer
 
@@ -352,6 +356,7 @@ def run_mpmc(ray, store, store_nd, args, pids: list[int]) -> list[dict]:
     per_batch = args.mp_samples * args.mp_seq * 12
     rows = []
     for r in range(args.mp_rounds + 1):  # round 0 warms up
+        print(f"mpmc round {r}", flush=True)
         for mode in ("ray numpy", "refit", "refit durable=False", "transferqueue"):
             s = store_nd if mode == "refit durable=False" else store
             queue = Queue(maxsize=args.bound, actor_options={"num_cpus": 0})
@@ -360,16 +365,25 @@ def run_mpmc(ray, store, store_nd, args, pids: list[int]) -> list[dict]:
                 cons = [c.run.remote(mode, s, queue, total // args.consumers) for c in consumers]
                 prods = [
                     p.run.remote(
-                        mode, store, queue, f"r{r}p{i}", args.batches_per_producer, args.mp_samples, args.mp_seq, i
+                        mode, s, queue, f"r{r}p{i}", args.batches_per_producer, args.mp_samples, args.mp_seq, i
                     )
                     for i, p in enumerate(producers)
                 ]
+                pending = cons + prods
+                while pending:  # fail fast: a consumer that raised would leave producers blocked on the queue
+                    done, pending = ray.wait(pending, num_returns=1, timeout=600)
+                    if not done:
+                        raise TimeoutError(f"mpmc {mode}: no progress in 600 s")
+                    ray.get(done)
                 put_lat = [x for lat in ray.get(prods) for x in lat]
                 got = ray.get(cons)
                 wall = time.perf_counter() - t0
             ray.kill(queue.actor)
-            get_lat = [x for lat, _ in got for x in lat]
-            assert sum(m for _, m in got) == total * per_batch, mode
+            get_lat = [x for lat, _, _ in got for x in lat]
+            errors = [e for _, _, errs in got for e in errs]
+            if errors:
+                print(f"mpmc {mode} round {r}: {len(errors)} failed gets, e.g. {errors[:2]}", flush=True)
+            assert errors or sum(m for _, m, _ in got) == total * per_batch, mode
             if r == 0:
                 continue
             rows.append(
@@ -385,6 +399,7 @@ def run_mpmc(ray, store, store_nd, args, pids: list[int]) -> list[dict]:
                     "get_p50_ms": 1e3 * pct(get_lat, 50),
                     "get_p99_ms": 1e3 * pct(get_lat, 99),
                     "peak_mem_mib": (mem.peak - mem.base) / 2**20,
+                    "failed_gets": len(errors),
                 }
             )
     for a in producers + consumers:
@@ -439,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from refit.data.ray_store import RayStore
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, object_store_memory=3 << 30)
+    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=3 << 30)
     tq.init()  # SimpleStorage, its default backend
     store, store_nd = RayStore(num_units=args.units), RayStore(num_units=args.units, durable=False)
     pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in store.actors])
