@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from refit.data import balance_stats, balanced_shards, pack_microbatches
+from refit.data import balance_stats, balanced_shards, pack_microbatches, sample_flops
 
 
 def long_tail(n: int, cap: int, seed: int = 0) -> list[int]:
@@ -48,29 +48,41 @@ def sort_stride(lens: list[int], dp: int, budget: int) -> list[list[list[int]]]:
     return [pack_microbatches(order[r::dp], lens, budget) for r in range(dp)]
 
 
+def pareto_tail(n: int, cap: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return np.clip((cap / 64 * (1 + rng.pareto(1.2, n))).astype(int), 16, cap).tolist()
+
+
 def balance_rows(n: int, dp: int, cap: int, budget: int, group: int) -> list[dict]:
-    lens = long_tail(n, cap)
     rows = []
-    for name, shards in (
-        ("balanced_shards", balanced_shards(lens, dp, budget)),
-        (f"balanced_shards (group_size={group})", balanced_shards(lens, dp, budget, group_size=group)),
-        ("contiguous chunks", contiguous(lens, dp, budget)),
-        ("sort-stride", sort_stride(lens, dp, budget)),
-    ):
-        s = balance_stats(shards, lens)
-        rows.append(
-            {
-                "method": name,
-                "samples": n,
-                "dp": dp,
-                "budget": budget,
-                "max_over_mean": s["max_over_mean"],
-                "microbatches_min": min(s["microbatches"]),
-                "microbatches_max": max(s["microbatches"]),
-                "max_microbatch_tokens": s["max_microbatch_tokens"],
-            }
+    for dist, lens in (("lognormal", long_tail(n, cap)), ("pareto", pareto_tail(n, budget))):
+        flops = sample_flops(lens)
+        cases = (
+            ("balanced_shards", balanced_shards(lens, dp, budget)),
+            (f"balanced_shards (group_size={group})", balanced_shards(lens, dp, budget, group_size=group)),
+            ("balanced_shards (cost=flops)", balanced_shards(lens, dp, budget, cost=flops)),
+            (f"balanced_shards (cost=flops, group_size={group})", balanced_shards(lens, dp, budget, group, cost=flops)),
+            ("contiguous chunks", contiguous(lens, dp, budget)),
+            ("sort-stride", sort_stride(lens, dp, budget)),
         )
+        rows += [_balance_row(name, dist, shards, lens, flops, dp, budget) for name, shards in cases]
     return rows
+
+
+def _balance_row(name, dist, shards, lens, flops, dp, budget) -> dict:
+    s = balance_stats(shards, lens, cost=flops)
+    return {
+        "method": name,
+        "lengths": dist,
+        "samples": len(lens),
+        "dp": dp,
+        "budget": budget,
+        "flops_max_over_mean": s["cost_max_over_mean"],
+        "max_over_mean": s["max_over_mean"],
+        "microbatches_min": min(s["microbatches"]),
+        "microbatches_max": max(s["microbatches"]),
+        "max_microbatch_tokens": s["max_microbatch_tokens"],
+    }
 
 
 def transfer_rows(samples: int, seq: int, dp: int, iters: int, units: int) -> list[dict]:
@@ -110,7 +122,7 @@ def transfer_rows(samples: int, seq: int, dp: int, iters: int, units: int) -> li
         def run():
             store = stores[durable]
             meta = store.put([f"b{next(counter)}/{i}" for i in range(samples)], batch, partition="bench")
-            out = store.get(meta, select_fields=["ids", "logprobs"])
+            out = store.get(meta, select_fields=["ids", "logprobs"], copy=True)  # writable, as before
             assert torch.equal(out["ids"], batch["ids"])
             store.clear(meta)
 
@@ -240,12 +252,21 @@ def main(argv: list[str] | None = None) -> None:
         title=f"balance: {args.balance_samples} long-tailed samples over {args.dp} DP ranks, "
         f"<= {args.budget} tokens per microbatch"
     )
-    for col in ("method", "max/mean tokens", "microbatches min..max", "largest microbatch"):
+    for col in (
+        "lengths",
+        "method",
+        "max/mean tokens",
+        "max/mean FLOPs",
+        "microbatches min..max",
+        "largest microbatch",
+    ):
         t.add_column(col)
     for r in bal:
         t.add_row(
+            r["lengths"],
             r["method"],
             f"{r['max_over_mean']:.4f}",
+            f"{r['flops_max_over_mean']:.4f}",
             f"{r['microbatches_min']}..{r['microbatches_max']}",
             str(r["max_microbatch_tokens"]),
         )

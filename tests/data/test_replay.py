@@ -54,8 +54,9 @@ def test_failed_fetch_loses_nothing(store):
     with pytest.raises(KeyError):
         buf.sample(1, current_version=0, select_fields=["never_written"])
     assert len(buf) == 1 and sorted(store.keys("rollouts")) == keys
-    meta, data = buf.sample(1, current_version=0, select_fields=["ids"])
+    meta, data = buf.sample(1, current_version=0, select_fields=["ids"], copy=True)
     assert data["ids"].shape == (2, 3)
+    data["ids"].zero_()  # copy=True: private and writable, even though the keys are cleared
 
 
 def test_concurrent_samplers_get_each_entry_once():

@@ -41,13 +41,29 @@ def test_put_get_round_trip_exact(store):
     assert _same(sub["reward"], data["reward"][[4, 1, 2]])
 
 
-def test_get_returns_private_memory(store):
+def test_get_with_copy_returns_private_memory(store):
     data = _batch()
     store.put(["a", "b", "c", "d", "e", "f"], data)
-    got = store.get(["a", "b"], select_fields=["input_ids"])
+    got = store.get(["a", "b"], select_fields=["input_ids"], copy=True)
     got["input_ids"].zero_()  # writable, and the store is unaffected
     again = store.get(["a", "b"], select_fields=["input_ids"])
     assert torch.equal(again["input_ids"], data["input_ids"][:2])
+
+
+def test_get_returns_zero_copy_views_of_consecutive_rows(store):
+    data = _batch()
+    keys = ["a", "b", "c", "d", "e", "f"]
+    store.put(keys, data)
+    run = store.get(["b", "c", "d"], select_fields=["input_ids", "reward"])  # consecutive rows, in order
+    again = store.get(["b", "c", "d"], select_fields=["input_ids"])
+    assert run["input_ids"].data_ptr() == again["input_ids"].data_ptr()  # the same memory: no copy made
+    assert torch.equal(run["input_ids"], data["input_ids"][1:4]) and torch.equal(run["reward"], data["reward"][1:4])
+    scattered = store.get(["d", "a", "c"], select_fields=["input_ids"])  # gathered once, in the asked order
+    assert torch.equal(scattered["input_ids"], data["input_ids"][[3, 0, 2]])
+    copied = store.get(["b", "c", "d"], select_fields=["input_ids"], copy=True)
+    assert copied["input_ids"].data_ptr() != run["input_ids"].data_ptr()
+    store.clear(keys)
+    assert torch.equal(run["input_ids"], data["input_ids"][1:4])  # a view outlives the clear of its keys
 
 
 def test_caller_buffers_may_be_reused_after_put(store):

@@ -6,10 +6,12 @@ inside a model-parallel group), with a versioned ``ReplayBuffer`` for asynchrono
 from .balance import (
     balance_stats,
     balanced_shards,
+    greedy_partition,
     inverse_permutation,
     karmarkar_karp,
     pack_microbatches,
     restore_order,
+    sample_flops,
     shard_order,
 )
 from .leader import LeaderFetchError, leader_fetch, replica_groups
@@ -26,6 +28,8 @@ __all__ = [
     "MissingFieldError",
     "balanced_shards",
     "karmarkar_karp",
+    "greedy_partition",
+    "sample_flops",
     "shard_order",
     "inverse_permutation",
     "restore_order",

@@ -1,23 +1,36 @@
-"""The Ray backend of the rollout store: key metadata in storage actors (keys spread over them by
-a stable hash of partition and key), payloads in Ray's object store.
+"""The Ray backend of the rollout store: key metadata in storage actors (one per partition,
+chosen by a stable hash of the partition's name), payloads in Ray's object store.
 
-A put encodes every field (a tensor travels as its raw bytes in a numpy uint8 array plus dtype
-and shape, so any dtype, bf16 included, survives bit for bit, and Ray moves it zero-copy) and
-``ray.put``s them once; with ``durable=True`` (the default) one storage actor copies that object
-into one it owns (Ray ties an object's life to its owner, and the writer — a rollout worker —
-may exit before the trainer reads), costing one more copy per put; each actor holding some of
-the keys records the object reference and its rows. A get
-asks the actors where its keys' rows are (a small call to each, all at once), ``ray.get``s the
-objects (zero-copy on the same node) and gathers exactly the requested rows into fresh, writable
-tensors in key order. An object is freed when the last of its rows is cleared.
+Per operation, one control round trip: a put is one ``ray.put`` of the encoded fields plus one
+call to the partition's storage actor, which checks (refusing a field a key already has, unless
+``overwrite``) and records every key in one step; a get is one call (where the keys' rows are)
+plus the ``ray.get`` of those objects; a clear is one call. A tensor travels as its raw bytes in a
+numpy uint8 array plus dtype and shape, so any dtype, bf16 included, survives bit for bit, and
+Ray moves it zero-copy: a reader on the object's node maps the bytes without copying them, and
+``get`` returns views of that shared memory (read-only by contract) where the rows asked for are
+one run of consecutive rows of one put, in order; other selections (a DP rank's balanced share)
+are gathered with one vectorized gather per put. ``copy=True`` gives private writable tensors.
 
-Trade-off: a reader on another node pulls the whole objects that hold its rows (Ray moves objects,
-not rows); put batches the size you want readers to move.
+Ownership. Ray ties an object's life to its owner, the process that put it. ``durable=True``
+(the default) makes the data outlive the writer (a rollout worker may exit before the trainer
+reads): in the same call that records the keys, the storage actor copies the writer's object
+into one it owns, one copy per put. Ray used to offer ``ray.put(..., _owner=actor)`` to name
+another owner without a copy; Ray 2.56 removed it (Ray 2.60 raises ``ValueError``), so no public
+API gives ownership without that copy. ``durable=False`` keeps the writer's object as is (no
+copy); its keys become unreadable (Ray raises an owner-died error) once the writer exits.
+
+A put is atomic: one partition lives on one actor and the actor checks and records a put's keys
+in one call, so a refused put writes nothing, and a writer killed mid-put either reached the
+actor (the whole batch is recorded) or did not (nothing is; its orphaned object is freed by Ray
+with its owner). An object is freed when the last of its rows is cleared.
+
+Trade-offs: a reader on another node pulls the whole objects that hold its rows (Ray moves
+objects, not rows): put batches the size you want readers to move. One partition's metadata is
+served by one actor (spread partitions to spread the load). Two writers racing on the same keys
+are serialized by the actor's lock (the second is refused, or overwrites with ``overwrite=True``).
 
 The client (``RayStore``) is a small picklable object (the actor handles): pass it to rollout
-workers and trainer ranks. A put is checked on every actor before any actor writes, so a refused
-put (a field that exists, without ``overwrite``) leaves nothing half-written; two writers racing
-on the same keys are not serialized against each other.
+workers and trainer ranks. Nothing refit reads is unpickled outside Ray's own transport.
 """
 
 from __future__ import annotations
@@ -69,21 +82,29 @@ def _decode_field(w: Any) -> FieldData:
 
 
 class _StorageActor:
-    """Keys -> (object reference, row) per field; the payload bytes stay in the object store."""
+    """Keys -> (object reference, field) per field; the payload bytes stay in the object store."""
 
     def __init__(self) -> None:
         self.unit = StorageUnit()
 
-    def check_put(self, partition: str, keys: list[str], fields: list[str]) -> str | None:
-        return self.unit.clash(partition, keys, fields)
-
-    def adopt(self, holder: list) -> list:
-        """A copy of the writer's object, owned by this actor."""
-        return [ray.put(ray.get(holder[0]))]
-
-    def put(self, partition, keys, holder, fields, rows, tags, seq_lens, overwrite) -> None:
+    def put(self, partition, keys, holder, fields, tags, seq_lens, overwrite, durable) -> str | None:
+        """Check, adopt (``durable``: a copy this actor owns) and record, in one call; the reason a
+        put is refused (nothing written), or None."""
+        if not overwrite:
+            err = self.unit.clash(partition, keys, fields)
+            if err:
+                return err
         ref = holder[0]  # nested in a list: Ray passes the reference, not the value
-        self.unit.put(partition, keys, {f: (ref, f) for f in fields}, tags, seq_lens, overwrite, rows)
+        if durable:
+            try:
+                ref = ray.put(ray.get(ref))
+            except ray.exceptions.RayError as e:  # the writer died before its object was adopted
+                return f"put: the writer's object is gone ({type(e).__name__}); nothing was written"
+        try:  # checks again under the unit's lock: a racing put of the same keys may have won
+            self.unit.put(partition, keys, {f: (ref, f) for f in fields}, tags, seq_lens, overwrite)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def locate(self, partition, keys, select) -> dict[str, list]:
         return {
@@ -93,6 +114,9 @@ class _StorageActor:
 
     def clear(self, partition, keys) -> int:
         return self.unit.clear(partition, keys)
+
+    def clear_partition(self, partition) -> int:
+        return self.unit.clear_partition(partition)
 
     def keys(self) -> list[tuple[str, str]]:
         return self.unit.keys()
@@ -104,25 +128,30 @@ class _StorageActor:
         return self.unit.chunks()
 
 
-def _shard(partition: str, key: str, n: int) -> int:
-    return zlib.crc32(f"{partition}\x00{key}".encode()) % n
+def _shard(partition: str, n: int) -> int:
+    return zlib.crc32(partition.encode()) % n
 
 
 class RayStore(Store):
     """``RayStore(num_units=2)`` starts ``num_units`` storage actors (Ray must be initialized);
-    ``actor_options`` go to ``.options()`` (default ``num_cpus=0``; e.g. a node
-    ``scheduling_strategy``). ``durable=False`` leaves each put's object owned by the writing
-    process: one copy less per put, but the keys become unreadable (Ray raises an owner-died
-    error) once the writer exits.
+    each partition lives on one of them. ``actor_options`` go to ``.options()`` (default
+    ``num_cpus=0, max_concurrency=16``; e.g. a node ``scheduling_strategy``). ``durable=False`` leaves each put's
+    object owned by the writing process: one copy less per put, but the keys become unreadable
+    (Ray raises an owner-died error) once the writer exits.
+
+    ``get`` returns read-only views where it can (the module docstring says when) and private
+    writable tensors with ``copy=True``; ``put``, ``get``, ``clear`` and ``meta`` are each one
+    call to one storage actor.
 
     Lifecycle: built once, on a process where ``ray.init()`` ran (the driver); pickling it
     (passing it to a Ray task or actor) gives a client of the same actors, in the same order,
     with the same ``durable``. ``shutdown()`` kills the actors, dropping every key they hold:
     call it once, when no client is in use.
 
-    Must agree: every client routes a key to an actor by a stable hash of (partition, key)
+    Must agree: every client routes a partition to an actor by a stable hash of its name
     modulo the number of actors, so clients must come from one store by pickling (never build
-    a second one over the same keys). Two writers racing on the same keys are not serialized.
+    a second one over the same keys). Two writers racing on the same keys are serialized by
+    the partition's actor.
     """
 
     def __init__(
@@ -139,7 +168,8 @@ class RayStore(Store):
         if not ray.is_initialized():
             raise RuntimeError("RayStore: call ray.init() first")
         cls = ray.remote(_StorageActor)
-        opts = {"num_cpus": 0, **(actor_options or {})}
+        # threaded: one put's adoption copy does not hold up other calls (StorageUnit is locked)
+        opts = {"num_cpus": 0, "max_concurrency": 16, **(actor_options or {})}
         self.actors = [cls.options(**opts).remote() for _ in range(num_units)]
         ray.get([a.chunks.remote() for a in self.actors])  # started
 
@@ -152,103 +182,52 @@ class RayStore(Store):
             ray.kill(a)
         self.actors = []
 
-    def _split(self, partition: str, keys: list[str]) -> dict[int, list[int]]:
-        parts: dict[int, list[int]] = {}
-        for i, k in enumerate(keys):
-            parts.setdefault(_shard(partition, k, len(self.actors)), []).append(i)
-        return parts
+    def _unit(self, partition: str) -> Any:
+        return self.actors[_shard(partition, len(self.actors))]
 
     def put(self, keys, fields, *, partition="default", tags=None, seq_lens=None, overwrite=False) -> BatchMeta:
         keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
-        parts = self._split(partition, keys)
-        checks = (
-            []
-            if overwrite
-            else [
-                self.actors[u].check_put.remote(partition, [keys[i] for i in pos], list(fields))
-                for u, pos in parts.items()
-            ]
+        ref = ray.put({n: _encode_field(d) for n, d in fields.items()})
+        err = ray.get(
+            self._unit(partition).put.remote(
+                partition, keys, [ref], list(fields), tag_list, lens, overwrite, self.durable
+            )
         )
-        ref = ray.put({n: _encode_field(d) for n, d in fields.items()})  # the copy overlaps the checks
-        for e in ray.get(checks):
-            if e:
-                raise ValueError(e)
-        if self.durable:
-            ref = ray.get(self.actors[next(iter(parts))].adopt.remote([ref]))[0]
-        ray.get(
-            [
-                self.actors[u].put.remote(
-                    partition,
-                    [keys[i] for i in pos],
-                    [ref],
-                    list(fields),
-                    pos,
-                    [tag_list[i] for i in pos],
-                    None if lens is None else [lens[i] for i in pos],
-                    overwrite,
-                )
-                for u, pos in parts.items()
-            ]
-        )
+        if err:
+            raise ValueError(err)
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
 
-    def get(self, keys, *, select_fields, partition=None) -> dict[str, Rows]:
+    def get(self, keys, *, select_fields, partition=None, copy=False) -> dict[str, Rows]:
         keys, partition, select = self._request(keys, partition, select_fields)
-        parts = self._split(partition, keys)
-        located = ray.get(
-            [self.actors[u].locate.remote(partition, [keys[i] for i in pos], select) for u, pos in parts.items()]
-        )
-        refs: dict[Any, Any] = {}
-        for loc in located:
-            for groups in loc.values():
-                for holder, _, _, _ in groups:
-                    refs.setdefault(holder[0], None)
-        objects = dict(zip(refs, ray.get(list(refs))))  # every object once, all at once
+        located = ray.get(self._unit(partition).locate.remote(partition, keys, select))
+        refs = list(dict.fromkeys(holder[0] for groups in located.values() for holder, _, _, _ in groups))
+        objects = dict(zip(refs, ray.get(refs)))  # every object once, all at once, zero-copy
         decoded: dict[tuple[Any, str], FieldData] = {}
         out: dict[str, Rows] = {}
         for f in select:
             groups = []
-            for pos_u, loc in zip(parts.values(), located):
-                for holder, name, pos, rows in loc[f]:
-                    key = (holder[0], name)
-                    if key not in decoded:
-                        decoded[key] = _decode_field(objects[holder[0]][name])
-                    groups.append((decoded[key], [pos_u[p] for p in pos], rows))
-            out[f] = gather(len(keys), groups)
+            for holder, name, pos, rows in located[f]:
+                key = (holder[0], name)
+                if key not in decoded:
+                    decoded[key] = _decode_field(objects[holder[0]][name])
+                groups.append((decoded[key], pos, rows))
+            out[f] = gather(len(keys), groups, copy)
         return out
 
     def clear(self, keys, *, partition=None) -> int:
         keys, partition = self._resolve(keys, partition)
-        parts = self._split(partition, keys)
-        return sum(
-            ray.get([self.actors[u].clear.remote(partition, [keys[i] for i in pos]) for u, pos in parts.items()])
-        )
+        return ray.get(self._unit(partition).clear.remote(partition, keys))
 
     def clear_partition(self, partition: str) -> int:
-        return self.clear(self.keys(partition), partition=partition)
+        return ray.get(self._unit(partition).clear_partition.remote(partition))
 
     def keys(self, partition=None):
-        held = [pk for ks in ray.get([a.keys.remote() for a in self.actors]) for pk in ks]
-        return held if partition is None else [k for p, k in held if p == partition]
+        if partition is not None:
+            return [k for p, k in ray.get(self._unit(partition).keys.remote()) if p == partition]
+        return [pk for ks in ray.get([a.keys.remote() for a in self.actors]) for pk in ks]
 
     def meta(self, keys, *, partition="default") -> BatchMeta:
-        keys = [str(k) for k in keys]
-        parts = self._split(partition, keys)
-        metas = dict(
-            zip(
-                parts,
-                ray.get([self.actors[u].meta.remote(partition, [keys[i] for i in pos]) for u, pos in parts.items()]),
-            )
-        )
-        where = {i: (u, j) for u, pos in parts.items() for j, i in enumerate(pos)}
-        order = [where[i] for i in range(len(keys))]
-        fields = [f for f in next(iter(metas.values())).fields if all(f in m.fields for m in metas.values())]
-        lens = None
-        if all(m.seq_lens is not None for m in metas.values()):
-            lens = [metas[u].seq_lens[j] for u, j in order]
-        return BatchMeta(
-            keys=keys, partition=partition, fields=fields, tags=[metas[u].tags[j] for u, j in order], seq_lens=lens
-        )
+        return ray.get(self._unit(partition).meta.remote(partition, [str(k) for k in keys]))
 
     def chunks(self) -> int:
         """Field payloads referenced (an object is freed once no chunk references it)."""

@@ -125,12 +125,13 @@ class ReplayBuffer:
             return sum(self._eligible(e, current_version) for e in self._entries)
 
     def sample(
-        self, n: int, current_version: int, *, select_fields: Sequence[str]
+        self, n: int, current_version: int, *, select_fields: Sequence[str], copy: bool = False
     ) -> tuple[BatchMeta, dict[str, Rows]] | None:
         """Drop expired entries, then take the ``n`` oldest eligible ones (in ``add`` order):
-        their concatenated ``BatchMeta`` and ``{field: rows}`` for ``select_fields``, their keys
-        cleared. None, taking nothing, when fewer than ``n`` are eligible; a failed ``get``
-        propagates and leaves them in the buffer."""
+        their concatenated ``BatchMeta`` and ``{field: rows}`` for ``select_fields`` (as
+        ``Store.get``: read-only views where it can, which stay valid after the clear; private
+        writable tensors with ``copy=True``), their keys cleared. None, taking nothing, when
+        fewer than ``n`` are eligible; a failed ``get`` propagates and leaves them in the buffer."""
         if n < 1:
             raise ValueError(f"ReplayBuffer.sample: n must be >= 1, got {n}")
         with self._lock:
@@ -139,7 +140,7 @@ class ReplayBuffer:
             if len(picked) < n:
                 return None
             meta = BatchMeta.concat([e.meta for e in picked])
-            data = self.store.get(meta, select_fields=select_fields)  # raises: entries stay
+            data = self.store.get(meta, select_fields=select_fields, copy=copy)  # raises: entries stay
             ids = {id(e) for e in picked}
             self._entries = [e for e in self._entries if id(e) not in ids]
             self._stats.keys_cleared += self.store.clear(meta)

@@ -12,8 +12,13 @@ Contract (every backend):
   one stacked tensor when every row has the same shape and dtype (a 1-D field comes back 1-D),
   else the list of rows. ``select_fields`` is required: nothing is read that was not named.
   A key or field that was never written raises ``MissingKeyError`` / ``MissingFieldError``
-  naming the partition, key and field. What comes back never aliases the store's memory, and
-  bytes, dtypes and shapes are exactly what was put.
+  naming the partition, key and field. Bytes, dtypes and shapes are exactly what was put.
+  Zero-copy by default: what comes back may be a view of the store's memory (a run of
+  consecutive rows of one put, in order, is returned as a view; other selections are gathered
+  into fresh memory with one vectorized gather per put) and is **read-only by contract** —
+  writing to it may corrupt what other readers see (torch has no read-only flag to enforce
+  it). ``copy=True`` returns private, writable tensors that never alias the store. A view
+  stays valid after its keys are cleared (it keeps its memory alive until it is dropped).
 - ``clear(keys, partition)`` drops keys (idempotent: clearing an absent key is not an error);
   ``clear_partition(partition)`` drops a whole partition.
 - ``keys(partition=None)`` lists what is held (leak checks), ``meta(keys, partition)`` rebuilds
@@ -32,6 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from refit.errors import RefitError
@@ -98,12 +104,28 @@ def normalize_put(
     return keys, fields, tag_list, lens
 
 
-def gather(n: int, groups: list[tuple[Any, list[int], list[int]]]) -> Rows:
+def _one_payload(n: int, p: torch.Tensor, pos: list[int], rows: list[int], copy: bool) -> torch.Tensor:
+    """The ``n`` rows of one batch tensor in output order: a view when they are one run of
+    consecutive rows in order (unless ``copy``), else one vectorized gather (fresh memory)."""
+    order = np.asarray(rows, dtype=np.int64)[np.argsort(np.asarray(pos, dtype=np.int64), kind="stable")]
+    start = int(order[0]) if n else 0
+    if n and order[-1] - start == n - 1 and bool((np.diff(order) == 1).all()):
+        view = p.narrow(0, start, n)
+        return view.clone() if copy else view
+    return p.index_select(0, torch.from_numpy(order))
+
+
+def gather(n: int, groups: list[tuple[Any, list[int], list[int]]], copy: bool = False) -> Rows:
     """Assemble ``n`` output rows from ``groups`` of (payload, output positions, payload rows),
     where a payload is a batch tensor (rows on dim 0) or a list of row tensors. One stacked
-    tensor when every row shares shape and dtype, else a list. Always copies: the result never
-    aliases a payload."""
-    merged: dict[int, tuple[Any, list[int], list[int]]] = {}  # groups of one payload (several storage units)
+    tensor when every row shares shape and dtype, else a list.
+
+    Zero-copy where it can be: rows that form one run of consecutive rows of one batch tensor,
+    in order, come back as a view of it (read-only by contract: it may be shared memory other
+    readers see); any other selection is gathered with one ``index_select`` per payload (no
+    per-row loop), ragged rows come back as views of the rows held. ``copy=True``: the result
+    never aliases a payload (writable, private)."""
+    merged: dict[int, tuple[Any, list[int], list[int]]] = {}  # groups of one payload (several calls)
     for p, pos, rows in groups:
         m = merged.setdefault(id(p), (p, [], []))
         m[1].extend(pos)
@@ -113,21 +135,19 @@ def gather(n: int, groups: list[tuple[Any, list[int], list[int]]]) -> Rows:
     if len(tensors) == len(groups):
         shape, dtype = tensors[0].shape[1:], tensors[0].dtype
         if all(t.shape[1:] == shape and t.dtype == dtype for t in tensors):
-            if len(groups) == 1:  # one payload: a single gather in output order
-                p, pos, rows = groups[0]
-                order = [r for _, r in sorted(zip(pos, rows))]
-                return p.index_select(0, torch.tensor(order, dtype=torch.long))
+            if len(groups) == 1:
+                return _one_payload(n, *groups[0], copy=copy)
             out = torch.empty((n, *shape), dtype=dtype)
             for p, pos, rows in groups:
-                out[torch.tensor(pos, dtype=torch.long)] = p.index_select(0, torch.tensor(rows, dtype=torch.long))
+                out[torch.as_tensor(pos, dtype=torch.long)] = p.index_select(0, torch.as_tensor(rows, dtype=torch.long))
             return out
     flat: list[torch.Tensor | None] = [None] * n
-    for p, pos, rows in groups:
+    for p, pos, rows in groups:  # ragged rows: one tensor each
         for i, r in zip(pos, rows):
             flat[i] = p[r]
     if all(t.shape == flat[0].shape and t.dtype == flat[0].dtype for t in flat):  # type: ignore[union-attr]
         return torch.stack(flat)  # type: ignore[arg-type]
-    return [t.clone() for t in flat]  # type: ignore[union-attr]
+    return [t.clone() for t in flat] if copy else flat  # type: ignore[union-attr,return-value]
 
 
 class StorageUnit:
@@ -248,9 +268,11 @@ class StorageUnit:
                 out[f] = [(self._chunks[cid][0], pos, rows) for cid, (pos, rows) in groups.items()]
             return out
 
-    def get_stacked(self, partition: str, keys: Sequence[str], select_fields: Sequence[str]) -> dict[str, Rows]:
-        """Per field, the rows of ``keys`` in order (``gather``: fresh memory)."""
-        return {f: gather(len(keys), groups) for f, groups in self.locate(partition, keys, select_fields).items()}
+    def get_stacked(
+        self, partition: str, keys: Sequence[str], select_fields: Sequence[str], copy: bool = False
+    ) -> dict[str, Rows]:
+        """Per field, the rows of ``keys`` in order (``gather``: views where it can, unless ``copy``)."""
+        return {f: gather(len(keys), groups, copy) for f, groups in self.locate(partition, keys, select_fields).items()}
 
     def meta(self, partition: str, keys: Sequence[str]) -> BatchMeta:
         """The ``BatchMeta`` of held ``keys``: fields all of them have, their tags, and seq_lens
@@ -321,9 +343,15 @@ class Store(ABC):
 
     @abstractmethod
     def get(
-        self, keys: BatchMeta | Sequence[str], *, select_fields: Sequence[str], partition: str | None = None
+        self,
+        keys: BatchMeta | Sequence[str],
+        *,
+        select_fields: Sequence[str],
+        partition: str | None = None,
+        copy: bool = False,
     ) -> dict[str, Rows]:
-        """``{field: rows}`` of ``select_fields`` in key order, never aliasing the store."""
+        """``{field: rows}`` of ``select_fields`` in key order: read-only views of the store's
+        memory where it can (never write to them), private writable tensors with ``copy=True``."""
 
     @abstractmethod
     def clear(self, keys: BatchMeta | Sequence[str], *, partition: str | None = None) -> int:
@@ -371,7 +399,8 @@ class Store(ABC):
 class InProcessStore(Store):
     """The embedded store: one ``StorageUnit`` in this process; threads may share it, other
     processes cannot (``RayStore`` is the shared one). ``put`` copies the caller's tensors (they
-    may be reused once it returns); ``get`` returns fresh tensors."""
+    may be reused once it returns); ``get`` returns views of the copies held where it can (read-only
+    by contract), fresh tensors with ``copy=True``."""
 
     def __init__(self) -> None:
         self.unit = StorageUnit()
@@ -386,9 +415,9 @@ class InProcessStore(Store):
         self.unit.put(partition, keys, fields, tag_list, lens, overwrite)
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
 
-    def get(self, keys, *, select_fields, partition=None) -> dict[str, Rows]:
+    def get(self, keys, *, select_fields, partition=None, copy=False) -> dict[str, Rows]:
         keys, partition, select = self._request(keys, partition, select_fields)
-        return self.unit.get_stacked(partition, keys, select)
+        return self.unit.get_stacked(partition, keys, select, copy)
 
     def clear(self, keys, *, partition=None) -> int:
         keys, partition = self._resolve(keys, partition)

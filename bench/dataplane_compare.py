@@ -1,0 +1,495 @@
+"""refit's data plane beside zero-copy numpy Ray and TransferQueue, on the same batches in the same run.
+
+    python -m bench.dataplane_compare [--samples 512 --seq 8192 --dp 4 --iters 9]
+        [--producers 16 --consumers 8 --batches-per-producer 8 --mp-samples 32 --mp-seq 2048 --bound 16]
+        [--out bench/results/cpu-dataplane-compare.json]
+
+Three parts, every method run in the same Ray session (one node; object store capped at 3 GiB):
+
+- ``put_get``: the driver puts one batch (int64 ids + float32 logprobs, [samples, seq]) and gets
+  every row back. Rounds interleave the methods (each round runs each once, so drift on a busy
+  machine hits all alike); median and p99 of ``--iters`` rounds after a warm-up that also checks
+  the bytes. Methods: ``ray numpy`` (``ray.put``/``ray.get`` of numpy arrays, read-only views),
+  ``ray numpy + copy`` (then writable torch copies), ``refit`` (``RayStore``: views), ``refit
+  copy=True``, ``refit durable=False``, ``transferqueue`` (``kv_batch_put`` of a TensorDict,
+  ``kv_batch_get``; SimpleStorage backend, its default). Clearing is done outside the timing.
+- ``dp<N>``: the batch is put once, then ``--dp`` consumer actors fetch their balanced shares
+  (``balanced_shards`` of long-tailed lengths: scattered rows) at once; time from the put to the
+  last consumer done. Ray: ``ray.get`` of the whole object, then its rows (one ``index_select``).
+- ``mpmc``: ``--producers`` actors each put ``--batches-per-producer`` small batches and push
+  their handles into one bounded queue (``ray.util.queue.Queue(maxsize=--bound)``); ``--consumers``
+  actors pop, read every field, and release them (refit/TransferQueue: clear; Ray: drop the
+  reference). Throughput is bytes moved over the wall time; latencies are per put and per get,
+  measured in the actors; memory is the peak, sampled every 50 ms, of Ray's object store plus
+  the resident memory of the store's own processes (TransferQueue keeps data in its storage
+  actors' heaps, refit and Ray in the object store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+from bench.dataplane import long_tail
+from refit.data import balanced_shards
+
+FIELDS = ["ids", "logprobs"]
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def timing_row(part: str, method: str, times_s: list[float], size: int) -> dict:
+    med = statistics.median(times_s)
+    return {
+        "part": part,
+        "method": method,
+        "median_ms": 1e3 * med,
+        "p99_ms": 1e3 * pct(times_s, 99),
+        "gbps": size / med / 1e9,
+        "bytes": size,
+        "n": len(times_s),
+    }
+
+
+def make_batch(samples: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "ids": torch.randint(0, 150_000, (samples, seq), generator=g),
+        "logprobs": -torch.rand(samples, seq, generator=g),
+    }
+
+
+def nbytes(batch: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in batch.values())
+
+
+class MemoryProbe:
+    """Peak of (object store bytes + resident bytes of the given processes), sampled in a thread."""
+
+    def __init__(self, pids: list[int]) -> None:
+        import psutil
+
+        self.procs = [psutil.Process(p) for p in pids]
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def plasma_bytes() -> int:
+        from ray._private.internal_api import memory_summary
+
+        m = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+        return int(m.group(1)) << 20 if m else 0
+
+    def sample(self) -> int:
+        rss = 0
+        for p in self.procs:
+            try:
+                rss += p.memory_info().rss
+            except Exception:  # noqa: BLE001 - a process that exited holds nothing
+                pass
+        return self.plasma_bytes() + rss
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            time.sleep(0.05)
+
+    def __enter__(self) -> MemoryProbe:
+        self.base = self.sample()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def tq_storage_pids() -> list[int]:
+    from ray.util.state import list_actors
+
+    return [
+        a.pid
+        for a in list_actors(filters=[("state", "=", "ALIVE")])
+        if "Storage" in a.class_name or "TransferQueue" in a.class_name
+    ]
+
+
+def _as_dense(t, rows: int) -> torch.Tensor:
+    """TransferQueue returns fields as jagged nested tensors: their values, one row per sample."""
+    return t.values().view(rows, -1) if getattr(t, "is_nested", False) else t
+
+
+def put_get_methods(ray, tq, store, store_nd, batch, counter) -> dict:
+    """name -> (put() -> handle, get(handle) -> rows, clear(handle))."""
+    from tensordict import TensorDict
+
+    as_numpy = {k: v.numpy() for k, v in batch.items()}
+    n = batch["ids"].shape[0]
+    td = TensorDict(batch, batch_size=n)
+
+    def keys():
+        b = next(counter)
+        return [f"b{b}/{i}" for i in range(n)]
+
+    def refit(s, copy):
+        return (
+            lambda: s.put(keys(), batch, partition="bench"),
+            lambda meta: s.get(meta, select_fields=FIELDS, copy=copy),
+            lambda meta: s.clear(meta),
+        )
+
+    def tq_put():
+        k = keys()
+        tq.kv_batch_put(keys=k, partition_id="bench", fields=td)
+        return k
+
+    return {
+        "ray numpy": (
+            lambda: ray.put(as_numpy),
+            lambda ref: {f: torch.from_numpy(v) for f, v in ray.get(ref).items()},
+            lambda ref: None,
+        ),
+        "ray numpy + copy": (
+            lambda: ray.put(as_numpy),
+            lambda ref: {f: torch.from_numpy(v.copy()) for f, v in ray.get(ref).items()},
+            lambda ref: None,
+        ),
+        "refit": refit(store, False),
+        "refit copy=True": refit(store, True),
+        "refit durable=False": refit(store_nd, False),
+        "transferqueue": (
+            tq_put,
+            lambda k: {
+                f: _as_dense(v, n)
+                for f, v in tq.kv_batch_get(keys=k, partition_id="bench", select_fields=FIELDS).items()
+            },
+            lambda k: tq.kv_clear(keys=k, partition_id="bench"),
+        ),
+    }
+
+
+def run_put_get(methods: dict, batch: dict, iters: int) -> list[dict]:
+    for name, (put, get, clear) in methods.items():  # warm-up, and the bytes checked once
+        h = put()
+        got = get(h)
+        assert all(torch.equal(got[f], batch[f]) for f in FIELDS), name
+        del got
+        clear(h)
+    t: dict[str, dict[str, list[float]]] = {m: {"put": [], "get": [], "total": []} for m in methods}
+    for _ in range(iters):
+        for name, (put, get, clear) in methods.items():
+            t0 = time.perf_counter()
+            h = put()
+            t1 = time.perf_counter()
+            got = get(h)
+            t2 = time.perf_counter()
+            del got
+            clear(h)
+            t[name]["put"].append(t1 - t0)
+            t[name]["get"].append(t2 - t1)
+            t[name]["total"].append(t2 - t0)
+    rows = [timing_row("put_get", m, v["total"], nbytes(batch)) for m, v in t.items()]
+    for r, v in zip(rows, t.values()):
+        r["put_median_ms"], r["get_median_ms"] = 1e3 * statistics.median(v["put"]), 1e3 * statistics.median(v["get"])
+    return rows
+
+
+def make_dp_consumer(ray):
+    @ray.remote(num_cpus=0)
+    class DPConsumer:
+        def __init__(self) -> None:
+            import transfer_queue as tq
+
+            tq.init()  # attaches to the running controller
+            self.tq = tq
+
+        def refit(self, store, meta):
+            return sum(t.numel() for t in store.get(meta, select_fields=FIELDS).values())
+
+        def ray(self, holder, rows):
+            idx = torch.as_tensor(rows)
+            return sum(torch.from_numpy(v).index_select(0, idx).numel() for v in ray.get(holder[0]).values())
+
+        def tq_get(self, keys):
+            out = self.tq.kv_batch_get(keys=keys, partition_id="bench", select_fields=FIELDS)
+            return sum(_as_dense(v, len(keys)).numel() for v in out.values())
+
+    return DPConsumer
+
+
+def run_dp(ray, tq, store, store_nd, batch, dp, iters, counter) -> list[dict]:
+    from tensordict import TensorDict
+
+    samples, seq = batch["ids"].shape
+    shares = [[i for mb in rank for i in mb] for rank in balanced_shards(long_tail(samples, seq), dp, 2 * seq)]
+    consumers = [make_dp_consumer(ray).remote() for _ in range(dp)]
+    as_numpy = {k: v.numpy() for k, v in batch.items()}
+    td = TensorDict(batch, batch_size=samples)
+    want = 2 * samples * seq
+
+    def refit_run(s):
+        def run():
+            meta = s.put([f"d{next(counter)}/{i}" for i in range(samples)], batch, partition="bench")
+            assert sum(ray.get([c.refit.remote(s, meta.select(sh)) for c, sh in zip(consumers, shares)])) == want
+            return lambda: s.clear(meta)
+
+        return run
+
+    def ray_run():
+        ref = ray.put(as_numpy)
+        assert sum(ray.get([c.ray.remote([ref], s) for c, s in zip(consumers, shares)])) == want
+        return lambda: None
+
+    def tq_run():
+        keys = [f"d{next(counter)}/{i}" for i in range(samples)]
+        tq.kv_batch_put(keys=keys, partition_id="bench", fields=td)
+        assert sum(ray.get([c.tq_get.remote([keys[i] for i in s]) for c, s in zip(consumers, shares)])) == want
+        return lambda: tq.kv_clear(keys=keys, partition_id="bench")
+
+    methods = {
+        f"ray numpy dp{dp}": ray_run,
+        f"refit dp{dp}": refit_run(store),
+        f"refit durable=False dp{dp}": refit_run(store_nd),
+        f"transferqueue dp{dp}": tq_run,
+    }
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for fn in methods.values():
+        fn()()
+    for _ in range(iters):
+        for name, fn in methods.items():
+            t0 = time.perf_counter()
+            done = fn()
+            times[name].append(time.perf_counter() - t0)
+            done()
+    for c in consumers:
+        ray.kill(c)
+    return [timing_row(f"dp{dp}", m, v, nbytes(batch)) for m, v in times.items()]
+
+
+def make_mpmc_actors(ray):
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def __init__(self) -> None:
+            import transfer_queue as tq
+
+            tq.init()
+            self.tq = tq
+
+        def run(self, mode, store, queue, tag, k, samples, seq, seed):
+            from tensordict import TensorDict
+
+            batch = make_batch(samples, seq, seed)
+            as_numpy = {f: v.numpy() for f, v in batch.items()}
+            td = TensorDict(batch, batch_size=samples)
+            lat = []
+            for b in range(k):
+                keys = [f"{tag}/{b}/{i}" for i in range(samples)]
+                t0 = time.perf_counter()
+                if mode.startswith("refit"):
+                    h = store.put(keys, batch, partition="mpmc")
+                elif mode == "ray numpy":
+                    h = [ray.put(as_numpy)]
+                else:
+                    self.tq.kv_batch_put(keys=keys, partition_id="mpmc", fields=td)
+                    h = keys
+                lat.append(time.perf_counter() - t0)
+                queue.put(h)  # blocks while the queue holds --bound batches
+            return lat
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        def __init__(self) -> None:
+            import transfer_queue as tq
+
+            tq.init()
+            self.tq = tq
+
+        def run(self, mode, store, queue, count):
+            lat, moved, self.errors = [], 0, []
+            for _ in range(count):
+                h = queue.get()
+                t0 = time.perf_counter()
+                if mode.startswith("refit"):
+                    try:
+                        out = store.get(h, select_fields=FIELDS)
+                    except KeyError as e:  # counted and reported, never expected
+                        self.errors.append(f"{e} (held now: {h.keys[0] in store.keys(h.partition)})")
+                        continue
+                elif mode == "ray numpy":
+                    out = {f: torch.from_numpy(v) for f, v in ray.get(h[0]).items()}
+                else:
+                    out = self.tq.kv_batch_get(keys=h, partition_id="mpmc", select_fields=FIELDS)
+                    out = {f: _as_dense(v, len(h)) for f, v in out.items()}
+                lat.append(time.perf_counter() - t0)
+                moved += sum(t.numel() * t.element_size() for t in out.values())
+                del out
+                if mode.startswith("refit"):
+                    store.clear(h)
+                elif mode == "transferqueue":
+                    self.tq.kv_clear(keys=h, partition_id="mpmc")
+            return lat, moved, self.errors
+
+    return Producer, Consumer
+
+
+def run_mpmc(ray, store, store_nd, args, pids: list[int]) -> list[dict]:
+    from ray.util.queue import Queue
+
+    Producer, Consumer = make_mpmc_actors(ray)
+    producers = [Producer.remote() for _ in range(args.producers)]
+    consumers = [Consumer.remote() for _ in range(args.consumers)]
+    total = args.producers * args.batches_per_producer
+    if total % args.consumers:
+        raise SystemExit(f"--producers x --batches-per-producer ({total}) must divide by --consumers")
+    per_batch = args.mp_samples * args.mp_seq * 12
+    rows = []
+    for r in range(args.mp_rounds + 1):  # round 0 warms up
+        print(f"mpmc round {r}", flush=True)
+        for mode in ("ray numpy", "refit", "refit durable=False", "transferqueue"):
+            s = store_nd if mode == "refit durable=False" else store
+            queue = Queue(maxsize=args.bound, actor_options={"num_cpus": 0})
+            with MemoryProbe(pids) as mem:
+                t0 = time.perf_counter()
+                cons = [c.run.remote(mode, s, queue, total // args.consumers) for c in consumers]
+                prods = [
+                    p.run.remote(
+                        mode, s, queue, f"r{r}p{i}", args.batches_per_producer, args.mp_samples, args.mp_seq, i
+                    )
+                    for i, p in enumerate(producers)
+                ]
+                pending = cons + prods
+                while pending:  # fail fast: a consumer that raised would leave producers blocked on the queue
+                    done, pending = ray.wait(pending, num_returns=1, timeout=600)
+                    if not done:
+                        raise TimeoutError(f"mpmc {mode}: no progress in 600 s")
+                    ray.get(done)
+                put_lat = [x for lat in ray.get(prods) for x in lat]
+                got = ray.get(cons)
+                wall = time.perf_counter() - t0
+            ray.kill(queue.actor)
+            get_lat = [x for lat, _, _ in got for x in lat]
+            errors = [e for _, _, errs in got for e in errs]
+            if errors:
+                print(f"mpmc {mode} round {r}: {len(errors)} failed gets, e.g. {errors[:2]}", flush=True)
+            assert errors or sum(m for _, m, _ in got) == total * per_batch, mode
+            if r == 0:
+                continue
+            rows.append(
+                {
+                    "part": "mpmc",
+                    "method": mode,
+                    "round": r,
+                    "wall_s": wall,
+                    "gbps": total * per_batch / wall / 1e9,
+                    "batches_per_s": total / wall,
+                    "put_p50_ms": 1e3 * pct(put_lat, 50),
+                    "put_p99_ms": 1e3 * pct(put_lat, 99),
+                    "get_p50_ms": 1e3 * pct(get_lat, 50),
+                    "get_p99_ms": 1e3 * pct(get_lat, 99),
+                    "peak_mem_mib": (mem.peak - mem.base) / 2**20,
+                    "failed_gets": len(errors),
+                }
+            )
+    for a in producers + consumers:
+        ray.kill(a)
+    return _median_rounds(rows)
+
+
+def _median_rounds(rows: list[dict]) -> list[dict]:
+    out = []
+    for m in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == m]
+        keys = [k for k in mine[0] if k not in ("part", "method", "round")]
+        out.append(
+            {
+                "part": "mpmc",
+                "method": m,
+                "rounds": len(mine),
+                **{k: statistics.median(r[k] for r in mine) for k in keys},
+            }
+        )
+    return out
+
+
+def ratios(rows: list[dict]) -> None:
+    """Each row's median against the zero-copy numpy Ray row of its part (same run)."""
+    for part in {r["part"] for r in rows}:
+        mine = [r for r in rows if r["part"] == part]
+        key = "wall_s" if part == "mpmc" else "median_ms"
+        base = next(r for r in mine if r["method"].startswith("ray numpy") and "copy" not in r["method"])
+        for r in mine:
+            r["x_ray_numpy"] = r[key] / base[key]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=9)
+    ap.add_argument("--units", type=int, default=2, help="refit storage actors")
+    ap.add_argument("--producers", type=int, default=16)
+    ap.add_argument("--consumers", type=int, default=8)
+    ap.add_argument("--batches-per-producer", type=int, default=8)
+    ap.add_argument("--mp-samples", type=int, default=32)
+    ap.add_argument("--mp-seq", type=int, default=2048)
+    ap.add_argument("--bound", type=int, default=16, help="batches the mpmc queue holds at most")
+    ap.add_argument("--mp-rounds", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/cpu-dataplane-compare.json")
+    args = ap.parse_args(argv)
+    import ray
+    import transfer_queue as tq
+
+    from refit.data.ray_store import RayStore
+
+    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=3 << 30)
+    tq.init()  # SimpleStorage, its default backend
+    store, store_nd = RayStore(num_units=args.units), RayStore(num_units=args.units, durable=False)
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in store.actors])
+    from transfer_queue import interface as tqi
+
+    tq_actors = [tqi._TQ_CONTROLLER, *tqi._TQ_STORAGE["SimpleStorage"].values()]
+    pids += ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in tq_actors])
+    counter = iter(range(1 << 30))
+    batch = make_batch(args.samples, args.seq)
+    try:
+        rows = run_put_get(put_get_methods(ray, tq, store, store_nd, batch, counter), batch, args.iters)
+        rows += run_dp(ray, tq, store, store_nd, batch, args.dp, args.iters, counter)
+        rows += run_mpmc(ray, store, store_nd, args, pids)
+        leaked = store.keys() + store_nd.keys()
+        assert leaked == [] and store.chunks() == 0, f"refit leaked {len(leaked)} keys"
+    finally:
+        tq.close()
+        ray.shutdown()
+    ratios(rows)
+    meta = {
+        "command": "python -m bench.dataplane_compare " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "ray": ray.__version__,
+        "transferqueue": getattr(tq, "__version__", "0.1.11"),
+        "args": vars(args),
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    for r in rows:
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+    print(f"records written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
