@@ -30,9 +30,11 @@ gathers them). Checksums are not computed over NIXL (``ConfigError`` at setup).
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import logging
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -59,6 +61,7 @@ MAX_METADATA_BYTES = 1 << 20
 MAX_DESCRIPTORS = 1 << 16  # per READ request
 _ADDR_LIMIT = 1 << 63
 _POLL_S = 0.001
+SYSFS_ENV = "REFIT_SYSFS_ROOT"  # where NIC discovery reads sysfs (default /sys; a container's mount, tests)
 
 
 def available() -> bool:
@@ -71,11 +74,13 @@ def available() -> bool:
 
 
 # ---------------------------------------------------------------------------- UCX settings, agent
-def apply_ucx_settings(device: torch.device, env: dict | None = None, sysfs_root: str = "/sys") -> dict[str, str]:
-    """Set this process's UCX variables for a NIXL agent on ``device`` (``nics.process_nics`` and
-    ``nics.ucx_settings``; ``REFIT_BIND_ADDRESS``'s interface, loopback by default) in ``env``
-    (default ``os.environ``: UCX reads it when an agent is created) and return them (logged)."""
+def apply_ucx_settings(device: torch.device, env: dict | None = None) -> dict[str, str]:
+    """Set this process's UCX variables for a NIXL agent on ``device`` (``nics.process_nics`` on the
+    sysfs under ``REFIT_SYSFS_ROOT``, default ``/sys``, and ``nics.ucx_settings``; ``REFIT_BIND_ADDRESS``'s
+    interface, loopback by default) in ``env`` (default ``os.environ``: UCX reads it when an agent is
+    created) and return them (logged)."""
     env = os.environ if env is None else env
+    sysfs_root = env.get(SYSFS_ENV) or "/sys"
     address = bind_address(env.get("REFIT_BIND_ADDRESS"))
     interface = None if address in ("0.0.0.0", "::") else interface_of(address)
     chosen = ucx_settings(process_nics(str(device), sysfs_root, env), interface, env)
@@ -94,6 +99,34 @@ def make_agent(name: str, device: torch.device):
     agent = nixl_agent(name, nixl_agent_config(backends=[], enable_listen_thread=False))
     agent.create_backend("UCX", {})
     return agent
+
+
+def ucx_config() -> dict[str, str]:
+    """UCX's own reading of its configuration in this process (``ucp_config_read`` and
+    ``ucp_config_print`` of the libucp NIXL loaded): ``{"UCX_NET_DEVICES": ..., ...}``. Empty before
+    an agent exists. A diagnostic: what a running transfer's UCX context was configured with."""
+    with open("/proc/self/maps") as f:
+        path = next((line.split()[-1] for line in f if "libucp" in line), None)
+    if path is None:
+        return {}
+    lib, libc = ctypes.CDLL(path), ctypes.CDLL(None)
+    libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    lib.ucp_config_read.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.ucp_config_print.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.ucp_config_release.argtypes = [ctypes.c_void_p]
+    cfg = ctypes.c_void_p()
+    if lib.ucp_config_read(None, None, ctypes.byref(cfg)) != 0:
+        return {}
+    try:
+        with tempfile.NamedTemporaryFile("r", prefix="refit-ucx-") as out:
+            fp = libc.fopen(out.name.encode(), b"w")
+            lib.ucp_config_print(cfg, fp, b"refit", 1)  # UCS_CONFIG_PRINT_CONFIG
+            libc.fclose(fp)
+            text = out.read()
+    finally:
+        lib.ucp_config_release(cfg)
+    return dict(line.split("=", 1) for line in text.splitlines() if line.startswith("UCX_") and "=" in line)
 
 
 def _mem(t: torch.Tensor) -> tuple[str, int]:
@@ -308,6 +341,7 @@ class NixlLink:
         self.tensors: list[torch.Tensor] = []  # what the registered memory belongs to (kept alive)
         self.requests: list[_Request] = []  # receiver: READs, prepared once
         self.sources: dict[int, str] = {}  # receiver: source process -> its agent name
+        self.unreachable: dict[int, str] = {}  # receiver: sources whose agent refused the connection at setup
         self.receivers: list[int] = []  # source: processes that read from this one
         self.runs = 0  # refits started so far (the same count on every process of the plan)
         self.bytes_read = 0
@@ -368,7 +402,12 @@ class NixlLink:
                 p = m.pieces[0]
                 ndims[part_key(p.tensor, source_part(plan, m.src, p.tensor, p.box)[0])] = len(p.box)
         rec = check_record(rec, f"process {sp}", ndims)
-        got = self.agent.add_remote_agent(rec["metadata"])
+        try:
+            got = self.agent.add_remote_agent(rec["metadata"])
+        except Exception as e:  # noqa: BLE001 - NIXL's own error: the source's agent is gone
+            self.unreachable[sp] = f"{type(e).__name__}: {e}"
+            log.warning("refit nixl: process %d cannot reach process %d: %s", self.proc, sp, e)
+            return
         got = got.decode() if isinstance(got, bytes) else got
         if got != rec["agent"]:
             raise PlanError(f"NIXL record of process {sp}: metadata is of agent {got!r}, not {rec['agent']!r}")
@@ -385,7 +424,11 @@ class NixlLink:
     def finish(self, clock: RunClock) -> None:
         """A receiver: wait for each source's announcement, read every piece (at most
         ``config.num_buffers`` requests in flight), announce it is done. A source: wait until every
-        receiver of it is done. Every wait under ``clock``."""
+        receiver of it is done. Every wait under ``clock``. A source this receiver could not connect to at
+        setup (it died meanwhile) fails the refit here, naming it, so a fan-out re-plans around it."""
+        if self.unreachable:
+            sp, why = min(self.unreachable.items())
+            raise TransferError(f"NIXL: process {sp} could not be reached when the reads were set up ({why})")
         for sp, agent in sorted(self.sources.items()):
             self._wait_for(self._key(f"{agent}/ready"), clock, lambda sp=sp: f"process {sp} announcing its tensors")
         self._read(clock)
