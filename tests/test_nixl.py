@@ -54,6 +54,7 @@ def _record(**change):
         "metadata": "AAAA",
         "regions": [[4096, 4096, 0, "DRAM"]],
         "parts": {"w": [4096, [4, 1], 0, "DRAM"]},
+        "staged": {"3": 4096},
     }
     return {**rec, **change}
 
@@ -70,12 +71,16 @@ def _record(**change):
         ({"parts": {"w": [4096, [4], 0, "DRAM"]}}, "part 'w'"),
         ({"parts": {"w": [4096, [4, -1], 0, "DRAM"]}}, "part 'w'"),
         ({"parts": {"v": [4096, [4, 1], 0, "DRAM"]}}, "parts"),
+        ({"staged": {"4": 4096}}, "staged names messages \\[4\\]"),
+        ({"staged": {"3": -1}}, "staged"),
+        ({"staged": [3]}, "staged"),
     ],
 )
 def test_records_are_checked_field_by_field(change, match):
     with pytest.raises(PlanError, match=match):
-        nixl.check_record(_record(**change), "process 1", {"w": 2})
-    assert nixl.check_record(_record(), "process 1", {"w": 2})["metadata"] == b"\0\0\0"
+        nixl.check_record(_record(**change), "process 1", {"w": 2}, {3})
+    rec = nixl.check_record(_record(), "process 1", {"w": 2}, {3})
+    assert rec["metadata"] == b"\0\0\0" and rec["staged"] == {3: 4096}
 
 
 def test_a_piece_outside_the_registered_regions_is_refused():
@@ -84,14 +89,33 @@ def test_a_piece_outside_the_registered_regions_is_refused():
     src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
     plan = build_plan(src, dst, config=TransferConfig(transport="nixl"))
     local = bind_local(plan, 1, None, {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in dst})
-    m = next(m for m in plan.messages if m.pieces[0].tensor == "lm_head.weight")
+    k = next(k for k, m in enumerate(plan.messages) if m.pieces[0].tensor == "lm_head.weight")
     rows, cols = src["lm_head.weight"].shape
     rec = {"parts": {"lm_head.weight": [1 << 20, [cols, 1], 0, "DRAM"]}, "regions": [[1 << 20, 1024, 0, "DRAM"]]}
     with pytest.raises(PlanError, match="outside every region it registered"):
-        nixl._piece_runs(plan, m, local, rec, "process 0")
+        nixl._piece_runs(plan, k, local, rec, "process 0")
     rec["regions"] = [[1 << 20, rows * cols * 4, 0, "DRAM"]]
-    kind, s, d, n = nixl._piece_runs(plan, m, local, rec, "process 0")
+    kind, s, d, n = nixl._piece_runs(plan, k, local, rec, "process 0")
     assert kind == ("DRAM", 0, "DRAM", 0) and s.tolist() == [1 << 20] and n == rows * cols * 4
+
+
+def test_sources_stage_short_run_pieces_within_the_budget():
+    from refit.binding import bind_local
+
+    src, dst = _layouts("tiny-llama", "fsdp=2", "tp=2")  # row shards -> column slices of o_proj / down_proj
+    for budget, staged_some in ((2 * (1 << 20), True), (64, False)):
+        cfg = TransferConfig(transport="nixl", num_buffers=1, buffer_bytes=budget)
+        plan = build_plan(src, dst, config=cfg)
+        local = bind_local(plan, 0, reference_shards(src, 0), None)
+        st = nixl.SourceStaging(plan, 0, local, budget, torch.device("cpu"))
+        assert bool(st.offsets) is staged_some and st.buffer.numel() <= budget
+        st.pack()
+        for k, off in st.offsets.items():
+            p = plan.messages[k].pieces[0]
+            view = local.src_view(p.tensor, p.box)
+            assert not view.is_contiguous()  # only strided pieces are staged
+            got = st.buffer[off : off + p.nbytes].view(view.dtype).view(view.shape)
+            assert torch.equal(got, view)
 
 
 def test_plans_mark_nixl_links_and_auto_uses_them_only_between_hosts():

@@ -23,8 +23,11 @@ done (its tensors may change again). Every wait polls under the run's ``RunClock
 is a ``DeadlineExceeded``, never a hang; another process's abort ends it too). A source that dies
 mid-read fails the read (``TransferError`` naming it).
 
-No staging: a piece that is not one run on either side travels as many descriptors (one request
-gathers them). Checksums are not computed over NIXL (``ConfigError`` at setup).
+Staging: a source packs the pieces whose runs in its tensors are short (``SourceStaging``: a column
+slice of a row-sharded weight) into a registered staging buffer before it announces a refit, within
+the budget ``num_buffers`` x ``buffer_bytes``; receivers read such a piece as one descriptor. Other
+pieces are read in place, one descriptor per run common to both sides (one request gathers many).
+Checksums are not computed over NIXL (``ConfigError`` at setup).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import numpy as np
 import torch
 
 from refit.binding import LocalTensors
-from refit.config import TransferConfig
+from refit.config import PIECE_ALIGN, TransferConfig
 from refit.errors import ConfigError, PlanError, TransferError
 from refit.layout import box_relative
 from refit.plan import Plan
@@ -61,6 +64,7 @@ MAX_METADATA_BYTES = 1 << 20
 MAX_DESCRIPTORS = 1 << 16  # per READ request
 _ADDR_LIMIT = 1 << 63
 _POLL_S = 0.001
+STAGE_RUN_BYTES = 64 << 10  # a source piece whose runs are shorter than this is staged (packed) if the budget allows
 SYSFS_ENV = "REFIT_SYSFS_ROOT"  # where NIC discovery reads sysfs (default /sys; a container's mount, tests)
 
 
@@ -175,14 +179,62 @@ def runs(
     return s_addr, d_addr, run * itemsize
 
 
+def dense_strides(shape: Sequence[int]) -> list[int]:
+    """Row-major strides (in elements) of a dense tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
 def span(shape: Sequence[int], addr: int, strides: Sequence[int], itemsize: int) -> tuple[int, int]:
     """The first byte and one past the last byte a view touches."""
     last = sum((n - 1) * s for n, s in zip(shape, strides))
     return addr, addr + (last + 1) * itemsize
 
 
+# ---------------------------------------------------------------------------- source staging
+class SourceStaging:
+    """A source's staging buffer: the pieces it sends whose runs in its tensors are shorter than
+    ``STAGE_RUN_BYTES`` (a column slice of a row-sharded weight), packed dense at ``PIECE_ALIGN``-ed
+    offsets, first come in plan order while they fit ``budget`` bytes (the config's ``num_buffers`` x
+    ``buffer_bytes``); the others are read in place, one descriptor per run. Receivers read a staged
+    piece as one descriptor. Lifecycle: built at setup (``offsets``: message index -> byte offset);
+    ``pack()`` before every refit's announcement; registered with the source's other memory."""
+
+    def __init__(self, plan: Plan, proc: int, local: LocalTensors, budget: int, device: torch.device) -> None:
+        self.offsets: dict[int, int] = {}
+        views, used = [], 0
+        for i, m in enumerate(plan.messages):
+            if m.transport != "nixl" or plan.procs.src[m.src] != proc:
+                continue
+            p = m.pieces[0]
+            v = local.src_view(p.tensor, p.box)
+            run = runs(v.shape, 0, v.stride(), 0, dense_strides(v.shape), p.itemsize)[2]
+            start = -(-used // PIECE_ALIGN) * PIECE_ALIGN
+            if run >= min(STAGE_RUN_BYTES, p.nbytes) or start + p.nbytes > budget:
+                continue
+            self.offsets[i], used = start, start + p.nbytes
+            views.append((start, v))
+        self.buffer = torch.empty(used, dtype=torch.uint8, device=device)
+        self.copies = [(self._slot(o, v), v) for o, v in views]
+
+    def _slot(self, offset: int, v: torch.Tensor) -> torch.Tensor:
+        return self.buffer[offset : offset + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+
+    def pack(self) -> None:
+        """Copy every staged piece into the buffer (the source's tensors are final)."""
+        for dst, src in self.copies:
+            dst.copy_(src)
+
+    def address(self, index: int) -> int:
+        """Where message ``index``'s staged piece lies."""
+        return self.buffer.data_ptr() + self.offsets[index]
+
+
 # ---------------------------------------------------------------------------- records
-_RECORD_KEYS = {"agent", "metadata", "regions", "parts"}
+_RECORD_KEYS = {"agent", "metadata", "regions", "parts", "staged"}
 
 
 def _int(x: object, lo: int = 0, hi: int = _ADDR_LIMIT) -> bool:
@@ -212,10 +264,22 @@ def _check_parts(parts: object, who: str, ndims: dict[str, int]) -> dict[str, li
     return parts
 
 
-def check_record(rec: object, who: str, ndims: dict[str, int]) -> dict:
+def _check_staged(staged: object, who: str, messages: set[int]) -> dict[int, int]:
+    """Staged pieces: message index (one this receiver reads from ``who``) -> address."""
+    if not isinstance(staged, dict) or not all(isinstance(k, str) and k.isdigit() for k in staged):
+        raise PlanError(f"NIXL record of {who}: staged must map message indices to addresses")
+    out = {int(k): v for k, v in staged.items()}
+    if not set(out) <= messages or not all(_int(v) for v in out.values()):
+        bad = sorted(set(out) - messages)[:5]
+        raise PlanError(f"NIXL record of {who}: staged names messages {bad} not read from it, or a bad address")
+    return out
+
+
+def check_record(rec: object, who: str, ndims: dict[str, int], messages: set[int] = frozenset()) -> dict:
     """A source's record if every field is well formed (known keys; an agent name; base64 metadata of at
-    most ``MAX_METADATA_BYTES``; regions; the parts ``ndims`` names, each with one stride per dimension),
-    else ``PlanError`` naming ``who`` and the field. Whether each piece lies in a region: ``_Reader``."""
+    most ``MAX_METADATA_BYTES``; regions; the parts ``ndims`` names, each with one stride per dimension;
+    staged pieces among ``messages``, the indices of the messages read from it), else ``PlanError``
+    naming ``who`` and the field. Whether each piece lies in a region: ``_piece_runs``."""
     if not isinstance(rec, dict) or set(rec) != _RECORD_KEYS:
         keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
         raise PlanError(f"NIXL record of {who} has keys {keys}, expected {sorted(_RECORD_KEYS)}")
@@ -233,6 +297,7 @@ def check_record(rec: object, who: str, ndims: dict[str, int]) -> dict:
         "metadata": md,
         "regions": _check_regions(rec["regions"], who),
         "parts": _check_parts(rec["parts"], who, ndims),
+        "staged": _check_staged(rec["staged"], who, set(messages)),
     }
 
 
@@ -252,28 +317,38 @@ class _Request:
     descriptors: int
 
 
-def _record_for(plan: Plan, local: LocalTensors, agent, name: str, regions: list, receiver: int) -> dict:
+def _record_for(
+    plan: Plan, local: LocalTensors, agent, name: str, regions: list, receiver: int, staging: SourceStaging
+) -> dict:
     """What receiver process ``receiver`` needs to read this source's pieces (see the module docstring)."""
-    parts = {}
-    for m in plan.messages:
+    parts, staged = {}, {}
+    for k, m in enumerate(plan.messages):
         if m.transport == "nixl" and plan.procs.dst[m.dst] == receiver and m.src == local.src_rank:
             for p in m.pieces:
                 i, (_, t) = local.src_part(p.tensor, p.box)
                 mem, dev = _mem(t)
                 parts[part_key(p.tensor, i)] = [t.data_ptr(), list(t.stride()), dev, mem]
+            if k in staging.offsets:
+                staged[str(k)] = staging.address(k)
     md = base64.b64encode(agent.get_agent_metadata()).decode()
-    return {"agent": name, "metadata": md, "regions": regions, "parts": parts}
+    return {"agent": name, "metadata": md, "regions": regions, "parts": parts, "staged": staged}
 
 
-def _piece_runs(plan: Plan, m, local: LocalTensors, rec: dict, who: str) -> tuple[tuple, np.ndarray, np.ndarray, int]:
-    """One message's piece as runs: ((source memory, device, destination memory, device), source
-    addresses, destination addresses, bytes per run); ``PlanError`` if it leaves its source's regions."""
+def _piece_runs(
+    plan: Plan, k: int, local: LocalTensors, rec: dict, who: str
+) -> tuple[tuple, np.ndarray, np.ndarray, int]:
+    """Message ``k``'s piece as runs: ((source memory, device, destination memory, device), source
+    addresses, destination addresses, bytes per run), read in place or, staged, from the source's
+    staging buffer; ``PlanError`` if it leaves its source's regions."""
+    m = plan.messages[k]
     p = m.pieces[0]
     i, pbox = source_part(plan, m.src, p.tensor, p.box)
     addr, strides, dev, mem = rec["parts"][part_key(p.tensor, i)]
     rel = box_relative(p.box, pbox)
     shape = [hi - lo for lo, hi in rel]
     start = addr + sum(lo * s for (lo, _), s in zip(rel, strides)) * p.itemsize
+    if k in rec.get("staged", {}):
+        start, strides = rec["staged"][k], dense_strides(shape)
     lo, hi = span(shape, start, strides, p.itemsize)
     if not _inside(rec["regions"], mem, dev, lo, hi):
         raise PlanError(
@@ -303,9 +378,9 @@ def _prepare_reads(agent, plan: Plan, proc: int, local: LocalTensors, rec: dict,
     """The READ requests of ``proc`` from source process ``sp`` (validated ``rec``), each of at most
     ``limit`` bytes, prepared once (``initialize_xfer``) and posted again every refit."""
     groups: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-    for m in plan.messages:
+    for k, m in enumerate(plan.messages):
         if m.transport == "nixl" and plan.procs.dst[m.dst] == proc and plan.procs.src[m.src] == sp:
-            kind, s_addr, d_addr, run = _piece_runs(plan, m, local, rec, f"process {sp}")
+            kind, s_addr, d_addr, run = _piece_runs(plan, k, local, rec, f"process {sp}")
             groups.setdefault(kind, []).append((s_addr, d_addr, np.full(len(s_addr), run, np.int64)))
     out = []
     for (mem, dev, dmem, ddev), arrays in sorted(groups.items()):
@@ -339,6 +414,7 @@ class NixlLink:
         self.agent, self.name, self.store, self.config, self.proc = agent, name, store, config, proc
         self.registered: list = []  # NIXL registration lists (deregistered at close)
         self.tensors: list[torch.Tensor] = []  # what the registered memory belongs to (kept alive)
+        self.staging: SourceStaging | None = None  # source: short-run pieces packed before each refit
         self.requests: list[_Request] = []  # receiver: READs, prepared once
         self.sources: dict[int, str] = {}  # receiver: source process -> its agent name
         self.unreachable: dict[int, str] = {}  # receiver: sources whose agent refused the connection at setup
@@ -361,14 +437,16 @@ class NixlLink:
         tensors = [local.src_part(p.tensor, p.box)[1][1] for m in sends for p in m.pieces]
         tensors += [local.dst_view(p.tensor, p.box) for m in recvs for p in m.pieces]
         device = tensors[0].device if tensors else torch.device("cpu")
+        staging = SourceStaging(plan, proc, local, config.num_buffers * config.buffer_bytes, device)
+        tensors += [staging.buffer] if staging.offsets else []
         name = f"refit-{proc}-{uuid.uuid4().hex[:16]}"
         link = cls(make_agent(name, device), name, store, config, proc)
-        link.tensors = tensors  # registered memory stays allocated while the link lives
+        link.tensors, link.staging = tensors, staging  # registered memory stays allocated while the link lives
         try:
             link._register(storage_regions(tensors))
             link.receivers = sorted({plan.procs.dst[m.dst] for m in sends})
             for r in link.receivers:
-                rec = _record_for(plan, local, link.agent, name, link._regions, r)
+                rec = _record_for(plan, local, link.agent, name, link._regions, r, staging)
                 store.put_sealed(link._key(f"record/{proc}/{r}"), json.dumps(rec).encode())
             for sp in sorted({plan.procs.src[m.src] for m in recvs}):
                 link._connect(plan, local, sp)
@@ -396,12 +474,13 @@ class NixlLink:
             rec = json.loads(raw)
         except (TimeoutError, ValueError) as e:
             raise PlanError(f"NIXL setup: no valid record from process {sp} under {key!r}: {e}") from e
-        ndims = {}
-        for m in plan.messages:
+        ndims, messages = {}, set()
+        for k, m in enumerate(plan.messages):
             if m.transport == "nixl" and plan.procs.dst[m.dst] == self.proc and plan.procs.src[m.src] == sp:
                 p = m.pieces[0]
                 ndims[part_key(p.tensor, source_part(plan, m.src, p.tensor, p.box)[0])] = len(p.box)
-        rec = check_record(rec, f"process {sp}", ndims)
+                messages.add(k)
+        rec = check_record(rec, f"process {sp}", ndims, messages)
         try:
             got = self.agent.add_remote_agent(rec["metadata"])
         except Exception as e:  # noqa: BLE001 - NIXL's own error: the source's agent is gone
@@ -418,6 +497,10 @@ class NixlLink:
     def start(self, clock: RunClock) -> None:
         """Begin this process's part of a refit: a source announces that its tensors are final."""
         self.runs += 1
+        if self.staging is not None and self.staging.copies:
+            self.staging.pack()
+            if self.staging.buffer.is_cuda:
+                torch.cuda.current_stream(self.staging.buffer.device).synchronize()
         if self.receivers:
             self.store.put(self._key(f"{self.name}/ready"), self.runs)
 
