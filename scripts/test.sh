@@ -16,7 +16,7 @@ fi
 .venv/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 # NIXL for the NIXL transport tests (extra "nixl"): --no-deps keeps pip from replacing the pinned CPU torch
 # (nixl-cu12 asks for an unpinned torch); host memory needs no GPU
-.venv/bin/pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1
+.venv/bin/pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1 || echo "nixl did not install here: the NIXL tests skip"
 # style first: the project's own ruff configuration (pyproject.toml)
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples

@@ -118,6 +118,39 @@ def test_sources_stage_short_run_pieces_within_the_budget():
             assert torch.equal(got, view)
 
 
+def test_only_a_signed_announcement_of_this_run_ends_a_wait():
+    import warnings
+
+    import torch.distributed as dist
+
+    from refit.errors import DeadlineExceeded
+    from refit.transport.clock import RunClock
+    from refit.transport.store import SignedStore
+
+    store = SignedStore(dist.HashStore(), b"the-job-secret-0123456789")
+    link = nixl.NixlLink(None, "refit-0-x", store, TransferConfig(name="t"), 1)
+    link.runs = 2
+    key = "t/nixl/refit-0-x/ready"
+
+    def waits() -> bool:
+        try:
+            link._wait_for(key, RunClock(time.monotonic() + 0.2), lambda: "process 0 announcing its tensors")
+        except DeadlineExceeded as e:
+            assert "process 0 announcing its tensors" in str(e) and key in str(e)
+            return True
+        return False
+
+    assert waits()  # nothing there
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        store.raw.set(key, b"refit1." + b"ab" * 32 + b".2")  # a stranger's forgery
+        assert waits() and store.rejected[key] == 1
+    store.put(key, 1)  # a real announcement, of the run before (a replay)
+    assert waits()
+    store.put(key, 2)
+    assert not waits()
+
+
 def test_plans_mark_nixl_links_and_auto_uses_them_only_between_hosts():
     src, dst = _layouts("tiny-llama", "tp=2", "tp=2")
     every = build_plan(src, dst, config=TransferConfig(transport="nixl"))

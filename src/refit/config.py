@@ -113,5 +113,9 @@ class TransferConfig:
 
 
 def nixl_installed() -> bool:
-    """Whether the optional ``nixl`` package (``pip install 'refit-rl[nixl]'``) can be imported here."""
-    return importlib.util.find_spec("nixl") is not None
+    """Whether the optional ``nixl`` package (``pip install 'refit-rl[nixl]'``) is installed here (found,
+    not imported: the planner asks, and importing NIXL starts its logging)."""
+    try:
+        return importlib.util.find_spec("nixl") is not None
+    except (ImportError, ValueError):
+        return False
