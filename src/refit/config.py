@@ -8,6 +8,7 @@ and store namespace. Fields that shape the bytes on the wire must agree on every
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from refit.errors import ConfigError
 PIECE_ALIGN = 64
 """Byte alignment of pieces inside a staging buffer (a buffer must hold at least one aligned slot)."""
 
-TRANSPORTS = ("p2p", "ipc", "auto")
+TRANSPORTS = ("p2p", "ipc", "nixl", "auto")
 COMMIT_MODES = ("in_place", "staged")
 
 
@@ -26,7 +27,9 @@ class TransferConfig:
 
     * ``num_buffers`` x ``buffer_bytes``: the staging budget of a process (packed P2P messages).
     * ``transport``: ``"p2p"`` (torch.distributed send/recv), ``"ipc"`` (receivers pull from the
-      sources' CUDA memory; every link must be CUDA on one host) or ``"auto"`` (IPC where possible).
+      sources' CUDA memory; every link must be CUDA on one host), ``"nixl"`` (receivers pull from the
+      sources' registered memory through NIXL: every link, any host, no process group) or ``"auto"``
+      (IPC between CUDA processes of one host, NIXL between hosts where it is installed, else P2P).
     * ``name``: the store namespace; give each Sender/Receiver pairing in one job its own.
     * ``copy_streams`` / ``cuda_graph``: CUDA IPC pulls spread over this many streams per source GPU,
       recorded once into a CUDA graph and replayed per refit.
@@ -85,6 +88,14 @@ class TransferConfig:
                 raise ConfigError(f"TransferConfig.{field} must be True or False, got {value!r}")
 
     @property
+    def cross_host(self) -> str:
+        """The transport of a link between two hosts: ``"nixl"`` when asked for, or under ``"auto"`` where
+        the ``nixl`` package is installed (``nixl_installed``); else ``"p2p"``."""
+        if self.transport == "nixl" or (self.transport == "auto" and nixl_installed()):
+            return "nixl"
+        return "p2p"
+
+    @property
     def staged(self) -> bool:
         """Receivers write into a shadow copy and commit after every process holds the whole version."""
         return self.commit == "staged"
@@ -99,3 +110,12 @@ class TransferConfig:
             "checksums": self.checksums,
             "stages": self.stages,
         }
+
+
+def nixl_installed() -> bool:
+    """Whether the optional ``nixl`` package (``pip install 'refit-rl[nixl]'``) is installed here (found,
+    not imported: the planner asks, and importing NIXL starts its logging)."""
+    try:
+        return importlib.util.find_spec("nixl") is not None
+    except (ImportError, ValueError):
+        return False

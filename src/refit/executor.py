@@ -5,18 +5,21 @@ Setup (once, named steps): bind this process's local tensors to the plan's piece
 (``refit.transport.p2p.P2PSchedule``: the staging ring of at most ``num_buffers``
 buffers, each no larger than the largest packed message, and every step's ops);
 for a plan with CUDA IPC links, exchange handles and capture the pulls
-(``refit.transport.ipc.IpcLink``).
+(``refit.transport.ipc.IpcLink``); for a plan with NIXL links, register memory,
+exchange sealed records and prepare the reads (``refit.transport.nixl.NixlLink``).
 
 Run (each refit):
   1. prepare: the source's tensors are made final (e.g. FP8 quantization); for an
      all-IPC plan in ``config.stages`` stages, each just before its stage's pull;
-  2. IPC pulls (receiver side), one per stage, each after a barrier saying every
+  2. NIXL sources announce that their tensors are final (through the store); IPC
+     pulls (receiver side), one per stage, each after a barrier saying every
      source's tensors of that stage are final; they run on the GPU meanwhile;
   3. local copies (source and destination in this process);
   4. P2P steps: per step, pack outgoing buckets into ring buffers, post all of the
      step's sends and receives in one ``batch_isend_irecv``, unpack; on CUDA,
      pipelined over pack and unpack streams (``refit.transport.p2p``);
   5. on CUDA, wait for the device (within the deadline), then compare checksums;
+     NIXL receivers read their pieces, NIXL sources wait until their receivers are done;
   6. with IPC links, a last barrier: every pull is done, sources may change their
      weights again.
 Works with gloo (CPU) and NCCL (GPU).
@@ -38,6 +41,7 @@ from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
 from refit.transport.clock import RunClock
 from refit.transport.ipc import IpcLink, IpcPuller
+from refit.transport.nixl import NixlLink
 from refit.transport.p2p import P2PSchedule, _Step
 from refit.transport.store import SignedStore
 
@@ -125,6 +129,10 @@ class Executor:
         self.local = [(local.dst_view(p.tensor, p.box), local.src_view(p.tensor, p.box)) for p in plan.local_of(proc)]
         uses_ipc = any(m.transport == "ipc" for m in plan.messages)
         self.ipc = IpcLink.open(plan, proc, local, comms.store, config, self.device) if uses_ipc else None
+        uses_nixl = any(
+            m.transport == "nixl" and proc in (plan.procs.src[m.src], plan.procs.dst[m.dst]) for m in plan.messages
+        )
+        self.nixl = NixlLink.open(plan, proc, local, comms.store, config) if uses_nixl else None
         self.bytes_sent = sum(sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.src[m.src] == proc)
         self.bytes_received = sum(
             sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.dst[m.dst] == proc
@@ -167,6 +175,10 @@ class Executor:
         staged = len(self.stage_names) > 1
         if not staged:
             self._prepare(None)
+        if self.nixl is not None:
+            if self.cuda and self.nixl.receivers:
+                self._sync_device(clock)  # the tensors receivers read are final on the device
+            self.nixl.start(clock)
         if self.ipc is not None:
             self._pull_ipc(clock, staged)
         for dst, src in self.local:
@@ -180,6 +192,8 @@ class Executor:
                 self.ipc.check_sums()
         else:
             self.p2p.run_cpu(clock, fault)
+        if self.nixl is not None:
+            self.nixl.finish(clock)
         if self.ipc is not None:
             self._barrier(clock)  # every pull is done: sources may change their weights again
         return RunStats(self.bytes_sent, self.bytes_received, self.bytes_local, time.perf_counter() - t0)
@@ -188,6 +202,8 @@ class Executor:
         self.p2p.close()
         if self.ipc is not None:
             self.ipc.close()
+        if self.nixl is not None:
+            self.nixl.close()
 
     def _pull_ipc(self, clock: RunClock, staged: bool) -> None:
         """Each stage: (prepare it,) every source's tensors of the stage are final, then pull."""

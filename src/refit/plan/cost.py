@@ -23,6 +23,10 @@ Strategies (``predict``):
 - ``p2p``: refit's plan from all trainer ranks (``plan.link_bytes``: the planner's own source
   choice), placed on GPUs: trainer ranks on the first GPUs, engine ranks after them (or on the
   same GPUs when colocated).
+- ``nixl`` (with ``nixl_nic_mode``): the same plan pulled through NIXL, whose UCX backend uses the
+  NICs refit selects (``refit.transport.nics``: ``REFIT_NIC_MODE``): its cross-node links run at
+  ``gpu_nic_gbps`` of that mode ("stripe": every NIC of the node, capped by PCIe; "auto": the
+  nearest one), whatever the topology's own ``nic_mode`` says (that one describes NCCL's choice).
 - ``fanout``: waves — the engine replicas that hold the version become sources; with the
   trainer as one more source group, the number of holders doubles per wave, so
   ceil(log2(R + 1)) waves each about the time of refit's plan into one replica (an estimate:
@@ -35,7 +39,7 @@ import json
 import math
 import os
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from refit.errors import TopologyError
@@ -245,15 +249,22 @@ def predict(
     replicas: int = 1,
     replica_dst: ModelLayout | None = None,
     colocated: bool = False,
+    nixl_nic_mode: str | None = None,
 ) -> list[Prediction]:
     """Predictions per strategy. ``replicas``: engine data-parallel replicas in ``dst``;
-    ``replica_dst``: the layout of one replica (for ``fanout``; omitted when ``replicas`` is 1)."""
+    ``replica_dst``: the layout of one replica (for ``fanout``; omitted when ``replicas`` is 1);
+    ``nixl_nic_mode`` ("auto" or "stripe"): also predict the plan over NIXL with those NICs."""
     model_bytes = dst.nbytes
     out = []
     t, where = broadcast_time(model_bytes, src.world_size, dst.world_size, topo, colocated)
     out.append(Prediction("broadcast", t, where, model_bytes, "whole model from trainer rank 0, pipelined ring"))
     t, where, n = transfer_time(p2p_transfers(src, dst, topo, colocated), topo)
     out.append(Prediction("p2p", t, where, n, "refit's plan from every trainer rank to every engine rank"))
+    if nixl_nic_mode is not None:
+        nic_topo = replace(topo, nic_mode=nixl_nic_mode)  # validated again: "auto" or "stripe"
+        t, where, n = transfer_time(p2p_transfers(src, dst, nic_topo, colocated), nic_topo)
+        note = f"refit's plan pulled through NIXL, NICs {nixl_nic_mode} ({nic_topo.gpu_nic_gbps:g} GB/s per GPU)"
+        out.append(Prediction("nixl", t, where, n, note))
     if replicas > 1 and replica_dst is not None:
         t1, where1, n1 = transfer_time(p2p_transfers(src, replica_dst, topo, colocated), topo)
         waves = math.ceil(math.log2(replicas + 1))

@@ -20,7 +20,9 @@ unpacked ("direct"); the others are packed into buckets of at most
 more than half of its ``num_buffers`` ring in flight in one step (the other
 half is being packed or unpacked), never more than ``num_buffers`` at once.
 Links between CUDA processes of one host may use IPC (``transport``): the
-receiver pulls each piece from the source's mapped memory, no staging.
+receiver pulls each piece from the source's mapped memory, no staging. Links
+may use NIXL (``transport`` "nixl", or "auto" between hosts): the receiver reads
+each piece from the source's registered memory, one message per piece, no staging.
 
 This module knows nothing of devices or transports.
 """
@@ -132,7 +134,7 @@ class Message:
     pieces: tuple[Piece, ...]
     offsets: tuple[int, ...]  # byte offset of each piece in the staging buffer (packed only)
     nbytes: int  # bytes on the wire (packed: buffer length incl. alignment)
-    transport: str = "p2p"  # "p2p": torch.distributed send/recv; "ipc": the receiver pulls from mapped memory
+    transport: str = "p2p"  # "p2p": torch.distributed send/recv; "ipc" / "nixl": the receiver pulls the piece
 
 
 @dataclass(frozen=True)
@@ -141,9 +143,9 @@ class Plan:
 
     Made by ``build_plan`` from two layouts, a process map and a ``TransferConfig``; immutable. Every
     process of the refit builds it on its own and must get the same ``digest`` (pre-flight checks).
-    ``messages`` are sorted by (step, source rank, destination rank), P2P before IPC: that order is part
+    ``messages`` are sorted by (step, source rank, destination rank), P2P before IPC and NIXL: that order is part
     of the contract, since ring slots and P2P tags are derived from it (``plan.schedule``). ``num_steps``:
-    the P2P steps (IPC messages are all step 0, pulled at once); ``local``: pieces whose source and
+    the P2P steps (IPC and NIXL messages are all step 0, pulled at once); ``local``: pieces whose source and
     destination rank share a process (copied, never sent).
     """
 
@@ -276,7 +278,7 @@ def canonical_tensor(t: TensorLayout) -> list:
 # C-level iterators: at cluster scale (~10^6 pieces) a Python loop per piece would be most of its cost.
 
 _DIGEST_CHUNK = 1 << 16  # messages (or local pieces) hashed at a time
-_TRANSPORT_CODES = {"p2p": 0, "ipc": 1}
+_TRANSPORT_CODES = {"p2p": 0, "ipc": 1, "nixl": 2}
 _PIECES, _OFFSETS, _TRANSPORT, _TENSOR, _BOX = (
     attrgetter(a) for a in ("pieces", "offsets", "transport", "tensor", "box")
 )
@@ -300,7 +302,7 @@ def _message_columns(messages: Sequence[Message], index: dict[str, int]) -> Iter
     transports = list(map(_TRANSPORT, messages))
     unknown = set(transports) - _TRANSPORT_CODES.keys()
     if unknown:
-        raise PlanError(f"plan has messages with unknown transport(s) {sorted(unknown)}; known: p2p, ipc")
+        raise PlanError(f"plan has messages with unknown transport(s) {sorted(unknown)}; known: p2p, ipc, nixl")
     yield map(_TRANSPORT_CODES.__getitem__, transports)
     yield map(len, map(_OFFSETS, messages))
     yield chain.from_iterable(map(_OFFSETS, messages))
@@ -552,7 +554,8 @@ def build_plan(
     ``config`` (default ``TransferConfig()``) gives the staging budget (``num_buffers`` x
     ``buffer_bytes``) and the transport: ``"p2p"`` sends everything with torch.distributed;
     ``"ipc"`` has every receiver pull from its sources' memory (CUDA, one host; an error
-    otherwise); ``"auto"`` uses IPC where both ends are CUDA on one host.
+    otherwise); ``"nixl"`` has every receiver pull through NIXL; ``"auto"`` uses IPC where both ends
+    are CUDA on one host, NIXL between hosts where installed (``TransferConfig.cross_host``), else P2P.
     """
     config = config if config is not None else TransferConfig()
     procs = procs or ProcessMap.disjoint(src.world_size, dst.world_size)
@@ -567,14 +570,17 @@ def build_plan(
 
 
 def _build(src: ModelLayout, dst: ModelLayout, procs: ProcessMap, config: TransferConfig) -> Plan:
-    """Sources chosen, each link's pieces grouped into messages (IPC links: one per piece), the packed
-    ones scheduled into steps."""
+    """Sources chosen, each link's pieces grouped into messages (IPC and NIXL links: one per piece), the
+    packed ones scheduled into steps."""
     local, per_link = _by_link(_choose_sources(src, dst, procs), procs)
     raw: list[_Raw] = []
     ipc_messages: list[Message] = []
     for (s, r), plist in sorted(per_link.items()):
-        if _link_transport(procs, config.transport, s, r) == "ipc":  # pulled piece by piece: no staging
+        kind = _link_transport(procs, config, s, r)
+        if kind == "ipc":  # pulled piece by piece: no staging
             ipc_messages += [Message(s, r, 0, True, (p,), (0,), p.nbytes, "ipc") for p, _ in plist]
+        elif kind == "nixl":  # read piece by piece (one descriptor per contiguous run): no staging
+            ipc_messages += [Message(s, r, 0, dr, (p,), (0,), p.nbytes, "nixl") for p, dr in plist]
         else:
             _pack_link(s, r, plist, config.buffer_bytes, raw)
     messages = _schedule(raw, procs, config.num_buffers)
@@ -598,10 +604,16 @@ def _by_link(
     return tuple(local), per_link
 
 
-def _link_transport(procs: ProcessMap, transport: str, s: int, r: int) -> str:
-    """``"ipc"`` where the config allows it and both ends are CUDA on one host, else ``"p2p"``; raises
-    PlanError where the config demands IPC and the link cannot have it."""
+def _link_transport(procs: ProcessMap, config: TransferConfig, s: int, r: int) -> str:
+    """``"nixl"`` where the config asks for it; ``"ipc"`` where the config allows it and both ends are CUDA
+    on one host; between hosts ``config.cross_host``; else ``"p2p"``. Raises PlanError where the config
+    demands IPC and the link cannot have it."""
+    transport = config.transport
+    if transport == "nixl":
+        return "nixl"
     ok = procs.ipc_capable(procs.src[s], procs.dst[r])
+    if transport == "auto" and not ok and procs.host_of(procs.src[s]) != procs.host_of(procs.dst[r]):
+        return config.cross_host
     if transport == "ipc" and not ok:
         raise PlanError(
             f"transport 'ipc' needs source rank {s} ({procs.device_of(procs.src[s])}) and destination rank {r} "

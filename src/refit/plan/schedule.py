@@ -1,5 +1,5 @@
 """What one process does with a built plan, as plain data: its P2P messages, their ring slots and tags,
-and the stages of an all-IPC pull.
+the stages of an all-IPC pull, and which part of a source tensor a pulled piece lies in.
 
 Pure functions of the plan (no torch.distributed, no CUDA): every process of a refit derives the same
 answers from the same plan, which is what lets a sender and its receiver agree without talking.
@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+from refit.errors import PlanError
+from refit.layout import Box, box_contains
 from refit.plan.planner import Message, Plan
 
 
@@ -76,3 +78,17 @@ def ipc_stages(plan: Plan, stages: int) -> list[set[str]]:
             cur = set()
     out.append(cur)
     return [c for c in out if c]
+
+
+def part_key(tensor: str, part: int) -> str:
+    """The handle name of part ``part`` of a source tensor (``TensorLayout.parts``): the tensor's name for
+    its first (usually only) part."""
+    return tensor if part == 0 else f"{tensor}#{part}"
+
+
+def source_part(plan: Plan, src: int, tensor: str, box: Box) -> tuple[int, Box]:
+    """The index and box of the part of source rank ``src``'s tensor that holds ``box``."""
+    for i, part in enumerate(plan.src_layout[tensor].parts(src)):
+        if box_contains(part, box):
+            return i, part
+    raise PlanError(f"source rank {src} holds no part of {tensor!r} containing {[list(b) for b in box]}")

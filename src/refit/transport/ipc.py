@@ -35,9 +35,9 @@ import torch
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.errors import ChecksumError, PlanError
-from refit.layout import Box, box_contains, box_relative, box_slices
+from refit.layout import box_relative, box_slices
 from refit.plan import Plan
-from refit.plan.schedule import ipc_stages
+from refit.plan.schedule import ipc_stages, part_key, source_part
 from refit.transport.checksum import Piece, PieceSums, fusable
 from refit.transport.rows import row_copy
 from refit.transport.store import SignedStore
@@ -583,23 +583,9 @@ def _export_per_receiver(plan: Plan, proc: int, local: LocalTensors, store: Sign
         if plan.procs.src[m.src] == proc:
             for p in m.pieces:
                 i, (_, t) = local.src_part(p.tensor, p.box)
-                wanted.setdefault(plan.procs.dst[m.dst], {})[_part_key(p.tensor, i)] = t
+                wanted.setdefault(plan.procs.dst[m.dst], {})[part_key(p.tensor, i)] = t
     for receiver, tensors in sorted(wanted.items()):
         export_handles(store, f"{name}/ipc/{proc}/{receiver}", dict(sorted(tensors.items())))
-
-
-def _part_key(tensor: str, part: int) -> str:
-    """The handle name of part ``part`` of a source tensor (``TensorLayout.parts``): the tensor's name for
-    its first (usually only) part."""
-    return tensor if part == 0 else f"{tensor}#{part}"
-
-
-def _source_part(plan: Plan, src: int, tensor: str, box: Box) -> tuple[int, Box]:
-    """The index and box of the part of source rank ``src``'s tensor that holds ``box``."""
-    for i, part in enumerate(plan.src_layout[tensor].parts(src)):
-        if box_contains(part, box):
-            return i, part
-    raise PlanError(f"source rank {src} holds no part of {tensor!r} containing {[list(b) for b in box]}")
 
 
 def _map_pulls(
@@ -621,8 +607,8 @@ def _map_pulls(
         if sp not in mapped:
             mapped[sp] = import_handles(store, f"{name}/ipc/{sp}/{proc}", timeout_s)
         p = m.pieces[0]
-        part, s_box = _source_part(plan, m.src, p.tensor, p.box)
-        sv = mapped[sp][_part_key(p.tensor, part)][box_slices(box_relative(p.box, s_box))]
+        part, s_box = source_part(plan, m.src, p.tensor, p.box)
+        sv = mapped[sp][part_key(p.tensor, part)][box_slices(box_relative(p.box, s_box))]
         pair = (local.dst_view(p.tensor, p.box), sv)
         same, peer = pairs[stage_of[p.tensor]]
         on_gpu = plan.procs.same_device(sp, proc)

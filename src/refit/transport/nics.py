@@ -227,3 +227,39 @@ def nic_settings(
     if not 0 <= gpu_index < len(gpus):
         raise ValueError(f"nic_settings: GPU {gpu_index} not found ({len(gpus)} NVIDIA GPUs under {sysfs_root})")
     return ucx_env(select_nics(gpus[gpu_index], discover_nics(sysfs_root), mode, min_rate), env)
+
+
+def process_nics(
+    device: str, sysfs_root: str | os.PathLike = "/sys", env: Mapping[str, str] | None = None
+) -> list[Nic]:
+    """The NICs a process on ``device`` (``"cuda:N"``, ``"cpu"``) should use, by ``REFIT_NIC_MODE`` and
+    ``REFIT_NIC_MIN_RATE_GBPS``: for a GPU found in sysfs, ``select_nics``; otherwise (a CPU process, or
+    a GPU sysfs does not list) no PCI locality is known: ``auto`` the first compute NIC, ``stripe`` all."""
+    mode = env_mode(env)
+    min_rate = env_number("REFIT_NIC_MIN_RATE_GBPS", None, env)
+    nics = discover_nics(sysfs_root)
+    if mode == "off" or not nics:
+        return []
+    if device.startswith("cuda"):
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        gpus = discover_gpus(sysfs_root)
+        if 0 <= index < len(gpus):
+            return select_nics(gpus[index], nics, mode, min_rate)
+    cands = compute_nics(nics, min_rate)
+    return cands[:1] if mode == "auto" else cands
+
+
+def ucx_settings(selected: list[Nic], interface: str | None, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The UCX variables for a NIXL agent: ``UCX_NET_DEVICES`` lists the ``selected`` NICs' ports and
+    ``interface`` (the network interface of the address refit's listeners bind to, so UCX's TCP
+    wire-up listener binds there only: ``lo`` on one host; None: every interface, asked for by
+    binding to ``0.0.0.0``), ``UCX_MAX_RMA_RAILS`` the number of NICs (``ucx_env``). A variable the
+    environment already sets is the user's choice and is left out."""
+    env = os.environ if env is None else env
+    out = ucx_env(selected, env)
+    devices = [n.ucx_name for n in selected] + ([interface] if interface else [])
+    if devices and "UCX_NET_DEVICES" not in env:
+        out["UCX_NET_DEVICES"] = ",".join(devices)
+    else:
+        out.pop("UCX_NET_DEVICES", None)
+    return out

@@ -29,7 +29,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from refit.config import TransferConfig
+from refit.config import TransferConfig, nixl_installed
 from refit.errors import ConfigError
 from refit.layout import box_numel, box_slices
 from refit.layout.models import param_shapes
@@ -76,7 +76,7 @@ CPU_SCENARIOS = (
         "tp=1",
         "tp=1",
         ("cpu", "cpu"),
-        ("refit", "refit_checksums", "per_tensor_broadcast", "floor"),
+        ("refit", "refit_checksums", "refit_nixl", "per_tensor_broadcast", "floor"),
     ),
     Scenario(
         "S3",
@@ -84,7 +84,7 @@ CPU_SCENARIOS = (
         "fsdp=2",
         "tp=2",
         ("cpu",) * 4,
-        ("refit", "refit_checksums", "floor"),
+        ("refit", "refit_checksums", "refit_nixl", "floor"),
     ),
     Scenario(
         "S6",
@@ -107,6 +107,7 @@ CUDA_SCENARIOS = (
             "refit",
             "refit_checksums",
             "refit_nccl",
+            "refit_nixl",
             "per_tensor_broadcast",
             "packed_broadcast_1buf",
             "packed_broadcast_2buf",
@@ -119,7 +120,7 @@ CUDA_SCENARIOS = (
         "tp=1",
         "tp=1",
         ("cuda:0", "cuda:0"),
-        ("refit", "refit_checksums", "floor"),
+        ("refit", "refit_checksums", "refit_nixl", "floor"),
     ),
     Scenario(
         "S3",
@@ -415,6 +416,7 @@ def _method_setups(quantizer: Fp8Quantizer | None) -> dict[str, Callable[[M.Ctx]
     return {
         "refit": M.refit_method("auto"),
         "refit_nccl": M.refit_method("p2p"),
+        "refit_nixl": M.refit_method("nixl"),
         "refit_checksums": M.refit_method("auto", checksums=True),
         "refit_1stage": M.refit_method("auto", stages=1),
         "refit_fanout": M.refit_fanout,
@@ -596,6 +598,16 @@ def chosen_scenarios(opts: BenchOptions) -> list[str]:
     return which
 
 
+NIXL_METHODS = ("refit_nixl",)
+
+
+def _installed(scen: Scenario) -> Scenario:
+    """``scen`` without the methods whose optional package is missing here (``refit_nixl``: nixl)."""
+    if nixl_installed():
+        return scen
+    return replace(scen, methods=tuple(m for m in scen.methods if m not in NIXL_METHODS))
+
+
 def _fp8_scenario(scen: Scenario) -> Scenario:
     return replace(
         scen,
@@ -655,7 +667,7 @@ def run_bench(opts: BenchOptions, console) -> list[dict]:
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     rows = []
     for name in which:
-        scen = _fp8_scenario(all_s[name]) if opts.fp8 else all_s[name]
+        scen = _fp8_scenario(all_s[name]) if opts.fp8 else _installed(all_s[name])
         console.print(
             f"[{scen.name}] {scen.what}: {opts.model}, trainer {scen.src} -> engine {scen.dst}, "
             f"methods {', '.join(scen.methods)} ..."

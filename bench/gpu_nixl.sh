@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: S1 and S2 (S3 too when two GPUs are lent: BENCH_SCENARIOS=S1,S2,S3) over NIXL beside
+# refit's IPC path ("refit") and NCCL P2P ("refit_nccl", S1) in the same processes. Results under $OUT.
+# The GPU machines run torch cu130: carry the nixl-cu13 wheel (56 MiB, fits the 64 MiB carry) and the
+# nixl meta package in .wheels/nixl/ (git-ignored), made here with
+#   mkdir -p .wheels/nixl && cd .wheels/nixl && pip download --no-deps --python-version 3.12 \
+#     --only-binary=:all: nixl-cu13==1.5.1 nixl==1.5.1
+# and run through the device tool with carry [".wheels"] (plus rich etc. as bench/gpu_run.sh says):
+#   bash bench/gpu_nixl.sh
+# Env knobs: BENCH_SCENARIOS (default S1,S2), BENCH_ARGS (extra refit bench flags), BENCH_TIMEOUT,
+# REFIT_NIC_MODE (auto/stripe/off: which NICs UCX may use; one host needs none: UCX takes cuda_ipc / NVLink).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .wheels/*.whl >/dev/null 2>&1; then pip install -q --no-index --no-deps .wheels/*.whl 2>&1 | tail -2; fi
+pip install -q --no-index --no-deps .wheels/nixl/*.whl 2>&1 | tail -2  # --no-deps: keep the machine's cu130 torch
+export PYTHONPATH=$PWD/src:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, nixl._api; print('torch', torch.__version__, 'nixl ok, gpus', torch.cuda.device_count())" \
+  || { echo "nixl does not import here: no NIXL rows"; exit 2; }
+echo "== bench (NIXL beside IPC and NCCL)"
+timeout ${BENCH_TIMEOUT:-500} python3 -m refit.tools.cli bench --scenarios ${BENCH_SCENARIOS:-S1,S2} ${BENCH_ARGS:-} \
+  --out "$OUT/bench-nixl.json" > "$OUT/bench-nixl.txt" 2>&1
+echo "bench rc=$?"; grep -E "Error|error" "$OUT/bench-nixl.txt" | head -20; tail -30 "$OUT/bench-nixl.txt"

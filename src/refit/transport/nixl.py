@@ -1,0 +1,593 @@
+"""NIXL pulls: every receiver reads its plan's pieces from its sources' registered memory (one-sided READs).
+
+Setup (once, through the store; no process group spans sources and receivers):
+
+* each process makes a NIXL agent (UCX backend, NIXL's own metadata listener off) after applying the
+  UCX settings of ``refit.transport.nics`` (``UCX_NET_DEVICES``: the selected NICs plus the bind
+  address's interface, ``UCX_MAX_RMA_RAILS``), and registers the memory its pieces live in: a source
+  the storage of every tensor a receiver reads (whole parameters; a view registers its storage), a
+  receiver the storage of every tensor it receives into;
+* each source publishes, for each of its receivers, a record sealed with the job secret
+  (``SignedStore.put_sealed``: AES-GCM, useless without the secret): its agent name and metadata,
+  its registered regions and the address and strides of every tensor part that receiver reads;
+  plain JSON, never pickled (NIXL's ``get_serialized_descs`` is not used);
+* each receiver checks every field of its sources' records (``check_record``: known keys, types,
+  ranges, every piece inside a region its source registered) before ``add_remote_agent``, then
+  turns its pieces into descriptors (``runs``: one per contiguous run common to both sides) and
+  prepares READ requests of at most ``config.buffer_bytes`` each.
+
+Per refit: a source announces that its tensors are final (``<name>/nixl/<agent>/ready`` = the run
+number); a receiver waits for that, posts its requests, at most ``config.num_buffers`` in flight,
+then announces ``<name>/nixl/<agent>/done/<proc>``; a source returns once every receiver of it is
+done (its tensors may change again). Every wait polls under the run's ``RunClock`` (a frozen peer
+is a ``DeadlineExceeded``, never a hang; another process's abort ends it too). A source that dies
+mid-read fails the read (``TransferError`` naming it).
+
+Staging: a source packs the pieces whose runs in its tensors are short (``SourceStaging``: a column
+slice of a row-sharded weight) into a registered staging buffer before it announces a refit, within
+the budget ``num_buffers`` x ``buffer_bytes``; receivers read such a piece as one descriptor. Other
+pieces are read in place, one descriptor per run common to both sides (one request gathers many).
+Checksums are not computed over NIXL (``ConfigError`` at setup).
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from refit.binding import LocalTensors
+from refit.config import PIECE_ALIGN, TransferConfig
+from refit.errors import ConfigError, PlanError, TransferError
+from refit.layout import box_relative
+from refit.plan import Plan
+from refit.plan.schedule import part_key, source_part
+from refit.transport.clock import RunClock
+from refit.transport.nics import process_nics, ucx_settings
+from refit.transport.store import SignedStore, bind_address, interface_of
+
+log = logging.getLogger("refit.nixl")
+
+MEM_TYPES = ("DRAM", "VRAM")
+MAX_RECORD_ENTRIES = 1 << 16  # regions or tensor parts in one record
+MAX_METADATA_BYTES = 1 << 20
+MAX_DESCRIPTORS = 1 << 16  # per READ request
+_ADDR_LIMIT = 1 << 63
+_POLL_S = 0.001
+STAGE_RUN_BYTES = 64 << 10  # a source piece whose runs are shorter than this is staged (packed) if the budget allows
+SYSFS_ENV = "REFIT_SYSFS_ROOT"  # where NIC discovery reads sysfs (default /sys; a container's mount, tests)
+
+
+def available() -> bool:
+    """Whether ``nixl`` imports here (with its UCX plugin)."""
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------- UCX settings, agent
+def apply_ucx_settings(device: torch.device, env: dict | None = None) -> dict[str, str]:
+    """Set this process's UCX variables for a NIXL agent on ``device`` (``nics.process_nics`` on the
+    sysfs under ``REFIT_SYSFS_ROOT``, default ``/sys``, and ``nics.ucx_settings``; ``REFIT_BIND_ADDRESS``'s
+    interface, loopback by default) in ``env`` (default ``os.environ``: UCX reads it when an agent is
+    created) and return them (logged)."""
+    env = os.environ if env is None else env
+    sysfs_root = env.get(SYSFS_ENV) or "/sys"
+    address = bind_address(env.get("REFIT_BIND_ADDRESS"))
+    interface = None if address in ("0.0.0.0", "::") else interface_of(address)
+    chosen = ucx_settings(process_nics(str(device), sysfs_root, env), interface, env)
+    env.update(chosen)
+    shown = {k: env[k] for k in ("UCX_NET_DEVICES", "UCX_MAX_RMA_RAILS", "UCX_TLS") if k in env}
+    log.info("refit nixl: UCX settings for %s (bind %s): %s", device, address, shown)
+    return chosen
+
+
+def make_agent(name: str, device: torch.device):
+    """A NIXL agent named ``name`` with the UCX backend and no metadata listener (the UCX settings
+    applied first)."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    apply_ucx_settings(device)
+    agent = nixl_agent(name, nixl_agent_config(backends=[], enable_listen_thread=False))
+    agent.create_backend("UCX", {})
+    return agent
+
+
+def ucx_config() -> dict[str, str]:
+    """UCX's own reading of its configuration in this process (``ucp_config_read`` and
+    ``ucp_config_print`` of the libucp NIXL loaded): ``{"UCX_NET_DEVICES": ..., ...}``. Empty before
+    an agent exists. A diagnostic: what a running transfer's UCX context was configured with."""
+    with open("/proc/self/maps") as f:
+        path = next((line.split()[-1] for line in f if "libucp" in line), None)
+    if path is None:
+        return {}
+    lib, libc = ctypes.CDLL(path), ctypes.CDLL(None)
+    libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    lib.ucp_config_read.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.ucp_config_print.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.ucp_config_release.argtypes = [ctypes.c_void_p]
+    cfg = ctypes.c_void_p()
+    if lib.ucp_config_read(None, None, ctypes.byref(cfg)) != 0:
+        return {}
+    try:
+        with tempfile.NamedTemporaryFile("r", prefix="refit-ucx-") as out:
+            fp = libc.fopen(out.name.encode(), b"w")
+            lib.ucp_config_print(cfg, fp, b"refit", 1)  # UCS_CONFIG_PRINT_CONFIG
+            libc.fclose(fp)
+            text = out.read()
+    finally:
+        lib.ucp_config_release(cfg)
+    return dict(line.split("=", 1) for line in text.splitlines() if line.startswith("UCX_") and "=" in line)
+
+
+def _mem(t: torch.Tensor) -> tuple[str, int]:
+    return ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
+
+
+def storage_regions(tensors: Sequence[torch.Tensor]) -> list[list]:
+    """The storages of ``tensors`` as ``[address, bytes, device, memory type]``, overlaps merged."""
+    spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            spans.setdefault(_mem(t), []).append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+    out = []
+    for (mem, dev), ranges in sorted(spans.items()):
+        ranges.sort()
+        merged = [list(ranges[0])]
+        for lo, hi in ranges[1:]:
+            if lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        out += [[lo, hi - lo, dev, mem] for lo, hi in merged]
+    return out
+
+
+# ---------------------------------------------------------------------------- geometry
+def runs(
+    shape: Sequence[int], src: int, src_strides: Sequence[int], dst: int, dst_strides: Sequence[int], itemsize: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The contiguous runs common to a source and a destination view of one ``shape`` (addresses in
+    bytes, strides in elements, all >= 0): (source addresses, destination addresses, bytes per run),
+    in row-major order. Trailing dimensions that are dense on both sides merge into one run."""
+    if any(n == 0 for n in shape):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
+    dims = [(n, s, d) for n, s, d in zip(shape, src_strides, dst_strides) if n != 1]
+    run, k = 1, len(dims)
+    while k > 0 and dims[k - 1][1] == run and dims[k - 1][2] == run:
+        run *= dims[k - 1][0]
+        k -= 1
+    s_addr, d_addr = np.array([src], np.int64), np.array([dst], np.int64)
+    for n, s, d in dims[:k]:
+        step = np.arange(n, dtype=np.int64)
+        s_addr = (s_addr[:, None] + step * (s * itemsize)).reshape(-1)
+        d_addr = (d_addr[:, None] + step * (d * itemsize)).reshape(-1)
+    return s_addr, d_addr, run * itemsize
+
+
+def dense_strides(shape: Sequence[int]) -> list[int]:
+    """Row-major strides (in elements) of a dense tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def span(shape: Sequence[int], addr: int, strides: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """The first byte and one past the last byte a view touches."""
+    last = sum((n - 1) * s for n, s in zip(shape, strides))
+    return addr, addr + (last + 1) * itemsize
+
+
+# ---------------------------------------------------------------------------- source staging
+class SourceStaging:
+    """A source's staging buffer: the pieces it sends whose runs in its tensors are shorter than
+    ``STAGE_RUN_BYTES`` (a column slice of a row-sharded weight), packed dense at ``PIECE_ALIGN``-ed
+    offsets, first come in plan order while they fit ``budget`` bytes (the config's ``num_buffers`` x
+    ``buffer_bytes``); the others are read in place, one descriptor per run. Receivers read a staged
+    piece as one descriptor. Lifecycle: built at setup (``offsets``: message index -> byte offset);
+    ``pack()`` before every refit's announcement; registered with the source's other memory."""
+
+    def __init__(self, plan: Plan, proc: int, local: LocalTensors, budget: int, device: torch.device) -> None:
+        self.offsets: dict[int, int] = {}
+        views, used = [], 0
+        for i, m in enumerate(plan.messages):
+            if m.transport != "nixl" or plan.procs.src[m.src] != proc:
+                continue
+            p = m.pieces[0]
+            v = local.src_view(p.tensor, p.box)
+            run = runs(v.shape, 0, v.stride(), 0, dense_strides(v.shape), p.itemsize)[2]
+            start = -(-used // PIECE_ALIGN) * PIECE_ALIGN
+            if run >= min(STAGE_RUN_BYTES, p.nbytes) or start + p.nbytes > budget:
+                continue
+            self.offsets[i], used = start, start + p.nbytes
+            views.append((start, v))
+        self.buffer = torch.empty(used, dtype=torch.uint8, device=device)
+        self.copies = [(self._slot(o, v), v) for o, v in views]
+
+    def _slot(self, offset: int, v: torch.Tensor) -> torch.Tensor:
+        return self.buffer[offset : offset + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+
+    def pack(self) -> None:
+        """Copy every staged piece into the buffer (the source's tensors are final)."""
+        for dst, src in self.copies:
+            dst.copy_(src)
+
+    def address(self, index: int) -> int:
+        """Where message ``index``'s staged piece lies."""
+        return self.buffer.data_ptr() + self.offsets[index]
+
+
+# ---------------------------------------------------------------------------- records
+_RECORD_KEYS = {"agent", "metadata", "regions", "parts", "staged"}
+
+
+def _int(x: object, lo: int = 0, hi: int = _ADDR_LIMIT) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x < hi
+
+
+def _check_regions(regions: object, who: str) -> list[list]:
+    if not isinstance(regions, list) or not 0 < len(regions) <= MAX_RECORD_ENTRIES:
+        raise PlanError(f"NIXL record of {who}: regions must be a list of 1..{MAX_RECORD_ENTRIES} entries")
+    for r in regions:
+        ok = isinstance(r, list) and len(r) == 4 and _int(r[0]) and _int(r[1], 1) and _int(r[2], 0, 1 << 16)
+        if not ok or r[3] not in MEM_TYPES or r[0] + r[1] > _ADDR_LIMIT:
+            raise PlanError(f"NIXL record of {who}: region {str(r)[:80]} is not [address, bytes, device, memory]")
+    return regions
+
+
+def _check_parts(parts: object, who: str, ndims: dict[str, int]) -> dict[str, list]:
+    """Exactly the parts this receiver reads, each ``[address, strides, device, memory type]``."""
+    if not isinstance(parts, dict) or set(parts) != set(ndims):
+        got = sorted(parts)[:5] if isinstance(parts, dict) else type(parts).__name__
+        raise PlanError(f"NIXL record of {who}: parts {got} are not the {len(ndims)} tensor parts read from it")
+    for key, p in parts.items():
+        ok = isinstance(p, list) and len(p) == 4 and _int(p[0]) and isinstance(p[1], list)
+        ok = ok and len(p[1]) == ndims[key] and all(_int(s, 0, 1 << 48) for s in p[1])
+        if not ok or not _int(p[2], 0, 1 << 16) or p[3] not in MEM_TYPES:
+            raise PlanError(f"NIXL record of {who}: part {key!r} is {str(p)[:80]}, not [address, strides, dev, mem]")
+    return parts
+
+
+def _check_staged(staged: object, who: str, messages: set[int]) -> dict[int, int]:
+    """Staged pieces: message index (one this receiver reads from ``who``) -> address."""
+    if not isinstance(staged, dict) or not all(isinstance(k, str) and k.isdigit() for k in staged):
+        raise PlanError(f"NIXL record of {who}: staged must map message indices to addresses")
+    out = {int(k): v for k, v in staged.items()}
+    if not set(out) <= messages or not all(_int(v) for v in out.values()):
+        bad = sorted(set(out) - messages)[:5]
+        raise PlanError(f"NIXL record of {who}: staged names messages {bad} not read from it, or a bad address")
+    return out
+
+
+def check_record(rec: object, who: str, ndims: dict[str, int], messages: set[int] = frozenset()) -> dict:
+    """A source's record if every field is well formed (known keys; an agent name; base64 metadata of at
+    most ``MAX_METADATA_BYTES``; regions; the parts ``ndims`` names, each with one stride per dimension;
+    staged pieces among ``messages``, the indices of the messages read from it), else ``PlanError``
+    naming ``who`` and the field. Whether each piece lies in a region: ``_piece_runs``."""
+    if not isinstance(rec, dict) or set(rec) != _RECORD_KEYS:
+        keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+        raise PlanError(f"NIXL record of {who} has keys {keys}, expected {sorted(_RECORD_KEYS)}")
+    name = rec["agent"]
+    if not isinstance(name, str) or not 0 < len(name) <= 200 or not name.isprintable():
+        raise PlanError(f"NIXL record of {who}: agent name {str(name)[:80]!r} is not a short printable string")
+    try:
+        md = base64.b64decode(rec["metadata"], validate=True) if isinstance(rec["metadata"], str) else b""
+    except ValueError:
+        md = b""
+    if not 0 < len(md) <= MAX_METADATA_BYTES:
+        raise PlanError(f"NIXL record of {who}: metadata is not base64 of 1..{MAX_METADATA_BYTES} bytes")
+    return {
+        "agent": name,
+        "metadata": md,
+        "regions": _check_regions(rec["regions"], who),
+        "parts": _check_parts(rec["parts"], who, ndims),
+        "staged": _check_staged(rec["staged"], who, set(messages)),
+    }
+
+
+def _inside(regions: list[list], mem: str, dev: int, lo: int, hi: int) -> bool:
+    return any(r[3] == mem and r[2] == dev and r[0] <= lo and hi <= r[0] + r[1] for r in regions)
+
+
+# ---------------------------------------------------------------------------- the link
+@dataclass
+class _Request:
+    """One prepared READ: ``nbytes`` from source process ``peer`` (agent ``agent``)."""
+
+    peer: int
+    agent: str
+    handle: object
+    nbytes: int
+    descriptors: int
+
+
+def _record_for(
+    plan: Plan, local: LocalTensors, agent, name: str, regions: list, receiver: int, staging: SourceStaging
+) -> dict:
+    """What receiver process ``receiver`` needs to read this source's pieces (see the module docstring)."""
+    parts, staged = {}, {}
+    for k, m in enumerate(plan.messages):
+        if m.transport == "nixl" and plan.procs.dst[m.dst] == receiver and m.src == local.src_rank:
+            for p in m.pieces:
+                i, (_, t) = local.src_part(p.tensor, p.box)
+                mem, dev = _mem(t)
+                parts[part_key(p.tensor, i)] = [t.data_ptr(), list(t.stride()), dev, mem]
+            if k in staging.offsets:
+                staged[str(k)] = staging.address(k)
+    md = base64.b64encode(agent.get_agent_metadata()).decode()
+    return {"agent": name, "metadata": md, "regions": regions, "parts": parts, "staged": staged}
+
+
+def _piece_runs(
+    plan: Plan, k: int, local: LocalTensors, rec: dict, who: str
+) -> tuple[tuple, np.ndarray, np.ndarray, int]:
+    """Message ``k``'s piece as runs: ((source memory, device, destination memory, device), source
+    addresses, destination addresses, bytes per run), read in place or, staged, from the source's
+    staging buffer; ``PlanError`` if it leaves its source's regions."""
+    m = plan.messages[k]
+    p = m.pieces[0]
+    i, pbox = source_part(plan, m.src, p.tensor, p.box)
+    addr, strides, dev, mem = rec["parts"][part_key(p.tensor, i)]
+    rel = box_relative(p.box, pbox)
+    shape = [hi - lo for lo, hi in rel]
+    start = addr + sum(lo * s for (lo, _), s in zip(rel, strides)) * p.itemsize
+    if k in rec.get("staged", {}):
+        start, strides = rec["staged"][k], dense_strides(shape)
+    lo, hi = span(shape, start, strides, p.itemsize)
+    if not _inside(rec["regions"], mem, dev, lo, hi):
+        raise PlanError(
+            f"NIXL record of {who}: tensor {p.tensor!r} piece {[list(b) for b in p.box]} spans bytes "
+            f"[{lo:#x}, {hi:#x}) of {mem}:{dev}, outside every region it registered"
+        )
+    view = local.dst_view(p.tensor, p.box)
+    s_addr, d_addr, run = runs(shape, start, strides, view.data_ptr(), view.stride(), p.itemsize)
+    return (mem, dev, *_mem(view)), s_addr, d_addr, run
+
+
+def _chunks(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """Cut descriptors of ``lengths`` bytes into consecutive [start, stop) ranges of at most ``limit``
+    bytes (a longer one alone) and ``MAX_DESCRIPTORS`` descriptors."""
+    out, start, acc = [], 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if i > start and (acc + n > limit or i - start >= MAX_DESCRIPTORS):
+            out.append((start, i))
+            start, acc = i, 0
+        acc += n
+    if start < len(lengths):
+        out.append((start, len(lengths)))
+    return out
+
+
+def _prepare_reads(agent, plan: Plan, proc: int, local: LocalTensors, rec: dict, sp: int, limit: int) -> list:
+    """The READ requests of ``proc`` from source process ``sp`` (validated ``rec``), each of at most
+    ``limit`` bytes, prepared once (``initialize_xfer``) and posted again every refit."""
+    groups: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for k, m in enumerate(plan.messages):
+        if m.transport == "nixl" and plan.procs.dst[m.dst] == proc and plan.procs.src[m.src] == sp:
+            kind, s_addr, d_addr, run = _piece_runs(plan, k, local, rec, f"process {sp}")
+            groups.setdefault(kind, []).append((s_addr, d_addr, np.full(len(s_addr), run, np.int64)))
+    out = []
+    for (mem, dev, dmem, ddev), arrays in sorted(groups.items()):
+        s_addr, d_addr, lens = (np.concatenate(a) for a in zip(*arrays))
+        for a, b in _chunks(lens, limit):
+            n = b - a
+            remote = np.stack([s_addr[a:b], lens[a:b], np.full(n, dev)], 1).astype(np.uint64)
+            mine = np.stack([d_addr[a:b], lens[a:b], np.full(n, ddev)], 1).astype(np.uint64)
+            handle = agent.initialize_xfer(
+                "READ", agent.get_xfer_descs(mine, dmem), agent.get_xfer_descs(remote, mem), rec["agent"], b""
+            )
+            out.append(_Request(sp, rec["agent"], handle, int(lens[a:b].sum()), n))
+    return out
+
+
+class NixlLink:
+    """One process's NIXL part of a plan: its agent and registered memory, the records it published
+    (source) and the READ requests it prepared (receiver).
+
+    Lifecycle: ``NixlLink.open(...)`` on every process with NIXL messages, after pre-flight (collective
+    through the store: sources publish sealed records, receivers wait for theirs up to
+    ``config.preflight_timeout_s``); per refit ``start(clock)`` (a source announces its tensors are
+    final) then ``finish(clock)`` (a receiver reads everything, a source waits until its receivers are
+    done); ``close()``.
+    Must agree on every process: the plan and ``config.name`` (store keys); the job secret (records are
+    sealed with it). Between refits: registrations and requests stay; sources change their tensors in
+    place only between their ``finish`` and the next ``start``.
+    """
+
+    def __init__(self, agent, name: str, store: SignedStore, config: TransferConfig, proc: int) -> None:
+        self.agent, self.name, self.store, self.config, self.proc = agent, name, store, config, proc
+        self.registered: list = []  # NIXL registration lists (deregistered at close)
+        self.tensors: list[torch.Tensor] = []  # what the registered memory belongs to (kept alive)
+        self.staging: SourceStaging | None = None  # source: short-run pieces packed before each refit
+        self.requests: list[_Request] = []  # receiver: READs, prepared once
+        self.sources: dict[int, str] = {}  # receiver: source process -> its agent name
+        self.unreachable: dict[int, str] = {}  # receiver: sources whose agent refused the connection at setup
+        self.receivers: list[int] = []  # source: processes that read from this one
+        self.runs = 0  # refits started so far (the same count on every process of the plan)
+        self.bytes_read = 0
+
+    @classmethod
+    def open(cls, plan: Plan, proc: int, local: LocalTensors, store: SignedStore | None, config: TransferConfig):
+        """Make the agent, register, publish and import records, prepare the reads (see the class)."""
+        if store is None:
+            raise PlanError("the plan has NIXL links but no rendezvous store was given")
+        if config.checksums:
+            raise ConfigError("TransferConfig.checksums=True is not supported with NIXL links; use checksums=False")
+        if not available():
+            raise ConfigError("the plan has NIXL links but nixl is not installed: pip install 'refit-rl[nixl]'")
+        mine = [m for m in plan.messages if m.transport == "nixl"]
+        sends = [m for m in mine if plan.procs.src[m.src] == proc]
+        recvs = [m for m in mine if plan.procs.dst[m.dst] == proc]
+        tensors = [local.src_part(p.tensor, p.box)[1][1] for m in sends for p in m.pieces]
+        tensors += [local.dst_view(p.tensor, p.box) for m in recvs for p in m.pieces]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        staging = SourceStaging(plan, proc, local, config.num_buffers * config.buffer_bytes, device)
+        tensors += [staging.buffer] if staging.offsets else []
+        name = f"refit-{proc}-{uuid.uuid4().hex[:16]}"
+        link = cls(make_agent(name, device), name, store, config, proc)
+        link.tensors, link.staging = tensors, staging  # registered memory stays allocated while the link lives
+        try:
+            link._register(storage_regions(tensors))
+            link.receivers = sorted({plan.procs.dst[m.dst] for m in sends})
+            for r in link.receivers:
+                rec = _record_for(plan, local, link.agent, name, link._regions, r, staging)
+                store.put_sealed(link._key(f"record/{proc}/{r}"), json.dumps(rec).encode())
+            for sp in sorted({plan.procs.src[m.src] for m in recvs}):
+                link._connect(plan, local, sp)
+        except Exception:
+            link.close()
+            raise
+        log.info("refit nixl: process %d agent %s: %d reads prepared", proc, name, len(link.requests))
+        return link
+
+    def _key(self, what: str) -> str:
+        return f"{self.config.name}/nixl/{what}"
+
+    def _register(self, regions: list[list]) -> None:
+        self._regions = regions
+        for mem in MEM_TYPES:
+            rows = [(a, n, dev, "") for a, n, dev, m in regions if m == mem]
+            if rows:
+                self.registered.append(self.agent.register_memory(rows, mem))
+
+    def _connect(self, plan: Plan, local: LocalTensors, sp: int) -> None:
+        """Read, check and import source process ``sp``'s record; prepare the reads from it."""
+        key = self._key(f"record/{sp}/{self.proc}")
+        try:
+            raw = self.store.get_sealed(key, self.config.preflight_timeout_s)
+            rec = json.loads(raw)
+        except (TimeoutError, ValueError) as e:
+            raise PlanError(f"NIXL setup: no valid record from process {sp} under {key!r}: {e}") from e
+        ndims, messages = {}, set()
+        for k, m in enumerate(plan.messages):
+            if m.transport == "nixl" and plan.procs.dst[m.dst] == self.proc and plan.procs.src[m.src] == sp:
+                p = m.pieces[0]
+                ndims[part_key(p.tensor, source_part(plan, m.src, p.tensor, p.box)[0])] = len(p.box)
+                messages.add(k)
+        rec = check_record(rec, f"process {sp}", ndims, messages)
+        try:
+            got = self.agent.add_remote_agent(rec["metadata"])
+        except Exception as e:  # noqa: BLE001 - NIXL's own error: the source's agent is gone
+            self.unreachable[sp] = f"{type(e).__name__}: {e}"
+            log.warning("refit nixl: process %d cannot reach process %d: %s", self.proc, sp, e)
+            return
+        got = got.decode() if isinstance(got, bytes) else got
+        if got != rec["agent"]:
+            raise PlanError(f"NIXL record of process {sp}: metadata is of agent {got!r}, not {rec['agent']!r}")
+        self.sources[sp] = rec["agent"]
+        self.requests += _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes)
+
+    # ------------------------------------------------------------------ run
+    def start(self, clock: RunClock) -> None:
+        """Begin this process's part of a refit: a source announces that its tensors are final."""
+        self.runs += 1
+        if self.staging is not None and self.staging.copies:
+            self.staging.pack()
+            if self.staging.buffer.is_cuda:
+                torch.cuda.current_stream(self.staging.buffer.device).synchronize()
+        if self.receivers:
+            self.store.put(self._key(f"{self.name}/ready"), self.runs)
+
+    def finish(self, clock: RunClock) -> None:
+        """A receiver: wait for each source's announcement, read every piece (at most
+        ``config.num_buffers`` requests in flight), announce it is done. A source: wait until every
+        receiver of it is done. Every wait under ``clock``. A source this receiver could not connect to at
+        setup (it died meanwhile) fails the refit here, naming it, so a fan-out re-plans around it."""
+        if self.unreachable:
+            sp, why = min(self.unreachable.items())
+            raise TransferError(f"NIXL: process {sp} could not be reached when the reads were set up ({why})")
+        for sp, agent in sorted(self.sources.items()):
+            self._wait_for(self._key(f"{agent}/ready"), clock, lambda sp=sp: f"process {sp} announcing its tensors")
+        self._read(clock)
+        for agent in self.sources.values():
+            self.store.put(self._key(f"{agent}/done/{self.proc}"), self.runs)
+        for r in self.receivers:
+            key = self._key(f"{self.name}/done/{r}")
+            self._wait_for(key, clock, lambda r=r: f"process {r} reading from process {self.proc} over NIXL")
+
+    def _wait_for(self, key: str, clock: RunClock, what) -> None:
+        """Until the signed value under ``key`` reaches this run's number (an older value, or a forged
+        one, does not end the wait)."""
+
+        def reached() -> bool:
+            v = self.store.peek(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= self.runs:
+                return True
+            time.sleep(_POLL_S)
+            return False
+
+        clock.watch(reached, lambda: f"{what()} (NIXL, store key {key!r})")
+
+    def _read(self, clock: RunClock) -> None:
+        """Post every prepared READ, at most ``num_buffers`` in flight, until all are done."""
+        pending, flying = list(self.requests), []
+        limit = self.config.num_buffers
+        while pending or flying:
+            while pending and len(flying) < limit:
+                req = pending.pop(0)
+                state = self._call(req, self.agent.transfer, "posting")
+                if state != "DONE":
+                    flying.append(req)
+            if flying:
+                clock.watch(lambda: self._any_done(flying), lambda: self._pending(flying))
+        self.bytes_read = sum(r.nbytes for r in self.requests)
+
+    def _any_done(self, flying: list[_Request]) -> bool:
+        """Whether a request in flight finished now (removed from ``flying``)."""
+        before = len(flying)
+        for req in list(flying):
+            if self._call(req, self.agent.check_xfer_state, "reading") == "DONE":
+                flying.remove(req)
+        return len(flying) < before
+
+    def _call(self, req: _Request, fn, what: str) -> str:
+        try:
+            state = fn(req.handle)
+        except Exception as e:  # noqa: BLE001 - NIXL's own errors (a peer gone): name the peer
+            raise TransferError(
+                f"NIXL {what} {req.nbytes} bytes ({req.descriptors} pieces) from process {req.peer} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        if state == "ERR":
+            raise TransferError(f"NIXL {what} {req.nbytes} bytes from process {req.peer} failed (state ERR)")
+        return state
+
+    @staticmethod
+    def _pending(flying: list[_Request]) -> str:
+        peers = ", ".join(f"process {p}" for p in sorted({r.peer for r in flying}))
+        return f"NIXL reads of {sum(r.nbytes for r in flying)} bytes from {peers}"
+
+    def close(self) -> None:
+        """Release the requests, forget the remote agents, deregister memory and drop the agent. Idempotent."""
+        for req in self.requests:
+            try:
+                req.handle.release()
+            except Exception:  # noqa: BLE001, S110 - a request left mid-flight by an aborted refit
+                pass
+        self.requests = []
+        if self.agent is None:
+            return
+        for agent in self.sources.values():
+            try:
+                self.agent.remove_remote_agent(agent)
+            except Exception:  # noqa: BLE001, S110 - already gone
+                pass
+        for reg in self.registered:
+            self.agent.deregister_memory(reg)
+        self.registered, self.sources, self.agent, self.tensors = [], {}, None, []

@@ -1,0 +1,490 @@
+"""The NIXL transport: pure pieces (runs, records, planning, UCX settings) and multi-process refits on CPU
+through real NIXL (UCX over shared memory / CMA on one host). Skipped where nixl is not installed."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from refit.config import TransferConfig
+from refit.errors import PlanError, RefitAborted
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
+from refit.plan import ProcessMap, build_plan
+from refit.tools.launch import run_local
+from refit.tools.verify import holds, reference_shards, verify
+from refit.transfer import Peer, Receiver, Sender
+from refit.transport import nixl
+
+needs_nixl = pytest.mark.skipif(not nixl.available(), reason="nixl is not installed (pip install 'refit-rl[nixl]')")
+
+
+def _layouts(model: str, src: str, dst: str):
+    shapes = param_shapes(model)
+    return layout_from_spec(shapes, parse_spec(src, "src")), layout_from_spec(shapes, parse_spec(dst, "dst"))
+
+
+# ---------------------------------------------------------------------------- pure pieces
+def test_runs_merge_the_trailing_dims_dense_on_both_sides():
+    # a [4, 6] box of a [4, 8] source row-major tensor into a dense [4, 6] destination: one run per row
+    s, d, n = nixl.runs((4, 6), 1000, (8, 1), 5000, (6, 1), 4)
+    assert (
+        n == 24 and s.tolist() == [1000 + 32 * i for i in range(4)] and d.tolist() == [5000 + 24 * i for i in range(4)]
+    )
+    # dense on both sides: one run
+    s, d, n = nixl.runs((4, 6), 0, (6, 1), 64, (6, 1), 2)
+    assert (s.tolist(), d.tolist(), n) == ([0], [64], 48)
+    # size-1 dims do not cut runs; an empty box has none
+    assert nixl.runs((1, 3, 1), 0, (99, 1, 7), 0, (3, 1, 1), 4)[2] == 12
+    assert len(nixl.runs((0, 3), 0, (3, 1), 0, (3, 1), 4)[0]) == 0
+
+
+def test_storage_regions_merge_views_of_one_storage():
+    base = torch.zeros(100)
+    regions = nixl.storage_regions([base[:10], base[50:], torch.zeros(3)])
+    assert len(regions) == 2
+    assert [base.data_ptr(), 400, 0, "DRAM"] in regions
+
+
+def _record(**change):
+    rec = {
+        "agent": "refit-1-abc",
+        "metadata": "AAAA",
+        "regions": [[4096, 4096, 0, "DRAM"]],
+        "parts": {"w": [4096, [4, 1], 0, "DRAM"]},
+        "staged": {"3": 4096},
+    }
+    return {**rec, **change}
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"extra": 1}, "has keys"),
+        ({"agent": 7}, "agent name"),
+        ({"metadata": "not base64!"}, "metadata"),
+        ({"regions": [[4096, -1, 0, "DRAM"]]}, "region"),
+        ({"regions": [[2**63 - 10, 4096, 0, "DRAM"]]}, "region"),
+        ({"regions": [[4096, 4096, 0, "HBM"]]}, "region"),
+        ({"parts": {"w": [4096, [4], 0, "DRAM"]}}, "part 'w'"),
+        ({"parts": {"w": [4096, [4, -1], 0, "DRAM"]}}, "part 'w'"),
+        ({"parts": {"v": [4096, [4, 1], 0, "DRAM"]}}, "parts"),
+        ({"staged": {"4": 4096}}, "staged names messages \\[4\\]"),
+        ({"staged": {"3": -1}}, "staged"),
+        ({"staged": [3]}, "staged"),
+    ],
+)
+def test_records_are_checked_field_by_field(change, match):
+    with pytest.raises(PlanError, match=match):
+        nixl.check_record(_record(**change), "process 1", {"w": 2}, {3})
+    rec = nixl.check_record(_record(), "process 1", {"w": 2}, {3})
+    assert rec["metadata"] == b"\0\0\0" and rec["staged"] == {3: 4096}
+
+
+def test_a_piece_outside_the_registered_regions_is_refused():
+    from refit.binding import bind_local
+
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
+    plan = build_plan(src, dst, config=TransferConfig(transport="nixl"))
+    local = bind_local(plan, 1, None, {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in dst})
+    k = next(k for k, m in enumerate(plan.messages) if m.pieces[0].tensor == "lm_head.weight")
+    rows, cols = src["lm_head.weight"].shape
+    rec = {"parts": {"lm_head.weight": [1 << 20, [cols, 1], 0, "DRAM"]}, "regions": [[1 << 20, 1024, 0, "DRAM"]]}
+    with pytest.raises(PlanError, match="outside every region it registered"):
+        nixl._piece_runs(plan, k, local, rec, "process 0")
+    rec["regions"] = [[1 << 20, rows * cols * 4, 0, "DRAM"]]
+    kind, s, d, n = nixl._piece_runs(plan, k, local, rec, "process 0")
+    assert kind == ("DRAM", 0, "DRAM", 0) and s.tolist() == [1 << 20] and n == rows * cols * 4
+
+
+def test_sources_stage_short_run_pieces_within_the_budget():
+    from refit.binding import bind_local
+
+    src, dst = _layouts("tiny-llama", "fsdp=2", "tp=2")  # row shards -> column slices of o_proj / down_proj
+    for budget, staged_some in ((2 * (1 << 20), True), (64, False)):
+        cfg = TransferConfig(transport="nixl", num_buffers=1, buffer_bytes=budget)
+        plan = build_plan(src, dst, config=cfg)
+        local = bind_local(plan, 0, reference_shards(src, 0), None)
+        st = nixl.SourceStaging(plan, 0, local, budget, torch.device("cpu"))
+        assert bool(st.offsets) is staged_some and st.buffer.numel() <= budget
+        st.pack()
+        for k, off in st.offsets.items():
+            p = plan.messages[k].pieces[0]
+            view = local.src_view(p.tensor, p.box)
+            assert not view.is_contiguous()  # only strided pieces are staged
+            got = st.buffer[off : off + p.nbytes].view(view.dtype).view(view.shape)
+            assert torch.equal(got, view)
+
+
+def test_only_a_signed_announcement_of_this_run_ends_a_wait():
+    import warnings
+
+    import torch.distributed as dist
+
+    from refit.errors import DeadlineExceeded
+    from refit.transport.clock import RunClock
+    from refit.transport.store import SignedStore
+
+    store = SignedStore(dist.HashStore(), b"the-job-secret-0123456789")
+    link = nixl.NixlLink(None, "refit-0-x", store, TransferConfig(name="t"), 1)
+    link.runs = 2
+    key = "t/nixl/refit-0-x/ready"
+
+    def waits() -> bool:
+        try:
+            link._wait_for(key, RunClock(time.monotonic() + 0.2), lambda: "process 0 announcing its tensors")
+        except DeadlineExceeded as e:
+            assert "process 0 announcing its tensors" in str(e) and key in str(e)
+            return True
+        return False
+
+    assert waits()  # nothing there
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        store.raw.set(key, b"refit1." + b"ab" * 32 + b".2")  # a stranger's forgery
+        assert waits() and store.rejected[key] == 1
+    store.put(key, 1)  # a real announcement, of the run before (a replay)
+    assert waits()
+    store.put(key, 2)
+    assert not waits()
+
+
+def test_plans_mark_nixl_links_and_auto_uses_them_only_between_hosts():
+    src, dst = _layouts("tiny-llama", "tp=2", "tp=2")
+    every = build_plan(src, dst, config=TransferConfig(transport="nixl"))
+    assert {m.transport for m in every.messages} == {"nixl"} and every.ratio == 1.0
+    p2p = build_plan(src, dst, config=TransferConfig(transport="p2p"))
+    assert every.digest != p2p.digest  # the transport is part of what peers must agree on
+    two_hosts = ProcessMap((0, 1), (2, 3), ("a/cpu", "a/cpu", "b/cpu", "b/cpu"))
+    auto = build_plan(src, dst, two_hosts, TransferConfig(transport="auto"))
+    assert {m.transport for m in auto.messages} == {"nixl" if nixl.available() else "p2p"}
+    one_host = ProcessMap((0, 1), (2, 3), ("cuda:0", "cuda:1", "cuda:2", "cuda:3"))
+    assert {m.transport for m in build_plan(src, dst, one_host, TransferConfig(transport="auto")).messages} == {"ipc"}
+
+
+# ---------------------------------------------------------------------------- multi-process, real NIXL
+PAIRS = [("fsdp=2", "tp=2"), ("tp=2,pp=2", "tp=1,dp=2"), ("tp=3", "tp=2")]
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("src,dst", PAIRS)
+def test_reshard_over_nixl_is_bit_exact(src, dst):
+    s, d = _layouts("tiny-qwen2", src, dst)
+    # a small budget: each source's pieces are cut into many READ requests, two in flight
+    res = verify(s, d, config=TransferConfig(transport="nixl", num_buffers=2, buffer_bytes=16 << 10), timeout_s=360)
+    assert res.ok, res.mismatches[:5]
+    assert {m.transport for m in res.plan.messages} == {"nixl"}
+    assert res.plan.ratio == 1.0 and res.bytes_checked == res.plan.bytes_needed
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_moe_reshard_over_nixl_is_bit_exact():
+    s, d = _layouts("tiny-qwen3-moe", "ep=2,tp=2", "tp=2")
+    res = verify(s, d, config=TransferConfig(transport="nixl"), timeout_s=360)
+    assert res.ok, res.mismatches[:5]
+    assert res.plan.ratio == 1.0 and res.bytes_checked == res.plan.bytes_needed
+
+
+FROZEN_S = 20.0
+
+
+def _frozen_worker(world):
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=2")
+    procs = ProcessMap.disjoint(1, 2)
+    cfg = TransferConfig(transport="nixl", commit="staged", deadline_s=8.0, preflight_timeout_s=120.0)
+    if world.src_rank is not None:
+        tensors = reference_shards(src, 0)
+        frozen = {"on": False}
+
+        def prepare(names):
+            if frozen["on"]:
+                time.sleep(FROZEN_S)  # alive, but never says its tensors are final in time
+
+        s = Sender(src, dst, world.rank, tensors, procs=procs, config=cfg, prepare=prepare)
+        s.push(1)
+        for t in tensors.values():
+            t.mul_(2)
+        frozen["on"] = True
+        try:
+            s.push(2)
+        except RefitAborted as e:
+            return str(e)
+        finally:
+            s.close()
+        return "completed"
+    live = {
+        t.name: torch.zeros(tuple(b - a for a, b in box), dtype=t.dtype) for t, box in dst.local_tensors(world.dst_rank)
+    }
+    r = Receiver(src, dst, world.rank, live, procs=procs, config=cfg)
+    r.pull(1)
+    t0 = time.monotonic()
+    try:
+        r.pull(2)
+        msg = "completed"
+    except RefitAborted as e:
+        msg = str(e)
+    waited = time.monotonic() - t0
+    r.close()
+    return msg, r.version, holds(live, dst, world.dst_rank), waited
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_frozen_source_aborts_at_the_deadline_and_engines_keep_their_version():
+    out = run_local(_frozen_worker, 1, 2, backend="gloo", timeout_s=240)
+    assert "aborted" in out[0]
+    for msg, version, same, waited in out[1:]:
+        assert "DeadlineExceeded" in msg and "process 0 announcing its tensors" in msg, msg
+        assert version == 1 and same  # staged: the live tensors are still version 1, bit for bit
+        assert waited < FROZEN_S  # gave up at its own deadline, not when the source woke up
+
+
+# ---------------------------------------------------------------------------- fan-out and joining
+REPLICAS = 3
+
+
+def _fanout_worker(world, kill):
+    from refit.fanout import Fanout
+
+    trainer, replica = _layouts("tiny-llama", "tp=1", "tp=1")
+    proc = world.rank
+    if proc == 0:
+        tensors = reference_shards(trainer, 0)
+    else:
+        tensors = {t.name: torch.full(t.shape, float("nan"), dtype=t.dtype) for t in replica}
+    cfg = TransferConfig(name="fan", transport="nixl", deadline_s=15.0, preflight_timeout_s=120.0)
+    f = Fanout(trainer, replica, proc, [0], [[1 + j] for j in range(REPLICAS)], tensors, config=cfg)
+    if kill is not None and proc == kill[0]:
+        f.hook = lambda wave, attempt: os._exit(3) if wave == kill[1] else None  # dies as its wave starts
+    s = f.run(1)
+    out = {"ok": proc == 0 or holds(tensors, replica, 0), "dead": s.dead, "seen": s.sources_seen}
+    out["version"], out["attempts"] = f.version, s.attempts
+    out["transports"] = sorted({m.transport for _, p in f.peers.values() for m in p.plan.messages})
+    f.close()
+    return out
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_fanout_waves_over_nixl_pull_from_replicas_that_hold_the_version():
+    res = run_local(_fanout_worker, 1, REPLICAS, None, timeout_s=360)
+    assert all(r["ok"] and r["version"] == 1 and r["transports"] == ["nixl"] for r in res), res
+    # wave 1's receivers (replicas 1, 2) checked replica 0 (process 1), which holds the version, as a source
+    assert {p for r in res[2:] for _, _, p, v in r["seen"] if v == 1} == {1}
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_a_source_replica_that_dies_is_planned_around_and_the_version_completes():
+    # replica 0 (process 1) received in wave 0; it dies as wave 1 starts, where it is a source
+    res = run_local(_fanout_worker, 1, REPLICAS, (1, 1), timeout_s=360, expect_dead={1})
+    assert res[1] is None
+    for r in (res[0], res[2], res[3]):
+        assert r["ok"] and r["version"] == 1 and r["dead"] == [1], r
+    assert res[0]["attempts"] == 3  # wave 0, then wave 1 twice: again without the dead source
+
+
+def _joining_worker(world):
+    src, rep = _layouts("tiny-llama", "tp=2", "tp=1")
+    cfg = TransferConfig(name="first", transport="nixl", preflight_timeout_s=120.0)
+    if world.rank < 2:  # the trainer: sends version 1 to replica A, then does nothing more
+        s = Sender(src, rep, world.rank, reference_shards(src, world.rank), procs=ProcessMap((0, 1), (2,)), config=cfg)
+        s.push(1)
+        s.close()
+        return None
+    live = {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in rep}
+    if world.rank == 2:  # replica A: holds version 1, then serves it to the replica that joins
+        r = Receiver(src, rep, 2, live, procs=ProcessMap((0, 1), (2,)), config=cfg)
+        r.pull(1)
+        r.close()
+    # replica B joins now: its peer group is {A, B}; the trainer takes no part
+    join = TransferConfig(name="join", transport="nixl", preflight_timeout_s=120.0)
+    is_a = world.rank == 2
+    p = Peer(rep, rep, world.rank, src_tensors=live if is_a else None, dst_tensors=None if is_a else live,
+             procs=ProcessMap((2,), (3,)), config=join)  # fmt: skip
+    p.run(1)
+    p.close()
+    return holds(live, rep, 0)
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_replica_joining_mid_run_pulls_the_current_version_from_a_peer():
+    out = run_local(_joining_worker, 2, 2, backend="gloo", timeout_s=240)
+    assert out[2:] == [True, True]
+
+
+# ---------------------------------------------------------------------------- NIC settings, cost model
+def test_ucx_settings_follow_the_nic_knobs_and_the_bind_address(tmp_path):
+    from test_net import _node
+
+    _node(tmp_path, 4)
+    root = str(tmp_path)
+
+    def settings(device, **env):
+        env = {"REFIT_SYSFS_ROOT": root, **env}
+        nixl.apply_ucx_settings(torch.device(device), env)
+        return {k: v for k, v in env.items() if k.startswith("UCX_")}
+
+    assert settings("cuda:2") == {"UCX_NET_DEVICES": "mlx5_2:1,lo", "UCX_MAX_RMA_RAILS": "1"}  # auto: nearest
+    stripe = settings("cuda:2", REFIT_NIC_MODE="stripe")
+    assert stripe == {"UCX_NET_DEVICES": "mlx5_2:1,mlx5_3:1,mlx5_0:1,mlx5_1:1,lo", "UCX_MAX_RMA_RAILS": "4"}
+    assert settings("cpu", REFIT_NIC_MODE="off") == {"UCX_NET_DEVICES": "lo"}
+    assert settings("cpu", REFIT_NIC_MODE="stripe", REFIT_NIC_MIN_RATE_GBPS="500") == {"UCX_NET_DEVICES": "lo"}
+    assert settings("cuda:0", REFIT_BIND_ADDRESS="0.0.0.0") == {"UCX_NET_DEVICES": "mlx5_0:1", "UCX_MAX_RMA_RAILS": "1"}
+    mine = settings("cuda:0", UCX_NET_DEVICES="mlx5_3:1", UCX_MAX_RMA_RAILS="2")  # the user's choice stands
+    assert mine == {"UCX_NET_DEVICES": "mlx5_3:1", "UCX_MAX_RMA_RAILS": "2"}
+
+
+def _striped_worker(world, sysfs):
+    # before any agent exists: the fake node's NICs, striped (UCX warns they are absent here and uses lo)
+    os.environ.update({"REFIT_SYSFS_ROOT": sysfs, "REFIT_NIC_MODE": "stripe"})
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
+    cfg = TransferConfig(transport="nixl", preflight_timeout_s=120.0)
+    if world.src_rank is not None:
+        Sender(src, dst, 0, reference_shards(src, 0), config=cfg).push(1)
+        return nixl.ucx_config()
+    live = {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in dst}
+    r = Receiver(src, dst, 1, live, config=cfg)
+    r.pull(1)
+    seen = nixl.ucx_config()  # UCX's own reading, while the agent that moved the bytes is alive
+    r.close()
+    return seen, holds(live, dst, 0)
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_nic_settings_are_in_the_ucx_configuration_of_a_running_transfer(tmp_path):
+    from test_net import _node
+
+    _node(tmp_path, 4)
+    out = run_local(_striped_worker, 1, 1, str(tmp_path), backend="gloo", timeout_s=240)
+    assert out[1][1]  # the bytes arrived
+    for cfg in (out[0], out[1][0]):
+        assert cfg["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,lo"
+        assert cfg["UCX_MAX_RMA_RAILS"] == "4"
+
+
+def test_the_cost_model_prices_nixl_plans_with_the_selected_nics():
+    from refit.plan.cost import Topology, predict
+
+    src, dst = _layouts("tiny-llama", "tp=4", "tp=4")  # trainer on node 0, engine on node 1
+    topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=8, nic_gbps=50.0, pcie_gbps=55.0)
+    by = {m: {p.strategy: p for p in predict(src, dst, topo, nixl_nic_mode=m)} for m in ("auto", "stripe")}
+    auto, stripe = by["auto"]["nixl"], by["stripe"]["nixl"]
+    assert auto.busiest.startswith("nic_") and stripe.busiest.startswith("nic_")  # cross-node: the NICs set it
+    assert auto.busiest_bytes == stripe.busiest_bytes == by["auto"]["p2p"].busiest_bytes  # the same plan
+    assert auto.seconds / stripe.seconds == pytest.approx(55.0 / 50.0)  # stripe: all NICs, capped by PCIe
+    assert "stripe (55 GB/s per GPU)" in stripe.note
+    assert "nixl" not in {p.strategy for p in predict(src, dst, topo)}
+
+
+# ---------------------------------------------------------------------------- security
+NAME = "nixlsec"
+
+
+def _listeners() -> list[str]:
+    """Every address this process listens on (TCP listeners, unconnected UDP sockets)."""
+    import psutil
+
+    conns = psutil.Process(os.getpid()).net_connections("inet")
+    return [f"{c.laddr.ip}:{c.laddr.port}" for c in conns if c.status == "LISTEN" or (c.type == 2 and not c.raddr)]
+
+
+def _secure_worker(world, workdir):
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    work = Path(workdir)
+    if world.rank == 0:  # where the store is (a stranger would scan for it)
+        world.store.raw.set("probe", "x")
+        (work / "port").write_text(str(dist.distributed_c10d._get_default_store().underlying_store.port))
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
+    cfg = TransferConfig(name=NAME, transport="nixl", preflight_timeout_s=120.0, deadline_s=60.0)
+    tensors = (
+        reference_shards(src, 0) if world.rank == 0 else {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in dst}
+    )
+    p = Peer(src, dst, world.rank, src_tensors=tensors if world.rank == 0 else None,
+             dst_tensors=None if world.rank == 0 else tensors, config=cfg)  # fmt: skip
+    p.run(1)
+    listening = _listeners()  # with the agent alive and connected
+    (work / f"ran{world.rank}").write_text("1")
+    deadline = time.monotonic() + 120
+    while not (work / "stranger-done").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # keep the job (its store, agents, registered memory) alive for the stranger
+    p.close()
+    return listening, holds(tensors, dst, 0)
+
+
+def _stranger(work, result):
+    """No job secret: reads the NIXL record from the live store and tries to use it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from refit.errors import ConfigError
+    from refit.transport.store import SignedStore
+
+    try:
+        while not ((work / "ran0").exists() and (work / "ran1").exists()):
+            time.sleep(0.05)
+        store = dist.TCPStore("127.0.0.1", int((work / "port").read_text()), None, False, timedelta(seconds=30))
+        prefix = next(k for k in store.list_keys() if k.endswith("probe"))[: -len("probe")]
+        keys = [k for k in store.list_keys() if "/nixl/record/" in k]
+        raw = bytes(store.get(keys[0]))
+        result["keys"], result["raw"] = keys, raw
+        wrong = SignedStore(store, b"not-the-job-secret-" + os.urandom(8).hex().encode(), "")
+        try:
+            wrong.get_sealed(keys[0][len(prefix) :], 2.0)
+            result["unsealed"] = True
+        except (ConfigError, TimeoutError):
+            result["unsealed"] = False
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        agent = nixl_agent("stranger", nixl_agent_config(backends=["UCX"], enable_listen_thread=False))
+        try:  # the sealed blob as agent metadata
+            agent.add_remote_agent(raw)
+            result["connected"] = True
+        except Exception:  # noqa: BLE001 - NIXL refuses it
+            result["connected"] = False
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        result["error"] = repr(e)
+    finally:
+        (work / "stranger-done").write_text("1")
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_with_nixl_only_loopback_listens_and_a_stranger_gets_nothing_usable(tmp_path):
+    import threading
+
+    result: dict = {}
+    t = threading.Thread(target=_stranger, args=(tmp_path, result), daemon=True)
+    t.start()
+    try:
+        out = run_local(_secure_worker, 1, 1, str(tmp_path), backend="gloo", timeout_s=240)
+    finally:
+        (tmp_path / "stranger-done").write_text("1")
+        t.join(timeout=60)
+    assert "error" not in result, result.get("error")
+    assert out[1][1]  # the refit itself was exact
+    for listening, _ in out:
+        assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening
+        assert not any(a.endswith(":8888") for a in listening)  # NIXL's own metadata listener is off
+    # the record that grants access is sealed: no agent name, metadata or address in clear
+    assert result["keys"] and result["raw"].startswith(b"refit1.") and b'{"sealed":' in result["raw"]
+    assert b"metadata" not in result["raw"] and b"regions" not in result["raw"]
+    assert result["unsealed"] is False and result["connected"] is False
