@@ -14,20 +14,18 @@ while its own boxes go out), finish with ``weight_version``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
-from refit.errors import ConfigError
+from refit.engines.calls import BackgroundCall
+from refit.engines.jobs import job_secret
 from refit.plan import ProcessMap
 from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer
-from refit.transport import auth
 
 from .common import (
     RefitInitInfo,
@@ -114,7 +112,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         # rank 0 hosts the store; it also tells the workers to join, concurrently
         rpc = None
         if self.is_sender:
-            rpc = _Call(client.init_weight_transfer_engine, vars(info))
+            rpc = BackgroundCall(client.init_weight_transfer_engine, vars(info))
         store = open_store(info, is_master=self.is_sender)
         if self.is_sender:
             publish_src_layout(store, src)
@@ -148,7 +146,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         rpc = None
         if self.is_sender:
             self.client.start_weight_update()
-            rpc = _Call(self.client.update_weights, {"version": version})
+            rpc = BackgroundCall(self.client.update_weights, {"version": version})
         try:
             stats = self.peer.run(version)
         except Exception:
@@ -170,64 +168,3 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         if self.peer is not None:
             self.peer.close()
         self.peer = self.pg = self.store = None
-
-
-class _Call:
-    """Run a blocking client call in a thread named ``refit-rpc``; ``join`` waits and re-raises its error;
-    ``settle(timeout_s)`` waits at most that long on an error path (the caller raises its own error)."""
-
-    def __init__(self, fn, *args) -> None:
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001 - re-raised in join
-                self.error = e
-
-        self.thread = threading.Thread(target=run, name="refit-rpc", daemon=True)
-        self.thread.start()
-
-    def settle(self, timeout_s: float) -> None:
-        self.thread.join(timeout_s)
-
-    def join(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise RuntimeError(f"refit: the engine's weight-sync call failed: {self.error}") from self.error
-
-
-def job_secret(info: RefitTrainerInitInfo) -> tuple[str, str]:
-    """(secret, job_id) for the job's store, agreed by every trainer rank.
-
-    The secret: ``info.secret`` if set, else ``REFIT_SECRET`` / ``REFIT_SECRET_FILE`` (then the workers
-    read it from their own environment and it is not sent: ``""``), else a fresh one from rank 0. The
-    job id: ``info.job_id`` if set, else fresh from rank 0. "From rank 0" with several trainer ranks
-    means broadcast over the trainer's default process group, as bytes in a tensor (nothing is
-    unpickled). Returns what the workers' init info carries; ``open_store`` resolves the same secret."""
-    secret = info.secret or (None if auth.secret_from_env() is not None else "")
-    need = [secret == "", not info.job_id]
-    fresh = _from_rank0(info, sum(need)) if any(need) else []
-    if secret == "":
-        secret = fresh.pop(0)
-    return (secret or ""), (info.job_id or fresh.pop(0))
-
-
-def _from_rank0(info: RefitTrainerInitInfo, n: int) -> list[str]:
-    """``n`` fresh random texts (64 hex characters each) made by trainer rank 0, the same on every rank."""
-    if info.n_trainer == 1:
-        return [auth.new_secret().decode() for _ in range(n)]
-    if not dist.is_initialized() or dist.get_world_size() != info.n_trainer:
-        raise ConfigError(
-            f"{info.n_trainer} trainer ranks need one job secret and job id: set RefitTrainerInitInfo.secret "
-            "and .job_id (or REFIT_SECRET) on every rank, or initialize the trainer's default process group "
-            "so rank 0 can share fresh ones"
-        )
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    buf = torch.zeros(64 * n, dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        made = b"".join(auth.new_secret() for _ in range(n))
-        buf.copy_(torch.frombuffer(bytearray(made), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
-    raw = bytes(buf.cpu().tolist())
-    return [raw[64 * i : 64 * (i + 1)].decode() for i in range(n)]
