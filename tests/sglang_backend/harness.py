@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -62,7 +66,7 @@ def make_engine(model: str, workdir: str, tp: int = ENGINE_TP):
         skip_tokenizer_init=True,
         attention_backend="torch_native",
         tp_size=tp,
-        mem_fraction_static=0.05,
+        mem_fraction_static=0.9,  # of RAM here, checked against what is free (other jobs run); max_total_tokens caps it
         max_total_tokens=2048,
         disable_cuda_graph=True,
         disable_custom_all_reduce=True,
@@ -71,10 +75,13 @@ def make_engine(model: str, workdir: str, tp: int = ENGINE_TP):
     )
 
 
-def greedy(engine, n: int = 8) -> tuple[list[int], str]:
-    """SGLang's greedy tokens after ``PROMPT`` and the weight version it says produced them."""
-    out = engine.generate(input_ids=list(PROMPT), sampling_params={"max_new_tokens": n, "temperature": 0.0})
-    return list(out["output_ids"]), out["meta_info"]["weight_version"]
+def greedy(engine, n: int = 8) -> tuple[list[int], list[float], str]:
+    """SGLang's greedy tokens after ``PROMPT``, their logprobs and the weight version it says produced them."""
+    out = engine.generate(
+        input_ids=list(PROMPT), sampling_params={"max_new_tokens": n, "temperature": 0.0}, return_logprob=True
+    )
+    logprobs = [float(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    return list(out["output_ids"]), logprobs, out["meta_info"]["weight_version"]
 
 
 def shard_bytes(model: str, tp: int, rank: int) -> int:
@@ -156,35 +163,44 @@ def _rank1(port: int, xfer_port: int, model: str, spec: str, steps: int, first: 
 
 
 class Checker:
-    """Rank 0's check after each refit: SGLang's greedy tokens, HF's on the trainer's weights, the version SGLang
-    reports, every SGLang rank's stats and rank 0's bytes sent."""
+    """Rank 0's check after each refit: SGLang's greedy tokens and logprobs (``greedy()`` -> tokens, logprobs,
+    the version that produced them), HF's on the trainer's weights, the version SGLang reports, every SGLang
+    rank's stats and rank 0's bytes sent. ``client`` is the one rank 0 drives SGLang with."""
 
-    def __init__(self, engine, model: str) -> None:
+    def __init__(self, client, greedy: Callable, model: str) -> None:
+        self.client, self.greedy, self.model = client, greedy, model
+
+    @classmethod
+    def for_engine(cls, engine, model: str) -> Checker:
         from refit.engines.sglang.client import EngineClient
 
-        self.engine, self.model, self.client = engine, model, EngineClient(engine)
+        return cls(EngineClient(engine), lambda: greedy(engine), model)
 
     def __call__(self, version: int, weights: dict, trainer, stats) -> dict:
-        tokens, produced_by = greedy(self.engine)
+        tokens, logprobs, produced_by = self.greedy()
+        ref_tokens, ref_logprobs = hf_reference(self.model, weights, tokens)
         return {
             "version": version,
             "tokens": tokens,
-            "ref_tokens": hf_reference(self.model, weights, tokens)[0],
+            "ref_tokens": ref_tokens,
+            "max_dlogprob": max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)),
             "produced_by": produced_by,
+            "logprobs": logprobs,
             "reported": self.client.weight_version(),
             "engine_stats": trainer.last_stats,
             "bytes_sent_rank0": stats.bytes_sent,
         }
 
 
-def refit_session(engine, model: str, spec: str, steps: int = 3, first: int = 1, kill_at: int | None = None):
-    """One trainer (2 ranks, ``spec``) joining the running ``engine`` and refitting it ``steps`` times (rank 1
-    killed half way through version ``kill_at``, if given). Returns rank 0's check results and rank 1's exit code."""
-    port, xfer_port = free_port(), free_port()
+def refit_session(check: Checker, spec: str, steps: int = 3, first: int = 1, kill_at: int | None = None):
+    """One trainer (2 ranks, ``spec``) joining the running engine ``check`` looks at and refitting it ``steps``
+    times (rank 1 killed half way through version ``kill_at``, if given). Returns rank 0's check results and
+    rank 1's exit code."""
+    port, xfer_port, model = free_port(), free_port(), check.model
     p = mp.get_context("spawn").Process(target=_rank1, args=(port, xfer_port, model, spec, steps, first, kill_at))
     p.start()
     try:
-        out = trainer_loop(0, port, xfer_port, model, spec, steps, first, Checker(engine, model), kill_at)
+        out = trainer_loop(0, port, xfer_port, model, spec, steps, first, check, kill_at)
     finally:
         p.join(timeout=300)
         if p.is_alive():
@@ -192,11 +208,80 @@ def refit_session(engine, model: str, spec: str, steps: int = 3, first: int = 1,
     return out, p.exitcode
 
 
+SERVER_ARGS = (
+    "--device cpu --dtype float32 --skip-tokenizer-init --attention-backend torch_native --mem-fraction-static 0.9 "
+    "--max-total-tokens 2048 --disable-cuda-graph --disable-custom-all-reduce --log-level error --host 127.0.0.1"
+)
+
+
+@contextmanager
+def server(model: str, workdir: str, tp: int = ENGINE_TP, timeout_s: float = 400.0) -> Iterator[str]:
+    """``python -m sglang.launch_server`` over ``model`` (seed 1000 weights) on loopback, refit's loader allowed;
+    yields its URL once it answers; stops its whole process group afterwards."""
+    from refit.engines.sglang import LOADER
+
+    engine_env(tp)
+    build_model(load_config(model), torch.float32, seed=1000).save_pretrained(workdir)
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", workdir, "--tp-size", str(tp)]
+    cmd += [*SERVER_ARGS.split(), "--port", str(port), "--custom-weight-loader", LOADER]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, timeout_s)
+        yield url
+    finally:
+        _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (its schedulers too), SIGKILL it if still there after 60 s."""
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone already
+            pass
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"sglang.launch_server exited with {proc.returncode}"
+        try:
+            if requests.get(f"{url}/model_info", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"sglang.launch_server at {url} did not answer within {timeout_s:.0f}s")
+
+
+def http_greedy(url: str, n: int = 8) -> tuple[list[int], list[float], str]:
+    """``greedy`` through the server's ``/generate`` (JSON)."""
+    import requests
+
+    body = {
+        "input_ids": list(PROMPT),
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0},
+        "return_logprob": True,
+    }
+    out = requests.post(f"{url}/generate", json=body, timeout=300).json()
+    logprobs = [float(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    return list(out["output_ids"]), logprobs, out["meta_info"]["weight_version"]
+
+
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         eng = make_engine(sys.argv[1], d)
         try:
-            for row in refit_session(eng, sys.argv[1], sys.argv[2])[0]:
+            for row in refit_session(Checker.for_engine(eng, sys.argv[1]), sys.argv[2])[0]:
                 print({k: v for k, v in row.items() if k != "engine_stats"}, row["engine_stats"])
         finally:
             eng.shutdown()

@@ -17,7 +17,7 @@ pytest.importorskip("sglang", reason="SGLang is not installed here (scripts/test
 
 from refit.layout.models import param_shapes  # noqa: E402
 
-from .harness import ENGINE_TP, greedy, make_engine, refit_session, shard_bytes  # noqa: E402
+from .harness import ENGINE_TP, Checker, greedy, make_engine, refit_session, shard_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.multiproc, pytest.mark.timeout(900)]
 
@@ -28,6 +28,7 @@ def _model_bytes(model: str) -> int:
 
 @pytest.fixture(scope="module")
 def llama():
+    """One SGLang engine (TP=2) over tiny-llama for the module's trainer sessions."""
     with tempfile.TemporaryDirectory() as d:
         engine = make_engine("tiny-llama", d)
         try:
@@ -43,6 +44,7 @@ def check_refits(rows: list[dict], model: str, first: int, steps: int = 3) -> No
     assert sum(need) < ENGINE_TP * _model_bytes(model) and max(need) < _model_bytes(model)
     for r in rows:
         assert r["tokens"] == r["ref_tokens"], r
+        assert r["max_dlogprob"] <= 1e-4, r  # and their logprobs: the weights, not just the argmax, match
         assert r["produced_by"] == r["reported"] == str(r["version"])
         stats = r["engine_stats"]
         assert [s["rank"] for s in stats] == list(range(ENGINE_TP))
@@ -55,7 +57,7 @@ def check_refits(rows: list[dict], model: str, first: int, steps: int = 3) -> No
 
 
 def test_fsdp2_trainer_refits_sglang_tp2(llama):
-    rows, rank1 = refit_session(llama, "tiny-llama", "fsdp=2", steps=3, first=1)
+    rows, rank1 = refit_session(Checker.for_engine(llama, "tiny-llama"), "fsdp=2", steps=3, first=1)
     assert rank1 == 0
     check_refits(rows, "tiny-llama", first=1)
     # every trainer rank sends (no funnel through rank 0): FSDP2 rank 0 holds about half of every tensor
@@ -64,7 +66,7 @@ def test_fsdp2_trainer_refits_sglang_tp2(llama):
 
 
 def test_tp_trainer_refits_sglang_tp2(llama):
-    rows, rank1 = refit_session(llama, "tiny-llama", "tp=2", steps=3, first=4)
+    rows, rank1 = refit_session(Checker.for_engine(llama, "tiny-llama"), "tp=2", steps=3, first=4)
     assert rank1 == 0
     check_refits(rows, "tiny-llama", first=4)
     total = _model_bytes("tiny-llama")
@@ -72,14 +74,15 @@ def test_tp_trainer_refits_sglang_tp2(llama):
 
 
 def test_trainer_rank_killed_mid_refit_leaves_sglang_on_its_last_version(llama):
-    rows, rank1 = refit_session(llama, "tiny-llama", "fsdp=2", steps=3, first=10, kill_at=11)
+    rows, rank1 = refit_session(Checker.for_engine(llama, "tiny-llama"), "fsdp=2", steps=3, first=10, kill_at=11)
     assert rank1 == -9  # SIGKILL, half way through version 11
     assert rows[0]["version"] == 10 and rows[0]["tokens"] == rows[0]["ref_tokens"]
     assert rows[1]["version"] == 11 and "RefitAborted" in rows[1]["error"], rows[1]
-    tokens, version = greedy(llama)
+    tokens, logprobs, version = greedy(llama)
     assert version == "10" and llama.get_model_info()["weight_version"] == "10"
-    assert tokens == rows[0]["tokens"]  # staged commit: SGLang still holds version 10, bit for bit
+    assert tokens == rows[0]["tokens"]  # staged commit: SGLang still holds version 10
+    assert logprobs == rows[0]["logprobs"]  # bit for bit
     # and a new trainer can refit it again
-    rows, rank1 = refit_session(llama, "tiny-llama", "tp=2", steps=1, first=20)
+    rows, rank1 = refit_session(Checker.for_engine(llama, "tiny-llama"), "tp=2", steps=1, first=20)
     assert rank1 == 0
     check_refits(rows, "tiny-llama", first=20, steps=1)

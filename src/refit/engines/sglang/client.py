@@ -3,7 +3,7 @@
 Contract (``SGLangClient``; both implementations below keep it), called by ``RefitSGLangTrainer`` only:
 
 * ``begin_weight_update()`` / ``end_weight_update()``: SGLang's weight-update session around each trigger;
-* ``trigger(name)``: ``update_weights_from_tensor([(name, one zero)], load_format=LOADER)``; blocks until
+* ``trigger(name)``: ``update_weights_from_tensor([(name, an empty tensor)], load_format=LOADER)``; blocks until
   every SGLang TP rank's loader returned (refit runs it in a thread while the trainer ranks send); raises
   where SGLang reports failure (refit's loader itself never fails the call: see ``loader``);
 * ``set_weight_version(version)``: SGLang's ``weight_version`` after a committed refit;
@@ -65,13 +65,17 @@ class EngineClient:
 
 
 class HTTPClient:
-    """``SGLangClient`` over ``python -m sglang.launch_server`` at ``url`` (``requests``; ``timeout_s`` per call).
+    """``SGLangClient`` over ``python -m sglang.launch_server`` at ``url`` with ``tp_size`` TP ranks (``requests``;
+    ``timeout_s`` per call).
 
-    The trigger tensor is sent the way SGLang's HTTP API takes tensors (its ``MultiprocessingSerializer``,
-    base64): that is SGLang's format, made here from a one-element zero tensor and refit's trigger name."""
+    The trigger is sent the way SGLang's HTTP API takes tensors (``MultiprocessingSerializer``, base64, one
+    payload per TP rank): SGLang's own format, made here from an empty tensor and refit's trigger
+    name. Nothing refit receives from the server is unpickled (its answers are JSON)."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
-        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+    def __init__(self, url: str, tp_size: int, timeout_s: float = 600.0) -> None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"HTTPClient.tp_size must be an integer >= 1, got {tp_size!r}")
+        self.url, self.tp_size, self.timeout_s = url.rstrip("/"), tp_size, timeout_s
 
     def _post(self, path: str, body: dict) -> Any:
         import requests
@@ -88,7 +92,7 @@ class HTTPClient:
         from sglang.srt.utils import MultiprocessingSerializer
 
         payload = base64.b64encode(MultiprocessingSerializer.serialize([(name, trigger_tensor())])).decode()
-        body = {"serialized_named_tensors": [payload], "load_format": LOADER, "flush_cache": True}
+        body = {"serialized_named_tensors": [payload] * self.tp_size, "load_format": LOADER, "flush_cache": True}
         _ok("/update_weights_from_tensor", self._post("update_weights_from_tensor", body))
 
     def end_weight_update(self) -> None:

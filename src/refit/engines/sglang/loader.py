@@ -5,7 +5,7 @@ for ``launch_server``) and ``REFIT_SECRET`` (or ``REFIT_SECRET_FILE``) in its en
 rank 0 then calls ``update_weights_from_tensor([(trigger, tensor)], load_format=LOADER)`` inside
 ``begin_weight_update()`` / ``end_weight_update()``; SGLang hands the trigger to ``load`` on every TP rank.
 
-What crosses SGLang's own (pickled) channel is only a trigger: its name and a one-element zero tensor.
+What crosses SGLang's own (pickled) channel is only a trigger: its name and an empty tensor.
 ``refit.init:{json}`` points at the job's rendezvous store (address, port, session, job id: no secret);
 every value refit acts on is then read from that store, signed with the job secret from this process's
 environment, and the pointer is checked against the signed init document (a pointer to any other store
@@ -65,8 +65,10 @@ def transfer_config(info: RefitInitInfo) -> TransferConfig:
 
 
 def trigger_tensor() -> torch.Tensor:
-    """The tensor that travels with a trigger name: one zero, no data."""
-    return torch.zeros(1)
+    """The tensor that travels with a trigger name: empty. SGLang's serializer shares a non-empty CPU tensor's
+    storage through a file descriptor that only processes of the same family can fetch (a server started
+    apart fails on it, and its scheduler dies); an empty one is rebuilt from nothing."""
+    return torch.zeros(0)
 
 
 def init_trigger(info: RefitInitInfo) -> str:
@@ -132,7 +134,7 @@ class RankSide:
             store.put(f"error/{rank}", f"{type(e).__name__}: {e}")
             raise
         store.put(f"dst/{rank}", {n: [list(x) for x in s.box] for n, s in shares.items()})
-        wait_workers(store, info.n_workers, info.timeout_s)
+        wait_workers(store, info.n_workers, info.timeout_s, "SGLang")
         self.pg = join_group(info, store, info.n_trainer + rank)
         dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
         self.peer = Peer(
@@ -196,10 +198,10 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
 
 
 def _act(model: torch.nn.Module, name: str) -> None:
-    from sglang.srt.runtime_context import get_parallel  # SGLang's own record of this process's TP rank
-
     key = id(model)
     if name.startswith(INIT):
+        from sglang.srt.runtime_context import get_parallel  # SGLang's own record of this process's TP rank
+
         if key in _SIDES:
             _SIDES.pop(key).close()
         parallel = get_parallel()

@@ -126,7 +126,7 @@ class RefitSGLangTrainer:
             self.client.begin_weight_update()
             call = BackgroundCall(self.client.trigger, init_trigger(info))
         try:
-            wait_workers(store, info.n_workers, info.timeout_s)
+            wait_workers(store, info.n_workers, info.timeout_s, "SGLang")
             self.pg = join_group(info, store, self.rank)
             dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
             self.peer = Peer(
@@ -141,10 +141,14 @@ class RefitSGLangTrainer:
                 store=store,
                 standalone=True,
             )
-        finally:
-            if call is not None:
-                call.join(info.timeout_s)
-                self.client.end_weight_update()
+        except Exception:
+            if call is not None:  # SGLang's ranks give up at their timeout; keep this rank's error
+                call.settle(info.timeout_s)
+                _quietly(self.client.end_weight_update)
+            raise
+        if call is not None:
+            call.join(info.timeout_s)
+            self.client.end_weight_update()
         self.store = store
 
     def send_weights(self, version: int | None = None, *, fault_hook=None):
@@ -163,7 +167,7 @@ class RefitSGLangTrainer:
             stats = self.peer.run(version, fault_hook=fault_hook)
         except Exception:
             if call is not None:  # SGLang's ranks abort too; close the session, keep this error
-                _quietly(call.join, self.info.timeout_s)
+                call.settle(self.info.timeout_s)
                 _quietly(self.client.end_weight_update)
             raise
         if call is not None:

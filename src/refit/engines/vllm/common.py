@@ -114,8 +114,9 @@ def join_group(info: RefitInitInfo, store: SignedStore, rank: int) -> dist.Proce
     return gloo_group(dist.PrefixStore("pg", store.raw), rank, info.world_size, info.timeout_s, address)
 
 
-def wait_workers(store: SignedStore, n_workers: int, timeout_s: float) -> None:
-    """Wait until every worker published its regions; raise at once with a worker's setup error."""
+def wait_workers(store: SignedStore, n_workers: int, timeout_s: float, engine: str = "vLLM") -> None:
+    """Wait until every worker published its regions; raise at once with a worker's setup error
+    (``engine`` names the workers' engine in the errors)."""
     import time
 
     deadline = time.monotonic() + timeout_s
@@ -124,11 +125,11 @@ def wait_workers(store: SignedStore, n_workers: int, timeout_s: float) -> None:
         for w in sorted(pending):
             error = store.peek(f"error/{w}")
             if error is not None:
-                raise RuntimeError(f"refit: vLLM worker {w} refused the transfer at init: {error}")
+                raise RuntimeError(f"refit: {engine} worker {w} refused the transfer at init: {error}")
             if store.has(f"dst/{w}"):
                 pending.discard(w)
         if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"refit: vLLM workers {sorted(pending)} did not answer within {timeout_s:.0f}s")
+            raise TimeoutError(f"refit: {engine} workers {sorted(pending)} did not answer within {timeout_s:.0f}s")
         if pending:
             time.sleep(0.01)
 
