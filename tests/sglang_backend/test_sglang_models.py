@@ -1,6 +1,7 @@
-"""refit into real SGLang on CPU beyond the Llama engine: Qwen3 (qk-norm) and Qwen3-MoE models, and SGLang as an
-HTTP server (``python -m sglang.launch_server``). One engine at a time (each test starts and stops its own):
-the same checks as ``test_sglang_backend.check_refits`` after every refit.
+"""refit into real SGLang on CPU beyond the Llama engine: a Qwen3-MoE engine, and SGLang as an HTTP server
+(``python -m sglang.launch_server``) over a dense Qwen3 (qk-norm). One engine at a time (each test starts and
+stops its own; an engine start is most of a test's time): the same checks as
+``test_sglang_backend.check_refits`` after every refit.
 """
 
 import tempfile
@@ -15,9 +16,9 @@ from .test_sglang_backend import check_refits  # noqa: E402
 pytestmark = [pytest.mark.sglang, pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe"])
-def test_fsdp2_trainer_refits_qwen3_and_qwen3_moe(model):
-    # qk-norm (q_norm/k_norm whole on every rank); MoE: FusedMoE w13/w2 hold this rank's rows of every expert
+def test_fsdp2_trainer_refits_qwen3_moe():
+    # qk-norm (q_norm/k_norm whole on every rank); FusedMoE w13/w2 hold this rank's rows of every expert
+    model = "tiny-qwen3-moe"
     with tempfile.TemporaryDirectory() as d:
         engine = make_engine(model, d)
         try:
@@ -27,18 +28,19 @@ def test_fsdp2_trainer_refits_qwen3_and_qwen3_moe(model):
     assert rank1 == 0
     check_refits(rows, model, first=1)
     rules = rows[-1]["engine_stats"][0]["rules"]
-    if model == "tiny-qwen3-moe":
-        assert rules["moe:w13"] == rules["moe:w2"] == 4  # one stacked gate/up and down per layer
-    else:
-        assert rules["merged:0"] == rules["merged:1"] == 4
+    assert rules["moe:w13"] == rules["moe:w2"] == 4  # one stacked gate/up and down per layer
 
 
-def test_server_mode_refit_through_http():
-    # python -m sglang.launch_server (TP=2) in its own process group; trainer rank 0 drives it over HTTP
+def test_server_mode_refits_qwen3_through_http():
+    # python -m sglang.launch_server (TP=2) over a dense Qwen3 (qk-norm), in its own process group; trainer
+    # rank 0 drives it over HTTP; a tensor-parallel trainer this time
     from refit.engines.sglang.client import HTTPClient
 
-    with tempfile.TemporaryDirectory() as d, server("tiny-llama", d) as url:
-        check = Checker(HTTPClient(url, ENGINE_TP), lambda: http_greedy(url), "tiny-llama")
-        rows, rank1 = refit_session(check, "fsdp=2", steps=1, first=1)
+    model = "tiny-qwen3"
+    with tempfile.TemporaryDirectory() as d, server(model, d) as url:
+        check = Checker(HTTPClient(url, ENGINE_TP), lambda: http_greedy(url), model)
+        rows, rank1 = refit_session(check, "tp=2", steps=3, first=1)
     assert rank1 == 0
-    check_refits(rows, "tiny-llama", first=1, steps=1)
+    check_refits(rows, model, first=1)
+    rules = rows[-1]["engine_stats"][0]["rules"]
+    assert rules["merged:0"] == rules["merged:1"] == 4 and rules["full"] == 4 * 4 + 1  # norms, q/k-norms
