@@ -129,7 +129,21 @@ def _fused(model: torch.nn.Module, name: str, shape: Sequence[int]) -> Share | N
         raise RegionError(f"{name} {list(shape)}: SGLang's {type(mod).__name__} wants rows [{lo}, {lo + n})")
     rule = f"qkv:{t.shard}" if t.shard in QKV_SHARDS else f"merged:{t.shard}"
     where = f"{t.module}.{t.param}"
-    return _view(_param(model, where), where, name, off, _rows(shape, lo, lo + n), rule)
+    param = _param(model, where)
+    whole = _fused_rows(mod, t.shard in QKV_SHARDS)
+    if param.dim() == 0 or param.shape[0] != whole:
+        raise RegionError(
+            f"{name}: SGLang's {where} has shape {list(param.shape)}, not the {whole} rows of this rank's "
+            f"{type(mod).__name__} shards: padded or repacked weights are not supported"
+        )
+    return _view(param, where, name, off, _rows(shape, lo, lo + n), rule)
+
+
+def _fused_rows(mod: torch.nn.Module, qkv: bool) -> int:
+    """Rows of a live fused parameter as loaded: [q | k | v] or the merged outputs of this rank."""
+    if qkv:
+        return (mod.num_heads + mod.num_kv_heads) * mod.head_size + mod.num_kv_heads * mod.v_head_size
+    return sum(mod.output_sizes) // _rank_size(mod.tp_group)[1]
 
 
 def _experts(model: torch.nn.Module, name: str, shape: Sequence[int]) -> Share:
