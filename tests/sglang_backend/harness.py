@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from refit.layout.models import build_model, load_config
 from refit.transport.control import free_port
 from vllm_backend.harness import PROMPT, _train_step, _trainer_model, hf_reference
+from vllm_backend.leaks import leftovers, snapshot
 
 SHIMS = str(Path(__file__).resolve().parent / "shims")
 ENGINE_TP = 2
@@ -136,6 +137,7 @@ def trainer_loop(
     try:
         net = _trainer_model(model, spec, rank)
         info = SGLangTrainerInitInfo(rank=rank, master_port=xfer_port, n_trainer=2, n_workers=ENGINE_TP, timeout_s=300)
+        before = snapshot()
         trainer = RefitSGLangTrainer.trainer_init(info, source=ModuleSource(net, 2), client=check and check.client)
         results = []
         for version in range(first, first + steps):
@@ -153,6 +155,11 @@ def trainer_loop(
             if check is not None:
                 results.append(check(version, weights, trainer, stats) | {"loss": loss})
         trainer.shutdown()
+        left = leftovers(before, snapshot())
+        if kill_at is None and rank == 1:  # a pure trainer process: nothing of refit's may be left
+            assert left == {"threads": [], "sockets": []}, f"trainer rank 1 after shutdown: {left}"
+        # rank 0 also runs SGLang's engine (its own threads come and go): no refit thread may outlive shutdown
+        assert not [t for t in left["threads"] if t[1].startswith("refit")], left
         return results
     finally:
         dist.destroy_process_group()
