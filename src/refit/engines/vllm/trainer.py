@@ -16,20 +16,19 @@ while its own boxes go out), finish with ``weight_version``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
+from refit.engines import jobs
+from refit.engines.calls import BackgroundCall
 from refit.errors import ConfigError
 from refit.plan import ProcessMap
 from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer
-from refit.transport import auth
 
 from .client import check_client, private_channel, server_host
 from .common import (
@@ -115,7 +114,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         # rank 0 hosts the store; it also tells the workers to join, concurrently
         rpc = None
         if self.is_sender:
-            rpc = _Call(client.init_weight_transfer_engine, vars(info))
+            rpc = BackgroundCall(client.init_weight_transfer_engine, vars(info))
         store = open_store(info, is_master=self.is_sender)
         if self.is_sender:
             publish_src_layout(store, src)
@@ -149,7 +148,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         rpc = None
         if self.is_sender:
             self.client.start_weight_update()
-            rpc = _Call(self.client.update_weights, {"version": version})
+            rpc = BackgroundCall(self.client.update_weights, {"version": version})
         try:
             stats = self.peer.run(version)
         except Exception:
@@ -171,35 +170,6 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         if self.peer is not None:
             self.peer.close()
         self.peer = self.pg = self.store = None
-
-
-class _Call:
-    """Run a blocking client call in a thread named ``refit-rpc``; ``join`` waits and re-raises its error;
-    ``settle(timeout_s)`` waits at most that long on an error path (the caller raises its own error)."""
-
-    def __init__(self, fn, *args) -> None:
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001 - re-raised in join
-                self.error = e
-
-        self.thread = threading.Thread(target=run, name="refit-rpc", daemon=True)
-        self.thread.start()
-
-    def failed(self) -> BaseException | None:
-        """The call's error once it has failed, else None (still running, or succeeded)."""
-        return self.error
-
-    def settle(self, timeout_s: float) -> None:
-        self.thread.join(timeout_s)
-
-    def join(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise RuntimeError(f"refit: the engine's weight-sync call failed: {self.error}") from self.error
 
 
 def check_args(info: RefitTrainerInitInfo, client: Any, source: Any) -> None:
@@ -245,51 +215,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def job_secret(info: RefitTrainerInitInfo, client: Any = None) -> tuple[str, str]:
-    """(secret, job_id) for the job's store, agreed by every trainer rank.
-
-    The secret: ``info.secret`` if set (sent to the workers in the init info as given: through an HTTP
-    client only on a private network or TLS), else ``REFIT_SECRET`` / ``REFIT_SECRET_FILE`` (then the
-    workers read it from their own environment and it is not sent: ``""``), else a fresh one from rank 0,
-    sent to the workers in the init info, which rank 0 does only through a client with a private channel
-    (``client.private_channel``: in-process, Ray); with any other (HTTP) it raises ``ConfigError`` saying
-    what to set (``rank0_refusal``, which also refuses a remote server with a loopback store), and the
-    other ranks with it where they wait for rank 0's fresh values (else they time out joining its store).
-    The job id: ``info.job_id`` if set, else fresh from rank 0. "From rank 0" with several trainer ranks
-    means broadcast over the trainer's default process group, as bytes in a tensor (nothing is
-    unpickled). Returns what the workers' init info carries; ``open_store`` resolves the same secret."""
-    secret = info.secret or (None if auth.secret_from_env() is not None else "")
-    refusal = rank0_refusal(info, client, secret)
-    need = [secret == "", not info.job_id]
-    if refusal is not None and (info.n_trainer == 1 or not any(need)):
-        raise refusal
-    fresh = _from_rank0(info, sum(need), refuse=refusal is not None) if any(need) else []
-    if refusal is not None:
-        raise refusal
-    if secret == "":
-        secret = fresh.pop(0)
-    return (secret or ""), (info.job_id or fresh.pop(0))
-
-
-def _from_rank0(info: RefitTrainerInitInfo, n: int, refuse: bool = False) -> list[str]:
-    """``n`` fresh random texts (64 hex characters each) made by trainer rank 0, the same on every rank.
-    ``refuse`` (rank 0): send zero bytes instead, on which the other ranks raise ``ConfigError``."""
-    if info.n_trainer == 1:
-        return [auth.new_secret().decode() for _ in range(n)]
-    if not dist.is_initialized() or dist.get_world_size() != info.n_trainer:
-        raise ConfigError(
-            f"{info.n_trainer} trainer ranks need one job secret and job id: set RefitTrainerInitInfo.secret "
-            "and .job_id (or REFIT_SECRET) on every rank, or initialize the trainer's default process group "
-            "so rank 0 can share fresh ones"
-        )
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    buf = torch.zeros(64 * n, dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0 and not refuse:
-        made = b"".join(auth.new_secret() for _ in range(n))
-        buf.copy_(torch.frombuffer(bytearray(made), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
-    if refuse:
-        return []  # rank 0 raises its own error
-    raw = bytes(buf.cpu().tolist())
-    if not any(raw):  # hex text is never zero bytes: rank 0 refused
-        raise ConfigError("trainer rank 0 refused to start the job (its error says why)")
-    return [raw[64 * i : 64 * (i + 1)].decode() for i in range(n)]
+    """``refit.engines.jobs.job_secret`` with the vLLM adapter's rule (``rank0_refusal``): a secret refit
+    makes goes to the workers only through a client with a private channel (in-process, Ray); with any
+    other (HTTP) rank 0 raises ``ConfigError`` saying what to set, and the other ranks with it."""
+    return jobs.job_secret(info, lambda chosen: rank0_refusal(info, client, chosen))
