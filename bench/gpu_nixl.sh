@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: S1 and S2 (S3 too when two GPUs are lent: BENCH_SCENARIOS=S1,S2,S3) over NIXL beside
 # refit's IPC path ("refit") and NCCL P2P ("refit_nccl", S1) in the same processes. Results under $OUT.
-# The GPU machines run torch cu130: carry the nixl-cu13 wheel (56 MiB, fits the 64 MiB carry) and the
+# The GPU machines run torch cu130: carry the nixl-cu13 wheel (56 MiB; 28 MiB after
+# `zip -d <wheel> 'nixl_ep_cu13/*' 'nixl_cu13.libs/ucx/libucx_perftest_cuda*'`, builds refit does not load) and the
 # nixl meta package in .wheels/nixl/ (git-ignored), made here with
 #   mkdir -p .wheels/nixl && cd .wheels/nixl && pip download --no-deps --python-version 3.12 \
 #     --only-binary=:all: nixl-cu13==1.5.1 nixl==1.5.1
@@ -10,9 +11,13 @@
 # Env knobs: BENCH_SCENARIOS (default S1,S2), BENCH_ARGS (extra refit bench flags), BENCH_TIMEOUT,
 # REFIT_NIC_MODE (auto/stripe/off: which NICs UCX may use; one host needs none: UCX takes cuda_ipc / NVLink).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .wheels/*.whl >/dev/null 2>&1; then pip install -q --no-index --no-deps .wheels/*.whl 2>&1 | tail -2; fi
-pip install -q --no-index --no-deps .wheels/nixl/*.whl 2>&1 | tail -2  # --no-deps: keep the machine's cu130 torch
-export PYTHONPATH=$PWD/src:$PWD
+# into a folder of their own (--no-deps: keep the machine's cu130 torch); a plain `pip install` into the image's
+# Python failed there (nothing installed, not even cryptography)
+if ls .wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl 2>&1 | grep -v WARN
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/nixl/*.whl 2>&1 | grep -v WARN
+export PYTHONPATH=$PWD/src:$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, nixl._api; print('torch', torch.__version__, 'nixl ok, gpus', torch.cuda.device_count())" \
