@@ -10,6 +10,7 @@
 #   bash bench/gpu_nixl.sh
 # Env knobs: BENCH_SCENARIOS (default S1,S2), BENCH_ARGS (extra refit bench flags), BENCH_TIMEOUT,
 # REFIT_NIC_MODE (auto/stripe/off: which NICs UCX may use; one host needs none: UCX takes cuda_ipc / NVLink).
+export REFIT_BENCH_NIXL=1  # refit_nixl on GPUs runs only when asked for
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # into a folder of their own (--no-deps: keep the machine's cu130 torch); a plain `pip install` into the image's
 # Python failed there (nothing installed, not even cryptography)

@@ -602,8 +602,10 @@ NIXL_METHODS = ("refit_nixl",)
 
 
 def _installed(scen: Scenario) -> Scenario:
-    """``scen`` without the methods whose optional package is missing here (``refit_nixl``: nixl)."""
-    if nixl_installed():
+    """``scen`` without the methods whose optional package is missing here (``refit_nixl``: nixl). On GPUs
+    ``refit_nixl`` runs only when asked for (``REFIT_BENCH_NIXL=1``): its first GPU run (one H100, S2)
+    printed nothing within 250 s, so it must not hold up the default bench (docs/benchmarks.md)."""
+    if nixl_installed() and (scen.gpus == 0 or os.environ.get("REFIT_BENCH_NIXL") == "1"):
         return scen
     return replace(scen, methods=tuple(m for m in scen.methods if m not in NIXL_METHODS))
 
