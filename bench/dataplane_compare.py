@@ -16,13 +16,14 @@ Three parts, every method run in the same Ray session (one node; object store ca
 - ``dp<N>``: the batch is put once, then ``--dp`` consumer actors fetch their balanced shares
   (``balanced_shards`` of long-tailed lengths: scattered rows) at once; time from the put to the
   last consumer done. Ray: ``ray.get`` of the whole object, then its rows (one ``index_select``).
-- ``mpmc``: ``--producers`` actors each put ``--batches-per-producer`` small batches and push
-  their handles into one bounded queue (``ray.util.queue.Queue(maxsize=--bound)``); ``--consumers``
-  actors pop, read every field, and release them (refit/TransferQueue: clear; Ray: drop the
-  reference). Throughput is bytes moved over the wall time; latencies are per put and per get,
-  measured in the actors; memory is the peak, sampled every 50 ms, of Ray's object store plus
-  the resident memory of the store's own processes (TransferQueue keeps data in its storage
-  actors' heaps, refit and Ray in the object store).
+- ``mpmc``: ``--producers`` actors each put ``--batches-per-producer`` small batches and push their
+  handles into one bounded queue (``ray.util.queue.Queue(maxsize=--bound)``); ``--consumers`` actors
+  pop, read every field, and release them (refit: ``take``, one call that reads and clears;
+  TransferQueue: ``kv_batch_get`` then ``kv_clear``; Ray: drop the reference). Throughput is bytes
+  moved over the wall time; latencies are per put and per get, measured in the actors; memory is the
+  peak, sampled every 50 ms, of Ray's object store plus the resident memory of the store's own
+  processes (TransferQueue keeps data in its storage actors' heaps, refit and Ray in the object
+  store).
 """
 
 from __future__ import annotations
@@ -323,7 +324,7 @@ def make_mpmc_actors(ray):
                 t0 = time.perf_counter()
                 if mode.startswith("refit"):
                     try:
-                        out = store.get(h, select_fields=FIELDS)
+                        out = store.take(h, select_fields=FIELDS)  # get and clear: one call
                     except KeyError as e:  # counted and reported, never expected
                         self.errors.append(f"{e} (held now: {h.keys[0] in store.keys(h.partition)})")
                         continue
@@ -335,9 +336,7 @@ def make_mpmc_actors(ray):
                 lat.append(time.perf_counter() - t0)
                 moved += sum(t.numel() * t.element_size() for t in out.values())
                 del out
-                if mode.startswith("refit"):
-                    store.clear(h)
-                elif mode == "transferqueue":
+                if mode == "transferqueue":
                     self.tq.kv_clear(keys=h, partition_id="mpmc")
             return lat, moved, self.errors
 

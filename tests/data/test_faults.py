@@ -24,12 +24,17 @@ def plasma() -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def settle(want: tuple[int, int], timeout_s: float = 30.0) -> tuple[int, int]:
-    """Poll until the object store is back to ``want`` (frees are asynchronous), or time out."""
+def settle(base: tuple[int, int], timeout_s: float = 30.0) -> bool:
+    """Poll until the object store is back at ``base`` or below (frees are asynchronous, and
+    objects of earlier tests may go meanwhile); False if it is still above after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while (now := plasma()) != want and time.monotonic() < deadline:
+    while True:
+        mib, objects = plasma()
+        if mib <= base[0] and objects <= base[1]:
+            return True
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.2)
-    return now
 
 
 def batch(n: int, seed: int, width: int = 32_768) -> dict:
@@ -104,7 +109,7 @@ def test_producer_killed_mid_put_leaves_nothing_half_written(ray_store):
     time.sleep(2.0)
     _kill(p)
     assert ray_store.keys("faults") == [] and ray_store.chunks() == 0
-    assert settle(base) == base
+    assert settle(base)
     # killed after the call went out: the storage actor finishes it, the whole batch is there and readable
     p = Producer.remote()
     ray.get(p.stall_after_call.remote())
@@ -117,7 +122,7 @@ def test_producer_killed_mid_put_leaves_nothing_half_written(ray_store):
     got = ray_store.get(keys, select_fields=["ids"], partition="faults", copy=True)["ids"]
     assert torch.equal(got, batch(8, 2)["ids"])  # durable: it outlives its writer
     assert ray_store.clear(keys, partition="faults") == 8
-    assert settle(base) == base
+    assert settle(base)
 
 
 def test_producers_killed_at_random_points_leave_whole_batches(ray_store):
@@ -136,7 +141,7 @@ def test_producers_killed_at_random_points_leave_whole_batches(ray_store):
         assert ray_store.get(keys, select_fields=["ids", "reward"], partition="faults")["ids"].shape == (4, 1024)
     assert ray_store.clear_partition("faults") == 4 * len(whole)
     assert ray_store.keys() == [] and ray_store.chunks() == 0
-    assert settle(base) == base
+    assert settle(base)
 
 
 def test_consumer_killed_mid_read_then_replay_exactly_once(ray_store):
@@ -161,7 +166,7 @@ def test_consumer_killed_mid_read_then_replay_exactly_once(ray_store):
     assert sorted(seen) == sorted(k for m in metas for k in m.keys)  # each key once, none lost
     assert buf.stats().consumed == 6 and ray_store.keys() == [] and ray_store.chunks() == 0
     del data, s
-    assert settle(base) == base  # the dead reader's pin went with it
+    assert settle(base)  # the dead reader's pin went with it
 
 
 def test_clear_returns_object_store_to_baseline(ray_store):
@@ -175,7 +180,7 @@ def test_clear_returns_object_store_to_baseline(ray_store):
     assert ray_store.keys() == [] and ray_store.chunks() == 0
     assert torch.equal(views["ids"], batch(64, 0)["ids"])  # a view outlives the clear...
     del views
-    assert settle(base) == base  # ...and its memory goes once it is dropped
+    assert settle(base)  # ...and its memory goes once it is dropped
 
 
 @pytest.mark.slow  # about 1 minute on the 2-core CI machine: deselect with -m "not slow"
@@ -191,4 +196,4 @@ def test_soak_10000_puts_no_object_store_growth(ray_store):
         if i % 2000 == 1999:
             marks.append(settle(base, timeout_s=10))
     assert ray_store.keys() == [] and ray_store.chunks() == 0
-    assert marks == [base] * len(marks)
+    assert all(marks)

@@ -183,3 +183,23 @@ def test_batch_meta_ops():
         BatchMeta.concat([m, BatchMeta(keys=["z"], partition="q")])
     with pytest.raises(ValueError, match="duplicate keys"):
         BatchMeta.concat([m, m])
+
+
+def test_take_is_get_then_clear_in_one_step(store):
+    data = _batch()
+    keys = ["a", "b", "c", "d", "e", "f"]
+    meta = store.put(keys, data, partition="t")
+    with pytest.raises(MissingFieldError):
+        store.take(meta, select_fields=["never_written"])
+    assert sorted(store.keys("t")) == keys  # a refused take clears nothing
+    got = store.take(meta.select([4, 0, 1]), select_fields=["input_ids", "reward"])
+    assert torch.equal(got["input_ids"], data["input_ids"][[4, 0, 1]]) and torch.equal(
+        got["reward"], data["reward"][[4, 0, 1]]
+    )
+    assert sorted(store.keys("t")) == ["c", "d", "f"]
+    with pytest.raises(MissingKeyError):
+        store.take(["a"], select_fields=["input_ids"], partition="t")  # taken once
+    rest = store.take(["c", "d"], select_fields=["input_ids"], partition="t", copy=True)
+    rest["input_ids"].zero_()
+    assert store.take(["f"], select_fields=["input_ids"], partition="t")["input_ids"].shape == (1, 7)
+    assert store.keys("t") == [] and store.chunks() == 0

@@ -4,12 +4,13 @@ chosen by a stable hash of the partition's name), payloads in Ray's object store
 Per operation, one control round trip: a put is one ``ray.put`` of the encoded fields plus one
 call to the partition's storage actor, which checks (refusing a field a key already has, unless
 ``overwrite``) and records every key in one step; a get is one call (where the keys' rows are)
-plus the ``ray.get`` of those objects; a clear is one call. A tensor travels as its raw bytes in a
-numpy uint8 array plus dtype and shape, so any dtype, bf16 included, survives bit for bit, and
-Ray moves it zero-copy: a reader on the object's node maps the bytes without copying them, and
-``get`` returns views of that shared memory (read-only by contract) where the rows asked for are
-one run of consecutive rows of one put, in order; other selections (a DP rank's balanced share)
-are gathered with one vectorized gather per put. ``copy=True`` gives private writable tensors.
+plus the ``ray.get`` of those objects; a clear is one call, and so is a ``take`` (get and
+clear). A tensor travels as its raw bytes in a numpy uint8 array plus dtype and shape, so any
+dtype, bf16 included, survives bit for bit, and Ray moves it zero-copy: a reader on the
+object's node maps the bytes without copying them, and ``get`` returns views of that shared
+memory (read-only by contract) where the rows asked for are one run of consecutive rows of one
+put, in order; other selections (a DP rank's balanced share) are gathered with one vectorized
+gather per put. ``copy=True`` gives private writable tensors.
 
 Ownership. Ray ties an object's life to its owner, the process that put it. ``durable=True``
 (the default) makes the data outlive the writer (a rollout worker may exit before the trainer
@@ -106,10 +107,12 @@ class _StorageActor:
             return str(e)
         return None
 
-    def locate(self, partition, keys, select) -> dict[str, list]:
+    def locate(self, partition, keys, select, clear=False) -> dict[str, list]:
+        """Where the rows are; with ``clear``, the keys are dropped in the same call (the
+        references returned keep their objects alive for the reader)."""
         return {
             f: [([ref], name, pos, rows) for (ref, name), pos, rows in groups]
-            for f, groups in self.unit.locate(partition, keys, select).items()
+            for f, groups in self.unit.locate(partition, keys, select, clear).items()
         }
 
     def clear(self, partition, keys) -> int:
@@ -198,8 +201,14 @@ class RayStore(Store):
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
 
     def get(self, keys, *, select_fields, partition=None, copy=False) -> dict[str, Rows]:
+        return self._fetch(keys, select_fields, partition, copy, clear=False)
+
+    def take(self, keys, *, select_fields, partition=None, copy=False) -> dict[str, Rows]:
+        return self._fetch(keys, select_fields, partition, copy, clear=True)
+
+    def _fetch(self, keys, select_fields, partition, copy: bool, clear: bool) -> dict[str, Rows]:
         keys, partition, select = self._request(keys, partition, select_fields)
-        located = ray.get(self._unit(partition).locate.remote(partition, keys, select))
+        located = ray.get(self._unit(partition).locate.remote(partition, keys, select, clear))
         refs = list(dict.fromkeys(holder[0] for groups in located.values() for holder, _, _, _ in groups))
         objects = dict(zip(refs, ray.get(refs)))  # every object once, all at once, zero-copy
         decoded: dict[tuple[Any, str], FieldData] = {}

@@ -19,6 +19,8 @@ Contract (every backend):
   writing to it may corrupt what other readers see (torch has no read-only flag to enforce
   it). ``copy=True`` returns private, writable tensors that never alias the store. A view
   stays valid after its keys are cleared (it keeps its memory alive until it is dropped).
+- ``take(keys_or_meta, select_fields=[...])`` is ``get`` then ``clear`` in one step (a
+  missing key or field raises and clears nothing), for readers that consume.
 - ``clear(keys, partition)`` drops keys (idempotent: clearing an absent key is not an error);
   ``clear_partition(partition)`` drops a whole partition.
 - ``keys(partition=None)`` lists what is held (leak checks), ``meta(keys, partition)`` rebuilds
@@ -223,15 +225,18 @@ class StorageUnit:
 
     def clear(self, partition: str, keys: Iterable[str]) -> int:
         """Drop keys; absent ones are skipped. Returns how many were held."""
-        n = 0
         with self._lock:
-            for k in keys:
-                row = self._rows.pop((partition, str(k)), None)
-                self._info.pop((partition, str(k)), None)
-                if row is not None:
-                    n += 1
-                    for cid, _ in row.values():
-                        self._release(cid)
+            return self._drop(partition, keys)
+
+    def _drop(self, partition: str, keys: Iterable[str]) -> int:
+        n = 0
+        for k in keys:
+            row = self._rows.pop((partition, str(k)), None)
+            self._info.pop((partition, str(k)), None)
+            if row is not None:
+                n += 1
+                for cid, _ in row.values():
+                    self._release(cid)
         return n
 
     def clear_partition(self, partition: str) -> int:
@@ -252,9 +257,10 @@ class StorageUnit:
                     )
 
     def locate(
-        self, partition: str, keys: Sequence[str], select_fields: Sequence[str]
+        self, partition: str, keys: Sequence[str], select_fields: Sequence[str], clear: bool = False
     ) -> dict[str, list[tuple[Any, list[int], list[int]]]]:
-        """Per field, the groups (payload, positions in ``keys``, rows in the payload)."""
+        """Per field, the groups (payload, positions in ``keys``, rows in the payload); with
+        ``clear``, the keys are dropped in the same step (not when a key or field is missing)."""
         with self._lock:
             self._check(partition, keys, select_fields)
             out = {}
@@ -266,13 +272,17 @@ class StorageUnit:
                     g[0].append(pos)
                     g[1].append(r)
                 out[f] = [(self._chunks[cid][0], pos, rows) for cid, (pos, rows) in groups.items()]
+            if clear:
+                self._drop(partition, keys)
             return out
 
     def get_stacked(
-        self, partition: str, keys: Sequence[str], select_fields: Sequence[str], copy: bool = False
+        self, partition: str, keys: Sequence[str], select_fields: Sequence[str], copy: bool = False, clear: bool = False
     ) -> dict[str, Rows]:
-        """Per field, the rows of ``keys`` in order (``gather``: views where it can, unless ``copy``)."""
-        return {f: gather(len(keys), groups, copy) for f, groups in self.locate(partition, keys, select_fields).items()}
+        """Per field, the rows of ``keys`` in order (``gather``: views where it can, unless
+        ``copy``); ``clear`` drops the keys in the same step."""
+        located = self.locate(partition, keys, select_fields, clear)
+        return {f: gather(len(keys), groups, copy) for f, groups in located.items()}
 
     def meta(self, partition: str, keys: Sequence[str]) -> BatchMeta:
         """The ``BatchMeta`` of held ``keys``: fields all of them have, their tags, and seq_lens
@@ -353,6 +363,22 @@ class Store(ABC):
         """``{field: rows}`` of ``select_fields`` in key order: read-only views of the store's
         memory where it can (never write to them), private writable tensors with ``copy=True``."""
 
+    def take(
+        self,
+        keys: BatchMeta | Sequence[str],
+        *,
+        select_fields: Sequence[str],
+        partition: str | None = None,
+        copy: bool = False,
+    ) -> dict[str, Rows]:
+        """``get`` and ``clear`` of the same keys in one step, for readers that consume: what
+        ``get`` returns (views stay valid after the clear), the keys dropped. A missing key or
+        field raises as ``get`` does and clears nothing. This default takes two steps; the
+        backends override it with one (one call to one storage actor for ``RayStore``)."""
+        out = self.get(keys, select_fields=select_fields, partition=partition, copy=copy)
+        self.clear(keys, partition=partition)
+        return out
+
     @abstractmethod
     def clear(self, keys: BatchMeta | Sequence[str], *, partition: str | None = None) -> int:
         """Drop ``keys`` (absent ones skipped); returns how many were held."""
@@ -418,6 +444,10 @@ class InProcessStore(Store):
     def get(self, keys, *, select_fields, partition=None, copy=False) -> dict[str, Rows]:
         keys, partition, select = self._request(keys, partition, select_fields)
         return self.unit.get_stacked(partition, keys, select, copy)
+
+    def take(self, keys, *, select_fields, partition=None, copy=False) -> dict[str, Rows]:
+        keys, partition, select = self._request(keys, partition, select_fields)
+        return self.unit.get_stacked(partition, keys, select, copy, clear=True)
 
     def clear(self, keys, *, partition=None) -> int:
         keys, partition = self._resolve(keys, partition)
