@@ -184,6 +184,7 @@ def test_clear_returns_object_store_to_baseline(ray_store):
 
 
 @pytest.mark.slow  # about 1 minute on the 2-core CI machine: deselect with -m "not slow"
+@pytest.mark.timeout(900)  # 5x that under load: a slow machine is not a leak
 def test_soak_10000_puts_no_object_store_growth(ray_store):
     n_puts = 10_000
     base = plasma()
@@ -194,6 +195,6 @@ def test_soak_10000_puts_no_object_store_growth(ray_store):
             assert ray_store.get(meta, select_fields=["ids"])["ids"].shape == (2, 16_384)
         ray_store.clear(meta)
         if i % 2000 == 1999:
-            marks.append(settle(base, timeout_s=10))
+            marks.append(settle(base, timeout_s=60))  # frees are asynchronous and slower under load
     assert ray_store.keys() == [] and ray_store.chunks() == 0
     assert all(marks)
