@@ -134,7 +134,7 @@ class RankSide:
             store.put(f"error/{rank}", f"{type(e).__name__}: {e}")
             raise
         store.put(f"dst/{rank}", {n: [list(x) for x in s.box] for n, s in shares.items()})
-        wait_workers(store, info.n_workers, info.timeout_s, "SGLang")
+        wait_workers(store, info.n_workers, info.timeout_s, engine="SGLang")
         self.pg = join_group(info, store, info.n_trainer + rank)
         dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
         self.peer = Peer(

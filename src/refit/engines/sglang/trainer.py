@@ -126,7 +126,7 @@ class RefitSGLangTrainer:
             self.client.begin_weight_update()
             call = BackgroundCall(self.client.trigger, init_trigger(info))
         try:
-            wait_workers(store, info.n_workers, info.timeout_s, "SGLang")
+            wait_workers(store, info.n_workers, info.timeout_s, engine="SGLang")
             self.pg = join_group(info, store, self.rank)
             dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
             self.peer = Peer(

@@ -135,6 +135,7 @@ def wait_workers(
     store: SignedStore,
     n_workers: int,
     timeout_s: float,
+    *,
     failed: Callable[[], BaseException | None] | None = None,
     engine: str = "vLLM",
 ) -> None:
