@@ -31,7 +31,7 @@ if [ "$(uname -m)" = "x86_64" ]; then
     numpy scipy aiohttp fastapi uvicorn uvloop pyzmq orjson msgspec pydantic psutil setproctitle requests einops \
     pybase64 packaging pillow prometheus-client python-multipart partial_json_parser interegular tqdm xxhash \
     zstandard regex sentencepiece tiktoken openai IPython gguf watchfiles distro easydict python-dateutil blobfile \
-    ninja llguidance xgrammar anthropic nvidia-ml-py dill soundfile
+    ninja llguidance xgrammar anthropic nvidia-ml-py dill soundfile jsonschema
   .venv-sglang/bin/pip install -q --no-deps torchvision==0.28.0
 fi
 # style first: the project's own ruff configuration (pyproject.toml)
