@@ -26,14 +26,12 @@ from refit.engines.calls import BackgroundCall
 from refit.engines.jobs import job_secret
 from refit.engines.vllm.common import (
     RefitInitInfo,
-    gather_dst_layout,
-    join_group,
     open_store,
     publish_src_layout,
+    trainer_peer,
     wait_workers,
 )
 from refit.errors import ConfigError
-from refit.plan import ProcessMap
 from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer
 from refit.transport import auth
@@ -127,19 +125,8 @@ class RefitSGLangTrainer:
             call = BackgroundCall(self.client.trigger, init_trigger(info))
         try:
             wait_workers(store, info.n_workers, info.timeout_s, engine="SGLang")
-            self.pg = join_group(info, store, self.rank)
-            dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
-            self.peer = Peer(
-                src,
-                dst,
-                self.rank,
-                src_tensors=source.local(),
-                procs=ProcessMap.disjoint(info.n_trainer, info.n_workers),
-                group=self.pg,
-                config=transfer_config(info),
-                device=device,
-                store=store,
-                standalone=True,
+            self.pg, self.peer = trainer_peer(
+                info, store, src, self.rank, source.local(), transfer_config(info), device
             )
         except Exception:
             if call is not None:  # SGLang's ranks give up at their timeout; keep this rank's error

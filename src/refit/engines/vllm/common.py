@@ -18,6 +18,8 @@ from torch.distributed.tensor import Replicate
 from refit.config import TransferConfig
 from refit.errors import ConfigError
 from refit.layout import Box, Mesh, ModelLayout, TensorLayout
+from refit.plan import ProcessMap
+from refit.transfer import Peer
 from refit.transport import auth
 from refit.transport.store import BIND_ENV, SignedStore, gloo_group, local_address_for
 from refit.transport.store import open_store as open_store_at
@@ -194,3 +196,33 @@ def gather_dst_layout(store: SignedStore, src: ModelLayout, n_workers: int, time
         boxes = {w: tuple(tuple(x) for x in regs[t.name]) for w, regs in enumerate(per_worker)}
         entries.append((t.name, t.shape, t.dtype, boxes))
     return boxes_layout(entries, n_workers)
+
+
+def trainer_peer(
+    info: RefitInitInfo,
+    store: SignedStore,
+    src: ModelLayout,
+    rank: int,
+    tensors: dict,
+    config: TransferConfig,
+    device: str | torch.device,
+) -> tuple[dist.ProcessGroup, Peer]:
+    """A trainer rank's side, once every worker published its regions: join the transfer group, gather the
+    destination layout and build this rank's ``Peer`` over ``tensors`` (its local shards). Collective with
+    the workers (vLLM's or SGLang's), who build theirs from the same layouts."""
+    pg = join_group(info, store, rank)
+    dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
+    procs = ProcessMap.disjoint(info.n_trainer, info.n_workers)
+    peer = Peer(
+        src,
+        dst,
+        rank,
+        src_tensors=tensors,
+        procs=procs,
+        group=pg,
+        config=config,
+        device=device,
+        store=store,
+        standalone=True,
+    )
+    return pg, peer

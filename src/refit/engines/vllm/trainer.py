@@ -26,17 +26,15 @@ from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, Tr
 from refit.engines import jobs
 from refit.engines.calls import BackgroundCall
 from refit.errors import ConfigError
-from refit.plan import ProcessMap
 from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer
 
 from .client import check_client, private_channel, server_host
 from .common import (
     RefitInitInfo,
-    gather_dst_layout,
-    join_group,
     open_store,
     publish_src_layout,
+    trainer_peer,
     wait_workers,
 )
 
@@ -124,19 +122,8 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
             if rpc is not None:
                 rpc.settle(info.timeout_s)  # the client call fails too; do not leave it behind
             raise
-        pg = join_group(info, store, init_info.rank)
-        dst = gather_dst_layout(store, src, init_info.n_workers, info.timeout_s)
-        self.peer = Peer(
-            src,
-            dst,
-            init_info.rank,
-            src_tensors=source.local(),
-            procs=ProcessMap.disjoint(init_info.n_trainer, init_info.n_workers),
-            group=pg,
-            config=info.transfer_config(),
-            device=init_info.device,
-            store=store,
-            standalone=True,
+        pg, self.peer = trainer_peer(
+            info, store, src, init_info.rank, source.local(), info.transfer_config(), init_info.device
         )
         if rpc is not None:
             rpc.join()
