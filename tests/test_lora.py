@@ -258,3 +258,39 @@ def test_adapter_ids_per_version():
     assert lora_path("policy", 3) == "refit://policy/v3"
     with pytest.raises(ValueError, match="version must be an integer >= 0, got -1"):
         adapter_id(-1)
+
+
+class _Store:
+    """What ``publish_src_layout`` / ``read_lora_spec`` use of a SignedStore: put, and get (here, no wait)."""
+
+    def __init__(self):
+        self.values = {}
+
+    def put(self, key, value):
+        self.values[key] = value
+
+    def get(self, key, timeout_s):
+        return self.values[key]
+
+
+def test_the_spec_travels_beside_the_source_layout():
+    from refit.engines.vllm.common import publish_src_layout, read_lora_spec
+    from refit.engines.vllm.trainer import lora_spec
+
+    model = _peft()
+    adapter, merged = LoraAdapterSource(model, 1), MergedLoraSource(model, 1)
+    store = _Store()
+    publish_src_layout(store, adapter.layout(), lora_spec(adapter))
+    assert read_lora_spec(store, 1.0) == adapter.lora_spec()
+    publish_src_layout(store, merged.layout(), lora_spec(merged))  # model weights: no adapter
+    assert read_lora_spec(store, 1.0) is None
+    store.put("lora", {"rank": 4})
+    with pytest.raises(ConfigError, match="exactly the keys"):
+        read_lora_spec(store, 1.0)
+
+
+def test_sglang_refuses_an_adapter_source_before_anything_starts():
+    from refit.engines.sglang.trainer import RefitSGLangTrainer, SGLangTrainerInitInfo
+
+    with pytest.raises(ConfigError, match="does not serve LoRA adapters: .*MergedLoraSource"):
+        RefitSGLangTrainer.trainer_init(SGLangTrainerInitInfo(), source=LoraAdapterSource(_peft(), 1))
