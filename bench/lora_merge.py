@@ -6,7 +6,7 @@ For LoRA on every attention and MLP projection (q, k, v, o, gate, up, down) at e
 adapter refit moves (A and B of every module, in the model's dtype), the bytes a merged refit moves
 (``MergedLoraSource``: the adapted weights and their fused engine layers), the model's bytes, and the
 time of ``MergedLoraSource.prepare``'s work (``layout.lora.merge_weight`` of every adapted module into
-buffers allocated once; median of ``--repeats``, CUDA events on a GPU). Tensors are random (the cost does
+buffers allocated once; median of ``--repeats``, the device synchronized around each). Tensors are random (the cost does
 not depend on values); nothing is sent. Needs no PEFT and no vLLM.
 """
 
@@ -27,21 +27,16 @@ PROJ = {Role.Q_PROJ, Role.K_PROJ, Role.V_PROJ, Role.O_PROJ, Role.GATE_PROJ, Role
 
 
 def _time(fn, device: str, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs (one warm-up)."""
+    """Median seconds of ``fn()`` over ``repeats`` runs (one warm-up), the device synchronized around each."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     fn()
     samples = []
     for _ in range(repeats):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
 
