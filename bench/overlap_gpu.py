@@ -58,8 +58,8 @@ def forward_pass(w: dict[str, torch.Tensor], cfg, ids: torch.Tensor) -> torch.Te
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
     eps, n = cfg.rms_norm_eps, ids.numel()
 
-    def rms(x, weight):
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    def rms(x, weight):  # written out: no F.rms_norm, so older torch runs it too
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * weight
 
     x = w["model.embed_tokens.weight"][ids]
     for i in range(cfg.num_hidden_layers):
@@ -68,7 +68,8 @@ def forward_pass(w: dict[str, torch.Tensor], cfg, ids: torch.Tensor) -> torch.Te
         q = (h @ w[p + "self_attn.q_proj.weight"].T).view(n, nh, hd).transpose(0, 1)
         k = (h @ w[p + "self_attn.k_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)
         v = (h @ w[p + "self_attn.v_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)  # grouped KV heads
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + a.transpose(0, 1).reshape(n, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
         h = rms(x, w[p + "post_attention_layernorm.weight"])
         g, u = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T

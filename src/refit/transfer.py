@@ -165,10 +165,14 @@ class Peer:
       tensors as they arrive. After an abort the destination is ``torn``
       (part new, part old): do not serve it; retry the version.
     * ``"staged"``: bytes land in a shadow copy of this process's destination
-      tensors (extra memory: its share of the model); once every process of
-      the refit holds all of it (a vote through the store), each copies the
-      shadow into the live tensors. After an abort the live tensors are still
-      the last committed version, bit for bit.
+      tensors (extra memory: its share of the model; twice that with
+      ``config.keep_previous``; bounded by ``config.commit_budget_bytes``); once
+      every process of the refit holds all of it (a vote through the store),
+      each copies the shadow into the live tensors. After an abort the live
+      tensors are still the last committed version, bit for bit. ``run(v)`` is
+      ``stage(v)`` (transfer and vote: the engine may keep running on the live
+      tensors) then ``commit(pause, resume)`` (the only write to them, between
+      the engine's hooks); ``rollback()`` restores v-1 with ``keep_previous``.
 
     Lifecycle: construction is collective — it builds the plan, checks this
     process's tensors, then blocks in pre-flight until every process of the

@@ -25,7 +25,7 @@ from refit.layout.models import build_model, load_config  # noqa: E402
 
 from .overlap_harness import CONFIG, POLICIES, hf_logprobs, run  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(400)]  # 45-90 s on the 2-core machine
 TOL = 1e-4
 
 
