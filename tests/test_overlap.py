@@ -158,12 +158,17 @@ def test_token_versions():
 REPLICAS = 3
 
 
-def _fleet_worker(world, kill_version):
+def _corrupt_every_message(where, info):
+    if where == "received" and info["step"].recvs:
+        info["step"].recvs[0].tensor.view(torch.uint8)[-1] ^= 0x10  # after the wire, before the check
+
+
+def _fleet_worker(world, mode):
     trainer, replica = _layouts("tp=1", "tp=1")
     proc = world.rank
     tensors = reference_shards(trainer if proc == 0 else replica, 0, 0)
-    cfg = TransferConfig(name="fleet", commit="staged", keep_previous=True, deadline_s=4.0, preflight_timeout_s=60)
-    f = Fanout(trainer, replica, proc, [0], [[1 + j] for j in range(REPLICAS)], tensors, config=cfg)
+    cfg = TransferConfig(name="fleet", commit="staged", keep_previous=True, checksums=mode == "corrupt", deadline_s=4.0)
+    f = Fanout(trainer, replica, proc, [0], [[1 + j] for j in range(REPLICAS)], tensors, config=cfg, max_attempts=2)
     f.run(1)
     fps = {v: _fingerprint(reference_shards(replica, 0, v - 1)) for v in (1, 2, 3)}
     loop = None if proc == 0 else ForwardLoop(lambda: _fingerprint(tensors)).start()
@@ -172,13 +177,15 @@ def _fleet_worker(world, kill_version):
         if proc == 0:
             for n, t in reference_shards(trainer, 0, v - 1).items():
                 tensors[n].copy_(t)
-        if v == kill_version and proc == REPLICAS:  # the last replica dies as its wave starts
+        if v == 3 and proc == REPLICAS and mode == "kill":  # the last replica dies as its wave starts
 
             def hook(wave, attempt):
                 if wave == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
 
             f.hook = hook
+        if v == 3 and proc == REPLICAS and mode == "corrupt":  # every message it receives arrives damaged
+            f.fault_hook = _corrupt_every_message
         t0 = time.perf_counter()
         try:
             f.stage(v)
@@ -202,12 +209,18 @@ def _fleet_worker(world, kill_version):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-def test_fleet_commits_every_replica_or_none_and_rolls_back_without_the_trainer():
-    res = run_local(_fleet_worker, 1, REPLICAS, 3, timeout_s=200, expect_dead={REPLICAS})
-    assert res[REPLICAS] is None
-    for proc, r in enumerate(res[:REPLICAS]):
+@pytest.mark.parametrize("mode", ["kill", "corrupt"])
+def test_fleet_commits_every_replica_or_none_and_rolls_back_without_the_trainer(mode):
+    # version 3: the last replica is killed as its wave starts, or (checksums on) every message it
+    # receives is damaged, on every attempt: the fleet refuses the commit, every replica stays on version 1
+    dead = {REPLICAS} if mode == "kill" else set()
+    res = run_local(_fleet_worker, 1, REPLICAS, mode, timeout_s=200, expect_dead=dead)
+    assert (res[REPLICAS] is None) == (mode == "kill")
+    for proc, r in enumerate(res if mode == "corrupt" else res[:REPLICAS]):
         assert r["v2"] == "committed", r
         assert "fleet commit of version 3 refused" in r["v3"] and f"process {REPLICAS}" in r["v3"], r
+        if mode == "corrupt":
+            assert "checksum mismatch" in r["v3"], r
         if proc == 0:
             assert r["version"] == 2  # the trainer committed 2; 3 was refused
             continue

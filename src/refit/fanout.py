@@ -272,6 +272,7 @@ class Fanout:
         self.dead: frozenset[int] = frozenset()
         self.version: int | None = None
         self.hook = None  # tests: called with (wave index, attempt) before this process runs a wave
+        self.fault_hook = None  # tests: the executor's fault hook (``Peer.run``) for every wave attempt here
         self.schedule = wave_schedule(len(self.replica_procs))
         self.waves = waves_for(trainer, replica, self.trainer_procs, self.replica_procs, devices=self.devices)
         # topology work once: a Peer (and its process group) per wave this process is in
@@ -465,7 +466,7 @@ class Fanout:
         return stats
 
     def _run_wave(self, wave: Wave, version: int, stats: FanoutStats) -> None:
-        k = wave.index
+        k, why = wave.index, None
         for attempt in range(self.max_attempts):
             stats.attempts += 1
             status = "ok"
@@ -473,13 +474,14 @@ class Fanout:
                 if self.hook is not None:
                     self.hook(k, attempt)
                 self._check_sources(wave, version, attempt, stats)
-                self._peer_for(wave).run(version)
+                self._peer_for(wave).run(version, fault_hook=self.fault_hook)
             except FanoutError:
                 raise
             except (RefitAborted, RuntimeError, OSError) as e:
                 status = f"failed: {type(e).__name__}: {str(e)[:300]}"
             self.store.put(self._key(version, k, f"a{attempt}/status/{self.proc}"), status)
             outcome = self._outcome(wave, version, attempt)
+            why = outcome.get("why")
             self._learn(outcome["dead"])
             if not outcome["ok"]:
                 self.failures[k] = self.failures.get(k, 0) + 1
@@ -496,7 +498,7 @@ class Fanout:
             wave = nxt  # type: ignore[assignment]
         raise FanoutError(
             f"fan-out wave {k} of version {version} failed {self.max_attempts} times "
-            f"(dead processes: {sorted(self.dead)})"
+            f"(dead processes: {sorted(self.dead)}; last attempt: {_first_why(why)})"
         )
 
     def _outcome(self, wave: Wave, version: int, attempt: int) -> dict[str, Any]:
@@ -538,6 +540,14 @@ class Fanout:
         self.waves = waves_for(
             self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead, devices=self.devices
         )
+
+
+def _first_why(why: Any) -> str:
+    """The first failing process's status of an outcome record's ``why``, shortened (or "no status")."""
+    if not isinstance(why, dict) or not why:
+        return "no status"
+    proc = min(why, key=lambda p: int(p) if str(p).isdigit() else 0)
+    return f"process {proc}: {str(why[proc])[:200]}"
 
 
 def _as_int(value: Any) -> int:
