@@ -19,6 +19,8 @@ PIECE_ALIGN = 64
 
 TRANSPORTS = ("p2p", "ipc", "nixl", "auto")
 COMMIT_MODES = ("in_place", "staged")
+COMMIT_POLICIES = ("drain", "abort", "in_place")
+"""What an engine does with in-flight requests at an overlapped refit's commit (``refit.commit``)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,11 @@ class TransferConfig:
       On CUDA with Triton it is computed in the copy that moves the bytes where it can (one kernel per
       P2P step, per IPC stage), plus one read of each IPC source to compare; one host sync per run.
     * ``stages``: all-IPC plans pull in this many stages so a source's prepare (FP8) overlaps the pulls.
+    * ``keep_previous`` (staged only): keep the last committed version in a copy of this process's
+      destination share, so ``Peer.rollback()`` restores it without the trainer resending.
+    * ``commit_budget_bytes``: the most memory a destination process may add for the commit (the
+      shadow, plus the previous version with ``keep_previous``); ``None``: no bound. A share that does
+      not fit is refused when the Peer is built (``ConfigError`` naming both numbers).
 
     Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,
     stages; plus the Peer's ``tag_base``). Pre-flight compares them and names a difference with both
@@ -58,6 +65,8 @@ class TransferConfig:
     commit: str = "in_place"
     checksums: bool = False
     stages: int = 1
+    keep_previous: bool = False
+    commit_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field, value, least in (
@@ -83,9 +92,21 @@ class TransferConfig:
                 raise ConfigError(f"TransferConfig.{field} must be a finite number of seconds > 0, got {value!r}")
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"TransferConfig.name must be a non-empty string, got {self.name!r}")
-        for field, value in (("cuda_graph", self.cuda_graph), ("checksums", self.checksums)):
+        for field, value in (
+            ("cuda_graph", self.cuda_graph),
+            ("checksums", self.checksums),
+            ("keep_previous", self.keep_previous),
+        ):
             if not isinstance(value, bool):
                 raise ConfigError(f"TransferConfig.{field} must be True or False, got {value!r}")
+        if self.keep_previous and self.commit != "staged":
+            raise ConfigError(
+                f"TransferConfig.keep_previous=True needs commit='staged' (got commit={self.commit!r}): "
+                "only a staged commit leaves the previous version whole"
+            )
+        budget = self.commit_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ConfigError(f"TransferConfig.commit_budget_bytes must be None or an integer >= 0, got {budget!r}")
 
     @property
     def cross_host(self) -> str:

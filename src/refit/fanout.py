@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 
+from refit.commit import StagedCommit
 from refit.config import TransferConfig
 from refit.errors import FanoutError, RefitAborted
 from refit.layout import Mesh, ModelLayout, TensorLayout
@@ -251,11 +252,27 @@ class Fanout:
         self.devices, self.device, self.group = (tuple(devices) if devices is not None else None), device, group
         self.trainer, self.replica, self.proc = trainer, replica, proc
         self.trainer_procs, self.replica_procs = list(trainer_procs), [list(p) for p in replica_procs]
-        self.tensors, self.store, self.config, self.max_attempts = dict(tensors), store, config, max_attempts
+        self.store, self.config, self.max_attempts = store, config, max_attempts
+        # fleet commit (config "staged"): replicas receive into a shadow (waves move it, replica
+        # sources serve from it); every replica makes it live in one commit step, or none does
+        self.fleet = config.staged
+        is_replica = proc not in self.trainer_procs
+        self.buffers = (
+            StagedCommit(tensors, keep_previous=config.keep_previous, budget=config.commit_budget_bytes)
+            if self.fleet and is_replica
+            else None
+        )
+        self.tensors = dict(self.buffers.shadow) if self.buffers is not None else dict(tensors)
+        self.wave_config = (
+            replace(config, commit="in_place", keep_previous=False, commit_budget_bytes=None) if self.fleet else config
+        )
+        self.staged_version: int | None = None
+        self._got: int | None = None  # the last version this process received in a wave
         self.coordinator = self.trainer_procs[0]
         self.dead: frozenset[int] = frozenset()
         self.version: int | None = None
         self.hook = None  # tests: called with (wave index, attempt) before this process runs a wave
+        self.fault_hook = None  # tests: the executor's fault hook (``Peer.run``) for every wave attempt here
         self.schedule = wave_schedule(len(self.replica_procs))
         self.waves = waves_for(trainer, replica, self.trainer_procs, self.replica_procs, devices=self.devices)
         # topology work once: a Peer (and its process group) per wave this process is in
@@ -279,7 +296,7 @@ class Fanout:
         n = self.failures.get(wave.index, 0)
         src_t = self.tensors if self.proc in wave.procs.src else None
         dst_t = self.tensors if self.proc in wave.procs.dst else None
-        cfg = replace(self.config, name=f"{self.config.name}/w{wave.index}/f{n}")
+        cfg = replace(self.wave_config, name=f"{self.config.name}/w{wave.index}/f{n}")
         tag_base = ((1 + wave.index + 64 * n) % 1000) << 21
         return Peer(
             wave.src_layout,
@@ -346,7 +363,86 @@ class Fanout:
     def run(self, version: int) -> FanoutStats:
         """Every process calls it with the same ``version`` (``ValueError`` unless it exceeds
         this process's last committed one); returns once this process's waves are done (a
-        trainer process's: every wave)."""
+        trainer process's: every wave). Fleet commit (``config.commit="staged"``): ``stage`` then
+        ``commit``."""
+        if self.fleet:
+            stats = self.stage(version)
+            self.commit()
+            return stats
+        stats = self._waves(version)
+        if self.proc in self.trainer_procs or self._got == version:
+            self.version = version
+        return stats
+
+    def stage(self, version: int) -> FanoutStats:
+        """Fleet commit, part one (``config.commit="staged"``): the waves move ``version`` into every
+        replica's shadow (the live tensors untouched: engines keep serving v-1), then the fleet
+        decides: the coordinator collects every live process's "all of v is here" and publishes one
+        decision. Returns when the fleet will commit; raises ``FanoutError`` on every process when it
+        will not (a replica died, a wave failed, a process was silent past ``deadline_s``), and then
+        no replica commits. ``commit()`` makes it live."""
+        if not self.fleet:
+            raise FanoutError("Fanout.stage needs TransferConfig(commit='staged') (fleet commit)")
+        self.staged_version = None
+        members = [
+            p for p in [*self.trainer_procs, *(p for ps in self.replica_procs for p in ps)] if p not in self.dead
+        ]
+        try:
+            stats = self._waves(version)
+            status = "ok" if self.proc in self.trainer_procs or self._got == version else "not received"
+        except (FanoutError, RefitAborted, RuntimeError, OSError) as e:
+            stats, status = None, f"failed: {type(e).__name__}: {str(e)[:300]}"
+        self.store.put(self._key(version, 0, f"fleet/staged/{self.proc}"), status)
+        decision = self._fleet_decision(version, members)
+        if not decision["commit"]:
+            raise FanoutError(
+                f"fleet commit of version {version} refused, every replica stays on its version: {decision['why']}"
+            )
+        if stats is None:  # cannot happen: a failed process posts a failure, and the fleet refuses
+            raise FanoutError(f"fan-out: process {self.proc} failed version {version} but the fleet committed")
+        self.staged_version = version
+        return stats
+
+    def commit(self, pause=None, resume=None) -> float:
+        """Fleet commit, part two: make the staged version live here (``pause()``, shadow -> live,
+        ``resume()``: the engine's hooks) and return the copy's seconds (0 on a trainer process).
+        Every replica commits the same version in this step (the decision was one for the fleet)."""
+        version = self.staged_version
+        if version is None:
+            raise FanoutError("Fanout.commit(): no staged version (stage(v) first; a refused stage leaves none)")
+        seconds = self.buffers.commit(version, pause, resume) if self.buffers is not None else 0.0
+        self.version, self.staged_version = version, None
+        return seconds
+
+    def rollback(self, pause=None, resume=None) -> None:
+        """Restore, on this replica process, the version before the last fleet commit (needs
+        ``config.keep_previous``; ``StagedCommit.rollback``), without the trainer. Call it on every
+        replica process; a trainer process has nothing to restore (``FanoutError``)."""
+        if self.buffers is None:
+            raise FanoutError(
+                "Fanout.rollback(): only replica processes of a fleet commit (commit='staged', keep_previous) hold v-1"
+            )
+        self.version = self.buffers.rollback(pause, resume)
+
+    def _fleet_decision(self, version: int, members: list[int]) -> dict[str, Any]:
+        """The coordinator waits up to ``deadline_s`` for every member's staged status and publishes
+        ``{"commit", "why"}``; every process returns it."""
+        key = self._key(version, 0, "fleet/decision")
+        wait_s = 4 * self.config.deadline_s * self.max_attempts
+        if self.proc != self.coordinator:
+            got = self._get(key, wait_s)
+            if not isinstance(got, dict) or not isinstance(got.get("commit"), bool):
+                raise FanoutError(f"fan-out: the fleet decision under {key!r} is not a decision record")
+            return got
+        keys = {m: self._key(version, 0, f"fleet/staged/{m}") for m in members}
+        posted = self.store.wait_all(keys.values(), self.config.deadline_s)
+        bad = {m: str(posted.get(k, "silent (dead?)")) for m, k in keys.items() if posted.get(k) != "ok"}
+        why = "; ".join(f"process {m}: {st}" for m, st in sorted(bad.items())) or "all staged"
+        decision = {"commit": not bad, "why": why}
+        self.store.put(key, decision)
+        return decision
+
+    def _waves(self, version: int) -> FanoutStats:
         if self.version is not None and version <= self.version:
             raise ValueError(f"version must increase: got {version} after {self.version}")
         t0, stats = time.perf_counter(), FanoutStats()
@@ -366,13 +462,11 @@ class Fanout:
                 if not self._takes_part(wave):
                     continue
             self._run_wave(wave, version, stats)  # type: ignore[arg-type]
-        if self.proc in self.trainer_procs:
-            self.version = version
         stats.seconds, stats.dead = time.perf_counter() - t0, sorted(self.dead)
         return stats
 
     def _run_wave(self, wave: Wave, version: int, stats: FanoutStats) -> None:
-        k = wave.index
+        k, why = wave.index, None
         for attempt in range(self.max_attempts):
             stats.attempts += 1
             status = "ok"
@@ -380,19 +474,20 @@ class Fanout:
                 if self.hook is not None:
                     self.hook(k, attempt)
                 self._check_sources(wave, version, attempt, stats)
-                self._peer_for(wave).run(version)
+                self._peer_for(wave).run(version, fault_hook=self.fault_hook)
             except FanoutError:
                 raise
             except (RefitAborted, RuntimeError, OSError) as e:
                 status = f"failed: {type(e).__name__}: {str(e)[:300]}"
             self.store.put(self._key(version, k, f"a{attempt}/status/{self.proc}"), status)
             outcome = self._outcome(wave, version, attempt)
+            why = outcome.get("why")
             self._learn(outcome["dead"])
             if not outcome["ok"]:
                 self.failures[k] = self.failures.get(k, 0) + 1
             if outcome["ok"]:
                 if self.proc in wave.procs.dst:
-                    self.version = version
+                    self._got = version
                 stats.waves += 1
                 return
             nxt = self._current(k)  # re-planned without the dead
@@ -403,7 +498,7 @@ class Fanout:
             wave = nxt  # type: ignore[assignment]
         raise FanoutError(
             f"fan-out wave {k} of version {version} failed {self.max_attempts} times "
-            f"(dead processes: {sorted(self.dead)})"
+            f"(dead processes: {sorted(self.dead)}; last attempt: {_first_why(why)})"
         )
 
     def _outcome(self, wave: Wave, version: int, attempt: int) -> dict[str, Any]:
@@ -445,6 +540,14 @@ class Fanout:
         self.waves = waves_for(
             self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead, devices=self.devices
         )
+
+
+def _first_why(why: Any) -> str:
+    """The first failing process's status of an outcome record's ``why``, shortened (or "no status")."""
+    if not isinstance(why, dict) or not why:
+        return "no status"
+    proc = min(why, key=lambda p: int(p) if str(p).isdigit() else 0)
+    return f"process {proc}: {str(why[proc])[:200]}"
 
 
 def _as_int(value: Any) -> int:

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from refit.binding import bind_local
+from refit.commit import StagedCommit
 from refit.config import TransferConfig
-from refit.errors import PlanError
+from refit.errors import PlanError, RefitError
 from refit.executor import Comms, Executor, FaultHook, RunStats
 from refit.layout import ModelLayout
 from refit.plan import Plan, ProcessMap, build_plan
@@ -164,10 +165,14 @@ class Peer:
       tensors as they arrive. After an abort the destination is ``torn``
       (part new, part old): do not serve it; retry the version.
     * ``"staged"``: bytes land in a shadow copy of this process's destination
-      tensors (extra memory: its share of the model); once every process of
-      the refit holds all of it (a vote through the store), each copies the
-      shadow into the live tensors. After an abort the live tensors are still
-      the last committed version, bit for bit.
+      tensors (extra memory: its share of the model; twice that with
+      ``config.keep_previous``; bounded by ``config.commit_budget_bytes``); once
+      every process of the refit holds all of it (a vote through the store),
+      each copies the shadow into the live tensors. After an abort the live
+      tensors are still the last committed version, bit for bit. ``run(v)`` is
+      ``stage(v)`` (transfer and vote: the engine may keep running on the live
+      tensors) then ``commit(pause, resume)`` (the only write to them, between
+      the engine's hooks); ``rollback()`` restores v-1 with ``keep_previous``.
 
     Lifecycle: construction is collective — it builds the plan, checks this
     process's tensors, then blocks in pre-flight until every process of the
@@ -205,8 +210,11 @@ class Peer:
         standalone: bool = False,
         prepare: Callable[[set[str] | None], None] | None = None,
         tag_base: int = 0,
+        private_dst: bool = False,
     ) -> None:
         """``config``: default ``TransferConfig()``. ``tag_base``: P2P tags start there (see ``Executor``).
+        ``private_dst``: the destination tensors are receive buffers nothing reads before the commit (a
+        loader's, as the vLLM loader path's): a staged refit writes them directly, without a shadow.
         ``prepare(names)``: called on a source process in every ``run`` before its tensors
         ``names`` (``None``: all) are read (e.g. an ``Fp8Quantizer`` refreshing the FP8 copies the
         plan sends); with ``config.stages`` > 1 on an all-IPC plan, once per stage, overlapping
@@ -221,12 +229,21 @@ class Peer:
         except Exception as e:
             publish_failure(store, proc, e, config.name)
             raise
-        # the executor's setup may exchange IPC handles: only once the plans agree
-        preflight(self.plan, proc, store, config.preflight_timeout_s, config.name, tag_base=tag_base)
         self.config, self.proc = config, proc
         self.live = dict(dst_tensors or {})
-        staged = config.staged and bool(self.live)
-        self.shadow = {n: torch.empty_like(t) for n, t in self.live.items()} if staged else {}
+        try:  # the shadow (and v-1 with keep_previous), within the user's commit budget
+            self.buffers = (
+                StagedCommit(self.live, keep_previous=config.keep_previous, budget=config.commit_budget_bytes)
+                if config.staged and self.live and not private_dst
+                else None
+            )
+        except Exception as e:
+            publish_failure(store, proc, e, config.name)
+            raise
+        self.shadow = self.buffers.shadow if self.buffers is not None else {}
+        self.private_dst = private_dst
+        # the executor's setup may exchange IPC handles: only once the plans agree
+        preflight(self.plan, proc, store, config.preflight_timeout_s, config.name, tag_base=tag_base)
         self.executor = Executor(
             self.plan,
             proc,
@@ -243,11 +260,23 @@ class Peer:
         self.torn = False  # in_place: an aborted refit left the destination part new, part old
         self.broken: str | None = None  # why this Peer can no longer run (an aborted refit)
         self.last: RunStats | None = None
+        self.staged_version: int | None = None  # staged and voted, not yet committed (``stage``)
         self._attempts: dict[int, int] = {}
 
     def run(self, version: int, *, fault_hook: FaultHook | None = None) -> RunStats:
-        """Move ``version`` (greater than the last one committed here; the same on every process).
-        ``fault_hook``: called inside the executor's steps (tests and ``refit verify --inject``)."""
+        """Move ``version`` (greater than the last one committed here; the same on every process) and
+        commit it: ``stage`` then ``commit`` for ``"staged"``; bytes straight into the live tensors for
+        ``"in_place"``. ``fault_hook``: called inside the executor's steps (tests, ``refit verify --inject``)."""
+        stats = self.stage(version, fault_hook=fault_hook)
+        self.commit()
+        return stats
+
+    def stage(self, version: int, *, fault_hook: FaultHook | None = None) -> RunStats:
+        """Move ``version`` without touching the live tensors (``"staged"``: into the shadow; the engine
+        may keep running on them meanwhile), then vote: returns once every process of the refit holds
+        all of it. ``commit()`` then makes it live. On failure every process raises the same
+        ``RefitAborted`` and the live tensors are unchanged. (``"in_place"``: the bytes land in the live
+        tensors, there is no vote, and ``commit()`` only records the version.)"""
         if self.broken is not None:
             raise RefitAborted(
                 f"this Peer's transfer group was left unusable by an aborted refit ({self.broken}); "
@@ -260,17 +289,11 @@ class Peer:
         deadline = time.monotonic() + self.config.deadline_s
         ch = self.channel
         check_abort = (lambda: ch.raise_if_aborted(version, attempt)) if ch is not None else None
+        self.staged_version = None
         try:
             stats = self.executor.run(deadline, check_abort, fault_hook)
-            if self.shadow:
-                if ch is not None:
-                    ch.vote(version, attempt, deadline, self.members)  # every process holds all of this version
-                for n, t in self.live.items():
-                    t.copy_(self.shadow[n])
-                if self.executor.cuda:
-                    torch.cuda.synchronize(self.executor.device)
-            elif self.config.staged and ch is not None:
-                ch.vote(version, attempt, deadline, self.members)  # sources too: they learn of a receiver's failure
+            if self.config.staged and ch is not None:
+                ch.vote(version, attempt, deadline, self.members)  # every process holds all of this version
         except RefitAborted as e:
             self._fail(str(e))
             raise
@@ -280,8 +303,32 @@ class Peer:
                 msg = ch.abort(version, attempt, msg)
             self._fail(msg)
             raise RefitAborted(msg) from e
-        self.version, self.last, self.torn = version, stats, False
+        self.staged_version, self.last = version, stats
         return stats
+
+    def commit(self, pause: Callable[[], None] | None = None, resume: Callable[[], None] | None = None) -> float:
+        """Make the version ``stage`` moved live here: ``pause()``, shadow -> live (one copy per tensor),
+        ``resume()`` (the engine's hooks; ``StagedCommit.commit``). Returns the seconds of the copy (0 on
+        a process with no destination tensors, or ``"in_place"``). ``RefitError`` if nothing is staged."""
+        version = self.staged_version
+        if version is None:
+            raise RefitError("commit(): no staged version (call stage(v) first; a failed stage leaves none)")
+        seconds = 0.0
+        if self.buffers is not None:
+            seconds = self.buffers.commit(version, pause, resume)
+        self.version, self.staged_version, self.torn = version, None, False
+        return seconds
+
+    def rollback(self, pause: Callable[[], None] | None = None, resume: Callable[[], None] | None = None) -> None:
+        """Restore the version before the last commit into the live tensors, without the trainer
+        (``TransferConfig(keep_previous=True)``; ``StagedCommit.rollback``). Local to this process: call it
+        on every destination process of the fleet. ``RefitError`` when nothing can be restored."""
+        if self.buffers is None:
+            raise RefitError(
+                "rollback() needs destination tensors and TransferConfig(commit='staged', keep_previous=True)"
+            )
+        self.version = self.buffers.rollback(pause, resume)
+        self.staged_version = None
 
     def close(self) -> None:
         """Stop this Peer's helper thread and shared-memory barrier (its tensors stay as they are)."""
@@ -289,7 +336,7 @@ class Peer:
 
     def _fail(self, msg: str) -> None:
         self.broken = msg
-        if self.live and not self.shadow:
+        if self.live and not self.shadow and not self.private_dst:
             self.torn = True
 
 

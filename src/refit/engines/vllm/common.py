@@ -40,8 +40,8 @@ class RefitInitInfo:
     rank 0 through the client and rebuilt with ``RefitInitInfo(**fields)``). Every field must be the
     same on all processes of the job. The transfer group has ``world_size = n_trainer + n_workers``
     ranks: trainer ranks ``0..n_trainer-1``, then workers ``n_trainer + (dp_index * tp * pp + worker
-    rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` become one ``TransferConfig``
-    (``transfer_config()``), validated there.
+    rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` / ``commit`` / ``keep_previous`` /
+    ``commit_budget_bytes`` become one ``TransferConfig`` (``transfer_config()``), validated there.
     """
 
     master_address: str = "127.0.0.1"
@@ -55,6 +55,9 @@ class RefitInitInfo:
     load_path: str = "auto"  # worker side: "direct" (into live params), "loader" (vLLM's loaders) or "auto"
     secret: str = field(default="", repr=False)  # the job secret (text); "" = REFIT_SECRET(_FILE); see job_secret
     job_id: str = ""  # this job's scope in every tag (the trainer fills it: replays between jobs fail)
+    commit: str = "in_place"  # "staged": all-or-nothing, and refits may overlap generation (``overlap.py``)
+    keep_previous: bool = False  # staged, direct path: keep v-1 on the workers for ``refit_rollback``
+    commit_budget_bytes: int | None = None  # the most a worker may add for its shadow (+ v-1); None: no bound
 
     def __post_init__(self) -> None:
         """Checked where it is made (trainer side, and again where a worker rebuilds it): ``ConfigError``
@@ -93,19 +96,27 @@ class RefitInitInfo:
             buffer_bytes=self.buffer_bytes,
             preflight_timeout_s=self.timeout_s,
             name="xfer",
+            commit=self.commit,
+            keep_previous=self.keep_previous,
+            commit_budget_bytes=self.commit_budget_bytes,
         )
 
 
 @dataclass
 class RefitUpdateInfo:
     """Per-version update info the trainer's rank 0 sends through the client: the weight ``version``
-    every process of the refit runs (it must increase), and ``extra`` (free-form, not read by refit)."""
+    every process of the refit runs (it must increase), ``extra`` (free-form, not read by refit) and
+    ``mode``: ``"transfer"`` (receive the version now) or ``"commit"`` (make live the version the
+    workers staged in the background, ``overlap.py``)."""
 
     version: int = 0
     extra: dict = field(default_factory=dict)
+    mode: str = "transfer"  # "commit": make the version the workers staged (``refit_stage``) live
 
     def __post_init__(self) -> None:
         """Checked where a worker rebuilds it from what arrived (plain JSON over HTTP): ``ConfigError``."""
+        if self.mode not in ("transfer", "commit"):
+            raise ConfigError(f"RefitUpdateInfo.mode must be 'transfer' or 'commit', got {self.mode!r}")
         v = self.version
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"RefitUpdateInfo.version must be an integer >= 0, got {v!r}")

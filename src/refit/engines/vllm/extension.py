@@ -40,6 +40,29 @@ class RefitWorkerExtension:
         ``shutdown``."""
         return json.loads(json.dumps(_refit_engine(self).stats))
 
+    def refit_stage(self, version: int) -> None:
+        """Start receiving ``version`` in the background while this worker keeps generating
+        (``RefitWeightTransferEngine.stage``; needs ``commit="staged"``); returns at once."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"refit_stage: version must be an integer >= 0, got {version!r}")
+        _refit_engine(self).stage(version)
+
+    def refit_stage_status(self) -> dict[str, Any]:
+        """``{"version", "done", "error"}`` of the version being staged (plain data)."""
+        return _refit_engine(self).stage_status()
+
+    def refit_rollback(self) -> int | None:
+        """Restore the version before the last commit (``keep_previous``, direct path); pause the engine
+        around the call. Returns the version now live."""
+        return _refit_engine(self).rollback()
+
+    def refit_request_tokens(self) -> dict[str, int]:
+        """Output tokens so far of every request this worker's model runner holds, by vLLM's internal
+        request id: called while the engine is paused for a commit, it says at which token each
+        in-flight request switches to the new version."""
+        requests = getattr(getattr(self, "model_runner", None), "requests", {})
+        return {str(r): sum(1 for t in s.output_token_ids if t >= 0) for r, s in requests.items()}
+
 
 def _refit_engine(worker: Any) -> Any:
     """The worker's refit weight-transfer engine; ``RuntimeError`` if it has another (or none)."""

@@ -152,6 +152,17 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         self.version = version
         return stats
 
+    def stage_weights(self, version: int | None = None) -> Any:
+        """Send ``version`` while the engine keeps generating (``RefitInitInfo(commit="staged")``; every
+        rank, same order): returns once every process holds all of it (the vote), or raises
+        ``RefitAborted`` everywhere with the engine still on its last version. Rank 0 does not drive the
+        engine here: whoever serves it runs ``overlap.OverlapDriver.refit``, which commits."""
+        version = self.version + 1 if version is None else version
+        stats = self.peer.stage(version)
+        self.peer.commit()  # a trainer rank holds no live copy: this records the version
+        self.version = version
+        return stats
+
     def shutdown(self) -> None:
         """Release this rank's side: the Peer (its waiter thread, joined, and shared-memory barrier), the
         gloo group and the rendezvous store, all references dropped so that on rank 0 the store's

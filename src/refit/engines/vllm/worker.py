@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from refit.engines.calls import BackgroundCall
 from refit.layout import box_shape
 from refit.plan import ProcessMap
 from refit.transfer import Peer
@@ -120,19 +121,26 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         }
         self.boxes = {t.name: b for t, b in dst.local_tensors(w)}
         self.shapes = {t.name: t.shape for t in dst}
+        config = init_info.transfer_config()
+        if config.keep_previous and not self.direct:
+            raise ValueError(
+                "refit backend: keep_previous=True needs the direct path (vLLM's parameters as loaded); on the "
+                "loader path the live weights are vLLM's repacked ones and v-1 is not kept"
+            )
         self.peer = Peer(
             src,
             dst,
             init_info.n_trainer + w,
             dst_tensors={**self.buffers, **self.targets},
+            private_dst=not self.targets,  # loader path: the buffers are nobody's live weights
             procs=ProcessMap.disjoint(init_info.n_trainer, n_workers),
             group=pg,
-            config=init_info.transfer_config(),
+            config=config,
             device=self.device,
             store=store,
             standalone=True,
         )
-        self.pg, self.store = pg, store
+        self.pg, self.store, self.staging = pg, store, None
         self.stats["rules"] = rules
         self.stats["load_path"] = "direct" if self.direct else "loader"
         self.stats["direct_tensors"] = len(self.targets)
@@ -178,23 +186,78 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             yield from loader_tensors(self.model, name, self.shapes[name], self.boxes[name], buf)
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        """``mode="transfer"``: receive the version now (the engine is paused around the whole call);
+        ``mode="commit"``: make live the version ``stage`` received in the background (the engine is
+        paused around this call only)."""
         if self.peer is None:
             raise RuntimeError("refit: update_weights before init_weight_transfer_engine")
         t0 = time.perf_counter()
-        stats = self.peer.run(update_info.version)
+        if update_info.mode == "commit":
+            stats = self._staged(update_info.version)
+            transfer_s = self.stats.get("stage_s", 0.0)
+        else:
+            stats = self.peer.stage(update_info.version)
+            transfer_s = time.perf_counter() - t0
         t1 = time.perf_counter()
+        commit_s = self.peer.commit()  # direct path: shadow -> live parameters (staged); else records v
         if self.adapters is not None:  # a new adapter version, built from memory; the previous one retired
             self.adapters.install(update_info.version, self.buffers)
             self.stats["lora_adapters"] = self.adapters.held()
         elif self.buffers:
-            self.model.load_weights(self._full_tensors())
+            self.model.load_weights(self._full_tensors())  # loader path: the commit is vLLM's loaders
         self.stats.update(
             bytes_received=self.stats["bytes_received"] + stats.bytes_received,
             refits=self.stats["refits"] + 1,
             version=update_info.version,
-            transfer_s=t1 - t0,
+            transfer_s=transfer_s,
             load_s=time.perf_counter() - t1,
+            commit_s=commit_s,
         )
+
+    def stage(self, version: int) -> None:
+        """Start receiving ``version`` into the shadow (direct path) or the loader's buffers in a
+        background thread and return at once: vLLM keeps generating on the live weights meanwhile
+        (nothing live is written). Needs ``commit="staged"``. ``stage_status()`` says when every
+        process holds all of it; ``update_weights(mode="commit")`` then makes it live."""
+        if self.peer is None:
+            raise RuntimeError("refit: refit_stage before init_weight_transfer_engine")
+        if not self.peer.config.staged:
+            raise RuntimeError("refit: overlapped refits need RefitInitInfo(commit='staged')")
+        if self.staging is not None and self.staging[1].thread.is_alive():
+            raise RuntimeError(f"refit: version {self.staging[0]} is still being staged")
+        t0 = time.perf_counter()
+
+        def run() -> None:
+            self._staged_stats = self.peer.stage(version)
+            self.stats["stage_s"] = time.perf_counter() - t0
+
+        self.staging = (version, BackgroundCall(run))
+
+    def stage_status(self) -> dict[str, Any]:
+        """Plain data: ``version`` being (or last) staged, ``done`` (every process holds all of it, or it
+        failed), ``error`` (why it failed; the live weights are untouched then)."""
+        if self.staging is None:
+            return {"version": None, "done": False, "error": None}
+        version, call = self.staging
+        error = call.failed()
+        return {"version": version, "done": not call.thread.is_alive(), "error": None if error is None else str(error)}
+
+    def _staged(self, version: int):
+        """The stats of the staged ``version``, once its background receive has finished."""
+        if self.staging is None or self.staging[0] != version:
+            raise RuntimeError(f"refit: commit of version {version}, but {self.stage_status()['version']} was staged")
+        self.staging[1].join(self.peer.config.deadline_s)
+        self.staging = None
+        return self._staged_stats
+
+    def rollback(self) -> int | None:
+        """Restore the version before the last commit (direct path, ``keep_previous``; the engine must be
+        paused around the call); returns it."""
+        if self.peer is None:
+            raise RuntimeError("refit: refit_rollback before init_weight_transfer_engine")
+        self.peer.rollback()
+        self.stats["version"] = self.peer.version
+        return self.peer.version
 
     def finish_weight_update(self) -> None:
         if self.direct or self.adapters is not None:
