@@ -231,6 +231,23 @@ def test_fleet_commits_every_replica_or_none_and_rolls_back_without_the_trainer(
 
 
 # -- faults during an overlapped refit ------------------------------------------------------------------
+def mid_stage_fault(executor, mode, here):
+    """A fault hook for ``executor``'s run: on the process where ``here`` is true, in the middle step,
+    ``kill`` kills the process, ``corrupt`` flips a byte of the first message it received."""
+    steps = executor.steps
+    middle = steps[len(steps) // 2] if steps else None
+
+    def hook(where, info):
+        if not here or info.get("step") is not middle:
+            return
+        if mode == "kill" and where == "step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "corrupt" and where == "received" and middle.recvs:
+            middle.recvs[0].tensor.view(torch.uint8)[-1] ^= 0x10
+
+    return hook
+
+
 def _fault_worker(world, mode):
     src, dst = _layouts()
     procs = ProcessMap.disjoint(1, 2)
@@ -254,18 +271,7 @@ def _fault_worker(world, mode):
             tensors[n].copy_(t)
     fp1 = _fingerprint(reference_shards(layout, rank, 0))
     loop = None if is_src else ForwardLoop(lambda: _fingerprint(tensors)).start()
-    steps = peer.executor.steps
-    middle = steps[len(steps) // 2] if steps else None
-    victim = 1  # engine rank 0
-
-    def hook(where, info):
-        if world.rank != victim:
-            return
-        if mode == "kill" and where == "step" and info["step"] is middle:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if mode == "corrupt" and where == "received" and info["step"] is middle and info["step"].recvs:
-            info["step"].recvs[0].tensor.view(torch.uint8)[-1] ^= 0x10
-
+    hook = mid_stage_fault(peer.executor, mode, world.rank == 1)  # engine rank 0 fails
     t0, error = time.perf_counter(), None
     try:
         peer.stage(2, fault_hook=hook)

@@ -26,18 +26,22 @@ def _bench(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_overlap_bench_runs_on_cpu_and_reports_both_modes(tmp_path):
+def test_overlap_bench_runs_on_cpu_and_reports_the_three_modes(tmp_path):
     out = tmp_path / "r.json"
     r = _bench("--device", "cpu", "--model", "tiny-llama", "--iters", "2", "--json", str(out))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     s = res["summary"]
-    for mode in ("overlap", "stop_the_world"):
-        assert s[mode]["exact"] and s[mode]["n"] == 2, s  # every refit left the live weights equal to its version
+    for mode, n in (("overlap", 2), ("stop_the_world", 2), ("swap", 4)):
+        assert s[mode]["exact"] and s[mode]["n"] == n, s  # every refit: the forward reads exactly its version
         assert s[mode]["stall_s"] > 0 and s[mode]["forward_s"] > 0
-    assert s["overlap"]["copy_s"] > 0 and s["stall_over_copy"] > 0
-    assert len(res["rows"]) == 2 * 3  # one warm-up and two timed refits per mode
-    assert "stop-the-world stall / overlapped stall" in r.stdout
+    assert s["overlap"]["copy_s"] > 0 and s["stall_over_copy"] > 0 and s["swap_stall_over_copy"] > 0
+    assert "copy_s" not in s["swap"] and s["swap"]["commit_s"] >= 0
+    assert len(res["rows"]) == 4 * 3  # one warm-up and two timed iterations of overlap, stop-the-world, swap x 2
+    assert [r["set"] for r in res["rows"] if r["mode"] == "swap"] == [1, 0] * 3  # B, then back to A
+    for mode in ("overlap", "stop_the_world", "swap"):
+        assert f" {mode}: stall " in r.stdout
+    assert "stop-the-world stall / swap stall" in r.stdout
 
 
 @pytest.mark.parametrize(
