@@ -41,7 +41,7 @@ def test_overlap_bench_runs_on_cpu_and_reports_the_three_modes(tmp_path):
     assert [r["set"] for r in res["rows"] if r["mode"] == "swap"] == [1, 0] * 3  # B, then back to A
     for mode in ("overlap", "stop_the_world", "swap"):
         assert f" {mode}: stall " in r.stdout
-    assert "stop-the-world stall / swap stall" in r.stdout
+    assert "stop-the-world stall / swap stall" in r.stdout and res["forward"] == "eager"
 
 
 @pytest.mark.parametrize(
