@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from refit.config import TransferConfig
-from refit.errors import PlanError, RefitAborted
+from refit.errors import ChecksumError, PlanError, RefitAborted
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
@@ -17,6 +17,7 @@ from refit.tools.launch import run_local
 from refit.tools.verify import holds, reference_shards, verify
 from refit.transfer import Peer, Receiver, Sender
 from refit.transport import nixl
+from refit.transport.clock import RunClock
 
 needs_nixl = pytest.mark.skipif(not nixl.available(), reason="nixl is not installed (pip install 'refit-rl[nixl]')")
 
@@ -24,6 +25,11 @@ needs_nixl = pytest.mark.skipif(not nixl.available(), reason="nixl is not instal
 def _layouts(model: str, src: str, dst: str):
     shapes = param_shapes(model)
     return layout_from_spec(shapes, parse_spec(src, "src")), layout_from_spec(shapes, parse_spec(dst, "dst"))
+
+
+def _zeros(layout, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s local tensors of ``layout``, zero."""
+    return {t.name: torch.zeros(tuple(b - a for a, b in box), dtype=t.dtype) for t, box in layout.local_tensors(rank)}
 
 
 # ---------------------------------------------------------------------------- pure pieces
@@ -191,6 +197,99 @@ def test_moe_reshard_over_nixl_is_bit_exact():
     assert res.plan.ratio == 1.0 and res.bytes_checked == res.plan.bytes_needed
 
 
+# ---------------------------------------------------------------------------- checksums
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_reshard_over_nixl_with_checksums_is_bit_exact():
+    s, d = _layouts("tiny-llama", "fsdp=2", "tp=2")  # column slices are staged, the rest read in place
+    cfg = TransferConfig(transport="nixl", checksums=True, num_buffers=2, buffer_bytes=64 << 10)
+    res = verify(s, d, config=cfg, timeout_s=240)
+    assert res.ok, res.mismatches[:5]
+    assert res.plan.ratio == 1.0 and res.bytes_checked == res.plan.bytes_needed
+
+
+def test_checksum_records_are_checked_field_by_field():
+    from refit.binding import bind_local
+    from refit.errors import TransferError
+
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=2")
+    plan = build_plan(src, dst, ProcessMap.disjoint(1, 2), TransferConfig(transport="nixl"))
+    local = bind_local(plan, 1, None, _zeros(dst, 0))
+    sums = nixl.NixlSums(plan, 1, local, torch.device("cpu"))
+    good = {str(k): 7 for k in sums.reads}
+    assert sums.check_record({"run": 3, "sums": good}, 0, 3) == {k: 7 for k in sums.reads}
+    assert sums.check_record({"run": 2, "sums": {}}, 0, 3) is None  # the run before: keep waiting
+    k0 = next(iter(sums.reads))
+    for bad in (
+        {"run": 3},
+        {"run": 3, "sums": {**good, "999999": 1}},
+        {"run": 3, "sums": {**good, str(k0): 1 << 63}},
+        {"run": 3, "sums": {**good, str(k0): "7"}},
+        {"run": 4, "sums": good},
+    ):
+        with pytest.raises(TransferError, match="NIXL checksum record of process 0"):
+            sums.check_record(bad, 0, 3)
+    with pytest.raises(ChecksumError, match=f"checksum mismatch in tensor '{plan.messages[k0].pieces[0].tensor}'"):
+        sums.check({**{k: 0 for k in sums.reads}}, RunClock())  # zeros sum to non-zero values
+
+
+def _corrupt_worker(world, victim):
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=2")
+    procs = ProcessMap.disjoint(1, 2)
+    cfg = TransferConfig(transport="nixl", checksums=True, commit="staged", deadline_s=30.0, preflight_timeout_s=120.0)
+    if world.src_rank is not None:
+        tensors = reference_shards(src, 0)
+        s = Sender(src, dst, world.rank, tensors, procs=procs, config=cfg)
+        s.push(1)
+        for t in tensors.values():
+            t.mul_(2)
+        seen = []
+
+        def corrupt(where, info):  # the source's sums are taken: one element of the victim changes
+            seen.append(where)
+            if where == "nixl-announce":
+                tensors[victim].view(-1)[0] += 1.0
+
+        try:
+            s.run(2, fault_hook=corrupt)
+            return "completed", seen
+        except RefitAborted as e:
+            return str(e), seen
+        finally:
+            s.close()
+    live = _zeros(dst, world.dst_rank)
+    r = Receiver(src, dst, world.rank, live, procs=procs, config=cfg)
+    r.pull(1)
+    try:
+        r.pull(2)
+        msg = "completed"
+    except RefitAborted as e:
+        msg = str(e)
+    r.close()
+    return msg, r.version, holds(live, dst, world.dst_rank)
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "victim",
+    [
+        "model.layers.0.self_attn.o_proj.weight",  # a column slice: packed into the source's staging buffer
+        "model.layers.0.self_attn.q_proj.weight",  # a row slice: read in place
+    ],
+)
+def test_a_source_piece_changed_after_its_checksum_is_caught_and_nothing_commits(victim):
+    out = run_local(_corrupt_worker, 1, 2, victim, backend="gloo", timeout_s=240)
+    msg, seen = out[0]
+    assert seen == ["nixl-announce"] and "aborted" in msg
+    for m, version, same in out[1:]:
+        # receiver 0 reads the changed element; everyone raises its error
+        assert f"ChecksumError: checksum mismatch in tensor '{victim}'" in m and "from process 0" in m, m
+        assert version == 1 and same  # staged: the live tensors are still version 1, bit for bit
+
+
 FROZEN_S = 20.0
 
 
@@ -218,9 +317,7 @@ def _frozen_worker(world):
         finally:
             s.close()
         return "completed"
-    live = {
-        t.name: torch.zeros(tuple(b - a for a, b in box), dtype=t.dtype) for t, box in dst.local_tensors(world.dst_rank)
-    }
+    live = _zeros(dst, world.dst_rank)
     r = Receiver(src, dst, world.rank, live, procs=procs, config=cfg)
     r.pull(1)
     t0 = time.monotonic()

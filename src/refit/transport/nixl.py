@@ -27,7 +27,14 @@ Staging: a source packs the pieces whose runs in its tensors are short (``Source
 slice of a row-sharded weight) into a registered staging buffer before it announces a refit, within
 the budget ``num_buffers`` x ``buffer_bytes``; receivers read such a piece as one descriptor. Other
 pieces are read in place, one descriptor per run common to both sides (one request gathers many).
-Checksums are not computed over NIXL (``ConfigError`` at setup).
+
+Checksums (``config.checksums``; ``NixlSums``): a source sums every piece it sends
+(``transport.checksum``'s definition: the torch reference on the CPU, the Triton kernel on CUDA)
+once its tensors are final, before it packs its staging buffer, and publishes, per receiver, the
+sums of that receiver's pieces with the run number, sealed (``<name>/nixl/<agent>/sums/<proc>``,
+written before the announcement); a receiver, once every read is done, sums what it received, checks
+the record field by field and compares: the first differing piece (plan order) is a
+``ChecksumError`` naming its tensor, box and source process, raised before it announces ``done``.
 """
 
 from __future__ import annotations
@@ -48,10 +55,11 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import PIECE_ALIGN, TransferConfig
-from refit.errors import ConfigError, PlanError, TransferError
+from refit.errors import ChecksumError, ConfigError, PlanError, TransferError
 from refit.layout import box_relative
 from refit.plan import Plan
 from refit.plan.schedule import part_key, source_part
+from refit.transport.checksum import Piece, PieceSums
 from refit.transport.clock import RunClock
 from refit.transport.nics import process_nics, ucx_settings
 from refit.transport.store import SignedStore, bind_address, interface_of
@@ -305,6 +313,100 @@ def _inside(regions: list[list], mem: str, dev: int, lo: int, hi: int) -> bool:
     return any(r[3] == mem and r[2] == dev and r[0] <= lo and hi <= r[0] + r[1] for r in regions)
 
 
+# ---------------------------------------------------------------------------- checksums
+_SUMS_KEYS = {"run", "sums"}
+
+
+def device_wait(device: torch.device, clock: RunClock, what: str) -> None:
+    """Wait until ``device``'s current stream has done its work (nothing on the CPU); polled under
+    ``clock`` (``what``: the pending work, for ``DeadlineExceeded``), so the host never blocks
+    inside CUDA past the deadline."""
+    if device.type != "cuda":
+        return
+    if not clock.bounded:
+        torch.cuda.current_stream(device).synchronize()
+        return
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    clock.watch(ev.query, lambda: what)
+
+
+def _host_ints(t: torch.Tensor, clock: RunClock, what: str) -> list[int]:
+    """``t`` (int64) on the host, the wait for its device under ``clock``."""
+    device_wait(t.device, clock, what)
+    return t.tolist()
+
+
+class NixlSums:
+    """Checksum mode of one process's NIXL pieces (``transport.checksum``'s sum; Triton on CUDA): one
+    slot per message it sends (a source) and per message it reads (a receiver).
+
+    Lifecycle: built at setup on the views the link moves (the destination's are a staged commit's
+    shadow); per refit a source calls ``sent(clock)`` once its tensors are final and publishes
+    ``record(receiver, run, sent)`` for each receiver; a receiver, once every read is done, calls
+    ``check(records, run, clock)`` with its sources' records. Views stay valid between refits."""
+
+    def __init__(self, plan: Plan, proc: int, local: LocalTensors, device: torch.device) -> None:
+        self.plan = plan
+        self.sends: dict[int, list[int]] = {}  # receiver process -> indices of the messages it reads from here
+        self.reads: dict[int, int] = {}  # message index -> source process, in plan order
+        sent, read = [], []
+        self._sent_order: list[int] = []  # message index of each slot of the sums sent
+        for k, m in enumerate(plan.messages):
+            if m.transport != "nixl":
+                continue
+            p = m.pieces[0]
+            if plan.procs.src[m.src] == proc:
+                self.sends.setdefault(plan.procs.dst[m.dst], []).append(k)
+                self._sent_order.append(k)
+                sent.append(Piece(local.src_view(p.tensor, p.box), len(sent)))
+            if plan.procs.dst[m.dst] == proc:
+                self.reads[k] = plan.procs.src[m.src]
+                read.append(Piece(local.dst_view(p.tensor, p.box), len(read)))
+        self._sent = PieceSums(sent, torch.zeros(len(sent), dtype=torch.int64, device=device))
+        self._read = PieceSums(read, torch.zeros(len(read), dtype=torch.int64, device=device))
+
+    def sent(self, clock: RunClock) -> dict[int, int]:
+        """The sums of every piece this process sends, now: message index -> sum."""
+        self._sent.run()
+        return dict(zip(self._sent_order, _host_ints(self._sent.out, clock, "checksums of NIXL pieces sent")))
+
+    def record(self, receiver: int, run: int, sent: dict[int, int]) -> dict:
+        """What ``receiver`` compares with: ``{"run": run, "sums": {message index: sum}}`` (plain data)."""
+        return {"run": run, "sums": {str(k): sent[k] for k in self.sends[receiver]}}
+
+    def check_record(self, rec: object, sp: int, run: int) -> dict[int, int] | None:
+        """Source process ``sp``'s sums for run ``run`` (message index -> sum), None if ``rec`` is of an
+        earlier run; ``TransferError`` naming the field if it is not exactly the sums of the pieces
+        read from ``sp`` (int64 values)."""
+        if not isinstance(rec, dict) or set(rec) != _SUMS_KEYS or not _int(rec["run"], 0):
+            raise TransferError(f"NIXL checksum record of process {sp} is not {{run, sums}}: {str(rec)[:80]}")
+        if rec["run"] < run:
+            return None
+        want = {str(k) for k, s in self.reads.items() if s == sp}
+        sums = rec["sums"]
+        ok = rec["run"] == run and isinstance(sums, dict) and set(sums) == want
+        if not ok or not all(_int(v, -(1 << 63), 1 << 63) for v in sums.values()):
+            raise TransferError(
+                f"NIXL checksum record of process {sp}: run {rec['run']} (expected {run}), "
+                f"sums not the {len(want)} int64 sums of the pieces read from it: {str(sums)[:80]}"
+            )
+        return {int(k): v for k, v in sums.items()}
+
+    def check(self, want: dict[int, int], clock: RunClock) -> None:
+        """Sum what was read and compare with the sources' sums ``want`` (message index -> sum, every
+        message read); ``ChecksumError`` names the first piece (plan order) that differs."""
+        self._read.run()
+        got = _host_ints(self._read.out, clock, "checksums of NIXL pieces read")
+        for (k, sp), g in zip(self.reads.items(), got):
+            if g != want[k]:
+                p = self.plan.messages[k].pieces[0]
+                raise ChecksumError(
+                    f"checksum mismatch in tensor {p.tensor!r} {[list(b) for b in p.box]} read over NIXL from "
+                    f"process {sp}: source {want[k]}, received {g} ({p.nbytes} bytes)"
+                )
+
+
 # ---------------------------------------------------------------------------- the link
 @dataclass
 class _Request:
@@ -419,6 +521,7 @@ class NixlLink:
         self.sources: dict[int, str] = {}  # receiver: source process -> its agent name
         self.unreachable: dict[int, str] = {}  # receiver: sources whose agent refused the connection at setup
         self.receivers: list[int] = []  # source: processes that read from this one
+        self.sums: NixlSums | None = None  # checksum mode
         self.runs = 0  # refits started so far (the same count on every process of the plan)
         self.bytes_read = 0
 
@@ -427,8 +530,6 @@ class NixlLink:
         """Make the agent, register, publish and import records, prepare the reads (see the class)."""
         if store is None:
             raise PlanError("the plan has NIXL links but no rendezvous store was given")
-        if config.checksums:
-            raise ConfigError("TransferConfig.checksums=True is not supported with NIXL links; use checksums=False")
         if not available():
             raise ConfigError("the plan has NIXL links but nixl is not installed: pip install 'refit-rl[nixl]'")
         mine = [m for m in plan.messages if m.transport == "nixl"]
@@ -442,6 +543,7 @@ class NixlLink:
         name = f"refit-{proc}-{uuid.uuid4().hex[:16]}"
         link = cls(make_agent(name, device), name, store, config, proc)
         link.tensors, link.staging = tensors, staging  # registered memory stays allocated while the link lives
+        link.sums = NixlSums(plan, proc, local, device) if config.checksums else None
         try:
             link._register(storage_regions(tensors))
             link.receivers = sorted({plan.procs.dst[m.dst] for m in sends})
@@ -494,15 +596,25 @@ class NixlLink:
         self.requests += _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes)
 
     # ------------------------------------------------------------------ run
-    def start(self, clock: RunClock) -> None:
-        """Begin this process's part of a refit: a source announces that its tensors are final."""
+    def start(self, clock: RunClock, fault=None) -> None:
+        """Begin this process's part of a refit: a source (its tensors final) takes its checksums
+        (checksum mode), calls ``fault("nixl-announce")`` (tests: a change now is what a receiver
+        must catch), packs its staging buffer, publishes its sums and announces that its tensors are
+        final."""
         self.runs += 1
+        if not self.receivers:
+            return
+        sent = self.sums.sent(clock) if self.sums is not None else None
+        if fault is not None:
+            fault("nixl-announce")
         if self.staging is not None and self.staging.copies:
             self.staging.pack()
-            if self.staging.buffer.is_cuda:
-                torch.cuda.current_stream(self.staging.buffer.device).synchronize()
-        if self.receivers:
-            self.store.put(self._key(f"{self.name}/ready"), self.runs)
+            device_wait(self.staging.buffer.device, clock, "packing the NIXL staging buffer")
+        if sent is not None:
+            for r in self.receivers:
+                rec = json.dumps(self.sums.record(r, self.runs, sent)).encode()
+                self.store.put_sealed(self._key(f"{self.name}/sums/{r}"), rec)
+        self.store.put(self._key(f"{self.name}/ready"), self.runs)
 
     def finish(self, clock: RunClock) -> None:
         """A receiver: wait for each source's announcement, read every piece (at most
@@ -515,11 +627,32 @@ class NixlLink:
         for sp, agent in sorted(self.sources.items()):
             self._wait_for(self._key(f"{agent}/ready"), clock, lambda sp=sp: f"process {sp} announcing its tensors")
         self._read(clock)
+        if self.sums is not None and self.sources:
+            self._check_sums(clock)
         for agent in self.sources.values():
             self.store.put(self._key(f"{agent}/done/{self.proc}"), self.runs)
         for r in self.receivers:
             key = self._key(f"{self.name}/done/{r}")
             self._wait_for(key, clock, lambda r=r: f"process {r} reading from process {self.proc} over NIXL")
+
+    def _check_sums(self, clock: RunClock) -> None:
+        """Compare what was read with every source's sums of this run (``NixlSums.check``)."""
+        want: dict[int, int] = {}
+        for sp, agent in sorted(self.sources.items()):
+            key = self._key(f"{agent}/sums/{self.proc}")
+            got: dict = {}
+
+            def arrived(sp=sp, key=key, got=got) -> bool:
+                raw = self.store.peek_sealed(key)
+                sums = None if raw is None else self.sums.check_record(json.loads(raw), sp, self.runs)
+                got.update(sums or {})
+                if sums is None:
+                    time.sleep(_POLL_S)
+                return sums is not None
+
+            clock.watch(arrived, lambda sp=sp, key=key: f"process {sp}'s checksums (NIXL, store key {key!r})")
+            want.update(got)
+        self.sums.check(want, clock)
 
     def _wait_for(self, key: str, clock: RunClock, what) -> None:
         """Until the signed value under ``key`` reaches this run's number (an older value, or a forged
