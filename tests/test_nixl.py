@@ -170,6 +170,37 @@ def test_plans_mark_nixl_links_and_auto_uses_them_only_between_hosts():
     assert {m.transport for m in build_plan(src, dst, one_host, TransferConfig(transport="auto")).messages} == {"ipc"}
 
 
+def test_engine_jobs_take_the_transport_and_auto_learns_where_each_process_runs():
+    import torch.distributed as dist
+
+    from refit.engines.vllm.common import RefitInitInfo, location, process_map
+    from refit.errors import ConfigError
+    from refit.transport.store import SignedStore
+
+    assert RefitInitInfo(transport="nixl").transfer_config().transport == "nixl"
+    with pytest.raises(ConfigError, match="transport must be one of"):
+        RefitInitInfo(transport="rdma")
+    here = location("cpu")
+    assert here.count("/") == 1 and here.endswith(f"/cpu:{os.getpid()}")
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
+    for transport, other, want in (
+        ("auto", "elsewhere-0123abcd/cpu:7", "nixl" if nixl.available() else "p2p"),  # another host
+        ("auto", here.split("/")[0] + "/cpu:7", "p2p"),  # this host, CPU
+        ("nixl", None, "nixl"),  # no locations needed
+    ):
+        store = SignedStore(dist.HashStore(), b"the-job-secret-0123456789")
+        info = RefitInitInfo(n_trainer=1, n_workers=1, transport=transport, timeout_s=5)
+        if other is not None:
+            store.put("where/1", other)
+        procs = process_map(info, store, 0, "cpu")
+        assert procs.devices == ((here, other) if other else None)
+        plan = build_plan(src, dst, procs, info.transfer_config())
+        assert {m.transport for m in plan.messages} == {want}
+    store.put("where/1", "no-slash")
+    with pytest.raises(ConfigError, match="process 1 published location 'no-slash'"):
+        process_map(RefitInitInfo(n_trainer=1, n_workers=1, transport="auto", timeout_s=5), store, 0, "cpu")
+
+
 # ---------------------------------------------------------------------------- multi-process, real NIXL
 PAIRS = [("fsdp=2", "tp=2"), ("tp=2,pp=2", "tp=1,dp=2"), ("tp=3", "tp=2")]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,8 +40,11 @@ class RefitInitInfo:
     rank 0 through the client and rebuilt with ``RefitInitInfo(**fields)``). Every field must be the
     same on all processes of the job. The transfer group has ``world_size = n_trainer + n_workers``
     ranks: trainer ranks ``0..n_trainer-1``, then workers ``n_trainer + (dp_index * tp * pp + worker
-    rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` become one ``TransferConfig``
-    (``transfer_config()``), validated there.
+    rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` / ``transport`` become one
+    ``TransferConfig`` (``transfer_config()``), validated there. ``transport``: ``"p2p"`` (the
+    transfer group's gloo send/recv), ``"nixl"`` (every worker reads its boxes from the trainer ranks'
+    registered memory through NIXL) or ``"auto"`` (every process publishes where it runs:
+    ``process_map``; NIXL between hosts where installed, CUDA IPC between GPUs of one host, else P2P).
     """
 
     master_address: str = "127.0.0.1"
@@ -54,6 +58,7 @@ class RefitInitInfo:
     load_path: str = "auto"  # worker side: "direct" (into live params), "loader" (vLLM's loaders) or "auto"
     secret: str = field(default="", repr=False)  # the job secret (text); "" = REFIT_SECRET(_FILE); see job_secret
     job_id: str = ""  # this job's scope in every tag (the trainer fills it: replays between jobs fail)
+    transport: str = "p2p"  # TransferConfig.transport: "p2p", "nixl", "auto" (or "ipc": CUDA, one host)
 
     def __post_init__(self) -> None:
         """Checked where it is made (trainer side, and again where a worker rebuilds it): ``ConfigError``
@@ -91,6 +96,7 @@ class RefitInitInfo:
             num_buffers=self.num_buffers,
             buffer_bytes=self.buffer_bytes,
             preflight_timeout_s=self.timeout_s,
+            transport=self.transport,
             name="xfer",
         )
 
@@ -188,6 +194,39 @@ def read_src_layout(store: SignedStore, timeout_s: float) -> ModelLayout:
     return ModelLayout.from_json(store.get("src", timeout_s))
 
 
+def location(device: str | torch.device) -> str:
+    """Where this process's tensors live, as a ``ProcessMap.devices`` entry ``"<host>/<device>"``: the host
+    is the host name and the kernel's boot id (two containers of one machine with their own names are
+    two hosts); the device ``cuda:<GPU uuid>`` (the same GPU whatever ``CUDA_VISIBLE_DEVICES`` says) or
+    ``cpu:<pid>`` (a CPU process shares its device with no other process)."""
+    device = torch.device(device)
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = "noboot"
+    host = f"{socket.gethostname()}-{boot}".replace("/", "_")
+    if device.type == "cuda":
+        return f"{host}/cuda:{torch.cuda.get_device_properties(device).uuid}"
+    return f"{host}/{device.type}:{os.getpid()}"
+
+
+def process_map(info: RefitInitInfo, store: SignedStore, proc: int, device: str | torch.device) -> ProcessMap:
+    """The job's process map (trainer ranks, then workers). Where the transport depends on where the
+    processes run (``transport`` "auto" or "ipc"), every process publishes its ``location`` as
+    ``where/<proc>`` and the map carries them all (collective: waits up to ``timeout_s`` for each;
+    ``ConfigError`` for one that is not ``"<host>/<device>"``); otherwise no devices."""
+    procs = ProcessMap.disjoint(info.n_trainer, info.n_workers)
+    if info.transport not in ("auto", "ipc"):
+        return procs
+    store.put(f"where/{proc}", location(device))
+    where = [store.get(f"where/{p}", info.timeout_s) for p in range(info.world_size)]
+    for p, w in enumerate(where):
+        if not isinstance(w, str) or not 0 < len(w) <= 200 or not w.isprintable() or w.count("/") != 1:
+            raise ConfigError(f"process {p} published location {str(w)[:80]!r}, not '<host>/<device>'")
+    return procs.with_devices(where)
+
+
 def gather_dst_layout(store: SignedStore, src: ModelLayout, n_workers: int, timeout_s: float) -> ModelLayout:
     """Every worker's published regions, as the destination layout (HF names, worker ranks)."""
     per_worker = [store.get(f"dst/{w}", timeout_s) for w in range(n_workers)]
@@ -212,7 +251,7 @@ def trainer_peer(
     the workers (vLLM's or SGLang's), who build theirs from the same layouts."""
     pg = join_group(info, store, rank)
     dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
-    procs = ProcessMap.disjoint(info.n_trainer, info.n_workers)
+    procs = process_map(info, store, rank, device)
     peer = Peer(
         src,
         dst,

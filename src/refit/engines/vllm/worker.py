@@ -32,7 +32,6 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit.layout import box_shape
-from refit.plan import ProcessMap
 from refit.transfer import Peer
 
 from .common import (
@@ -41,6 +40,7 @@ from .common import (
     gather_dst_layout,
     join_group,
     open_store,
+    process_map,
     read_src_layout,
     wait_workers,
 )
@@ -122,7 +122,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             dst,
             init_info.n_trainer + w,
             dst_tensors={**self.buffers, **self.targets},
-            procs=ProcessMap.disjoint(init_info.n_trainer, n_workers),
+            procs=process_map(init_info, store, init_info.n_trainer + w, self.device),
             group=pg,
             config=init_info.transfer_config(),
             device=self.device,
@@ -134,6 +134,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.stats["load_path"] = "direct" if self.direct else "loader"
         self.stats["direct_tensors"] = len(self.targets)
         self.stats["bytes_per_refit"] = self.peer.executor.bytes_received
+        self.stats["transports"] = sorted({m.transport for m in self.peer.plan.messages})
 
     def _choose_path(self, asked: str, missing: list[str]) -> bool:
         """True for the direct path."""
