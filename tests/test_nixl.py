@@ -464,14 +464,49 @@ def test_ucx_settings_follow_the_nic_knobs_and_the_bind_address(tmp_path):
         nixl.apply_ucx_settings(torch.device(device), env)
         return {k: v for k, v in env.items() if k.startswith("UCX_")}
 
-    assert settings("cuda:2") == {"UCX_NET_DEVICES": "mlx5_2:1,lo", "UCX_MAX_RMA_RAILS": "1"}  # auto: nearest
+    get = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}  # on CUDA: READs over CUDA IPC even without NVLink
+    assert settings("cuda:2") == {"UCX_NET_DEVICES": "mlx5_2:1,lo", "UCX_MAX_RMA_RAILS": "1", **get}  # auto: nearest
     stripe = settings("cuda:2", REFIT_NIC_MODE="stripe")
-    assert stripe == {"UCX_NET_DEVICES": "mlx5_2:1,mlx5_3:1,mlx5_0:1,mlx5_1:1,lo", "UCX_MAX_RMA_RAILS": "4"}
+    assert stripe == {"UCX_NET_DEVICES": "mlx5_2:1,mlx5_3:1,mlx5_0:1,mlx5_1:1,lo", "UCX_MAX_RMA_RAILS": "4", **get}
     assert settings("cpu", REFIT_NIC_MODE="off") == {"UCX_NET_DEVICES": "lo"}
     assert settings("cpu", REFIT_NIC_MODE="stripe", REFIT_NIC_MIN_RATE_GBPS="500") == {"UCX_NET_DEVICES": "lo"}
-    assert settings("cuda:0", REFIT_BIND_ADDRESS="0.0.0.0") == {"UCX_NET_DEVICES": "mlx5_0:1", "UCX_MAX_RMA_RAILS": "1"}
-    mine = settings("cuda:0", UCX_NET_DEVICES="mlx5_3:1", UCX_MAX_RMA_RAILS="2")  # the user's choice stands
-    assert mine == {"UCX_NET_DEVICES": "mlx5_3:1", "UCX_MAX_RMA_RAILS": "2"}
+    bound = settings("cuda:0", REFIT_BIND_ADDRESS="0.0.0.0")
+    assert bound == {"UCX_NET_DEVICES": "mlx5_0:1", "UCX_MAX_RMA_RAILS": "1", **get}
+    mine = settings("cuda:0", UCX_NET_DEVICES="mlx5_3:1", UCX_MAX_RMA_RAILS="2", UCX_CUDA_IPC_ENABLE_GET_ZCOPY="n")
+    assert mine == {"UCX_NET_DEVICES": "mlx5_3:1", "UCX_MAX_RMA_RAILS": "2", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
+    # every peer on this host: no NIC (shared memory, CMA, CUDA IPC); debug: UCX says what it chose
+    env = {"REFIT_SYSFS_ROOT": root, "REFIT_NIXL_DEBUG": "1"}
+    nixl.apply_ucx_settings(torch.device("cpu"), env, one_host=True)
+    assert {k: v for k, v in env.items() if k.startswith("UCX_")} == {
+        "UCX_NET_DEVICES": "lo",
+        "UCX_LOG_LEVEL": "info",
+        "UCX_PROTO_INFO": "y",
+    }
+
+
+def test_nics_are_left_out_only_where_the_plan_shows_every_peer_on_this_host():
+    src, dst = _layouts("tiny-llama", "tp=2", "tp=1")
+    cfg = TransferConfig(transport="nixl")
+    assert not nixl.peers_on_this_host(build_plan(src, dst, config=cfg), 2)  # no devices: not known
+    one = ProcessMap((0, 1), (2,), ("cuda:0", "cuda:1", "cuda:0"))
+    assert all(nixl.peers_on_this_host(build_plan(src, dst, one, cfg), p) for p in range(3))
+    two = ProcessMap((0, 1), (2,), ("a/cuda:0", "b/cuda:0", "a/cuda:1"))
+    plan = build_plan(src, dst, two, cfg)
+    assert [nixl.peers_on_this_host(plan, p) for p in range(3)] == [True, False, False]
+
+
+def test_debug_trace_prints_a_line_per_phase_only_when_asked(monkeypatch, capsys):
+    monkeypatch.delenv("REFIT_NIXL_DEBUG", raising=False)
+    nixl.Trace(3)("registered %d regions", 7)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("REFIT_NIXL_DEBUG", "1")
+    trace = nixl.Trace(3)
+    trace("registered %d regions", 7)
+    err = capsys.readouterr().err
+    assert f"pid {os.getpid()} process 3 +" in err and err.strip().endswith("registered 7 regions")
+    assert not trace.every("read", 0.05)  # the first call starts the period
+    time.sleep(0.06)
+    assert trace.every("read", 0.05) and not trace.every("read", 0.05)
 
 
 def _striped_worker(world, sysfs):

@@ -4,7 +4,9 @@ Setup (once, through the store; no process group spans sources and receivers):
 
 * each process makes a NIXL agent (UCX backend, NIXL's own metadata listener off) after applying the
   UCX settings of ``refit.transport.nics`` (``UCX_NET_DEVICES``: the selected NICs plus the bind
-  address's interface, ``UCX_MAX_RMA_RAILS``), and registers the memory its pieces live in: a source
+  address's interface, ``UCX_MAX_RMA_RAILS``; no NIC where the plan's devices put every peer on this
+  host; on CUDA, READs over CUDA IPC allowed without NVLink: ``apply_ucx_settings``), and registers
+  the memory its pieces live in: a source
   the storage of every tensor a receiver reads (whole parameters; a view registers its storage), a
   receiver the storage of every tensor it receives into;
 * each source publishes, for each of its receivers, a record sealed with the job secret
@@ -22,6 +24,11 @@ then announces ``<name>/nixl/<agent>/done/<proc>``; a source returns once every 
 done (its tensors may change again). Every wait polls under the run's ``RunClock`` (a frozen peer
 is a ``DeadlineExceeded``, never a hang; another process's abort ends it too). A source that dies
 mid-read fails the read (``TransferError`` naming it).
+
+Debugging (``REFIT_NIXL_DEBUG=1``, ``Trace``): a line per phase on stderr (agent made, regions
+registered and how long it took, records published and read, remote agents added, requests prepared;
+per refit: announced, each post of the first refit, every 5 s what a wait still waits for, bytes read
+and the rate, checksums, finished), and UCX prints the transports and protocols it chose.
 
 Staging: a source packs the pieces whose runs in its tensors are short (``SourceStaging``: a column
 slice of a row-sharded weight) into a registered staging buffer before it announces a refit, within
@@ -44,6 +51,7 @@ import ctypes
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -74,6 +82,9 @@ _ADDR_LIMIT = 1 << 63
 _POLL_S = 0.001
 STAGE_RUN_BYTES = 64 << 10  # a source piece whose runs are shorter than this is staged (packed) if the budget allows
 SYSFS_ENV = "REFIT_SYSFS_ROOT"  # where NIC discovery reads sysfs (default /sys; a container's mount, tests)
+DEBUG_ENV = "REFIT_NIXL_DEBUG"  # "1": a line per phase on stderr (``Trace``), UCX's own choices printed
+UCX_SHOWN = ("UCX_NET_DEVICES", "UCX_MAX_RMA_RAILS", "UCX_TLS")
+PROGRESS_EVERY_S = 5.0  # debug: how often a long wait says what it still waits for
 
 
 def available() -> bool:
@@ -86,31 +97,76 @@ def available() -> bool:
 
 
 # ---------------------------------------------------------------------------- UCX settings, agent
-def apply_ucx_settings(device: torch.device, env: dict | None = None) -> dict[str, str]:
+def apply_ucx_settings(device: torch.device, env: dict | None = None, one_host: bool = False) -> dict[str, str]:
     """Set this process's UCX variables for a NIXL agent on ``device`` (``nics.process_nics`` on the
     sysfs under ``REFIT_SYSFS_ROOT``, default ``/sys``, and ``nics.ucx_settings``; ``REFIT_BIND_ADDRESS``'s
     interface, loopback by default) in ``env`` (default ``os.environ``: UCX reads it when an agent is
-    created) and return them (logged)."""
+    created) and return them (logged). ``one_host``: every peer of this process is on its host, so no
+    NIC is selected (UCX moves bytes through shared memory, CMA or CUDA IPC; registering GPU memory
+    with an HCA would only cost time). On CUDA, ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``: UCX turns READs
+    over CUDA IPC off where NVML shows no active NVLink on GPU 0 (one GPU, PCIe), and refit's READs
+    then crawl through UCX's software emulation. ``REFIT_NIXL_DEBUG=1`` adds ``UCX_LOG_LEVEL=info``
+    and ``UCX_PROTO_INFO=y`` (UCX prints the transports and protocols it chose). A variable the
+    environment already sets is the user's choice and stays."""
     env = os.environ if env is None else env
     sysfs_root = env.get(SYSFS_ENV) or "/sys"
     address = bind_address(env.get("REFIT_BIND_ADDRESS"))
     interface = None if address in ("0.0.0.0", "::") else interface_of(address)
-    chosen = ucx_settings(process_nics(str(device), sysfs_root, env), interface, env)
+    nics = [] if one_host else process_nics(str(device), sysfs_root, env)
+    chosen = ucx_settings(nics, interface, env)
+    extra = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"} if torch.device(device).type == "cuda" else {}
+    if env.get(DEBUG_ENV) == "1":
+        extra |= {"UCX_LOG_LEVEL": "info", "UCX_PROTO_INFO": "y"}
+    chosen |= {k: v for k, v in extra.items() if k not in env}
     env.update(chosen)
-    shown = {k: env[k] for k in ("UCX_NET_DEVICES", "UCX_MAX_RMA_RAILS", "UCX_TLS") if k in env}
-    log.info("refit nixl: UCX settings for %s (bind %s): %s", device, address, shown)
+    shown = {k: env[k] for k in (*UCX_SHOWN, *extra) if k in env}
+    log.info("refit nixl: UCX settings for %s (bind %s%s): %s", device, address, ", one host" * one_host, shown)
     return chosen
 
 
-def make_agent(name: str, device: torch.device):
+def make_agent(name: str, device: torch.device, one_host: bool = False):
     """A NIXL agent named ``name`` with the UCX backend and no metadata listener (the UCX settings
-    applied first)."""
+    applied first: ``apply_ucx_settings``)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    apply_ucx_settings(device)
+    apply_ucx_settings(device, one_host=one_host)
     agent = nixl_agent(name, nixl_agent_config(backends=[], enable_listen_thread=False))
     agent.create_backend("UCX", {})
     return agent
+
+
+def peers_on_this_host(plan: Plan, proc: int) -> bool:
+    """Whether the plan's devices show every NIXL peer of ``proc`` on its host (False without devices:
+    where the processes run is not known)."""
+    procs = plan.procs
+    if procs.devices is None:
+        return False
+    peers = {procs.src[m.src] for m in plan.messages if m.transport == "nixl" and procs.dst[m.dst] == proc}
+    peers |= {procs.dst[m.dst] for m in plan.messages if m.transport == "nixl" and procs.src[m.src] == proc}
+    return all(procs.host_of(p) == procs.host_of(proc) for p in peers)
+
+
+class Trace:
+    """``REFIT_NIXL_DEBUG=1``: one line per NIXL phase on stderr, flushed at once (a run that stalls
+    shows where), with the process id, the plan's process number and the seconds since ``t0``;
+    otherwise nothing. ``every(key, s)``: whether ``s`` seconds passed since that key last said so."""
+
+    def __init__(self, proc: int) -> None:
+        self.on = os.environ.get(DEBUG_ENV) == "1"
+        self.proc, self.t0 = proc, time.monotonic()
+        self._last: dict[str, float] = {}
+
+    def __call__(self, fmt: str, *args) -> None:
+        if self.on:
+            head = f"[refit nixl pid {os.getpid()} process {self.proc} +{time.monotonic() - self.t0:.3f}s] "
+            print(head + (fmt % args), file=sys.stderr, flush=True)
+
+    def every(self, key: str, seconds: float) -> bool:
+        now = time.monotonic()
+        if not self.on or now - self._last.setdefault(key, now) < seconds:
+            return False
+        self._last[key] = now
+        return True
 
 
 def ucx_config() -> dict[str, str]:
@@ -524,6 +580,7 @@ class NixlLink:
         self.sums: NixlSums | None = None  # checksum mode
         self.runs = 0  # refits started so far (the same count on every process of the plan)
         self.bytes_read = 0
+        self.trace = Trace(proc)  # REFIT_NIXL_DEBUG=1: a line per phase
 
     @classmethod
     def open(cls, plan: Plan, proc: int, local: LocalTensors, store: SignedStore | None, config: TransferConfig):
@@ -541,7 +598,13 @@ class NixlLink:
         staging = SourceStaging(plan, proc, local, config.num_buffers * config.buffer_bytes, device)
         tensors += [staging.buffer] if staging.offsets else []
         name = f"refit-{proc}-{uuid.uuid4().hex[:16]}"
-        link = cls(make_agent(name, device), name, store, config, proc)
+        trace = Trace(proc)
+        trace("setup on %s: %d pieces to send, %d to read, staging %d bytes", device, len(sends), len(recvs),
+              staging.buffer.numel())  # fmt: skip
+        one_host = peers_on_this_host(plan, proc)
+        link = cls(make_agent(name, device, one_host), name, store, config, proc)
+        link.trace = trace
+        trace("agent %s made (UCX backend; one host: %s)", name, one_host)
         link.tensors, link.staging = tensors, staging  # registered memory stays allocated while the link lives
         link.sums = NixlSums(plan, proc, local, device) if config.checksums else None
         try:
@@ -550,12 +613,14 @@ class NixlLink:
             for r in link.receivers:
                 rec = _record_for(plan, local, link.agent, name, link._regions, r, staging)
                 store.put_sealed(link._key(f"record/{proc}/{r}"), json.dumps(rec).encode())
+            trace("records published for processes %s", link.receivers)
             for sp in sorted({plan.procs.src[m.src] for m in recvs}):
                 link._connect(plan, local, sp)
         except Exception:
             link.close()
             raise
         log.info("refit nixl: process %d agent %s: %d reads prepared", proc, name, len(link.requests))
+        trace("setup done: %d READ requests prepared", len(link.requests))
         return link
 
     def _key(self, what: str) -> str:
@@ -566,7 +631,10 @@ class NixlLink:
         for mem in MEM_TYPES:
             rows = [(a, n, dev, "") for a, n, dev, m in regions if m == mem]
             if rows:
+                t0 = time.monotonic()
+                self.trace("registering %d %s regions, %d bytes", len(rows), mem, sum(r[1] for r in rows))
                 self.registered.append(self.agent.register_memory(rows, mem))
+                self.trace("registered %s in %.3f s", mem, time.monotonic() - t0)
 
     def _connect(self, plan: Plan, local: LocalTensors, sp: int) -> None:
         """Read, check and import source process ``sp``'s record; prepare the reads from it."""
@@ -583,6 +651,7 @@ class NixlLink:
                 ndims[part_key(p.tensor, source_part(plan, m.src, p.tensor, p.box)[0])] = len(p.box)
                 messages.add(k)
         rec = check_record(rec, f"process {sp}", ndims, messages)
+        self.trace("record of process %d read: agent %s, %d regions", sp, rec["agent"], len(rec["regions"]))
         try:
             got = self.agent.add_remote_agent(rec["metadata"])
         except Exception as e:  # noqa: BLE001 - NIXL's own error: the source's agent is gone
@@ -593,7 +662,11 @@ class NixlLink:
         if got != rec["agent"]:
             raise PlanError(f"NIXL record of process {sp}: metadata is of agent {got!r}, not {rec['agent']!r}")
         self.sources[sp] = rec["agent"]
-        self.requests += _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes)
+        self.trace("agent of process %d added", sp)
+        reqs = _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes)
+        self.requests += reqs
+        self.trace("%d READ requests from process %d prepared: %d descriptors, %d bytes", len(reqs), sp,
+                   sum(r.descriptors for r in reqs), sum(r.nbytes for r in reqs))  # fmt: skip
 
     # ------------------------------------------------------------------ run
     def start(self, clock: RunClock, fault=None) -> None:
@@ -604,6 +677,7 @@ class NixlLink:
         self.runs += 1
         if not self.receivers:
             return
+        self.trace("run %d: source, tensors final", self.runs)
         sent = self.sums.sent(clock) if self.sums is not None else None
         if fault is not None:
             fault("nixl-announce")
@@ -615,6 +689,7 @@ class NixlLink:
                 rec = json.dumps(self.sums.record(r, self.runs, sent)).encode()
                 self.store.put_sealed(self._key(f"{self.name}/sums/{r}"), rec)
         self.store.put(self._key(f"{self.name}/ready"), self.runs)
+        self.trace("run %d: announced to processes %s", self.runs, self.receivers)
 
     def finish(self, clock: RunClock) -> None:
         """A receiver: wait for each source's announcement, read every piece (at most
@@ -626,14 +701,18 @@ class NixlLink:
             raise TransferError(f"NIXL: process {sp} could not be reached when the reads were set up ({why})")
         for sp, agent in sorted(self.sources.items()):
             self._wait_for(self._key(f"{agent}/ready"), clock, lambda sp=sp: f"process {sp} announcing its tensors")
-        self._read(clock)
+        if self.requests:
+            self.trace("run %d: every source announced; reading %d requests", self.runs, len(self.requests))
+            self._read(clock)
         if self.sums is not None and self.sources:
             self._check_sums(clock)
+            self.trace("run %d: checksums equal", self.runs)
         for agent in self.sources.values():
             self.store.put(self._key(f"{agent}/done/{self.proc}"), self.runs)
         for r in self.receivers:
             key = self._key(f"{self.name}/done/{r}")
             self._wait_for(key, clock, lambda r=r: f"process {r} reading from process {self.proc} over NIXL")
+        self.trace("run %d: finished", self.runs)
 
     def _check_sums(self, clock: RunClock) -> None:
         """Compare what was read with every source's sums of this run (``NixlSums.check``)."""
@@ -662,6 +741,8 @@ class NixlLink:
             v = self.store.peek(key)
             if isinstance(v, int) and not isinstance(v, bool) and v >= self.runs:
                 return True
+            if self.trace.every(key, PROGRESS_EVERY_S):
+                self.trace("run %d: still waiting for %s", self.runs, what())
             time.sleep(_POLL_S)
             return False
 
@@ -671,15 +752,25 @@ class NixlLink:
         """Post every prepared READ, at most ``num_buffers`` in flight, until all are done."""
         pending, flying = list(self.requests), []
         limit = self.config.num_buffers
+        t0 = time.monotonic()
         while pending or flying:
             while pending and len(flying) < limit:
                 req = pending.pop(0)
+                if self.runs == 1:  # a post that blocks (UCX mapping a source's memory) shows here
+                    self.trace("run 1: posting %d bytes (%d pieces) from process %d", req.nbytes, req.descriptors,
+                               req.peer)  # fmt: skip
                 state = self._call(req, self.agent.transfer, "posting")
                 if state != "DONE":
                     flying.append(req)
             if flying:
                 clock.watch(lambda: self._any_done(flying), lambda: self._pending(flying))
+            done = len(self.requests) - len(pending) - len(flying)
+            if self.trace.every("read", PROGRESS_EVERY_S):
+                self.trace("run %d: %d of %d requests read", self.runs, done, len(self.requests))
         self.bytes_read = sum(r.nbytes for r in self.requests)
+        dt = time.monotonic() - t0
+        rate = self.bytes_read / max(dt, 1e-9) / 1e9  # run 1 includes UCX mapping the sources' memory
+        self.trace("run %d: read %d bytes in %.3f s (%.2f GB/s)", self.runs, self.bytes_read, dt, rate)
 
     def _any_done(self, flying: list[_Request]) -> bool:
         """Whether a request in flight finished now (removed from ``flying``)."""
@@ -687,6 +778,8 @@ class NixlLink:
         for req in list(flying):
             if self._call(req, self.agent.check_xfer_state, "reading") == "DONE":
                 flying.remove(req)
+        if len(flying) == before and self.trace.every("flying", PROGRESS_EVERY_S):
+            self.trace("run %d: still reading: %s", self.runs, self._pending(flying))
         return len(flying) < before
 
     def _call(self, req: _Request, fn, what: str) -> str:
