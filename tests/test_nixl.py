@@ -374,6 +374,40 @@ def test_a_frozen_source_aborts_at_the_deadline_and_engines_keep_their_version()
         assert waited < FROZEN_S  # gave up at its own deadline, not when the source woke up
 
 
+# ---------------------------------------------------------------------------- one agent per process
+def _two_peers_worker(world):
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
+    is_src = world.src_rank is not None
+    tensors = {k: reference_shards(src, 0, seed=k) if is_src else _zeros(dst, 0) for k in (1, 2)}
+    peers = {}
+    for k in (1, 2):  # two pairings of the same two processes, each its own Peer (and store namespace)
+        cfg = TransferConfig(name=f"pair{k}", transport="nixl", preflight_timeout_s=120.0)
+        peers[k] = Peer(src, dst, world.rank, src_tensors=tensors[k] if is_src else None,
+                        dst_tensors=None if is_src else tensors[k], config=cfg)  # fmt: skip
+    links = [peers[k].executor.nixl for k in (1, 2)]
+    out = {"same": links[0].shared is links[1].shared, "users": links[0].shared.users}
+    out["agents"] = nixl.SharedAgent.count()
+    for k in (1, 2):
+        peers[k].run(1)
+    peers[1].close()  # the other Peer goes on with the process's agent and its remote agent
+    if is_src:
+        tensors[2] = {n: t.mul_(2) for n, t in tensors[2].items()}
+    peers[2].run(2)
+    out["exact"] = is_src or (holds(tensors[1], dst, 0, seed=1) and holds(tensors[2], dst, 0, seed=2, scale=2.0))
+    peers[2].close()
+    out["after"] = nixl.SharedAgent.count()
+    return out
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_the_peers_of_a_process_share_one_nixl_agent():
+    out = run_local(_two_peers_worker, 1, 1, backend="gloo", timeout_s=240)
+    for r in out:
+        assert r == {"same": True, "users": 2, "agents": 1, "exact": True, "after": 0}, r
+
+
 # ---------------------------------------------------------------------------- fan-out and joining
 REPLICAS = 3
 
@@ -482,6 +516,20 @@ def test_ucx_settings_follow_the_nic_knobs_and_the_bind_address(tmp_path):
         "UCX_LOG_LEVEL": "info",
         "UCX_PROTO_INFO": "y",
     }
+
+
+def test_a_later_agent_chooses_its_ucx_settings_anew_unless_the_user_set_them(tmp_path):
+    from test_net import _node
+
+    _node(tmp_path, 4)
+    env = {"REFIT_SYSFS_ROOT": str(tmp_path)}
+    nixl.apply_ucx_settings(torch.device("cuda:2"), env, one_host=True)  # a first agent: peers on this host
+    assert env["UCX_NET_DEVICES"] == "lo"
+    nixl.apply_ucx_settings(torch.device("cuda:2"), env)  # a later one with peers elsewhere: its NIC again
+    assert env["UCX_NET_DEVICES"] == "mlx5_2:1,lo" and env["UCX_MAX_RMA_RAILS"] == "1"
+    env["UCX_NET_DEVICES"] = "mlx5_3:1"  # the user changed it since: it stands
+    nixl.apply_ucx_settings(torch.device("cuda:0"), env, one_host=True)
+    assert env["UCX_NET_DEVICES"] == "mlx5_3:1"
 
 
 def test_nics_are_left_out_only_where_the_plan_shows_every_peer_on_this_host():

@@ -178,8 +178,8 @@ class Executor:
         if not staged:
             self._prepare(None)
         if self.nixl is not None:
-            if self.cuda and self.nixl.receivers:
-                self._sync_device(clock)  # the tensors receivers read are final on the device
+            if self.cuda:  # a source's tensors are final, a receiver's free of pending writes (UCX's own streams)
+                self._sync_device(clock)
             self.nixl.start(clock, self._nixl_fault(fault_hook))
         if self.ipc is not None:
             self._pull_ipc(clock, staged)

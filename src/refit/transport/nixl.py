@@ -53,9 +53,11 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +84,7 @@ _ADDR_LIMIT = 1 << 63
 _POLL_S = 0.001
 STAGE_RUN_BYTES = 64 << 10  # a source piece whose runs are shorter than this is staged (packed) if the budget allows
 SYSFS_ENV = "REFIT_SYSFS_ROOT"  # where NIC discovery reads sysfs (default /sys; a container's mount, tests)
+SET_ENV = "REFIT_UCX_SET"  # the UCX variables refit itself set (JSON): chosen anew for a later agent
 DEBUG_ENV = "REFIT_NIXL_DEBUG"  # "1": a line per phase on stderr (``Trace``), UCX's own choices printed
 UCX_SHOWN = ("UCX_NET_DEVICES", "UCX_MAX_RMA_RAILS", "UCX_TLS")
 PROGRESS_EVERY_S = 5.0  # debug: how often a long wait says what it still waits for
@@ -107,8 +110,12 @@ def apply_ucx_settings(device: torch.device, env: dict | None = None, one_host: 
     over CUDA IPC off where NVML shows no active NVLink on GPU 0 (one GPU, PCIe), and refit's READs
     then crawl through UCX's software emulation. ``REFIT_NIXL_DEBUG=1`` adds ``UCX_LOG_LEVEL=info``
     and ``UCX_PROTO_INFO=y`` (UCX prints the transports and protocols it chose). A variable the
-    environment already sets is the user's choice and stays."""
+    environment already sets is the user's choice and stays; one that refit set for an earlier agent
+    (recorded in ``REFIT_UCX_SET``, inherited by child processes too) is chosen anew."""
     env = os.environ if env is None else env
+    ours = _refit_set(env)
+    for k in ours:  # refit's own earlier choice (another device, or another host set): not the user's
+        env.pop(k, None)
     sysfs_root = env.get(SYSFS_ENV) or "/sys"
     address = bind_address(env.get("REFIT_BIND_ADDRESS"))
     interface = None if address in ("0.0.0.0", "::") else interface_of(address)
@@ -119,20 +126,102 @@ def apply_ucx_settings(device: torch.device, env: dict | None = None, one_host: 
         extra |= {"UCX_LOG_LEVEL": "info", "UCX_PROTO_INFO": "y"}
     chosen |= {k: v for k, v in extra.items() if k not in env}
     env.update(chosen)
+    env[SET_ENV] = json.dumps(chosen, sort_keys=True)
     shown = {k: env[k] for k in (*UCX_SHOWN, *extra) if k in env}
     log.info("refit nixl: UCX settings for %s (bind %s%s): %s", device, address, ", one host" * one_host, shown)
     return chosen
 
 
+def _refit_set(env: Mapping[str, str]) -> dict[str, str]:
+    """The UCX variables refit set in ``env`` (``REFIT_UCX_SET``) that still hold refit's value."""
+    try:
+        mine = json.loads(env.get(SET_ENV, "{}"))
+    except ValueError:
+        return {}
+    if not isinstance(mine, dict):
+        return {}
+    return {k: v for k, v in mine.items() if isinstance(k, str) and k.startswith("UCX_") and env.get(k) == v}
+
+
 def make_agent(name: str, device: torch.device, one_host: bool = False):
-    """A NIXL agent named ``name`` with the UCX backend and no metadata listener (the UCX settings
-    applied first: ``apply_ucx_settings``)."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    """A NIXL agent named ``name`` with the UCX backend, no metadata listener and NIXL's strict thread
+    mode (its calls serialized: links of one process may run from different threads); the UCX
+    settings applied first (``apply_ucx_settings``)."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     apply_ucx_settings(device, one_host=one_host)
-    agent = nixl_agent(name, nixl_agent_config(backends=[], enable_listen_thread=False))
+    config = nixl_agent_config(
+        backends=[], enable_listen_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
+    agent = nixl_agent(name, config)
     agent.create_backend("UCX", {})
     return agent
+
+
+class SharedAgent:
+    """This process's NIXL agent, shared by its links (one per ``Peer``): one UCX context, worker and
+    progress thread per process however many Peers it holds (a fan-out replica: one per wave).
+
+    ``acquire(device, one_host)``: the agent made with those UCX settings (the first call makes it,
+    ``make_agent``; a later call with other settings, e.g. a link with peers on other hosts after one
+    without, gets an agent of its own); ``release()`` once per acquire: the last one drops the agent.
+    Remote agents are counted per link: ``add_remote(metadata)`` loads a remote agent's metadata, or
+    refreshes it (a source that registered more memory for another link publishes newer metadata, which
+    NIXL merges; requests prepared before stay valid); ``drop_remote(name)`` forgets it once no link
+    of this process reads from it. Thread-safe."""
+
+    _lock = threading.Lock()
+    _agents: dict[tuple[str, bool], SharedAgent] = {}
+
+    def __init__(self, key: tuple[str, bool], agent, name: str) -> None:
+        self.key, self.agent, self.name = key, agent, name
+        self.users = 0
+        self.remotes: Counter[str] = Counter()
+
+    @classmethod
+    def acquire(cls, device: torch.device, one_host: bool = False) -> SharedAgent:
+        key = (str(device), one_host)
+        with cls._lock:
+            shared = cls._agents.get(key)
+            if shared is None:
+                name = f"refit-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+                shared = cls._agents[key] = cls(key, make_agent(name, device, one_host), name)
+            shared.users += 1
+            return shared
+
+    @classmethod
+    def count(cls) -> int:
+        """How many agents this process holds now."""
+        with cls._lock:
+            return len(cls._agents)
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            if self._agents.get(self.key) is self:
+                del self._agents[self.key]
+            self.agent = None  # NIXL's agent (its UCX worker and progress thread) goes with the last reference
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load (or refresh) a remote agent's metadata; its name (NIXL's own errors propagate)."""
+        got = self.agent.add_remote_agent(metadata)
+        name = got.decode() if isinstance(got, bytes) else got
+        with self._lock:
+            self.remotes[name] += 1
+        return name
+
+    def drop_remote(self, name: str) -> None:
+        with self._lock:
+            self.remotes[name] -= 1
+            if self.remotes[name] > 0:
+                return
+            del self.remotes[name]
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception:  # noqa: BLE001, S110 - already gone
+            pass
 
 
 def peers_on_this_host(plan: Plan, proc: int) -> bool:
@@ -581,6 +670,7 @@ class NixlLink:
         self.runs = 0  # refits started so far (the same count on every process of the plan)
         self.bytes_read = 0
         self.trace = Trace(proc)  # REFIT_NIXL_DEBUG=1: a line per phase
+        self.shared: SharedAgent | None = None  # the process's agent (``agent`` is its NIXL object)
 
     @classmethod
     def open(cls, plan: Plan, proc: int, local: LocalTensors, store: SignedStore | None, config: TransferConfig):
@@ -597,14 +687,15 @@ class NixlLink:
         device = tensors[0].device if tensors else torch.device("cpu")
         staging = SourceStaging(plan, proc, local, config.num_buffers * config.buffer_bytes, device)
         tensors += [staging.buffer] if staging.offsets else []
-        name = f"refit-{proc}-{uuid.uuid4().hex[:16]}"
         trace = Trace(proc)
         trace("setup on %s: %d pieces to send, %d to read, staging %d bytes", device, len(sends), len(recvs),
               staging.buffer.numel())  # fmt: skip
         one_host = peers_on_this_host(plan, proc)
-        link = cls(make_agent(name, device, one_host), name, store, config, proc)
-        link.trace = trace
-        trace("agent %s made (UCX backend; one host: %s)", name, one_host)
+        shared = SharedAgent.acquire(device, one_host)
+        name = shared.name
+        link = cls(shared.agent, name, store, config, proc)
+        link.shared, link.trace = shared, trace
+        trace("agent %s (UCX backend; one host: %s) used by %d link(s) here", name, one_host, shared.users)
         link.tensors, link.staging = tensors, staging  # registered memory stays allocated while the link lives
         link.sums = NixlSums(plan, proc, local, device) if config.checksums else None
         try:
@@ -653,15 +744,14 @@ class NixlLink:
         rec = check_record(rec, f"process {sp}", ndims, messages)
         self.trace("record of process %d read: agent %s, %d regions", sp, rec["agent"], len(rec["regions"]))
         try:
-            got = self.agent.add_remote_agent(rec["metadata"])
+            got = self.shared.add_remote(rec["metadata"])
         except Exception as e:  # noqa: BLE001 - NIXL's own error: the source's agent is gone
             self.unreachable[sp] = f"{type(e).__name__}: {e}"
             log.warning("refit nixl: process %d cannot reach process %d: %s", self.proc, sp, e)
             return
-        got = got.decode() if isinstance(got, bytes) else got
+        self.sources[sp] = got  # counted: close() drops it
         if got != rec["agent"]:
             raise PlanError(f"NIXL record of process {sp}: metadata is of agent {got!r}, not {rec['agent']!r}")
-        self.sources[sp] = rec["agent"]
         self.trace("agent of process %d added", sp)
         reqs = _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes)
         self.requests += reqs
@@ -807,13 +897,11 @@ class NixlLink:
             except Exception:  # noqa: BLE001, S110 - a request left mid-flight by an aborted refit
                 pass
         self.requests = []
-        if self.agent is None:
+        if self.agent is None or self.shared is None:
             return
         for agent in self.sources.values():
-            try:
-                self.agent.remove_remote_agent(agent)
-            except Exception:  # noqa: BLE001, S110 - already gone
-                pass
+            self.shared.drop_remote(agent)
         for reg in self.registered:
             self.agent.deregister_memory(reg)
-        self.registered, self.sources, self.agent, self.tensors = [], {}, None, []
+        self.shared.release()
+        self.registered, self.sources, self.agent, self.shared, self.tensors = [], {}, None, None, []
