@@ -265,13 +265,14 @@ def test_checksum_records_are_checked_field_by_field():
         sums.check({**{k: 0 for k in sums.reads}}, RunClock())  # zeros sum to non-zero values
 
 
-def _corrupt_worker(world, victim):
-    src, dst = _layouts("tiny-llama", "tp=1", "tp=2")
-    procs = ProcessMap.disjoint(1, 2)
-    cfg = TransferConfig(transport="nixl", checksums=True, commit="staged", deadline_s=30.0, preflight_timeout_s=120.0)
+def _corrupt_worker(world, victim, dst_spec="tp=2", devices=None):
+    src, dst = _layouts("tiny-llama", "tp=1", dst_spec)
+    procs = ProcessMap.disjoint(1, dst.world_size)
+    procs, dev = (procs, "cpu") if devices is None else (procs.with_devices(devices), world.device)
+    cfg = TransferConfig(transport="nixl", checksums=True, commit="staged", deadline_s=60.0, preflight_timeout_s=120.0)
     if world.src_rank is not None:
-        tensors = reference_shards(src, 0)
-        s = Sender(src, dst, world.rank, tensors, procs=procs, config=cfg)
+        tensors = {n: t.to(dev) for n, t in reference_shards(src, 0).items()}
+        s = Sender(src, dst, world.rank, tensors, procs=procs, config=cfg, device=dev)
         s.push(1)
         for t in tensors.values():
             t.mul_(2)
@@ -289,8 +290,8 @@ def _corrupt_worker(world, victim):
             return str(e), seen
         finally:
             s.close()
-    live = _zeros(dst, world.dst_rank)
-    r = Receiver(src, dst, world.rank, live, procs=procs, config=cfg)
+    live = {n: t.to(dev) for n, t in _zeros(dst, world.dst_rank).items()}
+    r = Receiver(src, dst, world.rank, live, procs=procs, config=cfg, device=dev)
     r.pull(1)
     try:
         r.pull(2)
@@ -298,7 +299,7 @@ def _corrupt_worker(world, victim):
     except RefitAborted as e:
         msg = str(e)
     r.close()
-    return msg, r.version, holds(live, dst, world.dst_rank)
+    return msg, r.version, holds({n: t.cpu() for n, t in live.items()}, dst, world.dst_rank)
 
 
 @needs_nixl
@@ -321,53 +322,19 @@ def test_a_source_piece_changed_after_its_checksum_is_caught_and_nothing_commits
         assert version == 1 and same  # staged: the live tensors are still version 1, bit for bit
 
 
-def _gpu_worker(world):
-    src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
-    dev = world.device
-    devices = ("cuda:0", "cuda:0")
-    cfg = TransferConfig(transport="nixl", checksums=True, commit="staged", deadline_s=60.0, preflight_timeout_s=120.0)
-    if world.src_rank is not None:
-        tensors = {n: t.to(dev) for n, t in reference_shards(src, 0).items()}
-        name = next(iter(tensors))
-
-        def corrupt(where, info):
-            if where == "nixl-announce":
-                tensors[name].view(-1)[0] += 1.0
-
-        peer = Peer(src, dst, 0, src_tensors=tensors, procs=ProcessMap.disjoint(1, 1).with_devices(devices),
-                    config=cfg, device=dev)  # fmt: skip
-        peer.run(1)
-        try:
-            peer.run(2, fault_hook=corrupt)
-            return "completed"
-        except RefitAborted as e:
-            return str(e)
-        finally:
-            peer.close()
-    live = {n: t.to(dev) for n, t in _zeros(dst, 0).items()}
-    peer = Peer(src, dst, 1, dst_tensors=live, procs=ProcessMap.disjoint(1, 1).with_devices(devices), config=cfg,
-                device=dev)  # fmt: skip
-    peer.run(1)
-    try:
-        peer.run(2)
-        msg = "completed"
-    except RefitAborted as e:
-        msg = str(e)
-    peer.close()
-    return msg, holds({n: t.cpu() for n, t in live.items()}, dst, 0)
-
-
 @needs_nixl
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.timeout(300)
 def test_nixl_on_one_gpu_is_exact_and_checksums_catch_a_changed_source():
     # trainer and engine processes on one GPU: UCX reads over CUDA IPC (REFIT_NIXL_DEBUG=1 -s shows how)
-    out = run_local(_gpu_worker, 1, 1, devices=["cuda:0", "cuda:0"], timeout_s=240)
-    msg, same = out[1]
-    assert "ChecksumError: checksum mismatch in tensor" in msg, msg
-    assert same  # version 1 arrived bit for bit and stayed (staged): version 2 was refused
-    assert "aborted" in out[0]
+    gpu = ["cuda:0", "cuda:0"]
+    victim = "model.embed_tokens.weight"
+    out = run_local(_corrupt_worker, 1, 1, victim, "tp=1", gpu, devices=gpu, timeout_s=240)
+    assert out[0][1] == ["nixl-announce"] and "aborted" in out[0][0]
+    msg, version, same = out[1]
+    assert f"ChecksumError: checksum mismatch in tensor '{victim}'" in msg, msg
+    assert version == 1 and same  # version 1 arrived bit for bit and stayed (staged): version 2 was refused
 
 
 FROZEN_S = 20.0

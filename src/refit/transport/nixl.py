@@ -771,8 +771,9 @@ class NixlLink:
         sent = self.sums.sent(clock) if self.sums is not None else None
         if fault is not None:
             fault("nixl-announce")
-        if self.staging is not None and self.staging.copies:
-            self.staging.pack()
+        if self.staging is not None:  # packed, and on a GPU every write before the announcement done
+            if self.staging.copies:
+                self.staging.pack()
             device_wait(self.staging.buffer.device, clock, "packing the NIXL staging buffer")
         if sent is not None:
             for r in self.receivers:
