@@ -49,8 +49,10 @@ __all__ = ["Comms", "Executor", "FaultHook", "RunStats"]
 
 FaultHook = Callable[[str, dict], None]
 """``fault(where, info)`` (tests and ``refit verify --inject``): ``where`` is "step" (a P2P step's sends
-are packed, nothing posted yet) or, on CPU, "received" (its messages arrived, not yet checked or
-unpacked); ``info`` holds ``"step"`` (its ops: ``sends``, ``recvs``) and ``"executor"``."""
+are packed, nothing posted yet), on CPU "received" (its messages arrived, not yet checked or
+unpacked), or "nixl-announce" (a NIXL source's tensors are final and its checksums taken; nothing
+packed or announced yet); ``info`` holds ``"executor"`` and, for P2P steps, ``"step"`` (its ops:
+``sends``, ``recvs``)."""
 
 
 @dataclass(frozen=True)
@@ -176,9 +178,9 @@ class Executor:
         if not staged:
             self._prepare(None)
         if self.nixl is not None:
-            if self.cuda and self.nixl.receivers:
-                self._sync_device(clock)  # the tensors receivers read are final on the device
-            self.nixl.start(clock)
+            if self.cuda:  # a source's tensors are final, a receiver's free of pending writes (UCX's own streams)
+                self._sync_device(clock)
+            self.nixl.start(clock, self._nixl_fault(fault_hook))
         if self.ipc is not None:
             self._pull_ipc(clock, staged)
         for dst, src in self.local:
@@ -235,6 +237,9 @@ class Executor:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         clock.watch(ev.query, lambda: "GPU work of the refit (NCCL transfers or IPC pulls)")
+
+    def _nixl_fault(self, hook: FaultHook | None) -> Callable[[str], None] | None:
+        return None if hook is None else lambda where: hook(where, {"executor": self})
 
     def _fault(self, hook: FaultHook | None) -> Callable[[str, _Step], None] | None:
         if hook is None:

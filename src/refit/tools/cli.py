@@ -197,6 +197,13 @@ def _bench_parser(b: argparse.ArgumentParser) -> None:
     b.add_argument("--num-buffers", type=positive_int, default=2)
     b.add_argument("--buffer-mb", type=positive_float, default=256.0)
     b.add_argument(
+        "--deadline-s",
+        type=positive_float,
+        default=TransferConfig.deadline_s,
+        help="refit's methods: every blocking wait of one refit gives up this long after it began "
+        f"(default {TransferConfig.deadline_s:g})",
+    )
+    b.add_argument(
         "--copy-streams",
         type=positive_int,
         default=TransferConfig.copy_streams,
@@ -243,6 +250,7 @@ def cmd_bench(args, console) -> int:
         **_buffer_flags(args),
         copy_streams=("--copy-streams", args.copy_streams, args.copy_streams),
         stages=("--stages", args.stages, args.stages),
+        deadline_s=("--deadline-s", f"{args.deadline_s:g}", args.deadline_s),
     )
     out = args.out or os.path.join("bench", "results", f"{harness.device_kind() if device == 'cuda' else 'cpu'}.json")
     command = "refit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "refit bench"
