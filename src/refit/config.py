@@ -19,6 +19,8 @@ PIECE_ALIGN = 64
 
 TRANSPORTS = ("p2p", "ipc", "nixl", "auto")
 COMMIT_MODES = ("in_place", "staged")
+DELTA_MODES = ("off", "auto", "sparse", "bitmask")
+DELTA_BASES = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,12 @@ class TransferConfig:
       On CUDA with Triton it is computed in the copy that moves the bytes where it can (one kernel per
       P2P step, per IPC stage), plus one read of each IPC source to compare; one host sync per run.
     * ``stages``: all-IPC plans pull in this many stages so a source's prepare (FP8) overlaps the pulls.
+    * ``delta``: P2P messages carry only the elements changed since the version the receiver holds
+      (``"auto"``: dense, sparse or bitmask per message by the cost rule of ``refit.quant.delta``;
+      ``"sparse"`` / ``"bitmask"``: that encoding whenever the receiver holds the base; ``"off"``).
+      ``delta_base``: where a source keeps the last version it sent (``"device"`` or pinned ``"host"``
+      memory; extra memory: its P2P-sent shards). ``delta_link_gbps``: the link speed the rule weighs
+      (default: by the link's kind, ``refit.quant.delta.LINKS``). Not with ``checksums``.
 
     Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,
     stages; plus the Peer's ``tag_base``). Pre-flight compares them and names a difference with both
@@ -58,6 +66,9 @@ class TransferConfig:
     commit: str = "in_place"
     checksums: bool = False
     stages: int = 1
+    delta: str = "off"
+    delta_base: str = "device"
+    delta_link_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for field, value, least in (
@@ -86,6 +97,17 @@ class TransferConfig:
         for field, value in (("cuda_graph", self.cuda_graph), ("checksums", self.checksums)):
             if not isinstance(value, bool):
                 raise ConfigError(f"TransferConfig.{field} must be True or False, got {value!r}")
+        self._check_delta()
+
+    def _check_delta(self) -> None:
+        for field, value, allowed in (("delta", self.delta, DELTA_MODES), ("delta_base", self.delta_base, DELTA_BASES)):
+            if value not in allowed:
+                raise ConfigError(f"TransferConfig.{field} must be one of {', '.join(allowed)}, got {value!r}")
+        g = self.delta_link_gbps
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < math.inf)):
+            raise ConfigError(f"TransferConfig.delta_link_gbps must be a finite number of GB/s > 0, got {g!r}")
+        if self.delta != "off" and self.checksums:
+            raise ConfigError(f"TransferConfig.delta={self.delta!r} does not work with checksums=True yet")
 
     @property
     def cross_host(self) -> str:
@@ -94,6 +116,11 @@ class TransferConfig:
         if self.transport == "nixl" or (self.transport == "auto" and nixl_installed()):
             return "nixl"
         return "p2p"
+
+    @property
+    def deltas(self) -> bool:
+        """P2P messages may carry only what changed (``delta`` is not ``"off"``)."""
+        return self.delta != "off"
 
     @property
     def staged(self) -> bool:
@@ -109,6 +136,7 @@ class TransferConfig:
             "commit": self.commit,
             "checksums": self.checksums,
             "stages": self.stages,
+            "delta": self.delta,
         }
 
 

@@ -1,0 +1,295 @@
+"""Delta refits over torch.distributed P2P: each message carries only what changed since the base version.
+
+Setup (once): ``SourceBase`` copies a source process's tensors that it sends over P2P (on the device or
+in pinned host memory: ``TransferConfig.delta_base``); ``DeltaSchedule`` pairs each of the process's P2P
+ops (``P2PSchedule``) with its pieces' views, the base views (sender) and the link's speed.
+
+Per refit, per step (host-driven; on CUDA the device is synchronized by the header reads):
+  1. each sender chooses its message's encoding: dense when the receiver does not hold the sender's base
+     version (heal), on a same-device link, or when the last measured changed fraction makes dense
+     cheaper (then it probes again every ``PROBE_EVERY`` runs); else ``find_changes`` per piece and
+     ``choose_encoding`` (or the forced ``TransferConfig.delta``) over the message;
+  2. headers travel (int64 ``[kind, base version, version, k per piece]``, tag plus ``HEADER_TAG``);
+  3. payloads: a dense message as the plain P2P path sends it (packed ring buffer or the tensor itself),
+     a delta as its encoded pieces (``quant.delta.encode``), sized from the header;
+  4. receivers check the header (``check_header``: kind, version, base version = the version they hold,
+     counts) and apply: dense unpacks, a delta scatters (``apply_changes``), O(changed).
+The sender's base is brought to the new version only after the refit succeeded (``SourceBase.commit``):
+a failed refit leaves it on the old version, and its receivers (torn or not) report what they hold.
+Extra memory: the base (this process's P2P-sent source bytes) plus one payload per delta message in
+flight (smaller than the message's dense bytes by the rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from refit.binding import LocalTensors
+from refit.config import TransferConfig
+from refit.plan import Plan
+from refit.quant.delta import (
+    ENCODINGS,
+    LINKS,
+    DeltaError,
+    LinkSpeed,
+    apply_changes,
+    check_indices,
+    choose_encoding,
+    decode,
+    encode,
+    find_changes,
+    wire_bytes,
+)
+from refit.transport.clock import RunClock
+from refit.transport.p2p import P2PSchedule, _Op
+from refit.transport.store import SignedStore
+
+HEADER_TAG = 2 << 20  # a message's header uses its tag plus this
+PROBE_EVERY = 8  # a message sent dense because of its last fraction is diffed again after this many runs
+
+
+def link_speed(plan: Plan, a: int, b: int, config: TransferConfig) -> LinkSpeed:
+    """The ``LINKS`` entry of the link between processes ``a`` and ``b`` (same device; CUDA on one host:
+    NVLink; CUDA across hosts: a NIC; else CPU), its link speed replaced by ``config.delta_link_gbps``."""
+    procs = plan.procs
+    if procs.same_device(a, b) and procs.devices is not None:
+        kind = "same_device"
+    elif "cuda" in procs.device_of(a) and "cuda" in procs.device_of(b):
+        kind = "nvlink" if procs.host_of(a) == procs.host_of(b) else "nic"
+    else:
+        kind = "cpu"
+    speed = LINKS[kind]
+    return replace(speed, link_gbps=config.delta_link_gbps) if config.delta_link_gbps is not None else speed
+
+
+class SourceBase:
+    """A source process's copy of the bytes it last sent over P2P: every source tensor some P2P message
+    of this process reads, whole (``where``: ``"device"``, beside the tensor, or ``"host"``, pinned when
+    CUDA is present). ``version`` is the version it holds (``None``: nothing sent yet); ``commit(v)``
+    applies the updates the last run recorded. ``nbytes``: the extra memory."""
+
+    def __init__(self, plan: Plan, proc: int, local: LocalTensors, where: str) -> None:
+        names = {p.tensor for i in _sent(plan, proc) for p in plan.messages[i].pieces}
+        parts = {n: tuple((box, _copy_of(t, where)) for box, t in local.src[n]) for n in names}
+        self.local = replace(local, src=parts)
+        self.nbytes = sum(t.numel() * t.element_size() for ps in parts.values() for _, t in ps)
+        self.version: int | None = None
+        self.pending: list = []  # (base view, indices or None, values or the live view)
+
+    def commit(self, version: int) -> None:
+        """The run of ``version`` succeeded: every sent piece's base becomes what was sent."""
+        for base, idx, values in self.pending:
+            if idx is None:
+                base.copy_(values, non_blocking=True)
+            else:
+                apply_changes(base, idx.to(base.device), values.to(base.device))
+        self.pending, self.version = [], version
+
+
+def _copy_of(t: torch.Tensor, where: str) -> torch.Tensor:
+    if where == "host" and t.device.type == "cuda":
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.detach().clone()
+
+
+def _sent(plan: Plan, proc: int) -> list[int]:
+    return [i for i, m in enumerate(plan.messages) if m.transport == "p2p" and plan.procs.src[m.src] == proc]
+
+
+@dataclass
+class _DeltaOp:
+    """One P2P op in delta mode: its plain op, its pieces' views and (sender) base views, its link."""
+
+    op: _Op
+    views: list[torch.Tensor]
+    bases: list[torch.Tensor]
+    link: LinkSpeed
+    header: torch.Tensor
+    payload: torch.Tensor | None = None
+    kind: str = "dense"
+    changes: list = field(default_factory=list)
+    fraction: float | None = None  # sender: the changed fraction last measured
+    dense_runs: int = 0  # sender: runs sent dense since the last diff
+
+
+@dataclass
+class DeltaStats:
+    """What one delta run put on the wire from this process: bytes (headers included), the dense bytes
+    the same messages would have been, and the count of messages per encoding."""
+
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    received_bytes: int = 0
+    encodings: dict = field(default_factory=lambda: dict.fromkeys(ENCODINGS, 0))
+
+
+class DeltaSchedule:
+    """One process's P2P steps in delta mode, built once beside its ``P2PSchedule`` and run per refit.
+
+    Lifecycle: built on every process of the plan (no communication); ``run(clock, version, held)``
+    once per refit instead of the P2P schedule's run, same order everywhere; a source calls
+    ``base.commit(version)`` after the refit succeeded. Must agree with every peer: the plan, the tags
+    and ``config.delta`` (pre-flight checks it). ``held``: per receiving peer, the version it holds.
+    """
+
+    def __init__(self, p2p: P2PSchedule, plan: Plan, proc: int, local: LocalTensors, config: TransferConfig) -> None:
+        self.p2p, self.plan, self.proc, self.config = p2p, plan, proc, config
+        self.base = SourceBase(plan, proc, local, config.delta_base) if local.src_rank is not None else None
+        self.steps = [
+            ([self._op(op, local, True) for op in st.sends], [self._op(op, local, False) for op in st.recvs])
+            for st in p2p.steps
+        ]
+
+    @property
+    def receivers(self) -> list[int]:
+        """The processes this one sends P2P messages to (it needs the version each holds)."""
+        return sorted({d.op.peer for sends, _ in self.steps for d in sends})
+
+    @property
+    def receives(self) -> bool:
+        """Whether this process receives P2P messages (it tells its senders the version it holds)."""
+        return any(recvs for _, recvs in self.steps)
+
+    def _op(self, op: _Op, local: LocalTensors, outgoing: bool) -> _DeltaOp:
+        m = self.plan.messages[op.message]
+        view = local.src_view if outgoing else local.dst_view
+        views = [view(p.tensor, p.box) for p in m.pieces]
+        bases = [self.base.local.src_view(p.tensor, p.box) for p in m.pieces] if outgoing else []
+        link = link_speed(self.plan, self.plan.procs.src[m.src], self.plan.procs.dst[m.dst], self.config)
+        header = torch.zeros(3 + len(m.pieces), dtype=torch.int64, device=op.tensor.device)
+        return _DeltaOp(op, views, bases, link, header)
+
+    def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
+        """Every step: choose and encode (sends), headers, payloads, check and apply (receives)."""
+        stats = DeltaStats()
+        for sends, recvs in self.steps:
+            for d in sends:
+                self._encode(d, version, held.get(d.op.peer), stats)
+            ops = [d.op for d in sends + recvs]
+            hdr = self.p2p.post(*[[(d.op.peer, d.header, d.op.tag + HEADER_TAG) for d in x] for x in (sends, recvs)])
+            self.p2p.wait(clock, hdr, ops, "delta header exchange")
+            for d in recvs:
+                self._receive_into(d, version, held.get(self.proc))
+            works = self.p2p.post(*[[(d.op.peer, d.payload, d.op.tag) for d in x] for x in (sends, recvs)])
+            self.p2p.wait(clock, works, ops, "delta transfer")
+            for d in recvs:
+                self._apply(d)
+                stats.received_bytes += d.payload.numel() * d.payload.element_size() + d.header.numel() * 8
+        return stats
+
+    def _encode(self, d: _DeltaOp, version: int, held: int | None, stats: DeltaStats) -> None:
+        """Choose ``d``'s encoding and fill its header and payload (dense: packed as the P2P path does)."""
+        base = self.base.version
+        sizes = [v.element_size() for v in d.views]
+        d.kind, d.changes = "dense", []
+        if base is not None and held == base and self._worth_diffing(d, sizes):
+            d.changes = [find_changes(b, v) for b, v in zip(d.bases, d.views)]
+            pieces = [(v.numel(), len(i), s) for v, (i, _), s in zip(d.views, d.changes, sizes)]
+            forced = self.config.delta if self.config.delta in ENCODINGS else None
+            d.kind = forced or choose_encoding(pieces, d.link)
+            d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
+            d.dense_runs = 0
+        else:
+            d.dense_runs += 1
+        counts = [len(i) for i, _ in d.changes] or [0] * len(d.views)
+        d.header.copy_(torch.tensor([ENCODINGS.index(d.kind), -1 if base is None else base, version, *counts]))
+        if d.kind == "dense":
+            for bv, tv in d.op.pack:
+                bv.copy_(tv)
+            d.payload = d.op.tensor
+            self.base.pending += [(b, None, v) for b, v in zip(d.bases, d.views)]
+        else:
+            d.payload = self._pack_delta(d)
+            self.base.pending += [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)]
+        stats.wire_bytes += d.payload.numel() * d.payload.element_size() + d.header.numel() * 8
+        stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
+        stats.encodings[d.kind] += 1
+
+    def _worth_diffing(self, d: _DeltaOp, sizes: list[int]) -> bool:
+        """Diff unless the link is one device's memory (``auto``) or the last fraction said dense (then
+        every ``PROBE_EVERY`` runs)."""
+        if self.config.delta != "auto":
+            return True
+        if d.link.same_device:
+            return False
+        if d.fraction is None or d.dense_runs >= PROBE_EVERY:
+            return True
+        guess = [(v.numel(), round(d.fraction * v.numel()), s) for v, s in zip(d.views, sizes)]
+        return choose_encoding(guess, d.link) != "dense"
+
+    def _pack_delta(self, d: _DeltaOp) -> torch.Tensor:
+        sizes = [_piece_wire(d.kind, v, len(i)) for v, (i, _) in zip(d.views, d.changes)]
+        out = torch.empty(sum(sizes), dtype=torch.uint8, device=d.op.tensor.device)
+        off = 0
+        for v, (i, x), n in zip(d.views, d.changes, sizes):
+            encode(d.kind, v.numel(), i, x, out[off : off + n])
+            off += n
+        return out
+
+    def _receive_into(self, d: _DeltaOp, version: int, held: int | None) -> None:
+        """Check ``d``'s received header and make its payload buffer (dense: the plain op's tensor)."""
+        d.kind, d.changes = check_header(d.header.tolist(), [v.numel() for v in d.views], version, held, d.op)
+        if d.kind == "dense":
+            d.payload = d.op.tensor
+        else:
+            n = sum(_piece_wire(d.kind, v, k) for v, k in zip(d.views, d.changes))
+            d.payload = torch.empty(n, dtype=torch.uint8, device=d.op.tensor.device)
+
+    def _apply(self, d: _DeltaOp) -> None:
+        if d.kind == "dense":
+            for bv, tv in d.op.pack:
+                tv.copy_(bv)
+            return
+        off = 0
+        for v, k in zip(d.views, d.changes):
+            n = _piece_wire(d.kind, v, k)
+            idx, vals = decode(d.kind, v.numel(), k, d.payload[off : off + n], v.dtype)
+            check_indices(idx, v.numel(), f"delta from process {d.op.peer} ({d.op.what()})")
+            apply_changes(v, idx, vals)
+            off += n
+
+
+def exchange_held(
+    store: SignedStore, key: str, proc: int, held: int | None, publish: bool, peers: list[int], timeout_s: float
+) -> dict[int, int | None]:
+    """Before a delta run: a receiving process publishes ``{"held": version}`` under ``{key}/{proc}``
+    (signed), a sending one reads its receivers' (``timeout_s`` each); returns ``{proc: version}`` with
+    this process's own. A record that is not ``{"held": int >= 0 or null}`` raises ``DeltaError``."""
+    if publish:
+        store.put(f"{key}/{proc}", {"held": held})
+    out = {proc: held}
+    for p in peers:
+        rec = store.get(f"{key}/{p}", timeout_s)
+        v = rec.get("held", -1) if isinstance(rec, dict) and len(rec) == 1 else -1
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise DeltaError(f"process {p} published {rec!r} as the version it holds, not {{'held': version or null}}")
+        out[p] = v
+    return out
+
+
+def _piece_wire(kind: str, view: torch.Tensor, k: int) -> int:
+    return wire_bytes(kind, view.numel(), k, view.element_size())
+
+
+def check_header(header: list[int], sizes: list[int], version: int, held: int | None, op: _Op) -> tuple[str, list[int]]:
+    """A received header, field by field: the encoding, the version being sent, a delta's base version
+    equal to the version this receiver holds, and ``0 <= k <= n`` per piece. Returns ``(encoding,
+    counts)``; ``DeltaError`` names both versions and the peer otherwise."""
+    who = f"process {op.peer} ({op.what()})"
+    if len(header) != 3 + len(sizes) or not 0 <= header[0] < len(ENCODINGS):
+        raise DeltaError(f"malformed delta header from {who}: {header[:3]}")
+    kind, base, sent, counts = ENCODINGS[header[0]], header[1], header[2], header[3:]
+    if sent != version:
+        raise DeltaError(f"the message from {who} is of version {sent}, this refit is version {version}")
+    if kind != "dense" and base != held:
+        mine = "no version" if held is None else f"version {held}"
+        raise DeltaError(
+            f"refusing a delta of version {version} from {who}: it was computed on base version {base}, "
+            f"this receiver holds {mine} (a dense refit heals it)"
+        )
+    for k, n in zip(counts, sizes):
+        if not 0 <= k <= n:
+            raise DeltaError(f"delta header from {who} claims {k} changes in a piece of {n} elements")
+    return kind, counts
