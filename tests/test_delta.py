@@ -1,6 +1,12 @@
 """Delta refits: the encoding functions (exact over consecutive versions, the cost rule's choices), the
 header checks, and multi-process refits on CPU gloo (exact, fewer bytes, base versions, heal)."""
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -230,3 +236,16 @@ def test_a_delta_onto_the_wrong_base_version_is_refused_on_every_process():
     msg = str(e.value)
     assert "computed on base version 3" in msg and "holds no version" in msg, msg
     assert RefitAborted.__name__ in msg
+
+
+INTERPRET_SCRIPT = Path(__file__).with_name("delta_interpret.py")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on CPU)")
+def test_one_pass_kernel_in_interpreter_equals_the_torch_path():
+    # TRITON_INTERPRET must be set before triton is imported: a fresh interpreter
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, str(INTERPRET_SCRIPT)], env=env, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ALL OK" in r.stdout

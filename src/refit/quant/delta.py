@@ -3,7 +3,7 @@
 A refit after a small optimizer step changes few bf16 values (about 1% under RL learning rates). A
 sender that keeps the last version it sent (the *base*) can send only the changed elements:
 
-* ``find_changes(base, cur)``: the flat indices (row-major over the tensor's shape, int64, sorted) of
+* ``find_changes(base, cur)``: the flat indices (row-major over the tensor's shape, int64) of
   the elements whose **bits** differ (so ``-0.0`` vs ``0.0`` and NaN payloads count) and their new
   values; read in chunks of at most ``chunk_bytes`` so the temporary memory is bounded whatever the
   tensor's size (strided views too).
@@ -21,8 +21,10 @@ the device's own memory, so a dense copy (read n, write n) is never slower than 
 ``choose_encoding`` returns dense there without looking at ``k``. Both sides read the same rule, but
 only the sender decides; the message header carries its choice.
 
-The fused kernel seam: ``find_changes`` is the reference of a one-pass compare + compaction + base
-update kernel (Triton); a kernel must return the same indices and values (see ``tests/test_delta.py``).
+One pass on CUDA: ``refit.quant.delta_triton`` compares, compacts (and can update the base) reading each
+version once; ``find_changes`` uses it for contiguous CUDA tensors when Triton is installed, and its
+torch path is the kernel's reference (``tests/delta_interpret.py`` runs the kernel in Triton's
+interpreter against it).
 """
 
 from __future__ import annotations
@@ -126,13 +128,20 @@ def _row_chunks(t: torch.Tensor, chunk_bytes: int):
 
 
 def find_changes(
-    base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+    base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int = CHUNK_BYTES, use_triton: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat indices (int64, sorted, row-major over the shape) of the elements of ``cur`` whose bits
-    differ from ``base``, and ``cur``'s values there. Same shape and dtype; any strides; ``base`` may
-    live on another device (a pinned host copy: each chunk is copied to ``cur``'s device first)."""
+    """Flat indices (int64, row-major over the shape) of the elements of ``cur`` whose bits differ from
+    ``base``, and ``cur``'s values there. Same shape and dtype; any strides; ``base`` may live on another
+    device (a pinned host copy: each chunk is copied to ``cur``'s device first). The torch path returns
+    the indices sorted; the one-pass kernel (``use_triton``; default: both contiguous on one CUDA device
+    with Triton installed) sorted by chunk, in no particular order inside one (every consumer here is
+    order-free)."""
     if base.shape != cur.shape or base.dtype != cur.dtype:
         raise ValueError(f"find_changes: base {list(base.shape)} {base.dtype} vs current {list(cur.shape)} {cur.dtype}")
+    if use_triton is None:
+        use_triton = _kernel_fits(base, cur)
+    if use_triton:
+        return _find_kernel(base, cur, chunk_bytes)
     idx, vals = [], []
     for (start, b), (_, c) in zip(_row_chunks(base, chunk_bytes), _row_chunks(cur, chunk_bytes)):
         b = b.to(c.device, non_blocking=True)
@@ -140,6 +149,34 @@ def find_changes(
         nz = changed.nonzero().squeeze(1)
         idx.append(nz + start)
         vals.append(c.reshape(-1)[nz])
+    if not idx:
+        return torch.empty(0, dtype=torch.int64, device=cur.device), cur.new_empty(0)
+    return torch.cat(idx), torch.cat(vals)
+
+
+def _kernel_fits(base: torch.Tensor, cur: torch.Tensor) -> bool:
+    from refit.quant import delta_triton
+
+    return (
+        delta_triton.AVAILABLE
+        and cur.is_cuda
+        and base.device == cur.device
+        and base.is_contiguous()
+        and cur.is_contiguous()
+    )
+
+
+def _find_kernel(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``find_changes`` through the one-pass kernel (``refit.quant.delta_triton``), chunk by chunk."""
+    from refit.quant.delta_triton import diff_compact
+
+    b, c = bits(base).reshape(-1), bits(cur).reshape(-1)
+    step = max(1, chunk_bytes // cur.element_size())
+    idx, vals = [], []
+    for s in range(0, c.numel(), step):
+        i, v, _ = diff_compact(b[s : s + step], c[s : s + step], start=s)
+        idx.append(i)
+        vals.append(v.view(cur.dtype))
     if not idx:
         return torch.empty(0, dtype=torch.int64, device=cur.device), cur.new_empty(0)
     return torch.cat(idx), torch.cat(vals)
