@@ -294,3 +294,40 @@ def test_fp8_deltas_are_exact_and_send_only_changed_fp8_elements():
         if v > 1:
             assert wire < 0.5 * dense, (v, wire, dense)
     assert any(sent[0][0][n] != sent[-1][0][n] for n in sent[0][0])  # the weights did change
+
+
+def _fanout_worker(world):
+    from refit.fanout import Fanout
+
+    shapes = param_shapes("tiny-llama")
+    trainer = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    replica = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    tensors = (
+        _weights(trainer, 0, 0)
+        if world.rank == 0
+        else {n: torch.zeros_like(t) for n, t in _weights(replica, 0, 0).items()}
+    )
+    cfg = TransferConfig(name="fan", delta="auto", deadline_s=30.0, preflight_timeout_s=60.0)
+    f = Fanout(trainer, replica, world.rank, [0], [[1], [2], [3]], tensors, config=cfg)
+    out = []
+    for v in range(1, 5):
+        if world.rank == 0 and v > 1:
+            _optimizer_step(tensors, v)
+        f.run(v)
+        sent = [
+            p.last.delta.encodings
+            for _, p in f.peers.values()
+            if p.last is not None and p.last.delta and p.executor.delta.receivers
+        ]
+        out.append((_raw(tensors), sent))
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_fanout_replicas_get_deltas_from_the_trainer_and_from_each_other():
+    out = run_local(_fanout_worker, 1, 3, backend="gloo", timeout_s=180)
+    for v in range(4):
+        assert all(o[v][0] == out[0][v][0] for o in out[1:]), v + 1  # every replica holds the trainer's bytes
+    later = [enc for o in out for enc in o[3][1]]  # version 4: every sender (trainer, replica 0) sent deltas
+    assert len(later) >= 2 and all(e["sparse"] + e["bitmask"] > 0 for e in later), later

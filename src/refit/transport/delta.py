@@ -46,7 +46,7 @@ from refit.transport.clock import RunClock
 from refit.transport.p2p import P2PSchedule, _Op
 from refit.transport.store import SignedStore
 
-HEADER_TAG = 2 << 20  # a message's header uses its tag plus this
+HEADER_TAG = (1 << 20) + (1 << 19)  # a header: its message tag plus this (inside a fan-out tag window of 1 << 21)
 PROBE_EVERY = 8  # a message sent dense because of its last fraction is diffed again after this many runs
 
 
