@@ -39,8 +39,10 @@ class RefitInitInfo:
     rank 0 through the client and rebuilt with ``RefitInitInfo(**fields)``). Every field must be the
     same on all processes of the job. The transfer group has ``world_size = n_trainer + n_workers``
     ranks: trainer ranks ``0..n_trainer-1``, then workers ``n_trainer + (dp_index * tp * pp + worker
-    rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` become one ``TransferConfig``
-    (``transfer_config()``), validated there.
+    rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` / ``delta`` become one ``TransferConfig``
+    (``transfer_config()``), validated there. ``delta``: ``TransferConfig.delta`` (``"off"``, ``"auto"``,
+    ``"sparse"``, ``"bitmask"``): refits after the first send only the changed elements; on the loader path
+    the worker's receive buffers keep the last version, so vLLM's loaders still see whole tensors.
     """
 
     master_address: str = "127.0.0.1"
@@ -54,6 +56,7 @@ class RefitInitInfo:
     load_path: str = "auto"  # worker side: "direct" (into live params), "loader" (vLLM's loaders) or "auto"
     secret: str = field(default="", repr=False)  # the job secret (text); "" = REFIT_SECRET(_FILE); see job_secret
     job_id: str = ""  # this job's scope in every tag (the trainer fills it: replays between jobs fail)
+    delta: str = "off"  # TransferConfig.delta: send only what changed since the version the worker holds
 
     def __post_init__(self) -> None:
         """Checked where it is made (trainer side, and again where a worker rebuilds it): ``ConfigError``
@@ -92,6 +95,7 @@ class RefitInitInfo:
             buffer_bytes=self.buffer_bytes,
             preflight_timeout_s=self.timeout_s,
             name="xfer",
+            delta=self.delta,
         )
 
 
