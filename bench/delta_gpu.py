@@ -43,6 +43,7 @@ from refit.quant.delta import (
     decode,
     encode,
     find_changes,
+    find_changes_many,
     wire_bytes,
 )
 from refit.tools.bench.weights import make_weight
@@ -87,7 +88,9 @@ def _timed(device: torch.device, fn) -> tuple[float, object]:
 
 
 def _find(base, cur, names, use_triton=None):
-    return [find_changes(base[n], cur[n], use_triton=use_triton) for n in names]
+    if use_triton is False:
+        return [find_changes(base[n], cur[n], use_triton=False) for n in names]
+    return find_changes_many([(base[n], cur[n]) for n in names])  # what the transport runs per message
 
 
 def _pack(cur, names, found, bufs):

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from refit.quant.delta import bits, find_changes
+from refit.quant.delta import bits, find_changes, find_changes_many
 from refit.quant.delta_triton import diff_compact
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -33,6 +33,17 @@ def main() -> None:
                 for chunk in (1 << 20, 700 * cur.element_size()):  # several chunks, a block across a chunk end
                     same_changes(base, cur, chunk)
                 base.copy_(cur)
+    # many pieces, one sync: few changes (the kernel's slots), many (over a quarter: the torch path again)
+    pairs = []
+    for n, f in ((5000, 0.01), (3000, 0.9), (1, 1.0), (0, 0.0)):
+        cur = torch.randn(n, generator=G).to(torch.bfloat16)
+        base = cur.clone()
+        bits(cur)[torch.rand(n, generator=G) < f] ^= 1
+        pairs.append((base, cur))
+    for (base, cur), (i, v) in zip(pairs, find_changes_many(pairs, use_triton=True)):
+        want_i, want_v = find_changes(base, cur, use_triton=False)
+        order = torch.argsort(i)
+        assert torch.equal(i[order], want_i) and torch.equal(bits(v[order]), bits(want_v))
     # overflow: fewer slots than changes, the count still true; the fused base update
     base = torch.zeros(3000, dtype=torch.int16)
     cur = torch.arange(3000, dtype=torch.int16)

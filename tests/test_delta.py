@@ -25,6 +25,7 @@ from refit.quant.delta import (
     DeltaError,
     apply_changes,
     check_indices,
+    check_indices_many,
     choose_encoding,
     decode,
     encode,
@@ -109,6 +110,11 @@ def test_sparse_wire_bytes_at_one_percent_of_bf16_are_under_eight_percent_of_den
 
 
 def test_out_of_range_indices_never_reach_the_scatter():
+    with pytest.raises(DeltaError, match="index 12 is outside the piece's 12 elements"):
+        check_indices_many(
+            [(torch.tensor([1, 2]), 4), (torch.tensor([], dtype=torch.int64), 0), (torch.tensor([12]), 12)], "x"
+        )
+    check_indices_many([(torch.tensor([0, 3]), 4), (torch.tensor([11]), 12)], "x")
     with pytest.raises(DeltaError, match="outside the piece's 10 elements"):
         check_indices(torch.tensor([3, 10], dtype=torch.int32), 10, "x")
     with pytest.raises(DeltaError, match="marks 1 elements, its header says 2"):

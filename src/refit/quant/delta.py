@@ -182,6 +182,37 @@ def _find_kernel(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int) -> tup
     return torch.cat(idx), torch.cat(vals)
 
 
+def find_changes_many(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int = CHUNK_BYTES, use_triton: bool | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``find_changes`` of every ``(base, cur)`` pair (the pieces of one message). Pairs the one-pass
+    kernel takes (contiguous, one CUDA device, at most ``chunk_bytes``) are launched together with one
+    host sync for all of them, into slots for a quarter of their elements (a pair with more changes is
+    found again by ``find_changes``, with every slot); the rest go through ``find_changes``. ``use_triton``: as
+    ``find_changes``' (True: every pair that fits the chunk, e.g. in Triton's interpreter)."""
+    out: list = [None] * len(pairs)
+    fits = [
+        i
+        for i, (b, c) in enumerate(pairs)
+        if c.numel() * c.element_size() <= chunk_bytes and (_kernel_fits(b, c) if use_triton is None else use_triton)
+    ]
+    if fits:
+        from refit.quant.delta_triton import launch
+
+        counts = torch.zeros(len(fits), dtype=torch.int32, device=pairs[fits[0]][1].device)
+        slots = []
+        for j, i in enumerate(fits):
+            b, c = pairs[i]
+            cap = max(1024, c.numel() // 4)
+            idx, vals = torch.empty(cap, dtype=torch.int64, device=c.device), bits(c.new_empty(cap))
+            launch(bits(b).reshape(-1), bits(c).reshape(-1), idx, vals, counts[j : j + 1])
+            slots.append((idx, vals))
+        for i, k, (idx, vals) in zip(fits, counts.tolist(), slots):
+            if k <= len(idx):
+                out[i] = (idx[:k], vals[:k].view(pairs[i][1].dtype))
+    return [o if o is not None else find_changes(b, c, chunk_bytes, use_triton) for o, (b, c) in zip(out, pairs)]
+
+
 def apply_changes(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
     """``dst``'s elements at flat row-major ``indices`` become ``values``: one ``index_put_``, O(changed),
     on any strides. ``indices`` must lie in ``[0, dst.numel())`` (``check_indices``)."""
@@ -200,6 +231,18 @@ def check_indices(indices: torch.Tensor, n: int, what: str) -> None:
         lo, hi = torch.stack([indices.min(), indices.max()]).tolist()
         if lo < 0 or hi >= n:
             raise DeltaError(f"{what}: delta index {lo if lo < 0 else hi} is outside the piece's {n} elements")
+
+
+def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> None:
+    """``check_indices`` of every ``(indices, n)`` with one host sync for all of them."""
+    pieces = [(i, n) for i, n in pieces if i.numel()]
+    if not pieces:
+        return
+    lows = torch.stack([i.min().long() for i, _ in pieces])
+    highs = torch.stack([i.max().long() - n for i, n in pieces])
+    for (_, n), lo, hi in zip(pieces, lows.tolist(), highs.tolist()):
+        if lo < 0 or hi >= 0:
+            raise DeltaError(f"{what}: delta index {lo if lo < 0 else hi + n} is outside the piece's {n} elements")
 
 
 def encode(encoding: str, n: int, indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:

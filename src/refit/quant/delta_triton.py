@@ -48,19 +48,34 @@ if AVAILABLE:
             tl.store(base_ptr + offs, c, mask=changed)
 
 
+def launch(
+    base_bits: torch.Tensor,
+    cur_bits: torch.Tensor,
+    idx: torch.Tensor,
+    vals: torch.Tensor,
+    count: torch.Tensor,
+    start: int = 0,
+    update: bool = False,
+) -> None:
+    """Enqueue the kernel (no host sync): at most ``len(idx)`` changes of ``cur_bits`` vs ``base_bits``
+    (contiguous 1-D integer views of equal length) into ``idx`` (int64, plus ``start``) and ``vals``
+    (``cur_bits``' dtype); ``count`` (one int32, zeroed) receives the true number of changes."""
+    n = cur_bits.numel()
+    if n:
+        grid = (triton.cdiv(n, BLOCK),)
+        _diff_compact[grid](base_bits, cur_bits, idx, vals, count, n, start, len(idx), UPDATE=update, BLOCK=BLOCK)
+
+
 def diff_compact(
     base_bits: torch.Tensor, cur_bits: torch.Tensor, start: int = 0, cap: int | None = None, update: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``base_bits`` / ``cur_bits``: contiguous 1-D integer views of equal length (one element each).
-    Returns ``(indices, values, count)``: the first ``min(count, cap)`` changed elements' flat indices
-    (plus ``start``) and current bits, and the true number of changes ``count`` (one host sync)."""
-    n = cur_bits.numel()
-    cap = n if cap is None else cap
+    """``launch`` into fresh slots (``cap``, default every element), then one host sync. Returns
+    ``(indices, values, count)``: the first ``min(count, cap)`` changed elements' flat indices (plus
+    ``start``) and current bits, and the true number of changes ``count``."""
+    cap = cur_bits.numel() if cap is None else cap
     idx = torch.empty(cap, dtype=torch.int64, device=cur_bits.device)
     vals = torch.empty(cap, dtype=cur_bits.dtype, device=cur_bits.device)
     count = torch.zeros(1, dtype=torch.int32, device=cur_bits.device)
-    if n:
-        grid = (triton.cdiv(n, BLOCK),)
-        _diff_compact[grid](base_bits, cur_bits, idx, vals, count, n, start, cap, UPDATE=update, BLOCK=BLOCK)
+    launch(base_bits, cur_bits, idx, vals, count, start, update)
     k = int(count.item())
     return idx[: min(k, cap)], vals[: min(k, cap)], k

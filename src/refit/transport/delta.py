@@ -35,11 +35,11 @@ from refit.quant.delta import (
     DeltaError,
     LinkSpeed,
     apply_changes,
-    check_indices,
+    check_indices_many,
     choose_encoding,
     decode,
     encode,
-    find_changes,
+    find_changes_many,
     wire_bytes,
 )
 from refit.transport.clock import RunClock
@@ -185,7 +185,7 @@ class DeltaSchedule:
         sizes = [v.element_size() for v in d.views]
         d.kind, d.changes = "dense", []
         if base is not None and held == base and self._worth_diffing(d, sizes):
-            d.changes = [find_changes(b, v) for b, v in zip(d.bases, d.views)]
+            d.changes = find_changes_many(list(zip(d.bases, d.views)))
             pieces = [(v.numel(), len(i), s) for v, (i, _), s in zip(d.views, d.changes, sizes)]
             forced = self.config.delta if self.config.delta in ENCODINGS else None
             d.kind = forced or choose_encoding(pieces, d.link)
@@ -242,13 +242,15 @@ class DeltaSchedule:
             for bv, tv in d.op.pack:
                 tv.copy_(bv)
             return
-        off = 0
+        off, decoded = 0, []
         for v, k in zip(d.views, d.changes):
             n = _piece_wire(d.kind, v, k)
-            idx, vals = decode(d.kind, v.numel(), k, d.payload[off : off + n], v.dtype)
-            check_indices(idx, v.numel(), f"delta from process {d.op.peer} ({d.op.what()})")
-            apply_changes(v, idx, vals)
+            decoded.append(decode(d.kind, v.numel(), k, d.payload[off : off + n], v.dtype))
             off += n
+        pieces = [(idx, v.numel()) for v, (idx, _) in zip(d.views, decoded)]
+        check_indices_many(pieces, f"delta from process {d.op.peer} ({d.op.what()})")  # one host sync
+        for v, (idx, vals) in zip(d.views, decoded):
+            apply_changes(v, idx, vals)
 
 
 def exchange_held(
