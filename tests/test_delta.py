@@ -337,3 +337,44 @@ def test_fanout_replicas_get_deltas_from_the_trainer_and_from_each_other():
         assert all(o[v][0] == out[0][v][0] for o in out[1:]), v + 1  # every replica holds the trainer's bytes
     later = [enc for o in out for enc in o[3][1]]  # version 4: every sender (trainer, replica 0) sent deltas
     assert len(later) >= 2 and all(e["sparse"] + e["bitmask"] > 0 for e in later), later
+
+
+def _policy_worker(world):
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
+    lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto", deadline_s=60)
+    procs = ProcessMap.disjoint(1, 1)
+    out = []
+    if world.src_rank is not None:
+        local = _weights(lay, 0, 0)
+        s = Sender(lay, lay, world.rank, local, procs=procs, config=cfg)
+        for v in range(1, 22):
+            for t in local.values():  # versions 2-11: every element changes; then a few
+                flip = torch.rand(t.shape) < (1.0 if v <= 11 else 0.01)
+                t.view(torch.int16)[flip] ^= 1
+            st = s.push(v)
+            out.append((_raw(local), st.delta.diffed, dict(st.delta.encodings)))
+        return out
+    local = {n: torch.zeros_like(t) for n, t in _weights(lay, 0, 0).items()}
+    r = Receiver(lay, lay, world.rank, local, procs=procs, config=cfg)
+    for v in range(1, 22):
+        r.pull(v)
+        out.append(_raw(local))
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_a_steady_full_change_is_sent_dense_without_diffing_and_deltas_resume_when_it_drops():
+    sent, got = run_local(_policy_worker, 1, 1, backend="gloo", timeout_s=120)
+    assert [s[0] for s in sent] == got  # exact at every version
+    diffed = [s[1] for s in sent]
+    n = sum(sent[0][2].values())
+    assert diffed[0] == 0 and diffed[1] == n  # version 1: nothing to diff against; 2: measured (100%)
+    assert all(s[2]["dense"] == n for s in sent[:11])  # the rule: dense at 100%
+    assert diffed[2:9] == [0] * 7  # versions 3-9: no diff (nor base copy) while the fraction says dense
+    assert diffed[9] == 0 and diffed[10] == n  # version 10 refreshes the base, 11 measures again
+    # versions 12-21 change 1%: the stale fraction keeps dense until the next probe (versions 19, 20),
+    # then deltas again
+    assert diffed[11:18] == [0] * 7 and diffed[19] == n, diffed
+    assert sent[-1][2]["sparse"] + sent[-1][2]["bitmask"] == n, sent[-1][1:]

@@ -5,9 +5,10 @@ in pinned host memory: ``TransferConfig.delta_base``); ``DeltaSchedule`` pairs e
 ops (``P2PSchedule``) with its pieces' views, the base views (sender) and the link's speed.
 
 Per refit, per step (host-driven; on CUDA the device is synchronized by the header reads):
-  1. each sender chooses its message's encoding: dense when the receiver does not hold the sender's base
-     version (heal), on a same-device link, or when the last measured changed fraction makes dense
-     cheaper (then it probes again every ``PROBE_EVERY`` runs); else ``find_changes`` per piece and
+  1. each sender chooses its message's encoding (``DeltaSchedule._plan``): dense when the receiver does
+     not hold the sender's base version (heal), on a same-device link, or when the last measured changed
+     fraction makes dense cheaper (then the base is not maintained either, until a probe every
+     ``PROBE_EVERY`` runs refreshes it); else ``find_changes_many`` over the pieces and
      ``choose_encoding`` (or the forced ``TransferConfig.delta``) over the message;
   2. headers travel (int64 ``[kind, base version, version, k per piece]``, tag plus ``HEADER_TAG``);
   3. payloads: a dense message as the plain P2P path sends it (packed ring buffer or the tensor itself),
@@ -112,13 +113,15 @@ class _DeltaOp:
     changes: list = field(default_factory=list)
     fraction: float | None = None  # sender: the changed fraction last measured
     dense_runs: int = 0  # sender: runs sent dense since the last diff
+    stale: bool = False  # sender: this message's base was not brought to the last version (``_plan``)
 
 
 @dataclass
 class DeltaStats:
     """What one delta run put on the wire from this process: bytes (headers included), the dense bytes
-    the same messages would have been, and the count of messages per encoding."""
+    the same messages would have been, the count of messages per encoding and of messages diffed."""
 
+    diffed: int = 0
     wire_bytes: int = 0
     dense_bytes: int = 0
     received_bytes: int = 0
@@ -184,22 +187,28 @@ class DeltaSchedule:
         base = self.base.version
         sizes = [v.element_size() for v in d.views]
         d.kind, d.changes = "dense", []
-        if base is not None and held == base and self._worth_diffing(d, sizes):
+        plan = self._plan(d, sizes, base is not None and held == base)
+        if plan == "diff":
             d.changes = find_changes_many(list(zip(d.bases, d.views)))
             pieces = [(v.numel(), len(i), s) for v, (i, _), s in zip(d.views, d.changes, sizes)]
             forced = self.config.delta if self.config.delta in ENCODINGS else None
             d.kind = forced or choose_encoding(pieces, d.link)
             d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
             d.dense_runs = 0
+            stats.diffed += 1
         else:
             d.dense_runs += 1
-        counts = [len(i) for i, _ in d.changes] or [0] * len(d.views)
+        counts = [len(i) for i, _ in d.changes] if d.kind != "dense" else [0] * len(d.views)
         d.header.copy_(torch.tensor([ENCODINGS.index(d.kind), -1 if base is None else base, version, *counts]))
         if d.kind == "dense":
             for bv, tv in d.op.pack:
                 bv.copy_(tv)
             d.payload = d.op.tensor
-            self.base.pending += [(b, None, v) for b, v in zip(d.bases, d.views)]
+            d.stale = plan == "skip"  # a skipped base is not diffed until it is refreshed
+            if not d.stale:
+                self.base.pending += [(b, None, v) for b, v in zip(d.bases, d.views)]
+            if plan == "refresh":
+                d.fraction = None  # the next run diffs and measures again
         else:
             d.payload = self._pack_delta(d)
             self.base.pending += [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)]
@@ -207,17 +216,25 @@ class DeltaSchedule:
         stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
         stats.encodings[d.kind] += 1
 
-    def _worth_diffing(self, d: _DeltaOp, sizes: list[int]) -> bool:
-        """Diff unless the link is one device's memory (``auto``) or the last fraction said dense (then
-        every ``PROBE_EVERY`` runs)."""
-        if self.config.delta != "auto":
-            return True
-        if d.link.same_device:
-            return False
-        if d.fraction is None or d.dense_runs >= PROBE_EVERY:
-            return True
+    def _plan(self, d: _DeltaOp, sizes: list[int], base_ok: bool) -> str:
+        """``"diff"``; ``"refresh"`` (dense, and the base copied at commit so the next run may diff: a
+        receiver without the base, the first run, a probe every ``PROBE_EVERY`` dense runs); or ``"skip"``
+        (dense, the base left as it was and marked stale: under ``auto`` on a same-device link, or while
+        the last measured fraction says dense, so a steady 100% change costs neither a diff nor a copy)."""
+        auto = self.config.delta == "auto"
+        if auto and d.link.same_device:
+            return "skip"
+        if not base_ok:
+            return "refresh"
+        if not auto:
+            return "refresh" if d.stale else "diff"
+        probe = "refresh" if d.dense_runs + 1 >= PROBE_EVERY else "skip"
+        if d.stale:
+            return probe
+        if d.fraction is None:
+            return "diff"
         guess = [(v.numel(), round(d.fraction * v.numel()), s) for v, s in zip(d.views, sizes)]
-        return choose_encoding(guess, d.link) != "dense"
+        return "diff" if choose_encoding(guess, d.link) != "dense" else probe
 
     def _pack_delta(self, d: _DeltaOp) -> torch.Tensor:
         sizes = [_piece_wire(d.kind, v, len(i)) for v, (i, _) in zip(d.views, d.changes)]
