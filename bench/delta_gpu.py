@@ -221,7 +221,7 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
                 "exact": bool(torch.equal(sums, theirs)),
             }
         )
-    extra = peers["delta"].executor.delta.base.nbytes if world.src_rank is not None else 0
+    extra = peers["delta"].executor.delta_base_bytes
     for p in peers.values():
         p.close()
     return rows, extra

@@ -154,6 +154,11 @@ class Executor:
         return self.p2p.ring.staging_bytes
 
     @property
+    def delta_base_bytes(self) -> int:
+        """Bytes of the delta base this process keeps (``TransferConfig.delta``; 0 when off or not a source)."""
+        return self.delta.base.nbytes if self.delta is not None and self.delta.base is not None else 0
+
+    @property
     def stage_names(self) -> list[set[str]]:
         """The source tensors of each IPC pull stage (one stage, all names, without IPC)."""
         return self.ipc.stage_names if self.ipc is not None else ipc_stages(self.plan, 1)

@@ -2,7 +2,7 @@
 version once. ``refit.quant.delta.find_changes`` is its reference and calls it on contiguous CUDA tensors.
 
 The torch reference makes several passes (compare into a bool tensor, ``nonzero``, gather the values).
-Here one program reads a block of ``BLOCK`` elements of the base and the current version as integers
+Here one program reads a block of ``BLOCK`` (4096) elements of the base and the current version as integers
 (bitwise), counts its changed elements, reserves that many output slots with one atomic add on a global
 counter, and writes their flat indices (int64) and new values at its reserved offset plus the exclusive
 prefix sum of its changes; with ``update`` it also writes the new values into the base (the base update
@@ -24,7 +24,8 @@ try:
 except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch path is used
     AVAILABLE = False
 
-BLOCK = 1024
+BLOCK = 4096  # elements per program: fewer atomics on the shared counter (one per program)
+NUM_WARPS = 8
 
 if AVAILABLE:
 
@@ -63,7 +64,9 @@ def launch(
     n = cur_bits.numel()
     if n:
         grid = (triton.cdiv(n, BLOCK),)
-        _diff_compact[grid](base_bits, cur_bits, idx, vals, count, n, start, len(idx), UPDATE=update, BLOCK=BLOCK)
+        _diff_compact[grid](
+            base_bits, cur_bits, idx, vals, count, n, start, len(idx), UPDATE=update, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
 
 
 def diff_compact(
