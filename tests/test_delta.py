@@ -378,3 +378,25 @@ def test_a_steady_full_change_is_sent_dense_without_diffing_and_deltas_resume_wh
     # then deltas again
     assert diffed[11:18] == [0] * 7 and diffed[19] == n, diffed
     assert sent[-1][2]["sparse"] + sent[-1][2]["bitmask"] == n, sent[-1][1:]
+
+
+@pytest.mark.gpu
+def test_one_pass_kernel_on_cuda_equals_the_torch_path_and_deltas_apply():
+    from refit.quant.delta import find_changes_many
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype, n in ((torch.bfloat16, (1 << 22) + 5), (torch.float32, 1 << 20), (torch.float8_e4m3fn, 12345)):
+        cur = torch.randn(n, device="cuda", generator=gen).to(dtype)
+        base, engine = cur.clone(), cur.clone()
+        for f in (0.001, 0.01, 0.3, 1.0):
+            bits_of = cur.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[cur.element_size()])
+            bits_of ^= (torch.rand(n, device="cuda", generator=gen) < f).to(bits_of.dtype)
+            want_i, want_v = find_changes(base, cur, use_triton=False)
+            (got_i, got_v), (many_i, _) = find_changes(base, cur, use_triton=True), find_changes_many([(base, cur)])[0]
+            order = torch.argsort(got_i)
+            assert torch.equal(got_i[order], want_i) and torch.equal(torch.sort(many_i).values, want_i)
+            assert torch.equal(got_v[order].view(torch.uint8), want_v.view(torch.uint8))
+            check_indices_many([(got_i, n)], "gpu")
+            apply_changes(engine, got_i, got_v)
+            apply_changes(base, want_i, want_v)
+            assert torch.equal(engine.view(torch.uint8), cur.view(torch.uint8))
