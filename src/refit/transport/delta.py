@@ -49,6 +49,7 @@ from refit.transport.store import SignedStore
 
 HEADER_TAG = (1 << 20) + (1 << 19)  # a header: its message tag plus this (inside a fan-out tag window of 1 << 21)
 PROBE_EVERY = 8  # a message sent dense because of its last fraction is diffed again after this many runs
+FIND_BATCH_BYTES = 1 << 30  # data diffed per host sync (the kernel's slots: ~1.25x that for bf16)
 
 
 def link_speed(plan: Plan, a: int, b: int, config: TransferConfig) -> LinkSpeed:
@@ -144,6 +145,7 @@ class DeltaSchedule:
             ([self._op(op, local, True) for op in st.sends], [self._op(op, local, False) for op in st.recvs])
             for st in p2p.steps
         ]
+        self.headers = self._headers()
 
     @property
     def receivers(self) -> list[int]:
@@ -161,36 +163,75 @@ class DeltaSchedule:
         views = [view(p.tensor, p.box) for p in m.pieces]
         bases = [self.base.local.src_view(p.tensor, p.box) for p in m.pieces] if outgoing else []
         link = link_speed(self.plan, self.plan.procs.src[m.src], self.plan.procs.dst[m.dst], self.config)
-        header = torch.zeros(3 + len(m.pieces), dtype=torch.int64, device=op.tensor.device)
-        return _DeltaOp(op, views, bases, link, header)
+        return _DeltaOp(op, views, bases, link, torch.empty(0))
+
+    def _headers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per step, one int64 buffer for the headers it sends and one for those it receives; each op's
+        ``header`` is its slice (one host-to-device copy and one read per step, not per message)."""
+        out = []
+        for sends, recvs in self.steps:
+            bufs = []
+            for ops in (sends, recvs):
+                dev = ops[0].op.tensor.device if ops else torch.device("cpu")
+                buf = torch.zeros(sum(3 + len(d.views) for d in ops), dtype=torch.int64, device=dev)
+                off = 0
+                for d in ops:
+                    d.header = buf[off : off + 3 + len(d.views)]
+                    off += 3 + len(d.views)
+                bufs.append(buf)
+            out.append((bufs[0], bufs[1]))
+        return out
 
     def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         """Every step: choose and encode (sends), headers, payloads, check and apply (receives)."""
         stats = DeltaStats()
-        for sends, recvs in self.steps:
-            for d in sends:
-                self._encode(d, version, held.get(d.op.peer), stats)
+        for (sends, recvs), (send_hdr, recv_hdr) in zip(self.steps, self.headers):
+            if sends:
+                plans = [
+                    self._plan(d, self.base.version is not None and held.get(d.op.peer) == self.base.version)
+                    for d in sends
+                ]
+                self._find([d for d, p in zip(sends, plans) if p == "diff"])
+                head = [x for d, p in zip(sends, plans) for x in self._encode(d, p, version, stats)]
+                send_hdr.copy_(torch.tensor(head, dtype=torch.int64))
             ops = [d.op for d in sends + recvs]
             hdr = self.p2p.post(*[[(d.op.peer, d.header, d.op.tag + HEADER_TAG) for d in x] for x in (sends, recvs)])
             self.p2p.wait(clock, hdr, ops, "delta header exchange")
+            got = recv_hdr.tolist()  # one read for the step's headers
             for d in recvs:
-                self._receive_into(d, version, held.get(self.proc))
+                self._receive_into(d, got[: 3 + len(d.views)], version, held.get(self.proc))
+                got = got[3 + len(d.views) :]
             works = self.p2p.post(*[[(d.op.peer, d.payload, d.op.tag) for d in x] for x in (sends, recvs)])
             self.p2p.wait(clock, works, ops, "delta transfer")
-            for d in recvs:
-                self._apply(d)
-                stats.received_bytes += d.payload.numel() * d.payload.element_size() + d.header.numel() * 8
+            self._apply(recvs)
+            stats.received_bytes += sum(
+                d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs
+            )
         return stats
 
-    def _encode(self, d: _DeltaOp, version: int, held: int | None, stats: DeltaStats) -> None:
-        """Choose ``d``'s encoding and fill its header and payload (dense: packed as the P2P path does)."""
+    def _find(self, ops: list[_DeltaOp]) -> None:
+        """``find_changes_many`` over the pieces of ``ops``, in batches of at most ``FIND_BATCH_BYTES`` of
+        data (one host sync per batch); each op's ``changes``."""
+        batch: list[_DeltaOp] = []
+        size = 0
+        for d in ops + [None]:
+            nbytes = sum(v.numel() * v.element_size() for v in d.views) if d is not None else 0
+            if batch and (d is None or size + nbytes > FIND_BATCH_BYTES):
+                found = find_changes_many([(b, v) for x in batch for b, v in zip(x.bases, x.views)])
+                for x in batch:
+                    x.changes, found = found[: len(x.views)], found[len(x.views) :]
+                batch, size = [], 0
+            if d is not None:
+                batch.append(d)
+                size += nbytes
+
+    def _encode(self, d: _DeltaOp, plan: str, version: int, stats: DeltaStats) -> list[int]:
+        """Fill ``d``'s payload (dense: packed as the P2P path does) by ``plan`` (``_plan``) and the
+        changes ``_find`` found; return its header ``[encoding, base version, version, k per piece]``."""
         base = self.base.version
-        sizes = [v.element_size() for v in d.views]
-        d.kind, d.changes = "dense", []
-        plan = self._plan(d, sizes, base is not None and held == base)
+        d.kind = "dense"
         if plan == "diff":
-            d.changes = find_changes_many(list(zip(d.bases, d.views)))
-            pieces = [(v.numel(), len(i), s) for v, (i, _), s in zip(d.views, d.changes, sizes)]
+            pieces = [(v.numel(), len(i), v.element_size()) for v, (i, _) in zip(d.views, d.changes)]
             forced = self.config.delta if self.config.delta in ENCODINGS else None
             d.kind = forced or choose_encoding(pieces, d.link)
             d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
@@ -199,7 +240,6 @@ class DeltaSchedule:
         else:
             d.dense_runs += 1
         counts = [len(i) for i, _ in d.changes] if d.kind != "dense" else [0] * len(d.views)
-        d.header.copy_(torch.tensor([ENCODINGS.index(d.kind), -1 if base is None else base, version, *counts]))
         if d.kind == "dense":
             for bv, tv in d.op.pack:
                 bv.copy_(tv)
@@ -212,11 +252,13 @@ class DeltaSchedule:
         else:
             d.payload = self._pack_delta(d)
             self.base.pending += [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)]
+        d.changes = d.changes if d.kind != "dense" else []
         stats.wire_bytes += d.payload.numel() * d.payload.element_size() + d.header.numel() * 8
         stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
         stats.encodings[d.kind] += 1
+        return [ENCODINGS.index(d.kind), -1 if base is None else base, version, *counts]
 
-    def _plan(self, d: _DeltaOp, sizes: list[int], base_ok: bool) -> str:
+    def _plan(self, d: _DeltaOp, base_ok: bool) -> str:
         """``"diff"``; ``"refresh"`` (dense, and the base copied at commit so the next run may diff: a
         receiver without the base, the first run, a probe every ``PROBE_EVERY`` dense runs); or ``"skip"``
         (dense, the base left as it was and marked stale: under ``auto`` on a same-device link, or while
@@ -233,7 +275,7 @@ class DeltaSchedule:
             return probe
         if d.fraction is None:
             return "diff"
-        guess = [(v.numel(), round(d.fraction * v.numel()), s) for v, s in zip(d.views, sizes)]
+        guess = [(v.numel(), round(d.fraction * v.numel()), v.element_size()) for v in d.views]
         return "diff" if choose_encoding(guess, d.link) != "dense" else probe
 
     def _pack_delta(self, d: _DeltaOp) -> torch.Tensor:
@@ -245,28 +287,36 @@ class DeltaSchedule:
             off += n
         return out
 
-    def _receive_into(self, d: _DeltaOp, version: int, held: int | None) -> None:
+    def _receive_into(self, d: _DeltaOp, header: list[int], version: int, held: int | None) -> None:
         """Check ``d``'s received header and make its payload buffer (dense: the plain op's tensor)."""
-        d.kind, d.changes = check_header(d.header.tolist(), [v.numel() for v in d.views], version, held, d.op)
+        d.kind, d.changes = check_header(header, [v.numel() for v in d.views], version, held, d.op)
         if d.kind == "dense":
             d.payload = d.op.tensor
         else:
             n = sum(_piece_wire(d.kind, v, k) for v, k in zip(d.views, d.changes))
             d.payload = torch.empty(n, dtype=torch.uint8, device=d.op.tensor.device)
 
-    def _apply(self, d: _DeltaOp) -> None:
-        if d.kind == "dense":
-            for bv, tv in d.op.pack:
-                tv.copy_(bv)
-            return
-        off, decoded = 0, []
-        for v, k in zip(d.views, d.changes):
-            n = _piece_wire(d.kind, v, k)
-            decoded.append(decode(d.kind, v.numel(), k, d.payload[off : off + n], v.dtype))
-            off += n
-        pieces = [(idx, v.numel()) for v, (idx, _) in zip(d.views, decoded)]
-        check_indices_many(pieces, f"delta from process {d.op.peer} ({d.op.what()})")  # one host sync
-        for v, (idx, vals) in zip(d.views, decoded):
+    def _apply(self, recvs: list[_DeltaOp]) -> None:
+        """Unpack the dense messages; decode every delta's pieces, check all their indices (one host
+        sync), then scatter them into their views."""
+        todo = []
+        for d in recvs:
+            if d.kind == "dense":
+                for bv, tv in d.op.pack:
+                    tv.copy_(bv)
+                continue
+            off = 0
+            for v, k in zip(d.views, d.changes):
+                n = _piece_wire(d.kind, v, k)
+                todo.append((d, v, *decode(d.kind, v.numel(), k, d.payload[off : off + n], v.dtype)))
+                off += n
+        try:
+            check_indices_many([(idx, v.numel()) for _, v, idx, _ in todo], "delta")
+        except DeltaError:
+            for d, v, idx, _ in todo:  # name the message
+                check_indices_many([(idx, v.numel())], f"delta from process {d.op.peer} ({d.op.what()})")
+            raise
+        for _, v, idx, vals in todo:
             apply_changes(v, idx, vals)
 
 
