@@ -123,8 +123,10 @@ def test_out_of_range_indices_never_reach_the_scatter():
 
 def test_a_delta_on_another_base_version_is_refused_naming_both_versions():
     op = _Op(peer=3, tag=0, tensor=torch.empty(0), pack=[], names=("w",), step=0)
-    with pytest.raises(DeltaError, match=r"computed on base version 4, this receiver holds version 3"):
-        check_header([1, 4, 5, 2], [10], version=5, held=3, op=op)
+    with pytest.raises(
+        DeltaError, match=r"computed on base version 4, process 7 \(destination rank 1\) holds version 3"
+    ):
+        check_header([1, 4, 5, 2], [10], version=5, held=3, op=op, me="process 7 (destination rank 1)")
     with pytest.raises(DeltaError, match="holds no version"):
         check_header([2, 4, 5, 2], [10], version=5, held=None, op=op)
     assert check_header([0, -1, 5, 0], [10], version=5, held=None, op=op) == ("dense", [0])  # dense heals
@@ -240,7 +242,7 @@ def test_a_delta_onto_the_wrong_base_version_is_refused_on_every_process():
     with pytest.raises(WorkerError) as e:
         _run("lie")
     msg = str(e.value)
-    assert "computed on base version 3" in msg and "holds no version" in msg, msg
+    assert "computed on base version 3" in msg and "(destination rank 1) holds no version" in msg, msg
     assert RefitAborted.__name__ in msg
 
 

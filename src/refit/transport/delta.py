@@ -140,6 +140,7 @@ class DeltaSchedule:
 
     def __init__(self, p2p: P2PSchedule, plan: Plan, proc: int, local: LocalTensors, config: TransferConfig) -> None:
         self.p2p, self.plan, self.proc, self.config = p2p, plan, proc, config
+        self.dst_rank = local.dst_rank
         self.base = SourceBase(plan, proc, local, config.delta_base) if local.src_rank is not None else None
         self.steps = [
             ([self._op(op, local, True) for op in st.sends], [self._op(op, local, False) for op in st.recvs])
@@ -289,7 +290,8 @@ class DeltaSchedule:
 
     def _receive_into(self, d: _DeltaOp, header: list[int], version: int, held: int | None) -> None:
         """Check ``d``'s received header and make its payload buffer (dense: the plain op's tensor)."""
-        d.kind, d.changes = check_header(header, [v.numel() for v in d.views], version, held, d.op)
+        me = f"process {self.proc} (destination rank {self.dst_rank})"
+        d.kind, d.changes = check_header(header, [v.numel() for v in d.views], version, held, d.op, me)
         if d.kind == "dense":
             d.payload = d.op.tensor
         else:
@@ -342,7 +344,9 @@ def _piece_wire(kind: str, view: torch.Tensor, k: int) -> int:
     return wire_bytes(kind, view.numel(), k, view.element_size())
 
 
-def check_header(header: list[int], sizes: list[int], version: int, held: int | None, op: _Op) -> tuple[str, list[int]]:
+def check_header(
+    header: list[int], sizes: list[int], version: int, held: int | None, op: _Op, me: str = "this receiver"
+) -> tuple[str, list[int]]:
     """A received header, field by field: the encoding, the version being sent, a delta's base version
     equal to the version this receiver holds, and ``0 <= k <= n`` per piece. Returns ``(encoding,
     counts)``; ``DeltaError`` names both versions and the peer otherwise."""
@@ -355,8 +359,8 @@ def check_header(header: list[int], sizes: list[int], version: int, held: int | 
     if kind != "dense" and base != held:
         mine = "no version" if held is None else f"version {held}"
         raise DeltaError(
-            f"refusing a delta of version {version} from {who}: it was computed on base version {base}, "
-            f"this receiver holds {mine} (a dense refit heals it)"
+            f"{me} refuses a delta of version {version} from {who}: it was computed on base version {base}, "
+            f"{me} holds {mine} (a dense refit heals it)"
         )
     for k, n in zip(counts, sizes):
         if not 0 <= k <= n:
