@@ -108,6 +108,8 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str):
         error = None
     except Exception as e:  # noqa: BLE001 - the result to report
         error = str(e)
+    finally:
+        peer.close()  # a failed refit still frees its barrier and mappings (no resource-tracker warnings)
     return exact, fused, error
 
 

@@ -211,6 +211,45 @@ def test_host_barrier_in_shared_memory_waits_for_the_late_process():
     assert out[1][0] > 0.2 and out[2][0] > 0.2  # the others waited for rank 0
 
 
+def _leave_worker(world, seg, fail_rank):
+    import time
+
+    from refit.transport.ipc import BarrierLeft, HostBarrier
+
+    b = HostBarrier(seg, world.rank, world.world_size, timeout_s=30)
+    torch.distributed.barrier()  # every process attached
+    b.wait()  # one refit's barrier, passed by all
+    outcome = "passed"
+    if world.rank == fail_rank:
+        time.sleep(0.2)  # the others are inside the next barrier
+    else:
+        try:
+            b.wait(10.0)  # the failed process never arrives: it leaves
+        except BarrierLeft as e:
+            outcome = str(e)
+    all_left = b.leave(10.0)
+    b.close()
+    return outcome, all_left
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fail_rank", [None, 0, 2])
+def test_host_barrier_a_process_that_leaves_is_never_counted_as_arrived(fail_rank):
+    # a process whose refit failed closes (leaves) instead of arriving: the others' wait raises at once
+    # instead of passing (which would report the refit done) or waiting for the deadline; a process
+    # that arrived and then left (fail_rank None: everyone passes, then leaves) counts as arrived
+    import uuid
+
+    seg = f"refit_test_{uuid.uuid4().hex[:8]}"
+    out = run_local(_leave_worker, 3, 0, seg, fail_rank if fail_rank is not None else -1, backend="gloo", timeout_s=100)
+    for rank, (outcome, all_left) in enumerate(out):
+        assert all_left
+        if fail_rank is None or rank == fail_rank:
+            assert outcome == "passed"
+        else:
+            assert outcome == f"barrier: participants [{fail_rank}] left (closed) instead of arriving"
+
+
 def _one_dies(world):
     import os
     import signal

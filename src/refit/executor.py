@@ -241,7 +241,7 @@ class Executor:
     def _barrier(self, clock: RunClock) -> None:
         barrier = self.ipc.host_barrier if self.ipc is not None else None
         if barrier is not None:
-            barrier.wait(clock.left())
+            barrier.wait(clock.left(), clock.check_abort)
         else:
             dist.barrier(group=self.comms.sync_group)
 

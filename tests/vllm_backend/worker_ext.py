@@ -27,6 +27,15 @@ class WorkerTestExtension(RefitWorkerExtension):
         """This worker's threads and TCP sockets (``leaks.snapshot``)."""
         return snapshot()
 
+    def refit_test_lora_ids(self) -> dict[str, Any]:
+        """The LoRA adapter ids vLLM's LoRA manager holds in this worker now (``ids``, sorted) and how often
+        refit registered its adapter again after vLLM cleared them all (``restored``)."""
+        adapters = self.weight_transfer_engine.adapters
+        return {
+            "ids": sorted(self.model_runner.get_model().lora_manager.list_adapters()),
+            "restored": adapters.restored if adapters is not None else None,
+        }
+
     def refit_test_insecure(self) -> dict[str, Any]:
         """vLLM's pickle switches (``*INSECURE_SERIALIZATION``) as this worker reads them, and whether any is in
         its environment: ``{"read": {name: value}, "in_env": [names]}``."""

@@ -424,11 +424,18 @@ class IpcPuller:
         return out
 
 
+class BarrierLeft(RuntimeError):
+    """A participant of a ``HostBarrier`` closed it while others still waited in a refit (its refit failed)."""
+
+
 class HostBarrier:
     """A barrier for processes of one host through shared memory (tens of microseconds, no sockets).
 
     Slot i of a shared int64 array holds participant i's generation. ``wait()``
     bumps this process's generation and spins until every slot has reached it.
+    ``leave()`` marks this process's slot as gone (negative): a ``wait()`` elsewhere then raises
+    ``BarrierLeft`` instead of passing, so a process that failed and closed can never be mistaken
+    for one that arrived; ``leave()`` itself returns once every participant has left (or at its timeout).
     The lowest participant creates the segment (``O_EXCL``, mode 0600, tracked by its resource
     tracker, so a crash still frees it) and alone unlinks it; the others map ``/dev/shm/<name>``
     directly (no symlink; refused unless it belongs to this user and grants nobody else access), so
@@ -519,19 +526,48 @@ class HostBarrier:
             raise PlanError(f"barrier segment name {seg!r} under {key!r} is not one refit makes")
         return cls(seg, index, size, timeout_s)
 
-    def wait(self, timeout_s: float | None = None) -> None:
+    def wait(self, timeout_s: float | None = None, check: Callable[[], None] | None = None) -> None:
+        """Return once every participant has called ``wait()`` as often as this one. ``TimeoutError`` after
+        ``timeout_s``; ``BarrierLeft`` if a participant left instead; ``check()`` (an abort check) is
+        called every 20 ms while waiting and may raise."""
         self.gen += 1
         self.slots[self.index] = self.gen
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline, next_check = start + timeout_s, start + 0.02
         spins = 0
-        while int(self.slots.min()) < self.gen:
+        while int(self.slots.min()) < self.gen and self._reached() < self.gen:
             spins += 1
             if spins > 1000:
                 time.sleep(0.00002)
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                gone = [i for i in range(self.size) if -1 - int(self.slots[i]) in range(self.gen)]
+                if gone:
+                    raise BarrierLeft(f"barrier: participants {gone} left (closed) instead of arriving")
+                if check is not None and now >= next_check:
+                    check()
+                    next_check = now + 0.02
+                if now > deadline:
                     behind = [i for i in range(self.size) if self.slots[i] < self.gen]
                     raise TimeoutError(f"barrier: participants {behind} did not arrive within {timeout_s:.1f}s")
+
+    def _reached(self) -> int:
+        """The lowest generation every participant has reached (one that left counts what it had reached)."""
+        import numpy as np
+
+        v = self.slots
+        return int(np.where(v < 0, -1 - v, v).min())
+
+    def leave(self, timeout_s: float) -> bool:
+        """Mark this participant as gone and wait until every participant has left (True) or ``timeout_s``
+        passed (False: a peer died or is still inside a refit)."""
+        self.slots[self.index] = -1 - self.gen  # "left, having reached generation gen"
+        deadline = time.monotonic() + timeout_s
+        while int(self.slots.max()) >= 0:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0001)
+        return True
 
     def close(self) -> None:
         """Unmap the segment; the owner also unlinks it. Idempotent."""
@@ -798,10 +834,7 @@ class IpcLink:
             torch.cuda.synchronize()
             torch.cuda.ipc_collect()
         if self.host_barrier is not None:
-            try:
-                self.host_barrier.wait(self.CLOSE_WAIT_S)
-            except TimeoutError:
-                pass  # a peer failed or left: nothing of ours is mapped any more
+            self.host_barrier.leave(self.CLOSE_WAIT_S)  # False: a peer died; nothing of ours is mapped any more
             if cuda:  # every receiver has dropped its mappings: a source's exported blocks can go now
                 torch.cuda.ipc_collect()
             self.host_barrier.close()

@@ -101,6 +101,11 @@ class RefitSGLangTrainer:
             raise TypeError(f"refit needs a source with layout() and local(), e.g. ModuleSource(module, n): {source!r}")
         if source.world_size != init_info.n_trainer:
             raise ConfigError(f"source world_size={source.world_size} != n_trainer={init_info.n_trainer}")
+        if callable(getattr(source, "lora_spec", None)):
+            raise ConfigError(
+                "refit's SGLang backend does not serve LoRA adapters: send the touched weights merged instead "
+                "(refit.trainers.peft.MergedLoraSource)"
+            )
         if init_info.rank == 0 and client is None:
             raise ConfigError("trainer rank 0 drives SGLang and needs a client (EngineClient or HTTPClient)")
         if not init_info.secret and auth.secret_from_env() is None:
@@ -125,8 +130,9 @@ class RefitSGLangTrainer:
             call = BackgroundCall(self.client.trigger, init_trigger(info))
         try:
             wait_workers(store, info.n_workers, info.timeout_s, engine="SGLang")
+            prepare = getattr(source, "prepare", None)  # e.g. MergedLoraSource: merged weights recomputed per refit
             self.pg, self.peer = trainer_peer(
-                info, store, src, self.rank, source.local(), transfer_config(info), device
+                info, store, src, self.rank, source.local(), transfer_config(info), device, prepare
             )
         except Exception:
             if call is not None:  # SGLang's ranks give up at their timeout; keep this rank's error

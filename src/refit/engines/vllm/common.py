@@ -18,6 +18,7 @@ from torch.distributed.tensor import Replicate
 from refit.config import TransferConfig
 from refit.errors import ConfigError
 from refit.layout import Box, Mesh, ModelLayout, TensorLayout
+from refit.layout.lora import LoraSpec
 from refit.plan import ProcessMap
 from refit.transfer import Peer
 from refit.transport import auth
@@ -182,9 +183,18 @@ def boxes_layout(
     )
 
 
-def publish_src_layout(store: SignedStore, src: ModelLayout) -> None:
-    """Trainer rank 0: the source layout, for the workers (``ModelLayout.to_json``)."""
+def publish_src_layout(store: SignedStore, src: ModelLayout, lora: LoraSpec | None = None) -> None:
+    """Trainer rank 0: the LoRA adapter the source's tensors are (``None``: model weights), then the source
+    layout, for the workers (``LoraSpec.to_json``, ``ModelLayout.to_json``)."""
+    store.put("lora", lora.to_json() if lora is not None else {})
     store.put("src", src.to_json())
+
+
+def read_lora_spec(store: SignedStore, timeout_s: float) -> LoraSpec | None:
+    """A worker: the adapter the trainer sends (``publish_src_layout``), or None when it sends model weights;
+    ``LoraSpec.from_json`` validates it."""
+    doc = store.get("lora", timeout_s)
+    return LoraSpec.from_json(doc) if doc != {} else None
 
 
 def read_src_layout(store: SignedStore, timeout_s: float) -> ModelLayout:
@@ -210,10 +220,12 @@ def trainer_peer(
     tensors: dict,
     config: TransferConfig,
     device: str | torch.device,
+    prepare: Callable[[set[str] | None], None] | None = None,
 ) -> tuple[dist.ProcessGroup, Peer]:
     """A trainer rank's side, once every worker published its regions: join the transfer group, gather the
-    destination layout and build this rank's ``Peer`` over ``tensors`` (its local shards). Collective with
-    the workers (vLLM's or SGLang's), who build theirs from the same layouts."""
+    destination layout and build this rank's ``Peer`` over ``tensors`` (its local shards; ``prepare``: the
+    Peer's, called before each refit reads them). Collective with the workers (vLLM's or SGLang's), who
+    build theirs from the same layouts."""
     pg = join_group(info, store, rank)
     dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
     procs = ProcessMap.disjoint(info.n_trainer, info.n_workers)
@@ -228,5 +240,6 @@ def trainer_peer(
         device=device,
         store=store,
         standalone=True,
+        prepare=prepare,
     )
     return pg, peer

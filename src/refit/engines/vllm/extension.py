@@ -33,7 +33,9 @@ class RefitWorkerExtension:
         """This worker's refit statistics, as plain data: ``refits`` (completed), ``version`` (the last
         one received, ``None`` before the first), ``bytes_received`` (all refits), ``bytes_per_refit``,
         ``load_path`` (``"direct"`` or ``"loader"``), ``direct_tensors``, ``rules`` (how many tensors
-        each mapping rule served), ``transfer_s`` / ``load_s`` (the last refit). Keys that only exist
+        each mapping rule served; ``{"lora": n}`` for a LoRA adapter's tensors), ``lora_adapters`` (a LoRA
+        adapter: the adapter ids vLLM held right after the last refit installed its version),
+        ``transfer_s`` / ``load_s`` (the last refit). Keys that only exist
         after init (or after a refit) are absent before it. Still readable after the engine's
         ``shutdown``."""
         return json.loads(json.dumps(_refit_engine(self).stats))

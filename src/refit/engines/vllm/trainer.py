@@ -6,6 +6,8 @@
     # a vLLM server: client=HTTPVLLMWeightSyncClient("http://host:8000") (vllm.distributed.weight_transfer
     # .clients; REFIT_SECRET set on both sides); a Ray actor: client=RayVLLMWeightSyncClient(actor)
     # a Megatron-Core trainer: source=MegatronSource(gpt_model, hf_config) (refit.trainers.megatron)
+    # a PEFT LoRA trainer: source=LoraAdapterSource(peft_model, N) (an adapter per version, vLLM enable_lora=True;
+    # refit.engines.vllm.lora) or MergedLoraSource(peft_model, N) (the touched base weights, merged)
     ...optimizer step...
     engine.send_weights(version)
 
@@ -26,6 +28,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, Tr
 from refit.engines import jobs
 from refit.engines.calls import BackgroundCall
 from refit.errors import ConfigError
+from refit.layout.lora import LoraSpec
 from refit.trainers.dtensor import layout_from_module, local_shards
 from refit.transfer import Peer
 
@@ -115,15 +118,16 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
             rpc = BackgroundCall(client.init_weight_transfer_engine, vars(info))
         store = open_store(info, is_master=self.is_sender)
         if self.is_sender:
-            publish_src_layout(store, src)
+            publish_src_layout(store, src, lora_spec(source))
         try:  # an init call that failed (a worker's setup error, a refused request) ends the wait at once
             wait_workers(store, init_info.n_workers, info.timeout_s, failed=None if rpc is None else rpc.failed)
         except Exception:
             if rpc is not None:
                 rpc.settle(info.timeout_s)  # the client call fails too; do not leave it behind
             raise
+        prepare = getattr(source, "prepare", None)  # e.g. MergedLoraSource: merged weights recomputed per refit
         pg, self.peer = trainer_peer(
-            info, store, src, init_info.rank, source.local(), info.transfer_config(), init_info.device
+            info, store, src, init_info.rank, source.local(), info.transfer_config(), init_info.device, prepare
         )
         if rpc is not None:
             rpc.join()
@@ -157,6 +161,13 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
         if self.peer is not None:
             self.peer.close()
         self.peer = self.pg = self.store = None
+
+
+def lora_spec(source: Any) -> LoraSpec | None:
+    """The LoRA adapter ``source`` sends (its ``lora_spec()``, e.g. ``refit.trainers.peft.LoraAdapterSource``):
+    the workers serve it through vLLM's LoRA support (``refit.engines.vllm.lora``); None for model weights."""
+    read = getattr(source, "lora_spec", None)
+    return read() if callable(read) else None
 
 
 def check_args(info: RefitTrainerInitInfo, client: Any, source: Any) -> None:

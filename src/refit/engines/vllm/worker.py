@@ -15,6 +15,11 @@ Lifecycle (driven by vLLM's weight-sync calls):
   finish_weight_update  loader path: layerwise reload finalizes (vLLM
                         re-processes weights); the LLM then sets the version.
 
+A LoRA adapter (the trainer's source has ``lora_spec()``): every worker receives
+the adapter's tensors whole into buffers, and ``update_weights`` installs them
+as that version's adapter in vLLM's LoRA manager (``lora.VllmAdapters``); no
+base weight is touched, no reload runs.
+
 Load paths: ``direct`` needs vLLM to keep every parameter as loaded (CUDA,
 unquantized; the CPU backend repacks linear weights and drops the originals);
 ``auto`` takes it where every mapped tensor has a live target and the loader
@@ -41,9 +46,11 @@ from .common import (
     gather_dst_layout,
     join_group,
     open_store,
+    read_lora_spec,
     read_src_layout,
     wait_workers,
 )
+from .lora import VllmAdapters
 from .regions import live_target, loader_tensors, region
 
 
@@ -72,6 +79,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.peer: Peer | None = None
+        self.adapters: VllmAdapters | None = None  # a LoRA adapter's versions (the trainer sends one)
         self.stats: dict[str, Any] = {"bytes_received": 0, "refits": 0, "version": None}
 
     def _worker_rank(self) -> int:
@@ -87,19 +95,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         try:  # nothing has moved yet: a refusal reaches every trainer rank through the store
             check_supported(self.vllm_config, self.model)
             src = read_src_layout(store, init_info.timeout_s)
-            regions, rules, targets, missing = {}, {}, {}, []
-            for t in src:
-                box, rule = region(self.model, t.name, t.shape)
-                regions[t.name] = [list(x) for x in box]
-                rules[rule] = rules.get(rule, 0) + 1
-                view, why = live_target(self.model, t.name, t.shape, box, rule)
-                if view is not None and view.dtype == t.dtype:
-                    targets[t.name] = view
-                elif rule != "full":  # tensors the mapping does not know may go through load_weights
-                    missing.append(
-                        f"{t.name}: {why if view is None else f'dtype {view.dtype}, trainer sends {t.dtype}'}"
-                    )
-            self.direct = self._choose_path(init_info.load_path, missing)
+            lora = read_lora_spec(store, init_info.timeout_s)
+            if lora is not None:  # an adapter: every worker takes it whole, vLLM's LoRA layers slice it
+                self.adapters = VllmAdapters(self.model, self.vllm_config, lora, src)
+                regions = {t.name: [[0, n] for n in t.shape] for t in src}
+                rules, targets, self.direct = {"lora": len(src)}, {}, False
+            else:
+                regions, rules, targets, missing = self._weight_regions(src)
+                self.direct = self._choose_path(init_info.load_path, missing)
         except Exception as e:
             store.put(f"error/{w}", f"{type(e).__name__}: {e}")
             raise
@@ -135,6 +138,21 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.stats["direct_tensors"] = len(self.targets)
         self.stats["bytes_per_refit"] = self.peer.executor.bytes_received
 
+    def _weight_regions(self, src) -> tuple[dict, dict, dict, list[str]]:
+        """This worker's box of every model weight (``regions``), how many each mapping rule served, the live
+        targets of the direct path, and why the others have none (``missing``)."""
+        regions, rules, targets, missing = {}, {}, {}, []
+        for t in src:
+            box, rule = region(self.model, t.name, t.shape)
+            regions[t.name] = [list(x) for x in box]
+            rules[rule] = rules.get(rule, 0) + 1
+            view, why = live_target(self.model, t.name, t.shape, box, rule)
+            if view is not None and view.dtype == t.dtype:
+                targets[t.name] = view
+            elif rule != "full":  # tensors the mapping does not know may go through load_weights
+                missing.append(f"{t.name}: {why if view is None else f'dtype {view.dtype}, trainer sends {t.dtype}'}")
+        return regions, rules, targets, missing
+
     def _choose_path(self, asked: str, missing: list[str]) -> bool:
         """True for the direct path."""
         if asked == "loader":
@@ -148,8 +166,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         return not missing  # "auto" (any other value was refused when the init info was made)
 
     def start_weight_update(self) -> None:
-        if self.direct:
-            return  # bytes go straight into the live parameters
+        if self.direct or self.adapters is not None:
+            return  # bytes go straight into the live parameters, or into an adapter's buffers
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
@@ -165,7 +183,10 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         t0 = time.perf_counter()
         stats = self.peer.run(update_info.version)
         t1 = time.perf_counter()
-        if self.buffers:
+        if self.adapters is not None:  # a new adapter version, built from memory; the previous one retired
+            self.adapters.install(update_info.version, self.buffers)
+            self.stats["lora_adapters"] = self.adapters.held()
+        elif self.buffers:
             self.model.load_weights(self._full_tensors())
         self.stats.update(
             bytes_received=self.stats["bytes_received"] + stats.bytes_received,
@@ -176,7 +197,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         )
 
     def finish_weight_update(self) -> None:
-        if self.direct:
+        if self.direct or self.adapters is not None:
             return
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
@@ -189,5 +210,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         the last refit left them; ``stats`` stay readable; a new ``init_transfer_engine`` may follow."""
         if self.peer is not None:
             self.peer.close()
-        self.peer = self.pg = self.store = None
+        if self.adapters is not None:
+            self.adapters.close()  # vLLM's own remove_all_adapters back; the last version still serves
+        self.peer = self.pg = self.store = self.adapters = None
         self.buffers, self.targets = {}, {}
