@@ -1,10 +1,6 @@
 """Delta refits: the encoding functions (exact over consecutive versions, the cost rule's choices), the
 header checks, and multi-process refits on CPU gloo (exact, fewer bytes, base versions, heal)."""
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from interpreter import assert_all_ok_in_interpreter, needs_triton
 from refit.config import TransferConfig
 from refit.errors import ConfigError, RefitAborted
 from refit.layout import box_slices
@@ -250,13 +247,9 @@ INTERPRET_SCRIPT = Path(__file__).with_name("delta_interpret.py")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on CPU)")
+@needs_triton
 def test_one_pass_kernel_in_interpreter_equals_the_torch_path():
-    # TRITON_INTERPRET must be set before triton is imported: a fresh interpreter
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, str(INTERPRET_SCRIPT)], env=env, capture_output=True, text=True, timeout=280)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ALL OK" in r.stdout
+    assert_all_ok_in_interpreter(INTERPRET_SCRIPT, 280)
 
 
 def _fp8_worker(world):
