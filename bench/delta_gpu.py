@@ -169,8 +169,9 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
     """S1: process 0 sends, process 1 receives; a dense and a delta Peer pair refit after every step."""
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes(model)]
     lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
-    procs = ProcessMap((0,), (1,))
     dev = world.device
+    # on CUDA the devices make the rule weigh an NVLink link (without them: a CPU link, as on the CPU run)
+    procs = ProcessMap((0,), (1,), ("cuda:0", "cuda:1") if dev.type == "cuda" else None)
     base_cfg = TransferConfig(transport="p2p", num_buffers=2, buffer_bytes=buffer_mb << 20, deadline_s=600)
     cfgs = {"dense": base_cfg, "delta": TransferConfig(**{**base_cfg.__dict__, "delta": "auto", "name": "delta"})}
     if world.src_rank is not None:
