@@ -38,7 +38,7 @@ from refit.errors import ConfigError, TransferError
 
 ENCODINGS = ("dense", "sparse", "bitmask")
 INDEX_BYTES = 4  # sparse indices travel as int32 (a piece of 2**31 elements or more cannot be sparse)
-CHUNK_BYTES = 512 << 20  # default read size of find_changes (per version)
+CHUNK_BYTES = 256 << 20  # default read size of find_changes (per version): bounds its temporaries
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
