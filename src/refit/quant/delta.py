@@ -175,8 +175,8 @@ def _find_kernel(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int) -> tup
     idx, vals = [], []
     for s in range(0, c.numel(), step):
         i, v, _ = diff_compact(b[s : s + step], c[s : s + step], start=s)
-        idx.append(i)
-        vals.append(v.view(cur.dtype))
+        idx.append(i.clone())  # copied out, so the chunk's slots are freed now
+        vals.append(v.view(cur.dtype).clone())
     if not idx:
         return torch.empty(0, dtype=torch.int64, device=cur.device), cur.new_empty(0)
     return torch.cat(idx), torch.cat(vals)
@@ -208,8 +208,8 @@ def find_changes_many(
             launch(bits(b).reshape(-1), bits(c).reshape(-1), idx, vals, counts[j : j + 1])
             slots.append((idx, vals))
         for i, k, (idx, vals) in zip(fits, counts.tolist(), slots):
-            if k <= len(idx):
-                out[i] = (idx[:k], vals[:k].view(pairs[i][1].dtype))
+            if k <= len(idx):  # copied out, so the slots are freed now
+                out[i] = (idx[:k].clone(), vals[:k].view(pairs[i][1].dtype).clone())
     return [o if o is not None else find_changes(b, c, chunk_bytes, use_triton) for o, (b, c) in zip(out, pairs)]
 
 
