@@ -208,18 +208,25 @@ def _matches_reference(src, dst, dst_rank, local, version):
     )
 
 
-def _run(mode, commit="in_place", timeout=150):
+def _run(mode, commit="in_place", timeout=150, dst_spec="tp=2"):
     src = layout_from_spec(SHAPES, parse_spec("fsdp=2", "src"))
-    dst = layout_from_spec(SHAPES, parse_spec("tp=2", "dst"))
+    dst = layout_from_spec(SHAPES, parse_spec(dst_spec, "dst"))
     cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto", commit=commit, deadline_s=60)
     return run_local(_delta_worker, 2, 2, src, dst, cfg, mode, backend="gloo", timeout_s=timeout)
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("commit", ["in_place", "staged"])
-def test_deltas_are_exact_send_fewer_bytes_and_heal_a_replica_that_lost_its_version(commit):
-    out = _run("heal", commit)
+@pytest.mark.parametrize(
+    "commit,dst_spec",
+    [
+        ("in_place", "tp=2"),
+        ("staged", "tp=2"),
+        ("in_place", "tp=1,dp=2"),  # each source box goes to both replicas: its base is updated at commit
+    ],
+)
+def test_deltas_are_exact_send_fewer_bytes_and_heal_a_replica_that_lost_its_version(commit, dst_spec):
+    out = _run("heal", commit, dst_spec=dst_spec)
     senders, receivers = out[:2], out[2:]
     assert receivers == [[True] * VERSIONS] * 2  # exact after every version, on both replicas
     for per_version in senders:

@@ -314,6 +314,8 @@ class Peer:
 
     def _fail(self, msg: str) -> None:
         self.broken = msg
+        if self.executor.delta is not None and self.executor.delta.base is not None:
+            self.executor.delta.base.fail()
         if self.live and not self.shadow:
             self.torn = True
 

@@ -15,8 +15,9 @@ Per refit, per step (host-driven; on CUDA the device is synchronized by the head
      a delta as its encoded pieces (``quant.delta.encode``), sized from the header;
   4. receivers check the header (``check_header``: kind, version, base version = the version they hold,
      counts) and apply: dense unpacks, a delta scatters (``apply_changes``), O(changed).
-The sender's base is brought to the new version only after the refit succeeded (``SourceBase.commit``):
-a failed refit leaves it on the old version, and its receivers (torn or not) report what they hold.
+The sender's base follows what each message sent as it is encoded (``SourceBase.update``; a source box
+sent to several receivers at commit); the version it holds is set after the refit succeeded
+(``commit``), and a failed refit clears it (``fail``), so the next refit is dense everywhere.
 Extra memory: the base (this process's P2P-sent source bytes) plus one payload per delta message in
 flight (smaller than the message's dense bytes by the rule).
 """
@@ -29,6 +30,7 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
+from refit.layout import box_intersect
 from refit.plan import Plan
 from refit.quant.delta import (
     ENCODINGS,
@@ -69,25 +71,64 @@ def link_speed(plan: Plan, a: int, b: int, config: TransferConfig) -> LinkSpeed:
 class SourceBase:
     """A source process's copy of the bytes it last sent over P2P: every source tensor some P2P message
     of this process reads, whole (``where``: ``"device"``, beside the tensor, or ``"host"``, pinned when
-    CUDA is present). ``version`` is the version it holds (``None``: nothing sent yet); ``commit(v)``
-    applies the updates the last run recorded. ``nbytes``: the extra memory."""
+    CUDA is present). ``version`` is the version it holds (``None``: nothing sent yet, or a refit failed
+    after part of it was updated). ``nbytes``: the extra memory.
+
+    Per run, each message's base is brought to what it sent (``update``): at once when no other message
+    of this process reads any of its elements (the common case: the changes are dropped right after),
+    else at ``commit`` (another message to another receiver still has to diff against the old bytes).
+    ``commit(v)`` after the run succeeded; ``fail()`` after it failed (the base is part old, part new:
+    ``None``, so the next refit is dense and rebuilds it)."""
 
     def __init__(self, plan: Plan, proc: int, local: LocalTensors, where: str) -> None:
-        names = {p.tensor for i in _sent(plan, proc) for p in plan.messages[i].pieces}
+        sent = _sent(plan, proc)
+        names = {p.tensor for i in sent for p in plan.messages[i].pieces}
         parts = {n: tuple((box, _copy_of(t, where)) for box, t in local.src[n]) for n in names}
         self.local = replace(local, src=parts)
         self.nbytes = sum(t.numel() * t.element_size() for ps in parts.values() for _, t in ps)
+        self.shared = _shared_messages(plan, sent)
         self.version: int | None = None
         self.pending: list = []  # (base view, indices or None, values or the live view)
 
+    def update(self, message: int, updates: list) -> None:
+        """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces."""
+        if message in self.shared:
+            self.pending += updates
+        else:
+            _update(updates)
+
     def commit(self, version: int) -> None:
-        """The run of ``version`` succeeded: every sent piece's base becomes what was sent."""
-        for base, idx, values in self.pending:
-            if idx is None:
-                base.copy_(values, non_blocking=True)
-            else:
-                apply_changes(base, idx.to(base.device), values.to(base.device))
+        """The run of ``version`` succeeded: the deferred updates, then the base holds ``version``."""
+        _update(self.pending)
         self.pending, self.version = [], version
+
+    def fail(self) -> None:
+        """The run failed: the base may be part new; the next refit sends dense and rebuilds it."""
+        self.pending, self.version = [], None
+
+
+def _update(updates: list) -> None:
+    for base, idx, values in updates:
+        if idx is None:
+            base.copy_(values, non_blocking=True)
+        else:
+            apply_changes(base, idx.to(base.device), values.to(base.device))
+
+
+def _shared_messages(plan: Plan, sent: list[int]) -> set[int]:
+    """The messages among ``sent`` whose pieces overlap a piece of another of them (one source box sent
+    to several receivers)."""
+    by_tensor: dict[str, list[tuple[int, tuple]]] = {}
+    for i in sent:
+        for p in plan.messages[i].pieces:
+            by_tensor.setdefault(p.tensor, []).append((i, p.box))
+    shared: set[int] = set()
+    for items in by_tensor.values():
+        for a in range(len(items)):
+            for b in range(a + 1, len(items)):
+                if items[a][0] != items[b][0] and box_intersect(items[a][1], items[b][1]) is not None:
+                    shared.update((items[a][0], items[b][0]))
+    return shared
 
 
 def _copy_of(t: torch.Tensor, where: str) -> torch.Tensor:
@@ -188,13 +229,7 @@ class DeltaSchedule:
         stats = DeltaStats()
         for (sends, recvs), (send_hdr, recv_hdr) in zip(self.steps, self.headers):
             if sends:
-                plans = [
-                    self._plan(d, self.base.version is not None and held.get(d.op.peer) == self.base.version)
-                    for d in sends
-                ]
-                self._find([d for d, p in zip(sends, plans) if p == "diff"])
-                head = [x for d, p in zip(sends, plans) for x in self._encode(d, p, version, stats)]
-                send_hdr.copy_(torch.tensor(head, dtype=torch.int64))
+                send_hdr.copy_(torch.tensor(self._send_step(sends, version, held, stats), dtype=torch.int64))
             ops = [d.op for d in sends + recvs]
             hdr = self.p2p.post(*[[(d.op.peer, d.header, d.op.tag + HEADER_TAG) for d in x] for x in (sends, recvs)])
             self.p2p.wait(clock, hdr, ops, "delta header exchange")
@@ -210,21 +245,30 @@ class DeltaSchedule:
             )
         return stats
 
-    def _find(self, ops: list[_DeltaOp]) -> None:
-        """``find_changes_many`` over the pieces of ``ops``, in batches of at most ``FIND_BATCH_BYTES`` of
-        data (one host sync per batch); each op's ``changes``."""
-        batch: list[_DeltaOp] = []
+    def _send_step(self, sends: list[_DeltaOp], version: int, held: dict, stats: DeltaStats) -> list[int]:
+        """Plan, diff and encode a step's sends; their headers, in order. Messages to diff are diffed in
+        batches of at most ``FIND_BATCH_BYTES`` of data (``find_changes_many``: one host sync per batch)
+        and encoded at once, so the changes held at a time stay bounded."""
+        base = self.base.version
+        plans = [self._plan(d, base is not None and held.get(d.op.peer) == base) for d in sends]
+        heads: list[list[int]] = [[] for _ in sends]
+        batch: list[int] = []
         size = 0
-        for d in ops + [None]:
-            nbytes = sum(v.numel() * v.element_size() for v in d.views) if d is not None else 0
-            if batch and (d is None or size + nbytes > FIND_BATCH_BYTES):
-                found = find_changes_many([(b, v) for x in batch for b, v in zip(x.bases, x.views)])
-                for x in batch:
-                    x.changes, found = found[: len(x.views)], found[len(x.views) :]
+        for i in [*range(len(sends)), None]:
+            if i is not None and plans[i] != "diff":
+                heads[i] = self._encode(sends[i], plans[i], version, stats)
+                continue
+            nbytes = sum(v.numel() * v.element_size() for v in sends[i].views) if i is not None else 0
+            if batch and (i is None or size + nbytes > FIND_BATCH_BYTES):
+                found = find_changes_many([(b, v) for j in batch for b, v in zip(sends[j].bases, sends[j].views)])
+                for j in batch:
+                    sends[j].changes, found = found[: len(sends[j].views)], found[len(sends[j].views) :]
+                    heads[j] = self._encode(sends[j], "diff", version, stats)
                 batch, size = [], 0
-            if d is not None:
-                batch.append(d)
+            if i is not None:
+                batch.append(i)
                 size += nbytes
+        return [x for h in heads for x in h]
 
     def _encode(self, d: _DeltaOp, plan: str, version: int, stats: DeltaStats) -> list[int]:
         """Fill ``d``'s payload (dense: packed as the P2P path does) by ``plan`` (``_plan``) and the
@@ -247,13 +291,13 @@ class DeltaSchedule:
             d.payload = d.op.tensor
             d.stale = plan == "skip"  # a skipped base is not diffed until it is refreshed
             if not d.stale:
-                self.base.pending += [(b, None, v) for b, v in zip(d.bases, d.views)]
+                self.base.update(d.op.message, [(b, None, v) for b, v in zip(d.bases, d.views)])
             if plan == "refresh":
                 d.fraction = None  # the next run diffs and measures again
         else:
             d.payload = self._pack_delta(d)
-            self.base.pending += [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)]
-        d.changes = d.changes if d.kind != "dense" else []
+            self.base.update(d.op.message, [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)])
+        d.changes = []
         stats.wire_bytes += d.payload.numel() * d.payload.element_size() + d.header.numel() * 8
         stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
         stats.encodings[d.kind] += 1
