@@ -40,6 +40,7 @@ from refit.errors import ConfigError
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
 from refit.transport.clock import RunClock
+from refit.transport.delta import DeltaSchedule, DeltaStats
 from refit.transport.ipc import IpcLink, IpcPuller
 from refit.transport.nixl import NixlLink
 from refit.transport.p2p import P2PSchedule, _Step
@@ -64,6 +65,7 @@ class RunStats:
     bytes_received: int
     bytes_local: int
     seconds: float
+    delta: DeltaStats | None = None  # delta mode: P2P bytes actually on the wire and encodings chosen
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class Executor:
         self.p2p = P2PSchedule(
             plan, proc, local, self.device, config, tag_base, group=comms.group, standalone=comms.standalone
         )
+        self.delta = DeltaSchedule(self.p2p, plan, proc, local, config) if config.deltas else None
         self.local = [(local.dst_view(p.tensor, p.box), local.src_view(p.tensor, p.box)) for p in plan.local_of(proc)]
         uses_ipc = any(m.transport == "ipc" for m in plan.messages)
         self.ipc = IpcLink.open(plan, proc, local, comms.store, config, self.device) if uses_ipc else None
@@ -153,6 +156,11 @@ class Executor:
         return self.p2p.ring.staging_bytes
 
     @property
+    def delta_base_bytes(self) -> int:
+        """Bytes of the delta base this process keeps (``TransferConfig.delta``; 0 when off or not a source)."""
+        return self.delta.base.nbytes if self.delta is not None and self.delta.base is not None else 0
+
+    @property
     def stage_names(self) -> list[set[str]]:
         """The source tensors of each IPC pull stage (one stage, all names, without IPC)."""
         return self.ipc.stage_names if self.ipc is not None else ipc_stages(self.plan, 1)
@@ -168,10 +176,15 @@ class Executor:
         deadline: float | None = None,
         check_abort: Callable[[], None] | None = None,
         fault_hook: FaultHook | None = None,
+        *,
+        version: int = 0,
+        held: dict[int, int | None] | None = None,
     ) -> RunStats:
         """One refit (the module docstring's phases). ``deadline`` (``time.monotonic()`` value): every
         blocking wait gives up then (``DeadlineExceeded``); ``check_abort()``: polled every 20 ms
-        while waiting, raises if another process aborted the refit; ``fault_hook``: see ``FaultHook``."""
+        while waiting, raises if another process aborted the refit; ``fault_hook``: see ``FaultHook``.
+        Delta mode: ``version`` is the one being sent and ``held`` the version each P2P peer (and this
+        process) holds (``DeltaSchedule.run``; no fault hook there)."""
         t0 = time.perf_counter()
         clock = RunClock(deadline, check_abort)
         staged = len(self.stage_names) > 1
@@ -186,7 +199,11 @@ class Executor:
         for dst, src in self.local:
             dst.copy_(src, non_blocking=True)
         fault = self._fault(fault_hook)
-        if self.cuda:
+        delta = self.delta.run(clock, version, held or {}) if self.delta is not None else None
+        if delta is not None:
+            if self.cuda:
+                self._sync_device(clock)
+        elif self.cuda:
             self.p2p.run_cuda(fault)
             self._sync_device(clock)
             self.p2p.check_sums()
@@ -198,7 +215,8 @@ class Executor:
             self.nixl.finish(clock)
         if self.ipc is not None:
             self._barrier(clock)  # every pull is done: sources may change their weights again
-        return RunStats(self.bytes_sent, self.bytes_received, self.bytes_local, time.perf_counter() - t0)
+        sent, received = (delta.wire_bytes, delta.received_bytes) if delta else (self.bytes_sent, self.bytes_received)
+        return RunStats(sent, received, self.bytes_local, time.perf_counter() - t0, delta)
 
     def close(self) -> None:
         self.p2p.close()

@@ -42,11 +42,14 @@ class RefitInitInfo:
     same on all processes of the job. The transfer group has ``world_size = n_trainer + n_workers``
     ranks: trainer ranks ``0..n_trainer-1``, then workers ``n_trainer + (dp_index * tp * pp + worker
     rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` / ``transport`` / ``commit`` /
-    ``keep_previous`` / ``commit_budget_bytes`` become one ``TransferConfig`` (``transfer_config()``),
-    validated there. ``transport``: ``"p2p"`` (the
+    ``keep_previous`` / ``commit_budget_bytes`` / ``delta`` become one ``TransferConfig``
+    (``transfer_config()``), validated there. ``transport``: ``"p2p"`` (the
     transfer group's gloo send/recv), ``"nixl"`` (every worker reads its boxes from the trainer ranks'
     registered memory through NIXL) or ``"auto"`` (every process publishes where it runs:
     ``process_map``; NIXL between hosts where installed, CUDA IPC between GPUs of one host, else P2P).
+    ``delta``: ``TransferConfig.delta`` (``"off"``, ``"auto"``,
+    ``"sparse"``, ``"bitmask"``): refits after the first send only the changed elements; on the loader path
+    the worker's receive buffers keep the last version, so vLLM's loaders still see whole tensors.
     """
 
     master_address: str = "127.0.0.1"
@@ -64,6 +67,7 @@ class RefitInitInfo:
     keep_previous: bool = False  # staged, direct path: keep v-1 on the workers for ``refit_rollback``
     commit_budget_bytes: int | None = None  # the most a worker may add for its shadow (+ v-1); None: no bound
     transport: str = "p2p"  # TransferConfig.transport: "p2p", "nixl", "auto" (or "ipc": CUDA, one host)
+    delta: str = "off"  # TransferConfig.delta: send only what changed since the version the worker holds
 
     def __post_init__(self) -> None:
         """Checked where it is made (trainer side, and again where a worker rebuilds it): ``ConfigError``
@@ -106,6 +110,7 @@ class RefitInitInfo:
             commit=self.commit,
             keep_previous=self.keep_previous,
             commit_budget_bytes=self.commit_budget_bytes,
+            delta=self.delta,
         )
 
 
