@@ -288,6 +288,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=4, help="S1 refits per fraction (the first is not counted)")
     ap.add_argument("--buffer-mb", type=int, default=256)
     ap.add_argument("--group-gb", type=float, default=1.0, help="kernel timings: tensors per phase, in GB")
+    ap.add_argument("--no-s1", action="store_true", help="kernel timings and the rule only")
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
@@ -297,13 +298,18 @@ def main() -> None:
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     res = {"device": name, "model": model, "model_bytes": model_bytes, "kernels": rows, "s1": None}
-    if device == "cpu" or torch.cuda.device_count() >= 2:
+    with open(args.out, "w") as f:  # the kernel timings are kept even if S1 fails
+        json.dump(res, f, indent=1)
+    _print({**res, "s1_skipped": "--no-s1" if args.no_s1 else "(runs next)"})
+    if args.no_s1:
+        res["s1_skipped"] = "--no-s1"
+    elif device == "cpu" or torch.cuda.device_count() >= 2:
         res["s1"] = s1(model, device, args.iters, args.buffer_mb)
+        _print({**res, "kernels": []})
     else:
         res["s1_skipped"] = f"{torch.cuda.device_count()} GPU(s): S1 needs 2"
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    _print(res)
 
 
 if __name__ == "__main__":
