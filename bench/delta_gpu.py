@@ -174,16 +174,17 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
     procs = ProcessMap((0,), (1,), ("cuda:0", "cuda:1") if dev.type == "cuda" else None)
     base_cfg = TransferConfig(transport="p2p", num_buffers=2, buffer_bytes=buffer_mb << 20, deadline_s=600)
     cfgs = {"dense": base_cfg, "delta": TransferConfig(**{**base_cfg.__dict__, "delta": "auto", "name": "delta"})}
+    group = world.data_group if dev.type == "cuda" else None  # NCCL for CUDA tensors (the default group is gloo)
     if world.src_rank is not None:
         tensors = {n: make_weight(n, s, torch.bfloat16, dev) for n, s, _ in shapes}
         peers = {
-            k: Sender(lay, lay, 0, tensors, procs=procs, config=c, device=dev, tag_base=100_000 * i)
+            k: Sender(lay, lay, 0, tensors, procs=procs, config=c, device=dev, group=group, tag_base=100_000 * i)
             for i, (k, c) in enumerate(cfgs.items())
         }
     else:
         tensors = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s, _ in shapes}
         peers = {
-            k: Receiver(lay, lay, 1, tensors, procs=procs, config=c, device=dev, tag_base=100_000 * i)
+            k: Receiver(lay, lay, 1, tensors, procs=procs, config=c, device=dev, group=group, tag_base=100_000 * i)
             for i, (k, c) in enumerate(cfgs.items())
         }
     ref = {n: make_weight(n, s, torch.bfloat16, dev) for n, s, _ in shapes} if world.dst_rank is not None else None

@@ -89,6 +89,27 @@ class Comms:
             raise ConfigError("Comms(standalone=True) needs the ProcessGroup object as group, got group=None")
 
 
+def _check_p2p_backend(plan: Plan, proc: int, device: torch.device, comms: Comms) -> None:
+    """``ConfigError`` when this process would send or receive CUDA tensors over a gloo group (gloo's
+    send/recv reads host memory: the process would abort in gloo, not raise)."""
+    if device.type != "cuda" or not any(
+        m.transport == "p2p" and proc in (plan.procs.src[m.src], plan.procs.dst[m.dst]) for m in plan.messages
+    ):
+        return
+    group = comms.group if comms.group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    if group is None:
+        return
+    try:
+        backend = str(dist.get_backend(group)) if not comms.standalone else type(group).__name__.lower()
+    except (RuntimeError, ValueError):
+        return
+    if "gloo" in backend and "nccl" not in backend:
+        raise ConfigError(
+            f"process {proc}: the plan sends CUDA tensors ({device}) over P2P, but the P2P group's backend is "
+            f"{backend!r}; pass group= an NCCL group (e.g. dist.new_group(ranks, backend='nccl'))"
+        )
+
+
 class Executor:
     """Moves one process's share of a plan's bytes, once per refit.
 
@@ -127,6 +148,7 @@ class Executor:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.is_source = local.src_rank is not None
+        _check_p2p_backend(plan, proc, self.device, comms)
         self.p2p = P2PSchedule(
             plan, proc, local, self.device, config, tag_base, group=comms.group, standalone=comms.standalone
         )
