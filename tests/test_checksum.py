@@ -3,15 +3,12 @@ same value for the same bytes (CPU; the Triton kernel through ``TRITON_INTERPRET
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from interpreter import assert_all_ok_in_interpreter, needs_triton
 from refit.transport.checksum import KEY, LEN_KEY, Piece, PieceSums, checksum, mix64, reference_sum, signed64
 
 
@@ -128,13 +125,9 @@ INTERPRET_SCRIPT = Path(__file__).with_name("checksum_interpret.py")
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (TRITON_INTERPRET=1 on CPU)")
+@needs_triton
 def test_triton_kernel_in_interpreter_equals_reference():
-    # TRITON_INTERPRET must be set before triton is imported: a fresh interpreter
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, str(INTERPRET_SCRIPT)], env=env, capture_output=True, text=True, timeout=560)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ALL OK" in r.stdout
+    assert_all_ok_in_interpreter(INTERPRET_SCRIPT, 560)
 
 
 def test_a_process_that_pulls_nothing_checks_nothing():

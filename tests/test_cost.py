@@ -9,7 +9,16 @@ from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import build_plan, link_bytes
-from refit.plan.cost import Topology, TopologyError, broadcast_time, loads, p2p_transfers, predict, transfer_time
+from refit.plan.cost import (
+    Topology,
+    TopologyError,
+    broadcast_time,
+    delta_time,
+    loads,
+    p2p_transfers,
+    predict,
+    transfer_time,
+)
 
 GB = 10**9
 
@@ -145,3 +154,30 @@ def test_cli_cluster(tmp_path, capsys):
     p.write_text(json.dumps({"nodes": 1, "gpus_per_node": 4}))
     assert main(["plan", "--model", "tiny-llama", "--src", "tp=2", "--dst", "tp=2,dp=2", "--cluster", str(p)]) == 2
     assert "need 6 GPUs; the topology has 4" in capsys.readouterr().err
+
+
+def test_delta_prediction_is_dense_at_full_change_and_on_one_gpu_and_small_at_one_percent():
+    t = topo()
+    cross = {(0, 4): 10 * GB}  # one NIC link
+    dense = transfer_time(cross, t)
+    assert delta_time(cross, t, 1.0, 2)[0] == dense[0]  # everything changed: the rule sends dense
+    secs, busiest, _, wire = delta_time(cross, t, 0.01, 2)
+    assert busiest == "nic_out of GPU 0" and wire == 10 * GB // 2 // 100 * 6  # int32 index + bf16 value
+    assert secs < 0.35 * dense[0]
+    same = {(1, 1): 10 * GB}  # the engine on the trainer's GPU: a delta never beats the copy
+    assert delta_time(same, t, 0.001, 2)[:2] == transfer_time(same, t)[:2]
+    with pytest.raises(TopologyError, match="changed fraction"):
+        delta_time(cross, t, 1.5, 2)
+
+
+def test_cli_cluster_predicts_a_delta_with_its_wire_bytes(tmp_path, capsys):
+    from refit.tools.cli import main
+
+    p = tmp_path / "topo.json"
+    p.write_text(json.dumps({"nodes": 2, "gpus_per_node": 8}))
+    argv = ["plan", "--model", "tiny-llama", "--src", "tp=2", "--dst", "tp=2", "--cluster", str(p), "--json"]
+    assert main([*argv, "--changed-fraction", "0.01"]) == 0
+    preds = {x["strategy"]: x for x in json.loads(capsys.readouterr().out)["predictions"]}
+    assert (
+        preds["delta"]["seconds"] < preds["p2p"]["seconds"] and "2.0% of dense" in preds["delta"]["note"]
+    )  # float32: index + value

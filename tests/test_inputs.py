@@ -257,3 +257,25 @@ def test_injected_faults_are_told_in_refits_words():
     assert line.startswith("DETECTED kill-sender: trainer process 1 was killed half way through version 2; ")
     assert "GLHF" not in line and "pair.cc" not in line
     assert line.endswith("| trainer process 1: dead | engines: process 2: v1 (bit-exact), process 3: v1 (bit-exact)")
+
+
+def test_cuda_tensors_over_a_gloo_p2p_group_are_refused_at_setup():
+    # gloo's send/recv reads host memory: handed CUDA tensors, the process aborts inside gloo (seen on 2
+    # H100s as "writev ... Bad address" and SIGABRT). The executor refuses that pairing before any op.
+    import torch.distributed as dist
+
+    from refit.executor import Comms, _check_p2p_backend
+    from refit.layout.models import param_shapes
+    from refit.layout.rules import layout_from_spec
+    from refit.layout.spec import parse_spec
+    from refit.plan import build_plan
+
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
+    plan = build_plan(
+        layout_from_spec(shapes, parse_spec("tp=1", "src")), layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    )
+    assert any(m.transport == "p2p" for m in plan.messages)
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    with pytest.raises(ConfigError, match=r"process 0: the plan sends CUDA tensors .* over P2P, but .*gloo"):
+        _check_p2p_backend(plan, 0, torch.device("cuda", 0), Comms(group=group, standalone=True))
+    _check_p2p_backend(plan, 0, torch.device("cpu"), Comms(group=group, standalone=True))  # CPU: gloo is right

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from refit.config import TransferConfig
-from refit.errors import PlanError, RefitAborted
+from refit.errors import ChecksumError, PlanError, RefitAborted
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
@@ -17,6 +17,7 @@ from refit.tools.launch import run_local
 from refit.tools.verify import holds, reference_shards, verify
 from refit.transfer import Peer, Receiver, Sender
 from refit.transport import nixl
+from refit.transport.clock import RunClock
 
 needs_nixl = pytest.mark.skipif(not nixl.available(), reason="nixl is not installed (pip install 'refit-rl[nixl]')")
 
@@ -24,6 +25,11 @@ needs_nixl = pytest.mark.skipif(not nixl.available(), reason="nixl is not instal
 def _layouts(model: str, src: str, dst: str):
     shapes = param_shapes(model)
     return layout_from_spec(shapes, parse_spec(src, "src")), layout_from_spec(shapes, parse_spec(dst, "dst"))
+
+
+def _zeros(layout, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s local tensors of ``layout``, zero."""
+    return {t.name: torch.zeros(tuple(b - a for a, b in box), dtype=t.dtype) for t, box in layout.local_tensors(rank)}
 
 
 # ---------------------------------------------------------------------------- pure pieces
@@ -164,6 +170,37 @@ def test_plans_mark_nixl_links_and_auto_uses_them_only_between_hosts():
     assert {m.transport for m in build_plan(src, dst, one_host, TransferConfig(transport="auto")).messages} == {"ipc"}
 
 
+def test_engine_jobs_take_the_transport_and_auto_learns_where_each_process_runs():
+    import torch.distributed as dist
+
+    from refit.engines.vllm.common import RefitInitInfo, location, process_map
+    from refit.errors import ConfigError
+    from refit.transport.store import SignedStore
+
+    assert RefitInitInfo(transport="nixl").transfer_config().transport == "nixl"
+    with pytest.raises(ConfigError, match="transport must be one of"):
+        RefitInitInfo(transport="rdma")
+    here = location("cpu")
+    assert here.count("/") == 1 and here.endswith(f"/cpu:{os.getpid()}")
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
+    for transport, other, want in (
+        ("auto", "elsewhere-0123abcd/cpu:7", "nixl" if nixl.available() else "p2p"),  # another host
+        ("auto", here.split("/")[0] + "/cpu:7", "p2p"),  # this host, CPU
+        ("nixl", None, "nixl"),  # no locations needed
+    ):
+        store = SignedStore(dist.HashStore(), b"the-job-secret-0123456789")
+        info = RefitInitInfo(n_trainer=1, n_workers=1, transport=transport, timeout_s=5)
+        if other is not None:
+            store.put("where/1", other)
+        procs = process_map(info, store, 0, "cpu")
+        assert procs.devices == ((here, other) if other else None)
+        plan = build_plan(src, dst, procs, info.transfer_config())
+        assert {m.transport for m in plan.messages} == {want}
+    store.put("where/1", "no-slash")
+    with pytest.raises(ConfigError, match="process 1 published location 'no-slash'"):
+        process_map(RefitInitInfo(n_trainer=1, n_workers=1, transport="auto", timeout_s=5), store, 0, "cpu")
+
+
 # ---------------------------------------------------------------------------- multi-process, real NIXL
 PAIRS = [("fsdp=2", "tp=2"), ("tp=2,pp=2", "tp=1,dp=2"), ("tp=3", "tp=2")]
 
@@ -189,6 +226,115 @@ def test_moe_reshard_over_nixl_is_bit_exact():
     res = verify(s, d, config=TransferConfig(transport="nixl"), timeout_s=360)
     assert res.ok, res.mismatches[:5]
     assert res.plan.ratio == 1.0 and res.bytes_checked == res.plan.bytes_needed
+
+
+# ---------------------------------------------------------------------------- checksums
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_reshard_over_nixl_with_checksums_is_bit_exact():
+    s, d = _layouts("tiny-llama", "fsdp=2", "tp=2")  # column slices are staged, the rest read in place
+    cfg = TransferConfig(transport="nixl", checksums=True, num_buffers=2, buffer_bytes=64 << 10)
+    res = verify(s, d, config=cfg, timeout_s=240)
+    assert res.ok, res.mismatches[:5]
+    assert res.plan.ratio == 1.0 and res.bytes_checked == res.plan.bytes_needed
+
+
+def test_checksum_records_are_checked_field_by_field():
+    from refit.binding import bind_local
+    from refit.errors import TransferError
+
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=2")
+    plan = build_plan(src, dst, ProcessMap.disjoint(1, 2), TransferConfig(transport="nixl"))
+    local = bind_local(plan, 1, None, _zeros(dst, 0))
+    sums = nixl.NixlSums(plan, 1, local, torch.device("cpu"))
+    good = {str(k): 7 for k in sums.reads}
+    assert sums.check_record({"run": 3, "sums": good}, 0, 3) == {k: 7 for k in sums.reads}
+    assert sums.check_record({"run": 2, "sums": {}}, 0, 3) is None  # the run before: keep waiting
+    k0 = next(iter(sums.reads))
+    for bad in (
+        {"run": 3},
+        {"run": 3, "sums": {**good, "999999": 1}},
+        {"run": 3, "sums": {**good, str(k0): 1 << 63}},
+        {"run": 3, "sums": {**good, str(k0): "7"}},
+        {"run": 4, "sums": good},
+    ):
+        with pytest.raises(TransferError, match="NIXL checksum record of process 0"):
+            sums.check_record(bad, 0, 3)
+    with pytest.raises(ChecksumError, match=f"checksum mismatch in tensor '{plan.messages[k0].pieces[0].tensor}'"):
+        sums.check({**{k: 0 for k in sums.reads}}, RunClock())  # zeros sum to non-zero values
+
+
+def _corrupt_worker(world, victim, dst_spec="tp=2", devices=None):
+    src, dst = _layouts("tiny-llama", "tp=1", dst_spec)
+    procs = ProcessMap.disjoint(1, dst.world_size)
+    procs, dev = (procs, "cpu") if devices is None else (procs.with_devices(devices), world.device)
+    cfg = TransferConfig(transport="nixl", checksums=True, commit="staged", deadline_s=60.0, preflight_timeout_s=120.0)
+    if world.src_rank is not None:
+        tensors = {n: t.to(dev) for n, t in reference_shards(src, 0).items()}
+        s = Sender(src, dst, world.rank, tensors, procs=procs, config=cfg, device=dev)
+        s.push(1)
+        for t in tensors.values():
+            t.mul_(2)
+        seen = []
+
+        def corrupt(where, info):  # the source's sums are taken: one element of the victim changes
+            seen.append(where)
+            if where == "nixl-announce":
+                tensors[victim].view(-1)[0] += 1.0
+
+        try:
+            s.run(2, fault_hook=corrupt)
+            return "completed", seen
+        except RefitAborted as e:
+            return str(e), seen
+        finally:
+            s.close()
+    live = {n: t.to(dev) for n, t in _zeros(dst, world.dst_rank).items()}
+    r = Receiver(src, dst, world.rank, live, procs=procs, config=cfg, device=dev)
+    r.pull(1)
+    try:
+        r.pull(2)
+        msg = "completed"
+    except RefitAborted as e:
+        msg = str(e)
+    r.close()
+    return msg, r.version, holds({n: t.cpu() for n, t in live.items()}, dst, world.dst_rank)
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "victim",
+    [
+        "model.layers.0.self_attn.o_proj.weight",  # a column slice: packed into the source's staging buffer
+        "model.layers.0.self_attn.q_proj.weight",  # a row slice: read in place
+    ],
+)
+def test_a_source_piece_changed_after_its_checksum_is_caught_and_nothing_commits(victim):
+    out = run_local(_corrupt_worker, 1, 2, victim, backend="gloo", timeout_s=240)
+    msg, seen = out[0]
+    assert seen == ["nixl-announce"] and "aborted" in msg
+    for m, version, same in out[1:]:
+        # receiver 0 reads the changed element; everyone raises its error
+        assert f"ChecksumError: checksum mismatch in tensor '{victim}'" in m and "from process 0" in m, m
+        assert version == 1 and same  # staged: the live tensors are still version 1, bit for bit
+
+
+@needs_nixl
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(300)
+def test_nixl_on_one_gpu_is_exact_and_checksums_catch_a_changed_source():
+    # trainer and engine processes on one GPU: UCX reads over CUDA IPC (REFIT_NIXL_DEBUG=1 -s shows how)
+    gpu = ["cuda:0", "cuda:0"]
+    victim = "model.embed_tokens.weight"
+    out = run_local(_corrupt_worker, 1, 1, victim, "tp=1", gpu, devices=gpu, timeout_s=240)
+    assert out[0][1] == ["nixl-announce"] and "aborted" in out[0][0]
+    msg, version, same = out[1]
+    assert f"ChecksumError: checksum mismatch in tensor '{victim}'" in msg, msg
+    assert version == 1 and same  # version 1 arrived bit for bit and stayed (staged): version 2 was refused
 
 
 FROZEN_S = 20.0
@@ -218,9 +364,7 @@ def _frozen_worker(world):
         finally:
             s.close()
         return "completed"
-    live = {
-        t.name: torch.zeros(tuple(b - a for a, b in box), dtype=t.dtype) for t, box in dst.local_tensors(world.dst_rank)
-    }
+    live = _zeros(dst, world.dst_rank)
     r = Receiver(src, dst, world.rank, live, procs=procs, config=cfg)
     r.pull(1)
     t0 = time.monotonic()
@@ -244,6 +388,40 @@ def test_a_frozen_source_aborts_at_the_deadline_and_engines_keep_their_version()
         assert "DeadlineExceeded" in msg and "process 0 announcing its tensors" in msg, msg
         assert version == 1 and same  # staged: the live tensors are still version 1, bit for bit
         assert waited < FROZEN_S  # gave up at its own deadline, not when the source woke up
+
+
+# ---------------------------------------------------------------------------- one agent per process
+def _two_peers_worker(world):
+    src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
+    is_src = world.src_rank is not None
+    tensors = {k: reference_shards(src, 0, seed=k) if is_src else _zeros(dst, 0) for k in (1, 2)}
+    peers = {}
+    for k in (1, 2):  # two pairings of the same two processes, each its own Peer (and store namespace)
+        cfg = TransferConfig(name=f"pair{k}", transport="nixl", preflight_timeout_s=120.0)
+        peers[k] = Peer(src, dst, world.rank, src_tensors=tensors[k] if is_src else None,
+                        dst_tensors=None if is_src else tensors[k], config=cfg)  # fmt: skip
+    links = [peers[k].executor.nixl for k in (1, 2)]
+    out = {"same": links[0].shared is links[1].shared, "users": links[0].shared.users}
+    out["agents"] = nixl.SharedAgent.count()
+    for k in (1, 2):
+        peers[k].run(1)
+    peers[1].close()  # the other Peer goes on with the process's agent and its remote agent
+    if is_src:
+        tensors[2] = {n: t.mul_(2) for n, t in tensors[2].items()}
+    peers[2].run(2)
+    out["exact"] = is_src or (holds(tensors[1], dst, 0, seed=1) and holds(tensors[2], dst, 0, seed=2, scale=2.0))
+    peers[2].close()
+    out["after"] = nixl.SharedAgent.count()
+    return out
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_the_peers_of_a_process_share_one_nixl_agent():
+    out = run_local(_two_peers_worker, 1, 1, backend="gloo", timeout_s=240)
+    for r in out:
+        assert r == {"same": True, "users": 2, "agents": 1, "exact": True, "after": 0}, r
 
 
 # ---------------------------------------------------------------------------- fan-out and joining
@@ -336,14 +514,63 @@ def test_ucx_settings_follow_the_nic_knobs_and_the_bind_address(tmp_path):
         nixl.apply_ucx_settings(torch.device(device), env)
         return {k: v for k, v in env.items() if k.startswith("UCX_")}
 
-    assert settings("cuda:2") == {"UCX_NET_DEVICES": "mlx5_2:1,lo", "UCX_MAX_RMA_RAILS": "1"}  # auto: nearest
+    get = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}  # on CUDA: READs over CUDA IPC even without NVLink
+    assert settings("cuda:2") == {"UCX_NET_DEVICES": "mlx5_2:1,lo", "UCX_MAX_RMA_RAILS": "1", **get}  # auto: nearest
     stripe = settings("cuda:2", REFIT_NIC_MODE="stripe")
-    assert stripe == {"UCX_NET_DEVICES": "mlx5_2:1,mlx5_3:1,mlx5_0:1,mlx5_1:1,lo", "UCX_MAX_RMA_RAILS": "4"}
+    assert stripe == {"UCX_NET_DEVICES": "mlx5_2:1,mlx5_3:1,mlx5_0:1,mlx5_1:1,lo", "UCX_MAX_RMA_RAILS": "4", **get}
     assert settings("cpu", REFIT_NIC_MODE="off") == {"UCX_NET_DEVICES": "lo"}
     assert settings("cpu", REFIT_NIC_MODE="stripe", REFIT_NIC_MIN_RATE_GBPS="500") == {"UCX_NET_DEVICES": "lo"}
-    assert settings("cuda:0", REFIT_BIND_ADDRESS="0.0.0.0") == {"UCX_NET_DEVICES": "mlx5_0:1", "UCX_MAX_RMA_RAILS": "1"}
-    mine = settings("cuda:0", UCX_NET_DEVICES="mlx5_3:1", UCX_MAX_RMA_RAILS="2")  # the user's choice stands
-    assert mine == {"UCX_NET_DEVICES": "mlx5_3:1", "UCX_MAX_RMA_RAILS": "2"}
+    bound = settings("cuda:0", REFIT_BIND_ADDRESS="0.0.0.0")
+    assert bound == {"UCX_NET_DEVICES": "mlx5_0:1", "UCX_MAX_RMA_RAILS": "1", **get}
+    mine = settings("cuda:0", UCX_NET_DEVICES="mlx5_3:1", UCX_MAX_RMA_RAILS="2", UCX_CUDA_IPC_ENABLE_GET_ZCOPY="n")
+    assert mine == {"UCX_NET_DEVICES": "mlx5_3:1", "UCX_MAX_RMA_RAILS": "2", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
+    # every peer on this host: no NIC (shared memory, CMA, CUDA IPC); debug: UCX says what it chose
+    env = {"REFIT_SYSFS_ROOT": root, "REFIT_NIXL_DEBUG": "1"}
+    nixl.apply_ucx_settings(torch.device("cpu"), env, one_host=True)
+    assert {k: v for k, v in env.items() if k.startswith("UCX_")} == {
+        "UCX_NET_DEVICES": "lo",
+        "UCX_LOG_LEVEL": "info",
+        "UCX_PROTO_INFO": "y",
+    }
+
+
+def test_a_later_agent_chooses_its_ucx_settings_anew_unless_the_user_set_them(tmp_path):
+    from test_net import _node
+
+    _node(tmp_path, 4)
+    env = {"REFIT_SYSFS_ROOT": str(tmp_path)}
+    nixl.apply_ucx_settings(torch.device("cuda:2"), env, one_host=True)  # a first agent: peers on this host
+    assert env["UCX_NET_DEVICES"] == "lo"
+    nixl.apply_ucx_settings(torch.device("cuda:2"), env)  # a later one with peers elsewhere: its NIC again
+    assert env["UCX_NET_DEVICES"] == "mlx5_2:1,lo" and env["UCX_MAX_RMA_RAILS"] == "1"
+    env["UCX_NET_DEVICES"] = "mlx5_3:1"  # the user changed it since: it stands
+    nixl.apply_ucx_settings(torch.device("cuda:0"), env, one_host=True)
+    assert env["UCX_NET_DEVICES"] == "mlx5_3:1"
+
+
+def test_nics_are_left_out_only_where_the_plan_shows_every_peer_on_this_host():
+    src, dst = _layouts("tiny-llama", "tp=2", "tp=1")
+    cfg = TransferConfig(transport="nixl")
+    assert not nixl.peers_on_this_host(build_plan(src, dst, config=cfg), 2)  # no devices: not known
+    one = ProcessMap((0, 1), (2,), ("cuda:0", "cuda:1", "cuda:0"))
+    assert all(nixl.peers_on_this_host(build_plan(src, dst, one, cfg), p) for p in range(3))
+    two = ProcessMap((0, 1), (2,), ("a/cuda:0", "b/cuda:0", "a/cuda:1"))
+    plan = build_plan(src, dst, two, cfg)
+    assert [nixl.peers_on_this_host(plan, p) for p in range(3)] == [True, False, False]
+
+
+def test_debug_trace_prints_a_line_per_phase_only_when_asked(monkeypatch, capsys):
+    monkeypatch.delenv("REFIT_NIXL_DEBUG", raising=False)
+    nixl.Trace(3)("registered %d regions", 7)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("REFIT_NIXL_DEBUG", "1")
+    trace = nixl.Trace(3)
+    trace("registered %d regions", 7)
+    err = capsys.readouterr().err
+    assert f"pid {os.getpid()} process 3 +" in err and err.strip().endswith("registered 7 regions")
+    assert not trace.every("read", 0.05)  # the first call starts the period
+    time.sleep(0.06)
+    assert trace.every("read", 0.05) and not trace.every("read", 0.05)
 
 
 def _striped_worker(world, sysfs):

@@ -257,7 +257,7 @@ def _mutated(plan, what):
         return replace(plan, procs=plan.procs.with_devices(["cuda:0", "cuda:1"]))
     if what in TransferConfig().agreement():
         value = {"num_buffers": 3, "buffer_bytes": 2048, "transport": "auto", "commit": "staged"}.get(what)
-        changed = {what: value if value is not None else {"checksums": True, "stages": 2}[what]}
+        changed = {what: value if value is not None else {"checksums": True, "stages": 2, "delta": "auto"}[what]}
         return replace(plan, config=replace(plan.config, **changed))
     raise AssertionError(what)
 

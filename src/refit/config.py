@@ -21,6 +21,8 @@ TRANSPORTS = ("p2p", "ipc", "nixl", "auto")
 COMMIT_MODES = ("in_place", "staged")
 COMMIT_POLICIES = ("drain", "abort", "in_place")
 """What an engine does with in-flight requests at an overlapped refit's commit (``refit.commit``)."""
+DELTA_MODES = ("off", "auto", "sparse", "bitmask")
+DELTA_BASES = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,12 @@ class TransferConfig:
     * ``commit_budget_bytes``: the most memory a destination process may add for the commit (the
       shadow, plus the previous version with ``keep_previous``); ``None``: no bound. A share that does
       not fit is refused when the Peer is built (``ConfigError`` naming both numbers).
+    * ``delta``: P2P messages carry only the elements changed since the version the receiver holds
+      (``"auto"``: dense, sparse or bitmask per message by the cost rule of ``refit.quant.delta``;
+      ``"sparse"`` / ``"bitmask"``: that encoding whenever the receiver holds the base; ``"off"``).
+      ``delta_base``: where a source keeps the last version it sent (``"device"`` or pinned ``"host"``
+      memory; extra memory: its P2P-sent shards). ``delta_link_gbps``: the link speed the rule weighs
+      (default: by the link's kind, ``refit.quant.delta.LINKS``). Not with ``checksums``.
 
     Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,
     stages; plus the Peer's ``tag_base``). Pre-flight compares them and names a difference with both
@@ -67,6 +75,9 @@ class TransferConfig:
     stages: int = 1
     keep_previous: bool = False
     commit_budget_bytes: int | None = None
+    delta: str = "off"
+    delta_base: str = "device"
+    delta_link_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for field, value, least in (
@@ -107,6 +118,17 @@ class TransferConfig:
         budget = self.commit_budget_bytes
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ConfigError(f"TransferConfig.commit_budget_bytes must be None or an integer >= 0, got {budget!r}")
+        self._check_delta()
+
+    def _check_delta(self) -> None:
+        for field, value, allowed in (("delta", self.delta, DELTA_MODES), ("delta_base", self.delta_base, DELTA_BASES)):
+            if value not in allowed:
+                raise ConfigError(f"TransferConfig.{field} must be one of {', '.join(allowed)}, got {value!r}")
+        g = self.delta_link_gbps
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < math.inf)):
+            raise ConfigError(f"TransferConfig.delta_link_gbps must be a finite number of GB/s > 0, got {g!r}")
+        if self.delta != "off" and self.checksums:
+            raise ConfigError(f"TransferConfig.delta={self.delta!r} does not work with checksums=True yet")
 
     @property
     def cross_host(self) -> str:
@@ -115,6 +137,11 @@ class TransferConfig:
         if self.transport == "nixl" or (self.transport == "auto" and nixl_installed()):
             return "nixl"
         return "p2p"
+
+    @property
+    def deltas(self) -> bool:
+        """P2P messages may carry only what changed (``delta`` is not ``"off"``)."""
+        return self.delta != "off"
 
     @property
     def staged(self) -> bool:
@@ -130,6 +157,7 @@ class TransferConfig:
             "commit": self.commit,
             "checksums": self.checksums,
             "stages": self.stages,
+            "delta": self.delta,
         }
 
 

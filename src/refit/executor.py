@@ -40,6 +40,7 @@ from refit.errors import ConfigError
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
 from refit.transport.clock import RunClock
+from refit.transport.delta import DeltaSchedule, DeltaStats
 from refit.transport.ipc import IpcLink, IpcPuller
 from refit.transport.nixl import NixlLink
 from refit.transport.p2p import P2PSchedule, _Step
@@ -49,8 +50,10 @@ __all__ = ["Comms", "Executor", "FaultHook", "RunStats"]
 
 FaultHook = Callable[[str, dict], None]
 """``fault(where, info)`` (tests and ``refit verify --inject``): ``where`` is "step" (a P2P step's sends
-are packed, nothing posted yet) or, on CPU, "received" (its messages arrived, not yet checked or
-unpacked); ``info`` holds ``"step"`` (its ops: ``sends``, ``recvs``) and ``"executor"``."""
+are packed, nothing posted yet), on CPU "received" (its messages arrived, not yet checked or
+unpacked), or "nixl-announce" (a NIXL source's tensors are final and its checksums taken; nothing
+packed or announced yet); ``info`` holds ``"executor"`` and, for P2P steps, ``"step"`` (its ops:
+``sends``, ``recvs``)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class RunStats:
     bytes_received: int
     bytes_local: int
     seconds: float
+    delta: DeltaStats | None = None  # delta mode: P2P bytes actually on the wire and encodings chosen
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,27 @@ class Comms:
     def __post_init__(self) -> None:
         if self.standalone and self.group is None:
             raise ConfigError("Comms(standalone=True) needs the ProcessGroup object as group, got group=None")
+
+
+def _check_p2p_backend(plan: Plan, proc: int, device: torch.device, comms: Comms) -> None:
+    """``ConfigError`` when this process would send or receive CUDA tensors over a gloo group (gloo's
+    send/recv reads host memory: the process would abort in gloo, not raise)."""
+    if device.type != "cuda" or not any(
+        m.transport == "p2p" and proc in (plan.procs.src[m.src], plan.procs.dst[m.dst]) for m in plan.messages
+    ):
+        return
+    group = comms.group if comms.group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    if group is None:
+        return
+    try:
+        backend = str(dist.get_backend(group)) if not comms.standalone else type(group).__name__.lower()
+    except (RuntimeError, ValueError):
+        return
+    if "gloo" in backend and "nccl" not in backend:
+        raise ConfigError(
+            f"process {proc}: the plan sends CUDA tensors ({device}) over P2P, but the P2P group's backend is "
+            f"{backend!r}; pass group= an NCCL group (e.g. dist.new_group(ranks, backend='nccl'))"
+        )
 
 
 class Executor:
@@ -123,9 +148,11 @@ class Executor:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.is_source = local.src_rank is not None
+        _check_p2p_backend(plan, proc, self.device, comms)
         self.p2p = P2PSchedule(
             plan, proc, local, self.device, config, tag_base, group=comms.group, standalone=comms.standalone
         )
+        self.delta = DeltaSchedule(self.p2p, plan, proc, local, config) if config.deltas else None
         self.local = [(local.dst_view(p.tensor, p.box), local.src_view(p.tensor, p.box)) for p in plan.local_of(proc)]
         uses_ipc = any(m.transport == "ipc" for m in plan.messages)
         self.ipc = IpcLink.open(plan, proc, local, comms.store, config, self.device) if uses_ipc else None
@@ -151,6 +178,11 @@ class Executor:
         return self.p2p.ring.staging_bytes
 
     @property
+    def delta_base_bytes(self) -> int:
+        """Bytes of the delta base this process keeps (``TransferConfig.delta``; 0 when off or not a source)."""
+        return self.delta.base.nbytes if self.delta is not None and self.delta.base is not None else 0
+
+    @property
     def stage_names(self) -> list[set[str]]:
         """The source tensors of each IPC pull stage (one stage, all names, without IPC)."""
         return self.ipc.stage_names if self.ipc is not None else ipc_stages(self.plan, 1)
@@ -166,25 +198,34 @@ class Executor:
         deadline: float | None = None,
         check_abort: Callable[[], None] | None = None,
         fault_hook: FaultHook | None = None,
+        *,
+        version: int = 0,
+        held: dict[int, int | None] | None = None,
     ) -> RunStats:
         """One refit (the module docstring's phases). ``deadline`` (``time.monotonic()`` value): every
         blocking wait gives up then (``DeadlineExceeded``); ``check_abort()``: polled every 20 ms
-        while waiting, raises if another process aborted the refit; ``fault_hook``: see ``FaultHook``."""
+        while waiting, raises if another process aborted the refit; ``fault_hook``: see ``FaultHook``.
+        Delta mode: ``version`` is the one being sent and ``held`` the version each P2P peer (and this
+        process) holds (``DeltaSchedule.run``; no fault hook there)."""
         t0 = time.perf_counter()
         clock = RunClock(deadline, check_abort)
         staged = len(self.stage_names) > 1
         if not staged:
             self._prepare(None)
         if self.nixl is not None:
-            if self.cuda and self.nixl.receivers:
-                self._sync_device(clock)  # the tensors receivers read are final on the device
-            self.nixl.start(clock)
+            if self.cuda:  # a source's tensors are final, a receiver's free of pending writes (UCX's own streams)
+                self._sync_device(clock)
+            self.nixl.start(clock, self._nixl_fault(fault_hook))
         if self.ipc is not None:
             self._pull_ipc(clock, staged)
         for dst, src in self.local:
             dst.copy_(src, non_blocking=True)
         fault = self._fault(fault_hook)
-        if self.cuda:
+        delta = self.delta.run(clock, version, held or {}) if self.delta is not None else None
+        if delta is not None:
+            if self.cuda:
+                self._sync_device(clock)
+        elif self.cuda:
             self.p2p.run_cuda(fault)
             self._sync_device(clock)
             self.p2p.check_sums()
@@ -196,7 +237,8 @@ class Executor:
             self.nixl.finish(clock)
         if self.ipc is not None:
             self._barrier(clock)  # every pull is done: sources may change their weights again
-        return RunStats(self.bytes_sent, self.bytes_received, self.bytes_local, time.perf_counter() - t0)
+        sent, received = (delta.wire_bytes, delta.received_bytes) if delta else (self.bytes_sent, self.bytes_received)
+        return RunStats(sent, received, self.bytes_local, time.perf_counter() - t0, delta)
 
     def close(self) -> None:
         self.p2p.close()
@@ -235,6 +277,9 @@ class Executor:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         clock.watch(ev.query, lambda: "GPU work of the refit (NCCL transfers or IPC pulls)")
+
+    def _nixl_fault(self, hook: FaultHook | None) -> Callable[[str], None] | None:
+        return None if hook is None else lambda where: hook(where, {"executor": self})
 
     def _fault(self, hook: FaultHook | None) -> Callable[[str, _Step], None] | None:
         if hook is None:

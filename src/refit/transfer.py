@@ -31,6 +31,7 @@ from refit.executor import Comms, Executor, FaultHook, RunStats
 from refit.layout import ModelLayout
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.transport.control import AbortChannel, RefitAborted
+from refit.transport.delta import exchange_held
 from refit.transport.store import SignedStore, signed
 
 
@@ -254,10 +255,12 @@ class Peer:
             prepare=prepare,
             tag_base=tag_base,
         )
+        self.store = store
         self.members = sorted({*self.plan.procs.src, *self.plan.procs.dst})
         self.channel = AbortChannel(store, f"{config.name}/run", proc, len(self.members)) if store is not None else None
         self.version: int | None = None  # the last version committed here
         self.torn = False  # in_place: an aborted refit left the destination part new, part old
+        self.stale = False  # the destination no longer holds ``version`` (``invalidate``): no delta onto it
         self.broken: str | None = None  # why this Peer can no longer run (an aborted refit)
         self.last: RunStats | None = None
         self.staged_version: int | None = None  # staged and voted, not yet committed (``stage``)
@@ -291,7 +294,8 @@ class Peer:
         check_abort = (lambda: ch.raise_if_aborted(version, attempt)) if ch is not None else None
         self.staged_version = None
         try:
-            stats = self.executor.run(deadline, check_abort, fault_hook)
+            held = self._held(version, attempt, deadline)
+            stats = self.executor.run(deadline, check_abort, fault_hook, version=version, held=held)
             if self.config.staged and ch is not None:
                 ch.vote(version, attempt, deadline, self.members)  # every process holds all of this version
         except RefitAborted as e:
@@ -303,6 +307,9 @@ class Peer:
                 msg = ch.abort(version, attempt, msg)
             self._fail(msg)
             raise RefitAborted(msg) from e
+        delta = self.executor.delta
+        if delta is not None and delta.base is not None:
+            delta.base.commit(version)  # the base is what was sent only once every process holds it
         self.staged_version, self.last = version, stats
         return stats
 
@@ -316,7 +323,7 @@ class Peer:
         seconds = 0.0
         if self.buffers is not None:
             seconds = self.buffers.commit(version, pause, resume)
-        self.version, self.staged_version, self.torn = version, None, False
+        self.version, self.staged_version, self.torn, self.stale = version, None, False, False
         return seconds
 
     def rollback(self, pause: Callable[[], None] | None = None, resume: Callable[[], None] | None = None) -> None:
@@ -330,12 +337,32 @@ class Peer:
         self.version = self.buffers.rollback(pause, resume)
         self.staged_version = None
 
+    def invalidate(self) -> None:
+        """This process's destination tensors no longer hold ``version`` (e.g. the engine reloaded them):
+        its senders send the next refit dense (a delta needs the exact base version)."""
+        self.stale = True
+
+    def _held(self, version: int, attempt: int, deadline: float) -> dict[int, int | None] | None:
+        """Delta mode: the version this process holds (``None`` if stale) and, for a source, the version
+        each of its P2P receivers holds, through the signed store (``exchange_held``)."""
+        delta = self.executor.delta
+        if delta is None:
+            return None
+        held = None if self.stale or self.torn else self.version
+        if self.store is None:
+            return {self.proc: held}
+        key = f"{self.config.name}/delta/{version}/{attempt}/held"
+        left = max(0.0, deadline - time.monotonic())
+        return exchange_held(self.store, key, self.proc, held, delta.receives, delta.receivers, left)
+
     def close(self) -> None:
         """Stop this Peer's helper thread and shared-memory barrier (its tensors stay as they are)."""
         self.executor.close()
 
     def _fail(self, msg: str) -> None:
         self.broken = msg
+        if self.executor.delta is not None and self.executor.delta.base is not None:
+            self.executor.delta.base.fail()
         if self.live and not self.shadow and not self.private_dst:
             self.torn = True
 

@@ -118,6 +118,8 @@ def trainer_loop(
     client=None,
     load_path: str = "auto",
     master_address: str = "127.0.0.1",
+    transport: str = "p2p",
+    delta: str = "off",
 ) -> tuple[list[dict], dict[str, list]]:
     """Both trainer ranks run this; rank 0 also passes the LLM client and gets full weights per step.
     Returns the history and what refit left behind after ``engine.shutdown()`` (``leaks.leftovers``)."""
@@ -139,6 +141,8 @@ def trainer_loop(
             n_workers=n_workers,
             timeout_s=300,
             load_path=load_path,
+            transport=transport,
+            delta=delta,
         )
         before = snapshot()
         engine = RefitTrainerEngine.trainer_init(info, client=client, source=ShardedModuleSource(model, 2))
@@ -164,9 +168,19 @@ def trainer_loop(
         dist.destroy_process_group()
 
 
-def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path, master_address):
+def _rank1(port, xfer_port, model_name, spec, n_workers, steps, load_path, master_address, transport, delta="off"):
     _, left = trainer_loop(
-        1, port, xfer_port, model_name, spec, n_workers, steps, load_path=load_path, master_address=master_address
+        1,
+        port,
+        xfer_port,
+        model_name,
+        spec,
+        n_workers,
+        steps,
+        load_path=load_path,
+        master_address=master_address,
+        transport=transport,
+        delta=delta,
     )
     assert left == {"threads": [], "sockets": []}, f"trainer rank 1 after shutdown: {left}"
 
@@ -233,6 +247,8 @@ def train_and_refit(
     steps: int,
     load_path: str = "auto",
     master_address: str = "127.0.0.1",
+    transport: str = "p2p",
+    delta: str = "off",
 ):
     """Trainer rank 0 here (driving the engine through ``client``: ``LLMClient(llm)``, vLLM's HTTP client, ...),
     rank 1 spawned; both refit the engine after each step, then shut refit down. The store listens on
@@ -240,11 +256,14 @@ def train_and_refit(
     checks its own: a failure there is its exit code)."""
     port, xfer_port = free_port(), free_port(master_address)
     p = mp.get_context("spawn").Process(
-        target=_rank1, args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path, master_address)
+        target=_rank1,
+        args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path, master_address, transport, delta),
     )
     p.start()
     try:
-        out = trainer_loop(0, port, xfer_port, model_name, spec, engine_tp, steps, client, load_path, master_address)
+        out = trainer_loop(
+            0, port, xfer_port, model_name, spec, engine_tp, steps, client, load_path, master_address, transport, delta
+        )
     finally:
         p.join(timeout=120)
         if p.is_alive():
@@ -254,7 +273,13 @@ def train_and_refit(
 
 
 def run(
-    model_name: str = "tiny-llama", spec: str = "tp=2", engine_tp: int = 1, steps: int = 2, load_path: str = "auto"
+    model_name: str = "tiny-llama",
+    spec: str = "tp=2",
+    engine_tp: int = 1,
+    steps: int = 2,
+    load_path: str = "auto",
+    transport: str = "p2p",
+    delta: str = "off",
 ) -> dict:
     """Refit a fresh engine ``steps`` times; returns the trainer history, the engine's greedy tokens/logprobs
     and HF's on the last weights, the workers' ``refit_stats``, the version vLLM reports, and what refit
@@ -265,7 +290,9 @@ def run(
     with tempfile.TemporaryDirectory() as workdir:
         llm = make_llm(model_name, engine_tp, workdir)
         workers_before = llm.collective_rpc("refit_test_snapshot")
-        history, trainer_left = train_and_refit(LLMClient(llm), model_name, spec, engine_tp, steps, load_path)
+        history, trainer_left = train_and_refit(
+            LLMClient(llm), model_name, spec, engine_tp, steps, load_path, transport=transport, delta=delta
+        )
         stats = llm.collective_rpc("refit_stats")
         llm.shutdown_weight_transfer_engine()
         workers_after = llm.collective_rpc("refit_test_snapshot")

@@ -27,6 +27,13 @@ Strategies (``predict``):
   NICs refit selects (``refit.transport.nics``: ``REFIT_NIC_MODE``): its cross-node links run at
   ``gpu_nic_gbps`` of that mode ("stripe": every NIC of the node, capped by PCIe; "auto": the
   nearest one), whatever the topology's own ``nic_mode`` says (that one describes NCCL's choice).
+- ``delta`` (with ``changed_fraction``): refit's plan sending only the changed elements
+  (``refit.quant.delta``): per link the encoding its rule picks for that fraction over that link
+  (dense on a same-GPU link); the sender's HBM reads base and current (2x the link's dense bytes),
+  the receiver's scatters; the wire carries the encoded bytes. Changes are taken as spread evenly
+  (an optimizer step on bf16 weights), so every link sees the same fraction; FP8 engines: the same
+  fraction of FP8 elements (the blocks whose inputs changed are re-quantised; an element whose FP8
+  value did not change is not sent).
 - ``fanout``: waves — the engine replicas that hold the version become sources; with the
   trainer as one more source group, the number of holders doubles per wave, so
   ceil(log2(R + 1)) waves each about the time of refit's plan into one replica (an estimate:
@@ -45,6 +52,7 @@ from typing import Any
 from refit.errors import TopologyError
 from refit.layout import ModelLayout
 from refit.plan.planner import ProcessMap, link_bytes
+from refit.quant.delta import INDEX_BYTES, LinkSpeed, choose_encoding, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,44 @@ def transfer_time(transfers: dict[tuple[int, int], int], topo: Topology) -> tupl
     return t, f"{kind} of {where}", int(raw[(kind, idx)])
 
 
+def delta_time(
+    transfers: dict[tuple[int, int], int], topo: Topology, fraction: float, itemsize: int
+) -> tuple[float, str, int, int]:
+    """The bottleneck bound of ``transfers`` sent as deltas with ``fraction`` of the elements (of
+    ``itemsize`` bytes) changed (the module docstring's ``delta``): (seconds, busiest resource, its
+    bytes, bytes on the wire in all)."""
+    if not 0 <= fraction <= 1:
+        raise TopologyError(f"changed fraction must be within [0, 1], got {fraction!r}")
+    wire: dict[tuple[int, int], int] = {}
+    extra: dict[tuple[str, int], float] = defaultdict(float)
+    for (s, d), n in transfers.items():
+        elems = n // itemsize
+        k = round(fraction * elems)
+        msg = min(elems, 1 << 28)  # the rule weighs messages (at most a tensor), not a link's total
+        kind = choose_encoding([(msg, round(fraction * msg), itemsize)], _link_speed(s, d, topo))
+        wire[(s, d)] = n if kind == "dense" else wire_bytes(kind, elems, k, itemsize)
+        if kind != "dense":
+            extra[("hbm", s)] += 2 * n + k * itemsize  # read base and current; base update
+            extra[("hbm", d)] += k * (INDEX_BYTES + itemsize)  # the scatter reads indices, writes values
+    secs, raw = loads(wire, topo)
+    for key, b in extra.items():
+        raw[key] = raw.get(key, 0.0) + b
+        secs[key] = raw[key] / (topo.hbm_gbps * 1e9)
+    if not secs:
+        return 0.0, "-", 0, 0
+    (kind, idx), t = max(secs.items(), key=lambda kv: kv[1])
+    where = f"node {idx}" if kind.startswith("node") else f"GPU {idx}"
+    return t, f"{kind} of {where}", int(raw[(kind, idx)]), sum(wire.values())
+
+
+def _link_speed(s: int, d: int, topo: Topology) -> LinkSpeed:
+    """The encoding rule's view of the link between GPUs ``s`` and ``d`` of ``topo``."""
+    if s == d:
+        return LinkSpeed(topo.hbm_gbps / 2, topo.hbm_gbps / 2, same_device=True)
+    link = topo.nvlink_gbps if topo.node(s) == topo.node(d) else topo.gpu_nic_gbps
+    return LinkSpeed(link, topo.hbm_gbps / 2)
+
+
 def gpu_placement(n_src: int, n_dst: int, topo: Topology, colocated: bool = False) -> ProcessMap:
     """Trainer rank ``r`` on GPU ``r``, engine rank ``r`` on GPU ``n_src + r`` (on GPU ``r`` when
     ``colocated``); ``TopologyError`` naming both counts when the topology has too few GPUs."""
@@ -241,6 +287,14 @@ def broadcast_time(
     return model_bytes / (topo.nccl_gbps * 1e9), "nvlink through NCCL (ring hop)"
 
 
+def _weight_itemsize(dst: ModelLayout) -> int:
+    """The element size of most of ``dst``'s bytes (FP8 weights: 1 beside their float32 scales)."""
+    by: dict[int, int] = defaultdict(int)
+    for t in dst:
+        by[t.dtype.itemsize] += t.nbytes
+    return max(by, key=by.get) if by else 2
+
+
 def predict(
     src: ModelLayout,
     dst: ModelLayout,
@@ -250,16 +304,28 @@ def predict(
     replica_dst: ModelLayout | None = None,
     colocated: bool = False,
     nixl_nic_mode: str | None = None,
+    changed_fraction: float | None = None,
 ) -> list[Prediction]:
     """Predictions per strategy. ``replicas``: engine data-parallel replicas in ``dst``;
     ``replica_dst``: the layout of one replica (for ``fanout``; omitted when ``replicas`` is 1);
-    ``nixl_nic_mode`` ("auto" or "stripe"): also predict the plan over NIXL with those NICs."""
+    ``nixl_nic_mode`` ("auto" or "stripe"): also predict the plan over NIXL with those NICs;
+    ``changed_fraction``: also predict refit's plan as deltas (``delta``; the engine's largest dtype
+    taken as every element's size: bf16, or FP8 for an FP8 engine)."""
     model_bytes = dst.nbytes
     out = []
     t, where = broadcast_time(model_bytes, src.world_size, dst.world_size, topo, colocated)
     out.append(Prediction("broadcast", t, where, model_bytes, "whole model from trainer rank 0, pipelined ring"))
-    t, where, n = transfer_time(p2p_transfers(src, dst, topo, colocated), topo)
+    transfers = p2p_transfers(src, dst, topo, colocated)
+    t, where, n = transfer_time(transfers, topo)
     out.append(Prediction("p2p", t, where, n, "refit's plan from every trainer rank to every engine rank"))
+    if changed_fraction is not None:
+        item = _weight_itemsize(dst)
+        td, where, n, wire = delta_time(transfers, topo, changed_fraction, item)
+        note = (
+            f"refit's plan, {changed_fraction:.2%} of elements changed: {wire / 1e9:.2f} GB on the wire "
+            f"({wire / max(1, sum(transfers.values())):.1%} of dense)"
+        )
+        out.append(Prediction("delta", td, where, n, note))
     if nixl_nic_mode is not None:
         nic_topo = replace(topo, nic_mode=nixl_nic_mode)  # validated again: "auto" or "stripe"
         t, where, n = transfer_time(p2p_transfers(src, dst, nic_topo, colocated), nic_topo)

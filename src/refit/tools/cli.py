@@ -64,6 +64,14 @@ def positive_float(text: str) -> float:
     return _number(text, float, 0, above=True)
 
 
+def fraction(text: str) -> float:
+    """argparse type: a finite number within [0, 1] (a changed fraction)."""
+    value = _number(text, float, 0)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction within [0, 1], got {text!r}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are the CLI's one line: ``ConfigError``, not usage text and exit."""
 
@@ -159,6 +167,13 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
         "printing the plan",
     )
     p.add_argument("--colocated", action="store_true", help="with --cluster: engine ranks share the trainer's GPUs")
+    p.add_argument(
+        "--changed-fraction",
+        type=fraction,
+        default=None,
+        metavar="F",
+        help="with --cluster: also predict a delta refit where this fraction of the elements changed (0.01 = 1%%)",
+    )
 
 
 def _verify_parser(v: argparse.ArgumentParser) -> None:
@@ -196,6 +211,13 @@ def _bench_parser(b: argparse.ArgumentParser) -> None:
     b.add_argument("--growth-iters", type=positive_int, default=20, help="consecutive refits of refit's own path")
     b.add_argument("--num-buffers", type=positive_int, default=2)
     b.add_argument("--buffer-mb", type=positive_float, default=256.0)
+    b.add_argument(
+        "--deadline-s",
+        type=positive_float,
+        default=TransferConfig.deadline_s,
+        help="refit's methods: every blocking wait of one refit gives up this long after it began "
+        f"(default {TransferConfig.deadline_s:g})",
+    )
     b.add_argument(
         "--copy-streams",
         type=positive_int,
@@ -243,6 +265,7 @@ def cmd_bench(args, console) -> int:
         **_buffer_flags(args),
         copy_streams=("--copy-streams", args.copy_streams, args.copy_streams),
         stages=("--stages", args.stages, args.stages),
+        deadline_s=("--deadline-s", f"{args.deadline_s:g}", args.deadline_s),
     )
     out = args.out or os.path.join("bench", "results", f"{harness.device_kind() if device == 'cuda' else 'cpu'}.json")
     command = "refit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "refit bench"
@@ -346,7 +369,15 @@ def _cluster(args, console, src, dst, shapes, src_l, dst_l, t0: float) -> int:
             _, one = _fp8(src_l, one, args.fp8)
     if args.fp8:
         src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
-    preds = predict(src_l, dst_l, topo, replicas=replicas, replica_dst=one, colocated=args.colocated)
+    preds = predict(
+        src_l,
+        dst_l,
+        topo,
+        replicas=replicas,
+        replica_dst=one,
+        colocated=args.colocated,
+        changed_fraction=args.changed_fraction,
+    )
     build_s = time.perf_counter() - t0
     if args.json:
         print(
@@ -384,11 +415,14 @@ def cmd_plan(args, console) -> int:
 
     from rich.table import Table
 
+    if args.changed_fraction is not None and not args.cluster:
+        raise ConfigError(f"--changed-fraction {args.changed_fraction:g} needs --cluster (it adds a delta prediction)")
     src, dst, cfg, shapes = _setup(args)
     t0 = time.perf_counter()  # plan building starts here: shapes are given
     src_l, dst_l = _src_layout(args, shapes, src), layout_from_spec(shapes, dst)
     if args.cluster:
         return _cluster(args, console, src, dst, shapes, src_l, dst_l, t0)
+
     if args.fp8:
         src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
     plan = build_plan(src_l, dst_l, config=cfg)

@@ -4,7 +4,9 @@ Setup (once, through the store; no process group spans sources and receivers):
 
 * each process makes a NIXL agent (UCX backend, NIXL's own metadata listener off) after applying the
   UCX settings of ``refit.transport.nics`` (``UCX_NET_DEVICES``: the selected NICs plus the bind
-  address's interface, ``UCX_MAX_RMA_RAILS``), and registers the memory its pieces live in: a source
+  address's interface, ``UCX_MAX_RMA_RAILS``; no NIC where the plan's devices put every peer on this
+  host; on CUDA, READs over CUDA IPC allowed without NVLink: ``apply_ucx_settings``), and registers
+  the memory its pieces live in: a source
   the storage of every tensor a receiver reads (whole parameters; a view registers its storage), a
   receiver the storage of every tensor it receives into;
 * each source publishes, for each of its receivers, a record sealed with the job secret
@@ -23,11 +25,23 @@ done (its tensors may change again). Every wait polls under the run's ``RunClock
 is a ``DeadlineExceeded``, never a hang; another process's abort ends it too). A source that dies
 mid-read fails the read (``TransferError`` naming it).
 
+Debugging (``REFIT_NIXL_DEBUG=1``, ``Trace``): a line per phase on stderr (agent made, regions
+registered and how long it took, records published and read, remote agents added, requests prepared;
+per refit: announced, each post of the first refit, every 5 s what a wait still waits for, bytes read
+and the rate, checksums, finished), and UCX prints the transports and protocols it chose.
+
 Staging: a source packs the pieces whose runs in its tensors are short (``SourceStaging``: a column
 slice of a row-sharded weight) into a registered staging buffer before it announces a refit, within
 the budget ``num_buffers`` x ``buffer_bytes``; receivers read such a piece as one descriptor. Other
 pieces are read in place, one descriptor per run common to both sides (one request gathers many).
-Checksums are not computed over NIXL (``ConfigError`` at setup).
+
+Checksums (``config.checksums``; ``NixlSums``): a source sums every piece it sends
+(``transport.checksum``'s definition: the torch reference on the CPU, the Triton kernel on CUDA)
+once its tensors are final, before it packs its staging buffer, and publishes, per receiver, the
+sums of that receiver's pieces with the run number, sealed (``<name>/nixl/<agent>/sums/<proc>``,
+written before the announcement); a receiver, once every read is done, sums what it received, checks
+the record field by field and compares: the first differing piece (plan order) is a
+``ChecksumError`` naming its tensor, box and source process, raised before it announces ``done``.
 """
 
 from __future__ import annotations
@@ -37,10 +51,13 @@ import ctypes
 import json
 import logging
 import os
+import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,10 +65,11 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import PIECE_ALIGN, TransferConfig
-from refit.errors import ConfigError, PlanError, TransferError
+from refit.errors import ChecksumError, ConfigError, PlanError, TransferError
 from refit.layout import box_relative
 from refit.plan import Plan
 from refit.plan.schedule import part_key, source_part
+from refit.transport.checksum import Piece, PieceSums
 from refit.transport.clock import RunClock
 from refit.transport.nics import process_nics, ucx_settings
 from refit.transport.store import SignedStore, bind_address, interface_of
@@ -66,6 +84,10 @@ _ADDR_LIMIT = 1 << 63
 _POLL_S = 0.001
 STAGE_RUN_BYTES = 64 << 10  # a source piece whose runs are shorter than this is staged (packed) if the budget allows
 SYSFS_ENV = "REFIT_SYSFS_ROOT"  # where NIC discovery reads sysfs (default /sys; a container's mount, tests)
+SET_ENV = "REFIT_UCX_SET"  # the UCX variables refit itself set (JSON): chosen anew for a later agent
+DEBUG_ENV = "REFIT_NIXL_DEBUG"  # "1": a line per phase on stderr (``Trace``), UCX's own choices printed
+UCX_SHOWN = ("UCX_NET_DEVICES", "UCX_MAX_RMA_RAILS", "UCX_TLS")
+PROGRESS_EVERY_S = 5.0  # debug: how often a long wait says what it still waits for
 
 
 def available() -> bool:
@@ -78,31 +100,162 @@ def available() -> bool:
 
 
 # ---------------------------------------------------------------------------- UCX settings, agent
-def apply_ucx_settings(device: torch.device, env: dict | None = None) -> dict[str, str]:
+def apply_ucx_settings(device: torch.device, env: dict | None = None, one_host: bool = False) -> dict[str, str]:
     """Set this process's UCX variables for a NIXL agent on ``device`` (``nics.process_nics`` on the
     sysfs under ``REFIT_SYSFS_ROOT``, default ``/sys``, and ``nics.ucx_settings``; ``REFIT_BIND_ADDRESS``'s
     interface, loopback by default) in ``env`` (default ``os.environ``: UCX reads it when an agent is
-    created) and return them (logged)."""
+    created) and return them (logged). ``one_host``: every peer of this process is on its host, so no
+    NIC is selected (UCX moves bytes through shared memory, CMA or CUDA IPC; registering GPU memory
+    with an HCA would only cost time). On CUDA, ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``: UCX turns READs
+    over CUDA IPC off where NVML shows no active NVLink on GPU 0 (one GPU, PCIe), and refit's READs
+    then crawl through UCX's software emulation. ``REFIT_NIXL_DEBUG=1`` adds ``UCX_LOG_LEVEL=info``
+    and ``UCX_PROTO_INFO=y`` (UCX prints the transports and protocols it chose). A variable the
+    environment already sets is the user's choice and stays; one that refit set for an earlier agent
+    (recorded in ``REFIT_UCX_SET``, inherited by child processes too) is chosen anew."""
     env = os.environ if env is None else env
+    ours = _refit_set(env)
+    for k in ours:  # refit's own earlier choice (another device, or another host set): not the user's
+        env.pop(k, None)
     sysfs_root = env.get(SYSFS_ENV) or "/sys"
     address = bind_address(env.get("REFIT_BIND_ADDRESS"))
     interface = None if address in ("0.0.0.0", "::") else interface_of(address)
-    chosen = ucx_settings(process_nics(str(device), sysfs_root, env), interface, env)
+    nics = [] if one_host else process_nics(str(device), sysfs_root, env)
+    chosen = ucx_settings(nics, interface, env)
+    extra = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"} if torch.device(device).type == "cuda" else {}
+    if env.get(DEBUG_ENV) == "1":
+        extra |= {"UCX_LOG_LEVEL": "info", "UCX_PROTO_INFO": "y"}
+    chosen |= {k: v for k, v in extra.items() if k not in env}
     env.update(chosen)
-    shown = {k: env[k] for k in ("UCX_NET_DEVICES", "UCX_MAX_RMA_RAILS", "UCX_TLS") if k in env}
-    log.info("refit nixl: UCX settings for %s (bind %s): %s", device, address, shown)
+    env[SET_ENV] = json.dumps(chosen, sort_keys=True)
+    shown = {k: env[k] for k in (*UCX_SHOWN, *extra) if k in env}
+    log.info("refit nixl: UCX settings for %s (bind %s%s): %s", device, address, ", one host" * one_host, shown)
     return chosen
 
 
-def make_agent(name: str, device: torch.device):
-    """A NIXL agent named ``name`` with the UCX backend and no metadata listener (the UCX settings
-    applied first)."""
-    from nixl._api import nixl_agent, nixl_agent_config
+def _refit_set(env: Mapping[str, str]) -> dict[str, str]:
+    """The UCX variables refit set in ``env`` (``REFIT_UCX_SET``) that still hold refit's value."""
+    try:
+        mine = json.loads(env.get(SET_ENV, "{}"))
+    except ValueError:
+        return {}
+    if not isinstance(mine, dict):
+        return {}
+    return {k: v for k, v in mine.items() if isinstance(k, str) and k.startswith("UCX_") and env.get(k) == v}
 
-    apply_ucx_settings(device)
-    agent = nixl_agent(name, nixl_agent_config(backends=[], enable_listen_thread=False))
+
+def make_agent(name: str, device: torch.device, one_host: bool = False):
+    """A NIXL agent named ``name`` with the UCX backend, no metadata listener and NIXL's strict thread
+    mode (its calls serialized: links of one process may run from different threads); the UCX
+    settings applied first (``apply_ucx_settings``)."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    apply_ucx_settings(device, one_host=one_host)
+    config = nixl_agent_config(
+        backends=[], enable_listen_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
+    agent = nixl_agent(name, config)
     agent.create_backend("UCX", {})
     return agent
+
+
+class SharedAgent:
+    """This process's NIXL agent, shared by its links (one per ``Peer``): one UCX context, worker and
+    progress thread per process however many Peers it holds (a fan-out replica: one per wave).
+
+    ``acquire(device, one_host)``: the agent made with those UCX settings (the first call makes it,
+    ``make_agent``; a later call with other settings, e.g. a link with peers on other hosts after one
+    without, gets an agent of its own); ``release()`` once per acquire: the last one drops the agent.
+    Remote agents are counted per link: ``add_remote(metadata)`` loads a remote agent's metadata, or
+    refreshes it (a source that registered more memory for another link publishes newer metadata, which
+    NIXL merges; requests prepared before stay valid); ``drop_remote(name)`` forgets it once no link
+    of this process reads from it. Thread-safe."""
+
+    _lock = threading.Lock()
+    _agents: dict[tuple[str, bool], SharedAgent] = {}
+
+    def __init__(self, key: tuple[str, bool], agent, name: str) -> None:
+        self.key, self.agent, self.name = key, agent, name
+        self.users = 0
+        self.remotes: Counter[str] = Counter()
+
+    @classmethod
+    def acquire(cls, device: torch.device, one_host: bool = False) -> SharedAgent:
+        key = (str(device), one_host)
+        with cls._lock:
+            shared = cls._agents.get(key)
+            if shared is None:
+                name = f"refit-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+                shared = cls._agents[key] = cls(key, make_agent(name, device, one_host), name)
+            shared.users += 1
+            return shared
+
+    @classmethod
+    def count(cls) -> int:
+        """How many agents this process holds now."""
+        with cls._lock:
+            return len(cls._agents)
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            if self._agents.get(self.key) is self:
+                del self._agents[self.key]
+            self.agent = None  # NIXL's agent (its UCX worker and progress thread) goes with the last reference
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load (or refresh) a remote agent's metadata; its name (NIXL's own errors propagate)."""
+        got = self.agent.add_remote_agent(metadata)
+        name = got.decode() if isinstance(got, bytes) else got
+        with self._lock:
+            self.remotes[name] += 1
+        return name
+
+    def drop_remote(self, name: str) -> None:
+        with self._lock:
+            self.remotes[name] -= 1
+            if self.remotes[name] > 0:
+                return
+            del self.remotes[name]
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception:  # noqa: BLE001, S110 - already gone
+            pass
+
+
+def peers_on_this_host(plan: Plan, proc: int) -> bool:
+    """Whether the plan's devices show every NIXL peer of ``proc`` on its host (False without devices:
+    where the processes run is not known)."""
+    procs = plan.procs
+    if procs.devices is None:
+        return False
+    peers = {procs.src[m.src] for m in plan.messages if m.transport == "nixl" and procs.dst[m.dst] == proc}
+    peers |= {procs.dst[m.dst] for m in plan.messages if m.transport == "nixl" and procs.src[m.src] == proc}
+    return all(procs.host_of(p) == procs.host_of(proc) for p in peers)
+
+
+class Trace:
+    """``REFIT_NIXL_DEBUG=1``: one line per NIXL phase on stderr, flushed at once (a run that stalls
+    shows where), with the process id, the plan's process number and the seconds since ``t0``;
+    otherwise nothing. ``every(key, s)``: whether ``s`` seconds passed since that key last said so."""
+
+    def __init__(self, proc: int) -> None:
+        self.on = os.environ.get(DEBUG_ENV) == "1"
+        self.proc, self.t0 = proc, time.monotonic()
+        self._last: dict[str, float] = {}
+
+    def __call__(self, fmt: str, *args) -> None:
+        if self.on:
+            head = f"[refit nixl pid {os.getpid()} process {self.proc} +{time.monotonic() - self.t0:.3f}s] "
+            print(head + (fmt % args), file=sys.stderr, flush=True)
+
+    def every(self, key: str, seconds: float) -> bool:
+        now = time.monotonic()
+        if not self.on or now - self._last.setdefault(key, now) < seconds:
+            return False
+        self._last[key] = now
+        return True
 
 
 def ucx_config() -> dict[str, str]:
@@ -305,6 +458,100 @@ def _inside(regions: list[list], mem: str, dev: int, lo: int, hi: int) -> bool:
     return any(r[3] == mem and r[2] == dev and r[0] <= lo and hi <= r[0] + r[1] for r in regions)
 
 
+# ---------------------------------------------------------------------------- checksums
+_SUMS_KEYS = {"run", "sums"}
+
+
+def device_wait(device: torch.device, clock: RunClock, what: str) -> None:
+    """Wait until ``device``'s current stream has done its work (nothing on the CPU); polled under
+    ``clock`` (``what``: the pending work, for ``DeadlineExceeded``), so the host never blocks
+    inside CUDA past the deadline."""
+    if device.type != "cuda":
+        return
+    if not clock.bounded:
+        torch.cuda.current_stream(device).synchronize()
+        return
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    clock.watch(ev.query, lambda: what)
+
+
+def _host_ints(t: torch.Tensor, clock: RunClock, what: str) -> list[int]:
+    """``t`` (int64) on the host, the wait for its device under ``clock``."""
+    device_wait(t.device, clock, what)
+    return t.tolist()
+
+
+class NixlSums:
+    """Checksum mode of one process's NIXL pieces (``transport.checksum``'s sum; Triton on CUDA): one
+    slot per message it sends (a source) and per message it reads (a receiver).
+
+    Lifecycle: built at setup on the views the link moves (the destination's are a staged commit's
+    shadow); per refit a source calls ``sent(clock)`` once its tensors are final and publishes
+    ``record(receiver, run, sent)`` for each receiver; a receiver, once every read is done, calls
+    ``check(records, run, clock)`` with its sources' records. Views stay valid between refits."""
+
+    def __init__(self, plan: Plan, proc: int, local: LocalTensors, device: torch.device) -> None:
+        self.plan = plan
+        self.sends: dict[int, list[int]] = {}  # receiver process -> indices of the messages it reads from here
+        self.reads: dict[int, int] = {}  # message index -> source process, in plan order
+        sent, read = [], []
+        self._sent_order: list[int] = []  # message index of each slot of the sums sent
+        for k, m in enumerate(plan.messages):
+            if m.transport != "nixl":
+                continue
+            p = m.pieces[0]
+            if plan.procs.src[m.src] == proc:
+                self.sends.setdefault(plan.procs.dst[m.dst], []).append(k)
+                self._sent_order.append(k)
+                sent.append(Piece(local.src_view(p.tensor, p.box), len(sent)))
+            if plan.procs.dst[m.dst] == proc:
+                self.reads[k] = plan.procs.src[m.src]
+                read.append(Piece(local.dst_view(p.tensor, p.box), len(read)))
+        self._sent = PieceSums(sent, torch.zeros(len(sent), dtype=torch.int64, device=device))
+        self._read = PieceSums(read, torch.zeros(len(read), dtype=torch.int64, device=device))
+
+    def sent(self, clock: RunClock) -> dict[int, int]:
+        """The sums of every piece this process sends, now: message index -> sum."""
+        self._sent.run()
+        return dict(zip(self._sent_order, _host_ints(self._sent.out, clock, "checksums of NIXL pieces sent")))
+
+    def record(self, receiver: int, run: int, sent: dict[int, int]) -> dict:
+        """What ``receiver`` compares with: ``{"run": run, "sums": {message index: sum}}`` (plain data)."""
+        return {"run": run, "sums": {str(k): sent[k] for k in self.sends[receiver]}}
+
+    def check_record(self, rec: object, sp: int, run: int) -> dict[int, int] | None:
+        """Source process ``sp``'s sums for run ``run`` (message index -> sum), None if ``rec`` is of an
+        earlier run; ``TransferError`` naming the field if it is not exactly the sums of the pieces
+        read from ``sp`` (int64 values)."""
+        if not isinstance(rec, dict) or set(rec) != _SUMS_KEYS or not _int(rec["run"], 0):
+            raise TransferError(f"NIXL checksum record of process {sp} is not {{run, sums}}: {str(rec)[:80]}")
+        if rec["run"] < run:
+            return None
+        want = {str(k) for k, s in self.reads.items() if s == sp}
+        sums = rec["sums"]
+        ok = rec["run"] == run and isinstance(sums, dict) and set(sums) == want
+        if not ok or not all(_int(v, -(1 << 63), 1 << 63) for v in sums.values()):
+            raise TransferError(
+                f"NIXL checksum record of process {sp}: run {rec['run']} (expected {run}), "
+                f"sums not the {len(want)} int64 sums of the pieces read from it: {str(sums)[:80]}"
+            )
+        return {int(k): v for k, v in sums.items()}
+
+    def check(self, want: dict[int, int], clock: RunClock) -> None:
+        """Sum what was read and compare with the sources' sums ``want`` (message index -> sum, every
+        message read); ``ChecksumError`` names the first piece (plan order) that differs."""
+        self._read.run()
+        got = _host_ints(self._read.out, clock, "checksums of NIXL pieces read")
+        for (k, sp), g in zip(self.reads.items(), got):
+            if g != want[k]:
+                p = self.plan.messages[k].pieces[0]
+                raise ChecksumError(
+                    f"checksum mismatch in tensor {p.tensor!r} {[list(b) for b in p.box]} read over NIXL from "
+                    f"process {sp}: source {want[k]}, received {g} ({p.nbytes} bytes)"
+                )
+
+
 # ---------------------------------------------------------------------------- the link
 @dataclass
 class _Request:
@@ -419,16 +666,17 @@ class NixlLink:
         self.sources: dict[int, str] = {}  # receiver: source process -> its agent name
         self.unreachable: dict[int, str] = {}  # receiver: sources whose agent refused the connection at setup
         self.receivers: list[int] = []  # source: processes that read from this one
+        self.sums: NixlSums | None = None  # checksum mode
         self.runs = 0  # refits started so far (the same count on every process of the plan)
         self.bytes_read = 0
+        self.trace = Trace(proc)  # REFIT_NIXL_DEBUG=1: a line per phase
+        self.shared: SharedAgent | None = None  # the process's agent (``agent`` is its NIXL object)
 
     @classmethod
     def open(cls, plan: Plan, proc: int, local: LocalTensors, store: SignedStore | None, config: TransferConfig):
         """Make the agent, register, publish and import records, prepare the reads (see the class)."""
         if store is None:
             raise PlanError("the plan has NIXL links but no rendezvous store was given")
-        if config.checksums:
-            raise ConfigError("TransferConfig.checksums=True is not supported with NIXL links; use checksums=False")
         if not available():
             raise ConfigError("the plan has NIXL links but nixl is not installed: pip install 'refit-rl[nixl]'")
         mine = [m for m in plan.messages if m.transport == "nixl"]
@@ -439,21 +687,31 @@ class NixlLink:
         device = tensors[0].device if tensors else torch.device("cpu")
         staging = SourceStaging(plan, proc, local, config.num_buffers * config.buffer_bytes, device)
         tensors += [staging.buffer] if staging.offsets else []
-        name = f"refit-{proc}-{uuid.uuid4().hex[:16]}"
-        link = cls(make_agent(name, device), name, store, config, proc)
+        trace = Trace(proc)
+        trace("setup on %s: %d pieces to send, %d to read, staging %d bytes", device, len(sends), len(recvs),
+              staging.buffer.numel())  # fmt: skip
+        one_host = peers_on_this_host(plan, proc)
+        shared = SharedAgent.acquire(device, one_host)
+        name = shared.name
+        link = cls(shared.agent, name, store, config, proc)
+        link.shared, link.trace = shared, trace
+        trace("agent %s (UCX backend; one host: %s) used by %d link(s) here", name, one_host, shared.users)
         link.tensors, link.staging = tensors, staging  # registered memory stays allocated while the link lives
+        link.sums = NixlSums(plan, proc, local, device) if config.checksums else None
         try:
             link._register(storage_regions(tensors))
             link.receivers = sorted({plan.procs.dst[m.dst] for m in sends})
             for r in link.receivers:
                 rec = _record_for(plan, local, link.agent, name, link._regions, r, staging)
                 store.put_sealed(link._key(f"record/{proc}/{r}"), json.dumps(rec).encode())
+            trace("records published for processes %s", link.receivers)
             for sp in sorted({plan.procs.src[m.src] for m in recvs}):
                 link._connect(plan, local, sp)
         except Exception:
             link.close()
             raise
         log.info("refit nixl: process %d agent %s: %d reads prepared", proc, name, len(link.requests))
+        trace("setup done: %d READ requests prepared", len(link.requests))
         return link
 
     def _key(self, what: str) -> str:
@@ -464,7 +722,10 @@ class NixlLink:
         for mem in MEM_TYPES:
             rows = [(a, n, dev, "") for a, n, dev, m in regions if m == mem]
             if rows:
+                t0 = time.monotonic()
+                self.trace("registering %d %s regions, %d bytes", len(rows), mem, sum(r[1] for r in rows))
                 self.registered.append(self.agent.register_memory(rows, mem))
+                self.trace("registered %s in %.3f s", mem, time.monotonic() - t0)
 
     def _connect(self, plan: Plan, local: LocalTensors, sp: int) -> None:
         """Read, check and import source process ``sp``'s record; prepare the reads from it."""
@@ -481,28 +742,45 @@ class NixlLink:
                 ndims[part_key(p.tensor, source_part(plan, m.src, p.tensor, p.box)[0])] = len(p.box)
                 messages.add(k)
         rec = check_record(rec, f"process {sp}", ndims, messages)
+        self.trace("record of process %d read: agent %s, %d regions", sp, rec["agent"], len(rec["regions"]))
         try:
-            got = self.agent.add_remote_agent(rec["metadata"])
+            got = self.shared.add_remote(rec["metadata"])
         except Exception as e:  # noqa: BLE001 - NIXL's own error: the source's agent is gone
             self.unreachable[sp] = f"{type(e).__name__}: {e}"
             log.warning("refit nixl: process %d cannot reach process %d: %s", self.proc, sp, e)
             return
-        got = got.decode() if isinstance(got, bytes) else got
+        self.sources[sp] = got  # counted: close() drops it
         if got != rec["agent"]:
             raise PlanError(f"NIXL record of process {sp}: metadata is of agent {got!r}, not {rec['agent']!r}")
-        self.sources[sp] = rec["agent"]
-        self.requests += _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes)
+        self.trace("agent of process %d added", sp)
+        reqs = _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes)
+        self.requests += reqs
+        self.trace("%d READ requests from process %d prepared: %d descriptors, %d bytes", len(reqs), sp,
+                   sum(r.descriptors for r in reqs), sum(r.nbytes for r in reqs))  # fmt: skip
 
     # ------------------------------------------------------------------ run
-    def start(self, clock: RunClock) -> None:
-        """Begin this process's part of a refit: a source announces that its tensors are final."""
+    def start(self, clock: RunClock, fault=None) -> None:
+        """Begin this process's part of a refit: a source (its tensors final) takes its checksums
+        (checksum mode), calls ``fault("nixl-announce")`` (tests: a change now is what a receiver
+        must catch), packs its staging buffer, publishes its sums and announces that its tensors are
+        final."""
         self.runs += 1
-        if self.staging is not None and self.staging.copies:
-            self.staging.pack()
-            if self.staging.buffer.is_cuda:
-                torch.cuda.current_stream(self.staging.buffer.device).synchronize()
-        if self.receivers:
-            self.store.put(self._key(f"{self.name}/ready"), self.runs)
+        if not self.receivers:
+            return
+        self.trace("run %d: source, tensors final", self.runs)
+        sent = self.sums.sent(clock) if self.sums is not None else None
+        if fault is not None:
+            fault("nixl-announce")
+        if self.staging is not None:  # packed, and on a GPU every write before the announcement done
+            if self.staging.copies:
+                self.staging.pack()
+            device_wait(self.staging.buffer.device, clock, "packing the NIXL staging buffer")
+        if sent is not None:
+            for r in self.receivers:
+                rec = json.dumps(self.sums.record(r, self.runs, sent)).encode()
+                self.store.put_sealed(self._key(f"{self.name}/sums/{r}"), rec)
+        self.store.put(self._key(f"{self.name}/ready"), self.runs)
+        self.trace("run %d: announced to processes %s", self.runs, self.receivers)
 
     def finish(self, clock: RunClock) -> None:
         """A receiver: wait for each source's announcement, read every piece (at most
@@ -514,12 +792,37 @@ class NixlLink:
             raise TransferError(f"NIXL: process {sp} could not be reached when the reads were set up ({why})")
         for sp, agent in sorted(self.sources.items()):
             self._wait_for(self._key(f"{agent}/ready"), clock, lambda sp=sp: f"process {sp} announcing its tensors")
-        self._read(clock)
+        if self.requests:
+            self.trace("run %d: every source announced; reading %d requests", self.runs, len(self.requests))
+            self._read(clock)
+        if self.sums is not None and self.sources:
+            self._check_sums(clock)
+            self.trace("run %d: checksums equal", self.runs)
         for agent in self.sources.values():
             self.store.put(self._key(f"{agent}/done/{self.proc}"), self.runs)
         for r in self.receivers:
             key = self._key(f"{self.name}/done/{r}")
             self._wait_for(key, clock, lambda r=r: f"process {r} reading from process {self.proc} over NIXL")
+        self.trace("run %d: finished", self.runs)
+
+    def _check_sums(self, clock: RunClock) -> None:
+        """Compare what was read with every source's sums of this run (``NixlSums.check``)."""
+        want: dict[int, int] = {}
+        for sp, agent in sorted(self.sources.items()):
+            key = self._key(f"{agent}/sums/{self.proc}")
+            got: dict = {}
+
+            def arrived(sp=sp, key=key, got=got) -> bool:
+                raw = self.store.peek_sealed(key)
+                sums = None if raw is None else self.sums.check_record(json.loads(raw), sp, self.runs)
+                got.update(sums or {})
+                if sums is None:
+                    time.sleep(_POLL_S)
+                return sums is not None
+
+            clock.watch(arrived, lambda sp=sp, key=key: f"process {sp}'s checksums (NIXL, store key {key!r})")
+            want.update(got)
+        self.sums.check(want, clock)
 
     def _wait_for(self, key: str, clock: RunClock, what) -> None:
         """Until the signed value under ``key`` reaches this run's number (an older value, or a forged
@@ -529,6 +832,8 @@ class NixlLink:
             v = self.store.peek(key)
             if isinstance(v, int) and not isinstance(v, bool) and v >= self.runs:
                 return True
+            if self.trace.every(key, PROGRESS_EVERY_S):
+                self.trace("run %d: still waiting for %s", self.runs, what())
             time.sleep(_POLL_S)
             return False
 
@@ -538,15 +843,25 @@ class NixlLink:
         """Post every prepared READ, at most ``num_buffers`` in flight, until all are done."""
         pending, flying = list(self.requests), []
         limit = self.config.num_buffers
+        t0 = time.monotonic()
         while pending or flying:
             while pending and len(flying) < limit:
                 req = pending.pop(0)
+                if self.runs == 1:  # a post that blocks (UCX mapping a source's memory) shows here
+                    self.trace("run 1: posting %d bytes (%d pieces) from process %d", req.nbytes, req.descriptors,
+                               req.peer)  # fmt: skip
                 state = self._call(req, self.agent.transfer, "posting")
                 if state != "DONE":
                     flying.append(req)
             if flying:
                 clock.watch(lambda: self._any_done(flying), lambda: self._pending(flying))
+            done = len(self.requests) - len(pending) - len(flying)
+            if self.trace.every("read", PROGRESS_EVERY_S):
+                self.trace("run %d: %d of %d requests read", self.runs, done, len(self.requests))
         self.bytes_read = sum(r.nbytes for r in self.requests)
+        dt = time.monotonic() - t0
+        rate = self.bytes_read / max(dt, 1e-9) / 1e9  # run 1 includes UCX mapping the sources' memory
+        self.trace("run %d: read %d bytes in %.3f s (%.2f GB/s)", self.runs, self.bytes_read, dt, rate)
 
     def _any_done(self, flying: list[_Request]) -> bool:
         """Whether a request in flight finished now (removed from ``flying``)."""
@@ -554,6 +869,8 @@ class NixlLink:
         for req in list(flying):
             if self._call(req, self.agent.check_xfer_state, "reading") == "DONE":
                 flying.remove(req)
+        if len(flying) == before and self.trace.every("flying", PROGRESS_EVERY_S):
+            self.trace("run %d: still reading: %s", self.runs, self._pending(flying))
         return len(flying) < before
 
     def _call(self, req: _Request, fn, what: str) -> str:
@@ -581,13 +898,11 @@ class NixlLink:
             except Exception:  # noqa: BLE001, S110 - a request left mid-flight by an aborted refit
                 pass
         self.requests = []
-        if self.agent is None:
+        if self.agent is None or self.shared is None:
             return
         for agent in self.sources.values():
-            try:
-                self.agent.remove_remote_agent(agent)
-            except Exception:  # noqa: BLE001, S110 - already gone
-                pass
+            self.shared.drop_remote(agent)
         for reg in self.registered:
             self.agent.deregister_memory(reg)
-        self.registered, self.sources, self.agent, self.tensors = [], {}, None, []
+        self.shared.release()
+        self.registered, self.sources, self.agent, self.shared, self.tensors = [], {}, None, None, []

@@ -45,6 +45,7 @@ class _Op:
     step: int = 0
     sum: torch.Tensor | None = None  # checksum mode: [checksum, bytes] sent beside the message
     got: torch.Tensor | None = None  # checksum mode, receivers: the received message's checksum
+    message: int = -1  # the index of this op's message in ``plan.messages``
 
     def what(self) -> str:
         more = f" and {len(self.names) - 3} more" if len(self.names) > 3 else ""
@@ -132,7 +133,7 @@ def _build_steps(plan: Plan, proc: int, local: LocalTensors, ring: StagingRing, 
         names = tuple(dict.fromkeys(p.tensor for p in m.pieces))
         if m.direct:
             p = m.pieces[0]
-            op = _Op(peer, tags[i], view(p.tensor, p.box), [], names=names, step=m.step)
+            op = _Op(peer, tags[i], view(p.tensor, p.box), [], names=names, step=m.step, message=i)
         else:
             slot = ring.slot_of[i]
             buf = ring.buffers[slot]
@@ -140,7 +141,7 @@ def _build_steps(plan: Plan, proc: int, local: LocalTensors, ring: StagingRing, 
             for p, off in zip(m.pieces, m.offsets):
                 tv = view(p.tensor, p.box)
                 pack.append((buf[off : off + p.nbytes].view(tv.dtype).view(tv.shape), tv))
-            op = _Op(peer, tags[i], buf[: m.nbytes], pack, slot, names=names, step=m.step)
+            op = _Op(peer, tags[i], buf[: m.nbytes], pack, slot, names=names, step=m.step, message=i)
         (steps[m.step].sends if is_send else steps[m.step].recvs).append(op)
     return [s for s in steps if s.sends or s.recvs]
 
@@ -269,7 +270,11 @@ class P2PSchedule:
         def msgs(ops: list[_Op]) -> list[tuple[int, torch.Tensor, int]]:
             return [(op.peer, op.sum, op.tag + SUM_TAG) if sums else (op.peer, op.tensor, op.tag) for op in ops]
 
-        sends, recvs = msgs(step.sends), msgs(step.recvs)
+        return self.post(msgs(step.sends), msgs(step.recvs))
+
+    def post(self, sends: list[tuple[int, torch.Tensor, int]], recvs: list[tuple[int, torch.Tensor, int]]) -> list:
+        """Post ``(peer, tensor, tag)`` sends and receives as one batch (or, standalone, the group's own
+        ops); return the works, sends first. A failure to post names the peers."""
         try:
             if self.standalone:
                 return [self.group.send([t], p, tag) for p, t, tag in sends] + [
@@ -283,7 +288,7 @@ class P2PSchedule:
             peers = ", ".join(f"process {p}" for p in sorted({p for p, _, _ in sends + recvs}))
             raise RuntimeError(f"posting the step's sends and receives with {peers} failed: {e}") from e
 
-    def _wait(self, clock: RunClock, works: list, ops: list[_Op], what: str) -> None:
+    def wait(self, clock: RunClock, works: list, ops: list[_Op], what: str) -> None:
         """Wait for ``works`` (one per op, in order) under ``clock.watch``; a failed work names its peer.
 
         A blocked gloo wait cannot be interrupted (and gloo's own wait-with-timeout breaks the
@@ -314,9 +319,9 @@ class P2PSchedule:
             if fault is not None:
                 fault("step", step)
             ops = step.sends + step.recvs
-            self._wait(clock, self._post(step), ops, "transfer")
+            self.wait(clock, self._post(step), ops, "transfer")
             if self.checksums:
-                self._wait(clock, self._post(step, sums=True), ops, "checksum exchange")
+                self.wait(clock, self._post(step, sums=True), ops, "checksum exchange")
             if fault is not None:
                 fault("received", step)
             if self.sums is not None and step.recvs:

@@ -268,7 +268,14 @@ class SignedStore:
 
     def get_sealed(self, key: str, timeout_s: float) -> bytes:
         """The plaintext ``put_sealed`` wrote under ``key`` (waits like ``get``)."""
-        value = self.get(key, timeout_s)
+        return self._unseal(key, self.get(key, timeout_s))
+
+    def peek_sealed(self, key: str) -> bytes | None:
+        """The plaintext ``put_sealed`` wrote under ``key`` now, or None (absent or not validly tagged)."""
+        value = self.peek(key)
+        return None if value is None else self._unseal(key, value)
+
+    def _unseal(self, key: str, value: Any) -> bytes:
         blob = value.get("sealed") if isinstance(value, dict) else None
         plain = auth.unseal(self._secret, self._mac_key(key), base64.b64decode(blob)) if isinstance(blob, str) else None
         if plain is None:

@@ -38,11 +38,11 @@ from refit.engines.vllm.common import (
     gather_dst_layout,
     join_group,
     open_store,
+    process_map,
     read_src_layout,
     wait_workers,
 )
 from refit.errors import ConfigError
-from refit.plan import ProcessMap
 from refit.transfer import Peer
 
 from .regions import share
@@ -142,7 +142,7 @@ class RankSide:
             dst,
             info.n_trainer + rank,
             dst_tensors={n: s.view for n, s in shares.items()},
-            procs=ProcessMap.disjoint(info.n_trainer, info.n_workers),
+            procs=process_map(info, store, info.n_trainer + rank, next(model.parameters()).device),
             group=self.pg,
             config=transfer_config(info),
             device=next(model.parameters()).device,

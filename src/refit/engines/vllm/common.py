@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,8 +41,15 @@ class RefitInitInfo:
     rank 0 through the client and rebuilt with ``RefitInitInfo(**fields)``). Every field must be the
     same on all processes of the job. The transfer group has ``world_size = n_trainer + n_workers``
     ranks: trainer ranks ``0..n_trainer-1``, then workers ``n_trainer + (dp_index * tp * pp + worker
-    rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` / ``commit`` / ``keep_previous`` /
-    ``commit_budget_bytes`` become one ``TransferConfig`` (``transfer_config()``), validated there.
+    rank)``. ``num_buffers`` / ``buffer_bytes`` / ``timeout_s`` / ``transport`` / ``commit`` /
+    ``keep_previous`` / ``commit_budget_bytes`` / ``delta`` become one ``TransferConfig``
+    (``transfer_config()``), validated there. ``transport``: ``"p2p"`` (the
+    transfer group's gloo send/recv), ``"nixl"`` (every worker reads its boxes from the trainer ranks'
+    registered memory through NIXL) or ``"auto"`` (every process publishes where it runs:
+    ``process_map``; NIXL between hosts where installed, CUDA IPC between GPUs of one host, else P2P).
+    ``delta``: ``TransferConfig.delta`` (``"off"``, ``"auto"``,
+    ``"sparse"``, ``"bitmask"``): refits after the first send only the changed elements; on the loader path
+    the worker's receive buffers keep the last version, so vLLM's loaders still see whole tensors.
     """
 
     master_address: str = "127.0.0.1"
@@ -58,6 +66,8 @@ class RefitInitInfo:
     commit: str = "in_place"  # "staged": all-or-nothing, and refits may overlap generation (``overlap.py``)
     keep_previous: bool = False  # staged, direct path: keep v-1 on the workers for ``refit_rollback``
     commit_budget_bytes: int | None = None  # the most a worker may add for its shadow (+ v-1); None: no bound
+    transport: str = "p2p"  # TransferConfig.transport: "p2p", "nixl", "auto" (or "ipc": CUDA, one host)
+    delta: str = "off"  # TransferConfig.delta: send only what changed since the version the worker holds
 
     def __post_init__(self) -> None:
         """Checked where it is made (trainer side, and again where a worker rebuilds it): ``ConfigError``
@@ -95,10 +105,12 @@ class RefitInitInfo:
             num_buffers=self.num_buffers,
             buffer_bytes=self.buffer_bytes,
             preflight_timeout_s=self.timeout_s,
+            transport=self.transport,
             name="xfer",
             commit=self.commit,
             keep_previous=self.keep_previous,
             commit_budget_bytes=self.commit_budget_bytes,
+            delta=self.delta,
         )
 
 
@@ -209,6 +221,39 @@ def read_src_layout(store: SignedStore, timeout_s: float) -> ModelLayout:
     return ModelLayout.from_json(store.get("src", timeout_s))
 
 
+def location(device: str | torch.device) -> str:
+    """Where this process's tensors live, as a ``ProcessMap.devices`` entry ``"<host>/<device>"``: the host
+    is the host name and the kernel's boot id (two containers of one machine with their own names are
+    two hosts); the device ``cuda:<GPU uuid>`` (the same GPU whatever ``CUDA_VISIBLE_DEVICES`` says) or
+    ``cpu:<pid>`` (a CPU process shares its device with no other process)."""
+    device = torch.device(device)
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = "noboot"
+    host = f"{socket.gethostname()}-{boot}".replace("/", "_")
+    if device.type == "cuda":
+        return f"{host}/cuda:{torch.cuda.get_device_properties(device).uuid}"
+    return f"{host}/{device.type}:{os.getpid()}"
+
+
+def process_map(info: RefitInitInfo, store: SignedStore, proc: int, device: str | torch.device) -> ProcessMap:
+    """The job's process map (trainer ranks, then workers). Where the transport depends on where the
+    processes run (``transport`` "auto" or "ipc"), every process publishes its ``location`` as
+    ``where/<proc>`` and the map carries them all (collective: waits up to ``timeout_s`` for each;
+    ``ConfigError`` for one that is not ``"<host>/<device>"``); otherwise no devices."""
+    procs = ProcessMap.disjoint(info.n_trainer, info.n_workers)
+    if info.transport not in ("auto", "ipc"):
+        return procs
+    store.put(f"where/{proc}", location(device))
+    where = [store.get(f"where/{p}", info.timeout_s) for p in range(info.world_size)]
+    for p, w in enumerate(where):
+        if not isinstance(w, str) or not 0 < len(w) <= 200 or not w.isprintable() or w.count("/") != 1:
+            raise ConfigError(f"process {p} published location {str(w)[:80]!r}, not '<host>/<device>'")
+    return procs.with_devices(where)
+
+
 def gather_dst_layout(store: SignedStore, src: ModelLayout, n_workers: int, timeout_s: float) -> ModelLayout:
     """Every worker's published regions, as the destination layout (HF names, worker ranks)."""
     per_worker = [store.get(f"dst/{w}", timeout_s) for w in range(n_workers)]
@@ -235,7 +280,7 @@ def trainer_peer(
     build theirs from the same layouts."""
     pg = join_group(info, store, rank)
     dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
-    procs = ProcessMap.disjoint(info.n_trainer, info.n_workers)
+    procs = process_map(info, store, rank, device)
     peer = Peer(
         src,
         dst,

@@ -38,7 +38,6 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from refit.engines.calls import BackgroundCall
 from refit.layout import box_shape
-from refit.plan import ProcessMap
 from refit.transfer import Peer
 
 from .common import (
@@ -47,6 +46,7 @@ from .common import (
     gather_dst_layout,
     join_group,
     open_store,
+    process_map,
     read_lora_spec,
     read_src_layout,
     wait_workers,
@@ -133,7 +133,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             init_info.n_trainer + w,
             dst_tensors={**self.buffers, **self.targets},
             private_dst=not self.targets,  # loader path: the buffers are nobody's live weights
-            procs=ProcessMap.disjoint(init_info.n_trainer, n_workers),
+            procs=process_map(init_info, store, init_info.n_trainer + w, self.device),
             group=pg,
             config=config,
             device=self.device,
@@ -145,6 +145,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.stats["load_path"] = "direct" if self.direct else "loader"
         self.stats["direct_tensors"] = len(self.targets)
         self.stats["bytes_per_refit"] = self.peer.executor.bytes_received
+        self.stats["transports"] = sorted({m.transport for m in self.peer.plan.messages})
 
     def _weight_regions(self, src) -> tuple[dict, dict, dict, list[str]]:
         """This worker's box of every model weight (``regions``), how many each mapping rule served, the live

@@ -62,6 +62,7 @@ def refit_method(transport: str, **overrides) -> Callable[[Ctx], Callable[[], No
             "copy_streams": ctx.config.copy_streams,
             "cuda_graph": ctx.config.cuda_graph,
             "stages": ctx.config.stages,
+            "deadline_s": ctx.config.deadline_s,
         }
         cfg = TransferConfig(**{**fields, **overrides})
         group = ctx.nccl if transport == "p2p" else None
@@ -97,6 +98,7 @@ def refit_fanout(ctx: Ctx) -> Callable[[], None]:
         name=f"bench-fanout-{ctx.extra.get('round', 0)}",
         copy_streams=ctx.config.copy_streams,
         cuda_graph=ctx.config.cuda_graph,
+        deadline_s=ctx.config.deadline_s,
     )
     trainer_procs = list(ctx.plan.procs.src)
     tensors = ctx.src if ctx.src is not None else ctx.dst

@@ -1,0 +1,317 @@
+"""Delta refits: kernel timings, the encoding rule's choice per link, and S1 dense vs delta.
+
+    python -m bench.delta_gpu --out delta.json                      # CUDA: llama-3.1-8b shapes (bf16)
+    python -m bench.delta_gpu --device cpu --model tiny-llama --out /tmp/delta.json
+
+1. Kernels (one process, the first device): the model's bf16 weights, a base copy and an engine copy.
+   Per changed fraction (0.1%, 1%, 10%, 100%): an optimizer-like step (every element flips its last
+   mantissa bit with probability F: +-1 ulp, spread over every tensor, not in blocks), then per tensor
+   ``find_changes`` (find: the one-pass Triton kernel on CUDA, its torch path timed beside it), ``encode``
+   sparse (pack), ``decode`` + ``apply_changes`` into the engine
+   copy (apply), and the base update; each phase timed over the whole model (tensors in groups of
+   ``--group-gb``, synchronized per phase), against a dense on-device copy of every tensor. The engine
+   copy is checked bit for bit after every fraction.
+2. The rule (``refit.quant.delta.choose_encoding``) per link kind at each fraction, with the measured
+   cost on one GPU: S2 (the engine on the trainer's GPU) must pick dense, since find + pack + apply
+   reads more than the dense copy moves.
+3. S1 (2 GPUs, or 2 CPU processes with ``--device cpu``): a Sender on GPU 0 and a Receiver on GPU 1 over
+   NCCL P2P (``transport="p2p"``), one Peer pair dense (``delta="off"``) and one ``delta="auto"``, both
+   refit after every step; per fraction the median refit time (slowest process) and the bytes on the
+   wire. S3 (colocated reshard) runs its links over CUDA IPC, where deltas are not built: not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from refit.config import TransferConfig
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
+from refit.plan import ProcessMap
+from refit.quant.delta import (
+    LINKS,
+    apply_changes,
+    choose_encoding,
+    decode,
+    encode,
+    find_changes,
+    find_changes_many,
+    wire_bytes,
+)
+from refit.tools.bench.weights import make_weight
+from refit.tools.launch import run_local
+from refit.transfer import Receiver, Sender
+
+FRACTIONS = (0.001, 0.01, 0.1, 1.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def optimizer_step(tensors: dict[str, torch.Tensor], fraction: float, seed: int, chunk: int = 1 << 26) -> None:
+    """Every element's last mantissa bit flips with probability ``fraction`` (a +-1 ulp bf16 change)."""
+    gen = torch.Generator(device=next(iter(tensors.values())).device).manual_seed(seed)
+    for t in tensors.values():
+        flat = t.view(-1).view(torch.int16)
+        for s in range(0, flat.numel(), chunk):
+            c = flat[s : s + chunk]
+            c ^= (torch.rand(c.shape, device=c.device, generator=gen) < fraction).to(torch.int16)
+
+
+def _groups(tensors: dict[str, torch.Tensor], group_bytes: int) -> list[list[str]]:
+    out, cur, size = [], [], 0
+    for n, t in tensors.items():
+        if cur and size + t.numel() * t.element_size() > group_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(n)
+        size += t.numel() * t.element_size()
+    return out + ([cur] if cur else [])
+
+
+def _timed(device: torch.device, fn) -> tuple[float, object]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _find(base, cur, names, use_triton=None):
+    if use_triton is False:
+        return [find_changes(base[n], cur[n], use_triton=False) for n in names]
+    return find_changes_many([(base[n], cur[n]) for n in names])  # what the transport runs per message
+
+
+def _pack(cur, names, found, bufs):
+    for n, (i, v), b in zip(names, found, bufs):
+        encode("sparse", cur[n].numel(), i, v, b)
+
+
+def _apply(cur, engine, names, found, bufs):
+    for n, (i, _), b in zip(names, found, bufs):
+        idx, vals = decode("sparse", cur[n].numel(), len(i), b, cur[n].dtype)
+        apply_changes(engine[n], idx, vals)
+
+
+def _base_update(base, names, found):
+    for n, (i, v) in zip(names, found):
+        apply_changes(base[n], i, v)
+
+
+def _group(cur, base, engine, names, device, sec) -> list[tuple[int, int]]:
+    """One group's phases, each synchronized and added to ``sec``; returns ``(n, k)`` per tensor."""
+    if device.type == "cuda":  # the torch reference, beside the one-pass kernel find_changes takes on CUDA
+        sec["find_torch"] += _timed(device, partial(_find, base, cur, names, False))[0]
+    dt, found = _timed(device, partial(_find, base, cur, names))
+    sec["find"] += dt
+    sizes = [wire_bytes("sparse", cur[n].numel(), len(i), 2) for n, (i, _) in zip(names, found)]
+    bufs = [torch.empty(s, dtype=torch.uint8, device=device) for s in sizes]
+    sec["pack"] += _timed(device, partial(_pack, cur, names, found, bufs))[0]
+    sec["apply"] += _timed(device, partial(_apply, cur, engine, names, found, bufs))[0]
+    sec["base_update"] += _timed(device, partial(_base_update, base, names, found))[0]
+    return [(cur[n].numel(), len(i)) for n, (i, _) in zip(names, found)]
+
+
+def kernel_row(cur, base, engine, fraction, device, group_bytes) -> dict:
+    """One fraction's find / pack / apply / base-update seconds over the whole model, bytes, exactness."""
+    sec = dict.fromkeys(("find", "find_torch", "pack", "apply", "base_update"), 0.0)
+    counts = [nk for names in _groups(cur, group_bytes) for nk in _group(cur, base, engine, names, device, sec)]
+    n_all, k_all = sum(n for n, _ in counts), sum(k for _, k in counts)
+    copy_s, _ = _timed(device, partial(_copy_all, engine, cur))  # dense, on the device
+    exact = all(torch.equal(engine[n].view(torch.int16), cur[n].view(torch.int16)) for n in cur)
+    exact = exact and all(torch.equal(base[n].view(torch.int16), cur[n].view(torch.int16)) for n in cur)
+    return {
+        "fraction": fraction,
+        "changed": k_all / max(1, n_all),
+        **{f"{k}_ms": v * 1e3 for k, v in sec.items()},
+        "find_pack_apply_ms": (sec["find"] + sec["pack"] + sec["apply"]) * 1e3,
+        "dense_copy_ms": copy_s * 1e3,
+        "dense_bytes": 2 * n_all,
+        "sparse_bytes": sum(wire_bytes("sparse", n, k, 2) for n, k in counts),
+        "bitmask_bytes": sum(wire_bytes("bitmask", n, k, 2) for n, k in counts),
+        "choice": {link: choose_encoding([(n, k, 2) for n, k in counts], LINKS[link]) for link in LINKS},
+        "exact": exact,
+    }
+
+
+def _copy_all(engine, cur):
+    for n in cur:
+        engine[n].copy_(cur[n])
+
+
+def kernels(model: str, device: torch.device, group_bytes: int) -> tuple[list[dict], int]:
+    shapes = param_shapes(model)
+    cur = {n: make_weight(n, s, torch.bfloat16, device) for n, s, _ in shapes}
+    base = {n: t.clone() for n, t in cur.items()}
+    engine = {n: t.clone() for n, t in cur.items()}
+    find_changes(base[shapes[0][0]], cur[shapes[0][0]])  # warm the allocator and kernels
+    rows = []
+    for i, f in enumerate(FRACTIONS):
+        optimizer_step(cur, f, seed=i + 1)
+        rows.append(kernel_row(cur, base, engine, f, device, group_bytes))
+    model_bytes = sum(t.numel() * 2 for t in cur.values())
+    del cur, base, engine
+    return rows, model_bytes
+
+
+def _s1_worker(world, model: str, iters: int, buffer_mb: int):
+    """S1: process 0 sends, process 1 receives; a dense and a delta Peer pair refit after every step."""
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes(model)]
+    lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    dev = world.device
+    # on CUDA the devices make the rule weigh an NVLink link (without them: a CPU link, as on the CPU run)
+    procs = ProcessMap((0,), (1,), ("cuda:0", "cuda:1") if dev.type == "cuda" else None)
+    base_cfg = TransferConfig(transport="p2p", num_buffers=2, buffer_bytes=buffer_mb << 20, deadline_s=600)
+    cfgs = {"dense": base_cfg, "delta": TransferConfig(**{**base_cfg.__dict__, "delta": "auto", "name": "delta"})}
+    group = world.data_group if dev.type == "cuda" else None  # NCCL for CUDA tensors (the default group is gloo)
+    if world.src_rank is not None:
+        tensors = {n: make_weight(n, s, torch.bfloat16, dev) for n, s, _ in shapes}
+        peers = {
+            k: Sender(lay, lay, 0, tensors, procs=procs, config=c, device=dev, group=group, tag_base=100_000 * i)
+            for i, (k, c) in enumerate(cfgs.items())
+        }
+    else:
+        tensors = {n: torch.zeros(s, dtype=torch.bfloat16, device=dev) for n, s, _ in shapes}
+        peers = {
+            k: Receiver(lay, lay, 1, tensors, procs=procs, config=c, device=dev, group=group, tag_base=100_000 * i)
+            for i, (k, c) in enumerate(cfgs.items())
+        }
+    ref = {n: make_weight(n, s, torch.bfloat16, dev) for n, s, _ in shapes} if world.dst_rank is not None else None
+    version, rows = 1, []
+    for p in peers.values():
+        p.run(version)  # version 1: dense for both (nothing to diff against)
+    for fi, f in enumerate(FRACTIONS):
+        times = {k: [] for k in peers}
+        wire = {k: [] for k in peers}
+        enc, exact = None, True
+        for it in range(iters):
+            version += 1
+            optimizer_step(tensors if ref is None else ref, f, seed=1000 * fi + it)  # the receiver: its reference
+            for k, p in peers.items():
+                dist.barrier()
+                _sync(dev)
+                t0 = time.perf_counter()
+                st = p.run(version)
+                _sync(dev)
+                times[k].append(time.perf_counter() - t0)
+                wire[k].append(st.bytes_sent if st.delta is None else st.delta.wire_bytes)
+                if st.delta is not None and world.src_rank is not None:
+                    enc = dict(st.delta.encodings)
+                if ref is not None:  # bit for bit after every refit, dense and delta alike
+                    exact = exact and all(
+                        torch.equal(tensors[n].view(torch.int16), ref[n].view(torch.int16)) for n in ref
+                    )
+        warm = slice(1, None) if iters > 1 else slice(None)
+        rows.append(
+            {
+                "fraction": f,
+                "dense_ms": statistics.median(times["dense"][warm]) * 1e3,
+                "delta_ms": statistics.median(times["delta"][warm]) * 1e3,
+                "dense_bytes": wire["dense"][-1],
+                "delta_bytes": wire["delta"][-1],
+                "encodings": enc,
+                "exact": exact,
+            }
+        )
+    extra = peers["delta"].executor.delta_base_bytes
+    for p in peers.values():
+        p.close()
+    return rows, extra
+
+
+def s1(model: str, device: str, iters: int, buffer_mb: int) -> list[dict] | None:
+    devices = ["cuda:0", "cuda:1"] if device == "cuda" else ["cpu", "cpu"]
+    out = run_local(_s1_worker, 1, 1, model, iters, buffer_mb, devices=devices, timeout_s=1200)
+    (send_rows, extra), (recv_rows, _) = out
+    rows = []
+    for a, b in zip(send_rows, recv_rows):  # the slowest process's time; the receiver's exactness
+        rows.append(
+            {
+                **a,
+                "dense_ms": max(a["dense_ms"], b["dense_ms"]),
+                "delta_ms": max(a["delta_ms"], b["delta_ms"]),
+                "exact": b["exact"],
+                "sender_base_bytes": extra,
+            }
+        )
+    return rows
+
+
+def _print(res: dict) -> None:
+    print(f"device {res['device']}, model {res['model']} ({res['model_bytes'] / 1e9:.2f} GB bf16)")
+    print(
+        "kernels (one process, ms): changed | find (torch path) | pack | apply | base upd | dense copy | "
+        "sparse/dense bytes | exact"
+    )
+    for r in res["kernels"]:
+        print(
+            f"  {r['fraction']:>6.1%} ({r['changed']:.3%}) | {r['find_ms']:7.2f} ({r['find_torch_ms']:7.2f}) | "
+            f"{r['pack_ms']:6.2f} | "
+            f"{r['apply_ms']:6.2f} | {r['base_update_ms']:6.2f} | {r['dense_copy_ms']:7.2f} ms | "
+            f"{r['sparse_bytes'] / r['dense_bytes']:6.2%} | {r['exact']}"
+        )
+    print("rule's choice per link (S2 = same_device):")
+    for r in res["kernels"]:
+        s2 = r["choice"]["same_device"]
+        print(
+            f"  {r['fraction']:>6.1%}: {r['choice']}; S2 picks {s2}: find+pack+apply {r['find_pack_apply_ms']:.2f} "
+            f"ms vs dense copy {r['dense_copy_ms']:.2f} ms"
+        )
+    if res["s1"] is None:
+        print(f"S1 not run: {res['s1_skipped']}")
+        return
+    print("S1 over P2P (slowest process, median): fraction | dense ms | delta ms | ratio | delta bytes / dense | exact")
+    for r in res["s1"]:
+        print(
+            f"  {r['fraction']:>6.1%} | {r['dense_ms']:8.2f} | {r['delta_ms']:8.2f} | "
+            f"{r['delta_ms'] / r['dense_ms']:5.2f}x | {r['delta_bytes'] / r['dense_bytes']:6.2%} | {r['exact']} "
+            f"{r['encodings']}"
+        )
+    print(f"extra memory (sender base copy): {res['s1'][0]['sender_base_bytes'] / 1e9:.2f} GB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=4, help="S1 refits per fraction (the first is not counted)")
+    ap.add_argument("--buffer-mb", type=int, default=256)
+    ap.add_argument("--group-gb", type=float, default=1.0, help="kernel timings: tensors per phase, in GB")
+    ap.add_argument("--no-s1", action="store_true", help="kernel timings and the rule only")
+    args = ap.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    rows, model_bytes = kernels(model, dev, int(args.group_gb * 1e9))
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    res = {"device": name, "model": model, "model_bytes": model_bytes, "kernels": rows, "s1": None}
+    with open(args.out, "w") as f:  # the kernel timings are kept even if S1 fails
+        json.dump(res, f, indent=1)
+    _print({**res, "s1_skipped": "--no-s1" if args.no_s1 else "(runs next)"})
+    if args.no_s1:
+        res["s1_skipped"] = "--no-s1"
+    elif device == "cpu" or torch.cuda.device_count() >= 2:
+        res["s1"] = s1(model, device, args.iters, args.buffer_mb)
+        _print({**res, "kernels": []})
+    else:
+        res["s1_skipped"] = f"{torch.cuda.device_count()} GPU(s): S1 needs 2"
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

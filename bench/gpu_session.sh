@@ -1,0 +1,47 @@
+#!/bin/bash
+# One device call, several parts chosen by PARTS (space-separated; default "tests overlap lora"):
+#   tests    GPU tests: $TESTS (default test_gpu_checksum.py and test_gpu.py -k $TEST_K), one file at a time, -v
+#   overlap  bench/overlap_gpu.py S2 (and S1 with 2 GPUs): stall while refit stages, beside stop-the-world
+#   lora     bench/lora_merge.py: adapter vs merged refit bytes, merge time
+#   delta    bench/delta_gpu.py (bench/gpu_delta.sh's command)
+#   nixl     refit bench with refit_nixl (REFIT_NIXL_DEBUG=1): $NIXL_SCEN (default S1,S2), $NIXL_ARGS
+# Carry [".whl", ".wheels"] (cryptography etc. in .whl; nixl-cu13 in .wheels/nixl). Results under $OUT; a short
+# summary last.
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .wheels/nixl/*.whl 2>&1 | grep -v WARN
+export PYTHONPATH=$PWD/src:$PWD:/tmp/site PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1; echo "gpus $NG"
+SUM="$OUT/summary.txt"; : > "$SUM"
+for part in ${PARTS:-tests overlap lora}; do
+  SECONDS=0
+  case $part in
+  tests)
+    for f in ${TESTS:-tests/test_gpu_checksum.py tests/test_gpu.py}; do
+      b=$(basename $f .py); k=""; [ "$b" = test_gpu ] && [ -n "$TEST_K" ] && k="$TEST_K"
+      timeout ${TEST_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider $f ${k:+-k "$k"} > "$OUT/$b.txt" 2>&1
+      echo "$f rc=$? $(grep -E '^=+ .*(passed|failed)' "$OUT/$b.txt" | tail -1)" >> "$SUM"
+      grep -E "FAILED|ERROR" "$OUT/$b.txt" | head -5 >> "$SUM"
+    done
+    echo "shm/IPC warnings: $(grep -h -i -E 'terminated before all shared CUDA|leaked shared_memory|leaked semaphore' "$OUT"/test_*.txt | wc -l)" >> "$SUM";;
+  overlap)
+    for s in S2 $([ "$NG" -ge 2 ] && echo S1); do
+      timeout ${OVERLAP_TIMEOUT:-200} python3 -m bench.overlap_gpu --scenario $s --iters 5 --json "$OUT/overlap_$s.json" > "$OUT/overlap_$s.txt" 2>&1
+      echo "overlap $s rc=$?" >> "$SUM"; tail -8 "$OUT/overlap_$s.txt" >> "$SUM"
+    done;;
+  lora)
+    timeout 150 python3 -m bench.lora_merge --model llama-3.1-8b --ranks 16,64 --out "$OUT/lora_merge.json" > "$OUT/lora_merge.txt" 2>&1
+    echo "lora rc=$?" >> "$SUM"; tail -8 "$OUT/lora_merge.txt" >> "$SUM";;
+  delta)
+    timeout ${DELTA_TIMEOUT:-300} python3 -m bench.delta_gpu ${DELTA_ARGS:-} --out "$OUT/delta.json" > "$OUT/delta.txt" 2>&1
+    echo "delta rc=$?" >> "$SUM"; tail -30 "$OUT/delta.txt" >> "$SUM";;
+  nixl)
+    REFIT_BENCH_NIXL=1 REFIT_NIXL_DEBUG=1 timeout ${NIXL_TIMEOUT:-200} python3 -m refit.tools.cli bench \
+      --scenarios ${NIXL_SCEN:-S1,S2} ${NIXL_ARGS:---iters 5 --growth-iters 3} --out "$OUT/nixl.json" > "$OUT/nixl.txt" 2>&1
+    echo "nixl rc=$?" >> "$SUM"; grep -E "^  (refit|floor)|rror" "$OUT/nixl.txt" | cut -c1-160 | tail -14 >> "$SUM";;
+  esac
+  echo "[$part: ${SECONDS}s]" >> "$SUM"
+done
+cat "$SUM"

@@ -1,0 +1,284 @@
+"""Delta encoding of a tensor against the copy last sent: find, encode, apply. Pure torch, any device.
+
+A refit after a small optimizer step changes few bf16 values (about 1% under RL learning rates). A
+sender that keeps the last version it sent (the *base*) can send only the changed elements:
+
+* ``find_changes(base, cur)``: the flat indices (row-major over the tensor's shape, int64) of
+  the elements whose **bits** differ (so ``-0.0`` vs ``0.0`` and NaN payloads count) and their new
+  values; read in chunks of at most ``chunk_bytes`` so the temporary memory is bounded whatever the
+  tensor's size (strided views too).
+* an **encoding** per message (``ENCODINGS``): ``dense`` (every element), ``sparse`` (int32 indices +
+  values: 4 + itemsize bytes per change), ``bitmask`` (one bit per element + values: n/8 + k x
+  itemsize). ``choose_encoding`` picks by the cost rule below.
+* ``apply_changes(dst, indices, values)``: ``dst[indices] = values`` by ``index_put_`` on the
+  unravelled indices, O(changed): no pass over the whole tensor (a strided destination view too).
+
+Cost rule (``predicted_seconds``): a dense message costs its bytes over the link; a delta costs reading
+base and current once on the sender (``2 x n x itemsize`` over the sender's memory bandwidth), its wire
+bytes over the link, and the scatter on the receiver (``k x (4 + 2 x itemsize)`` over memory). The
+cheapest wins, dense on ties. On a same-device link (S2: the engine on the trainer's GPU) the "link" is
+the device's own memory, so a dense copy (read n, write n) is never slower than reading two versions:
+``choose_encoding`` returns dense there without looking at ``k``. Both sides read the same rule, but
+only the sender decides; the message header carries its choice.
+
+One pass on CUDA: ``refit.quant.delta_triton`` compares, compacts (and can update the base) reading each
+version once; ``find_changes`` uses it for contiguous CUDA tensors when Triton is installed, and its
+torch path is the kernel's reference (``tests/delta_interpret.py`` runs the kernel in Triton's
+interpreter against it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from refit.errors import ConfigError, TransferError
+
+ENCODINGS = ("dense", "sparse", "bitmask")
+INDEX_BYTES = 4  # sparse indices travel as int32 (a piece of 2**31 elements or more cannot be sparse)
+CHUNK_BYTES = 256 << 20  # default read size of find_changes (per version): bounds its temporaries
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class DeltaError(TransferError):
+    """A delta cannot apply: wrong base version, malformed header or indices out of range."""
+
+
+@dataclass(frozen=True)
+class LinkSpeed:
+    """What the encoding rule weighs for one link: ``link_gbps`` (GB/s on the wire), ``memory_gbps``
+    (GB/s of the memory that the sender reads and the receiver scatters into) and ``same_device`` (the
+    link is the device's own memory: dense always)."""
+
+    link_gbps: float
+    memory_gbps: float
+    same_device: bool = False
+
+    def __post_init__(self) -> None:
+        for field, value in (("link_gbps", self.link_gbps), ("memory_gbps", self.memory_gbps)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ConfigError(f"LinkSpeed.{field} must be a finite number of GB/s > 0, got {value!r}")
+
+
+LINKS = {
+    "same_device": LinkSpeed(1500.0, 3000.0, same_device=True),  # S2: a copy on one H100 (read + write HBM)
+    "nvlink": LinkSpeed(370.0, 3000.0),  # S1/S3: H100 NVLink, measured ~370 GB/s one way
+    "nic": LinkSpeed(50.0, 3000.0),  # a 400 Gb/s NIC per GPU
+    "cpu": LinkSpeed(2.0, 10.0),  # gloo over loopback on a CPU host
+}
+"""Default speeds per kind of link (H100 numbers; ``TransferConfig.delta_link_gbps`` overrides the link)."""
+
+
+def wire_bytes(encoding: str, n: int, k: int, itemsize: int) -> int:
+    """Bytes on the wire of ``k`` changed elements out of ``n`` of ``itemsize`` bytes (8-byte aligned
+    segments, as ``encode`` lays them out)."""
+    if encoding == "dense":
+        return n * itemsize
+    if encoding == "sparse":
+        return _align(k * INDEX_BYTES) + _align(k * itemsize)
+    if encoding == "bitmask":
+        return _align((n + 7) // 8) + _align(k * itemsize)
+    raise ConfigError(f"delta encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+
+
+def predicted_seconds(encoding: str, n: int, k: int, itemsize: int, link: LinkSpeed) -> float:
+    """The rule's time for one message: see the module docstring."""
+    wire = wire_bytes(encoding, n, k, itemsize) / (link.link_gbps * 1e9)
+    if encoding == "dense":
+        return wire
+    find = 2 * n * itemsize / (link.memory_gbps * 1e9)
+    apply = k * (INDEX_BYTES + 2 * itemsize) / (link.memory_gbps * 1e9)
+    return find + wire + apply
+
+
+def choose_encoding(pieces: list[tuple[int, int, int]], link: LinkSpeed) -> str:
+    """The cheapest encoding of one message whose pieces have ``(n, k, itemsize)`` (``k`` changes in ``n``
+    elements) over ``link``: the sum of ``predicted_seconds`` over the pieces, dense on a same-device
+    link and on ties; sparse never when a piece has 2**31 elements or more."""
+    if link.same_device or not any(n for n, _, _ in pieces):
+        return "dense"
+    kinds = ["dense", "bitmask"] + (["sparse"] if all(n < 2**31 for n, _, _ in pieces) else [])
+
+    def cost(e: str) -> float:
+        return sum(predicted_seconds(e, n, k, s, link) for n, k, s in pieces)
+
+    return min(kinds, key=lambda e: (cost(e), ENCODINGS.index(e)))
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size (bitwise comparison; no copy)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def _row_chunks(t: torch.Tensor, chunk_bytes: int):
+    """``(start element, chunk)`` over ``t``'s leading dim, each at most ``chunk_bytes`` (one row at least)."""
+    if t.dim() == 0:
+        yield 0, t.reshape(1)
+        return
+    row = t[0].numel() if t.shape[0] else 0
+    rows = max(1, chunk_bytes // max(1, row * t.element_size()))
+    for r in range(0, t.shape[0], rows):
+        yield r * row, t[r : r + rows]
+
+
+def find_changes(
+    base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int = CHUNK_BYTES, use_triton: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices (int64, row-major over the shape) of the elements of ``cur`` whose bits differ from
+    ``base``, and ``cur``'s values there. Same shape and dtype; any strides; ``base`` may live on another
+    device (a pinned host copy: each chunk is copied to ``cur``'s device first). The torch path returns
+    the indices sorted; the one-pass kernel (``use_triton``; default: both contiguous on one CUDA device
+    with Triton installed) sorted by chunk, in no particular order inside one (every consumer here is
+    order-free)."""
+    if base.shape != cur.shape or base.dtype != cur.dtype:
+        raise ValueError(f"find_changes: base {list(base.shape)} {base.dtype} vs current {list(cur.shape)} {cur.dtype}")
+    if use_triton is None:
+        use_triton = _kernel_fits(base, cur)
+    if use_triton:
+        return _find_kernel(base, cur, chunk_bytes)
+    idx, vals = [], []
+    for (start, b), (_, c) in zip(_row_chunks(base, chunk_bytes), _row_chunks(cur, chunk_bytes)):
+        b = b.to(c.device, non_blocking=True)
+        changed = (bits(b) != bits(c)).reshape(-1)
+        nz = changed.nonzero().squeeze(1)
+        idx.append(nz + start)
+        vals.append(c.reshape(-1)[nz])
+    if not idx:
+        return torch.empty(0, dtype=torch.int64, device=cur.device), cur.new_empty(0)
+    return torch.cat(idx), torch.cat(vals)
+
+
+def _kernel_fits(base: torch.Tensor, cur: torch.Tensor) -> bool:
+    from refit.quant import delta_triton
+
+    return (
+        delta_triton.AVAILABLE
+        and cur.is_cuda
+        and base.device == cur.device
+        and base.is_contiguous()
+        and cur.is_contiguous()
+    )
+
+
+def _find_kernel(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``find_changes`` through the one-pass kernel (``refit.quant.delta_triton``), chunk by chunk."""
+    from refit.quant.delta_triton import diff_compact
+
+    b, c = bits(base).reshape(-1), bits(cur).reshape(-1)
+    step = max(1, chunk_bytes // cur.element_size())
+    idx, vals = [], []
+    for s in range(0, c.numel(), step):
+        i, v, _ = diff_compact(b[s : s + step], c[s : s + step], start=s)
+        idx.append(i.clone())  # copied out, so the chunk's slots are freed now
+        vals.append(v.view(cur.dtype).clone())
+    if not idx:
+        return torch.empty(0, dtype=torch.int64, device=cur.device), cur.new_empty(0)
+    return torch.cat(idx), torch.cat(vals)
+
+
+def find_changes_many(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int = CHUNK_BYTES, use_triton: bool | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``find_changes`` of every ``(base, cur)`` pair (the pieces of one message). Pairs the one-pass
+    kernel takes (contiguous, one CUDA device, at most ``chunk_bytes``) are launched together with one
+    host sync for all of them, into slots for a quarter of their elements (a pair with more changes is
+    found again by ``find_changes``, with every slot); the rest go through ``find_changes``. ``use_triton``: as
+    ``find_changes``' (True: every pair that fits the chunk, e.g. in Triton's interpreter)."""
+    out: list = [None] * len(pairs)
+    fits = [
+        i
+        for i, (b, c) in enumerate(pairs)
+        if c.numel() * c.element_size() <= chunk_bytes and (_kernel_fits(b, c) if use_triton is None else use_triton)
+    ]
+    if fits:
+        from refit.quant.delta_triton import launch
+
+        counts = torch.zeros(len(fits), dtype=torch.int32, device=pairs[fits[0]][1].device)
+        slots = []
+        for j, i in enumerate(fits):
+            b, c = pairs[i]
+            cap = max(1024, c.numel() // 4)
+            idx, vals = torch.empty(cap, dtype=torch.int64, device=c.device), bits(c.new_empty(cap))
+            launch(bits(b).reshape(-1), bits(c).reshape(-1), idx, vals, counts[j : j + 1])
+            slots.append((idx, vals))
+        for i, k, (idx, vals) in zip(fits, counts.tolist(), slots):
+            if k <= len(idx):  # copied out, so the slots are freed now
+                out[i] = (idx[:k].clone(), vals[:k].view(pairs[i][1].dtype).clone())
+    return [o if o is not None else find_changes(b, c, chunk_bytes, use_triton) for o, (b, c) in zip(out, pairs)]
+
+
+def apply_changes(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``dst``'s elements at flat row-major ``indices`` become ``values``: one ``index_put_``, O(changed),
+    on any strides. ``indices`` must lie in ``[0, dst.numel())`` (``check_indices``)."""
+    if not indices.numel():
+        return
+    if dst.is_contiguous():
+        dst.view(-1).index_put_((indices.long(),), values)
+    else:
+        dst.index_put_(torch.unravel_index(indices.long(), dst.shape), values)
+
+
+def check_indices(indices: torch.Tensor, n: int, what: str) -> None:
+    """A received index list is within ``[0, n)`` (``DeltaError`` naming ``what``): a bad index must never
+    reach a scatter (on CUDA it would be a device-side assert). One reduction over the indices."""
+    if indices.numel():
+        lo, hi = torch.stack([indices.min(), indices.max()]).tolist()
+        if lo < 0 or hi >= n:
+            raise DeltaError(f"{what}: delta index {lo if lo < 0 else hi} is outside the piece's {n} elements")
+
+
+def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> None:
+    """``check_indices`` of every ``(indices, n)`` with one host sync for all of them."""
+    pieces = [(i, n) for i, n in pieces if i.numel()]
+    if not pieces:
+        return
+    lows = torch.stack([i.min().long() for i, _ in pieces])
+    highs = torch.stack([i.max().long() - n for i, n in pieces])
+    for (_, n), lo, hi in zip(pieces, lows.tolist(), highs.tolist()):
+        if lo < 0 or hi >= 0:
+            raise DeltaError(f"{what}: delta index {lo if lo < 0 else hi + n} is outside the piece's {n} elements")
+
+
+def encode(encoding: str, n: int, indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+    """Write one piece's changes as ``encoding`` into ``out`` (uint8, ``wire_bytes`` long): sparse: int32
+    indices, then values; bitmask: bit i of byte i // 8 set for every changed element, then values (each
+    segment 8-byte aligned). ``dense`` is not encoded here (the piece travels as it lies)."""
+    k, size = indices.numel(), values.element_size()
+    if encoding == "sparse":
+        head = _align(k * INDEX_BYTES)
+        out[: k * INDEX_BYTES].view(torch.int32).copy_(indices)
+    elif encoding == "bitmask":
+        head = _align((n + 7) // 8)
+        mask = torch.zeros(head * 8, dtype=torch.bool, device=out.device)
+        mask[indices] = True
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=out.device)
+        out[:head].copy_((mask.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8))
+    else:
+        raise ValueError(f"encode: {encoding!r} is not a delta encoding")
+    out[head : head + k * size].view(values.dtype).copy_(values)
+
+
+def decode(
+    encoding: str, n: int, k: int, payload: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``encode``: ``(indices, values)`` of one piece from its ``wire_bytes`` payload."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if encoding == "sparse":
+        head = _align(k * INDEX_BYTES)
+        indices = payload[: k * INDEX_BYTES].view(torch.int32)
+    elif encoding == "bitmask":
+        head = _align((n + 7) // 8)
+        shifts = torch.arange(8, dtype=torch.uint8, device=payload.device)
+        mask = ((payload[:head, None] >> shifts) & 1).view(-1)[:n]
+        indices = mask.nonzero().squeeze(1)
+        if indices.numel() != k:
+            raise DeltaError(f"a bitmask delta marks {indices.numel()} elements, its header says {k}")
+    else:
+        raise ValueError(f"decode: {encoding!r} is not a delta encoding")
+    return indices, payload[head : head + k * size].view(dtype)

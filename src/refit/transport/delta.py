@@ -1,0 +1,412 @@
+"""Delta refits over torch.distributed P2P: each message carries only what changed since the base version.
+
+Setup (once): ``SourceBase`` copies a source process's tensors that it sends over P2P (on the device or
+in pinned host memory: ``TransferConfig.delta_base``); ``DeltaSchedule`` pairs each of the process's P2P
+ops (``P2PSchedule``) with its pieces' views, the base views (sender) and the link's speed.
+
+Per refit, per step (host-driven; on CUDA the device is synchronized by the header reads):
+  1. each sender chooses its message's encoding (``DeltaSchedule._plan``): dense when the receiver does
+     not hold the sender's base version (heal), on a same-device link, or when the last measured changed
+     fraction makes dense cheaper (then the base is not maintained either, until a probe every
+     ``PROBE_EVERY`` runs refreshes it); else ``find_changes_many`` over the pieces and
+     ``choose_encoding`` (or the forced ``TransferConfig.delta``) over the message;
+  2. headers travel (int64 ``[kind, base version, version, k per piece]``, tag plus ``HEADER_TAG``);
+  3. payloads: a dense message as the plain P2P path sends it (packed ring buffer or the tensor itself),
+     a delta as its encoded pieces (``quant.delta.encode``), sized from the header;
+  4. receivers check the header (``check_header``: kind, version, base version = the version they hold,
+     counts) and apply: dense unpacks, a delta scatters (``apply_changes``), O(changed).
+The sender's base follows what each message sent as it is encoded (``SourceBase.update``; a source box
+sent to several receivers at commit); the version it holds is set after the refit succeeded
+(``commit``), and a failed refit clears it (``fail``), so the next refit is dense everywhere.
+Extra memory: the base (this process's P2P-sent source bytes) plus one payload per delta message in
+flight (smaller than the message's dense bytes by the rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from refit.binding import LocalTensors
+from refit.config import TransferConfig
+from refit.layout import box_intersect
+from refit.plan import Plan
+from refit.quant.delta import (
+    ENCODINGS,
+    LINKS,
+    DeltaError,
+    LinkSpeed,
+    apply_changes,
+    check_indices_many,
+    choose_encoding,
+    decode,
+    encode,
+    find_changes_many,
+    wire_bytes,
+)
+from refit.transport.clock import RunClock
+from refit.transport.p2p import P2PSchedule, _Op
+from refit.transport.store import SignedStore
+
+HEADER_TAG = (1 << 20) + (1 << 19)  # a header: its message tag plus this (inside a fan-out tag window of 1 << 21)
+PROBE_EVERY = 8  # a message sent dense because of its last fraction is diffed again after this many runs
+FIND_BATCH_BYTES = 1 << 30  # data diffed per host sync (the kernel's slots: ~1.25x that for bf16)
+
+
+def link_speed(plan: Plan, a: int, b: int, config: TransferConfig) -> LinkSpeed:
+    """The ``LINKS`` entry of the link between processes ``a`` and ``b`` (same device; CUDA on one host:
+    NVLink; CUDA across hosts: a NIC; else CPU), its link speed replaced by ``config.delta_link_gbps``."""
+    procs = plan.procs
+    if procs.same_device(a, b) and procs.devices is not None:
+        kind = "same_device"
+    elif "cuda" in procs.device_of(a) and "cuda" in procs.device_of(b):
+        kind = "nvlink" if procs.host_of(a) == procs.host_of(b) else "nic"
+    else:
+        kind = "cpu"
+    speed = LINKS[kind]
+    return replace(speed, link_gbps=config.delta_link_gbps) if config.delta_link_gbps is not None else speed
+
+
+class SourceBase:
+    """A source process's copy of the bytes it last sent over P2P: every source tensor some P2P message
+    of this process reads, whole (``where``: ``"device"``, beside the tensor, or ``"host"``, pinned when
+    CUDA is present). ``version`` is the version it holds (``None``: nothing sent yet, or a refit failed
+    after part of it was updated). ``nbytes``: the extra memory.
+
+    Per run, each message's base is brought to what it sent (``update``): at once when no other message
+    of this process reads any of its elements (the common case: the changes are dropped right after),
+    else at ``commit`` (another message to another receiver still has to diff against the old bytes).
+    ``commit(v)`` after the run succeeded; ``fail()`` after it failed (the base is part old, part new:
+    ``None``, so the next refit is dense and rebuilds it)."""
+
+    def __init__(self, plan: Plan, proc: int, local: LocalTensors, where: str) -> None:
+        sent = _sent(plan, proc)
+        names = {p.tensor for i in sent for p in plan.messages[i].pieces}
+        parts = {n: tuple((box, _copy_of(t, where)) for box, t in local.src[n]) for n in names}
+        self.local = replace(local, src=parts)
+        self.nbytes = sum(t.numel() * t.element_size() for ps in parts.values() for _, t in ps)
+        self.shared = _shared_messages(plan, sent)
+        self.version: int | None = None
+        self.pending: list = []  # (base view, indices or None, values or the live view)
+
+    def update(self, message: int, updates: list) -> None:
+        """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces."""
+        if message in self.shared:
+            self.pending += updates
+        else:
+            _update(updates)
+
+    def commit(self, version: int) -> None:
+        """The run of ``version`` succeeded: the deferred updates, then the base holds ``version``."""
+        _update(self.pending)
+        self.pending, self.version = [], version
+
+    def fail(self) -> None:
+        """The run failed: the base may be part new; the next refit sends dense and rebuilds it."""
+        self.pending, self.version = [], None
+
+
+def _update(updates: list) -> None:
+    for base, idx, values in updates:
+        if idx is None:
+            base.copy_(values, non_blocking=True)
+        else:
+            apply_changes(base, idx.to(base.device), values.to(base.device))
+
+
+def _shared_messages(plan: Plan, sent: list[int]) -> set[int]:
+    """The messages among ``sent`` whose pieces overlap a piece of another of them (one source box sent
+    to several receivers)."""
+    by_tensor: dict[str, list[tuple[int, tuple]]] = {}
+    for i in sent:
+        for p in plan.messages[i].pieces:
+            by_tensor.setdefault(p.tensor, []).append((i, p.box))
+    shared: set[int] = set()
+    for items in by_tensor.values():
+        for a in range(len(items)):
+            for b in range(a + 1, len(items)):
+                if items[a][0] != items[b][0] and box_intersect(items[a][1], items[b][1]) is not None:
+                    shared.update((items[a][0], items[b][0]))
+    return shared
+
+
+def _copy_of(t: torch.Tensor, where: str) -> torch.Tensor:
+    if where == "host" and t.device.type == "cuda":
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.detach().clone()
+
+
+def _sent(plan: Plan, proc: int) -> list[int]:
+    return [i for i, m in enumerate(plan.messages) if m.transport == "p2p" and plan.procs.src[m.src] == proc]
+
+
+@dataclass
+class _DeltaOp:
+    """One P2P op in delta mode: its plain op, its pieces' views and (sender) base views, its link."""
+
+    op: _Op
+    views: list[torch.Tensor]
+    bases: list[torch.Tensor]
+    link: LinkSpeed
+    header: torch.Tensor
+    payload: torch.Tensor | None = None
+    kind: str = "dense"
+    changes: list = field(default_factory=list)
+    fraction: float | None = None  # sender: the changed fraction last measured
+    dense_runs: int = 0  # sender: runs sent dense since the last diff
+    stale: bool = False  # sender: this message's base was not brought to the last version (``_plan``)
+
+
+@dataclass
+class DeltaStats:
+    """What one delta run put on the wire from this process: bytes (headers included), the dense bytes
+    the same messages would have been, the count of messages per encoding and of messages diffed."""
+
+    diffed: int = 0
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    received_bytes: int = 0
+    encodings: dict = field(default_factory=lambda: dict.fromkeys(ENCODINGS, 0))
+
+
+class DeltaSchedule:
+    """One process's P2P steps in delta mode, built once beside its ``P2PSchedule`` and run per refit.
+
+    Lifecycle: built on every process of the plan (no communication); ``run(clock, version, held)``
+    once per refit instead of the P2P schedule's run, same order everywhere; a source calls
+    ``base.commit(version)`` after the refit succeeded. Must agree with every peer: the plan, the tags
+    and ``config.delta`` (pre-flight checks it). ``held``: per receiving peer, the version it holds.
+    """
+
+    def __init__(self, p2p: P2PSchedule, plan: Plan, proc: int, local: LocalTensors, config: TransferConfig) -> None:
+        self.p2p, self.plan, self.proc, self.config = p2p, plan, proc, config
+        self.dst_rank = local.dst_rank
+        self.base = SourceBase(plan, proc, local, config.delta_base) if local.src_rank is not None else None
+        self.steps = [
+            ([self._op(op, local, True) for op in st.sends], [self._op(op, local, False) for op in st.recvs])
+            for st in p2p.steps
+        ]
+        self.headers = self._headers()
+
+    @property
+    def receivers(self) -> list[int]:
+        """The processes this one sends P2P messages to (it needs the version each holds)."""
+        return sorted({d.op.peer for sends, _ in self.steps for d in sends})
+
+    @property
+    def receives(self) -> bool:
+        """Whether this process receives P2P messages (it tells its senders the version it holds)."""
+        return any(recvs for _, recvs in self.steps)
+
+    def _op(self, op: _Op, local: LocalTensors, outgoing: bool) -> _DeltaOp:
+        m = self.plan.messages[op.message]
+        view = local.src_view if outgoing else local.dst_view
+        views = [view(p.tensor, p.box) for p in m.pieces]
+        bases = [self.base.local.src_view(p.tensor, p.box) for p in m.pieces] if outgoing else []
+        link = link_speed(self.plan, self.plan.procs.src[m.src], self.plan.procs.dst[m.dst], self.config)
+        return _DeltaOp(op, views, bases, link, torch.empty(0))
+
+    def _headers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per step, one int64 buffer for the headers it sends and one for those it receives; each op's
+        ``header`` is its slice (one host-to-device copy and one read per step, not per message)."""
+        out = []
+        for sends, recvs in self.steps:
+            bufs = []
+            for ops in (sends, recvs):
+                dev = ops[0].op.tensor.device if ops else torch.device("cpu")
+                buf = torch.zeros(sum(3 + len(d.views) for d in ops), dtype=torch.int64, device=dev)
+                off = 0
+                for d in ops:
+                    d.header = buf[off : off + 3 + len(d.views)]
+                    off += 3 + len(d.views)
+                bufs.append(buf)
+            out.append((bufs[0], bufs[1]))
+        return out
+
+    def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
+        """Every step: choose and encode (sends), headers, payloads, check and apply (receives)."""
+        stats = DeltaStats()
+        for (sends, recvs), (send_hdr, recv_hdr) in zip(self.steps, self.headers):
+            if sends:
+                send_hdr.copy_(torch.tensor(self._send_step(sends, version, held, stats), dtype=torch.int64))
+            ops = [d.op for d in sends + recvs]
+            hdr = self.p2p.post(*[[(d.op.peer, d.header, d.op.tag + HEADER_TAG) for d in x] for x in (sends, recvs)])
+            self.p2p.wait(clock, hdr, ops, "delta header exchange")
+            got = recv_hdr.tolist()  # one read for the step's headers
+            for d in recvs:
+                self._receive_into(d, got[: 3 + len(d.views)], version, held.get(self.proc))
+                got = got[3 + len(d.views) :]
+            works = self.p2p.post(*[[(d.op.peer, d.payload, d.op.tag) for d in x] for x in (sends, recvs)])
+            self.p2p.wait(clock, works, ops, "delta transfer")
+            self._apply(recvs)
+            stats.received_bytes += sum(
+                d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs
+            )
+        return stats
+
+    def _send_step(self, sends: list[_DeltaOp], version: int, held: dict, stats: DeltaStats) -> list[int]:
+        """Plan, diff and encode a step's sends; their headers, in order. Messages to diff are diffed in
+        batches of at most ``FIND_BATCH_BYTES`` of data (``find_changes_many``: one host sync per batch)
+        and encoded at once, so the changes held at a time stay bounded."""
+        base = self.base.version
+        plans = [self._plan(d, base is not None and held.get(d.op.peer) == base) for d in sends]
+        heads: list[list[int]] = [[] for _ in sends]
+        batch: list[int] = []
+        size = 0
+        for i in [*range(len(sends)), None]:
+            if i is not None and plans[i] != "diff":
+                heads[i] = self._encode(sends[i], plans[i], version, stats)
+                continue
+            nbytes = sum(v.numel() * v.element_size() for v in sends[i].views) if i is not None else 0
+            if batch and (i is None or size + nbytes > FIND_BATCH_BYTES):
+                found = find_changes_many([(b, v) for j in batch for b, v in zip(sends[j].bases, sends[j].views)])
+                for j in batch:
+                    sends[j].changes, found = found[: len(sends[j].views)], found[len(sends[j].views) :]
+                    heads[j] = self._encode(sends[j], "diff", version, stats)
+                batch, size = [], 0
+            if i is not None:
+                batch.append(i)
+                size += nbytes
+        return [x for h in heads for x in h]
+
+    def _encode(self, d: _DeltaOp, plan: str, version: int, stats: DeltaStats) -> list[int]:
+        """Fill ``d``'s payload (dense: packed as the P2P path does) by ``plan`` (``_plan``) and the
+        changes ``_find`` found; return its header ``[encoding, base version, version, k per piece]``."""
+        base = self.base.version
+        d.kind = "dense"
+        if plan == "diff":
+            pieces = [(v.numel(), len(i), v.element_size()) for v, (i, _) in zip(d.views, d.changes)]
+            forced = self.config.delta if self.config.delta in ENCODINGS else None
+            d.kind = forced or choose_encoding(pieces, d.link)
+            d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
+            d.dense_runs = 0
+            stats.diffed += 1
+        else:
+            d.dense_runs += 1
+        counts = [len(i) for i, _ in d.changes] if d.kind != "dense" else [0] * len(d.views)
+        if d.kind == "dense":
+            for bv, tv in d.op.pack:
+                bv.copy_(tv)
+            d.payload = d.op.tensor
+            d.stale = plan == "skip"  # a skipped base is not diffed until it is refreshed
+            if not d.stale:
+                self.base.update(d.op.message, [(b, None, v) for b, v in zip(d.bases, d.views)])
+            if plan == "refresh":
+                d.fraction = None  # the next run diffs and measures again
+        else:
+            d.payload = self._pack_delta(d)
+            self.base.update(d.op.message, [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)])
+        d.changes = []
+        stats.wire_bytes += d.payload.numel() * d.payload.element_size() + d.header.numel() * 8
+        stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
+        stats.encodings[d.kind] += 1
+        return [ENCODINGS.index(d.kind), -1 if base is None else base, version, *counts]
+
+    def _plan(self, d: _DeltaOp, base_ok: bool) -> str:
+        """``"diff"``; ``"refresh"`` (dense, and the base copied at commit so the next run may diff: a
+        receiver without the base, the first run, a probe every ``PROBE_EVERY`` dense runs); or ``"skip"``
+        (dense, the base left as it was and marked stale: under ``auto`` on a same-device link, or while
+        the last measured fraction says dense, so a steady 100% change costs neither a diff nor a copy)."""
+        auto = self.config.delta == "auto"
+        if auto and d.link.same_device:
+            return "skip"
+        if not base_ok:
+            return "refresh"
+        if not auto:
+            return "refresh" if d.stale else "diff"
+        probe = "refresh" if d.dense_runs + 1 >= PROBE_EVERY else "skip"
+        if d.stale:
+            return probe
+        if d.fraction is None:
+            return "diff"
+        guess = [(v.numel(), round(d.fraction * v.numel()), v.element_size()) for v in d.views]
+        return "diff" if choose_encoding(guess, d.link) != "dense" else probe
+
+    def _pack_delta(self, d: _DeltaOp) -> torch.Tensor:
+        sizes = [_piece_wire(d.kind, v, len(i)) for v, (i, _) in zip(d.views, d.changes)]
+        out = torch.empty(sum(sizes), dtype=torch.uint8, device=d.op.tensor.device)
+        off = 0
+        for v, (i, x), n in zip(d.views, d.changes, sizes):
+            encode(d.kind, v.numel(), i, x, out[off : off + n])
+            off += n
+        return out
+
+    def _receive_into(self, d: _DeltaOp, header: list[int], version: int, held: int | None) -> None:
+        """Check ``d``'s received header and make its payload buffer (dense: the plain op's tensor)."""
+        me = f"process {self.proc} (destination rank {self.dst_rank})"
+        d.kind, d.changes = check_header(header, [v.numel() for v in d.views], version, held, d.op, me)
+        if d.kind == "dense":
+            d.payload = d.op.tensor
+        else:
+            n = sum(_piece_wire(d.kind, v, k) for v, k in zip(d.views, d.changes))
+            d.payload = torch.empty(n, dtype=torch.uint8, device=d.op.tensor.device)
+
+    def _apply(self, recvs: list[_DeltaOp]) -> None:
+        """Unpack the dense messages; decode every delta's pieces, check all their indices (one host
+        sync), then scatter them into their views."""
+        todo = []
+        for d in recvs:
+            if d.kind == "dense":
+                for bv, tv in d.op.pack:
+                    tv.copy_(bv)
+                continue
+            off = 0
+            for v, k in zip(d.views, d.changes):
+                n = _piece_wire(d.kind, v, k)
+                todo.append((d, v, *decode(d.kind, v.numel(), k, d.payload[off : off + n], v.dtype)))
+                off += n
+        try:
+            check_indices_many([(idx, v.numel()) for _, v, idx, _ in todo], "delta")
+        except DeltaError:
+            for d, v, idx, _ in todo:  # name the message
+                check_indices_many([(idx, v.numel())], f"delta from process {d.op.peer} ({d.op.what()})")
+            raise
+        for _, v, idx, vals in todo:
+            apply_changes(v, idx, vals)
+
+
+def exchange_held(
+    store: SignedStore, key: str, proc: int, held: int | None, publish: bool, peers: list[int], timeout_s: float
+) -> dict[int, int | None]:
+    """Before a delta run: a receiving process publishes ``{"held": version}`` under ``{key}/{proc}``
+    (signed), a sending one reads its receivers' (``timeout_s`` each); returns ``{proc: version}`` with
+    this process's own. A record that is not ``{"held": int >= 0 or null}`` raises ``DeltaError``."""
+    if publish:
+        store.put(f"{key}/{proc}", {"held": held})
+    out = {proc: held}
+    for p in peers:
+        rec = store.get(f"{key}/{p}", timeout_s)
+        v = rec.get("held", -1) if isinstance(rec, dict) and len(rec) == 1 else -1
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise DeltaError(f"process {p} published {rec!r} as the version it holds, not {{'held': version or null}}")
+        out[p] = v
+    return out
+
+
+def _piece_wire(kind: str, view: torch.Tensor, k: int) -> int:
+    return wire_bytes(kind, view.numel(), k, view.element_size())
+
+
+def check_header(
+    header: list[int], sizes: list[int], version: int, held: int | None, op: _Op, me: str = "this receiver"
+) -> tuple[str, list[int]]:
+    """A received header, field by field: the encoding, the version being sent, a delta's base version
+    equal to the version this receiver holds, and ``0 <= k <= n`` per piece. Returns ``(encoding,
+    counts)``; ``DeltaError`` names both versions and the peer otherwise."""
+    who = f"process {op.peer} ({op.what()})"
+    if len(header) != 3 + len(sizes) or not 0 <= header[0] < len(ENCODINGS):
+        raise DeltaError(f"malformed delta header from {who}: {header[:3]}")
+    kind, base, sent, counts = ENCODINGS[header[0]], header[1], header[2], header[3:]
+    if sent != version:
+        raise DeltaError(f"the message from {who} is of version {sent}, this refit is version {version}")
+    if kind != "dense" and base != held:
+        mine = "no version" if held is None else f"version {held}"
+        raise DeltaError(
+            f"{me} refuses a delta of version {version} from {who}: it was computed on base version {base}, "
+            f"{me} holds {mine} (a dense refit heals it)"
+        )
+    for k, n in zip(counts, sizes):
+        if not 0 <= k <= n:
+            raise DeltaError(f"delta header from {who} claims {k} changes in a piece of {n} elements")
+    return kind, counts

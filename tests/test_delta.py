@@ -1,0 +1,404 @@
+"""Delta refits: the encoding functions (exact over consecutive versions, the cost rule's choices), the
+header checks, and multi-process refits on CPU gloo (exact, fewer bytes, base versions, heal)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from interpreter import assert_all_ok_in_interpreter, needs_triton
+from refit.config import TransferConfig
+from refit.errors import ConfigError, RefitAborted
+from refit.layout import box_slices
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
+from refit.plan import ProcessMap
+from refit.quant.delta import (
+    ENCODINGS,
+    LINKS,
+    DeltaError,
+    apply_changes,
+    check_indices,
+    check_indices_many,
+    choose_encoding,
+    decode,
+    encode,
+    find_changes,
+    wire_bytes,
+)
+from refit.tools.launch import WorkerError, run_local
+from refit.transfer import Receiver, Sender
+from refit.transport.delta import check_header
+from refit.transport.p2p import _Op
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+
+
+def _step(cur: torch.Tensor, fraction: float, gen: torch.Generator) -> None:
+    """Change about ``fraction`` of ``cur``'s elements in place, scattered (an optimizer-like step), with
+    the bit patterns a value compare would miss: -0.0 where 0.0 was, NaN."""
+    flat = cur.view(-1) if cur.is_contiguous() else None
+    mask = torch.rand(cur.shape, generator=gen) < fraction
+    noise = torch.randn(cur.shape, generator=gen).to(cur.dtype)
+    new = torch.where(mask, noise, cur)
+    cur.copy_(new)
+    if flat is not None and flat.numel() > 2 and cur.dtype != torch.float8_e4m3fn:
+        flat[0] = -0.0 if flat[0].item() == 0 else flat[0]
+        flat[1] = float("nan") if fraction > 0.2 else flat[1]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.is_contiguous() else _same_bits(a.clone(), b)
+
+
+@settings(max_examples=12)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from(DTYPES),
+    encoding=st.sampled_from(ENCODINGS[1:]),
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    strided=st.booleans(),
+    chunk=st.sampled_from([16, 1 << 20]),
+)
+def test_twenty_consecutive_deltas_are_exact(seed, dtype, encoding, rows, cols, strided, chunk):
+    gen = torch.Generator().manual_seed(seed)
+    whole = torch.randn(rows, cols + 3, generator=gen).to(dtype)
+    cur = whole[:, 1 : cols + 1] if strided else whole[:, :cols].contiguous()  # a column slice: strided
+    base, engine = cur.clone(), cur.clone()
+    engine_view = torch.zeros(rows, cols + 2, dtype=dtype)[:, 1:-1]  # strided destination too
+    engine_view.copy_(engine)
+    for _ in range(20):
+        _step(cur, float(torch.rand(1, generator=gen)) ** 3, gen)
+        idx, vals = find_changes(base, cur, chunk_bytes=chunk)
+        want = (
+            base.contiguous().view(torch.uint8).view(-1, dtype.itemsize)
+            != cur.contiguous().view(torch.uint8).view(-1, dtype.itemsize)
+        ).any(1)
+        assert torch.equal(idx, want.nonzero().squeeze(1))
+        n = cur.numel()
+        payload = torch.empty(wire_bytes(encoding, n, len(idx), dtype.itemsize), dtype=torch.uint8)
+        encode(encoding, n, idx, vals, payload)
+        got_idx, got_vals = decode(encoding, n, len(idx), payload, dtype)
+        check_indices(got_idx, n, "test")
+        apply_changes(engine_view, got_idx, got_vals)
+        apply_changes(base, idx, vals)
+        assert _same_bits(engine_view, cur)
+        assert _same_bits(base, cur)
+
+
+def test_the_rule_picks_dense_on_one_device_and_when_everything_changed():
+    n = 1 << 20
+    for f in (0.0, 0.001, 0.01, 0.1, 1.0):
+        assert choose_encoding([(n, int(f * n), 2)], LINKS["same_device"]) == "dense"
+    for link in ("nvlink", "nic", "cpu"):
+        assert choose_encoding([(n, n, 2)], LINKS[link]) == "dense"
+        assert choose_encoding([(n, n // 100, 2)], LINKS[link]) == "sparse"
+    assert choose_encoding([(n, n // 10, 2)], LINKS["nic"]) == "bitmask"  # 10% of bf16: a bit beats an index
+    assert choose_encoding([(0, 0, 2)], LINKS["nic"]) == "dense"
+
+
+def test_sparse_wire_bytes_at_one_percent_of_bf16_are_under_eight_percent_of_dense():
+    n = 1 << 24
+    assert wire_bytes("sparse", n, n // 100, 2) / wire_bytes("dense", n, n // 100, 2) < 0.08
+
+
+def test_out_of_range_indices_never_reach_the_scatter():
+    with pytest.raises(DeltaError, match="index 12 is outside the piece's 12 elements"):
+        check_indices_many(
+            [(torch.tensor([1, 2]), 4), (torch.tensor([], dtype=torch.int64), 0), (torch.tensor([12]), 12)], "x"
+        )
+    check_indices_many([(torch.tensor([0, 3]), 4), (torch.tensor([11]), 12)], "x")
+    with pytest.raises(DeltaError, match="outside the piece's 10 elements"):
+        check_indices(torch.tensor([3, 10], dtype=torch.int32), 10, "x")
+    with pytest.raises(DeltaError, match="marks 1 elements, its header says 2"):
+        decode("bitmask", 8, 2, torch.tensor([1] + [0] * 15, dtype=torch.uint8), torch.uint8)
+
+
+def test_a_delta_on_another_base_version_is_refused_naming_both_versions():
+    op = _Op(peer=3, tag=0, tensor=torch.empty(0), pack=[], names=("w",), step=0)
+    with pytest.raises(
+        DeltaError, match=r"computed on base version 4, process 7 \(destination rank 1\) holds version 3"
+    ):
+        check_header([1, 4, 5, 2], [10], version=5, held=3, op=op, me="process 7 (destination rank 1)")
+    with pytest.raises(DeltaError, match="holds no version"):
+        check_header([2, 4, 5, 2], [10], version=5, held=None, op=op)
+    assert check_header([0, -1, 5, 0], [10], version=5, held=None, op=op) == ("dense", [0])  # dense heals
+    with pytest.raises(DeltaError, match="claims 11 changes in a piece of 10"):
+        check_header([1, 4, 5, 11], [10], version=5, held=4, op=op)
+    with pytest.raises(DeltaError, match="is of version 6"):
+        check_header([1, 4, 6, 1], [10], version=5, held=4, op=op)
+
+
+def test_config_refuses_unknown_delta_settings():
+    with pytest.raises(ConfigError, match="TransferConfig.delta must be one of"):
+        TransferConfig(delta="yes")
+    with pytest.raises(ConfigError, match="delta_base"):
+        TransferConfig(delta="auto", delta_base="disk")
+    with pytest.raises(ConfigError, match="delta_link_gbps"):
+        TransferConfig(delta="auto", delta_link_gbps=0)
+    with pytest.raises(ConfigError, match="checksums"):
+        TransferConfig(delta="auto", checksums=True)
+
+
+# ------------------------------------------------------------------------------------- multi-process (gloo)
+
+SHAPES = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
+VERSIONS = 6
+
+
+def _weights(layout, rank, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        t.name: torch.randn(t.shape, generator=gen).to(t.dtype)[box_slices(b)].clone()
+        for t, b in layout.local_tensors(rank)
+    }
+
+
+def _optimizer_step(local, version):
+    """Master weights in float32 plus a tiny update, rounded to bf16: a few bf16 values change."""
+    gen = torch.Generator().manual_seed(1000 + version)
+    for t in local.values():
+        upd = torch.randn(t.shape, generator=gen) * 2e-3 * (torch.rand(t.shape, generator=gen) < 0.05)
+        t.copy_((t.float() + upd * t.float().abs()).to(t.dtype))
+
+
+def _delta_worker(world, src, dst, config, mode):
+    procs = ProcessMap.disjoint(src.world_size, dst.world_size)
+    if world.src_rank is not None:
+        local = {n: t for n, t in _weights(src, world.src_rank, 0).items()}
+        s = Sender(src, dst, world.rank, local, procs=procs, config=config)
+        if mode == "lie":  # a buggy sender that believes every receiver holds its base
+            s._held = lambda v, a, d: {p: s.executor.delta.base.version for p in range(world.world_size)}
+        out = []
+        for v in range(1, VERSIONS + 1):
+            if v > 1:
+                _optimizer_step(local, v)
+            st = s.push(v)
+            out.append((st.delta.wire_bytes, st.delta.dense_bytes, dict(st.delta.encodings)))
+        return out
+    local = {n: torch.zeros_like(t) for n, t in _weights(dst, world.dst_rank, 0).items()}
+    r = Receiver(src, dst, world.rank, local, procs=procs, config=config)
+    exact = []
+    for v in range(1, VERSIONS + 1):
+        if v == 4 and mode in ("heal", "lie") and world.dst_rank == 1:
+            for t in local.values():
+                t.zero_()  # this replica lost its weights (e.g. reloaded): it no longer holds version 3
+            r.invalidate()
+        r.pull(v)
+        exact.append(_matches_reference(src, dst, world.dst_rank, local, v))
+    return exact
+
+
+def _matches_reference(src, dst, dst_rank, local, version):
+    """The engine's bytes equal the trainer's full tensors of ``version``, sliced to this rank's boxes."""
+    full = {}
+    for r in range(src.world_size):
+        w = _weights(src, r, 0)
+        for v in range(2, version + 1):
+            _optimizer_step(w, v)
+        for t, b in src.local_tensors(r):
+            full.setdefault(t.name, torch.empty(t.shape, dtype=t.dtype))[box_slices(b)] = w[t.name]
+    return all(
+        torch.equal(local[t.name].view(torch.int16), full[t.name][box_slices(b)].view(torch.int16))
+        for t, b in dst.local_tensors(dst_rank)
+    )
+
+
+def _run(mode, commit="in_place", timeout=150, dst_spec="tp=2"):
+    src = layout_from_spec(SHAPES, parse_spec("fsdp=2", "src"))
+    dst = layout_from_spec(SHAPES, parse_spec(dst_spec, "dst"))
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto", commit=commit, deadline_s=60)
+    return run_local(_delta_worker, 2, 2, src, dst, cfg, mode, backend="gloo", timeout_s=timeout)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "commit,dst_spec",
+    [
+        ("in_place", "tp=2"),
+        ("staged", "tp=2"),
+        ("in_place", "tp=1,dp=2"),  # each source box goes to both replicas: its base is updated at commit
+    ],
+)
+def test_deltas_are_exact_send_fewer_bytes_and_heal_a_replica_that_lost_its_version(commit, dst_spec):
+    out = _run("heal", commit, dst_spec=dst_spec)
+    senders, receivers = out[:2], out[2:]
+    assert receivers == [[True] * VERSIONS] * 2  # exact after every version, on both replicas
+    for per_version in senders:
+        wire, dense, enc = per_version[0]
+        assert enc["dense"] > 0 and enc["sparse"] + enc["bitmask"] == 0  # version 1: nothing to diff against
+        for v in (1, 4, 5):  # versions 2, 3 (and 5, 6): deltas to both replicas
+            wire, dense, enc = per_version[v]
+            assert enc["sparse"] + enc["bitmask"] > 0 and wire < 0.5 * dense, (v + 1, per_version[v])
+    # version 4: the replica that lost version 3 got dense messages (healed); the other deltas
+    assert sum(p[3][2]["dense"] for p in senders) > 0
+    assert all(p[3][2]["sparse"] + p[3][2]["bitmask"] > 0 for p in senders)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_a_delta_onto_the_wrong_base_version_is_refused_on_every_process():
+    with pytest.raises(WorkerError) as e:
+        _run("lie")
+    msg = str(e.value)
+    assert "computed on base version 3" in msg and "(destination rank 1) holds no version" in msg, msg
+    assert RefitAborted.__name__ in msg
+
+
+INTERPRET_SCRIPT = Path(__file__).with_name("delta_interpret.py")
+
+
+@pytest.mark.timeout(300)
+@needs_triton
+def test_one_pass_kernel_in_interpreter_equals_the_torch_path():
+    assert_all_ok_in_interpreter(INTERPRET_SCRIPT, 280)
+
+
+def _fp8_worker(world):
+    from refit.quant import Fp8Quantizer, fp8_layout
+    from refit.tools.verify import reference_shards
+
+    plain = layout_from_spec(param_shapes("tiny-qwen3"), parse_spec("tp=1", "src"))
+    src = fp8_layout(plain, block=(32, 32))
+    dst = fp8_layout(layout_from_spec(param_shapes("tiny-qwen3"), parse_spec("tp=1", "dst")), block=(32, 32))
+    procs = ProcessMap.disjoint(1, 1)
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto", deadline_s=60)
+    out = []
+    if world.src_rank is not None:
+        live = reference_shards(plain, 0)
+        quantizer = Fp8Quantizer(src, 0, live, (32, 32))
+        sender = Sender(src, dst, world.rank, quantizer.tensors, procs=procs, prepare=quantizer, config=cfg)
+        for v in range(1, 5):
+            if v > 1:
+                _optimizer_step(live, v)  # float32 master weights: a few FP8 values (and scales) change
+            st = sender.push(v)
+            out.append((_raw(quantizer.tensors), st.delta.wire_bytes, st.delta.dense_bytes))
+        return out
+    local = {t.name: torch.zeros([b - a for a, b in box], dtype=t.dtype) for t, box in dst.local_tensors(0)}
+    recv = Receiver(src, dst, world.rank, local, procs=procs, config=cfg)
+    for v in range(1, 5):
+        recv.pull(v)
+        out.append(_raw(local))
+    return out
+
+
+def _raw(tensors):
+    """Bytes of every tensor (FP8 tensors do not pickle back through the launcher)."""
+    return {n: t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_fp8_deltas_are_exact_and_send_only_changed_fp8_elements():
+    sent, got = run_local(_fp8_worker, 1, 1, backend="gloo", timeout_s=120)
+    for v, ((want, wire, dense), have) in enumerate(zip(sent, got), start=1):
+        assert set(want) == set(have)
+        assert all(want[n] == have[n] for n in want), v
+        if v > 1:
+            assert wire < 0.5 * dense, (v, wire, dense)
+    assert any(sent[0][0][n] != sent[-1][0][n] for n in sent[0][0])  # the weights did change
+
+
+def _fanout_worker(world):
+    from refit.fanout import Fanout
+
+    shapes = param_shapes("tiny-llama")
+    trainer = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    replica = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    tensors = (
+        _weights(trainer, 0, 0)
+        if world.rank == 0
+        else {n: torch.zeros_like(t) for n, t in _weights(replica, 0, 0).items()}
+    )
+    cfg = TransferConfig(name="fan", delta="auto", deadline_s=30.0, preflight_timeout_s=60.0)
+    f = Fanout(trainer, replica, world.rank, [0], [[1], [2], [3]], tensors, config=cfg)
+    out = []
+    for v in range(1, 5):
+        if world.rank == 0 and v > 1:
+            _optimizer_step(tensors, v)
+        f.run(v)
+        sent = [
+            p.last.delta.encodings
+            for _, p in f.peers.values()
+            if p.last is not None and p.last.delta and p.executor.delta.receivers
+        ]
+        out.append((_raw(tensors), sent))
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_fanout_replicas_get_deltas_from_the_trainer_and_from_each_other():
+    out = run_local(_fanout_worker, 1, 3, backend="gloo", timeout_s=180)
+    for v in range(4):
+        assert all(o[v][0] == out[0][v][0] for o in out[1:]), v + 1  # every replica holds the trainer's bytes
+    later = [enc for o in out for enc in o[3][1]]  # version 4: every sender (trainer, replica 0) sent deltas
+    assert len(later) >= 2 and all(e["sparse"] + e["bitmask"] > 0 for e in later), later
+
+
+def _policy_worker(world):
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
+    lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto", deadline_s=60)
+    procs = ProcessMap.disjoint(1, 1)
+    out = []
+    if world.src_rank is not None:
+        local = _weights(lay, 0, 0)
+        s = Sender(lay, lay, world.rank, local, procs=procs, config=cfg)
+        for v in range(1, 22):
+            for t in local.values():  # versions 2-11: every element changes; then a few
+                flip = torch.rand(t.shape) < (1.0 if v <= 11 else 0.01)
+                t.view(torch.int16)[flip] ^= 1
+            st = s.push(v)
+            out.append((_raw(local), st.delta.diffed, dict(st.delta.encodings)))
+        return out
+    local = {n: torch.zeros_like(t) for n, t in _weights(lay, 0, 0).items()}
+    r = Receiver(lay, lay, world.rank, local, procs=procs, config=cfg)
+    for v in range(1, 22):
+        r.pull(v)
+        out.append(_raw(local))
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_a_steady_full_change_is_sent_dense_without_diffing_and_deltas_resume_when_it_drops():
+    sent, got = run_local(_policy_worker, 1, 1, backend="gloo", timeout_s=120)
+    assert [s[0] for s in sent] == got  # exact at every version
+    diffed = [s[1] for s in sent]
+    n = sum(sent[0][2].values())
+    assert diffed[0] == 0 and diffed[1] == n  # version 1: nothing to diff against; 2: measured (100%)
+    assert all(s[2]["dense"] == n for s in sent[:11])  # the rule: dense at 100%
+    assert diffed[2:9] == [0] * 7  # versions 3-9: no diff (nor base copy) while the fraction says dense
+    assert diffed[9] == 0 and diffed[10] == n  # version 10 refreshes the base, 11 measures again
+    # versions 12-21 change 1%: the stale fraction keeps dense until the next probe (versions 19, 20),
+    # then deltas again
+    assert diffed[11:18] == [0] * 7 and diffed[19] == n, diffed
+    assert sent[-1][2]["sparse"] + sent[-1][2]["bitmask"] == n, sent[-1][1:]
+
+
+@pytest.mark.gpu
+def test_one_pass_kernel_on_cuda_equals_the_torch_path_and_deltas_apply():
+    from refit.quant.delta import find_changes_many
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype, n in ((torch.bfloat16, (1 << 22) + 5), (torch.float32, 1 << 20), (torch.float8_e4m3fn, 12345)):
+        cur = torch.randn(n, device="cuda", generator=gen).to(dtype)
+        base, engine = cur.clone(), cur.clone()
+        for f in (0.001, 0.01, 0.3, 1.0):
+            bits_of = cur.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[cur.element_size()])
+            bits_of ^= (torch.rand(n, device="cuda", generator=gen) < f).to(bits_of.dtype)
+            want_i, want_v = find_changes(base, cur, use_triton=False)
+            (got_i, got_v), (many_i, _) = find_changes(base, cur, use_triton=True), find_changes_many([(base, cur)])[0]
+            order = torch.argsort(got_i)
+            assert torch.equal(got_i[order], want_i) and torch.equal(torch.sort(many_i).values, want_i)
+            assert torch.equal(got_v[order].view(torch.uint8), want_v.view(torch.uint8))
+            check_indices_many([(got_i, n)], "gpu")
+            apply_changes(engine, got_i, got_v)
+            apply_changes(base, want_i, want_v)
+            assert torch.equal(engine.view(torch.uint8), cur.view(torch.uint8))
