@@ -160,12 +160,14 @@ def _fault_worker(world, mode):
 def test_a_failed_stage_leaves_the_live_set_and_version_untouched(mode):
     res = run_local(_fault_worker, 1, 2, mode, timeout_s=150, expect_dead={1} if mode == "kill" else set())
     survivors = [r for r in res if r is not None]
-    assert len(survivors) == (2 if mode == "kill" else 3)
+    assert len(survivors) == (2 if mode == "kill" else 3), res
     want = "process 1" if mode == "kill" else "checksum mismatch"
     assert all(r["error"] and want in r["error"] for r in survivors), [r["error"] for r in survivors]
-    assert all(r["version"] == 1 and r["live"] == 1 for r in survivors)
+    assert all(r["version"] == 1 and r["live"] == 1 for r in survivors), survivors
     engines = [r for r in survivors if "passes" in r]
-    assert engines and all(r["passes"] > 0 and r["all_v1"] and r["v1_exact"] and r["same_set"] for r in engines)
+    assert engines and all(r["passes"] > 0 and r["all_v1"] and r["v1_exact"] and r["same_set"] for r in engines), (
+        engines
+    )
 
 
 def test_mismatched_sets_and_a_missing_rebind_are_refused():
