@@ -28,7 +28,7 @@ for part in ${PARTS:-tests overlap lora}; do
     echo "shm/IPC warnings: $(grep -h -i -E 'terminated before all shared CUDA|leaked shared_memory|leaked semaphore' "$OUT"/test_*.txt | wc -l)" >> "$SUM";;
   overlap)
     for s in S2 $([ "$NG" -ge 2 ] && echo S1); do
-      timeout ${OVERLAP_TIMEOUT:-200} python3 -m bench.overlap_gpu --scenario $s --iters 5 --json "$OUT/overlap_$s.json" > "$OUT/overlap_$s.txt" 2>&1
+      timeout ${OVERLAP_TIMEOUT:-200} python3 -m bench.overlap_gpu --scenario $s --iters ${OVERLAP_ITERS:-5} --json "$OUT/overlap_$s.json" > "$OUT/overlap_$s.txt" 2>&1
       echo "overlap $s rc=$?" >> "$SUM"; tail -8 "$OUT/overlap_$s.txt" >> "$SUM"
     done;;
   lora)
