@@ -159,10 +159,12 @@ async def _run(workdir, engine_tp):
         stop, tasks = asyncio.Event(), []
         for v, policy in zip(versions, ("drain", *POLICIES)):
             await asyncio.to_thread(_step, model, v, vocab)
-            while tasks and not any(n > 0 for n in driver.in_flight().values()):
-                await asyncio.sleep(0.002)  # requests part way through, so the commit meets them
             t0 = time.perf_counter()
-            record = await driver.refit(v, lambda v=v: trainer.stage_weights(v), policy=policy)
+            await driver.stage(v, lambda v=v: trainer.stage_weights(v))
+            while tasks and not any(0 < n <= MAX_TOKENS // 2 for n in driver.in_flight().values()):
+                await asyncio.sleep(0.002)  # a request part way through, far from its end, meets the commit
+            record = await driver.commit(v, policy)
+            record.stage_s = record.paused_at - record.pause_s - t0
             out["refits"].append({"version": v, "policy": policy, "started": t0, "record": vars(record)})
             out["weights"][v] = await asyncio.to_thread(full_state, model)
             if v == 1:  # generation starts on version 1, after one request has warmed the engine up
