@@ -51,7 +51,7 @@ run_pytest() {
 }
 rc=0
 # the SGLang tests skip in this venv (no sglang); they run below with .venv-sglang
-run_pytest .venv/bin/python -m pytest -q "$@" || rc=$?
+run_pytest .venv/bin/python -m pytest -q --durations=25 "$@" || rc=$?
 # with no arguments the SGLang suite runs too; with arguments, only if one of them names it
 sglang_args=()
 if [ "$#" -eq 0 ]; then
