@@ -91,7 +91,11 @@ def transfer_rows(samples: int, seq: int, dp: int, iters: int, units: int) -> li
     from refit.data.ray_store import RayStore
 
     ray.init(
-        num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False, object_store_memory=4 << 30
+        address="local",
+        num_cpus=max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=4 << 30,
     )
     stores = {True: RayStore(num_units=units), False: RayStore(num_units=units, durable=False)}
     g = torch.Generator().manual_seed(0)

@@ -88,9 +88,11 @@ class MemoryProbe:
 
     @staticmethod
     def plasma_bytes() -> int:
+        import ray
         from ray._private.internal_api import memory_summary
 
-        m = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+        summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+        m = re.search(r"Plasma memory usage (\d+) MiB", summary)
         return int(m.group(1)) << 20 if m else 0
 
     def sample(self) -> int:
@@ -453,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from refit.data.ray_store import RayStore
 
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=3 << 30)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=3 << 30)
     tq.init()  # SimpleStorage, its default backend
     store, store_nd = RayStore(num_units=args.units), RayStore(num_units=args.units, durable=False)
     pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in store.actors])

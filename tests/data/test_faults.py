@@ -4,6 +4,7 @@ returns to its baseline after ``clear``, and 10,000 puts leave it where it start
 
 import re
 import sys
+import threading
 import time
 
 import pytest
@@ -19,7 +20,8 @@ def plasma() -> tuple[int, int]:
     """(MiB, objects) in the object store of this Ray node."""
     from ray._private.internal_api import memory_summary
 
-    m = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", memory_summary(stats_only=True))
+    summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)  # this session
+    m = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", summary)
     assert m, "no object store stats"
     return int(m.group(1)), int(m.group(2))
 
@@ -40,7 +42,10 @@ def settle(base: tuple[int, int], timeout_s: float = 30.0) -> bool:
 def batch(n: int, seed: int, width: int = 32_768) -> dict:
     """``n`` rows of ``width`` int32 (128 KiB each: above Ray's inline limit, so in the object store)."""
     g = torch.Generator().manual_seed(seed)
-    return {"ids": torch.randint(0, 1 << 30, (n, width), generator=g, dtype=torch.int32), "reward": torch.rand(n)}
+    return {
+        "ids": torch.randint(0, 1 << 30, (n, width), generator=g, dtype=torch.int32),
+        "reward": torch.rand(n, generator=g),
+    }
 
 
 def whole_or_absent(store, partition, puts):
@@ -122,6 +127,43 @@ def test_producer_killed_mid_put_leaves_nothing_half_written(ray_store):
     got = ray_store.get(keys, select_fields=["ids"], partition="faults", copy=True)["ids"]
     assert torch.equal(got, batch(8, 2)["ids"])  # durable: it outlives its writer
     assert ray_store.clear(keys, partition="faults") == 8
+    assert settle(base)
+
+
+def _hold_adopters(ray_store, hold: bool):
+    """Keep every storage actor's copy thread busy (durable copies wait behind it) until released."""
+
+    def toggle(actor):
+        if hold:
+            actor.test_gate = threading.Event()
+            actor.adopter.submit(actor.test_gate.wait, 120)
+        else:
+            actor.test_gate.set()
+
+    ray.get([a.__ray_call__.remote(toggle) for a in ray_store.actors])
+
+
+@pytest.mark.parametrize("read", ["get", "take"])
+def test_writer_killed_before_the_durable_copy_exists_loses_nothing(ray_store, read):
+    """A durable put returns before the storage actor's own copy exists; a writer that dies in that
+    window loses nothing: ``get`` finds the writer's object gone and asks again for the copy,
+    ``take`` waits for it."""
+    base = plasma()
+    keys = [f"early/{read}/{i}" for i in range(8)]
+    _hold_adopters(ray_store, True)
+    p = Producer.remote()
+    assert ray.get(p.put.remote(ray_store, keys, 3))
+    unit = ray_store._unit("faults")
+    assert ray.get(unit.__ray_call__.remote(lambda self: self.adopter._work_queue.qsize())) >= 1  # copy pending
+    _kill(p)
+    fetch = ray_store.take if read == "take" else ray_store.get
+    threading.Timer(2.0, _hold_adopters, (ray_store, False)).start()  # the copies go on while the read waits
+    got = fetch(keys, select_fields=["ids", "reward"], partition="faults", copy=True)
+    want = batch(8, 3)
+    assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["reward"], want["reward"])
+    if read == "get":
+        assert ray_store.clear(keys, partition="faults") == 8
+    assert ray_store.keys("faults") == []
     assert settle(base)
 
 

@@ -14,11 +14,15 @@ gather per put. ``copy=True`` gives private writable tensors.
 
 Ownership. Ray ties an object's life to its owner, the process that put it. ``durable=True``
 (the default) makes the data outlive the writer (a rollout worker may exit before the trainer
-reads): in the same call that records the keys, the storage actor copies the writer's object
-into one it owns, one copy per put. Ray used to offer ``ray.put(..., _owner=actor)`` to name
-another owner without a copy; Ray 2.56 removed it (Ray 2.60 raises ``ValueError``), so no public
-API gives ownership without that copy. ``durable=False`` keeps the writer's object as is (no
-copy); its keys become unreadable (Ray raises an owner-died error) once the writer exits.
+reads): in the call that records the keys, the storage actor maps the writer's object (zero-copy:
+this pins its bytes, which then outlive the writer), and a background thread of the actor copies
+it into an object the actor owns, one copy per put, off the writer's path. Until that copy exists
+readers get the writer's object; one that finds the writer gone asks again and waits for the
+copy; ``take`` (the keys are gone after it) always waits for it. Ray used to offer
+``ray.put(..., _owner=actor)`` to name another owner without a copy; Ray 2.56 removed it (Ray
+2.60 raises ``ValueError``), so no public API gives ownership without that copy.
+``durable=False`` keeps the writer's object as is (no copy); its keys become unreadable (Ray
+raises an owner-died error) once the writer exits.
 
 A put is atomic: one partition lives on one actor and the actor checks and records a put's keys
 in one call, so a refused put writes nothing, and a writer killed mid-put either reached the
@@ -36,8 +40,10 @@ workers and trainer ranks. Nothing refit reads is unpickled outside Ray's own tr
 
 from __future__ import annotations
 
+import threading
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -50,6 +56,8 @@ try:
     import ray
 except ImportError:  # pragma: no cover - exercised only without ray
     ray = None
+
+SETTLE_TIMEOUT_S = 120.0  # a reader that needs a durable copy waits at most this long for it
 
 
 def encode(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
@@ -82,38 +90,89 @@ def _decode_field(w: Any) -> FieldData:
     return decode(v, copy=False) if kind == "batch" else [decode(r, copy=False) for r in v]
 
 
+class _Payload:
+    """One put's object in the object store: the writer's reference until the storage actor owns a
+    copy (``durable``), then the actor's. ``held`` pins the writer's bytes in the actor's process
+    (zero-copy) from the put call until the copy exists: they stay readable even if the writer has
+    died (Ray keeps a mapped object alive for a process that holds it)."""
+
+    __slots__ = ("ref", "held", "settled", "error")
+
+    def __init__(self, ref: Any, held: Any) -> None:
+        self.ref, self.held, self.error = ref, held, None
+        self.settled = threading.Event()
+        if held is None:
+            self.settled.set()
+
+
 class _StorageActor:
-    """Keys -> (object reference, field) per field; the payload bytes stay in the object store."""
+    """Keys -> (payload, field) per field; the payload bytes stay in the object store.
+
+    A durable put returns once its keys are recorded and the writer's object is pinned here; the
+    copy this actor owns is made afterwards by one background thread (``_adopt``), so the writer
+    does not wait for it. Readers are told the writer's reference until the copy exists; a reader
+    that finds the writer gone asks again with ``settle=True``, which waits for the copy."""
 
     def __init__(self) -> None:
         self.unit = StorageUnit()
+        self.adopter = ThreadPoolExecutor(1, thread_name_prefix="refit-adopt")
 
     def put(self, partition, keys, holder, fields, tags, seq_lens, overwrite, durable) -> str | None:
-        """Check, adopt (``durable``: a copy this actor owns) and record, in one call; the reason a
-        put is refused (nothing written), or None."""
+        """Check, pin (``durable``) and record, in one call; the reason a put is refused (nothing
+        written), or None. The durable copy follows in the background."""
         if not overwrite:
             err = self.unit.clash(partition, keys, fields)
             if err:
                 return err
         ref = holder[0]  # nested in a list: Ray passes the reference, not the value
+        held = None
         if durable:
             try:
-                ref = ray.put(ray.get(ref))
-            except ray.exceptions.RayError as e:  # the writer died before its object was adopted
+                held = ray.get(ref)  # zero-copy on this node: pins the bytes
+            except ray.exceptions.RayError as e:  # the writer died before its object was pinned
                 return f"put: the writer's object is gone ({type(e).__name__}); nothing was written"
+        payload = _Payload(ref, held)
         try:  # checks again under the unit's lock: a racing put of the same keys may have won
-            self.unit.put(partition, keys, {f: (ref, f) for f in fields}, tags, seq_lens, overwrite)
+            self.unit.put(partition, keys, {f: (payload, f) for f in fields}, tags, seq_lens, overwrite)
         except ValueError as e:
             return str(e)
+        if durable:
+            self.adopter.submit(self._adopt, payload)
         return None
 
-    def locate(self, partition, keys, select, clear=False) -> dict[str, list]:
+    @staticmethod
+    def _adopt(p: _Payload) -> None:
+        """Make the copy this actor owns (also when the keys were taken or cleared meanwhile: a
+        ``take`` reads the copy)."""
+        try:
+            p.ref = ray.put(p.held)
+        except Exception as e:  # noqa: BLE001 - kept and reported to readers that need the copy
+            p.error = f"{type(e).__name__}: {e}"
+        finally:
+            p.held = None
+            p.settled.set()
+
+    def locate(self, partition, keys, select, clear=False, settle=False) -> dict[str, list]:
         """Where the rows are; with ``clear``, the keys are dropped in the same call (the
-        references returned keep their objects alive for the reader)."""
-        return {
-            f: [([ref], name, pos, rows) for (ref, name), pos, rows in groups]
-            for f, groups in self.unit.locate(partition, keys, select, clear).items()
-        }
+        references returned keep their objects alive for the reader). ``settle``: wait for the
+        durable copies of the objects returned (the writer's reference may be dead); a ``clear``
+        always settles (the keys are gone after it: the reader could not ask again)."""
+        settle = settle or clear
+        located = self.unit.locate(partition, keys, select, clear)
+        out = {}
+        for f, groups in located.items():
+            out[f] = []
+            for (p, name), pos, rows in groups:
+                if settle and not p.settled.wait(SETTLE_TIMEOUT_S):
+                    raise TimeoutError(f"get: the durable copy of a put in {partition!r} took over {SETTLE_TIMEOUT_S}s")
+                if settle and p.error:
+                    raise RuntimeError(f"get: the durable copy of a put in {partition!r} failed ({p.error})")
+                out[f].append(([p.ref], name, pos, rows))
+        return out
+
+    def settle(self, timeout_s: float) -> None:
+        """Return once every durable copy asked for before this call exists."""
+        self.adopter.submit(lambda: None).result(timeout_s)
 
     def clear(self, partition, keys) -> int:
         return self.unit.clear(partition, keys)
@@ -138,9 +197,11 @@ def _shard(partition: str, n: int) -> int:
 class RayStore(Store):
     """``RayStore(num_units=2)`` starts ``num_units`` storage actors (Ray must be initialized);
     each partition lives on one of them. ``actor_options`` go to ``.options()`` (default
-    ``num_cpus=0, max_concurrency=16``; e.g. a node ``scheduling_strategy``). ``durable=False`` leaves each put's
-    object owned by the writing process: one copy less per put, but the keys become unreadable
-    (Ray raises an owner-died error) once the writer exits.
+    ``num_cpus=0, max_concurrency=16``; e.g. a node ``scheduling_strategy``). ``durable=True``: each
+    put's object is pinned by its storage actor in the put call and copied into one the actor owns
+    in the background (``settle()`` waits for those copies; readers never need to). ``durable=False``
+    leaves each put's object owned by the writing process: one copy less per put, but the keys
+    become unreadable (Ray raises an owner-died error) once the writer exits.
 
     ``get`` returns read-only views where it can (the module docstring says when) and private
     writable tensors with ``copy=True``; ``put``, ``get``, ``clear`` and ``meta`` are each one
@@ -210,7 +271,16 @@ class RayStore(Store):
         keys, partition, select = self._request(keys, partition, select_fields)
         located = ray.get(self._unit(partition).locate.remote(partition, keys, select, clear))
         refs = list(dict.fromkeys(holder[0] for groups in located.values() for holder, _, _, _ in groups))
-        objects = dict(zip(refs, ray.get(refs)))  # every object once, all at once, zero-copy
+        try:
+            objects = dict(zip(refs, ray.get(refs)))  # every object once, all at once, zero-copy
+        except ray.exceptions.ObjectLostError:
+            if not self.durable:
+                raise
+            # a writer died before the storage actor's copy existed: ask again, for the copies
+            # (a take never gets here: its locate waits for them)
+            located = ray.get(self._unit(partition).locate.remote(partition, keys, select, False, True))
+            refs = list(dict.fromkeys(h[0] for groups in located.values() for h, _, _, _ in groups))
+            objects = dict(zip(refs, ray.get(refs)))
         decoded: dict[tuple[Any, str], FieldData] = {}
         out: dict[str, Rows] = {}
         for f in select:
@@ -226,6 +296,11 @@ class RayStore(Store):
     def clear(self, keys, *, partition=None) -> int:
         keys, partition = self._resolve(keys, partition)
         return ray.get(self._unit(partition).clear.remote(partition, keys))
+
+    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        """Wait until the storage actors own a copy of every durable put made so far (they are made
+        in the background; nothing needs this for correctness: readers wait where they must)."""
+        ray.get([a.settle.remote(timeout_s) for a in self.actors])
 
     def clear_partition(self, partition: str) -> int:
         return ray.get(self._unit(partition).clear_partition.remote(partition))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -158,7 +159,8 @@ class StorageUnit:
     backend keeps object references). A put costs one reference per field, a get one gather
     per chunk; a chunk is dropped when its last row is cleared or overwritten. Thread-safe (one
     lock per unit). It stores what it is given as is: copying (``InProcessStore``) or encoding
-    (``RayStore``) is the caller's job."""
+    (``RayStore``) is the caller's job. The common cases (a put of new keys, a get of keys that one put wrote) take
+    bulk dict and set operations, not a Python step per key and field."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -182,34 +184,42 @@ class StorageUnit:
         to ``keys[i]``; tags merge into a key's tags, a given seq_len replaces its own. Without
         ``overwrite`` a field a key already has refuses the whole put (``ValueError``) first."""
         rows = list(range(len(keys))) if rows is None else rows
+        pks = [(partition, k) for k in keys]
         with self._lock:
-            if not overwrite:  # refuse before writing anything
-                err = self._clash(partition, keys, fields)
+            held = self._rows.keys() & pks
+            if held and not overwrite:  # refuse before writing anything
+                err = self._clash(partition, keys, fields, held)
                 if err:
                     raise ValueError(err)
             cids = {}
             for name, payload in fields.items():
                 cids[name] = next(self._ids)
                 self._chunks[cids[name]] = [payload, len(keys)]
-            for i, k in enumerate(keys):
-                row = self._rows.setdefault((partition, k), {})
-                for name in fields:
+            if not held:  # new keys: bulk inserts
+                self._rows.update(zip(pks, ({n: (c, r) for n, c in cids.items()} for r in rows)))
+                self._info.update(zip(pks, zip(tags, seq_lens or itertools.repeat(None))))
+                return
+            for i, pk in enumerate(pks):
+                row = self._rows.setdefault(pk, {})
+                for name, cid in cids.items():
                     if name in row:
-                        self._release(row[name][0])
-                    row[name] = (cids[name], rows[i])
-                old_tags, old_len = self._info.get((partition, k), ({}, None))
-                self._info[(partition, k)] = ({**old_tags, **tags[i]}, seq_lens[i] if seq_lens is not None else old_len)
+                        self._release(row[name][0], 1)
+                    row[name] = (cid, rows[i])
+                old_tags, old_len = self._info.get(pk, ({}, None))
+                self._info[pk] = ({**old_tags, **tags[i]}, seq_lens[i] if seq_lens is not None else old_len)
 
     def clash(self, partition: str, keys: Sequence[str], fields: Iterable[str]) -> str | None:
         """Why a put of ``fields`` without ``overwrite`` would be refused, or None."""
         with self._lock:
-            return self._clash(partition, keys, fields)
+            held = self._rows.keys() & {(partition, k) for k in keys}
+            return self._clash(partition, keys, fields, held) if held else None
 
-    def _clash(self, partition: str, keys: Sequence[str], fields: Iterable[str]) -> str | None:
+    def _clash(self, partition: str, keys: Sequence[str], fields: Iterable[str], held: set) -> str | None:
         fields = list(fields)
         for k in keys:
-            have = self._rows.get((partition, k), {})
-            clash = [f for f in fields if f in have]
+            if (partition, k) not in held:
+                continue
+            clash = [f for f in fields if f in self._rows[(partition, k)]]
             if clash:
                 return (
                     f"put: key {k!r} in partition {partition!r} already has field {clash[0]!r} "
@@ -217,9 +227,9 @@ class StorageUnit:
                 )
         return None
 
-    def _release(self, cid: int) -> None:
+    def _release(self, cid: int, n: int) -> None:
         c = self._chunks[cid]
-        c[1] -= 1
+        c[1] -= n
         if c[1] == 0:
             del self._chunks[cid]
 
@@ -229,15 +239,14 @@ class StorageUnit:
             return self._drop(partition, keys)
 
     def _drop(self, partition: str, keys: Iterable[str]) -> int:
-        n = 0
-        for k in keys:
-            row = self._rows.pop((partition, str(k)), None)
-            self._info.pop((partition, str(k)), None)
-            if row is not None:
-                n += 1
-                for cid, _ in row.values():
-                    self._release(cid)
-        return n
+        pks = [(partition, str(k)) for k in keys]
+        dropped = [r for r in map(self._rows.pop, pks, itertools.repeat(None)) if r is not None]
+        for pk in pks:
+            self._info.pop(pk, None)
+        released = Counter(cid for row in dropped for cid, _ in row.values())
+        for cid, n in released.items():
+            self._release(cid, n)
+        return len(dropped)
 
     def clear_partition(self, partition: str) -> int:
         """Drop every key of ``partition``; returns how many there were."""
@@ -262,19 +271,27 @@ class StorageUnit:
         """Per field, the groups (payload, positions in ``keys``, rows in the payload); with
         ``clear``, the keys are dropped in the same step (not when a key or field is missing)."""
         with self._lock:
-            self._check(partition, keys, select_fields)
-            out = {}
-            for f in select_fields:
-                groups: dict[int, tuple[list[int], list[int]]] = {}
-                for pos, k in enumerate(keys):
-                    cid, r = self._rows[(partition, k)][f]
-                    g = groups.setdefault(cid, ([], []))
-                    g[0].append(pos)
-                    g[1].append(r)
-                out[f] = [(self._chunks[cid][0], pos, rows) for cid, (pos, rows) in groups.items()]
+            try:
+                entries = [self._rows[(partition, k)] for k in keys]
+                located = {f: [e[f] for e in entries] for f in select_fields}
+            except KeyError:
+                self._check(partition, keys, select_fields)  # raises, naming the key and field
+                raise
+            out = {f: self._groups(locs) for f, locs in located.items()}
             if clear:
                 self._drop(partition, keys)
             return out
+
+    def _groups(self, locs: list[tuple[int, int]]) -> list[tuple[Any, list[int], list[int]]]:
+        cids = {c for c, _ in locs}
+        if len(cids) == 1:  # one put's rows
+            return [(self._chunks[cids.pop()][0], list(range(len(locs))), [r for _, r in locs])]
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for pos, (cid, r) in enumerate(locs):
+            g = groups.setdefault(cid, ([], []))
+            g[0].append(pos)
+            g[1].append(r)
+        return [(self._chunks[cid][0], pos, rows) for cid, (pos, rows) in groups.items()]
 
     def get_stacked(
         self, partition: str, keys: Sequence[str], select_fields: Sequence[str], copy: bool = False, clear: bool = False
