@@ -19,6 +19,7 @@ from refit.plan.cost import (
     predict,
     transfer_time,
 )
+from refit.quant.delta import LINKS
 
 GB = 10**9
 
@@ -162,8 +163,15 @@ def test_delta_prediction_is_dense_at_full_change_and_on_one_gpu_and_small_at_on
     dense = transfer_time(cross, t)
     assert delta_time(cross, t, 1.0, 2)[0] == dense[0]  # everything changed: the rule sends dense
     secs, busiest, _, wire = delta_time(cross, t, 0.01, 2)
-    assert busiest == "nic_out of GPU 0" and wire == 10 * GB // 2 // 100 * 6  # int32 index + bf16 value
+    assert wire == 10 * GB // 2 // 100 * 6  # int32 index + bf16 value
+    # the sender's find (base and current at the measured find rate, then pack and base update) bounds it
+    rate = LINKS["nic"]
+    per_change = 10 * GB // 2 // 100 * (4 + 2 * 2)
+    assert busiest == "find of GPU 0"
+    assert secs == pytest.approx(2 * 10 * GB / (rate.find_gbps * 1e9) + per_change / (rate.apply_gbps * 1e9))
     assert secs < 0.35 * dense[0]
+    nvlink = {(0, 1): 10 * GB}  # one node: finding the changes costs what sending them all does
+    assert delta_time(nvlink, t, 0.01, 2)[:2] == transfer_time(nvlink, t)[:2]
     same = {(1, 1): 10 * GB}  # the engine on the trainer's GPU: a delta never beats the copy
     assert delta_time(same, t, 0.001, 2)[:2] == transfer_time(same, t)[:2]
     with pytest.raises(TopologyError, match="changed fraction"):
@@ -174,10 +182,9 @@ def test_cli_cluster_predicts_a_delta_with_its_wire_bytes(tmp_path, capsys):
     from refit.tools.cli import main
 
     p = tmp_path / "topo.json"
-    p.write_text(json.dumps({"nodes": 2, "gpus_per_node": 8}))
-    argv = ["plan", "--model", "tiny-llama", "--src", "tp=2", "--dst", "tp=2", "--cluster", str(p), "--json"]
+    p.write_text(json.dumps({"nodes": 2, "gpus_per_node": 2}))  # the engine on the other node: over NICs
+    argv = ["plan", "--model", "llama-3.1-8b", "--src", "tp=2", "--dst", "tp=2", "--cluster", str(p), "--json"]
     assert main([*argv, "--changed-fraction", "0.01"]) == 0
     preds = {x["strategy"]: x for x in json.loads(capsys.readouterr().out)["predictions"]}
-    assert (
-        preds["delta"]["seconds"] < preds["p2p"]["seconds"] and "2.0% of dense" in preds["delta"]["note"]
-    )  # float32: index + value
+    assert preds["delta"]["seconds"] < 0.2 * preds["p2p"]["seconds"]
+    assert "3.0% of dense" in preds["delta"]["note"]  # bf16: int32 index + value

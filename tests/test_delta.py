@@ -1,6 +1,7 @@
 """Delta refits: the encoding functions (exact over consecutive versions, the cost rule's choices), the
 header checks, and multi-process refits on CPU gloo (exact, fewer bytes, base versions, heal)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from refit.quant.delta import (
     decode,
     encode,
     find_changes,
+    predicted_seconds,
     wire_bytes,
 )
 from refit.tools.launch import WorkerError, run_local
@@ -91,14 +93,32 @@ def test_twenty_consecutive_deltas_are_exact(seed, dtype, encoding, rows, cols, 
 
 
 def test_the_rule_picks_dense_on_one_device_and_when_everything_changed():
-    n = 1 << 20
+    n = 1 << 24  # a 32 MiB bf16 tensor
     for f in (0.0, 0.001, 0.01, 0.1, 1.0):
         assert choose_encoding([(n, int(f * n), 2)], LINKS["same_device"]) == "dense"
-    for link in ("nvlink", "nic", "cpu"):
+    for link in ("nic", "cpu"):
         assert choose_encoding([(n, n, 2)], LINKS[link]) == "dense"
         assert choose_encoding([(n, n // 100, 2)], LINKS[link]) == "sparse"
     assert choose_encoding([(n, n // 10, 2)], LINKS["nic"]) == "bitmask"  # 10% of bf16: a bit beats an index
     assert choose_encoding([(0, 0, 2)], LINKS["nic"]) == "dense"
+
+
+def test_the_rule_never_picks_a_delta_slower_than_dense_at_the_measured_h100_rates():
+    """docs/benchmarks.md (H100, Llama-3.1-8B shapes, 16.06 GB bf16 in 291 pieces, 1% changed): find
+    41 ms, pack + base update + apply 33 ms, dense over NVLink 42 ms. A delta cannot win on NVLink:
+    the rule sends dense at every fraction (the model's total agrees with what was measured), and
+    sparse over a 50 GB/s NIC, where dense takes 320 ms."""
+    pieces = 291
+    n = 16_060_000_000 // 2 // pieces
+    for f in (0.0, 0.001, 0.01, 0.1, 1.0):
+        assert choose_encoding([(n, int(f * n), 2)] * pieces, LINKS["nvlink"]) == "dense", f
+    at_1pct = sum(predicted_seconds("sparse", n, n // 100, 2, LINKS["nvlink"]) for _ in range(pieces))
+    assert 0.065 < at_1pct < 0.085  # 41 + 33 ms measured (+ 1.3 ms on the wire)
+    assert choose_encoding([(n, n // 100, 2)] * pieces, LINKS["nic"]) == "sparse"
+    fast_find = replace(LINKS["nvlink"], find_gbps=3000.0, apply_gbps=3000.0, piece_s=0.0)  # at HBM speed
+    assert choose_encoding([(n, n // 1000, 2)] * pieces, fast_find) == "sparse"
+    with pytest.raises(ConfigError, match="LinkSpeed.piece_s"):
+        replace(LINKS["nic"], piece_s=-1.0)
 
 
 def test_sparse_wire_bytes_at_one_percent_of_bf16_are_under_eight_percent_of_dense():

@@ -29,9 +29,11 @@ Strategies (``predict``):
   nearest one), whatever the topology's own ``nic_mode`` says (that one describes NCCL's choice).
 - ``delta`` (with ``changed_fraction``): refit's plan sending only the changed elements
   (``refit.quant.delta``): per link the encoding its rule picks for that fraction over that link
-  (dense on a same-GPU link); the sender's HBM reads base and current (2x the link's dense bytes),
-  the receiver's scatters; the wire carries the encoded bytes. Changes are taken as spread evenly
-  (an optimizer step on bf16 weights), so every link sees the same fraction; FP8 engines: the same
+  (dense on a same-GPU link, and over NVLink at the measured find rate); a sender's ``find``
+  resource reads base and current (2x the link's dense bytes) and packs, a receiver's ``scatter``
+  applies, at the rule's rates measured on an H100 (``LINKS``); the wire carries the encoded bytes.
+  Changes are taken as spread evenly (an optimizer step on bf16 weights), so every link sees the
+  same fraction; FP8 engines: the same
   fraction of FP8 elements (the blocks whose inputs changed are re-quantised; an element whose FP8
   value did not change is not sent).
 - ``fanout``: waves — the engine replicas that hold the version become sources; with the
@@ -52,7 +54,7 @@ from typing import Any
 from refit.errors import TopologyError
 from refit.layout import ModelLayout
 from refit.plan.planner import ProcessMap, link_bytes
-from refit.quant.delta import INDEX_BYTES, LinkSpeed, choose_encoding, wire_bytes
+from refit.quant.delta import INDEX_BYTES, LINKS, LinkSpeed, choose_encoding, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -209,20 +211,26 @@ def delta_time(
     if not 0 <= fraction <= 1:
         raise TopologyError(f"changed fraction must be within [0, 1], got {fraction!r}")
     wire: dict[tuple[int, int], int] = {}
-    extra: dict[tuple[str, int], float] = defaultdict(float)
+    work: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])  # bytes, seconds
     for (s, d), n in transfers.items():
         elems = n // itemsize
         k = round(fraction * elems)
         msg = min(elems, 1 << 28)  # the rule weighs messages (at most a tensor), not a link's total
-        kind = choose_encoding([(msg, round(fraction * msg), itemsize)], _link_speed(s, d, topo))
+        speed = _link_speed(s, d, topo)
+        kind = choose_encoding([(msg, round(fraction * msg), itemsize)], speed)
         wire[(s, d)] = n if kind == "dense" else wire_bytes(kind, elems, k, itemsize)
-        if kind != "dense":
-            extra[("hbm", s)] += 2 * n + k * itemsize  # read base and current; base update
-            extra[("hbm", d)] += k * (INDEX_BYTES + itemsize)  # the scatter reads indices, writes values
+        if kind != "dense":  # at the rule's measured rates: the find reads base and current, then per change
+            per_change = k * (INDEX_BYTES + 2 * itemsize)  # pack and base update (sender), scatter (receiver)
+            apply_s = per_change / (speed.apply_gbps * 1e9)
+            for key, b, t in (
+                (("find", s), 2 * n + per_change, 2 * n / (speed.find_gbps * 1e9) + apply_s),
+                (("scatter", d), per_change, apply_s),
+            ):
+                work[key][0] += b
+                work[key][1] += t
     secs, raw = loads(wire, topo)
-    for key, b in extra.items():
-        raw[key] = raw.get(key, 0.0) + b
-        secs[key] = raw[key] / (topo.hbm_gbps * 1e9)
+    for key, (b, t) in work.items():
+        raw[key], secs[key] = b, t
     if not secs:
         return 0.0, "-", 0, 0
     (kind, idx), t = max(secs.items(), key=lambda kv: kv[1])
@@ -233,9 +241,9 @@ def delta_time(
 def _link_speed(s: int, d: int, topo: Topology) -> LinkSpeed:
     """The encoding rule's view of the link between GPUs ``s`` and ``d`` of ``topo``."""
     if s == d:
-        return LinkSpeed(topo.hbm_gbps / 2, topo.hbm_gbps / 2, same_device=True)
+        return replace(LINKS["same_device"], link_gbps=topo.hbm_gbps / 2)
     link = topo.nvlink_gbps if topo.node(s) == topo.node(d) else topo.gpu_nic_gbps
-    return LinkSpeed(link, topo.hbm_gbps / 2)
+    return replace(LINKS["nvlink"], link_gbps=link)  # the find, pack and scatter rates measured on an H100
 
 
 def gpu_placement(n_src: int, n_dst: int, topo: Topology, colocated: bool = False) -> ProcessMap:

@@ -13,13 +13,17 @@ sender that keeps the last version it sent (the *base*) can send only the change
 * ``apply_changes(dst, indices, values)``: ``dst[indices] = values`` by ``index_put_`` on the
   unravelled indices, O(changed): no pass over the whole tensor (a strided destination view too).
 
-Cost rule (``predicted_seconds``): a dense message costs its bytes over the link; a delta costs reading
-base and current once on the sender (``2 x n x itemsize`` over the sender's memory bandwidth), its wire
-bytes over the link, and the scatter on the receiver (``k x (4 + 2 x itemsize)`` over memory). The
-cheapest wins, dense on ties. On a same-device link (S2: the engine on the trainer's GPU) the "link" is
-the device's own memory, so a dense copy (read n, write n) is never slower than reading two versions:
-``choose_encoding`` returns dense there without looking at ``k``. Both sides read the same rule, but
-only the sender decides; the message header carries its choice.
+Cost rule (``predicted_seconds``), on measured rates (``LINKS``): a dense message costs its bytes over the
+link; a delta costs reading base and current once on the sender (``2 x n x itemsize`` at the find rate),
+its wire bytes over the link, the per-change work (pack, base update, the receiver's scatter:
+``k x (4 + 2 x itemsize)`` bytes at the apply rate) and a fixed time per piece (the kernel launches of
+those steps). The cheapest wins, dense on ties. With the H100 rates measured (find 0.78 TB/s: the find
+reads two versions, so it costs about what NVLink takes to move one), a delta over NVLink does not
+beat dense and the rule sends dense there; over a NIC (50 GB/s) a delta wins up to ~47% changed
+(sparse below ~4%, then the bitmask) at Llama-3.1-8B shapes. On a
+same-device link (S2: the engine on the trainer's GPU) a dense copy (read n, write n) is never slower
+than reading two versions: ``choose_encoding`` returns dense there without looking at ``k``. Both
+sides read the same rule, but only the sender decides; the message header carries its choice.
 
 One pass on CUDA: ``refit.quant.delta_triton`` compares, compacts (and can update the base) reading each
 version once; ``find_changes`` uses it for contiguous CUDA tensors when Triton is installed, and its
@@ -48,27 +52,38 @@ class DeltaError(TransferError):
 
 @dataclass(frozen=True)
 class LinkSpeed:
-    """What the encoding rule weighs for one link: ``link_gbps`` (GB/s on the wire), ``memory_gbps``
-    (GB/s of the memory that the sender reads and the receiver scatters into) and ``same_device`` (the
-    link is the device's own memory: dense always)."""
+    """What the encoding rule weighs for one link, all measured: ``link_gbps`` (GB/s on the wire),
+    ``find_gbps`` (GB/s of base + current the sender's find reads), ``apply_gbps`` (GB/s of index +
+    value bytes of the per-change work: pack, base update, scatter), ``piece_s`` (fixed seconds per
+    piece diffed) and ``same_device`` (the link is the device's own memory: dense always)."""
 
     link_gbps: float
-    memory_gbps: float
+    find_gbps: float
+    apply_gbps: float
+    piece_s: float = 0.0
     same_device: bool = False
 
     def __post_init__(self) -> None:
-        for field, value in (("link_gbps", self.link_gbps), ("memory_gbps", self.memory_gbps)):
+        for field in ("link_gbps", "find_gbps", "apply_gbps"):
+            value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise ConfigError(f"LinkSpeed.{field} must be a finite number of GB/s > 0, got {value!r}")
+        if isinstance(self.piece_s, bool) or not isinstance(self.piece_s, (int, float)) or not 0 <= self.piece_s < 1:
+            raise ConfigError(f"LinkSpeed.piece_s must be seconds in [0, 1), got {self.piece_s!r}")
 
 
+# CUDA rates measured on one H100 (docs/benchmarks.md, "Delta kernels on an H100": Llama-3.1-8B shapes,
+# 16.06 GB bf16, 291 pieces): find 41 ms for 32 GB read at 1% changed (Triton); pack + base update +
+# apply add ~31 ms at 0.1% (per piece: ~108 us) and ~15 ms more per 7.2e8 changes (~400 GB/s of
+# index + value bytes).
+_H100 = {"find_gbps": 780.0, "apply_gbps": 400.0, "piece_s": 108e-6}
 LINKS = {
-    "same_device": LinkSpeed(1500.0, 3000.0, same_device=True),  # S2: a copy on one H100 (read + write HBM)
-    "nvlink": LinkSpeed(370.0, 3000.0),  # S1/S3: H100 NVLink, measured ~370 GB/s one way
-    "nic": LinkSpeed(50.0, 3000.0),  # a 400 Gb/s NIC per GPU
-    "cpu": LinkSpeed(2.0, 10.0),  # gloo over loopback on a CPU host
+    "same_device": LinkSpeed(1500.0, **_H100, same_device=True),  # S2: a copy on one H100 (read + write HBM)
+    "nvlink": LinkSpeed(370.0, **_H100),  # S1/S3: H100 NVLink, measured ~370 GB/s one way
+    "nic": LinkSpeed(50.0, **_H100),  # a 400 Gb/s NIC per GPU
+    "cpu": LinkSpeed(2.0, 10.0, 10.0),  # gloo over loopback on a CPU host (rough; no per-piece time measured)
 }
-"""Default speeds per kind of link (H100 numbers; ``TransferConfig.delta_link_gbps`` overrides the link)."""
+"""Speeds per kind of link (``TransferConfig.delta_link_gbps`` overrides the link's)."""
 
 
 def wire_bytes(encoding: str, n: int, k: int, itemsize: int) -> int:
@@ -88,9 +103,9 @@ def predicted_seconds(encoding: str, n: int, k: int, itemsize: int, link: LinkSp
     wire = wire_bytes(encoding, n, k, itemsize) / (link.link_gbps * 1e9)
     if encoding == "dense":
         return wire
-    find = 2 * n * itemsize / (link.memory_gbps * 1e9)
-    apply = k * (INDEX_BYTES + 2 * itemsize) / (link.memory_gbps * 1e9)
-    return find + wire + apply
+    find = 2 * n * itemsize / (link.find_gbps * 1e9)
+    apply = k * (INDEX_BYTES + 2 * itemsize) / (link.apply_gbps * 1e9)
+    return find + wire + apply + link.piece_s
 
 
 def choose_encoding(pieces: list[tuple[int, int, int]], link: LinkSpeed) -> str:

@@ -156,6 +156,7 @@ class _DeltaOp:
     fraction: float | None = None  # sender: the changed fraction last measured
     dense_runs: int = 0  # sender: runs sent dense since the last diff
     stale: bool = False  # sender: this message's base was not brought to the last version (``_plan``)
+    may_pay: bool = True  # a delta could beat dense on this link (``_may_pay``; set at setup)
 
 
 @dataclass
@@ -205,7 +206,9 @@ class DeltaSchedule:
         views = [view(p.tensor, p.box) for p in m.pieces]
         bases = [self.base.local.src_view(p.tensor, p.box) for p in m.pieces] if outgoing else []
         link = link_speed(self.plan, self.plan.procs.src[m.src], self.plan.procs.dst[m.dst], self.config)
-        return _DeltaOp(op, views, bases, link, torch.empty(0))
+        d = _DeltaOp(op, views, bases, link, torch.empty(0))
+        d.may_pay = self._may_pay(d)
+        return d
 
     def _headers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per step, one int64 buffer for the headers it sends and one for those it receives; each op's
@@ -306,10 +309,11 @@ class DeltaSchedule:
     def _plan(self, d: _DeltaOp, base_ok: bool) -> str:
         """``"diff"``; ``"refresh"`` (dense, and the base copied at commit so the next run may diff: a
         receiver without the base, the first run, a probe every ``PROBE_EVERY`` dense runs); or ``"skip"``
-        (dense, the base left as it was and marked stale: under ``auto`` on a same-device link, or while
-        the last measured fraction says dense, so a steady 100% change costs neither a diff nor a copy)."""
+        (dense, the base left as it was and marked stale: under ``auto`` on a same-device link, on a link
+        where no delta can pay (``_may_pay``), or while the last measured fraction says dense, so a
+        steady 100% change costs neither a diff nor a copy)."""
         auto = self.config.delta == "auto"
-        if auto and d.link.same_device:
+        if auto and (d.link.same_device or not d.may_pay):
             return "skip"
         if not base_ok:
             return "refresh"
@@ -322,6 +326,13 @@ class DeltaSchedule:
             return "diff"
         guess = [(v.numel(), round(d.fraction * v.numel()), v.element_size()) for v in d.views]
         return "diff" if choose_encoding(guess, d.link) != "dense" else probe
+
+    @staticmethod
+    def _may_pay(d: _DeltaOp) -> bool:
+        """Whether a delta of ``d`` could beat dense at all: with nothing changed (the rule's best case)
+        it must win, else finding the changes costs more than sending everything (NVLink with the
+        measured find rate) and ``auto`` never diffs ``d``, not even to probe."""
+        return choose_encoding([(v.numel(), 0, v.element_size()) for v in d.views], d.link) != "dense"
 
     def _pack_delta(self, d: _DeltaOp) -> torch.Tensor:
         sizes = [_piece_wire(d.kind, v, len(i)) for v, (i, _) in zip(d.views, d.changes)]
