@@ -30,6 +30,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from refit.binding import LocalTensors
@@ -445,8 +446,6 @@ class HostBarrier:
     """
 
     def __init__(self, name: str, index: int, size: int, timeout_s: float = 120.0) -> None:
-        import numpy as np
-
         self.index, self.size, self.timeout_s, self.gen = index, size, timeout_s, 0
         self.owner = index == 0
         self.name = name
@@ -553,8 +552,6 @@ class HostBarrier:
 
     def _reached(self) -> int:
         """The lowest generation every participant has reached (one that left counts what it had reached)."""
-        import numpy as np
-
         v = self.slots
         return int(np.where(v < 0, -1 - v, v).min())
 
