@@ -147,24 +147,73 @@ def _hold_adopters(ray_store, hold: bool):
 def test_writer_killed_before_the_durable_copy_exists_loses_nothing(ray_store, read):
     """A durable put returns before the storage actor's own copy exists; a writer that dies in that
     window loses nothing: ``get`` finds the writer's object gone and asks again for the copy,
-    ``take`` waits for it."""
+    ``take`` waits for it before it drops the keys."""
     base = plasma()
     keys = [f"early/{read}/{i}" for i in range(8)]
     _hold_adopters(ray_store, True)
-    p = Producer.remote()
-    assert ray.get(p.put.remote(ray_store, keys, 3))
-    unit = ray_store._unit("faults")
-    assert ray.get(unit.__ray_call__.remote(lambda self: self.adopter._work_queue.qsize())) >= 1  # copy pending
-    _kill(p)
-    fetch = ray_store.take if read == "take" else ray_store.get
-    threading.Timer(2.0, _hold_adopters, (ray_store, False)).start()  # the copies go on while the read waits
-    got = fetch(keys, select_fields=["ids", "reward"], partition="faults", copy=True)
+    release = threading.Timer(2.0, _hold_adopters, (ray_store, False))
+    try:
+        p = Producer.remote()
+        assert ray.get(p.put.remote(ray_store, keys, 3))
+        unit = ray_store._unit("faults")
+        # the copy is queued behind the held thread (the executor's private queue: a test-only look)
+        assert ray.get(unit.__ray_call__.remote(lambda self: self.adopter._work_queue.qsize())) >= 1
+        _kill(p)
+        fetch = ray_store.take if read == "take" else ray_store.get
+        release.start()  # the copies go on while the read waits
+        t0 = time.monotonic()
+        got = fetch(keys, select_fields=["ids", "reward"], partition="faults", copy=True)
+        if read == "take":
+            assert time.monotonic() - t0 > 1.0  # it waited for the copy before dropping the keys
+    finally:
+        if release.is_alive() or not release.finished.is_set():
+            release.cancel()
+            _hold_adopters(ray_store, False)
+        if release.ident is not None:
+            release.join()
     want = batch(8, 3)
     assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["reward"], want["reward"])
     if read == "get":
         assert ray_store.clear(keys, partition="faults") == 8
     assert ray_store.keys("faults") == []
     assert settle(base)
+
+
+def _fail_copies(ray_store, fail: bool):
+    """Make the storage actors' ``ray.put`` (only their copy thread calls it) fail, or work again."""
+
+    def toggle(actor):
+        import ray as r
+
+        if fail:
+            actor.real_put = r.put
+
+            def full(*a, **k):
+                raise MemoryError("object store full (injected)")
+
+            r.put = full
+        else:
+            r.put = actor.real_put
+
+    ray.get([a.__ray_call__.remote(toggle) for a in ray_store.actors])
+
+
+def test_a_take_whose_copy_fails_clears_nothing_and_succeeds_once_copies_work(ray_store):
+    keys = [f"nocopy/{i}" for i in range(8)]
+    _fail_copies(ray_store, True)
+    try:
+        meta = ray_store.put(keys, batch(8, 5), partition="faults")
+        with pytest.raises(RuntimeError, match=r"take: the durable copy .* failed .*injected.*nothing was cleared"):
+            ray_store.take(meta, select_fields=["ids"])
+        assert sorted(ray_store.keys("faults")) == sorted(keys)  # nothing was dropped
+        with pytest.raises(RuntimeError, match=r"settle: 1 durable copies failed"):
+            ray_store.settle(timeout_s=30)
+    finally:
+        _fail_copies(ray_store, False)
+    got = ray_store.take(meta, select_fields=["ids"], copy=True)["ids"]  # the copy is tried again, and works
+    assert torch.equal(got, batch(8, 5)["ids"])
+    assert ray_store.keys("faults") == []
+    ray_store.settle(timeout_s=30)  # no failed copy left
 
 
 def test_producers_killed_at_random_points_leave_whole_batches(ray_store):

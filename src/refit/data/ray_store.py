@@ -18,7 +18,11 @@ reads): in the call that records the keys, the storage actor maps the writer's o
 this pins its bytes, which then outlive the writer), and a background thread of the actor copies
 it into an object the actor owns, one copy per put, off the writer's path. Until that copy exists
 readers get the writer's object; one that finds the writer gone asks again and waits for the
-copy; ``take`` (the keys are gone after it) always waits for it. Ray used to offer
+copy; ``take`` waits for it before it drops the keys (a take that fails clears nothing); at most
+``MAX_PENDING_COPIES`` copies queue per storage actor (then a put waits: pinned memory stays
+bounded); a copy that fails keeps the pin and is tried again when a reader or ``settle()`` needs
+it. The pin's survival is relied on within one node (the storage actor maps the object where it
+runs). Ray used to offer
 ``ray.put(..., _owner=actor)`` to name another owner without a copy; Ray 2.56 removed it (Ray
 2.60 raises ``ValueError``), so no public API gives ownership without that copy.
 ``durable=False`` keeps the writer's object as is (no copy); its keys become unreadable (Ray
@@ -27,7 +31,8 @@ raises an owner-died error) once the writer exits.
 A put is atomic: one partition lives on one actor and the actor checks and records a put's keys
 in one call, so a refused put writes nothing, and a writer killed mid-put either reached the
 actor (the whole batch is recorded) or did not (nothing is; its orphaned object is freed by Ray
-with its owner). An object is freed when the last of its rows is cleared.
+with its owner). An object is freed when the last of its rows is cleared (a durable put's copy
+still queued is then skipped, and the writer's bytes unpinned when the copy thread reaches it).
 
 Trade-offs: a reader on another node pulls the whole objects that hold its rows (Ray moves
 objects, not rows): put batches the size you want readers to move. One partition's metadata is
@@ -41,6 +46,7 @@ workers and trainer ranks. Nothing refit reads is unpickled outside Ray's own tr
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +56,7 @@ import numpy as np
 import torch
 
 from .meta import BatchMeta
-from .store import FieldData, Rows, StorageUnit, Store, gather, normalize_put
+from .store import FieldData, NotReady, Rows, StorageUnit, Store, gather, normalize_put
 
 try:
     import ray
@@ -58,6 +64,7 @@ except ImportError:  # pragma: no cover - exercised only without ray
     ray = None
 
 SETTLE_TIMEOUT_S = 120.0  # a reader that needs a durable copy waits at most this long for it
+MAX_PENDING_COPIES = 8  # durable copies queued per storage actor before a put waits for one
 
 
 def encode(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
@@ -94,15 +101,21 @@ class _Payload:
     """One put's object in the object store: the writer's reference until the storage actor owns a
     copy (``durable``), then the actor's. ``held`` pins the writer's bytes in the actor's process
     (zero-copy) from the put call until the copy exists: they stay readable even if the writer has
-    died (Ray keeps a mapped object alive for a process that holds it)."""
+    died (Ray keeps a mapped object alive for a process that holds it). ``live``: the put's chunks
+    still held (a copy of a put whose keys are all gone is skipped); ``error``: why the last copy
+    failed (``held`` is then kept, and the copy is tried again when a reader or ``settle`` needs it)."""
 
-    __slots__ = ("ref", "held", "settled", "error")
+    __slots__ = ("ref", "held", "settled", "error", "live")
 
-    def __init__(self, ref: Any, held: Any) -> None:
-        self.ref, self.held, self.error = ref, held, None
+    def __init__(self, ref: Any, held: Any, live: int) -> None:
+        self.ref, self.held, self.error, self.live = ref, held, None, live
         self.settled = threading.Event()
         if held is None:
             self.settled.set()
+
+
+def _copied(payload: tuple[_Payload, str]) -> bool:
+    return payload[0].settled.is_set() and payload[0].error is None
 
 
 class _StorageActor:
@@ -110,12 +123,17 @@ class _StorageActor:
 
     A durable put returns once its keys are recorded and the writer's object is pinned here; the
     copy this actor owns is made afterwards by one background thread (``_adopt``), so the writer
-    does not wait for it. Readers are told the writer's reference until the copy exists; a reader
-    that finds the writer gone asks again with ``settle=True``, which waits for the copy."""
+    does not wait for it, with at most ``MAX_PENDING_COPIES`` queued (a put waits for a slot: pinned
+    memory stays bounded). Readers are told the writer's reference until the copy exists; a reader
+    that finds the writer gone asks again with ``settle=True``, which waits for the copy; a ``take``
+    waits for the copies before it drops its keys (a take that fails clears nothing)."""
 
     def __init__(self) -> None:
-        self.unit = StorageUnit()
+        self.unit = StorageUnit(on_drop=self._dropped)
         self.adopter = ThreadPoolExecutor(1, thread_name_prefix="refit-adopt")
+        self.slots = threading.BoundedSemaphore(MAX_PENDING_COPIES)
+        self.lock = threading.Lock()  # guards ``failed`` and the retry of a failed copy
+        self.failed: set[_Payload] = set()
 
     def put(self, partition, keys, holder, fields, tags, seq_lens, overwrite, durable) -> str | None:
         """Check, pin (``durable``) and record, in one call; the reason a put is refused (nothing
@@ -127,52 +145,109 @@ class _StorageActor:
         ref = holder[0]  # nested in a list: Ray passes the reference, not the value
         held = None
         if durable:
+            if not self.slots.acquire(timeout=SETTLE_TIMEOUT_S):
+                return (
+                    f"put: {MAX_PENDING_COPIES} durable copies pending for {SETTLE_TIMEOUT_S:g}s; nothing was written"
+                )
             try:
                 held = ray.get(ref)  # zero-copy on this node: pins the bytes
             except ray.exceptions.RayError as e:  # the writer died before its object was pinned
+                self.slots.release()
                 return f"put: the writer's object is gone ({type(e).__name__}); nothing was written"
-        payload = _Payload(ref, held)
+        payload = _Payload(ref, held, len(fields))
         try:  # checks again under the unit's lock: a racing put of the same keys may have won
             self.unit.put(partition, keys, {f: (payload, f) for f in fields}, tags, seq_lens, overwrite)
         except ValueError as e:
+            if durable:
+                self.slots.release()
             return str(e)
         if durable:
             self.adopter.submit(self._adopt, payload)
         return None
 
-    @staticmethod
-    def _adopt(p: _Payload) -> None:
-        """Make the copy this actor owns (also when the keys were taken or cleared meanwhile: a
-        ``take`` reads the copy)."""
+    def _adopt(self, p: _Payload) -> None:
+        """Make the copy this actor owns (skipped when the put's keys are all gone); on failure keep
+        the pin and remember the payload (``_retry``)."""
         try:
-            p.ref = ray.put(p.held)
-        except Exception as e:  # noqa: BLE001 - kept and reported to readers that need the copy
+            if p.live > 0:
+                p.ref = ray.put(p.held)
+            p.held, p.error = None, None
+            with self.lock:
+                self.failed.discard(p)
+        except Exception as e:  # noqa: BLE001 - kept, reported to the readers that need the copy
             p.error = f"{type(e).__name__}: {e}"
+            with self.lock:
+                self.failed.add(p)
         finally:
-            p.held = None
             p.settled.set()
+            self.slots.release()
+
+    def _retry(self, p: _Payload, deadline: float) -> None:
+        """Ask again for a copy that failed (once per failure: concurrent readers share it)."""
+        if not (p.settled.is_set() and p.error):
+            return
+        if not self.slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return  # the caller's wait reports the failure
+        with self.lock:  # not while waiting for the slot: the copy thread takes this lock too
+            if p.settled.is_set() and p.error:
+                p.settled.clear()
+                self.adopter.submit(self._adopt, p)
+                return
+        self.slots.release()  # another reader asked first
+
+    def _dropped(self, payload: tuple[_Payload, str]) -> None:
+        """A chunk of ``payload``'s put is gone (under the unit's lock); the last one releases a
+        failed copy's pin (nobody can read those keys any more)."""
+        p = payload[0]
+        p.live -= 1
+        if p.live == 0 and p.error:
+            with self.lock:
+                self.failed.discard(p)
+            p.held = None
+
+    def _wait(self, payloads, deadline: float, partition: str, what: str) -> None:
+        for p in payloads:
+            self._retry(p, deadline)
+            if not p.settled.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(
+                    f"{what}: the durable copy of a put in {partition!r} was not made within "
+                    f"{SETTLE_TIMEOUT_S:g}s; nothing was cleared"
+                )
+            if p.error:
+                raise RuntimeError(
+                    f"{what}: the durable copy of a put in {partition!r} failed ({p.error}); nothing was "
+                    "cleared (the writer's bytes stay pinned; the copy is tried again on the next read)"
+                )
 
     def locate(self, partition, keys, select, clear=False, settle=False) -> dict[str, list]:
-        """Where the rows are; with ``clear``, the keys are dropped in the same call (the
-        references returned keep their objects alive for the reader). ``settle``: wait for the
-        durable copies of the objects returned (the writer's reference may be dead); a ``clear``
-        always settles (the keys are gone after it: the reader could not ask again)."""
-        settle = settle or clear
-        located = self.unit.locate(partition, keys, select, clear)
-        out = {}
-        for f, groups in located.items():
-            out[f] = []
-            for (p, name), pos, rows in groups:
-                if settle and not p.settled.wait(SETTLE_TIMEOUT_S):
-                    raise TimeoutError(f"get: the durable copy of a put in {partition!r} took over {SETTLE_TIMEOUT_S}s")
-                if settle and p.error:
-                    raise RuntimeError(f"get: the durable copy of a put in {partition!r} failed ({p.error})")
-                out[f].append(([p.ref], name, pos, rows))
-        return out
+        """Where the rows are; with ``clear`` (a take), the keys are dropped in the same call once
+        every durable copy they need exists (nothing is dropped if one cannot be made). ``settle``:
+        wait for the durable copies of the objects returned (the writer's reference may be dead)."""
+        deadline, what = time.monotonic() + SETTLE_TIMEOUT_S, "take" if clear else "get"
+        while True:
+            try:
+                located = self.unit.locate(partition, keys, select, clear, ready=_copied if clear else None)
+            except NotReady as e:  # nothing dropped: wait for those copies, then try again
+                self._wait({p for p, _ in e.payloads}, deadline, partition, what)
+                continue
+            if settle and not clear:
+                self._wait({p for groups in located.values() for (p, _), _, _ in groups}, deadline, partition, what)
+            break
+        return {f: [([p.ref], name, pos, rows) for (p, name), pos, rows in groups] for f, groups in located.items()}
 
     def settle(self, timeout_s: float) -> None:
-        """Return once every durable copy asked for before this call exists."""
-        self.adopter.submit(lambda: None).result(timeout_s)
+        """Return once every durable copy asked for before this call exists (failed ones are tried
+        again; ``RuntimeError`` if one still fails)."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            failed = list(self.failed)
+        for p in failed:
+            self._retry(p, deadline)
+        self.adopter.submit(lambda: None).result(max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            failed = [p.error for p in self.failed]
+        if failed:
+            raise RuntimeError(f"settle: {len(failed)} durable copies failed, e.g. {failed[0]}")
 
     def clear(self, partition, keys) -> int:
         return self.unit.clear(partition, keys)
@@ -199,7 +274,8 @@ class RayStore(Store):
     each partition lives on one of them. ``actor_options`` go to ``.options()`` (default
     ``num_cpus=0, max_concurrency=16``; e.g. a node ``scheduling_strategy``). ``durable=True``: each
     put's object is pinned by its storage actor in the put call and copied into one the actor owns
-    in the background (``settle()`` waits for those copies; readers never need to). ``durable=False``
+    in the background (``settle()`` waits for those copies; correctness never needs it, but until
+    then two reads of the same keys may return different memory: the writer's, then the copy). ``durable=False``
     leaves each put's object owned by the writing process: one copy less per put, but the keys
     become unreadable (Ray raises an owner-died error) once the writer exits.
 
@@ -232,7 +308,8 @@ class RayStore(Store):
         if not ray.is_initialized():
             raise RuntimeError("RayStore: call ray.init() first")
         cls = ray.remote(_StorageActor)
-        # threaded: one put's adoption copy does not hold up other calls (StorageUnit is locked)
+        # threaded: a put waiting for a copy slot or a take waiting for a copy does not hold up other
+        # calls (StorageUnit is locked)
         opts = {"num_cpus": 0, "max_concurrency": 16, **(actor_options or {})}
         self.actors = [cls.options(**opts).remote() for _ in range(num_units)]
         ray.get([a.chunks.remote() for a in self.actors])  # started

@@ -37,7 +37,7 @@ import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,18 +153,28 @@ def gather(n: int, groups: list[tuple[Any, list[int], list[int]]], copy: bool = 
     return [t.clone() for t in flat] if copy else flat  # type: ignore[union-attr,return-value]
 
 
+class NotReady(Exception):
+    """``StorageUnit.locate(clear=True, ready=...)`` found payloads not ready: nothing was dropped."""
+
+    def __init__(self, payloads: list) -> None:
+        super().__init__(f"{len(payloads)} payloads not ready")
+        self.payloads = payloads
+
+
 class StorageUnit:
     """Rows of columns. Each field of a put is one chunk — a payload whose row ``rows[i]``
     belongs to ``keys[i]``: a batch tensor, a list of row tensors, or an opaque handle (the Ray
     backend keeps object references). A put costs one reference per field, a get one gather
-    per chunk; a chunk is dropped when its last row is cleared or overwritten. Thread-safe (one
-    lock per unit). It stores what it is given as is: copying (``InProcessStore``) or encoding
-    (``RayStore``) is the caller's job. The common cases (a put of new keys, a get of keys that one put wrote) take
+    per chunk; a chunk is dropped when its last row is cleared or overwritten (``on_drop(payload)``
+    is then called under the unit's lock: keep it short). Thread-safe (one lock per unit). It
+    stores what it is given as is: copying (``InProcessStore``) or encoding (``RayStore``) is the
+    caller's job. The common cases (a put of new keys, a get of keys that one put wrote) take
     bulk dict and set operations, not a Python step per key and field."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_drop: Callable[[Any], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._on_drop = on_drop
         self._chunks: dict[int, list] = {}  # id -> [payload, live rows]
         self._rows: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}  # (partition, key) -> field -> (chunk, row)
         self._info: dict[tuple[str, str], tuple[dict, int | None]] = {}  # tags, seq_len
@@ -185,6 +195,11 @@ class StorageUnit:
         ``overwrite`` a field a key already has refuses the whole put (``ValueError``) first."""
         rows = list(range(len(keys))) if rows is None else rows
         pks = [(partition, k) for k in keys]
+        if len(set(pks)) != len(pks):
+            raise ValueError(f"put: duplicate keys in partition {partition!r}")
+        for what, items in (("rows", rows), ("tags", tags), ("seq_lens", seq_lens)):
+            if items is not None and len(items) != len(keys):
+                raise ValueError(f"put: {len(items)} {what} for {len(keys)} keys")
         with self._lock:
             held = self._rows.keys() & pks
             if held and not overwrite:  # refuse before writing anything
@@ -232,6 +247,8 @@ class StorageUnit:
         c[1] -= n
         if c[1] == 0:
             del self._chunks[cid]
+            if self._on_drop is not None:
+                self._on_drop(c[0])
 
     def clear(self, partition: str, keys: Iterable[str]) -> int:
         """Drop keys; absent ones are skipped. Returns how many were held."""
@@ -266,10 +283,16 @@ class StorageUnit:
                     )
 
     def locate(
-        self, partition: str, keys: Sequence[str], select_fields: Sequence[str], clear: bool = False
+        self,
+        partition: str,
+        keys: Sequence[str],
+        select_fields: Sequence[str],
+        clear: bool = False,
+        ready: Callable[[Any], bool] | None = None,
     ) -> dict[str, list[tuple[Any, list[int], list[int]]]]:
         """Per field, the groups (payload, positions in ``keys``, rows in the payload); with
-        ``clear``, the keys are dropped in the same step (not when a key or field is missing)."""
+        ``clear``, the keys are dropped in the same step (not when a key or field is missing, nor,
+        given ``ready``, when a payload returned is not ready: ``NotReady`` names those)."""
         with self._lock:
             try:
                 entries = [self._rows[(partition, k)] for k in keys]
@@ -279,6 +302,10 @@ class StorageUnit:
                 raise
             out = {f: self._groups(locs) for f, locs in located.items()}
             if clear:
+                if ready is not None:
+                    waiting = [p for groups in out.values() for p, _, _ in groups if not ready(p)]
+                    if waiting:
+                        raise NotReady(waiting)
                 self._drop(partition, keys)
             return out
 
