@@ -15,9 +15,10 @@
    cost on one GPU: S2 (the engine on the trainer's GPU) must pick dense, since find + pack + apply
    reads more than the dense copy moves.
 3. S1 (2 GPUs, or 2 CPU processes with ``--device cpu``): a Sender on GPU 0 and a Receiver on GPU 1 over
-   NCCL P2P (``transport="p2p"``), one Peer pair dense (``delta="off"``) and one ``delta="auto"``, both
-   refit after every step; per fraction the median refit time (slowest process) and the bytes on the
-   wire. S3 (colocated reshard) runs its links over CUDA IPC, where deltas are not built: not run.
+   NCCL P2P (``transport="p2p"``), Peer pairs dense (``delta="off"``), ``delta="auto"`` (the rule: dense
+   over NVLink at the measured H100 rates, so it must match dense) and ``delta="sparse"`` (forced: what a
+   delta costs there), all refit after every step; per fraction the median refit time (slowest process)
+   and the bytes on the wire. S3 (colocated reshard) runs its links over CUDA IPC, where deltas are not built: not run.
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ def kernels(model: str, device: torch.device, group_bytes: int) -> tuple[list[di
     return rows, model_bytes
 
 
+DELTA_PEERS = {"delta": "auto", "sparse": "sparse"}  # S1's delta Peer pairs beside the dense one: name -> mode
+
+
 def _s1_worker(world, model: str, iters: int, buffer_mb: int):
     """S1: process 0 sends, process 1 receives; a dense and a delta Peer pair refit after every step."""
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes(model)]
@@ -173,7 +177,10 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
     # on CUDA the devices make the rule weigh an NVLink link (without them: a CPU link, as on the CPU run)
     procs = ProcessMap((0,), (1,), ("cuda:0", "cuda:1") if dev.type == "cuda" else None)
     base_cfg = TransferConfig(transport="p2p", num_buffers=2, buffer_bytes=buffer_mb << 20, deadline_s=600)
-    cfgs = {"dense": base_cfg, "delta": TransferConfig(**{**base_cfg.__dict__, "delta": "auto", "name": "delta"})}
+    cfgs = {
+        "dense": base_cfg,
+        **{k: TransferConfig(**{**base_cfg.__dict__, "delta": m, "name": k}) for k, m in DELTA_PEERS.items()},
+    }
     group = world.data_group if dev.type == "cuda" else None  # NCCL for CUDA tensors (the default group is gloo)
     if world.src_rank is not None:
         tensors = {n: make_weight(n, s, torch.bfloat16, dev) for n, s, _ in shapes}
@@ -218,8 +225,10 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
                 "fraction": f,
                 "dense_ms": statistics.median(times["dense"][warm]) * 1e3,
                 "delta_ms": statistics.median(times["delta"][warm]) * 1e3,
+                "sparse_ms": statistics.median(times["sparse"][warm]) * 1e3,
                 "dense_bytes": wire["dense"][-1],
                 "delta_bytes": wire["delta"][-1],
+                "sparse_bytes": wire["sparse"][-1],
                 "encodings": enc,
                 "exact": exact,
             }
@@ -241,6 +250,7 @@ def s1(model: str, device: str, iters: int, buffer_mb: int) -> list[dict] | None
                 **a,
                 "dense_ms": max(a["dense_ms"], b["dense_ms"]),
                 "delta_ms": max(a["delta_ms"], b["delta_ms"]),
+                "sparse_ms": max(a["sparse_ms"], b["sparse_ms"]),
                 "exact": b["exact"],
                 "sender_base_bytes": extra,
             }
@@ -271,11 +281,15 @@ def _print(res: dict) -> None:
     if res["s1"] is None:
         print(f"S1 not run: {res['s1_skipped']}")
         return
-    print("S1 over P2P (slowest process, median): fraction | dense ms | delta ms | ratio | delta bytes / dense | exact")
+    print(
+        "S1 over P2P (slowest process, median): fraction | dense ms | auto ms (x dense) | forced sparse ms (x dense)"
+        " | auto bytes / dense | sparse bytes / dense | exact"
+    )
     for r in res["s1"]:
         print(
-            f"  {r['fraction']:>6.1%} | {r['dense_ms']:8.2f} | {r['delta_ms']:8.2f} | "
-            f"{r['delta_ms'] / r['dense_ms']:5.2f}x | {r['delta_bytes'] / r['dense_bytes']:6.2%} | {r['exact']} "
+            f"  {r['fraction']:>6.1%} | {r['dense_ms']:8.2f} | {r['delta_ms']:8.2f} "
+            f"({r['delta_ms'] / r['dense_ms']:.2f}x) | {r['sparse_ms']:8.2f} ({r['sparse_ms'] / r['dense_ms']:.2f}x) | "
+            f"{r['delta_bytes'] / r['dense_bytes']:6.2%} | {r['sparse_bytes'] / r['dense_bytes']:6.2%} | {r['exact']} "
             f"{r['encodings']}"
         )
     print(f"extra memory (sender base copy): {res['s1'][0]['sender_base_bytes'] / 1e9:.2f} GB")
