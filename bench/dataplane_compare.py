@@ -8,7 +8,7 @@ Three parts, every method run in the same Ray session (one node; object store ca
 
 - ``put_get``: the driver puts one batch (int64 ids + float32 logprobs, [samples, seq]) and gets
   every row back. Rounds interleave the methods (each round runs each once, so drift on a busy
-  machine hits all alike); median and p99 of ``--iters`` rounds after a warm-up that also checks
+  machine hits all alike; each method goes first in turn, here and in ``dp<N>``); median and p99 of ``--iters`` rounds after a warm-up that also checks
   the bytes. Methods: ``ray numpy`` (``ray.put``/``ray.get`` of numpy arrays, read-only views),
   ``ray numpy + copy`` (then writable torch copies), ``refit`` (``RayStore``: views), ``refit
   copy=True``, ``refit durable=False``, ``transferqueue`` (``kv_batch_put`` of a TensorDict,
@@ -64,6 +64,13 @@ def timing_row(part: str, method: str, times_s: list[float], size: int) -> dict:
         "bytes": size,
         "n": len(times_s),
     }
+
+
+def rotated(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: each method goes first in turn (the first of a round pays for what the
+    round before left behind, e.g. TransferQueue's clear and garbage collection)."""
+    k = r % len(names)
+    return names[k:] + names[:k]
 
 
 def make_batch(samples: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -198,8 +205,9 @@ def run_put_get(methods: dict, batch: dict, iters: int) -> list[dict]:
         del got
         clear(h)
     t: dict[str, dict[str, list[float]]] = {m: {"put": [], "get": [], "total": [], "after": []} for m in methods}
-    for _ in range(iters):
-        for name, (put, get, clear) in methods.items():
+    for r in range(iters):
+        for name in rotated(list(methods), r):
+            put, get, clear = methods[name]
             t0 = time.perf_counter()
             h = put()
             t1 = time.perf_counter()
@@ -279,8 +287,9 @@ def run_dp(ray, tq, store, store_nd, batch, dp, iters, counter) -> list[dict]:
     times: dict[str, list[float]] = {m: [] for m in methods}
     for fn in methods.values():
         fn()()
-    for _ in range(iters):
-        for name, fn in methods.items():
+    for r in range(iters):
+        for name in rotated(list(methods), r):
+            fn = methods[name]
             t0 = time.perf_counter()
             done = fn()
             times[name].append(time.perf_counter() - t0)
