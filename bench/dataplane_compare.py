@@ -8,8 +8,9 @@ Three parts, every method run in the same Ray session (one node; object store ca
 
 - ``put_get``: the driver puts one batch (int64 ids + float32 logprobs, [samples, seq]) and gets
   every row back. Rounds interleave the methods (each round runs each once, so drift on a busy
-  machine hits all alike; each method goes first in turn, here and in ``dp<N>``); median and p99 of ``--iters`` rounds after a warm-up that also checks
-  the bytes. Methods: ``ray numpy`` (``ray.put``/``ray.get`` of numpy arrays, read-only views),
+  machine hits all alike; each method goes first in turn, here and in ``dp<N>``); median and p99
+  of ``--iters`` rounds after a warm-up that also checks the bytes. Methods: ``ray numpy``
+  (``ray.put``/``ray.get`` of numpy arrays, read-only views),
   ``ray numpy + copy`` (then writable torch copies), ``refit`` (``RayStore``: views), ``refit
   copy=True``, ``refit durable=False``, ``transferqueue`` (``kv_batch_put`` of a TensorDict,
   ``kv_batch_get``; SimpleStorage backend, its default). Clearing is done outside the timing, and
