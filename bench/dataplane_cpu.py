@@ -20,7 +20,8 @@ import os
 import time
 
 import numpy as np
-import torch
+
+from bench.dataplane_compare import make_batch
 
 
 def ray_cpu_seconds() -> float:
@@ -59,11 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     from refit.data.ray_store import RayStore
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    g = torch.Generator().manual_seed(0)
-    batch = {
-        "ids": torch.randint(0, 150_000, (args.samples, args.seq), generator=g),
-        "logprobs": -torch.rand(args.samples, args.seq, generator=g),
-    }
+    batch = make_batch(args.samples, args.seq)
     as_numpy = {k: v.numpy() for k, v in batch.items()}
 
     @ray.remote(num_cpus=0, max_concurrency=16)

@@ -22,9 +22,8 @@ copy; ``take`` waits for it before it drops the keys (a take that fails clears n
 ``MAX_PENDING_COPIES`` copies queue per storage actor (then a put waits: pinned memory stays
 bounded); a copy that fails keeps the pin and is tried again when a reader or ``settle()`` needs
 it. The pin's survival is relied on within one node (the storage actor maps the object where it
-runs). Ray used to offer
-``ray.put(..., _owner=actor)`` to name another owner without a copy; Ray 2.56 removed it (Ray
-2.60 raises ``ValueError``), so no public API gives ownership without that copy.
+runs). Ray used to offer ``ray.put(..., _owner=actor)`` to name another owner without a copy; Ray
+2.56 removed it (Ray 2.60 raises ``ValueError``), so no public API gives ownership without that copy.
 ``durable=False`` keeps the writer's object as is (no copy); its keys become unreadable (Ray
 raises an owner-died error) once the writer exits.
 
@@ -346,18 +345,14 @@ class RayStore(Store):
 
     def _fetch(self, keys, select_fields, partition, copy: bool, clear: bool) -> dict[str, Rows]:
         keys, partition, select = self._request(keys, partition, select_fields)
-        located = ray.get(self._unit(partition).locate.remote(partition, keys, select, clear))
-        refs = list(dict.fromkeys(holder[0] for groups in located.values() for holder, _, _, _ in groups))
         try:
-            objects = dict(zip(refs, ray.get(refs)))  # every object once, all at once, zero-copy
+            located, objects = self._read(partition, keys, select, clear, settle=False)
         except ray.exceptions.ObjectLostError:
             if not self.durable:
                 raise
             # a writer died before the storage actor's copy existed: ask again, for the copies
             # (a take never gets here: its locate waits for them)
-            located = ray.get(self._unit(partition).locate.remote(partition, keys, select, False, True))
-            refs = list(dict.fromkeys(h[0] for groups in located.values() for h, _, _, _ in groups))
-            objects = dict(zip(refs, ray.get(refs)))
+            located, objects = self._read(partition, keys, select, False, settle=True)
         decoded: dict[tuple[Any, str], FieldData] = {}
         out: dict[str, Rows] = {}
         for f in select:
@@ -369,6 +364,12 @@ class RayStore(Store):
                 groups.append((decoded[key], pos, rows))
             out[f] = gather(len(keys), groups, copy)
         return out
+
+    def _read(self, partition, keys, select, clear: bool, settle: bool) -> tuple[dict, dict]:
+        """One locate call, then every object it names once, all at once, zero-copy."""
+        located = ray.get(self._unit(partition).locate.remote(partition, keys, select, clear, settle))
+        refs = list(dict.fromkeys(holder[0] for groups in located.values() for holder, _, _, _ in groups))
+        return located, dict(zip(refs, ray.get(refs)))
 
     def clear(self, keys, *, partition=None) -> int:
         keys, partition = self._resolve(keys, partition)

@@ -195,13 +195,14 @@ class StorageUnit:
         ``overwrite`` a field a key already has refuses the whole put (``ValueError``) first."""
         rows = list(range(len(keys))) if rows is None else rows
         pks = [(partition, k) for k in keys]
-        if len(set(pks)) != len(pks):
+        unique = set(pks)
+        if len(unique) != len(pks):
             raise ValueError(f"put: duplicate keys in partition {partition!r}")
         for what, items in (("rows", rows), ("tags", tags), ("seq_lens", seq_lens)):
             if items is not None and len(items) != len(keys):
                 raise ValueError(f"put: {len(items)} {what} for {len(keys)} keys")
         with self._lock:
-            held = self._rows.keys() & pks
+            held = self._rows.keys() & unique
             if held and not overwrite:  # refuse before writing anything
                 err = self._clash(partition, keys, fields, held)
                 if err:

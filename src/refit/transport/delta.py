@@ -309,11 +309,11 @@ class DeltaSchedule:
     def _plan(self, d: _DeltaOp, base_ok: bool) -> str:
         """``"diff"``; ``"refresh"`` (dense, and the base copied at commit so the next run may diff: a
         receiver without the base, the first run, a probe every ``PROBE_EVERY`` dense runs); or ``"skip"``
-        (dense, the base left as it was and marked stale: under ``auto`` on a same-device link, on a link
-        where no delta can pay (``_may_pay``), or while the last measured fraction says dense, so a
-        steady 100% change costs neither a diff nor a copy)."""
+        (dense, the base left as it was and marked stale: under ``auto`` on a link where no delta can pay
+        (``_may_pay``: a same-device link, NVLink at the measured find rate), or while the last measured
+        fraction says dense, so a steady 100% change costs neither a diff nor a copy)."""
         auto = self.config.delta == "auto"
-        if auto and (d.link.same_device or not d.may_pay):
+        if auto and not d.may_pay:
             return "skip"
         if not base_ok:
             return "refresh"
