@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from refit.config import TransferConfig
+from refit.config import PIECE_ALIGN, TransferConfig
 from refit.errors import ChecksumError, PlanError, RefitAborted
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
@@ -54,6 +54,16 @@ def test_storage_regions_merge_views_of_one_storage():
     assert [base.data_ptr(), 400, 0, "DRAM"] in regions
 
 
+def test_storage_regions_keep_back_to_back_storages_apart():
+    # two storages whose bytes touch (as two CUDA allocations can): one region each, never one across both
+    buf = bytearray(64)
+    a = torch.frombuffer(memoryview(buf)[:32], dtype=torch.uint8)
+    b = torch.frombuffer(memoryview(buf)[32:], dtype=torch.uint8)
+    assert b.data_ptr() == a.data_ptr() + 32 and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    regions = nixl.storage_regions([b, a, a[4:8]])
+    assert regions == [[a.data_ptr(), 32, 0, "DRAM"], [b.data_ptr(), 32, 0, "DRAM"]]
+
+
 def _record(**change):
     rec = {
         "agent": "refit-1-abc",
@@ -61,6 +71,7 @@ def _record(**change):
         "regions": [[4096, 4096, 0, "DRAM"]],
         "parts": {"w": [4096, [4, 1], 0, "DRAM"]},
         "staged": {"3": 4096},
+        "rounds": {"count": 3, "slots": 2, "of": {"3": 2}},
     }
     return {**rec, **change}
 
@@ -80,6 +91,11 @@ def _record(**change):
         ({"staged": {"4": 4096}}, "staged names messages \\[4\\]"),
         ({"staged": {"3": -1}}, "staged"),
         ({"staged": [3]}, "staged"),
+        ({"rounds": {"count": 3, "slots": 2, "of": {}}}, "a round per staged message"),
+        ({"rounds": {"count": 3, "slots": 0, "of": {"3": 0}}}, "rounds must be"),
+        ({"rounds": {"count": 3, "slots": 2, "of": {"3": 3}}}, "outside 0..2"),
+        ({"rounds": {"count": 3, "slots": 2, "of": {"3": 1, "x": 1}}}, "a round per staged message"),
+        ({"rounds": [3, 2, {"3": 1}]}, "rounds must be"),
     ],
 )
 def test_records_are_checked_field_by_field(change, match):
@@ -87,6 +103,7 @@ def test_records_are_checked_field_by_field(change, match):
         nixl.check_record(_record(**change), "process 1", {"w": 2}, {3})
     rec = nixl.check_record(_record(), "process 1", {"w": 2}, {3})
     assert rec["metadata"] == b"\0\0\0" and rec["staged"] == {3: 4096}
+    assert rec["rounds"] == {"count": 3, "slots": 2, "of": {3: 2}}
 
 
 def test_a_piece_outside_the_registered_regions_is_refused():
@@ -105,23 +122,35 @@ def test_a_piece_outside_the_registered_regions_is_refused():
     assert kind == ("DRAM", 0, "DRAM", 0) and s.tolist() == [1 << 20] and n == rows * cols * 4
 
 
-def test_sources_stage_short_run_pieces_within_the_budget():
+def test_sources_stage_short_run_pieces_in_rounds_within_the_budget():
     from refit.binding import bind_local
 
     src, dst = _layouts("tiny-llama", "fsdp=2", "tp=2")  # row shards -> column slices of o_proj / down_proj
-    for budget, staged_some in ((2 * (1 << 20), True), (64, False)):
-        cfg = TransferConfig(transport="nixl", num_buffers=1, buffer_bytes=budget)
+    for slot, slots in ((2 * (1 << 20), 1), (40 << 10, 2), (64, 2)):
+        cfg = TransferConfig(transport="nixl", num_buffers=slots, buffer_bytes=slot)
         plan = build_plan(src, dst, config=cfg)
         local = bind_local(plan, 0, reference_shards(src, 0), None)
-        st = nixl.SourceStaging(plan, 0, local, budget, torch.device("cpu"))
-        assert bool(st.offsets) is staged_some and st.buffer.numel() <= budget
-        st.pack()
-        for k, off in st.offsets.items():
-            p = plan.messages[k].pieces[0]
-            view = local.src_view(p.tensor, p.box)
-            assert not view.is_contiguous()  # only strided pieces are staged
-            got = st.buffer[off : off + p.nbytes].view(view.dtype).view(view.shape)
-            assert torch.equal(got, view)
+        st = nixl.SourceStaging(plan, 0, local, slot, slots, torch.device("cpu"))
+        strided = []
+        for k, m in enumerate(plan.messages):
+            p = m.pieces[0]
+            if plan.procs.src[m.src] == 0 and not local.src_view(p.tensor, p.box).is_contiguous():
+                strided.append(k)
+        # every strided piece that fits a slot is staged, however many rounds that takes; the buffer stays in budget
+        fits = [k for k in strided if plan.messages[k].pieces[0].nbytes <= slot]
+        assert sorted(st.offsets) == fits and (len(fits) > 0) is (slot > 64)
+        assert st.buffer.numel() <= slots * slot and len(st.rounds) >= (len(fits) > 0)
+        assert (len(st.rounds) > slots) is (slot == 40 << 10)  # the small slots take more rounds than slots
+        for r in range(len(st.rounds)):
+            st.pack(r)
+            for k in [k for k in fits if st.round_of[k] == r]:
+                p = plan.messages[k].pieces[0]
+                view = local.src_view(p.tensor, p.box)
+                off = st.offsets[k]
+                stride = -(-slot // PIECE_ALIGN) * PIECE_ALIGN
+                assert off // stride == r % slots  # round r is packed into slot r % slots
+                got = st.buffer[off : off + p.nbytes].view(view.dtype).view(view.shape)
+                assert torch.equal(got, view)
 
 
 def test_only_a_signed_announcement_of_this_run_ends_a_wait():
@@ -226,6 +255,46 @@ def test_moe_reshard_over_nixl_is_bit_exact():
     res = verify(s, d, config=TransferConfig(transport="nixl"), timeout_s=360)
     assert res.ok, res.mismatches[:5]
     assert res.plan.ratio == 1.0 and res.bytes_checked == res.plan.bytes_needed
+
+
+ROUNDS_CFG = TransferConfig(transport="nixl", num_buffers=2, buffer_bytes=40 << 10, deadline_s=60.0)
+
+
+def _rounds_worker(world, versions):
+    src, dst = _layouts("tiny-llama", "fsdp=2", "tp=2")
+    procs = ProcessMap.disjoint(2, 2)
+    if world.src_rank is not None:
+        tensors = reference_shards(src, world.src_rank)
+        s = Sender(src, dst, world.rank, tensors, procs=procs, config=ROUNDS_CFG)
+        for v in range(1, versions + 1):
+            s.push(v)
+            for t in tensors.values():
+                t.mul_(2)  # exact: the next version is the reference times 2 ** (v - 1)
+        s.close()
+        return None
+    want = reference_shards(dst, world.dst_rank)
+    live = _zeros(dst, world.dst_rank)
+    r = Receiver(src, dst, world.rank, live, procs=procs, config=ROUNDS_CFG)
+    exact = []
+    for v in range(1, versions + 1):
+        r.pull(v)
+        exact.append(all(torch.equal(live[n], want[n] * 2.0 ** (v - 1)) for n in live))
+    r.close()
+    return exact
+
+
+@needs_nixl
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_staging_in_more_rounds_than_slots_is_exact_refit_after_refit():
+    from refit.binding import bind_local
+
+    src, dst = _layouts("tiny-llama", "fsdp=2", "tp=2")
+    plan = build_plan(src, dst, config=ROUNDS_CFG)
+    st = nixl.SourceStaging(plan, 0, bind_local(plan, 0, reference_shards(src, 0), None), 40 << 10, 2, "cpu")
+    assert len(st.rounds) > 3 * st.slots  # each refit packs most rounds while its receivers read the others
+    out = run_local(_rounds_worker, 2, 2, 3, backend="gloo", timeout_s=240)
+    assert out[2:] == [[True, True, True]] * 2  # three versions in a row, each bit for bit
 
 
 # ---------------------------------------------------------------------------- checksums

@@ -204,6 +204,11 @@ def _bench_parser(b: argparse.ArgumentParser) -> None:
         help="comma-separated (S1-S3 need 2 GPUs, S4-S6 4, S6x7 and S7 8; S7 is the MoE "
         "scenario, with --model qwen3-30b-a3b); default: all this machine can run",
     )
+    b.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated: run only these methods (and floor) of each scenario, e.g. refit,refit_nixl",
+    )
     b.add_argument("--warmup", type=natural_int, default=2)
     b.add_argument(
         "--iters", type=positive_int, default=5, help="timed refits per method (refit itself runs --growth-iters)"
@@ -280,9 +285,12 @@ def cmd_bench(args, console) -> int:
         fp8=args.fp8,
         out_path=out,
         command=command,
+        methods=tuple(args.methods.split(",")) if args.methods else (),
     )
     with _flag("--scenarios"):
         opts = replace(opts, scenarios=tuple(harness.chosen_scenarios(opts)))
+    with _flag("--methods"):
+        harness.check_methods(opts)
     rows = harness.run_bench(opts, console)
     harness.print_table(rows, console)
     console.print(f"records written to {out}")

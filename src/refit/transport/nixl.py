@@ -31,9 +31,12 @@ per refit: announced, each post of the first refit, every 5 s what a wait still 
 and the rate, checksums, finished), and UCX prints the transports and protocols it chose.
 
 Staging: a source packs the pieces whose runs in its tensors are short (``SourceStaging``: a column
-slice of a row-sharded weight) into a registered staging buffer before it announces a refit, within
-the budget ``num_buffers`` x ``buffer_bytes``; receivers read such a piece as one descriptor. Other
-pieces are read in place, one descriptor per run common to both sides (one request gathers many).
+slice of a row-sharded weight) into a registered staging buffer of ``num_buffers`` slots of
+``buffer_bytes``, in rounds: the first ``num_buffers`` rounds before it announces a refit, each later
+round into the slot of the round ``num_buffers`` before, once every receiver has read that one
+(``<agent>/packed`` and ``<agent>/consumed/<proc>``, counting up over refits; ``_Reads``). Receivers
+read a staged piece as one descriptor. Other pieces are read in place, one descriptor per run common to
+both sides (one request gathers many): one copy each for UCX, so strided ones are slow.
 
 Checksums (``config.checksums``; ``NixlSums``): a source sums every piece it sends
 (``transport.checksum``'s definition: the torch reference on the CPU, the Triton kernel on CUDA)
@@ -291,7 +294,11 @@ def _mem(t: torch.Tensor) -> tuple[str, int]:
 
 
 def storage_regions(tensors: Sequence[torch.Tensor]) -> list[list]:
-    """The storages of ``tensors`` as ``[address, bytes, device, memory type]``, overlaps merged."""
+    """The storages of ``tensors`` as ``[address, bytes, device, memory type]``, overlaps merged.
+
+    Storages that only touch stay apart: two allocations can lie back to back in the address space, and a
+    region across both breaks UCX's ``cuda_ipc`` (it maps the one allocation a region starts in, so a READ
+    past its end fails with "cuMemcpyDtoDAsync ... invalid argument": 16 GB of Llama-3.1-8B on 2x H200)."""
     spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for t in tensors:
         st = t.untyped_storage()
@@ -302,7 +309,7 @@ def storage_regions(tensors: Sequence[torch.Tensor]) -> list[list]:
         ranges.sort()
         merged = [list(ranges[0])]
         for lo, hi in ranges[1:]:
-            if lo <= merged[-1][1]:
+            if lo < merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], hi)
             else:
                 merged.append([lo, hi])
@@ -350,35 +357,52 @@ def span(shape: Sequence[int], addr: int, strides: Sequence[int], itemsize: int)
 # ---------------------------------------------------------------------------- source staging
 class SourceStaging:
     """A source's staging buffer: the pieces it sends whose runs in its tensors are shorter than
-    ``STAGE_RUN_BYTES`` (a column slice of a row-sharded weight), packed dense at ``PIECE_ALIGN``-ed
-    offsets, first come in plan order while they fit ``budget`` bytes (the config's ``num_buffers`` x
-    ``buffer_bytes``); the others are read in place, one descriptor per run. Receivers read a staged
-    piece as one descriptor. Lifecycle: built at setup (``offsets``: message index -> byte offset);
-    ``pack()`` before every refit's announcement; registered with the source's other memory."""
+    ``STAGE_RUN_BYTES`` (a column slice of a row-sharded weight) and that fit one slot, packed dense at
+    ``PIECE_ALIGN``-ed offsets. Pieces go, in plan order, into rounds of at most ``slot_bytes`` (the
+    config's ``buffer_bytes``); round r is packed into slot r % ``slots`` (``num_buffers``), so the buffer
+    never exceeds ``slots`` x ``slot_bytes`` however many bytes are staged. Longer pieces are read in
+    place, one descriptor per run. Receivers read a staged piece as one descriptor.
 
-    def __init__(self, plan: Plan, proc: int, local: LocalTensors, budget: int, device: torch.device) -> None:
+    Lifecycle: built at setup (``offsets``: message index -> byte offset; ``round_of``: message index ->
+    round); the first ``slots`` rounds are packed before a refit is announced, each later round r once
+    every receiver has read round r - ``slots`` (``NixlLink``'s ``packed`` / ``consumed`` keys);
+    registered with the source's other memory."""
+
+    def __init__(
+        self, plan: Plan, proc: int, local: LocalTensors, slot_bytes: int, slots: int, device: torch.device
+    ) -> None:
         self.offsets: dict[int, int] = {}
-        views, used = [], 0
+        self.round_of: dict[int, int] = {}
+        self.slots = slots
+        stride = -(-slot_bytes // PIECE_ALIGN) * PIECE_ALIGN  # slots start aligned
+        views: list[list[tuple[int, torch.Tensor]]] = []
+        used = slot_bytes
         for i, m in enumerate(plan.messages):
             if m.transport != "nixl" or plan.procs.src[m.src] != proc:
                 continue
             p = m.pieces[0]
             v = local.src_view(p.tensor, p.box)
             run = runs(v.shape, 0, v.stride(), 0, dense_strides(v.shape), p.itemsize)[2]
-            start = -(-used // PIECE_ALIGN) * PIECE_ALIGN
-            if run >= min(STAGE_RUN_BYTES, p.nbytes) or start + p.nbytes > budget:
+            if run >= min(STAGE_RUN_BYTES, p.nbytes) or p.nbytes > slot_bytes:
                 continue
-            self.offsets[i], used = start, start + p.nbytes
-            views.append((start, v))
-        self.buffer = torch.empty(used, dtype=torch.uint8, device=device)
-        self.copies = [(self._slot(o, v), v) for o, v in views]
+            start = -(-used // PIECE_ALIGN) * PIECE_ALIGN
+            if start + p.nbytes > slot_bytes:
+                views.append([])
+                start = 0
+            r = len(views) - 1
+            self.offsets[i], self.round_of[i], used = (r % slots) * stride + start, r, start + p.nbytes
+            views[-1].append((self.offsets[i], v))
+        full = min(len(views), slots) - 1  # slots filled before the last one used
+        size = 0 if not views else full * stride + (used if len(views) <= slots else stride)
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        self.rounds = [[(self._slot(o, v), v) for o, v in r] for r in views]
 
     def _slot(self, offset: int, v: torch.Tensor) -> torch.Tensor:
         return self.buffer[offset : offset + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
 
-    def pack(self) -> None:
-        """Copy every staged piece into the buffer (the source's tensors are final)."""
-        for dst, src in self.copies:
+    def pack(self, r: int) -> None:
+        """Copy round ``r``'s pieces into their slot (the source's tensors are final)."""
+        for dst, src in self.rounds[r]:
             dst.copy_(src)
 
     def address(self, index: int) -> int:
@@ -387,7 +411,7 @@ class SourceStaging:
 
 
 # ---------------------------------------------------------------------------- records
-_RECORD_KEYS = {"agent", "metadata", "regions", "parts", "staged"}
+_RECORD_KEYS = {"agent", "metadata", "regions", "parts", "staged", "rounds"}
 
 
 def _int(x: object, lo: int = 0, hi: int = _ADDR_LIMIT) -> bool:
@@ -428,10 +452,24 @@ def _check_staged(staged: object, who: str, messages: set[int]) -> dict[int, int
     return out
 
 
+def _check_rounds(rounds: object, who: str, staged: dict[int, int]) -> dict:
+    """The source's staging rounds: ``{"count": rounds, "slots": slots, "of": {message: round}}`` with a
+    round for exactly the staged messages."""
+    ok = isinstance(rounds, dict) and set(rounds) == {"count", "slots", "of"} and isinstance(rounds["of"], dict)
+    ok = ok and _int(rounds["count"], 0, MAX_RECORD_ENTRIES + 1) and _int(rounds["slots"], 1, 1 << 16)
+    of = {int(k): v for k, v in rounds["of"].items() if k.isdigit()} if ok else {}
+    if not ok or set(of) != set(staged) or len(of) != len(rounds["of"]):
+        raise PlanError(f"NIXL record of {who}: rounds must be {{count, slots, of}} with a round per staged message")
+    if not all(_int(r, 0, rounds["count"]) for r in of.values()):
+        raise PlanError(f"NIXL record of {who}: a staged message's round is outside 0..{rounds['count'] - 1}")
+    return {"count": rounds["count"], "slots": rounds["slots"], "of": of}
+
+
 def check_record(rec: object, who: str, ndims: dict[str, int], messages: set[int] = frozenset()) -> dict:
     """A source's record if every field is well formed (known keys; an agent name; base64 metadata of at
     most ``MAX_METADATA_BYTES``; regions; the parts ``ndims`` names, each with one stride per dimension;
-    staged pieces among ``messages``, the indices of the messages read from it), else ``PlanError``
+    staged pieces among ``messages``, the indices of the messages read from it, each in a staging round),
+    else ``PlanError``
     naming ``who`` and the field. Whether each piece lies in a region: ``_piece_runs``."""
     if not isinstance(rec, dict) or set(rec) != _RECORD_KEYS:
         keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
@@ -445,12 +483,14 @@ def check_record(rec: object, who: str, ndims: dict[str, int], messages: set[int
         md = b""
     if not 0 < len(md) <= MAX_METADATA_BYTES:
         raise PlanError(f"NIXL record of {who}: metadata is not base64 of 1..{MAX_METADATA_BYTES} bytes")
+    staged = _check_staged(rec["staged"], who, set(messages))
     return {
         "agent": name,
         "metadata": md,
         "regions": _check_regions(rec["regions"], who),
         "parts": _check_parts(rec["parts"], who, ndims),
-        "staged": _check_staged(rec["staged"], who, set(messages)),
+        "staged": staged,
+        "rounds": _check_rounds(rec["rounds"], who, staged),
     }
 
 
@@ -555,20 +595,22 @@ class NixlSums:
 # ---------------------------------------------------------------------------- the link
 @dataclass
 class _Request:
-    """One prepared READ: ``nbytes`` from source process ``peer`` (agent ``agent``)."""
+    """One prepared READ: ``nbytes`` from source process ``peer`` (agent ``agent``); ``round``: the
+    source's staging round it reads from (-1: in place)."""
 
     peer: int
     agent: str
     handle: object
     nbytes: int
     descriptors: int
+    round: int = -1
 
 
 def _record_for(
     plan: Plan, local: LocalTensors, agent, name: str, regions: list, receiver: int, staging: SourceStaging
 ) -> dict:
     """What receiver process ``receiver`` needs to read this source's pieces (see the module docstring)."""
-    parts, staged = {}, {}
+    parts, staged, of = {}, {}, {}
     for k, m in enumerate(plan.messages):
         if m.transport == "nixl" and plan.procs.dst[m.dst] == receiver and m.src == local.src_rank:
             for p in m.pieces:
@@ -576,9 +618,10 @@ def _record_for(
                 mem, dev = _mem(t)
                 parts[part_key(p.tensor, i)] = [t.data_ptr(), list(t.stride()), dev, mem]
             if k in staging.offsets:
-                staged[str(k)] = staging.address(k)
+                staged[str(k)], of[str(k)] = staging.address(k), staging.round_of[k]
     md = base64.b64encode(agent.get_agent_metadata()).decode()
-    return {"agent": name, "metadata": md, "regions": regions, "parts": parts, "staged": staged}
+    rounds = {"count": len(staging.rounds), "slots": staging.slots, "of": of}
+    return {"agent": name, "metadata": md, "regions": regions, "parts": parts, "staged": staged, "rounds": rounds}
 
 
 def _piece_runs(
@@ -628,9 +671,10 @@ def _prepare_reads(agent, plan: Plan, proc: int, local: LocalTensors, rec: dict,
     for k, m in enumerate(plan.messages):
         if m.transport == "nixl" and plan.procs.dst[m.dst] == proc and plan.procs.src[m.src] == sp:
             kind, s_addr, d_addr, run = _piece_runs(plan, k, local, rec, f"process {sp}")
-            groups.setdefault(kind, []).append((s_addr, d_addr, np.full(len(s_addr), run, np.int64)))
+            key = (rec["rounds"]["of"].get(k, -1), *kind)
+            groups.setdefault(key, []).append((s_addr, d_addr, np.full(len(s_addr), run, np.int64)))
     out = []
-    for (mem, dev, dmem, ddev), arrays in sorted(groups.items()):
+    for (rnd, mem, dev, dmem, ddev), arrays in sorted(groups.items()):
         s_addr, d_addr, lens = (np.concatenate(a) for a in zip(*arrays))
         for a, b in _chunks(lens, limit):
             n = b - a
@@ -639,8 +683,89 @@ def _prepare_reads(agent, plan: Plan, proc: int, local: LocalTensors, rec: dict,
             handle = agent.initialize_xfer(
                 "READ", agent.get_xfer_descs(mine, dmem), agent.get_xfer_descs(remote, mem), rec["agent"], b""
             )
-            out.append(_Request(sp, rec["agent"], handle, int(lens[a:b].sum()), n))
+            out.append(_Request(sp, rec["agent"], handle, int(lens[a:b].sum()), n, rnd))
     return out
+
+
+class _Reads:
+    """A receiver's READs in one refit, at most ``num_buffers`` in flight. Requests read in place, or from
+    a staging round packed before the announcement (round < slots), go at once; those of a later round r
+    wait until their source says it packed r (``<agent>/packed``). Once every request of rounds 0..r of a
+    source is done, the receiver says so (``<agent>/consumed/<proc>``) where the source waits for it: for
+    rounds r < rounds - slots, the ones whose slot is packed again. Values count up over refits:
+    (run - 1) x rounds + r + 1."""
+
+    def __init__(self, link: NixlLink, rounds: dict[int, tuple[int, int]]) -> None:
+        self.link, self.rounds = link, rounds
+        self.pending = [q for q in link.requests if q.round < rounds[q.peer][1]]
+        self.held: dict[tuple[int, int], list[_Request]] = {}  # (source, round) -> requests not yet packed
+        for q in link.requests:
+            if q.round >= rounds[q.peer][1]:
+                self.held.setdefault((q.peer, q.round), []).append(q)
+        self.left = Counter((q.peer, q.round) for q in link.requests if q.round >= 0)
+        self.reported = {sp: 0 for sp, (count, slots) in rounds.items() if count > slots and sp in link.sources}
+        self.flying: list[_Request] = []
+        self.done = 0
+
+    def _base(self, sp: int) -> int:
+        return (self.link.runs - 1) * self.rounds[sp][0]
+
+    def step(self) -> bool:
+        """Release packed rounds, post, poll, report; whether everything is read and reported."""
+        link, limit = self.link, self.link.config.num_buffers
+        if self.held and len(self.pending) < limit:
+            self._release()
+        while self.pending and len(self.flying) < limit:
+            req = self.pending.pop(0)
+            if link.runs == 1:  # a post that blocks (UCX mapping a source's memory) shows here
+                link.trace("run 1: posting %d bytes (%d pieces) from process %d", req.nbytes, req.descriptors, req.peer)
+            if link._call(req, link.agent.transfer, "posting") != "DONE":
+                self.flying.append(req)
+            else:
+                self._finished(req)
+        for req in list(self.flying):
+            if link._call(req, link.agent.check_xfer_state, "reading") == "DONE":
+                self.flying.remove(req)
+                self._finished(req)
+        self._report()
+        if self.flying and link.trace.every("flying", PROGRESS_EVERY_S):
+            link.trace("run %d: still reading: %s", link.runs, self.what())
+        return not (self.pending or self.flying or self.held) and all(
+            n >= self.rounds[sp][0] - self.rounds[sp][1] for sp, n in self.reported.items()
+        )
+
+    def _finished(self, req: _Request) -> None:
+        self.done += 1
+        if req.round >= 0:
+            self.left[(req.peer, req.round)] -= 1
+
+    def _release(self) -> None:
+        for sp in sorted({p for p, _ in self.held}):
+            v = self.link.store.peek(self.link._key(f"{self.link.sources[sp]}/packed"))
+            if not isinstance(v, int) or isinstance(v, bool):
+                continue
+            for key in [k for k in self.held if k[0] == sp and self._base(sp) + k[1] + 1 <= v]:
+                self.pending += self.held.pop(key)
+
+    def _report(self) -> None:
+        for sp, n in self.reported.items():
+            count, slots = self.rounds[sp]
+            while n < count - slots and self.left[(sp, n)] == 0 and (sp, n) not in self.held:
+                n += 1
+            if n > self.reported[sp]:
+                self.reported[sp] = n
+                self.link.store.put(
+                    self.link._key(f"{self.link.sources[sp]}/consumed/{self.link.proc}"), self._base(sp) + n
+                )
+
+    def what(self) -> str:
+        """What is still being read, or waited for."""
+        if self.flying or self.pending:
+            return NixlLink._pending(self.flying + self.pending)
+        if self.held:
+            sp, r = min(self.held)
+            return f"process {sp} packing its staging round {r} (NIXL)"
+        return ""
 
 
 class NixlLink:
@@ -668,6 +793,9 @@ class NixlLink:
         self.receivers: list[int] = []  # source: processes that read from this one
         self.sums: NixlSums | None = None  # checksum mode
         self.runs = 0  # refits started so far (the same count on every process of the plan)
+        self.source_rounds: dict[int, tuple[int, int]] = {}  # receiver: source process -> (rounds, slots)
+        self.packed = 0  # source: staging rounds packed in this run
+        self.consumed: dict[int, int] = {}  # source: the last ``consumed`` value seen per receiver
         self.bytes_read = 0
         self.trace = Trace(proc)  # REFIT_NIXL_DEBUG=1: a line per phase
         self.shared: SharedAgent | None = None  # the process's agent (``agent`` is its NIXL object)
@@ -685,7 +813,7 @@ class NixlLink:
         tensors = [local.src_part(p.tensor, p.box)[1][1] for m in sends for p in m.pieces]
         tensors += [local.dst_view(p.tensor, p.box) for m in recvs for p in m.pieces]
         device = tensors[0].device if tensors else torch.device("cpu")
-        staging = SourceStaging(plan, proc, local, config.num_buffers * config.buffer_bytes, device)
+        staging = SourceStaging(plan, proc, local, config.buffer_bytes, config.num_buffers, device)
         tensors += [staging.buffer] if staging.offsets else []
         trace = Trace(proc)
         trace("setup on %s: %d pieces to send, %d to read, staging %d bytes", device, len(sends), len(recvs),
@@ -753,6 +881,7 @@ class NixlLink:
         if got != rec["agent"]:
             raise PlanError(f"NIXL record of process {sp}: metadata is of agent {got!r}, not {rec['agent']!r}")
         self.trace("agent of process %d added", sp)
+        self.source_rounds[sp] = (rec["rounds"]["count"], rec["rounds"]["slots"])
         reqs = _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes)
         self.requests += reqs
         self.trace("%d READ requests from process %d prepared: %d descriptors, %d bytes", len(reqs), sp,
@@ -771,9 +900,10 @@ class NixlLink:
         sent = self.sums.sent(clock) if self.sums is not None else None
         if fault is not None:
             fault("nixl-announce")
-        if self.staging is not None:  # packed, and on a GPU every write before the announcement done
-            if self.staging.copies:
-                self.staging.pack()
+        if self.staging is not None:  # the first rounds packed, and on a GPU every write before the announcement done
+            self.packed = min(len(self.staging.rounds), self.staging.slots)
+            for r in range(self.packed):
+                self.staging.pack(r)
             device_wait(self.staging.buffer.device, clock, "packing the NIXL staging buffer")
         if sent is not None:
             for r in self.receivers:
@@ -792,9 +922,9 @@ class NixlLink:
             raise TransferError(f"NIXL: process {sp} could not be reached when the reads were set up ({why})")
         for sp, agent in sorted(self.sources.items()):
             self._wait_for(self._key(f"{agent}/ready"), clock, lambda sp=sp: f"process {sp} announcing its tensors")
-        if self.requests:
+        if self.requests or self._rounds_to_pack():
             self.trace("run %d: every source announced; reading %d requests", self.runs, len(self.requests))
-            self._read(clock)
+            self._pump(clock)
         if self.sums is not None and self.sources:
             self._check_sums(clock)
             self.trace("run %d: checksums equal", self.runs)
@@ -839,39 +969,53 @@ class NixlLink:
 
         clock.watch(reached, lambda: f"{what()} (NIXL, store key {key!r})")
 
-    def _read(self, clock: RunClock) -> None:
-        """Post every prepared READ, at most ``num_buffers`` in flight, until all are done."""
-        pending, flying = list(self.requests), []
-        limit = self.config.num_buffers
+    def _rounds_to_pack(self) -> bool:
+        return self.staging is not None and bool(self.receivers) and self.packed < len(self.staging.rounds)
+
+    def _pump(self, clock: RunClock) -> None:
+        """Read every prepared READ (``_Reads``) and, as a source, pack each later staging round once its
+        receivers are done with the slot; both under ``clock`` until nothing is left."""
+        reads = _Reads(self, self.source_rounds)
         t0 = time.monotonic()
-        while pending or flying:
-            while pending and len(flying) < limit:
-                req = pending.pop(0)
-                if self.runs == 1:  # a post that blocks (UCX mapping a source's memory) shows here
-                    self.trace("run 1: posting %d bytes (%d pieces) from process %d", req.nbytes, req.descriptors,
-                               req.peer)  # fmt: skip
-                state = self._call(req, self.agent.transfer, "posting")
-                if state != "DONE":
-                    flying.append(req)
-            if flying:
-                clock.watch(lambda: self._any_done(flying), lambda: self._pending(flying))
-            done = len(self.requests) - len(pending) - len(flying)
+
+        def step() -> bool:
+            self._pack_next(clock)
+            done = reads.step()
             if self.trace.every("read", PROGRESS_EVERY_S):
-                self.trace("run %d: %d of %d requests read", self.runs, done, len(self.requests))
+                self.trace("run %d: %d of %d requests read", self.runs, reads.done, len(self.requests))
+            return done and not self._rounds_to_pack()
+
+        clock.watch(step, lambda: reads.what() or self._packing())
         self.bytes_read = sum(r.nbytes for r in self.requests)
         dt = time.monotonic() - t0
         rate = self.bytes_read / max(dt, 1e-9) / 1e9  # run 1 includes UCX mapping the sources' memory
         self.trace("run %d: read %d bytes in %.3f s (%.2f GB/s)", self.runs, self.bytes_read, dt, rate)
 
-    def _any_done(self, flying: list[_Request]) -> bool:
-        """Whether a request in flight finished now (removed from ``flying``)."""
-        before = len(flying)
-        for req in list(flying):
-            if self._call(req, self.agent.check_xfer_state, "reading") == "DONE":
-                flying.remove(req)
-        if len(flying) == before and self.trace.every("flying", PROGRESS_EVERY_S):
-            self.trace("run %d: still reading: %s", self.runs, self._pending(flying))
-        return len(flying) < before
+    def _pack_next(self, clock: RunClock) -> None:
+        """A source: pack the next staging round once every receiver reported the round that used its
+        slot before (``consumed``), then say so (``packed``)."""
+        if not self._rounds_to_pack():
+            return
+        st, r = self.staging, self.packed
+        base = (self.runs - 1) * len(st.rounds)
+        need = base + r - st.slots + 1
+        for rcv in self.receivers:
+            if self.consumed.get(rcv, -1) < need:
+                v = self.store.peek(self._key(f"{self.name}/consumed/{rcv}"))
+                if not (isinstance(v, int) and not isinstance(v, bool) and v >= need):
+                    return
+                self.consumed[rcv] = v
+        st.pack(r)
+        device_wait(st.buffer.device, clock, f"packing NIXL staging round {r}")
+        self.store.put(self._key(f"{self.name}/packed"), base + r + 1)
+        self.packed += 1
+        self.trace("run %d: staging round %d of %d packed", self.runs, r, len(st.rounds))
+
+    def _packing(self) -> str:
+        r = self.packed
+        late = [p for p in self.receivers if self.consumed.get(p, -1) < (self.runs - 1) * len(self.staging.rounds)
+                + r - self.staging.slots + 1]  # fmt: skip
+        return f"processes {late} reading staging round {r - self.staging.slots} of process {self.proc} over NIXL"
 
     def _call(self, req: _Request, fn, what: str) -> str:
         try:

@@ -128,7 +128,7 @@ CUDA_SCENARIOS = (
         "fsdp=2",
         "tp=2",
         _gpus(2) * 2,
-        ("refit", "refit_checksums", "gather_then_slice", "floor"),
+        ("refit", "refit_checksums", "refit_nixl", "gather_then_slice", "floor"),
     ),
     Scenario(
         "S4",
@@ -563,7 +563,8 @@ class BenchOptions:
     ``scenarios`` empty: every scenario this machine can run. Each method runs ``warmup`` untimed refits,
     then ``iters`` timed ones (refit itself ``growth_iters``, to see its memory stay flat). ``fp8``: every
     scenario runs with an FP8 engine (methods ``FP8_METHODS``), rows named ``<S>-fp8``. ``out_path``: the
-    JSON records (None: not written); ``command`` is recorded in each.
+    JSON records (None: not written); ``command`` is recorded in each. ``methods``: run only these (and
+    ``floor``, the ratios' base) in every scenario that has them; empty: all.
     """
 
     device: str
@@ -576,6 +577,7 @@ class BenchOptions:
     fp8: bool = False
     out_path: str | None = None
     command: str = "refit bench"
+    methods: tuple[str, ...] = ()  # (): every method of each scenario; else these (and "floor") only
 
 
 def chosen_scenarios(opts: BenchOptions) -> list[str]:
@@ -599,6 +601,15 @@ def chosen_scenarios(opts: BenchOptions) -> list[str]:
 
 
 NIXL_METHODS = ("refit_nixl",)
+
+
+def check_methods(opts: BenchOptions) -> None:
+    """``ConfigError`` if ``opts.methods`` names a method that none of ``opts.scenarios`` has."""
+    all_s = scenarios(opts.device)
+    known = {m for n in opts.scenarios for m in all_s[n].methods}
+    odd = [m for m in opts.methods if m not in known]
+    if odd:
+        raise ConfigError(f"unknown method(s) {odd} for scenarios {list(opts.scenarios)}; available: {sorted(known)}")
 
 
 def _installed(scen: Scenario) -> Scenario:
@@ -670,6 +681,8 @@ def run_bench(opts: BenchOptions, console) -> list[dict]:
     rows = []
     for name in which:
         scen = _fp8_scenario(all_s[name]) if opts.fp8 else _installed(all_s[name])
+        if opts.methods:
+            scen = replace(scen, methods=tuple(m for m in scen.methods if m in opts.methods or m == "floor"))
         console.print(
             f"[{scen.name}] {scen.what}: {opts.model}, trainer {scen.src} -> engine {scen.dst}, "
             f"methods {', '.join(scen.methods)} ..."
