@@ -201,11 +201,14 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
     for fi, f in enumerate(FRACTIONS):
         times = {k: [] for k in peers}
         wire = {k: [] for k in peers}
-        enc, exact = None, True
+        enc, exact = {}, True
+        names = list(peers)
         for it in range(iters):
             version += 1
             optimizer_step(tensors if ref is None else ref, f, seed=1000 * fi + it)  # the receiver: its reference
-            for k, p in peers.items():
+            turn = it % len(names)  # each method goes first in turn: the first after a step may pay for it
+            for k in names[turn:] + names[:turn]:
+                p = peers[k]
                 dist.barrier()
                 _sync(dev)
                 t0 = time.perf_counter()
@@ -214,7 +217,7 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
                 times[k].append(time.perf_counter() - t0)
                 wire[k].append(st.bytes_sent if st.delta is None else st.delta.wire_bytes)
                 if st.delta is not None and world.src_rank is not None:
-                    enc = dict(st.delta.encodings)
+                    enc[k] = dict(st.delta.encodings)
                 if ref is not None:  # bit for bit after every refit, dense and delta alike
                     exact = exact and all(
                         torch.equal(tensors[n].view(torch.int16), ref[n].view(torch.int16)) for n in ref

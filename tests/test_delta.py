@@ -16,10 +16,11 @@ from refit.layout import box_slices
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
-from refit.plan import ProcessMap
+from refit.plan import ProcessMap, build_plan
 from refit.quant.delta import (
     ENCODINGS,
     LINKS,
+    PAY_MARGIN,
     DeltaError,
     apply_changes,
     check_indices,
@@ -28,12 +29,13 @@ from refit.quant.delta import (
     decode,
     encode,
     find_changes,
+    may_pay,
     predicted_seconds,
     wire_bytes,
 )
 from refit.tools.launch import WorkerError, run_local
 from refit.transfer import Receiver, Sender
-from refit.transport.delta import check_header
+from refit.transport.delta import check_header, plan_may_pay
 from refit.transport.p2p import _Op
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -119,6 +121,25 @@ def test_the_rule_never_picks_a_delta_slower_than_dense_at_the_measured_h100_rat
     assert choose_encoding([(n, n // 1000, 2)] * pieces, fast_find) == "sparse"
     with pytest.raises(ConfigError, match="LinkSpeed.piece_s"):
         replace(LINKS["nic"], piece_s=-1.0)
+
+
+def test_a_delta_must_pay_by_a_margin_and_auto_runs_the_plain_path_where_none_can():
+    # the 1 GB embedding of Llama-3.1-8B over NVLink: its best case (nothing changed) beats dense by ~1%,
+    # inside the rates' error and less than the delta path's own header exchange costs: never diffed
+    emb = (128_256 * 4096, 2)
+    best = predicted_seconds("sparse", emb[0], 0, 2, LINKS["nvlink"])
+    assert best < predicted_seconds("dense", emb[0], 0, 2, LINKS["nvlink"]) < best / PAY_MARGIN
+    assert not may_pay([emb], LINKS["nvlink"]) and not may_pay([emb], LINKS["same_device"])
+    assert may_pay([emb], LINKS["nic"]) and may_pay([emb], LINKS["cpu"]) and not may_pay([(0, 2)], LINKS["nic"])
+    lay = layout_from_spec(param_shapes("llama-3.1-8b"), parse_spec("tp=1", "src"))
+    cfg = TransferConfig(transport="p2p", delta="auto")
+    for devices, pays in (
+        (("cuda:0", "cuda:1"), False),  # NVLink: the plain P2P path, no base copy, no header exchange
+        (("a/cuda:0", "b/cuda:0"), True),  # a NIC between hosts
+        (None, True),  # CPU processes (gloo)
+    ):
+        plan = build_plan(lay, lay, ProcessMap((0,), (1,), devices), config=cfg)
+        assert plan_may_pay(plan, cfg) is pays, devices
 
 
 def test_sparse_wire_bytes_at_one_percent_of_bf16_are_under_eight_percent_of_dense():

@@ -122,6 +122,23 @@ def choose_encoding(pieces: list[tuple[int, int, int]], link: LinkSpeed) -> str:
     return min(kinds, key=lambda e: (cost(e), ENCODINGS.index(e)))
 
 
+PAY_MARGIN = 0.9
+"""A delta is worth its machinery only where its best case (nothing changed) takes at most this share of
+dense: the rates are measured to about 10%, and the rule leaves out the delta path's own per-step header
+exchange (S1 on 2x H200, everything sent dense through it: 1.10-1.30x the plain path, docs/benchmarks.md)."""
+
+
+def may_pay(pieces: list[tuple[int, int]], link: LinkSpeed) -> bool:
+    """Whether a delta of a message whose pieces have ``(n, itemsize)`` can pay over ``link``: with nothing
+    changed, its cheapest encoding takes at most ``PAY_MARGIN`` of dense (never on a same-device link)."""
+    if link.same_device or not any(n for n, _ in pieces):
+        return False
+    kinds = ["bitmask"] + (["sparse"] if all(n < 2**31 for n, _ in pieces) else [])
+    dense = sum(predicted_seconds("dense", n, 0, s, link) for n, s in pieces)
+    best = min(sum(predicted_seconds(e, n, 0, s, link) for n, s in pieces) for e in kinds)
+    return best <= PAY_MARGIN * dense
+
+
 def _align(nbytes: int) -> int:
     return (nbytes + 7) // 8 * 8
 

@@ -43,6 +43,7 @@ from refit.quant.delta import (
     decode,
     encode,
     find_changes_many,
+    may_pay,
     wire_bytes,
 )
 from refit.transport.clock import RunClock
@@ -66,6 +67,18 @@ def link_speed(plan: Plan, a: int, b: int, config: TransferConfig) -> LinkSpeed:
         kind = "cpu"
     speed = LINKS[kind]
     return replace(speed, link_gbps=config.delta_link_gbps) if config.delta_link_gbps is not None else speed
+
+
+def plan_may_pay(plan: Plan, config: TransferConfig) -> bool:
+    """Whether some P2P message of ``plan`` could pay as a delta (``may_pay`` over its link). Under
+    ``delta="auto"`` a plan where none can runs the plain P2P path: no base copy, no header exchange. The
+    same answer on every process (the plan and the config decide it)."""
+    for m in plan.messages:
+        if m.transport == "p2p":
+            link = link_speed(plan, plan.procs.src[m.src], plan.procs.dst[m.dst], config)
+            if may_pay([(p.nbytes // p.itemsize, p.itemsize) for p in m.pieces], link):
+                return True
+    return False
 
 
 class SourceBase:
@@ -329,10 +342,10 @@ class DeltaSchedule:
 
     @staticmethod
     def _may_pay(d: _DeltaOp) -> bool:
-        """Whether a delta of ``d`` could beat dense at all: with nothing changed (the rule's best case)
-        it must win, else finding the changes costs more than sending everything (NVLink with the
+        """Whether a delta of ``d`` could beat dense at all (``quant.delta.may_pay``: its best case by a
+        margin), else finding the changes costs about what sending everything does (NVLink with the
         measured find rate) and ``auto`` never diffs ``d``, not even to probe."""
-        return choose_encoding([(v.numel(), 0, v.element_size()) for v in d.views], d.link) != "dense"
+        return may_pay([(v.numel(), v.element_size()) for v in d.views], d.link)
 
     def _pack_delta(self, d: _DeltaOp) -> torch.Tensor:
         sizes = [_piece_wire(d.kind, v, len(i)) for v, (i, _) in zip(d.views, d.changes)]
