@@ -89,10 +89,11 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str):
     exact = is_src or all(
         torch.equal(t.cpu(), reference_tensor(n, t.shape, t.dtype, seed=1)) for n, t in tensors.items()
     )
-    fused = 0
+    fused = pushed = 0
     if not is_src:
         sums = peer.executor.ipc.sums
         fused = sum(f.kernel_pieces for f in sums.fused if f is not None)
+        pushed = sum(ps.kernel_pieces for st in sums.pushed for ps in st.values())
         check = sums.check
 
         def damaged_check() -> None:
@@ -110,22 +111,34 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str):
         error = str(e)
     finally:
         peer.close()  # a failed refit still frees its barrier and mappings (no resource-tracker warnings)
-    return exact, fused, error
+    return exact, (fused, pushed), error
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("damage", ["source", "destination"])
-def test_ipc_colocated_checksums_catch_a_changed_piece(damage):
-    # same GPU: with Triton the kernel copies and sums (a source changed after the pull differs);
-    # without it the destination and source are summed after the pull (a changed destination differs)
+@pytest.mark.parametrize(
+    "damage,gpus",
+    [
+        ("source", 1),
+        ("destination", 1),
+        pytest.param(
+            "source",
+            2,
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+        ),
+    ],
+)
+def test_ipc_checksums_catch_a_changed_piece(damage, gpus):
+    # with Triton a kernel copies and sums (a source changed after the pull differs): on one GPU the
+    # receiver's (fused), across GPUs the source GPU's, writing over NVLink (pushed); without Triton
+    # the destination and source are summed after the pull (a changed destination differs)
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
     src_l = layout_from_spec(shapes, parse_spec("tp=1", "src"))
     dst_l = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
-    devices = ["cuda:0", "cuda:0"]
+    devices = ["cuda:0", "cuda:0" if gpus == 1 else "cuda:1"]
     procs = ProcessMap.disjoint(1, 1).with_devices(devices)
     out = run_local(_ipc_worker, 1, 1, src_l, dst_l, procs, damage, devices=devices, timeout_s=240)
-    (_, _, src_error), (exact, fused, dst_error) = out
+    (_, _, src_error), (exact, (fused, pushed), dst_error) = out
     assert exact
-    assert (fused > 0) == (damage == "source")
+    assert (fused > 0, pushed > 0) == ((damage == "source", False) if gpus == 1 else (False, True))
     assert dst_error is not None and "checksum mismatch in tensor" in dst_error, dst_error
     assert src_error is not None and "checksum mismatch" in src_error, src_error
