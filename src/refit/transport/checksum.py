@@ -146,8 +146,7 @@ class Piece:
 class PieceSums:
     """The checksums (and, for pieces with ``dst``, the copies) of a fixed list of pieces, built once.
 
-    Contract: every piece's ``src`` lives on ``out``'s device, and so does its ``dst``, or (Triton rows
-    only) on a peer GPU that device can write (peer access enabled); ``run()`` enqueues on the
+    Contract: every piece's ``src`` and ``dst`` live on ``out``'s device; ``run()`` enqueues on the
     current stream: zero the slots the pieces use, then copy and sum. Several pieces may share a
     slot (their sums add: a message of several pieces). On CUDA with Triton one kernel launch does
     every piece it can address (1-D, or rows with a pitch, 8-byte aligned; see

@@ -45,7 +45,6 @@ from refit.transport.store import SignedStore
 
 _CUDART: ctypes.CDLL | None = None
 _CUDA_MEMCPY_DEFAULT = 4
-PUSH_ENV = "REFIT_SUM_PUSH"  # "0": checksum mode copies peer pieces with the copy engine (``IpcSums``)
 
 
 def _cudart() -> ctypes.CDLL | None:
@@ -321,16 +320,12 @@ class IpcPuller:
         peer: Sequence[tuple[torch.Tensor, torch.Tensor]],
         streams_per_lane: int = 2,
         fused: PieceSums | None = None,
-        pushed: dict[torch.device, PieceSums] | None = None,
     ) -> None:
         if streams_per_lane < 1:
             raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
         self.device = device
         self.fused = fused
         self.fused_stream = torch.cuda.Stream(device) if fused is not None else None
-        self.pushed = [(torch.cuda.Stream(d), sums) for d, sums in sorted((pushed or {}).items(), key=str)]
-        for d in pushed or {}:
-            enable_peer_access(d, device)  # the source GPU's kernel writes this GPU's memory
         groups: dict[torch.device, list] = {device: list(same_device)} if same_device else {}
         for d, s in peer:
             groups.setdefault(s.device, []).append((d, s))
@@ -400,10 +395,6 @@ class IpcPuller:
             self.fused_stream.wait_stream(current)
             with torch.cuda.stream(self.fused_stream):
                 self.fused.run()
-        for stream, sums in self.pushed:  # on each source GPU, beside the rest
-            stream.wait_stream(current)
-            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-                sums.run()
         if self.graph is not None:
             with torch.cuda.device(self.device):
                 self.graph.replay()
@@ -411,8 +402,6 @@ class IpcPuller:
             self._issue()
         if self.fused is not None:
             current.wait_stream(self.fused_stream)
-        for stream, _ in self.pushed:
-            current.wait_stream(stream)
 
     def profile(self, repeats: int = 3) -> dict[str, tuple[int, int, float]]:
         """Seconds per lane and copy kind ("same/memcpy", "peer0/memcpy2d", ...), each run alone."""
@@ -669,15 +658,13 @@ def _captured_puller(
     config: TransferConfig,
     proc: int,
     fused: PieceSums | None = None,
-    pushed: dict[torch.device, PieceSums] | None = None,
 ) -> IpcPuller | None:
     """The puller of one stage (None without pulls), its copies recorded into a CUDA graph if
     ``config.cuda_graph``; a failed capture warns and leaves the copies to be issued one by one.
-    ``fused`` / ``pushed``: the stage's same-GPU / peer-GPU pieces that a kernel copies and checksums
-    (not in ``same`` / ``peer``; ``IpcSums``)."""
-    if not (same or peer or fused or pushed):
+    ``fused``: the stage's same-GPU pieces that one kernel copies and checksums (not in ``same``)."""
+    if not (same or peer or fused):
         return None
-    puller = IpcPuller(device, same, peer, streams_per_lane=config.copy_streams, fused=fused, pushed=pushed)
+    puller = IpcPuller(device, same, peer, streams_per_lane=config.copy_streams, fused=fused)
     if puller.lanes and config.cuda_graph:
         try:
             puller.capture()
@@ -695,17 +682,14 @@ class IpcSums:
     """Checksum mode of one receiver's IPC pulls: every pulled piece against its source, batched into
     a few kernel launches and one host sync per refit.
 
-    Pieces that the Triton kernel can address (``fusable``) are not memcpy'd: the kernel copies them
-    and sums the bytes it moves. Same-GPU ones: ``fused[stage]``, on this GPU. Peer-GPU ones:
-    ``pushed[stage][source GPU]``, on the source's GPU, which reads its own memory and writes this
-    GPU's over NVLink (peer access from the source to this GPU), into ``pushed_got`` there
-    (``REFIT_SUM_PUSH=0``: the copy engine moves them and this GPU sums what arrived, as before).
-    Both are launched by that stage's puller. ``check()`` then sums every piece's source again, on
-    the source's GPU (one launch per GPU), sums the destinations of the other pieces (no Triton, or a
-    layout the kernel cannot address; one launch), compares everything on this GPU and reads back
-    one flag and index. A fused piece thus catches a source changed after the pull read it and a
-    copy that read wrong; the others catch any difference between destination and source. Traffic
-    per byte beside the copy's read and write: one read for a fused piece, two for the others.
+    Same-GPU pieces that the Triton kernel can address (``fusable``) are not memcpy'd: the kernel
+    copies them and sums the bytes it moves (``fused[stage]``, launched by that stage's puller).
+    ``check()`` then sums every piece's source again, on the source's GPU (one launch per GPU), sums
+    the destinations of the other pieces (peer GPUs, whose copy engine moved them, or no Triton; one
+    launch), compares everything on this GPU and reads back one flag and index. A fused piece thus
+    catches a source changed after the pull read it and a copy that read wrong; the others catch
+    any difference between destination and source. Traffic per byte beside the copy's read and
+    write: one read for a fused piece, two for the others.
     Lifecycle: built at setup from ``_map_pulls``' checked pulls; per refit the pullers run
     ``fused``, then, after the pulls finished on the device, ``check()``.
     """
@@ -716,23 +700,19 @@ class IpcSums:
         self.nbytes = [dst.numel() * dst.element_size() for *_, (dst, _) in checked]
         self.got = torch.zeros(len(checked), dtype=torch.int64, device=device)
         fused: list[list[Piece]] = [[] for _ in range(stages)]
-        pushed: list[dict[torch.device, list[Piece]]] = [{} for _ in range(stages)]
         others: list[Piece] = []
         sources: dict[torch.device, list[Piece]] = {}
         self._fused_ids: set[int] = set()
-        push = os.environ.get(PUSH_ENV, "1") != "0"
         for slot, (_, stage, on_gpu, pair) in enumerate(checked):
             dst, src = pair
             piece = Piece(src, slot, dst=dst)
-            if (on_gpu or push) and fusable(piece):
-                (fused[stage] if on_gpu else pushed[stage].setdefault(src.device, [])).append(piece)
+            if on_gpu and fusable(piece):
+                fused[stage].append(piece)
                 self._fused_ids.add(id(pair))
             else:
                 others.append(Piece(dst, slot))
             sources.setdefault(src.device, []).append(Piece(src, slot))
         self.fused = [PieceSums(ps, self.got) if ps else None for ps in fused]
-        self.pushed_got = {d: torch.zeros(len(checked), dtype=torch.int64, device=d) for st in pushed for d in st}
-        self.pushed = [{d: PieceSums(ps, self.pushed_got[d]) for d, ps in st.items()} for st in pushed]
         self.dst_sums = PieceSums(others, self.got) if others else None
         self.want = {d: torch.zeros(len(checked), dtype=torch.int64, device=d) for d in sources}
         self.src_sums = {d: PieceSums(ps, self.want[d]) for d, ps in sources.items()}
@@ -753,15 +733,12 @@ class IpcSums:
             with torch.cuda.device(d):
                 ps.run()
             want += self.want[d].to(self.device)  # slots of other GPUs stay 0 here
-        got = self.got.clone()
-        for sums in self.pushed_got.values():  # the slots a source GPU's kernel pushed (0 elsewhere)
-            got += sums.to(self.device)
-        bad = got != want
+        bad = self.got != want
         flag, i = torch.stack([bad.any().to(torch.int64), torch.argmax(bad.to(torch.int32)).to(torch.int64)]).tolist()
         if flag:
             raise ChecksumError(
                 f"checksum mismatch in tensor {self.names[i]!r} pulled over CUDA IPC: "
-                f"source {int(want[i])}, received {int(got[i])} ({self.nbytes[i]} bytes)"
+                f"source {int(want[i])}, received {int(self.got[i])} ({self.nbytes[i]} bytes)"
             )
 
 
@@ -815,11 +792,10 @@ class IpcLink:
             _captured_puller(
                 device,
                 [q for q in same if sums is None or not sums.fuses(q)],
-                [q for q in peer if sums is None or not sums.fuses(q)],
+                peer,
                 config,
                 proc,
                 None if sums is None else sums.fused[i],
-                None if sums is None else sums.pushed[i],
             )
             for i, (same, peer) in enumerate(pairs)
         ]
