@@ -54,14 +54,19 @@ def test_storage_regions_merge_views_of_one_storage():
     assert [base.data_ptr(), 400, 0, "DRAM"] in regions
 
 
-def test_storage_regions_keep_back_to_back_storages_apart():
-    # two storages whose bytes touch (as two CUDA allocations can): one region each, never one across both
+def test_touching_storages_merge_only_inside_one_allocation():
+    # two GPU allocations can lie back to back: a region across both breaks UCX's cuda_ipc (it maps one)
+    ranges = [(64, 96), (0, 32), (32, 64), (100, 110), (104, 108)]
+    gpu = nixl._allocation_of("VRAM", 0, {0: [(0, 64), (64, 200)]})
+    assert nixl.merge_ranges(ranges, gpu) == [[0, 64], [64, 96], [100, 110]]
+    assert nixl.merge_ranges(ranges, nixl._allocation_of("VRAM", 0, {})) == [[0, 32], [32, 64], [64, 96], [100, 110]]
+    assert nixl.merge_ranges(ranges, nixl._allocation_of("DRAM", 0, {})) == [[0, 96], [100, 110]]  # host memory
+    # host tensors: storages that touch become one region
     buf = bytearray(64)
     a = torch.frombuffer(memoryview(buf)[:32], dtype=torch.uint8)
     b = torch.frombuffer(memoryview(buf)[32:], dtype=torch.uint8)
     assert b.data_ptr() == a.data_ptr() + 32 and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-    regions = nixl.storage_regions([b, a, a[4:8]])
-    assert regions == [[a.data_ptr(), 32, 0, "DRAM"], [b.data_ptr(), 32, 0, "DRAM"]]
+    assert nixl.storage_regions([b, a, a[4:8]]) == [[a.data_ptr(), 64, 0, "DRAM"]]
 
 
 def _record(**change):
@@ -91,6 +96,7 @@ def _record(**change):
         ({"staged": {"4": 4096}}, "staged names messages \\[4\\]"),
         ({"staged": {"3": -1}}, "staged"),
         ({"staged": [3]}, "staged"),
+        ({"staged": {"\u00b3": 4096}}, "staged must map"),  # a digit, but not an ASCII one
         ({"rounds": {"count": 3, "slots": 2, "of": {}}}, "a round per staged message"),
         ({"rounds": {"count": 3, "slots": 0, "of": {"3": 0}}}, "rounds must be"),
         ({"rounds": {"count": 3, "slots": 2, "of": {"3": 3}}}, "outside 0..2"),
@@ -126,7 +132,7 @@ def test_sources_stage_short_run_pieces_in_rounds_within_the_budget():
     from refit.binding import bind_local
 
     src, dst = _layouts("tiny-llama", "fsdp=2", "tp=2")  # row shards -> column slices of o_proj / down_proj
-    for slot, slots in ((2 * (1 << 20), 1), (40 << 10, 2), (64, 2)):
+    for slot, slots in ((2 * (1 << 20), 1), (40 << 10, 2), ((40 << 10) + 8, 2), (64, 2)):
         cfg = TransferConfig(transport="nixl", num_buffers=slots, buffer_bytes=slot)
         plan = build_plan(src, dst, config=cfg)
         local = bind_local(plan, 0, reference_shards(src, 0), None)
@@ -140,15 +146,20 @@ def test_sources_stage_short_run_pieces_in_rounds_within_the_budget():
         fits = [k for k in strided if plan.messages[k].pieces[0].nbytes <= slot]
         assert sorted(st.offsets) == fits and (len(fits) > 0) is (slot > 64)
         assert st.buffer.numel() <= slots * slot and len(st.rounds) >= (len(fits) > 0)
-        assert (len(st.rounds) > slots) is (slot == 40 << 10)  # the small slots take more rounds than slots
+        assert (len(st.rounds) > slots) is (40 << 10 <= slot < 1 << 20)  # small slots: more rounds than slots
+        # the receivers (processes 2 and 3) take turns through the rounds: neither waits for the other's part
+        order = [
+            plan.procs.dst[plan.messages[k].dst] for k in sorted(fits, key=lambda k: (st.round_of[k], st.offsets[k]))
+        ]
+        assert order == [2, 3] * (len(order) // 2)
+        stride = slot // PIECE_ALIGN * PIECE_ALIGN
         for r in range(len(st.rounds)):
             st.pack(r)
             for k in [k for k in fits if st.round_of[k] == r]:
                 p = plan.messages[k].pieces[0]
                 view = local.src_view(p.tensor, p.box)
                 off = st.offsets[k]
-                stride = -(-slot // PIECE_ALIGN) * PIECE_ALIGN
-                assert off // stride == r % slots  # round r is packed into slot r % slots
+                assert r % slots * stride <= off and off + p.nbytes <= (r % slots + 1) * stride  # inside slot r % slots
                 got = st.buffer[off : off + p.nbytes].view(view.dtype).view(view.shape)
                 assert torch.equal(got, view)
 

@@ -50,7 +50,9 @@ the record field by field and compares: the first differing piece (plan order) i
 from __future__ import annotations
 
 import base64
+import bisect
 import ctypes
+import itertools
 import json
 import logging
 import os
@@ -85,7 +87,7 @@ MAX_METADATA_BYTES = 1 << 20
 MAX_DESCRIPTORS = 1 << 16  # per READ request
 _ADDR_LIMIT = 1 << 63
 _POLL_S = 0.001
-STAGE_RUN_BYTES = 64 << 10  # a source piece whose runs are shorter than this is staged (packed) if the budget allows
+STAGE_RUN_BYTES = 64 << 10  # a source piece whose runs are shorter than this is staged (packed) if it fits a slot
 SYSFS_ENV = "REFIT_SYSFS_ROOT"  # where NIC discovery reads sysfs (default /sys; a container's mount, tests)
 SET_ENV = "REFIT_UCX_SET"  # the UCX variables refit itself set (JSON): chosen anew for a later agent
 DEBUG_ENV = "REFIT_NIXL_DEBUG"  # "1": a line per phase on stderr (``Trace``), UCX's own choices printed
@@ -293,28 +295,66 @@ def _mem(t: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
 
 
-def storage_regions(tensors: Sequence[torch.Tensor]) -> list[list]:
-    """The storages of ``tensors`` as ``[address, bytes, device, memory type]``, overlaps merged.
+def cuda_segments(device: int) -> list[tuple[int, int]]:
+    """The caching allocator's segments on CUDA device ``device`` (one allocation each), as sorted
+    ``(start, end)`` addresses."""
+    snap = torch.cuda.memory_snapshot()
+    return sorted((g["address"], g["address"] + g["total_size"]) for g in snap if g["device"] == device)
 
-    Storages that only touch stay apart: two allocations can lie back to back in the address space, and a
-    region across both breaks UCX's ``cuda_ipc`` (it maps the one allocation a region starts in, so a READ
-    past its end fails with "cuMemcpyDtoDAsync ... invalid argument": 16 GB of Llama-3.1-8B on 2x H200)."""
+
+def _allocation_of(mem: str, dev: int, segments: dict[int, list[tuple[int, int]]]):
+    """``addr -> which allocation holds it`` on ``(mem, dev)``: host memory is one (CMA and shared memory
+    read across touching storages), a GPU's are the caching allocator's ``segments[dev]`` (None outside
+    them: memory torch did not allocate is never merged)."""
+    if mem == "DRAM":
+        return lambda addr: 0
+    seg = segments.get(dev, [])
+    starts = [lo for lo, _ in seg]
+
+    def which(addr: int):
+        i = bisect.bisect_right(starts, addr) - 1
+        return i if i >= 0 and addr < seg[i][1] else None
+
+    return which
+
+
+def storage_regions(
+    tensors: Sequence[torch.Tensor], segments: dict[int, list[tuple[int, int]]] | None = None
+) -> list[list]:
+    """The storages of ``tensors`` as ``[address, bytes, device, memory type]``: overlapping ones merged,
+    and touching ones where one allocation holds both (``_allocation_of``; ``segments``: per CUDA device,
+    its allocations, default ``cuda_segments``).
+
+    Touching storages of two allocations stay apart: allocations can lie back to back in the address
+    space, and a region across both breaks UCX's ``cuda_ipc`` (it maps the one allocation a region starts
+    in, so a READ past its end fails with "cuMemcpyDtoDAsync ... invalid argument": 16 GB of Llama-3.1-8B
+    on 2x H200). Merging within an allocation keeps the regions few (the record's size: a model of
+    thousands of unfused tensors registers a few allocations, not one region per tensor)."""
     spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for t in tensors:
         st = t.untyped_storage()
         if st.nbytes():
             spans.setdefault(_mem(t), []).append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+    if segments is None:
+        segments = {dev: cuda_segments(dev) for mem, dev in spans if mem == "VRAM"}
     out = []
     for (mem, dev), ranges in sorted(spans.items()):
-        ranges.sort()
-        merged = [list(ranges[0])]
-        for lo, hi in ranges[1:]:
-            if lo < merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        out += [[lo, hi - lo, dev, mem] for lo, hi in merged]
+        out += [[lo, hi - lo, dev, mem] for lo, hi in merge_ranges(ranges, _allocation_of(mem, dev, segments))]
     return out
+
+
+def merge_ranges(ranges: list[tuple[int, int]], which) -> list[list[int]]:
+    """``[start, end)`` ranges, sorted and merged where they overlap, or touch inside one allocation
+    (``which(addr)``: the allocation holding ``addr``, None for unknown)."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        last = merged[-1] if merged else None
+        touch = last is not None and lo == last[1] and which(lo) is not None and which(lo) == which(last[0])
+        if last is not None and (lo < last[1] or touch):
+            last[1] = max(last[1], hi)
+        else:
+            merged.append([lo, hi])
+    return merged
 
 
 # ---------------------------------------------------------------------------- geometry
@@ -358,9 +398,10 @@ def span(shape: Sequence[int], addr: int, strides: Sequence[int], itemsize: int)
 class SourceStaging:
     """A source's staging buffer: the pieces it sends whose runs in its tensors are shorter than
     ``STAGE_RUN_BYTES`` (a column slice of a row-sharded weight) and that fit one slot, packed dense at
-    ``PIECE_ALIGN``-ed offsets. Pieces go, in plan order, into rounds of at most ``slot_bytes`` (the
-    config's ``buffer_bytes``); round r is packed into slot r % ``slots`` (``num_buffers``), so the buffer
-    never exceeds ``slots`` x ``slot_bytes`` however many bytes are staged. Longer pieces are read in
+    ``PIECE_ALIGN``-ed offsets. Pieces go, the receivers' in turn and each receiver's in plan order, into
+    rounds of at most ``slot_bytes`` (the config's ``buffer_bytes``, aligned down); round r is packed into
+    slot r % ``slots`` (``num_buffers``), so the buffer never exceeds ``slots`` x ``slot_bytes`` however
+    many bytes are staged. Longer pieces are read in
     place, one descriptor per run. Receivers read a staged piece as one descriptor.
 
     Lifecycle: built at setup (``offsets``: message index -> byte offset; ``round_of``: message index ->
@@ -374,19 +415,13 @@ class SourceStaging:
         self.offsets: dict[int, int] = {}
         self.round_of: dict[int, int] = {}
         self.slots = slots
-        stride = -(-slot_bytes // PIECE_ALIGN) * PIECE_ALIGN  # slots start aligned
+        stride = slot_bytes // PIECE_ALIGN * PIECE_ALIGN  # slots start aligned, all within the budget
         views: list[list[tuple[int, torch.Tensor]]] = []
-        used = slot_bytes
-        for i, m in enumerate(plan.messages):
-            if m.transport != "nixl" or plan.procs.src[m.src] != proc:
-                continue
-            p = m.pieces[0]
-            v = local.src_view(p.tensor, p.box)
-            run = runs(v.shape, 0, v.stride(), 0, dense_strides(v.shape), p.itemsize)[2]
-            if run >= min(STAGE_RUN_BYTES, p.nbytes) or p.nbytes > slot_bytes:
-                continue
+        used = stride
+        for i, v in self._candidates(plan, proc, local, stride):
+            p = plan.messages[i].pieces[0]
             start = -(-used // PIECE_ALIGN) * PIECE_ALIGN
-            if start + p.nbytes > slot_bytes:
+            if start + p.nbytes > stride:
                 views.append([])
                 start = 0
             r = len(views) - 1
@@ -396,6 +431,23 @@ class SourceStaging:
         size = 0 if not views else full * stride + (used if len(views) <= slots else stride)
         self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
         self.rounds = [[(self._slot(o, v), v) for o, v in r] for r in views]
+
+    @staticmethod
+    def _candidates(plan: Plan, proc: int, local: LocalTensors, fits: int) -> list[tuple[int, torch.Tensor]]:
+        """The messages this source stages (short runs, at most ``fits`` bytes) with their source views,
+        the receivers' in turn (each round then serves every receiver: none waits for another to finish
+        its part of the buffer)."""
+        per: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for i, m in enumerate(plan.messages):
+            if m.transport != "nixl" or plan.procs.src[m.src] != proc:
+                continue
+            p = m.pieces[0]
+            v = local.src_view(p.tensor, p.box)
+            run = runs(v.shape, 0, v.stride(), 0, dense_strides(v.shape), p.itemsize)[2]
+            if run < min(STAGE_RUN_BYTES, p.nbytes) and p.nbytes <= fits:
+                per.setdefault(plan.procs.dst[m.dst], []).append((i, v))
+        lists = [per[r] for r in sorted(per)]
+        return [x for group in itertools.zip_longest(*lists) for x in group if x is not None]
 
     def _slot(self, offset: int, v: torch.Tensor) -> torch.Tensor:
         return self.buffer[offset : offset + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
@@ -443,7 +495,7 @@ def _check_parts(parts: object, who: str, ndims: dict[str, int]) -> dict[str, li
 
 def _check_staged(staged: object, who: str, messages: set[int]) -> dict[int, int]:
     """Staged pieces: message index (one this receiver reads from ``who``) -> address."""
-    if not isinstance(staged, dict) or not all(isinstance(k, str) and k.isdigit() for k in staged):
+    if not isinstance(staged, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in staged):
         raise PlanError(f"NIXL record of {who}: staged must map message indices to addresses")
     out = {int(k): v for k, v in staged.items()}
     if not set(out) <= messages or not all(_int(v) for v in out.values()):
@@ -457,7 +509,7 @@ def _check_rounds(rounds: object, who: str, staged: dict[int, int]) -> dict:
     round for exactly the staged messages."""
     ok = isinstance(rounds, dict) and set(rounds) == {"count", "slots", "of"} and isinstance(rounds["of"], dict)
     ok = ok and _int(rounds["count"], 0, MAX_RECORD_ENTRIES + 1) and _int(rounds["slots"], 1, 1 << 16)
-    of = {int(k): v for k, v in rounds["of"].items() if k.isdigit()} if ok else {}
+    of = {int(k): v for k, v in rounds["of"].items() if k.isascii() and k.isdigit()} if ok else {}
     if not ok or set(of) != set(staged) or len(of) != len(rounds["of"]):
         raise PlanError(f"NIXL record of {who}: rounds must be {{count, slots, of}} with a round per staged message")
     if not all(_int(r, 0, rounds["count"]) for r in of.values()):
@@ -764,7 +816,10 @@ class _Reads:
             return NixlLink._pending(self.flying + self.pending)
         if self.held:
             sp, r = min(self.held)
-            return f"process {sp} packing its staging round {r} (NIXL)"
+            return (
+                f"process {sp} packing its staging round {r} (NIXL; it packs a round once every receiver "
+                "has read the one before it in that slot, from its finish on)"
+            )
         return ""
 
 
@@ -774,9 +829,11 @@ class NixlLink:
 
     Lifecycle: ``NixlLink.open(...)`` on every process with NIXL messages, after pre-flight (collective
     through the store: sources publish sealed records, receivers wait for theirs up to
-    ``config.preflight_timeout_s``); per refit ``start(clock)`` (a source announces its tensors are
-    final) then ``finish(clock)`` (a receiver reads everything, a source waits until its receivers are
-    done); ``close()``.
+    ``config.preflight_timeout_s``); per refit ``start(clock)`` (a source packs its first staging rounds
+    and announces its tensors are final) then ``finish(clock)`` (a receiver reads everything; a source
+    packs its later staging rounds as its receivers free the slots, then waits until they are done);
+    ``close()``. Receivers of a source with more staging rounds than slots progress past the first
+    rounds only once that source is in ``finish`` (after its other transports' work in a mixed plan).
     Must agree on every process: the plan and ``config.name`` (store keys); the job secret (records are
     sealed with it). Between refits: registrations and requests stay; sources change their tensors in
     place only between their ``finish`` and the next ``start``.
@@ -891,8 +948,8 @@ class NixlLink:
     def start(self, clock: RunClock, fault=None) -> None:
         """Begin this process's part of a refit: a source (its tensors final) takes its checksums
         (checksum mode), calls ``fault("nixl-announce")`` (tests: a change now is what a receiver
-        must catch), packs its staging buffer, publishes its sums and announces that its tensors are
-        final."""
+        must catch), packs its first ``num_buffers`` staging rounds, publishes its sums and announces
+        that its tensors are final."""
         self.runs += 1
         if not self.receivers:
             return
@@ -922,7 +979,7 @@ class NixlLink:
             raise TransferError(f"NIXL: process {sp} could not be reached when the reads were set up ({why})")
         for sp, agent in sorted(self.sources.items()):
             self._wait_for(self._key(f"{agent}/ready"), clock, lambda sp=sp: f"process {sp} announcing its tensors")
-        if self.requests or self._rounds_to_pack():
+        if self.requests or self._rounds_to_pack() or any(c > n for c, n in self.source_rounds.values()):
             self.trace("run %d: every source announced; reading %d requests", self.runs, len(self.requests))
             self._pump(clock)
         if self.sums is not None and self.sources:
@@ -1012,10 +1069,17 @@ class NixlLink:
         self.trace("run %d: staging round %d of %d packed", self.runs, r, len(st.rounds))
 
     def _packing(self) -> str:
-        r = self.packed
-        late = [p for p in self.receivers if self.consumed.get(p, -1) < (self.runs - 1) * len(self.staging.rounds)
-                + r - self.staging.slots + 1]  # fmt: skip
-        return f"processes {late} reading staging round {r - self.staging.slots} of process {self.proc} over NIXL"
+        """A source's wait for its receivers (asked anew of the store: only the late ones are named)."""
+        if not self._rounds_to_pack():
+            return ""
+        r, st = self.packed, self.staging
+        need = (self.runs - 1) * len(st.rounds) + r - st.slots + 1
+        late = []
+        for p in self.receivers:
+            v = self.store.peek(self._key(f"{self.name}/consumed/{p}"))
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= need):
+                late.append(p)
+        return f"processes {late} reading staging round {r - st.slots} of process {self.proc} over NIXL"
 
     def _call(self, req: _Request, fn, what: str) -> str:
         try:

@@ -1,0 +1,106 @@
+"""The floor of a data plane with one control round trip per put and per get, beside refit, in one run.
+
+    python -m bench.dataplane_floor [--samples 512 --seq 8192 --iters 15]
+
+The put+get row of ``bench.dataplane_compare`` (the driver puts one batch of int64 ids + float32 logprobs,
+[samples, seq], and reads every row back) asks refit to be within 1.2x of zero-copy numpy Ray. Any design
+that keeps its keys somewhere other than the writer (a store others can read, refuse duplicates in and
+clear) makes at least one call to that place per put and one per get. This bench times that floor
+directly: ``ray numpy`` (``ray.put`` + ``ray.get``), ``+ 2 empty calls`` (the same plus two calls to an
+actor that does nothing: the least any such design pays), and refit's ``RayStore`` (views) with
+``durable=False`` and durable, each put followed by a get of every row; clears and the durable copy's
+wait (``settle``) are outside the timing, and so is a pause of ``--gap-ms`` after each method: Ray frees a
+released object in the background, and a put that runs meanwhile on 2 cores took 2-3x as long (7 ms vs
+18-24 ms for the same 48 MiB). Rounds interleave the methods, each going first in turn; medians. The empty
+calls take the arguments refit's put call takes (512 keys, tags, lengths), so only refit's own work differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from bench.dataplane_compare import make_batch
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--gap-ms", type=float, default=50.0)
+    args = ap.parse_args(argv)
+    import ray
+
+    from refit.data.ray_store import RayStore
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=3 << 30)
+    batch = make_batch(args.samples, args.seq)
+    as_numpy = {k: v.numpy() for k, v in batch.items()}
+
+    @ray.remote(num_cpus=0, max_concurrency=16)
+    class Empty:
+        def call(self, *args) -> None:
+            return None
+
+    empty = Empty.remote()
+    ray.get(empty.call.remote())
+    stores = {"refit durable=False": RayStore(num_units=1, durable=False), "refit durable": RayStore(num_units=1)}
+
+    keys = [f"k{j}" for j in range(args.samples)]
+    tags, lens = [{}] * args.samples, [args.seq] * args.samples
+
+    def ray_numpy(i: int, calls: int = 0) -> None:
+        ref = ray.put(as_numpy)
+        for _ in range(calls):
+            ray.get(empty.call.remote("floor", keys, [ref], list(as_numpy), tags, lens))
+        out = ray.get(ref)
+        del out, ref
+
+    def refit(store: RayStore):
+        def op(i: int) -> None:
+            keys = [f"b{i}/{j}" for j in range(args.samples)]
+            meta = store.put(keys, batch, partition="floor")
+            out = store.get(meta, select_fields=list(batch))
+            del out
+
+        def after(i: int) -> None:
+            store.clear([f"b{i}/{j}" for j in range(args.samples)], partition="floor")
+            store.settle()
+
+        return op, after
+
+    methods = {
+        "ray numpy": (ray_numpy, None),
+        "+ 2 empty calls": (lambda i: ray_numpy(i, calls=2), None),
+        **{name: refit(s) for name, s in stores.items()},
+    }
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    names = list(methods)
+    for i in range(-2, args.iters):  # two warm-up rounds
+        turn = i % len(names)
+        for name in names[turn:] + names[:turn]:
+            op, after = methods[name]
+            t0 = time.perf_counter()
+            op(i)
+            if i >= 0:
+                times[name].append(time.perf_counter() - t0)
+            if after is not None:
+                after(i)
+            time.sleep(args.gap_ms / 1e3)
+    ray.shutdown()
+    base = statistics.median(times["ray numpy"])
+    rows = {
+        m: {"median_ms": statistics.median(t) * 1e3, "x_ray_numpy": statistics.median(t) / base}
+        for m, t in times.items()
+    }
+    print(f"{'method':22s} {'median ms':>10s} {'x ray numpy':>12s}")
+    for name, r in rows.items():
+        print(f"{name:22s} {r['median_ms']:10.2f} {r['x_ray_numpy']:12.2f}")
+    print(json.dumps({"args": vars(args), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
