@@ -25,6 +25,27 @@ import time
 from bench.dataplane_compare import make_batch
 
 
+def call_costs(ray, actor, ref, keys, fields, tags, lens, n: int = 300) -> dict[str, float]:
+    """Median ms of one call to ``actor`` (it does nothing) with no arguments, with each of refit's put
+    arguments alone, and with all of them; the variants interleaved."""
+    cases = {
+        "no arguments": (),
+        "keys": (keys,),
+        "reference": ([ref],),
+        "tags": (tags,),
+        "lengths": (lens,),
+        "all of put's": ("floor", keys, [ref], fields, tags, lens),
+    }
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for i in range(n + 20):
+        for name, call_args in cases.items():
+            t0 = time.perf_counter()
+            ray.get(actor.call.remote(*call_args))
+            if i >= 20:
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=512)
@@ -90,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             if after is not None:
                 after(i)
             time.sleep(args.gap_ms / 1e3)
+    calls = call_costs(ray, empty, ray.put(as_numpy), keys, list(as_numpy), tags, lens)
     ray.shutdown()
     base = statistics.median(times["ray numpy"])
     rows = {
@@ -99,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'method':22s} {'median ms':>10s} {'x ray numpy':>12s}")
     for name, r in rows.items():
         print(f"{name:22s} {r['median_ms']:10.2f} {r['x_ray_numpy']:12.2f}")
-    print(json.dumps({"args": vars(args), "rows": rows}))
+    print("one empty call, median of 300, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in calls.items()))
+    print(json.dumps({"args": vars(args), "rows": rows, "empty_call_ms": calls}))
 
 
 if __name__ == "__main__":
