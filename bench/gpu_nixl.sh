@@ -14,16 +14,9 @@
 # REFIT_NIXL_DEBUG (default 1 here: a line per NIXL phase, UCX's transport and protocol choices; 0: quiet).
 export REFIT_BENCH_NIXL=1  # refit_nixl on GPUs runs only when asked for
 export REFIT_NIXL_DEBUG=${REFIT_NIXL_DEBUG:-1}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # into a folder of their own (--no-deps: keep the machine's cu130 torch); a plain `pip install` into the image's
 # Python failed there (nothing installed, not even cryptography)
-if ls .wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl 2>&1 | grep -v WARN
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/nixl/*.whl 2>&1 | grep -v WARN
-export PYTHONPATH=$PWD/src:$PWD:/tmp/site
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+. bench/gpu_env.sh
 python3 -c "import torch, nixl._api; print('torch', torch.__version__, 'nixl ok, gpus', torch.cuda.device_count())" \
   || { echo "nixl does not import here: no NIXL rows"; exit 2; }
 echo "== bench (NIXL beside IPC and NCCL)"

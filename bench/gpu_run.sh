@@ -12,11 +12,8 @@
 #   --only-binary=:all: checkpoint-engine==0.4.2 fastapi==0.115.12 starlette==0.46.2 httpx httpcore
 #   anyio sniffio h11 idna certifi pydantic pydantic-core annotated-types typing-inspection
 #   typing-extensions loguru pyzmq) and installed into a separate folder so they shadow nothing.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 pip install -q --no-index --no-deps .wheels/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+. bench/gpu_env.sh
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 [ -z "$SKIP_TESTS" ] && echo "== gpu tests" && timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 [ -z "$SKIP_TESTS" ] && echo "== demo (nccl)" && timeout 90 python3 -m refit.tools.cli demo --src tp=1 --dst tp=1 --steps 2 2>&1 | tail -4

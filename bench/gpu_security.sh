@@ -4,15 +4,7 @@
 # then S2 (refit, refit_checksums, floor) three times. The GPU image lacks `cryptography`: carry its wheels
 # in .whl/ (cryptography, cffi, pycparser for cp312) and name .whl in the device tool's carry.
 # Results under $OUT: tests.txt, warnings.txt, s2_{1,2,3}.json/.txt. SKIP_TESTS=1: bench only; RUNS="": tests only.
-set -o pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+. bench/gpu_env.sh
 python3 -c "import torch, triton, cryptography; print('torch', torch.__version__, 'triton', triton.__version__)"
 [ -z "$SKIP_TESTS" ] && timeout ${TEST_TIMEOUT:-300} python3 -m pytest -s -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_checksum.py \
   tests/test_security.py tests/test_checksum.py -k "not stranger" > "$OUT/tests.txt" 2>&1

@@ -7,13 +7,9 @@
 #   nixl     refit bench with refit_nixl (REFIT_NIXL_DEBUG=1): $NIXL_SCEN (default S1,S2), $NIXL_ARGS
 # Carry [".whl", ".wheels"] (cryptography etc. in .whl; nixl-cu13 in .wheels/nixl). Results under $OUT; a short
 # summary last.
-set -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .wheels/nixl/*.whl 2>&1 | grep -v WARN
-export PYTHONPATH=$PWD/src:$PWD:/tmp/site PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. bench/gpu_env.sh
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1; echo "gpus $NG"
+echo "gpus $NG"
 SUM="$OUT/summary.txt"; : > "$SUM"
 for part in ${PARTS:-tests overlap lora}; do
   SECONDS=0

@@ -1,11 +1,7 @@
 #!/bin/bash
 # Device call (2 GPUs): the GPU tests one file at a time with -v (which test runs long), then a NIXL smoke
 # bench on tiny-llama (S1, S2) with REFIT_NIXL_DEBUG=1. Carry [".whl", ".wheels"]. Results under $OUT.
-set -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .wheels/nixl/*.whl 2>&1 | grep -v WARN
-export PYTHONPATH=$PWD/src:$PWD:/tmp/site PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. bench/gpu_env.sh
 python3 -c "import pytest_timeout" 2>/dev/null && echo "pytest-timeout present" || echo "no pytest-timeout"
 for f in ${TEST_FILES-tests/test_gpu_checksum.py tests/test_gpu.py}; do
   SECONDS=0; b=$(basename $f .py)

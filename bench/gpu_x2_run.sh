@@ -3,15 +3,7 @@
 # S1, S2, S3 (refit, refit_checksums, floor and the peers) RUNS times. The GPU image lacks `cryptography`:
 # carry its wheels in .whl/ (device tool carry [".whl"]). Results under $OUT: tests.txt, bench_<i>.json/.txt,
 # warnings.txt. Env knobs: SKIP_TESTS=1, RUNS (default "1"), SCEN (default S1,S2,S3), BENCH_ARGS.
-set -o pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+. bench/gpu_env.sh
 nvidia-smi topo -m | head -4
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 if [ -z "$SKIP_TESTS" ]; then
