@@ -297,7 +297,10 @@ def _mem(t: torch.Tensor) -> tuple[str, int]:
 
 def cuda_segments(device: int) -> list[tuple[int, int]]:
     """The caching allocator's segments on CUDA device ``device`` (one allocation each), as sorted
-    ``(start, end)`` addresses."""
+    ``(start, end)`` addresses; none with expandable segments (one of those maps several allocations)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" in conf.replace(" ", "").lower():
+        return []
     snap = torch.cuda.memory_snapshot()
     return sorted((g["address"], g["address"] + g["total_size"]) for g in snap if g["device"] == device)
 
