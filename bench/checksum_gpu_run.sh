@@ -3,9 +3,11 @@
 # the kernel's throughput in a few shapes (bench.checksum_kernels), then S2 (refit, refit_checksums, floor) three
 # times with the shape that did one fused pass plus one sum fastest.
 # Run from the checkout root; results under $OUT (default /tmp/out): log.txt, kernels.json, s2_{1,2,3}.json.
+set -o pipefail
 . bench/gpu_env.sh
 {
   python -c "import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   timeout 200 python -m pytest -q -x tests/test_checksum.py tests/test_gpu_checksum.py 2>&1 | tail -15
   timeout 200 python -m pytest -q tests/test_gpu.py -k colocated 2>&1 | tail -6
   timeout 150 python -m bench.checksum_kernels --gib "${GIB:-4}" --out "$OUT/kernels.json" 2>&1 | grep -v '^ \|^{\|^}'

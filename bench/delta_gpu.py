@@ -206,7 +206,7 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
         for it in range(iters):
             version += 1
             optimizer_step(tensors if ref is None else ref, f, seed=1000 * fi + it)  # the receiver: its reference
-            turn = it % len(names)  # each method goes first in turn: the first after a step may pay for it
+            turn = (it - 1) % len(names)  # each method first in turn (the first after a step may pay for it)
             for k in names[turn:] + names[:turn]:
                 p = peers[k]
                 dist.barrier()
@@ -303,7 +303,12 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
     ap.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--iters", type=int, default=4, help="S1 refits per fraction (the first is not counted)")
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=4,
+        help="S1 refits per fraction (the first is not counted; 3k + 1 puts each method first equally often)",
+    )
     ap.add_argument("--buffer-mb", type=int, default=256)
     ap.add_argument("--group-gb", type=float, default=1.0, help="kernel timings: tensors per phase, in GB")
     ap.add_argument("--no-s1", action="store_true", help="kernel timings and the rule only")

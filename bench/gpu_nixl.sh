@@ -16,6 +16,9 @@ export REFIT_BENCH_NIXL=1  # refit_nixl on GPUs runs only when asked for
 export REFIT_NIXL_DEBUG=${REFIT_NIXL_DEBUG:-1}
 # into a folder of their own (--no-deps: keep the machine's cu130 torch); a plain `pip install` into the image's
 # Python failed there (nothing installed, not even cryptography)
+if ls .wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl 2>&1 | grep -v WARN
+fi
 . bench/gpu_env.sh
 python3 -c "import torch, nixl._api; print('torch', torch.__version__, 'nixl ok, gpus', torch.cuda.device_count())" \
   || { echo "nixl does not import here: no NIXL rows"; exit 2; }

@@ -4,6 +4,7 @@
 # then S2 (refit, refit_checksums, floor) three times. The GPU image lacks `cryptography`: carry its wheels
 # in .whl/ (cryptography, cffi, pycparser for cp312) and name .whl in the device tool's carry.
 # Results under $OUT: tests.txt, warnings.txt, s2_{1,2,3}.json/.txt. SKIP_TESTS=1: bench only; RUNS="": tests only.
+set -o pipefail
 . bench/gpu_env.sh
 python3 -c "import torch, triton, cryptography; print('torch', torch.__version__, 'triton', triton.__version__)"
 [ -z "$SKIP_TESTS" ] && timeout ${TEST_TIMEOUT:-300} python3 -m pytest -s -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_checksum.py \

@@ -7,6 +7,7 @@
 #   nixl     refit bench with refit_nixl (REFIT_NIXL_DEBUG=1): $NIXL_SCEN (default S1,S2), $NIXL_ARGS
 # Carry [".whl", ".wheels"] (cryptography etc. in .whl; nixl-cu13 in .wheels/nixl). Results under $OUT; a short
 # summary last.
+set -o pipefail
 . bench/gpu_env.sh
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "gpus $NG"

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Device call (2 GPUs): the GPU tests one file at a time with -v (which test runs long), then a NIXL smoke
 # bench on tiny-llama (S1, S2) with REFIT_NIXL_DEBUG=1. Carry [".whl", ".wheels"]. Results under $OUT.
+set -o pipefail
 . bench/gpu_env.sh
 python3 -c "import pytest_timeout" 2>/dev/null && echo "pytest-timeout present" || echo "no pytest-timeout"
 for f in ${TEST_FILES-tests/test_gpu_checksum.py tests/test_gpu.py}; do

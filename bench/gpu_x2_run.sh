@@ -3,6 +3,7 @@
 # S1, S2, S3 (refit, refit_checksums, floor and the peers) RUNS times. The GPU image lacks `cryptography`:
 # carry its wheels in .whl/ (device tool carry [".whl"]). Results under $OUT: tests.txt, bench_<i>.json/.txt,
 # warnings.txt. Env knobs: SKIP_TESTS=1, RUNS (default "1"), SCEN (default S1,S2,S3), BENCH_ARGS.
+set -o pipefail
 . bench/gpu_env.sh
 nvidia-smi topo -m | head -4
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"

@@ -219,6 +219,9 @@ def _delta_worker(world, src, dst, config, mode):
             if v > 1:
                 _optimizer_step(local, v)
             st = s.push(v)
+            if st.delta is None:  # the plain P2P path: no delta protocol, no base copy
+                out.append((None, s.executor.delta_base_bytes))
+                continue
             out.append((st.delta.wire_bytes, st.delta.dense_bytes, dict(st.delta.encodings)))
         return out
     local = {n: torch.zeros_like(t) for n, t in _weights(dst, world.dst_rank, 0).items()}
@@ -249,11 +252,23 @@ def _matches_reference(src, dst, dst_rank, local, version):
     )
 
 
-def _run(mode, commit="in_place", timeout=150, dst_spec="tp=2"):
+def _run(mode, commit="in_place", timeout=150, dst_spec="tp=2", link_gbps=None):
     src = layout_from_spec(SHAPES, parse_spec("fsdp=2", "src"))
     dst = layout_from_spec(SHAPES, parse_spec(dst_spec, "dst"))
-    cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto", commit=commit, deadline_s=60)
+    cfg = TransferConfig(
+        num_buffers=2, buffer_bytes=16 << 10, delta="auto", commit=commit, deadline_s=60, delta_link_gbps=link_gbps
+    )
     return run_local(_delta_worker, 2, 2, src, dst, cfg, mode, backend="gloo", timeout_s=timeout)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_auto_on_a_link_where_no_delta_can_pay_runs_the_plain_path_exactly():
+    # a 1000 GB/s link against the CPU's 10 GB/s find: even an unchanged tensor is cheaper sent whole
+    out = _run("heal", link_gbps=1000.0)
+    senders, receivers = out[:2], out[2:]
+    assert receivers == [[True] * VERSIONS] * 2  # exact after every version (and the replica that lost v3 healed)
+    assert senders == [[(None, 0)] * VERSIONS] * 2  # no delta protocol, no base copy kept
 
 
 @pytest.mark.multiproc

@@ -255,6 +255,8 @@ def _mutated(plan, what):
         return replace(plan, procs=ProcessMap((1, 0), plan.procs.dst))
     if what == "devices":
         return replace(plan, procs=plan.procs.with_devices(["cuda:0", "cuda:1"]))
+    if what == "delta_link_gbps":  # weighed only with deltas on (``plan_may_pay`` decides the protocol)
+        return replace(plan, config=replace(plan.config, delta="auto", delta_link_gbps=50.0))
     if what in TransferConfig().agreement():
         value = {"num_buffers": 3, "buffer_bytes": 2048, "transport": "auto", "commit": "staged"}.get(what)
         changed = {what: value if value is not None else {"checksums": True, "stages": 2, "delta": "auto"}[what]}
@@ -294,6 +296,10 @@ def test_digest_ignores_settings_that_need_not_agree():
     plan = _digest_base()
     other = replace(plan.config, name="other", deadline_s=9.0, preflight_timeout_s=5.0, copy_streams=4)
     assert replace(plan, config=other).digest == plan.digest
+    # the link speed the delta rule weighs must agree only where deltas are on
+    assert replace(plan, config=replace(plan.config, delta_link_gbps=50.0)).digest == plan.digest
+    auto = replace(plan, config=replace(plan.config, delta="auto"))
+    assert replace(auto, config=replace(auto.config, delta_link_gbps=50.0)).digest != auto.digest
 
 
 # ----------------------------------------------------------------------------- errors before anything moves

@@ -55,11 +55,15 @@ class TransferConfig:
       ``"sparse"`` / ``"bitmask"``: that encoding whenever the receiver holds the base; ``"off"``).
       ``delta_base``: where a source keeps the last version it sent (``"device"`` or pinned ``"host"``
       memory; extra memory: its P2P-sent shards). ``delta_link_gbps``: the link speed the rule weighs
-      (default: by the link's kind, ``refit.quant.delta.LINKS``). Not with ``checksums``.
+      (default: by the link's kind, ``refit.quant.delta.LINKS``). Not with ``checksums``. Under
+      ``"auto"`` a plan where no P2P message can pay as a delta (``quant.delta.may_pay``: its best case
+      must beat dense by ``PAY_MARGIN``; NVLink at the measured rates, one device) runs the plain P2P path:
+      no base copy, no header exchange.
 
     Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,
-    stages; plus the Peer's ``tag_base``). Pre-flight compares them and names a difference with both
-    values. The others (name, timeouts, copy streams, CUDA graph) are each process's own.
+    stages, delta and, with deltas, ``delta_link_gbps``; plus the Peer's ``tag_base``). Pre-flight
+    compares them and names a difference with both values. The others (name, timeouts, copy streams,
+    CUDA graph) are each process's own.
     """
 
     num_buffers: int = 2
@@ -158,6 +162,8 @@ class TransferConfig:
             "checksums": self.checksums,
             "stages": self.stages,
             "delta": self.delta,
+            # under "auto" it decides whether the plan runs the delta protocol at all (``plan_may_pay``)
+            "delta_link_gbps": self.delta_link_gbps if self.deltas else None,
         }
 
 

@@ -54,7 +54,7 @@ from typing import Any
 from refit.errors import TopologyError
 from refit.layout import ModelLayout
 from refit.plan.planner import ProcessMap, link_bytes
-from refit.quant.delta import INDEX_BYTES, LINKS, LinkSpeed, choose_encoding, wire_bytes
+from refit.quant.delta import INDEX_BYTES, LINKS, LinkSpeed, choose_encoding, may_pay, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,8 @@ def delta_time(
         k = round(fraction * elems)
         msg = min(elems, 1 << 28)  # the rule weighs messages (at most a tensor), not a link's total
         speed = _link_speed(s, d, topo)
-        kind = choose_encoding([(msg, round(fraction * msg), itemsize)], speed)
+        pays = may_pay([(msg, itemsize)], speed)  # as ``delta="auto"``: dense where no delta can pay by the margin
+        kind = choose_encoding([(msg, round(fraction * msg), itemsize)], speed) if pays else "dense"
         wire[(s, d)] = n if kind == "dense" else wire_bytes(kind, elems, k, itemsize)
         if kind != "dense":  # at the rule's measured rates: the find reads base and current, then per change
             per_change = k * (INDEX_BYTES + 2 * itemsize)  # pack and base update (sender), scatter (receiver)
