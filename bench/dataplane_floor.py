@@ -11,8 +11,9 @@ actor that does nothing: the least any such design pays), and refit's ``RayStore
 ``durable=False`` and durable, each put followed by a get of every row; clears and the durable copy's
 wait (``settle``) are outside the timing, and so is a pause of ``--gap-ms`` after each method: Ray frees a
 released object in the background, and a put that runs meanwhile on 2 cores took 2-3x as long (7 ms vs
-18-24 ms for the same 48 MiB, in ad hoc timings). Rounds interleave the methods, each going first in turn; medians. The empty
-calls take the arguments refit's put call takes (512 keys, tags, lengths), so only refit's own work differs.
+18-24 ms for the same 48 MiB, in ad hoc timings). Rounds interleave the methods, each going first in turn;
+medians. The empty calls take the arguments refit's put call takes (512 keys, tags, lengths), so only
+refit's own work differs.
 """
 
 from __future__ import annotations
