@@ -160,6 +160,17 @@ def test_bench_rejects_unknown_scenario(capsys):
     assert "unknown scenario(s) ['S9']" in capsys.readouterr().err
 
 
+def test_bench_methods_are_checked_and_keep_the_floor(capsys):
+    assert main(["bench", "--device", "cpu", "--scenarios", "S1", "--methods", "refit,gather"]) == 2
+    err = capsys.readouterr().err
+    assert "--methods: unknown method(s) ['gather'] for scenarios ['S1']" in err and "'refit_checksums'" in err
+    from refit.tools.bench.harness import only_methods, scenarios
+
+    s1 = scenarios("cpu")["S1"]
+    assert only_methods(s1, ("refit",)).methods == ("refit", "floor")
+    assert only_methods(s1, ()).methods == s1.methods
+
+
 @pytest.mark.timeout(180)
 def test_verify_inject_exits_0_when_the_fault_is_handled_and_says_so_last(capsys):
     assert main(["verify", "--inject", "corrupt", "--deadline", "5"]) == 0

@@ -603,6 +603,13 @@ def chosen_scenarios(opts: BenchOptions) -> list[str]:
 NIXL_METHODS = ("refit_nixl",)
 
 
+def only_methods(scen: Scenario, methods: tuple[str, ...]) -> Scenario:
+    """``scen`` with only ``methods`` and ``floor`` (the ratios' base); all of them when ``methods`` is empty."""
+    if not methods:
+        return scen
+    return replace(scen, methods=tuple(m for m in scen.methods if m in methods or m == "floor"))
+
+
 def check_methods(opts: BenchOptions) -> None:
     """``ConfigError`` if ``opts.methods`` names a method that none of ``opts.scenarios`` has."""
     all_s = scenarios(opts.device)
@@ -680,9 +687,7 @@ def run_bench(opts: BenchOptions, console) -> list[dict]:
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     rows = []
     for name in which:
-        scen = _fp8_scenario(all_s[name]) if opts.fp8 else _installed(all_s[name])
-        if opts.methods:
-            scen = replace(scen, methods=tuple(m for m in scen.methods if m in opts.methods or m == "floor"))
+        scen = only_methods(_fp8_scenario(all_s[name]) if opts.fp8 else _installed(all_s[name]), opts.methods)
         console.print(
             f"[{scen.name}] {scen.what}: {opts.model}, trainer {scen.src} -> engine {scen.dst}, "
             f"methods {', '.join(scen.methods)} ..."
