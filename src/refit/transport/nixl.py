@@ -1054,35 +1054,38 @@ class NixlLink:
     def _pack_next(self, clock: RunClock) -> None:
         """A source: pack the next staging round once every receiver reported the round that used its
         slot before (``consumed``), then say so (``packed``)."""
-        if not self._rounds_to_pack():
+        if not self._rounds_to_pack() or self._late(first=True):
             return
         st, r = self.staging, self.packed
-        base = (self.runs - 1) * len(st.rounds)
-        need = base + r - st.slots + 1
-        for rcv in self.receivers:
-            if self.consumed.get(rcv, -1) < need:
-                v = self.store.peek(self._key(f"{self.name}/consumed/{rcv}"))
-                if not (isinstance(v, int) and not isinstance(v, bool) and v >= need):
-                    return
-                self.consumed[rcv] = v
         st.pack(r)
         device_wait(st.buffer.device, clock, f"packing NIXL staging round {r}")
-        self.store.put(self._key(f"{self.name}/packed"), base + r + 1)
+        self.store.put(self._key(f"{self.name}/packed"), (self.runs - 1) * len(st.rounds) + r + 1)
         self.packed += 1
         self.trace("run %d: staging round %d of %d packed", self.runs, r, len(st.rounds))
 
+    def _late(self, first: bool) -> list[int]:
+        """The receivers that have not reported the round whose slot the next round reuses (asked of the
+        store where the last value seen is short; ``first``: stop at the first one)."""
+        st = self.staging
+        need = (self.runs - 1) * len(st.rounds) + self.packed - st.slots + 1
+        late = []
+        for rcv in self.receivers:
+            if self.consumed.get(rcv, -1) < need:
+                v = self.store.peek(self._key(f"{self.name}/consumed/{rcv}"))
+                if isinstance(v, int) and not isinstance(v, bool):
+                    self.consumed[rcv] = v
+                if self.consumed.get(rcv, -1) < need:
+                    late.append(rcv)
+                    if first:
+                        break
+        return late
+
     def _packing(self) -> str:
-        """A source's wait for its receivers (asked anew of the store: only the late ones are named)."""
+        """A source's wait for its receivers (only the late ones are named)."""
         if not self._rounds_to_pack():
             return ""
-        r, st = self.packed, self.staging
-        need = (self.runs - 1) * len(st.rounds) + r - st.slots + 1
-        late = []
-        for p in self.receivers:
-            v = self.store.peek(self._key(f"{self.name}/consumed/{p}"))
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= need):
-                late.append(p)
-        return f"processes {late} reading staging round {r - st.slots} of process {self.proc} over NIXL"
+        late, slot_round = self._late(first=False), self.packed - self.staging.slots
+        return f"processes {late} reading staging round {slot_round} of process {self.proc} over NIXL"
 
     def _call(self, req: _Request, fn, what: str) -> str:
         try:
