@@ -27,6 +27,7 @@ Works with gloo (CPU) and NCCL (GPU).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,6 +167,10 @@ class Executor:
             sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.dst[m.dst] == proc
         )
         self.bytes_local = sum(p.nbytes for p in plan.local_of(proc))
+        # every refit's device work runs on this stream, never on the caller's: an engine that keeps
+        # generating on its own (often the default) stream while a version is staged is not queued behind
+        # the pulls, and its passes are not waited for by the refit beyond the one in flight at the start
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     # ------------------------------------------------------------ what setup built
     @property
@@ -207,7 +212,35 @@ class Executor:
         blocking wait gives up then (``DeadlineExceeded``); ``check_abort()``: polled every 20 ms
         while waiting, raises if another process aborted the refit; ``fault_hook``: see ``FaultHook``.
         Delta mode: ``version`` is the one being sent and ``held`` the version each P2P peer (and this
-        process) holds (``DeltaSchedule.run``; no fault hook there)."""
+        process) holds (``DeltaSchedule.run``; no fault hook there).
+
+        On CUDA the work runs on the executor's own stream (``self.stream``): it first waits for what the
+        caller's current stream has queued (the source's final weights, the last writes to a destination),
+        and when it returns the caller's stream is ordered after it."""
+        args = (deadline, check_abort, fault_hook, version, held)
+        if self.stream is None:
+            return self._run(*args)
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.stream):
+                return self._run(*args)
+        finally:
+            caller.wait_stream(self.stream)
+
+    def on_stream(self):
+        """A context in which device work runs on the executor's stream (a no-op on CPU): for work on
+        what a run left behind (the delta base's deferred updates), whose temporaries live on that stream."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _run(
+        self,
+        deadline: float | None,
+        check_abort: Callable[[], None] | None,
+        fault_hook: FaultHook | None,
+        version: int,
+        held: dict[int, int | None] | None,
+    ) -> RunStats:
         t0 = time.perf_counter()
         clock = RunClock(deadline, check_abort)
         staged = len(self.stage_names) > 1
@@ -272,8 +305,8 @@ class Executor:
 
     def _sync_device(self, clock: RunClock) -> None:
         """Wait for this GPU's work until the deadline (the host never blocks inside CUDA past it)."""
-        if not clock.bounded:
-            torch.cuda.synchronize(self.device)
+        if not clock.bounded:  # this refit's stream only: an engine's passes on other streams are not waited for
+            torch.cuda.current_stream(self.device).synchronize()
             return
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))

@@ -309,7 +309,8 @@ class Peer:
             raise RefitAborted(msg) from e
         delta = self.executor.delta
         if delta is not None and delta.base is not None:
-            delta.base.commit(version)  # the base is what was sent only once every process holds it
+            with self.executor.on_stream():  # the run's changes are on its stream
+                delta.base.commit(version)  # the base is what was sent only once every process holds it
         self.staged_version, self.last = version, stats
         return stats
 

@@ -29,7 +29,8 @@ class RunClock:
 
     def watch(self, finished: Callable[[], bool], pending: Callable[[], str]) -> None:
         """Poll ``finished`` until it is true, giving up at the deadline and checking the side
-        channel every 20 ms for another process's abort (short waits spin, longer ones yield)."""
+        channel every 20 ms for another process's abort (short waits yield the GIL each poll, longer ones
+        sleep 0.1 ms a poll)."""
         start = time.monotonic()
         next_check = start + 0.02
         while not finished():
@@ -39,5 +40,7 @@ class RunClock:
             if self.check_abort is not None and now >= next_check:
                 self.check_abort()
                 next_check = now + 0.02
-            if now - start > 0.05:
-                time.sleep(0.0001)
+            # yield the GIL on every poll: a spinning waiter holds it for the interpreter's switch interval
+            # (5 ms), so an engine thread beside the refit (refit while generating) would wait that long
+            # per pass; short waits only yield, longer ones sleep
+            time.sleep(0.0001 if now - start > 0.05 else 0)

@@ -537,6 +537,7 @@ class HostBarrier:
         spins = 0
         while int(self.slots.min()) < self.gen and self._reached() < self.gen:
             spins += 1
+            time.sleep(0)  # yield the GIL each poll (an engine thread beside the refit must not wait 5 ms for it)
             if spins > 1000:
                 time.sleep(0.00002)
                 now = time.monotonic()

@@ -96,19 +96,25 @@ class _Waiter:
             item = self.queue.get()
             if item is None:
                 return
-            works, done = item
+            works, done, stream = item
             for i, w in enumerate(works):
                 try:
-                    w.wait()
+                    if stream is None:
+                        w.wait()
+                    else:  # NCCL: the submitter's stream (thread-local: this thread's own is the default) waits
+                        with torch.cuda.stream(stream):
+                            w.wait()
                 except BaseException as e:  # noqa: BLE001 - handed to the executor's thread
                     done.error = (i, e)
                     break
             done.set()
 
-    def submit(self, works: list) -> threading.Event:
+    def submit(self, works: list, stream: torch.cuda.Stream | None = None) -> threading.Event:
+        """Wait for ``works`` in the thread; ``stream``: the CUDA stream that must be ordered after them (the
+        submitter's current stream: a ``Work.wait()`` orders the *calling thread's* current stream)."""
         done = threading.Event()
         done.error = None
-        self.queue.put((works, done))
+        self.queue.put((works, done, stream))
         self.last = done
         return done
 
@@ -301,7 +307,8 @@ class P2PSchedule:
             return
         if self._waiter is None:
             self._waiter = _Waiter()
-        done = self._waiter.submit(works)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        done = self._waiter.submit(works, stream)
         peers = ", ".join(f"process {p}" for p in sorted({op.peer for op in ops}))
         clock.watch(lambda: done.wait(0.001), lambda: f"{what} with {peers} ({ops[0].what() if ops else '-'})")
         if done.error is not None:
