@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call, several parts chosen by PARTS (space-separated; default "tests overlap lora"):
 #   tests    GPU tests: $TESTS (default test_gpu_checksum.py and test_gpu.py -k $TEST_K), one file at a time, -v
-#   overlap  bench/overlap_gpu.py S2 (and S1 with 2 GPUs): stall while refit stages, beside stop-the-world
+#   overlap  bench/overlap_gpu.py S2 (and S1 with 2 GPUs): stall while refit stages, beside stop-the-world;
+#            $OVERLAP_RUNS picks runs as "S2:- S2:500 S1:-" (scenario:pull GB/s, "-" full speed)
 #   lora     bench/lora_merge.py: adapter vs merged refit bytes, merge time
 #   delta    bench/delta_gpu.py (bench/gpu_delta.sh's command)
 #   nixl     refit bench with refit_nixl (REFIT_NIXL_DEBUG=1): $NIXL_SCEN (default S1,S2), $NIXL_ARGS
@@ -24,9 +25,12 @@ for part in ${PARTS:-tests overlap lora}; do
     done
     echo "shm/IPC warnings: $(grep -h -i -E 'terminated before all shared CUDA|leaked shared_memory|leaked semaphore' "$OUT"/test_*.txt | wc -l)" >> "$SUM";;
   overlap)
-    for s in S2 $([ "$NG" -ge 2 ] && echo S1); do
-      timeout ${OVERLAP_TIMEOUT:-200} python3 -m bench.overlap_gpu --scenario $s --iters ${OVERLAP_ITERS:-5} --json "$OUT/overlap_$s.json" > "$OUT/overlap_$s.txt" 2>&1
-      echo "overlap $s rc=$?" >> "$SUM"; tail -8 "$OUT/overlap_$s.txt" >> "$SUM"
+    # OVERLAP_RUNS: "scenario:pull_gbps" pairs (pull_gbps "-": full speed); default S2 and, with 2 GPUs, S1
+    for r in ${OVERLAP_RUNS:-S2:- $([ "$NG" -ge 2 ] && echo S1:-)}; do
+      s=${r%%:*}; g=${r#*:}; tag=$s$([ "$g" != "-" ] && echo "_pace$g")
+      timeout ${OVERLAP_TIMEOUT:-200} python3 -m bench.overlap_gpu --scenario $s --iters ${OVERLAP_ITERS:-5} \
+        $([ "$g" != "-" ] && echo "--pull-gbps $g") --json "$OUT/overlap_$tag.json" > "$OUT/overlap_$tag.txt" 2>&1
+      echo "overlap $tag rc=$?" >> "$SUM"; tail -5 "$OUT/overlap_$tag.txt" >> "$SUM"
     done;;
   lora)
     timeout 150 python3 -m bench.lora_merge --model llama-3.1-8b --ranks 16,64 --out "$OUT/lora_merge.json" > "$OUT/lora_merge.txt" 2>&1

@@ -30,6 +30,9 @@ version bit for bit (``exact``). S2: both processes on GPU 0 (CUDA IPC on one GP
 engine on GPU 1 (IPC between GPUs). The trainer waits (a barrier) until the engine has measured a refit
 before it regenerates the next version, so on S2 its writes never overlap the engine's commit.
 
+``--pull-gbps G`` paces the overlapped modes' pulls (``TransferConfig.pull_gbps``): on one GPU (S2) a
+full-speed pull takes the memory bandwidth the passes need; a paced one leaves them most of it.
+
 On CUDA the stand-in replays its forward pass as a CUDA graph (``--forward graph``, the default; one
 graph per weight set, captured once): an eager pass of an 8B model is some 850 kernel launches and
 takes ~30 ms of Python and launch overhead for ~5 ms of reading weights. A graph reads the weights at
@@ -183,7 +186,9 @@ def _measure(loop: ForwardLoop, refit, version: int) -> dict:
 MODES = ("overlap", "stop_the_world", "swap", "swap")  # per iteration; two swaps end on set A again
 
 
-def _worker(world, model: str, tokens: int, iters: int, warmup: int, graphs: bool) -> list[dict]:
+def _worker(
+    world, model: str, tokens: int, iters: int, warmup: int, graphs: bool, pull_gbps: float | None = None
+) -> list[dict]:
     dev = world.device
     layout = layout_from_spec(param_shapes(model), parse_spec("tp=1", "src"))
     dst = layout_from_spec(param_shapes(model), parse_spec("tp=1", "dst"))
@@ -199,7 +204,7 @@ def _worker(world, model: str, tokens: int, iters: int, warmup: int, graphs: boo
         layout,
         dst,
         world.rank,
-        config=TransferConfig(name="ov-s", commit="staged", transport=transport),
+        config=TransferConfig(name="ov-s", commit="staged", transport=transport, pull_gbps=pull_gbps),
         **common,
         **kw,
     )
@@ -214,7 +219,12 @@ def _worker(world, model: str, tokens: int, iters: int, warmup: int, graphs: boo
         }
     )
     swap = SwapCommit(
-        layout, dst, world.rank, config=TransferConfig(name="ov-w", transport=transport), **common, **swap_kw
+        layout,
+        dst,
+        world.rank,
+        config=TransferConfig(name="ov-w", transport=transport, pull_gbps=pull_gbps),
+        **common,
+        **swap_kw,
     )
     loop = None
     if not is_src:
@@ -308,6 +318,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=8, help="tokens per forward pass (one sequence)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument(
+        "--pull-gbps",
+        type=float,
+        default=None,
+        help="pace the overlapped modes' pulls to this many GB/s (TransferConfig.pull_gbps); stop-the-world unpaced",
+    )
     ap.add_argument("--json", default=None, help="write rows and summary here")
     ap.add_argument(
         "--forward",
@@ -319,6 +335,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("tokens", "iters"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.pull_gbps is not None and not (0 < args.pull_gbps < float("inf")):
+        ap.error(f"--pull-gbps must be a finite number of GB/s > 0, got {args.pull_gbps}")
     if args.warmup < 0:
         ap.error(f"--warmup must be >= 0, got {args.warmup}")
     if (args.device, args.scenario) not in DEVICES:
@@ -344,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.iters,
             args.warmup,
             args.forward == "graph",
+            args.pull_gbps,
             devices=devices,
             timeout_s=1800,
         )[1]
@@ -355,6 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "devices": devices,
         "tokens": args.tokens,
+        "pull_gbps": args.pull_gbps,
         "forward": rows[0]["forward"],
         "summary": summarize(rows),
         "rows": rows,
@@ -362,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name(0)
     s = result["summary"]
-    print(f"{args.scenario} {args.model} stand-in forward pass: {result['forward']}")
+    pace = f"{args.pull_gbps:g} GB/s" if args.pull_gbps else "full speed"
+    print(f"{args.scenario} {args.model} stand-in forward pass: {result['forward']}; overlapped pulls: {pace}")
     for mode in dict.fromkeys(MODES):
         m = s[mode]
         print(

@@ -37,7 +37,7 @@ def _layouts(model, src, dst, dtype):
     return layout_from_spec(shapes, parse_spec(src, "src")), layout_from_spec(shapes, parse_spec(dst, "dst"))
 
 
-def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, checksums=False):
+def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, checksums=False, pull_gbps=None):
     dev = world.device
     srank = procs.src.index(world.rank) if world.rank in procs.src else None
     drank = procs.dst.index(world.rank) if world.rank in procs.dst else None
@@ -58,7 +58,12 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, c
         else None
     )
     cfg = TransferConfig(
-        num_buffers=2, buffer_bytes=64 << 10, transport=transport, cuda_graph=graph, checksums=checksums
+        num_buffers=2,
+        buffer_bytes=64 << 10,
+        transport=transport,
+        cuda_graph=graph,
+        checksums=checksums,
+        pull_gbps=pull_gbps,
     )
     peer = Peer(
         src_l,
@@ -95,8 +100,9 @@ def _worker(world, src_l, dst_l, procs, transport, use_data_group, graph=True, c
     # kernel copies every piece itself: nothing is left to record)
     in_graph = puller is not None and (puller.graph is not None or not puller.lanes)
     staging = peer.executor.staging_bytes
+    paced = (puller.paced_s, peer.executor.bytes_received) if puller is not None else None
     peer.close()  # every process (collective for all-IPC plans): no mapping outlives its producer
-    return ok, kinds, staging, in_graph
+    return ok, kinds, staging, in_graph, paced
 
 
 @pytest.mark.timeout(300)
@@ -114,10 +120,23 @@ def test_ipc_colocated_reshard_fsdp2_to_tp2(dtype, graph, checksums):
     devices = _two_gpus_or_one()
     procs = ProcessMap.disjoint(2, 2).with_devices(devices)
     out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, graph, checksums, devices=devices, timeout_s=240)
-    for ok, kinds, staging, used_graph in out[2:]:
+    for ok, kinds, staging, used_graph, _ in out[2:]:
         assert ok == [True, True, True]
         assert kinds == ["ipc"] and staging == 0
         assert used_graph == graph
+
+
+@pytest.mark.timeout(300)
+def test_ipc_paced_pull_is_exact_and_sleeps_for_its_bytes_at_the_pace():
+    """``pull_gbps``: each copy is followed by a sleep on its stream, recorded in the graph; the sleeps add up
+    to the pulled bytes at the pace (the pull's time is not asserted: wall-clock)."""
+    src_l, dst_l = _layouts("tiny-qwen2", "fsdp=2", "tp=2", torch.bfloat16)
+    devices = _two_gpus_or_one()
+    procs = ProcessMap.disjoint(2, 2).with_devices(devices)
+    out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, True, False, 5.0, devices=devices, timeout_s=240)
+    for ok, kinds, _, used_graph, (paced_s, received) in out[2:]:
+        assert ok == [True, True, True] and kinds == ["ipc"] and used_graph
+        assert received > 0 and paced_s == pytest.approx(received / 5e9, rel=1e-6)
 
 
 @pytest.mark.timeout(300)
@@ -144,7 +163,7 @@ def test_nccl_pipelined_with_packing(src, dst, checksums):
     out = run_local(
         _worker, 2, 2, src_l, dst_l, procs, "p2p", True, True, checksums, colocated=True, backend="nccl", timeout_s=240
     )
-    for ok, kinds, staging, _ in out:
+    for ok, kinds, staging, _, _ in out:
         assert ok == [True, True, True]
         assert kinds == ["p2p"]
         assert staging <= 2 * (64 << 10)

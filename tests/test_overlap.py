@@ -144,6 +144,11 @@ def test_commit_budget_and_rollback_contract():
         TransferConfig(keep_previous=True)
     with pytest.raises(ConfigError, match="commit_budget_bytes must be None or an integer >= 0, got -1"):
         TransferConfig(commit_budget_bytes=-1)
+    for bad in (0, -5.0, float("nan"), float("inf"), True, "fast"):
+        with pytest.raises(ConfigError, match=r"pull_gbps must be None or a finite number of GB/s > 0, got"):
+            TransferConfig(pull_gbps=bad)
+    assert TransferConfig(pull_gbps=250).pull_gbps == 250
+    assert "pull_gbps" not in TransferConfig().agreement()  # a receiver's own pacing, not the wire's shape
 
 
 def test_token_versions():

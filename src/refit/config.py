@@ -44,6 +44,11 @@ class TransferConfig:
       receiver (``ChecksumError`` names the peer or tensor): catches flipped, swapped and zeroed bytes.
       On CUDA with Triton it is computed in the copy that moves the bytes where it can (one kernel per
       P2P step, per IPC stage), plus one read of each IPC source to compare; one host sync per run.
+    * ``pull_gbps``: CUDA IPC pulls into this process use at most this many GB/s (copies in short
+      bursts, each followed by a sleep on its stream; ``None``: full speed). For refit while generating
+      with the engine on the trainer's GPU: a full-speed pull takes the memory bandwidth the engine's
+      passes need, a paced one leaves them most of it and takes longer, beside them. Not the copies
+      the checksum kernel fuses (``checksums``).
     * ``stages``: all-IPC plans pull in this many stages so a source's prepare (FP8) overlaps the pulls.
     * ``keep_previous`` (staged only): keep the last committed version in a copy of this process's
       destination share, so ``Peer.rollback()`` restores it without the trainer resending.
@@ -63,7 +68,7 @@ class TransferConfig:
     Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,
     stages, delta and, with deltas, ``delta_link_gbps``; plus the Peer's ``tag_base``). Pre-flight
     compares them and names a difference with both values. The others (name, timeouts, copy streams,
-    CUDA graph) are each process's own.
+    CUDA graph, pull pacing) are each process's own.
     """
 
     num_buffers: int = 2
@@ -82,6 +87,7 @@ class TransferConfig:
     delta: str = "off"
     delta_base: str = "device"
     delta_link_gbps: float | None = None
+    pull_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for field, value, least in (
@@ -119,6 +125,9 @@ class TransferConfig:
                 f"TransferConfig.keep_previous=True needs commit='staged' (got commit={self.commit!r}): "
                 "only a staged commit leaves the previous version whole"
             )
+        g = self.pull_gbps
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < math.inf)):
+            raise ConfigError(f"TransferConfig.pull_gbps must be None or a finite number of GB/s > 0, got {g!r}")
         budget = self.commit_budget_bytes
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ConfigError(f"TransferConfig.commit_budget_bytes must be None or an integer >= 0, got {budget!r}")

@@ -312,6 +312,7 @@ class IpcPuller:
     """
 
     SMALL = 1 << 20  # copies below this are latency-bound: a stream of their own, beside the large ones
+    PACE_CHUNK = 64 << 20  # paced pulls: contiguous copies cut to this size, so each burst is short
 
     def __init__(
         self,
@@ -320,10 +321,13 @@ class IpcPuller:
         peer: Sequence[tuple[torch.Tensor, torch.Tensor]],
         streams_per_lane: int = 2,
         fused: PieceSums | None = None,
+        pace_gbps: float | None = None,
     ) -> None:
         if streams_per_lane < 1:
             raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
         self.device = device
+        self.pace_gbps = pace_gbps
+        self.paced_s = 0.0  # the idle time a pull's sleeps add up to (``pace_gbps``), over all lanes
         self.fused = fused
         self.fused_stream = torch.cuda.Stream(device) if fused is not None else None
         groups: dict[torch.device, list] = {device: list(same_device)} if same_device else {}
@@ -338,7 +342,8 @@ class IpcPuller:
             if src_dev != device:
                 enable_peer_access(src_dev, device)
             label = "same" if src_dev == device else f"peer{src_dev.index}"
-            copies = [(kind, d.numel() * d.element_size(), fn) for d, s in pairs for kind, fn in [make_copy(d, s)]]
+            pieces = [c for d, s in pairs for c in _pace_chunks(d, s, self.PACE_CHUNK if pace_gbps else None)]
+            copies = [(kind, d.numel() * d.element_size(), fn) for d, s in pieces for kind, fn in [make_copy(d, s)]]
             small = [c for c in copies if c[1] < self.SMALL]
             large = [c for c in copies if c[1] >= self.SMALL]
             if small:
@@ -353,6 +358,8 @@ class IpcPuller:
                 load[i] += c[1]
             for i, cs in enumerate(per):
                 self.lanes.append((label if n == 1 else f"{label}.{i}", torch.cuda.Stream(src_dev), cs))
+        if pace_gbps:
+            self._pace(pace_gbps)
         # issue order: largest first across all lanes, so every lane gets long work at once and
         # the host's enqueueing of the rest (3-5 us a call) hides behind it; grouped into runs of
         # one device so the current device switches only between runs
@@ -366,6 +373,24 @@ class IpcPuller:
             if not self.runs or self.runs[-1][0] != stream.device:
                 self.runs.append((stream.device, []))
             self.runs[-1][1].append((stream, fn))
+
+    def _pace(self, gbps: float) -> None:
+        """Follow every copy with a sleep on its stream (a one-thread spin kernel, ``torch.cuda._sleep``) as
+        long as its bytes take at ``gbps`` GB/s shared by all lanes: the pull then uses at most that rate of
+        the receiving GPU's memory, and an engine running beside it keeps the rest (refit while
+        generating on the engine's own GPU). The copies themselves still run at full speed, in bursts of
+        at most ``PACE_CHUNK`` bytes."""
+        per_lane = gbps * 1e9 / len(self.lanes)
+        rates = {}
+        for i, (label, stream, copies) in enumerate(self.lanes):
+            if stream.device not in rates:
+                rates[stream.device] = sleep_cycles_per_s(stream.device)
+            paced = []
+            for kind, nbytes, fn in copies:
+                seconds = nbytes / per_lane
+                paced.append((kind, nbytes, _then_sleep(fn, int(seconds * rates[stream.device]))))
+                self.paced_s += seconds
+            self.lanes[i] = (label, stream, paced)
 
     def _issue(self) -> None:
         current = torch.cuda.current_stream(self.device)
@@ -423,6 +448,45 @@ class IpcPuller:
                     best = min(best, time.perf_counter() - t0)
                 out[f"{label}/{kind}"] = (len(sel), sum(c[1] for c in sel), best)
         return out
+
+
+def _pace_chunks(d: torch.Tensor, s: torch.Tensor, chunk: int | None):
+    """``(dst, src)`` cut into flat runs of at most ``chunk`` bytes where both are contiguous (else whole)."""
+    nbytes = d.numel() * d.element_size()
+    if chunk is None or nbytes <= chunk or not (d.is_contiguous() and s.is_contiguous()):
+        return [(d, s)]
+    step = max(1, chunk // d.element_size())
+    fd, fs = d.view(-1), s.view(-1)
+    return [(fd[i : i + step], fs[i : i + step]) for i in range(0, fd.numel(), step)]
+
+
+def _then_sleep(fn: Callable[[torch.cuda.Stream], None], cycles: int) -> Callable[[torch.cuda.Stream], None]:
+    def paced(stream: torch.cuda.Stream) -> None:
+        fn(stream)
+        if cycles > 0:
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)
+
+    return paced
+
+
+_SLEEP_RATES: dict[torch.device, float] = {}
+
+
+def sleep_cycles_per_s(device: torch.device) -> float:
+    """How many ``torch.cuda._sleep`` cycles make one second on ``device`` (measured once per device and
+    process: a 20 ms spin timed with CUDA events)."""
+    if device not in _SLEEP_RATES:
+        cycles = 20_000_000
+        with torch.cuda.device(device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1000)  # loaded before timing
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            _SLEEP_RATES[device] = cycles / (start.elapsed_time(end) / 1e3)
+    return _SLEEP_RATES[device]
 
 
 class BarrierLeft(RuntimeError):
@@ -665,7 +729,9 @@ def _captured_puller(
     ``fused``: the stage's same-GPU pieces that one kernel copies and checksums (not in ``same``)."""
     if not (same or peer or fused):
         return None
-    puller = IpcPuller(device, same, peer, streams_per_lane=config.copy_streams, fused=fused)
+    puller = IpcPuller(
+        device, same, peer, streams_per_lane=config.copy_streams, fused=fused, pace_gbps=config.pull_gbps
+    )
     if puller.lanes and config.cuda_graph:
         try:
             puller.capture()
