@@ -136,7 +136,7 @@ def test_ipc_paced_pull_is_exact_and_sleeps_for_its_bytes_at_the_pace():
     out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, True, False, 5.0, devices=devices, timeout_s=240)
     for ok, kinds, _, used_graph, (paced_s, received) in out[2:]:
         assert ok == [True, True, True] and kinds == ["ipc"] and used_graph
-        assert received > 0 and paced_s == pytest.approx(received / 5e9, rel=1e-6)
+        assert received > 0 and paced_s == pytest.approx(received / 5e9, rel=1e-6), (paced_s, received)
 
 
 @pytest.mark.timeout(300)

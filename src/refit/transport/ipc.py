@@ -327,7 +327,7 @@ class IpcPuller:
             raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
         self.device = device
         self.pace_gbps = pace_gbps
-        self.paced_s = 0.0  # the idle time a pull's sleeps add up to (``pace_gbps``), over all lanes
+        self.paced_s = 0.0  # the longest lane's sleeps per pull (``pace_gbps``; ``_pace``)
         self.fused = fused
         self.fused_stream = torch.cuda.Stream(device) if fused is not None else None
         groups: dict[torch.device, list] = {device: list(same_device)} if same_device else {}
@@ -376,21 +376,25 @@ class IpcPuller:
 
     def _pace(self, gbps: float) -> None:
         """Follow every copy with a sleep on its stream (a one-thread spin kernel, ``torch.cuda._sleep``) as
-        long as its bytes take at ``gbps`` GB/s shared by all lanes: the pull then uses at most that rate of
+        long as its bytes take at its share of ``gbps`` GB/s (the lanes run side by side; each gets the
+        share of its bytes, so all finish their sleeps together): the pull then uses at most that rate of
         the receiving GPU's memory, and an engine running beside it keeps the rest (refit while
         generating on the engine's own GPU). The copies themselves still run at full speed, in bursts of
-        at most ``PACE_CHUNK`` bytes."""
-        per_lane = gbps * 1e9 / len(self.lanes)
+        at most ``PACE_CHUNK`` bytes. ``paced_s``: the longest lane's sleeps (the pulled bytes at
+        ``gbps``); a sleep waits longer while the engine's kernels fill the GPU, so the pace is a cap."""
+        total = sum(nbytes for _, _, copies in self.lanes for _, nbytes, _ in copies)
         rates = {}
         for i, (label, stream, copies) in enumerate(self.lanes):
             if stream.device not in rates:
                 rates[stream.device] = sleep_cycles_per_s(stream.device)
-            paced = []
+            rate = gbps * 1e9 * sum(nbytes for _, nbytes, _ in copies) / total  # this lane's share, bytes/s
+            paced, slept = [], 0.0
             for kind, nbytes, fn in copies:
-                seconds = nbytes / per_lane
+                seconds = nbytes / rate
                 paced.append((kind, nbytes, _then_sleep(fn, int(seconds * rates[stream.device]))))
-                self.paced_s += seconds
+                slept += seconds
             self.lanes[i] = (label, stream, paced)
+            self.paced_s = max(self.paced_s, slept)
 
     def _issue(self) -> None:
         current = torch.cuda.current_stream(self.device)
