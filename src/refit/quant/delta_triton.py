@@ -1,15 +1,23 @@
-"""One-pass delta find on CUDA (Triton): compare, compact and (optionally) update the base, reading each
-version once. ``refit.quant.delta.find_changes`` is its reference and calls it on contiguous CUDA tensors.
+"""Delta find on CUDA (Triton): which elements of the current version differ (bitwise) from the base, their
+flat indices and new values, optionally updating the base, in passes that each stream their input once.
+``refit.quant.delta.find_changes`` is the reference and calls this on contiguous CUDA tensors.
 
-The torch reference makes several passes (compare into a bool tensor, ``nonzero``, gather the values).
-Here one program reads a block of ``BLOCK`` (4096) elements of the base and the current version as integers
-(bitwise), counts its changed elements, reserves that many output slots with one atomic add on a global
-counter, and writes their flat indices (int64) and new values at its reserved offset plus the exclusive
-prefix sum of its changes; with ``update`` it also writes the new values into the base (the base update
-of a sender, fused). Blocks reserve in the order they run, so the indices come out grouped by block in no
-particular order across blocks (every consumer is order-free: ``encode``, ``apply_changes``). At most
-``cap`` changes are written; the returned count says how many there were, so a caller sees an overflow.
-Imports nothing of refit (tested in Triton's interpreter on CPU: ``tests/delta_interpret.py``).
+Two passes (``mark`` then ``gather``; ``diff_compact`` / ``find_many`` run both):
+
+* ``mark``: one program per block of ``BLOCK`` (4096) elements reads base and current as integers, writes
+  the block's changed elements as a bitmask (bit i of byte i // 8, refit's ``bitmask`` encoding), their
+  count per block, and with ``update`` the new values into the base (a sender's base update, fused). No
+  atomics and no scan: a pure streaming pass over both versions.
+* the blocks' counts' exclusive prefix sum (torch) gives each block its output offset, and their total the
+  output size (one host sync, for any number of pieces: ``find_many``);
+* ``gather``: per block, the bitmask (n / 8 bytes) and the current values where a bit is set (only the
+  sectors that hold a change are read) -> indices (int64, plus ``start``) and values at the block's offset
+  plus the prefix sum inside the block. The output is sorted by index.
+
+The first version was one pass (compare, a 4096-element scan and one atomic add on a shared counter per
+block, writing in no particular order); on an H200 it read the two versions at about 1.0 TB/s. It is kept
+as ``one_pass`` for ``bench/delta_gpu.py`` to measure beside. Imports nothing of refit (tested in Triton's
+interpreter on CPU: ``tests/delta_interpret.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +57,75 @@ if AVAILABLE:
             tl.store(base_ptr + offs, c, mask=changed)
 
 
+if AVAILABLE:
+
+    @triton.jit
+    def _mark(base_ptr, cur_ptr, mask_ptr, counts_ptr, n, UPDATE: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < n
+        b = tl.load(base_ptr + offs, mask=inb, other=0)
+        c = tl.load(cur_ptr + offs, mask=inb, other=0)
+        changed = (b != c) & inb
+        ones = changed.to(tl.int32)
+        tl.store(counts_ptr + pid, tl.sum(ones, axis=0))
+        byte = tl.sum(tl.reshape(ones, (BLOCK // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
+        moffs = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        tl.store(mask_ptr + moffs, byte.to(tl.uint8), mask=moffs < (n + 7) // 8)
+        if UPDATE:
+            tl.store(base_ptr + offs, c, mask=changed)
+
+    @triton.jit
+    def _gather(mask_ptr, cur_ptr, starts_ptr, idx_ptr, val_ptr, n, start, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < n
+        byte = tl.load(mask_ptr + offs // 8, mask=inb, other=0).to(tl.int32)
+        changed = (((byte >> (offs % 8).to(tl.int32)) & 1) == 1) & inb
+        ones = changed.to(tl.int32)
+        pos = tl.load(starts_ptr + pid) + (tl.cumsum(ones, axis=0) - ones).to(tl.int64)
+        c = tl.load(cur_ptr + offs, mask=changed, other=0)
+        tl.store(idx_ptr + pos, offs + start, mask=changed)
+        tl.store(val_ptr + pos, c, mask=changed)
+
+
+def mark(base_bits: torch.Tensor, cur_bits: torch.Tensor, update: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Enqueue ``mark`` (no host sync) over contiguous 1-D integer views of equal length: ``(mask, counts)``,
+    the bitmask (uint8, ``ceil(n / 8)`` bytes) and the changed elements per block of ``BLOCK`` (int32)."""
+    n = cur_bits.numel()
+    blocks = triton.cdiv(n, BLOCK) if n else 0
+    mask = torch.empty((n + 7) // 8, dtype=torch.uint8, device=cur_bits.device)
+    counts = torch.zeros(blocks, dtype=torch.int32, device=cur_bits.device)
+    if n:
+        _mark[(blocks,)](base_bits, cur_bits, mask, counts, n, UPDATE=update, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return mask, counts
+
+
+def gather(
+    mask: torch.Tensor, counts: torch.Tensor, cur_bits: torch.Tensor, k: int, start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Enqueue ``gather`` (no host sync): the ``k`` (the sum of ``counts``) changed elements ``mark`` found,
+    as sorted flat indices (int64, plus ``start``) and current bits."""
+    idx = torch.empty(k, dtype=torch.int64, device=cur_bits.device)
+    vals = torch.empty(k, dtype=cur_bits.dtype, device=cur_bits.device)
+    if k:
+        starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
+        _gather[(counts.numel(),)](
+            mask, cur_bits, starts, idx, vals, cur_bits.numel(), start, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
+    return idx, vals
+
+
+def find_many(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], update: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``mark`` every ``(base_bits, cur_bits)`` pair, one host sync for all their counts, then ``gather``
+    each: ``(indices, bits)`` per pair, sorted, exact in size."""
+    marked = [mark(b, c, update) for b, c in pairs]
+    totals = torch.stack([c.sum(dtype=torch.int64) for _, c in marked]).tolist() if marked else []
+    return [gather(m, c, cur, k) for (m, c), (_, cur), k in zip(marked, pairs, totals)]
+
+
 def launch(
     base_bits: torch.Tensor,
     cur_bits: torch.Tensor,
@@ -70,11 +147,22 @@ def launch(
 
 
 def diff_compact(
+    base_bits: torch.Tensor, cur_bits: torch.Tensor, start: int = 0, update: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``mark``, one host sync, ``gather``: ``(indices, values, count)`` of every changed element, sorted."""
+    mask, counts = mark(base_bits, cur_bits, update)
+    k = int(counts.sum(dtype=torch.int64)) if counts.numel() else 0
+    idx, vals = gather(mask, counts, cur_bits, k, start)
+    return idx, vals, k
+
+
+def one_pass(
     base_bits: torch.Tensor, cur_bits: torch.Tensor, start: int = 0, cap: int | None = None, update: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``launch`` into fresh slots (``cap``, default every element), then one host sync. Returns
-    ``(indices, values, count)``: the first ``min(count, cap)`` changed elements' flat indices (plus
-    ``start``) and current bits, and the true number of changes ``count``."""
+    """The first version (one pass, an atomic counter per launch; for the bench): ``launch`` into fresh
+    slots (``cap``, default every element), then one host sync. Returns ``(indices, values, count)``: the
+    first ``min(count, cap)`` changed elements' flat indices (plus ``start``, in no particular order) and
+    current bits, and the true number of changes ``count``."""
     cap = cur_bits.numel() if cap is None else cap
     idx = torch.empty(cap, dtype=torch.int64, device=cur_bits.device)
     vals = torch.empty(cap, dtype=cur_bits.dtype, device=cur_bits.device)
