@@ -113,9 +113,9 @@ def _base_update(base, names, found):
 
 
 def _mark_only(base, cur, names):
-    from refit.quant.delta_triton import mark
+    from refit.quant.delta_triton import Marked
 
-    return [mark(bits(base[n]).reshape(-1), bits(cur[n]).reshape(-1)) for n in names]
+    return Marked([(bits(base[n]).reshape(-1), bits(cur[n]).reshape(-1)) for n in names], update=False)
 
 
 def _one_pass(base, cur, names):

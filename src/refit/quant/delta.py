@@ -215,17 +215,14 @@ def _find_kernel(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int) -> tup
 def find_changes_many(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int = CHUNK_BYTES, use_triton: bool | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``find_changes`` of every ``(base, cur)`` pair (the pieces of one message). Pairs the kernel takes
-    (contiguous, one CUDA device, at most ``chunk_bytes``) are marked together with one host sync for all of
-    them, then gathered (``delta_triton.find_many``: sorted indices, outputs of exact size); the rest go
-    through ``find_changes``. ``use_triton``: as ``find_changes``' (True: every pair that fits the chunk, e.g.
-    in Triton's interpreter)."""
+    """``find_changes`` of every ``(base, cur)`` pair (the pieces of one message, or of a batch of them).
+    Pairs the kernel takes (contiguous, one CUDA device) are found together: one ``mark`` launch, one host
+    sync, one ``gather`` launch for all of them (``delta_triton.find_many``: sorted indices, outputs of
+    exact size; the bitmask, n / 8 bytes, is the temporary); the rest go through ``find_changes`` in chunks
+    of ``chunk_bytes``. ``use_triton``: as ``find_changes``' (True: every pair, e.g. in Triton's
+    interpreter)."""
     out: list = [None] * len(pairs)
-    fits = [
-        i
-        for i, (b, c) in enumerate(pairs)
-        if c.numel() * c.element_size() <= chunk_bytes and (_kernel_fits(b, c) if use_triton is None else use_triton)
-    ]
+    fits = [i for i, (b, c) in enumerate(pairs) if (_kernel_fits(b, c) if use_triton is None else use_triton)]
     if fits:
         from refit.quant.delta_triton import find_many
 
