@@ -25,10 +25,10 @@ same-device link (S2: the engine on the trainer's GPU) a dense copy (read n, wri
 than reading two versions: ``choose_encoding`` returns dense there without looking at ``k``. Both
 sides read the same rule, but only the sender decides; the message header carries its choice.
 
-On CUDA: ``refit.quant.delta_triton`` marks the changes in a bitmask reading each version once, then
-gathers their indices and values (sorted); ``find_changes`` uses it for contiguous CUDA tensors when
-Triton is installed, and its torch path is the kernel's reference (``tests/delta_interpret.py`` runs the
-kernel in Triton's interpreter against it).
+One pass on CUDA: ``refit.quant.delta_triton`` compares, compacts (and can update the base) reading each
+version once; ``find_changes`` uses it for contiguous CUDA tensors when Triton is installed, and its
+torch path is the kernel's reference (``tests/delta_interpret.py`` runs the kernel in Triton's
+interpreter against it).
 """
 
 from __future__ import annotations
@@ -166,8 +166,9 @@ def find_changes(
     """Flat indices (int64, row-major over the shape) of the elements of ``cur`` whose bits differ from
     ``base``, and ``cur``'s values there. Same shape and dtype; any strides; ``base`` may live on another
     device (a pinned host copy: each chunk is copied to ``cur``'s device first). The torch path returns
-    the indices sorted, and so does the kernel (``use_triton``; default: both contiguous on one CUDA device
-    with Triton installed)."""
+    the indices sorted; the one-pass kernel (``use_triton``; default: both contiguous on one CUDA device
+    with Triton installed) sorted by chunk, in no particular order inside one (every consumer here is
+    order-free)."""
     if base.shape != cur.shape or base.dtype != cur.dtype:
         raise ValueError(f"find_changes: base {list(base.shape)} {base.dtype} vs current {list(cur.shape)} {cur.dtype}")
     if use_triton is None:
@@ -199,36 +200,49 @@ def _kernel_fits(base: torch.Tensor, cur: torch.Tensor) -> bool:
 
 
 def _find_kernel(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``find_changes`` through the kernel (``refit.quant.delta_triton``), in chunks of ``chunk_bytes``
-    (their bitmasks are the temporaries), one host sync for all of them."""
-    from refit.quant.delta_triton import find_many
+    """``find_changes`` through the one-pass kernel (``refit.quant.delta_triton``), chunk by chunk."""
+    from refit.quant.delta_triton import diff_compact
 
     b, c = bits(base).reshape(-1), bits(cur).reshape(-1)
     step = max(1, chunk_bytes // cur.element_size())
-    starts = range(0, c.numel(), step)
-    found = find_many([(b[s : s + step], c[s : s + step]) for s in starts])
-    if not found:
+    idx, vals = [], []
+    for s in range(0, c.numel(), step):
+        i, v, _ = diff_compact(b[s : s + step], c[s : s + step], start=s)
+        idx.append(i.clone())  # copied out, so the chunk's slots are freed now
+        vals.append(v.view(cur.dtype).clone())
+    if not idx:
         return torch.empty(0, dtype=torch.int64, device=cur.device), cur.new_empty(0)
-    return torch.cat([i + s for s, (i, _) in zip(starts, found)]), torch.cat([v for _, v in found]).view(cur.dtype)
+    return torch.cat(idx), torch.cat(vals)
 
 
 def find_changes_many(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int = CHUNK_BYTES, use_triton: bool | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``find_changes`` of every ``(base, cur)`` pair (the pieces of one message, or of a batch of them).
-    Pairs the kernel takes (contiguous, one CUDA device) are found together: one ``mark`` launch, one host
-    sync, one ``gather`` launch for all of them (``delta_triton.find_many``: sorted indices, outputs of
-    exact size; the bitmask, n / 8 bytes, is the temporary); the rest go through ``find_changes`` in chunks
-    of ``chunk_bytes``. ``use_triton``: as ``find_changes``' (True: every pair, e.g. in Triton's
-    interpreter)."""
+    """``find_changes`` of every ``(base, cur)`` pair (the pieces of one message). Pairs the one-pass
+    kernel takes (contiguous, one CUDA device, at most ``chunk_bytes``) are launched together with one
+    host sync for all of them, into slots for a quarter of their elements (a pair with more changes is
+    found again by ``find_changes``, with every slot); the rest go through ``find_changes``. ``use_triton``: as
+    ``find_changes``' (True: every pair that fits the chunk, e.g. in Triton's interpreter)."""
     out: list = [None] * len(pairs)
-    fits = [i for i, (b, c) in enumerate(pairs) if (_kernel_fits(b, c) if use_triton is None else use_triton)]
+    fits = [
+        i
+        for i, (b, c) in enumerate(pairs)
+        if c.numel() * c.element_size() <= chunk_bytes and (_kernel_fits(b, c) if use_triton is None else use_triton)
+    ]
     if fits:
-        from refit.quant.delta_triton import find_many
+        from refit.quant.delta_triton import launch
 
-        found = find_many([(bits(pairs[i][0]).reshape(-1), bits(pairs[i][1]).reshape(-1)) for i in fits])
-        for i, (idx, vals) in zip(fits, found):
-            out[i] = (idx, vals.view(pairs[i][1].dtype))
+        counts = torch.zeros(len(fits), dtype=torch.int32, device=pairs[fits[0]][1].device)
+        slots = []
+        for j, i in enumerate(fits):
+            b, c = pairs[i]
+            cap = max(1024, c.numel() // 4)
+            idx, vals = torch.empty(cap, dtype=torch.int64, device=c.device), bits(c.new_empty(cap))
+            launch(bits(b).reshape(-1), bits(c).reshape(-1), idx, vals, counts[j : j + 1])
+            slots.append((idx, vals))
+        for i, k, (idx, vals) in zip(fits, counts.tolist(), slots):
+            if k <= len(idx):  # copied out, so the slots are freed now
+                out[i] = (idx[:k].clone(), vals[:k].view(pairs[i][1].dtype).clone())
     return [o if o is not None else find_changes(b, c, chunk_bytes, use_triton) for o, (b, c) in zip(out, pairs)]
 
 
