@@ -6,8 +6,8 @@
 1. Kernels (one process, the first device): the model's bf16 weights, a base copy and an engine copy.
    Per changed fraction (0.1%, 1%, 10%, 100%): an optimizer-like step (every element flips its last
    mantissa bit with probability F: +-1 ulp, spread over every tensor, not in blocks), then per tensor
-   ``find_changes`` (find: the one-pass Triton kernel on CUDA; beside it the torch path and the first
-   version of the kernel launched alone, each timed over the same tensors), ``encode``
+   ``find_changes`` (find: the one-pass Triton kernel on CUDA; its torch path and the kernel launched alone,
+   without copying the changes out, timed beside it), ``encode``
    sparse (pack), ``decode`` + ``apply_changes`` into the engine
    copy (apply), and the base update; each phase timed over the whole model (tensors in groups of
    ``--group-gb``, synchronized per phase), against a dense on-device copy of every tensor. The engine
@@ -112,27 +112,25 @@ def _base_update(base, names, found):
         apply_changes(base[n], i, v)
 
 
-def _launched(base, cur, names, one_pass):
-    """The kernel alone (``one_pass``: its first version, a scan over each block's 4096 elements), launched as
-    the transport launches it: slots for a quarter of the elements, all pieces, one host sync for the counts
-    (no copies out of the slots)."""
+def _kernel_alone(base, cur, names):
+    """The one-pass kernel alone, launched as ``find_changes_many`` launches it (slots for a quarter of the
+    elements, every piece, one host sync for the counts), without copying the changes out of the slots."""
     from refit.quant.delta_triton import launch
 
     counts = torch.zeros(len(names), dtype=torch.int32, device=cur[names[0]].device)
     for j, n in enumerate(names):
         c = bits(cur[n]).reshape(-1)
         cap = max(1024, c.numel() // 4)
-        idx, vals = torch.empty(cap, dtype=torch.int64, device=c.device), c.new_empty(cap)
-        launch(bits(base[n]).reshape(-1), c, idx, vals, counts[j : j + 1], one_pass=one_pass)
+        launch(bits(base[n]).reshape(-1), c, torch.empty(cap, dtype=torch.int64, device=c.device), c.new_empty(cap),
+               counts[j : j + 1])  # fmt: skip
     return counts.tolist()
 
 
 def _group(cur, base, engine, names, device, sec) -> list[tuple[int, int]]:
     """One group's phases, each synchronized and added to ``sec``; returns ``(n, k)`` per tensor."""
-    if device.type == "cuda":  # the torch reference and the kernels' parts, beside what find_changes takes
+    if device.type == "cuda":  # the torch reference and the kernel alone, beside what find_changes takes
         sec["find_torch"] += _timed(device, partial(_find, base, cur, names, False))[0]
-        sec["kernel_alone"] += _timed(device, partial(_launched, base, cur, names, False))[0]
-        sec["find_one_pass"] += _timed(device, partial(_launched, base, cur, names, True))[0]
+        sec["kernel_alone"] += _timed(device, partial(_kernel_alone, base, cur, names))[0]
     dt, found = _timed(device, partial(_find, base, cur, names))
     sec["find"] += dt
     sizes = [wire_bytes("sparse", cur[n].numel(), len(i), 2) for n, (i, _) in zip(names, found)]
@@ -145,7 +143,7 @@ def _group(cur, base, engine, names, device, sec) -> list[tuple[int, int]]:
 
 def kernel_row(cur, base, engine, fraction, device, group_bytes) -> dict:
     """One fraction's find / pack / apply / base-update seconds over the whole model, bytes, exactness."""
-    sec = dict.fromkeys(("find", "find_torch", "kernel_alone", "find_one_pass", "pack", "apply", "base_update"), 0.0)
+    sec = dict.fromkeys(("find", "find_torch", "kernel_alone", "pack", "apply", "base_update"), 0.0)
     counts = [nk for names in _groups(cur, group_bytes) for nk in _group(cur, base, engine, names, device, sec)]
     n_all, k_all = sum(n for n, _ in counts), sum(k for _, k in counts)
     copy_s, _ = _timed(device, partial(_copy_all, engine, cur))  # dense, on the device
@@ -175,9 +173,9 @@ def kernels(model: str, device: torch.device, group_bytes: int) -> tuple[list[di
     cur = {n: make_weight(n, s, torch.bfloat16, device) for n, s, _ in shapes}
     base = {n: t.clone() for n, t in cur.items()}
     engine = {n: t.clone() for n, t in cur.items()}
-    # warm-up, not recorded: a step and every phase once (Triton compiles a kernel per argument specialization
-    # at its first use, e.g. the gather only once something changed; the allocator grows to the phases' sizes),
-    # then the versions equal again
+    # warm-up, not recorded: a step and every phase once (Triton compiles the kernel once per argument
+    # specialization at its first use; the allocator grows to the phases' sizes), then the versions equal
+    # again. Without it the first row (0.1%) was 5-30x slower than the others in every find path.
     optimizer_step(cur, FRACTIONS[0], seed=10_000)
     kernel_row(cur, base, engine, FRACTIONS[0], device, group_bytes)
     rows = []
@@ -292,11 +290,10 @@ def _print(res: dict) -> None:
     )
     gb = 2 * res["model_bytes"] / 1e9  # the find reads base and current
     for r in res["kernels"]:
-        if r["find_one_pass_ms"]:
+        if r["kernel_alone_ms"]:
             print(
-                f"  {r['fraction']:>6.1%}: find {r['find_ms']:.2f} ms ({gb / r['find_ms']:.2f} TB/s read); kernel "
-                f"launched alone {r['kernel_alone_ms']:.2f} ms ({gb / r['kernel_alone_ms']:.2f} TB/s), its first "
-                f"version {r['find_one_pass_ms']:.2f} ms ({gb / r['find_one_pass_ms']:.2f} TB/s)"
+                f"  {r['fraction']:>6.1%}: find {r['find_ms']:.2f} ms ({gb / r['find_ms']:.2f} TB/s read); "
+                f"the kernel launched alone {r['kernel_alone_ms']:.2f} ms ({gb / r['kernel_alone_ms']:.2f} TB/s)"
             )
     for r in res["kernels"]:
         print(

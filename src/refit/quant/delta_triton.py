@@ -2,19 +2,14 @@
 version once. ``refit.quant.delta.find_changes`` is its reference and calls it on contiguous CUDA tensors.
 
 The torch reference makes several passes (compare into a bool tensor, ``nonzero``, gather the values).
-Here one program takes a block of ``BLOCK`` (4096) elements of the base and the current version as
-integers (bitwise) as ``BLOCK // 8`` rows of 8 contiguous elements (one vector load per thread), counts
-its changed elements, reserves that many output slots with one atomic add on a global counter, and writes
-their flat indices (int64) and new values at its reserved offset plus the changes before them in the
-block (a scan over the block's row counts, then within the row); with ``update`` it also writes the new
-values into the base (the base update of a sender, fused). Blocks reserve in the order they run, so the
-indices come out grouped by block in no particular order across blocks (every consumer is order-free:
-``encode``, ``apply_changes``). At most ``cap`` changes are written; the returned count says how many
-there were, so a caller sees an overflow.
-
-The first version scanned each block's 4096 elements (``one_pass=True``, kept for ``bench/delta_gpu.py``
-to measure beside). Imports nothing of refit (tested in Triton's interpreter on CPU:
-``tests/delta_interpret.py``).
+Here one program reads a block of ``BLOCK`` (4096) elements of the base and the current version as integers
+(bitwise), counts its changed elements, reserves that many output slots with one atomic add on a global
+counter, and writes their flat indices (int64) and new values at its reserved offset plus the exclusive
+prefix sum of its changes; with ``update`` it also writes the new values into the base (the base update
+of a sender, fused). Blocks reserve in the order they run, so the indices come out grouped by block in no
+particular order across blocks (every consumer is order-free: ``encode``, ``apply_changes``). At most
+``cap`` changes are written; the returned count says how many there were, so a caller sees an overflow.
+Imports nothing of refit (tested in Triton's interpreter on CPU: ``tests/delta_interpret.py``).
 """
 
 from __future__ import annotations
@@ -53,31 +48,6 @@ if AVAILABLE:
         if UPDATE:
             tl.store(base_ptr + offs, c, mask=changed)
 
-    @triton.jit
-    def _diff_rows(
-        base_ptr, cur_ptr, idx_ptr, val_ptr, count_ptr, n, start, cap, UPDATE: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        # the block as BLOCK // 8 rows of 8 contiguous elements (one vector load per thread); a change's
-        # slot: the block's reservation + the changes in earlier rows (a scan over BLOCK // 8 row counts,
-        # not over BLOCK elements) + those earlier in its row
-        pid = tl.program_id(0).to(tl.int64)
-        rows = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
-        inb = offs < n
-        b = tl.load(base_ptr + offs, mask=inb, other=0)
-        c = tl.load(cur_ptr + offs, mask=inb, other=0)
-        changed = (b != c) & inb
-        ones = changed.to(tl.int32)
-        per_row = tl.sum(ones, axis=1)
-        first = tl.atomic_add(count_ptr, tl.sum(per_row, axis=0))
-        before = (tl.cumsum(per_row, axis=0) - per_row)[:, None] + (tl.cumsum(ones, axis=1) - ones)
-        pos = first + before.to(tl.int64)
-        ok = changed & (pos < cap)
-        tl.store(idx_ptr + pos, offs + start, mask=ok)
-        tl.store(val_ptr + pos, c, mask=ok)
-        if UPDATE:
-            tl.store(base_ptr + offs, c, mask=changed)
-
 
 def launch(
     base_bits: torch.Tensor,
@@ -87,27 +57,20 @@ def launch(
     count: torch.Tensor,
     start: int = 0,
     update: bool = False,
-    one_pass: bool = False,
 ) -> None:
     """Enqueue the kernel (no host sync): at most ``len(idx)`` changes of ``cur_bits`` vs ``base_bits``
     (contiguous 1-D integer views of equal length) into ``idx`` (int64, plus ``start``) and ``vals``
-    (``cur_bits``' dtype); ``count`` (one int32, zeroed) receives the true number of changes.
-    ``one_pass``: the first kernel (a scan over each block's elements) instead of rows (for the bench)."""
+    (``cur_bits``' dtype); ``count`` (one int32, zeroed) receives the true number of changes."""
     n = cur_bits.numel()
     if n:
-        kernel = _diff_compact if one_pass else _diff_rows
-        kernel[(triton.cdiv(n, BLOCK),)](
+        grid = (triton.cdiv(n, BLOCK),)
+        _diff_compact[grid](
             base_bits, cur_bits, idx, vals, count, n, start, len(idx), UPDATE=update, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
 
 
 def diff_compact(
-    base_bits: torch.Tensor,
-    cur_bits: torch.Tensor,
-    start: int = 0,
-    cap: int | None = None,
-    update: bool = False,
-    one_pass: bool = False,
+    base_bits: torch.Tensor, cur_bits: torch.Tensor, start: int = 0, cap: int | None = None, update: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``launch`` into fresh slots (``cap``, default every element), then one host sync. Returns
     ``(indices, values, count)``: the first ``min(count, cap)`` changed elements' flat indices (plus
@@ -116,6 +79,6 @@ def diff_compact(
     idx = torch.empty(cap, dtype=torch.int64, device=cur_bits.device)
     vals = torch.empty(cap, dtype=cur_bits.dtype, device=cur_bits.device)
     count = torch.zeros(1, dtype=torch.int32, device=cur_bits.device)
-    launch(base_bits, cur_bits, idx, vals, count, start, update, one_pass)
+    launch(base_bits, cur_bits, idx, vals, count, start, update)
     k = int(count.item())
     return idx[: min(k, cap)], vals[: min(k, cap)], k
