@@ -183,6 +183,23 @@ def test_config_refuses_unknown_delta_settings():
         TransferConfig(delta="auto", delta_link_gbps=0)
     with pytest.raises(ConfigError, match="checksums"):
         TransferConfig(delta="auto", checksums=True)
+    for transport in ("ipc", "nixl"):  # no P2P link: a delta would silently never apply
+        with pytest.raises(ConfigError, match=f"works on P2P links only, and transport='{transport}' makes none"):
+            TransferConfig(delta="sparse", transport=transport)
+
+
+def test_auto_sends_deltas_between_hosts_over_p2p_even_where_nixl_is_installed(monkeypatch):
+    import refit.config
+
+    monkeypatch.setattr(refit.config, "nixl_installed", lambda: True)
+    assert TransferConfig(transport="auto").cross_host == "nixl"
+    assert TransferConfig(transport="auto", delta="auto").cross_host == "p2p"
+    src = layout_from_spec(SHAPES, parse_spec("tp=1", "src"))
+    dst = layout_from_spec(SHAPES, parse_spec("tp=1", "dst"))
+    two_hosts = ProcessMap((0,), (1,), ("host-a/cpu:1", "host-b/cpu:2"))
+    for delta, want in (("off", "nixl"), ("auto", "p2p")):
+        plan = build_plan(src, dst, two_hosts, TransferConfig(transport="auto", delta=delta))
+        assert {m.transport for m in plan.messages} == {want}
 
 
 # ------------------------------------------------------------------------------------- multi-process (gloo)

@@ -63,7 +63,8 @@ class TransferConfig:
       (default: by the link's kind, ``refit.quant.delta.LINKS``). Not with ``checksums``. Under
       ``"auto"`` a plan where no P2P message can pay as a delta (``quant.delta.may_pay``: its best case
       must beat dense by ``PAY_MARGIN``; NVLink at the measured rates, one device) runs the plain P2P path:
-      no base copy, no header exchange.
+      no base copy, no header exchange. Deltas travel on P2P links only: ``transport`` ``"ipc"`` and
+      ``"nixl"`` are refused with a delta, and under ``"auto"`` links between hosts use P2P, not NIXL.
 
     Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,
     stages, delta and, with deltas, ``delta_link_gbps``; plus the Peer's ``tag_base``). Pre-flight
@@ -142,12 +143,18 @@ class TransferConfig:
             raise ConfigError(f"TransferConfig.delta_link_gbps must be a finite number of GB/s > 0, got {g!r}")
         if self.delta != "off" and self.checksums:
             raise ConfigError(f"TransferConfig.delta={self.delta!r} does not work with checksums=True yet")
+        if self.delta != "off" and self.transport in ("ipc", "nixl"):
+            raise ConfigError(
+                f"TransferConfig.delta={self.delta!r} works on P2P links only, and transport={self.transport!r} "
+                "makes none; use transport='auto' (IPC on one host, P2P between hosts) or 'p2p'"
+            )
 
     @property
     def cross_host(self) -> str:
         """The transport of a link between two hosts: ``"nixl"`` when asked for, or under ``"auto"`` where
-        the ``nixl`` package is installed (``nixl_installed``); else ``"p2p"``."""
-        if self.transport == "nixl" or (self.transport == "auto" and nixl_installed()):
+        the ``nixl`` package is installed (``nixl_installed``) and deltas are off; else ``"p2p"`` (deltas
+        are built on P2P links, and between hosts, over NICs, is where they pay)."""
+        if self.transport == "nixl" or (self.transport == "auto" and not self.deltas and nixl_installed()):
             return "nixl"
         return "p2p"
 
