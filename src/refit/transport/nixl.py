@@ -1,22 +1,23 @@
 """NIXL pulls: every receiver reads its plan's pieces from its sources' registered memory (one-sided READs).
 
+This module is the link (``NixlLink``: setup, per-refit protocol, checksums). It builds on
+``refit.transport.nixl_agent`` (the process's NIXL agent and its UCX settings, ``Trace``),
+``refit.transport.nixl_memory`` (registered regions, runs, the source's staging buffer) and
+``refit.transport.nixl_record`` (the sealed per-receiver record and its checks).
+
 Setup (once, through the store; no process group spans sources and receivers):
 
-* each process makes a NIXL agent (UCX backend, NIXL's own metadata listener off) after applying the
-  UCX settings of ``refit.transport.nics`` (``UCX_NET_DEVICES``: the selected NICs plus the bind
-  address's interface, ``UCX_MAX_RMA_RAILS``; no NIC where the plan's devices put every peer on this
-  host; on CUDA, READs over CUDA IPC allowed without NVLink: ``apply_ucx_settings``), and registers
-  the memory its pieces live in: a source
-  the storage of every tensor a receiver reads (whole parameters; a view registers its storage), a
-  receiver the storage of every tensor it receives into;
+* each process takes its NIXL agent (``SharedAgent``: UCX backend, NIXL's own metadata listener off,
+  the UCX settings of ``refit.transport.nics`` applied first) and registers the memory its pieces live
+  in (``storage_regions``): a source the storage of every tensor a receiver reads (whole parameters; a
+  view registers its storage), a receiver the storage of every tensor it receives into;
 * each source publishes, for each of its receivers, a record sealed with the job secret
-  (``SignedStore.put_sealed``: AES-GCM, useless without the secret): its agent name and metadata,
-  its registered regions and the address and strides of every tensor part that receiver reads;
-  plain JSON, never pickled (NIXL's ``get_serialized_descs`` is not used);
-* each receiver checks every field of its sources' records (``check_record``: known keys, types,
-  ranges, every piece inside a region its source registered) before ``add_remote_agent``, then
-  turns its pieces into descriptors (``runs``: one per contiguous run common to both sides) and
-  prepares READ requests of at most ``config.buffer_bytes`` each.
+  (``record_for``, ``SignedStore.put_sealed``): its agent name and metadata, its registered regions
+  and the address and strides of every tensor part that receiver reads;
+* each receiver checks every field of its sources' records (``check_record``) before
+  ``add_remote_agent``, then turns its pieces into descriptors (``_piece_runs``: one per contiguous
+  run common to both sides, every piece inside a region its source registered) and prepares READ
+  requests of at most ``config.buffer_bytes`` each.
 
 Per refit: a source announces that its tensors are final (``<name>/nixl/<agent>/ready`` = the run
 number); a receiver waits for that, posts its requests, at most ``config.num_buffers`` in flight,
@@ -49,508 +50,32 @@ the record field by field and compares: the first differing piece (plan order) i
 
 from __future__ import annotations
 
-import base64
-import bisect
-import ctypes
-import itertools
 import json
 import logging
-import os
-import sys
-import tempfile
-import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from refit.binding import LocalTensors
-from refit.config import PIECE_ALIGN, TransferConfig
+from refit.config import TransferConfig
 from refit.errors import ChecksumError, ConfigError, PlanError, TransferError
 from refit.layout import box_relative
 from refit.plan import Plan
 from refit.plan.schedule import part_key, source_part
 from refit.transport.checksum import Piece, PieceSums
 from refit.transport.clock import RunClock
-from refit.transport.nics import process_nics, ucx_settings
-from refit.transport.store import SignedStore, bind_address, interface_of
+from refit.transport.nixl_agent import PROGRESS_EVERY_S, SharedAgent, Trace, available, peers_on_this_host
+from refit.transport.nixl_memory import SourceStaging, dense_strides, memory_of, runs, span, storage_regions
+from refit.transport.nixl_record import MEM_TYPES, check_record, inside, is_int, record_for
+from refit.transport.store import SignedStore
 
 log = logging.getLogger("refit.nixl")
 
-MEM_TYPES = ("DRAM", "VRAM")
-MAX_RECORD_ENTRIES = 1 << 16  # regions or tensor parts in one record
-MAX_METADATA_BYTES = 1 << 20
 MAX_DESCRIPTORS = 1 << 16  # per READ request
-_ADDR_LIMIT = 1 << 63
 _POLL_S = 0.001
-STAGE_RUN_BYTES = 64 << 10  # a source piece whose runs are shorter than this is staged (packed) if it fits a slot
-SYSFS_ENV = "REFIT_SYSFS_ROOT"  # where NIC discovery reads sysfs (default /sys; a container's mount, tests)
-SET_ENV = "REFIT_UCX_SET"  # the UCX variables refit itself set (JSON): chosen anew for a later agent
-DEBUG_ENV = "REFIT_NIXL_DEBUG"  # "1": a line per phase on stderr (``Trace``), UCX's own choices printed
-UCX_SHOWN = ("UCX_NET_DEVICES", "UCX_MAX_RMA_RAILS", "UCX_TLS")
-PROGRESS_EVERY_S = 5.0  # debug: how often a long wait says what it still waits for
-
-
-def available() -> bool:
-    """Whether ``nixl`` imports here (with its UCX plugin)."""
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# ---------------------------------------------------------------------------- UCX settings, agent
-def apply_ucx_settings(device: torch.device, env: dict | None = None, one_host: bool = False) -> dict[str, str]:
-    """Set this process's UCX variables for a NIXL agent on ``device`` (``nics.process_nics`` on the
-    sysfs under ``REFIT_SYSFS_ROOT``, default ``/sys``, and ``nics.ucx_settings``; ``REFIT_BIND_ADDRESS``'s
-    interface, loopback by default) in ``env`` (default ``os.environ``: UCX reads it when an agent is
-    created) and return them (logged). ``one_host``: every peer of this process is on its host, so no
-    NIC is selected (UCX moves bytes through shared memory, CMA or CUDA IPC; registering GPU memory
-    with an HCA would only cost time). On CUDA, ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``: UCX turns READs
-    over CUDA IPC off where NVML shows no active NVLink on GPU 0 (one GPU, PCIe), and refit's READs
-    then crawl through UCX's software emulation. ``REFIT_NIXL_DEBUG=1`` adds ``UCX_LOG_LEVEL=info``
-    and ``UCX_PROTO_INFO=y`` (UCX prints the transports and protocols it chose). A variable the
-    environment already sets is the user's choice and stays; one that refit set for an earlier agent
-    (recorded in ``REFIT_UCX_SET``, inherited by child processes too) is chosen anew."""
-    env = os.environ if env is None else env
-    ours = _refit_set(env)
-    for k in ours:  # refit's own earlier choice (another device, or another host set): not the user's
-        env.pop(k, None)
-    sysfs_root = env.get(SYSFS_ENV) or "/sys"
-    address = bind_address(env.get("REFIT_BIND_ADDRESS"))
-    interface = None if address in ("0.0.0.0", "::") else interface_of(address)
-    nics = [] if one_host else process_nics(str(device), sysfs_root, env)
-    chosen = ucx_settings(nics, interface, env)
-    extra = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"} if torch.device(device).type == "cuda" else {}
-    if env.get(DEBUG_ENV) == "1":
-        extra |= {"UCX_LOG_LEVEL": "info", "UCX_PROTO_INFO": "y"}
-    chosen |= {k: v for k, v in extra.items() if k not in env}
-    env.update(chosen)
-    env[SET_ENV] = json.dumps(chosen, sort_keys=True)
-    shown = {k: env[k] for k in (*UCX_SHOWN, *extra) if k in env}
-    log.info("refit nixl: UCX settings for %s (bind %s%s): %s", device, address, ", one host" * one_host, shown)
-    return chosen
-
-
-def _refit_set(env: Mapping[str, str]) -> dict[str, str]:
-    """The UCX variables refit set in ``env`` (``REFIT_UCX_SET``) that still hold refit's value."""
-    try:
-        mine = json.loads(env.get(SET_ENV, "{}"))
-    except ValueError:
-        return {}
-    if not isinstance(mine, dict):
-        return {}
-    return {k: v for k, v in mine.items() if isinstance(k, str) and k.startswith("UCX_") and env.get(k) == v}
-
-
-def make_agent(name: str, device: torch.device, one_host: bool = False):
-    """A NIXL agent named ``name`` with the UCX backend, no metadata listener and NIXL's strict thread
-    mode (its calls serialized: links of one process may run from different threads); the UCX
-    settings applied first (``apply_ucx_settings``)."""
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-    apply_ucx_settings(device, one_host=one_host)
-    config = nixl_agent_config(
-        backends=[], enable_listen_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-    )
-    agent = nixl_agent(name, config)
-    agent.create_backend("UCX", {})
-    return agent
-
-
-class SharedAgent:
-    """This process's NIXL agent, shared by its links (one per ``Peer``): one UCX context, worker and
-    progress thread per process however many Peers it holds (a fan-out replica: one per wave).
-
-    ``acquire(device, one_host)``: the agent made with those UCX settings (the first call makes it,
-    ``make_agent``; a later call with other settings, e.g. a link with peers on other hosts after one
-    without, gets an agent of its own); ``release()`` once per acquire: the last one drops the agent.
-    Remote agents are counted per link: ``add_remote(metadata)`` loads a remote agent's metadata, or
-    refreshes it (a source that registered more memory for another link publishes newer metadata, which
-    NIXL merges; requests prepared before stay valid); ``drop_remote(name)`` forgets it once no link
-    of this process reads from it. Thread-safe."""
-
-    _lock = threading.Lock()
-    _agents: dict[tuple[str, bool], SharedAgent] = {}
-
-    def __init__(self, key: tuple[str, bool], agent, name: str) -> None:
-        self.key, self.agent, self.name = key, agent, name
-        self.users = 0
-        self.remotes: Counter[str] = Counter()
-
-    @classmethod
-    def acquire(cls, device: torch.device, one_host: bool = False) -> SharedAgent:
-        key = (str(device), one_host)
-        with cls._lock:
-            shared = cls._agents.get(key)
-            if shared is None:
-                name = f"refit-{os.getpid()}-{uuid.uuid4().hex[:16]}"
-                shared = cls._agents[key] = cls(key, make_agent(name, device, one_host), name)
-            shared.users += 1
-            return shared
-
-    @classmethod
-    def count(cls) -> int:
-        """How many agents this process holds now."""
-        with cls._lock:
-            return len(cls._agents)
-
-    def release(self) -> None:
-        with self._lock:
-            self.users -= 1
-            if self.users > 0:
-                return
-            if self._agents.get(self.key) is self:
-                del self._agents[self.key]
-            self.agent = None  # NIXL's agent (its UCX worker and progress thread) goes with the last reference
-
-    def add_remote(self, metadata: bytes) -> str:
-        """Load (or refresh) a remote agent's metadata; its name (NIXL's own errors propagate)."""
-        got = self.agent.add_remote_agent(metadata)
-        name = got.decode() if isinstance(got, bytes) else got
-        with self._lock:
-            self.remotes[name] += 1
-        return name
-
-    def drop_remote(self, name: str) -> None:
-        with self._lock:
-            self.remotes[name] -= 1
-            if self.remotes[name] > 0:
-                return
-            del self.remotes[name]
-        try:
-            self.agent.remove_remote_agent(name)
-        except Exception:  # noqa: BLE001, S110 - already gone
-            pass
-
-
-def peers_on_this_host(plan: Plan, proc: int) -> bool:
-    """Whether the plan's devices show every NIXL peer of ``proc`` on its host (False without devices:
-    where the processes run is not known)."""
-    procs = plan.procs
-    if procs.devices is None:
-        return False
-    peers = {procs.src[m.src] for m in plan.messages if m.transport == "nixl" and procs.dst[m.dst] == proc}
-    peers |= {procs.dst[m.dst] for m in plan.messages if m.transport == "nixl" and procs.src[m.src] == proc}
-    return all(procs.host_of(p) == procs.host_of(proc) for p in peers)
-
-
-class Trace:
-    """``REFIT_NIXL_DEBUG=1``: one line per NIXL phase on stderr, flushed at once (a run that stalls
-    shows where), with the process id, the plan's process number and the seconds since ``t0``;
-    otherwise nothing. ``every(key, s)``: whether ``s`` seconds passed since that key last said so."""
-
-    def __init__(self, proc: int) -> None:
-        self.on = os.environ.get(DEBUG_ENV) == "1"
-        self.proc, self.t0 = proc, time.monotonic()
-        self._last: dict[str, float] = {}
-
-    def __call__(self, fmt: str, *args) -> None:
-        if self.on:
-            head = f"[refit nixl pid {os.getpid()} process {self.proc} +{time.monotonic() - self.t0:.3f}s] "
-            print(head + (fmt % args), file=sys.stderr, flush=True)
-
-    def every(self, key: str, seconds: float) -> bool:
-        now = time.monotonic()
-        if not self.on or now - self._last.setdefault(key, now) < seconds:
-            return False
-        self._last[key] = now
-        return True
-
-
-def ucx_config() -> dict[str, str]:
-    """UCX's own reading of its configuration in this process (``ucp_config_read`` and
-    ``ucp_config_print`` of the libucp NIXL loaded): ``{"UCX_NET_DEVICES": ..., ...}``. Empty before
-    an agent exists. A diagnostic: what a running transfer's UCX context was configured with."""
-    with open("/proc/self/maps") as f:
-        path = next((line.split()[-1] for line in f if "libucp" in line), None)
-    if path is None:
-        return {}
-    lib, libc = ctypes.CDLL(path), ctypes.CDLL(None)
-    libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
-    libc.fclose.argtypes = [ctypes.c_void_p]
-    lib.ucp_config_read.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
-    lib.ucp_config_print.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
-    lib.ucp_config_release.argtypes = [ctypes.c_void_p]
-    cfg = ctypes.c_void_p()
-    if lib.ucp_config_read(None, None, ctypes.byref(cfg)) != 0:
-        return {}
-    try:
-        with tempfile.NamedTemporaryFile("r", prefix="refit-ucx-") as out:
-            fp = libc.fopen(out.name.encode(), b"w")
-            lib.ucp_config_print(cfg, fp, b"refit", 1)  # UCS_CONFIG_PRINT_CONFIG
-            libc.fclose(fp)
-            text = out.read()
-    finally:
-        lib.ucp_config_release(cfg)
-    return dict(line.split("=", 1) for line in text.splitlines() if line.startswith("UCX_") and "=" in line)
-
-
-def _mem(t: torch.Tensor) -> tuple[str, int]:
-    return ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
-
-
-def cuda_segments(device: int) -> list[tuple[int, int]]:
-    """The caching allocator's segments on CUDA device ``device`` (one allocation each), as sorted
-    ``(start, end)`` addresses; none with expandable segments (one of those maps several allocations)."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    if "expandable_segments:true" in conf.replace(" ", "").lower():
-        return []
-    snap = torch.cuda.memory_snapshot()
-    return sorted((g["address"], g["address"] + g["total_size"]) for g in snap if g["device"] == device)
-
-
-def _allocation_of(mem: str, dev: int, segments: dict[int, list[tuple[int, int]]]):
-    """``addr -> which allocation holds it`` on ``(mem, dev)``: host memory is one (CMA and shared memory
-    read across touching storages), a GPU's are the caching allocator's ``segments[dev]`` (None outside
-    them: memory torch did not allocate is never merged)."""
-    if mem == "DRAM":
-        return lambda addr: 0
-    seg = segments.get(dev, [])
-    starts = [lo for lo, _ in seg]
-
-    def which(addr: int):
-        i = bisect.bisect_right(starts, addr) - 1
-        return i if i >= 0 and addr < seg[i][1] else None
-
-    return which
-
-
-def storage_regions(
-    tensors: Sequence[torch.Tensor], segments: dict[int, list[tuple[int, int]]] | None = None
-) -> list[list]:
-    """The storages of ``tensors`` as ``[address, bytes, device, memory type]``: overlapping ones merged,
-    and touching ones where one allocation holds both (``_allocation_of``; ``segments``: per CUDA device,
-    its allocations, default ``cuda_segments``).
-
-    Touching storages of two allocations stay apart: allocations can lie back to back in the address
-    space, and a region across both breaks UCX's ``cuda_ipc`` (it maps the one allocation a region starts
-    in, so a READ past its end fails with "cuMemcpyDtoDAsync ... invalid argument": 16 GB of Llama-3.1-8B
-    on 2x H200). Merging within an allocation keeps the regions few (the record's size: a model of
-    thousands of unfused tensors registers a few allocations, not one region per tensor)."""
-    spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.nbytes():
-            spans.setdefault(_mem(t), []).append((st.data_ptr(), st.data_ptr() + st.nbytes()))
-    if segments is None:
-        segments = {dev: cuda_segments(dev) for mem, dev in spans if mem == "VRAM"}
-    out = []
-    for (mem, dev), ranges in sorted(spans.items()):
-        out += [[lo, hi - lo, dev, mem] for lo, hi in merge_ranges(ranges, _allocation_of(mem, dev, segments))]
-    return out
-
-
-def merge_ranges(ranges: list[tuple[int, int]], which) -> list[list[int]]:
-    """``[start, end)`` ranges, sorted and merged where they overlap, or touch inside one allocation
-    (``which(addr)``: the allocation holding ``addr``, None for unknown)."""
-    merged: list[list[int]] = []
-    for lo, hi in sorted(ranges):
-        last = merged[-1] if merged else None
-        touch = last is not None and lo == last[1] and which(lo) is not None and which(lo) == which(last[0])
-        if last is not None and (lo < last[1] or touch):
-            last[1] = max(last[1], hi)
-        else:
-            merged.append([lo, hi])
-    return merged
-
-
-# ---------------------------------------------------------------------------- geometry
-def runs(
-    shape: Sequence[int], src: int, src_strides: Sequence[int], dst: int, dst_strides: Sequence[int], itemsize: int
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """The contiguous runs common to a source and a destination view of one ``shape`` (addresses in
-    bytes, strides in elements, all >= 0): (source addresses, destination addresses, bytes per run),
-    in row-major order. Trailing dimensions that are dense on both sides merge into one run."""
-    if any(n == 0 for n in shape):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
-    dims = [(n, s, d) for n, s, d in zip(shape, src_strides, dst_strides) if n != 1]
-    run, k = 1, len(dims)
-    while k > 0 and dims[k - 1][1] == run and dims[k - 1][2] == run:
-        run *= dims[k - 1][0]
-        k -= 1
-    s_addr, d_addr = np.array([src], np.int64), np.array([dst], np.int64)
-    for n, s, d in dims[:k]:
-        step = np.arange(n, dtype=np.int64)
-        s_addr = (s_addr[:, None] + step * (s * itemsize)).reshape(-1)
-        d_addr = (d_addr[:, None] + step * (d * itemsize)).reshape(-1)
-    return s_addr, d_addr, run * itemsize
-
-
-def dense_strides(shape: Sequence[int]) -> list[int]:
-    """Row-major strides (in elements) of a dense tensor of ``shape``."""
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return out[::-1]
-
-
-def span(shape: Sequence[int], addr: int, strides: Sequence[int], itemsize: int) -> tuple[int, int]:
-    """The first byte and one past the last byte a view touches."""
-    last = sum((n - 1) * s for n, s in zip(shape, strides))
-    return addr, addr + (last + 1) * itemsize
-
-
-# ---------------------------------------------------------------------------- source staging
-class SourceStaging:
-    """A source's staging buffer: the pieces it sends whose runs in its tensors are shorter than
-    ``STAGE_RUN_BYTES`` (a column slice of a row-sharded weight) and that fit one slot, packed dense at
-    ``PIECE_ALIGN``-ed offsets. Pieces go, the receivers' in turn and each receiver's in plan order, into
-    rounds of at most ``slot_bytes`` (the config's ``buffer_bytes``, aligned down); round r is packed into
-    slot r % ``slots`` (``num_buffers``), so the buffer never exceeds ``slots`` x ``slot_bytes`` however
-    many bytes are staged. Longer pieces are read in
-    place, one descriptor per run. Receivers read a staged piece as one descriptor.
-
-    Lifecycle: built at setup (``offsets``: message index -> byte offset; ``round_of``: message index ->
-    round); the first ``slots`` rounds are packed before a refit is announced, each later round r once
-    every receiver has read round r - ``slots`` (``NixlLink``'s ``packed`` / ``consumed`` keys);
-    registered with the source's other memory."""
-
-    def __init__(
-        self, plan: Plan, proc: int, local: LocalTensors, slot_bytes: int, slots: int, device: torch.device
-    ) -> None:
-        self.offsets: dict[int, int] = {}
-        self.round_of: dict[int, int] = {}
-        self.slots = slots
-        stride = slot_bytes // PIECE_ALIGN * PIECE_ALIGN  # slots start aligned, all within the budget
-        views: list[list[tuple[int, torch.Tensor]]] = []
-        used = stride
-        for i, v in self._candidates(plan, proc, local, stride):
-            p = plan.messages[i].pieces[0]
-            start = -(-used // PIECE_ALIGN) * PIECE_ALIGN
-            if start + p.nbytes > stride:
-                views.append([])
-                start = 0
-            r = len(views) - 1
-            self.offsets[i], self.round_of[i], used = (r % slots) * stride + start, r, start + p.nbytes
-            views[-1].append((self.offsets[i], v))
-        full = min(len(views), slots) - 1  # slots filled before the last one used
-        size = 0 if not views else full * stride + (used if len(views) <= slots else stride)
-        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        self.rounds = [[(self._slot(o, v), v) for o, v in r] for r in views]
-
-    @staticmethod
-    def _candidates(plan: Plan, proc: int, local: LocalTensors, fits: int) -> list[tuple[int, torch.Tensor]]:
-        """The messages this source stages (short runs, at most ``fits`` bytes) with their source views,
-        the receivers' in turn (each round then serves every receiver: none waits for another to finish
-        its part of the buffer)."""
-        per: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for i, m in enumerate(plan.messages):
-            if m.transport != "nixl" or plan.procs.src[m.src] != proc:
-                continue
-            p = m.pieces[0]
-            v = local.src_view(p.tensor, p.box)
-            run = runs(v.shape, 0, v.stride(), 0, dense_strides(v.shape), p.itemsize)[2]
-            if run < min(STAGE_RUN_BYTES, p.nbytes) and p.nbytes <= fits:
-                per.setdefault(plan.procs.dst[m.dst], []).append((i, v))
-        lists = [per[r] for r in sorted(per)]
-        return [x for group in itertools.zip_longest(*lists) for x in group if x is not None]
-
-    def _slot(self, offset: int, v: torch.Tensor) -> torch.Tensor:
-        return self.buffer[offset : offset + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
-
-    def pack(self, r: int) -> None:
-        """Copy round ``r``'s pieces into their slot (the source's tensors are final)."""
-        for dst, src in self.rounds[r]:
-            dst.copy_(src)
-
-    def address(self, index: int) -> int:
-        """Where message ``index``'s staged piece lies."""
-        return self.buffer.data_ptr() + self.offsets[index]
-
-
-# ---------------------------------------------------------------------------- records
-_RECORD_KEYS = {"agent", "metadata", "regions", "parts", "staged", "rounds"}
-
-
-def _int(x: object, lo: int = 0, hi: int = _ADDR_LIMIT) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x < hi
-
-
-def _check_regions(regions: object, who: str) -> list[list]:
-    if not isinstance(regions, list) or not 0 < len(regions) <= MAX_RECORD_ENTRIES:
-        raise PlanError(f"NIXL record of {who}: regions must be a list of 1..{MAX_RECORD_ENTRIES} entries")
-    for r in regions:
-        ok = isinstance(r, list) and len(r) == 4 and _int(r[0]) and _int(r[1], 1) and _int(r[2], 0, 1 << 16)
-        if not ok or r[3] not in MEM_TYPES or r[0] + r[1] > _ADDR_LIMIT:
-            raise PlanError(f"NIXL record of {who}: region {str(r)[:80]} is not [address, bytes, device, memory]")
-    return regions
-
-
-def _check_parts(parts: object, who: str, ndims: dict[str, int]) -> dict[str, list]:
-    """Exactly the parts this receiver reads, each ``[address, strides, device, memory type]``."""
-    if not isinstance(parts, dict) or set(parts) != set(ndims):
-        got = sorted(parts)[:5] if isinstance(parts, dict) else type(parts).__name__
-        raise PlanError(f"NIXL record of {who}: parts {got} are not the {len(ndims)} tensor parts read from it")
-    for key, p in parts.items():
-        ok = isinstance(p, list) and len(p) == 4 and _int(p[0]) and isinstance(p[1], list)
-        ok = ok and len(p[1]) == ndims[key] and all(_int(s, 0, 1 << 48) for s in p[1])
-        if not ok or not _int(p[2], 0, 1 << 16) or p[3] not in MEM_TYPES:
-            raise PlanError(f"NIXL record of {who}: part {key!r} is {str(p)[:80]}, not [address, strides, dev, mem]")
-    return parts
-
-
-def _check_staged(staged: object, who: str, messages: set[int]) -> dict[int, int]:
-    """Staged pieces: message index (one this receiver reads from ``who``) -> address."""
-    if not isinstance(staged, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in staged):
-        raise PlanError(f"NIXL record of {who}: staged must map message indices to addresses")
-    out = {int(k): v for k, v in staged.items()}
-    if not set(out) <= messages or not all(_int(v) for v in out.values()):
-        bad = sorted(set(out) - messages)[:5]
-        raise PlanError(f"NIXL record of {who}: staged names messages {bad} not read from it, or a bad address")
-    return out
-
-
-def _check_rounds(rounds: object, who: str, staged: dict[int, int]) -> dict:
-    """The source's staging rounds: ``{"count": rounds, "slots": slots, "of": {message: round}}`` with a
-    round for exactly the staged messages."""
-    ok = isinstance(rounds, dict) and set(rounds) == {"count", "slots", "of"} and isinstance(rounds["of"], dict)
-    ok = ok and _int(rounds["count"], 0, MAX_RECORD_ENTRIES + 1) and _int(rounds["slots"], 1, 1 << 16)
-    of = {int(k): v for k, v in rounds["of"].items() if k.isascii() and k.isdigit()} if ok else {}
-    if not ok or set(of) != set(staged) or len(of) != len(rounds["of"]):
-        raise PlanError(f"NIXL record of {who}: rounds must be {{count, slots, of}} with a round per staged message")
-    if not all(_int(r, 0, rounds["count"]) for r in of.values()):
-        raise PlanError(f"NIXL record of {who}: a staged message's round is outside 0..{rounds['count'] - 1}")
-    return {"count": rounds["count"], "slots": rounds["slots"], "of": of}
-
-
-def check_record(rec: object, who: str, ndims: dict[str, int], messages: set[int] = frozenset()) -> dict:
-    """A source's record if every field is well formed (known keys; an agent name; base64 metadata of at
-    most ``MAX_METADATA_BYTES``; regions; the parts ``ndims`` names, each with one stride per dimension;
-    staged pieces among ``messages``, the indices of the messages read from it, each in a staging round),
-    else ``PlanError``
-    naming ``who`` and the field. Whether each piece lies in a region: ``_piece_runs``."""
-    if not isinstance(rec, dict) or set(rec) != _RECORD_KEYS:
-        keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-        raise PlanError(f"NIXL record of {who} has keys {keys}, expected {sorted(_RECORD_KEYS)}")
-    name = rec["agent"]
-    if not isinstance(name, str) or not 0 < len(name) <= 200 or not name.isprintable():
-        raise PlanError(f"NIXL record of {who}: agent name {str(name)[:80]!r} is not a short printable string")
-    try:
-        md = base64.b64decode(rec["metadata"], validate=True) if isinstance(rec["metadata"], str) else b""
-    except ValueError:
-        md = b""
-    if not 0 < len(md) <= MAX_METADATA_BYTES:
-        raise PlanError(f"NIXL record of {who}: metadata is not base64 of 1..{MAX_METADATA_BYTES} bytes")
-    staged = _check_staged(rec["staged"], who, set(messages))
-    return {
-        "agent": name,
-        "metadata": md,
-        "regions": _check_regions(rec["regions"], who),
-        "parts": _check_parts(rec["parts"], who, ndims),
-        "staged": staged,
-        "rounds": _check_rounds(rec["rounds"], who, staged),
-    }
-
-
-def _inside(regions: list[list], mem: str, dev: int, lo: int, hi: int) -> bool:
-    return any(r[3] == mem and r[2] == dev and r[0] <= lo and hi <= r[0] + r[1] for r in regions)
 
 
 # ---------------------------------------------------------------------------- checksums
@@ -619,14 +144,14 @@ class NixlSums:
         """Source process ``sp``'s sums for run ``run`` (message index -> sum), None if ``rec`` is of an
         earlier run; ``TransferError`` naming the field if it is not exactly the sums of the pieces
         read from ``sp`` (int64 values)."""
-        if not isinstance(rec, dict) or set(rec) != _SUMS_KEYS or not _int(rec["run"], 0):
+        if not isinstance(rec, dict) or set(rec) != _SUMS_KEYS or not is_int(rec["run"], 0):
             raise TransferError(f"NIXL checksum record of process {sp} is not {{run, sums}}: {str(rec)[:80]}")
         if rec["run"] < run:
             return None
         want = {str(k) for k, s in self.reads.items() if s == sp}
         sums = rec["sums"]
         ok = rec["run"] == run and isinstance(sums, dict) and set(sums) == want
-        if not ok or not all(_int(v, -(1 << 63), 1 << 63) for v in sums.values()):
+        if not ok or not all(is_int(v, -(1 << 63), 1 << 63) for v in sums.values()):
             raise TransferError(
                 f"NIXL checksum record of process {sp}: run {rec['run']} (expected {run}), "
                 f"sums not the {len(want)} int64 sums of the pieces read from it: {str(sums)[:80]}"
@@ -661,24 +186,6 @@ class _Request:
     round: int = -1
 
 
-def _record_for(
-    plan: Plan, local: LocalTensors, agent, name: str, regions: list, receiver: int, staging: SourceStaging
-) -> dict:
-    """What receiver process ``receiver`` needs to read this source's pieces (see the module docstring)."""
-    parts, staged, of = {}, {}, {}
-    for k, m in enumerate(plan.messages):
-        if m.transport == "nixl" and plan.procs.dst[m.dst] == receiver and m.src == local.src_rank:
-            for p in m.pieces:
-                i, (_, t) = local.src_part(p.tensor, p.box)
-                mem, dev = _mem(t)
-                parts[part_key(p.tensor, i)] = [t.data_ptr(), list(t.stride()), dev, mem]
-            if k in staging.offsets:
-                staged[str(k)], of[str(k)] = staging.address(k), staging.round_of[k]
-    md = base64.b64encode(agent.get_agent_metadata()).decode()
-    rounds = {"count": len(staging.rounds), "slots": staging.slots, "of": of}
-    return {"agent": name, "metadata": md, "regions": regions, "parts": parts, "staged": staged, "rounds": rounds}
-
-
 def _piece_runs(
     plan: Plan, k: int, local: LocalTensors, rec: dict, who: str
 ) -> tuple[tuple, np.ndarray, np.ndarray, int]:
@@ -695,14 +202,14 @@ def _piece_runs(
     if k in rec.get("staged", {}):
         start, strides = rec["staged"][k], dense_strides(shape)
     lo, hi = span(shape, start, strides, p.itemsize)
-    if not _inside(rec["regions"], mem, dev, lo, hi):
+    if not inside(rec["regions"], mem, dev, lo, hi):
         raise PlanError(
             f"NIXL record of {who}: tensor {p.tensor!r} piece {[list(b) for b in p.box]} spans bytes "
             f"[{lo:#x}, {hi:#x}) of {mem}:{dev}, outside every region it registered"
         )
     view = local.dst_view(p.tensor, p.box)
     s_addr, d_addr, run = runs(shape, start, strides, view.data_ptr(), view.stride(), p.itemsize)
-    return (mem, dev, *_mem(view)), s_addr, d_addr, run
+    return (mem, dev, *memory_of(view)), s_addr, d_addr, run
 
 
 def _chunks(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
@@ -890,7 +397,7 @@ class NixlLink:
             link._register(storage_regions(tensors))
             link.receivers = sorted({plan.procs.dst[m.dst] for m in sends})
             for r in link.receivers:
-                rec = _record_for(plan, local, link.agent, name, link._regions, r, staging)
+                rec = record_for(plan, local, link.agent, name, link._regions, r, staging)
                 store.put_sealed(link._key(f"record/{proc}/{r}"), json.dumps(rec).encode())
             trace("records published for processes %s", link.receivers)
             for sp in sorted({plan.procs.src[m.src] for m in recvs}):
