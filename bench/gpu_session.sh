@@ -27,7 +27,7 @@ for part in ${PARTS:-tests overlap lora}; do
   overlap)
     # OVERLAP_RUNS: "scenario:pull_gbps" pairs (pull_gbps "-": full speed); default S2 and, with 2 GPUs, S1
     for r in ${OVERLAP_RUNS:-S2:- $([ "$NG" -ge 2 ] && echo S1:-)}; do
-      s=${r%%:*}; g=${r#*:}; tag=$s$([ "$g" != "-" ] && echo "_pace$g")
+      s=${r%%:*}; case $r in *:*) g=${r#*:};; *) g=-;; esac; tag=$s$([ "$g" != "-" ] && echo "_pace$g")
       timeout ${OVERLAP_TIMEOUT:-200} python3 -m bench.overlap_gpu --scenario $s --iters ${OVERLAP_ITERS:-5} \
         $([ "$g" != "-" ] && echo "--pull-gbps $g") --json "$OUT/overlap_$tag.json" > "$OUT/overlap_$tag.txt" 2>&1
       echo "overlap $tag rc=$?" >> "$SUM"; tail -5 "$OUT/overlap_$tag.txt" >> "$SUM"

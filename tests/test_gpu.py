@@ -128,15 +128,15 @@ def test_ipc_colocated_reshard_fsdp2_to_tp2(dtype, graph, checksums):
 
 @pytest.mark.timeout(300)
 def test_ipc_paced_pull_is_exact_and_sleeps_for_its_bytes_at_the_pace():
-    """``pull_gbps``: each copy is followed by a sleep on its stream, recorded in the graph; the sleeps add up
-    to the pulled bytes at the pace (the pull's time is not asserted: wall-clock)."""
+    """``pull_gbps``: each copy is followed by a sleep on its stream, recorded in the graph; the recorded sleep
+    cycles add up to the pulled bytes at the pace (the pull's time is not asserted: wall-clock)."""
     src_l, dst_l = _layouts("tiny-qwen2", "fsdp=2", "tp=2", torch.bfloat16)
     devices = _two_gpus_or_one()
     procs = ProcessMap.disjoint(2, 2).with_devices(devices)
     out = run_local(_worker, 2, 2, src_l, dst_l, procs, "ipc", False, True, False, 5.0, devices=devices, timeout_s=240)
     for ok, kinds, _, used_graph, (paced_s, received) in out[2:]:
         assert ok == [True, True, True] and kinds == ["ipc"] and used_graph
-        assert received > 0 and paced_s == pytest.approx(received / 5e9, rel=1e-6), (paced_s, received)
+        assert received > 0 and paced_s == pytest.approx(received / 5e9, rel=1e-3), (paced_s, received)
 
 
 @pytest.mark.timeout(300)

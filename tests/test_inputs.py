@@ -264,11 +264,11 @@ def test_cuda_tensors_over_a_gloo_p2p_group_are_refused_at_setup():
     # H100s as "writev ... Bad address" and SIGABRT). The executor refuses that pairing before any op.
     import torch.distributed as dist
 
-    from refit.executor import Comms, _check_p2p_backend
     from refit.layout.models import param_shapes
     from refit.layout.rules import layout_from_spec
     from refit.layout.spec import parse_spec
     from refit.plan import build_plan
+    from refit.transport.p2p import check_backend
 
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
     plan = build_plan(
@@ -277,5 +277,5 @@ def test_cuda_tensors_over_a_gloo_p2p_group_are_refused_at_setup():
     assert any(m.transport == "p2p" for m in plan.messages)
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     with pytest.raises(ConfigError, match=r"process 0: the plan sends CUDA tensors .* over P2P, but .*gloo"):
-        _check_p2p_backend(plan, 0, torch.device("cuda", 0), Comms(group=group, standalone=True))
-    _check_p2p_backend(plan, 0, torch.device("cpu"), Comms(group=group, standalone=True))  # CPU: gloo is right
+        check_backend(plan, 0, torch.device("cuda", 0), group, True)
+    check_backend(plan, 0, torch.device("cpu"), group, True)  # CPU: gloo is right

@@ -151,6 +151,24 @@ def test_commit_budget_and_rollback_contract():
     assert "pull_gbps" not in TransferConfig().agreement()  # a receiver's own pacing, not the wire's shape
 
 
+def test_a_pace_that_would_outlast_half_the_deadline_is_refused_naming_both():
+    from refit.plan import build_plan
+    from refit.transport.ipc import check_pace
+
+    shapes = param_shapes("tiny-llama")
+    src, dst = layout_from_spec(shapes, parse_spec("tp=1", "src")), layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    plan = build_plan(src, dst, ProcessMap((0,), (1,), ("cuda:0", "cuda:1")), TransferConfig(transport="ipc"))
+    pulled = sum(p.nbytes for m in plan.messages for p in m.pieces)
+    assert {m.transport for m in plan.messages} == {"ipc"} and pulled > 0
+    slow = TransferConfig(transport="ipc", pull_gbps=pulled / 1e9 / 6, deadline_s=10)  # 6 s of pulls
+    with pytest.raises(ConfigError, match=r"pull_gbps=.* paces process 1's .* GB of IPC pulls to at least 6\.0 s, "
+                       r"more than half of deadline_s=10"):  # fmt: skip
+        check_pace(plan, 1, slow)
+    check_pace(plan, 0, slow)  # the source pulls nothing
+    check_pace(plan, 1, TransferConfig(transport="ipc", pull_gbps=pulled / 1e9 / 4, deadline_s=10))  # 4 s: fine
+    check_pace(plan, 1, TransferConfig(transport="ipc", deadline_s=10))  # no pace
+
+
 def test_token_versions():
     tv = TokenVersions(((0, 1), (3, 2)), n_tokens=5)
     assert tv.per_token() == [1, 1, 1, 2, 2]

@@ -44,11 +44,13 @@ class TransferConfig:
       receiver (``ChecksumError`` names the peer or tensor): catches flipped, swapped and zeroed bytes.
       On CUDA with Triton it is computed in the copy that moves the bytes where it can (one kernel per
       P2P step, per IPC stage), plus one read of each IPC source to compare; one host sync per run.
-    * ``pull_gbps``: CUDA IPC pulls into this process use at most this many GB/s (copies in short
-      bursts, each followed by a sleep on its stream; ``None``: full speed). For refit while generating
-      with the engine on the trainer's GPU: a full-speed pull takes the memory bandwidth the engine's
-      passes need, a paced one leaves them most of it and takes longer, beside them. Not the copies
-      the checksum kernel fuses (``checksums``).
+    * ``pull_gbps``: CUDA IPC pulls into this process are paced to about this many GB/s of copied bytes
+      (copies in bursts of at most 64 MiB, each followed by a sleep on its stream, counted in SM cycles;
+      a same-GPU copy reads and writes, so its HBM traffic is about twice that; ``None``: full speed).
+      For refit while generating with the engine on the trainer's GPU: a full-speed pull takes the
+      memory bandwidth the engine's passes need, a paced one leaves them most of it and takes longer,
+      beside them. Not the copies the checksum kernel fuses (``checksums``). A pace that would make
+      this process's pulls outlast half of ``deadline_s`` is refused when the Peer is built.
     * ``stages``: all-IPC plans pull in this many stages so a source's prepare (FP8) overlaps the pulls.
     * ``keep_previous`` (staged only): keep the last committed version in a copy of this process's
       destination share, so ``Peer.rollback()`` restores it without the trainer resending.

@@ -42,9 +42,9 @@ from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
 from refit.transport.clock import RunClock
 from refit.transport.delta import DeltaSchedule, DeltaStats, plan_may_pay
-from refit.transport.ipc import IpcLink, IpcPuller
+from refit.transport.ipc import IpcLink, IpcPuller, free_stream, joined, private_stream
 from refit.transport.nixl import NixlLink
-from refit.transport.p2p import P2PSchedule, _Step
+from refit.transport.p2p import P2PSchedule, _Step, check_backend
 from refit.transport.store import SignedStore
 
 __all__ = ["Comms", "Executor", "FaultHook", "RunStats"]
@@ -90,27 +90,6 @@ class Comms:
             raise ConfigError("Comms(standalone=True) needs the ProcessGroup object as group, got group=None")
 
 
-def _check_p2p_backend(plan: Plan, proc: int, device: torch.device, comms: Comms) -> None:
-    """``ConfigError`` when this process would send or receive CUDA tensors over a gloo group (gloo's
-    send/recv reads host memory: the process would abort in gloo, not raise)."""
-    if device.type != "cuda" or not any(
-        m.transport == "p2p" and proc in (plan.procs.src[m.src], plan.procs.dst[m.dst]) for m in plan.messages
-    ):
-        return
-    group = comms.group if comms.group is not None else (dist.group.WORLD if dist.is_initialized() else None)
-    if group is None:
-        return
-    try:
-        backend = str(dist.get_backend(group)) if not comms.standalone else type(group).__name__.lower()
-    except (RuntimeError, ValueError):
-        return
-    if "gloo" in backend and "nccl" not in backend:
-        raise ConfigError(
-            f"process {proc}: the plan sends CUDA tensors ({device}) over P2P, but the P2P group's backend is "
-            f"{backend!r}; pass group= an NCCL group (e.g. dist.new_group(ranks, backend='nccl'))"
-        )
-
-
 class Executor:
     """Moves one process's share of a plan's bytes, once per refit.
 
@@ -149,7 +128,7 @@ class Executor:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.is_source = local.src_rank is not None
-        _check_p2p_backend(plan, proc, self.device, comms)
+        check_backend(plan, proc, self.device, comms.group, comms.standalone)
         self.p2p = P2PSchedule(
             plan, proc, local, self.device, config, tag_base, group=comms.group, standalone=comms.standalone
         )
@@ -170,7 +149,7 @@ class Executor:
         # every refit's device work runs on this stream, never on the caller's: an engine that keeps
         # generating on its own (often the default) stream while a version is staged is not queued behind
         # the pulls, and its passes are not waited for by the refit beyond the one in flight at the start
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stream = private_stream(self.device) if self.cuda else None
 
     # ------------------------------------------------------------ what setup built
     @property
@@ -217,21 +196,15 @@ class Executor:
         On CUDA the work runs on the executor's own stream (``self.stream``): it first waits for what the
         caller's current stream has queued (the source's final weights, the last writes to a destination),
         and when it returns the caller's stream is ordered after it."""
-        args = (deadline, check_abort, fault_hook, version, held)
-        if self.stream is None:
-            return self._run(*args)
-        caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)
-        try:
-            with torch.cuda.stream(self.stream):
-                return self._run(*args)
-        finally:
-            caller.wait_stream(self.stream)
+        with self.on_stream():
+            return self._run(deadline, check_abort, fault_hook, version, held)
 
     def on_stream(self):
-        """A context in which device work runs on the executor's stream (a no-op on CPU): for work on
-        what a run left behind (the delta base's deferred updates), whose temporaries live on that stream."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        """``joined(self.stream)``: device work inside runs on the executor's stream, ordered after the
+        caller's stream and before what the caller queues next (on CPU: nothing). ``run`` uses it, and so
+        does work on what a run left behind (the delta base's deferred updates read the live source
+        tensors: the trainer's next step must come after them)."""
+        return joined(self.stream, self.device) if self.stream is not None else contextlib.nullcontext()
 
     def _run(
         self,
@@ -280,6 +253,8 @@ class Executor:
             self.ipc.close()
         if self.nixl is not None:
             self.nixl.close()
+        free_stream(self.stream)
+        self.stream = None
 
     def _pull_ipc(self, clock: RunClock, staged: bool) -> None:
         """Each stage: (prepare it,) every source's tensors of the stage are final, then pull."""

@@ -32,6 +32,7 @@ from refit.layout import ModelLayout
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.transport.control import AbortChannel, RefitAborted
 from refit.transport.delta import exchange_held
+from refit.transport.ipc import check_pace
 from refit.transport.store import SignedStore, signed
 
 
@@ -227,6 +228,7 @@ class Peer:
         try:
             self.plan = plan or build_plan(src_layout, dst_layout, procs, config)
             local = bind_local(self.plan, proc, src_tensors, dst_tensors)  # checked once, here
+            check_pace(self.plan, proc, config)
         except Exception as e:
             publish_failure(store, proc, e, config.name)
             raise

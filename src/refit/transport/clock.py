@@ -7,6 +7,9 @@ from collections.abc import Callable
 
 from refit.errors import DeadlineExceeded
 
+SPIN_S = 200e-6
+"""How long a host wait spins before it yields the GIL on every poll (a wait this short holds it briefly)."""
+
 
 class RunClock:
     """The deadline (``time.monotonic()`` value, or None) and abort check (or None) of one run.
@@ -29,8 +32,8 @@ class RunClock:
 
     def watch(self, finished: Callable[[], bool], pending: Callable[[], str]) -> None:
         """Poll ``finished`` until it is true, giving up at the deadline and checking the side
-        channel every 20 ms for another process's abort (short waits yield the GIL each poll, longer ones
-        sleep 0.1 ms a poll)."""
+        channel every 20 ms for another process's abort (the first ``SPIN_S`` spin, then each poll yields the
+        GIL, and after 50 ms sleeps 0.1 ms)."""
         start = time.monotonic()
         next_check = start + 0.02
         while not finished():
@@ -40,7 +43,8 @@ class RunClock:
             if self.check_abort is not None and now >= next_check:
                 self.check_abort()
                 next_check = now + 0.02
-            # yield the GIL on every poll: a spinning waiter holds it for the interpreter's switch interval
-            # (5 ms), so an engine thread beside the refit (refit while generating) would wait that long
-            # per pass; short waits only yield, longer ones sleep
-            time.sleep(0.0001 if now - start > 0.05 else 0)
+            if now - start >= SPIN_S:
+                # then yield the GIL on every poll: a spinning waiter holds it for the interpreter's switch
+                # interval (5 ms), so an engine thread beside the refit (refit while generating) would wait
+                # that long per pass; after 50 ms sleep 0.1 ms a poll
+                time.sleep(0.0001 if now - start > 0.05 else 0)

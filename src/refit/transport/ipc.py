@@ -18,6 +18,7 @@ host), agree on a shared-memory ``HostBarrier`` through the store.
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import errno
 import json
@@ -35,11 +36,12 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
-from refit.errors import ChecksumError, PlanError
+from refit.errors import ChecksumError, ConfigError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages, part_key, source_part
 from refit.transport.checksum import Piece, PieceSums, fusable
+from refit.transport.clock import SPIN_S
 from refit.transport.rows import row_copy
 from refit.transport.store import SignedStore
 
@@ -85,6 +87,10 @@ def _cudart() -> ctypes.CDLL | None:
         lib.cudaDeviceEnablePeerAccess.restype = ctypes.c_int
         lib.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
         lib.cudaGetLastError.restype = ctypes.c_int
+        lib.cudaStreamCreateWithFlags.restype = ctypes.c_int
+        lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cudaStreamDestroy.restype = ctypes.c_int
+        lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
         lib.cudaMemcpyAsync.restype = ctypes.c_int
         lib.cudaMemcpyAsync.argtypes = [
             ctypes.c_void_p,
@@ -100,6 +106,49 @@ def _cudart() -> ctypes.CDLL | None:
 
 
 _PEER_ACCESS_ALREADY_ENABLED = 704
+_STREAM_NON_BLOCKING = 1
+
+
+def private_stream(device: torch.device) -> torch.cuda.Stream:
+    """A CUDA stream of ``device`` that no one else in the process holds: created through the runtime
+    (non-blocking), not taken from torch's pool, whose 32 streams per device are handed out round-robin
+    (an engine's ``torch.cuda.Stream()`` could be the same stream). Free it with ``free_stream``. Without
+    torch's runtime found, a pool stream (the only other way)."""
+    lib = _cudart()
+    if lib is None:
+        return torch.cuda.Stream(device)
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        rc = lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _STREAM_NON_BLOCKING)
+    if rc != 0:
+        raise RuntimeError(f"cudaStreamCreateWithFlags on {device} failed with CUDA error {rc}")
+    return torch.cuda.ExternalStream(handle.value, device=device)
+
+
+@contextlib.contextmanager
+def joined(stream: torch.cuda.Stream, device: torch.device):
+    """Device work inside runs on ``stream``: it first waits for what the caller's current stream of
+    ``device`` has queued, and the caller's stream waits for it on the way out (also after an error; a
+    sticky CUDA error there does not hide the original one)."""
+    caller = torch.cuda.current_stream(device)
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            caller.wait_stream(stream)
+        raise
+    caller.wait_stream(stream)
+
+
+def free_stream(stream: torch.cuda.Stream | None) -> None:
+    """Destroy ``stream`` if ``private_stream`` created it through the runtime, without waiting: CUDA
+    releases it once its queued work is done (a refit that failed may have left work that never ends)."""
+    lib = _cudart()
+    if stream is None or lib is None or not isinstance(stream, torch.cuda.ExternalStream):
+        return
+    lib.cudaStreamDestroy(ctypes.c_void_p(stream.cuda_stream))
 
 
 def enable_peer_access(device: torch.device, peer: torch.device) -> None:
@@ -381,20 +430,25 @@ class IpcPuller:
         the receiving GPU's memory, and an engine running beside it keeps the rest (refit while
         generating on the engine's own GPU). The copies themselves still run at full speed, in bursts of
         at most ``PACE_CHUNK`` bytes. ``paced_s``: the longest lane's sleeps (the pulled bytes at
-        ``gbps``); a sleep waits longer while the engine's kernels fill the GPU, so the pace is a cap."""
+        ``gbps``, from the cycles recorded); a sleep starts late while the engine's kernels fill the GPU and
+        counts SM cycles (calibrated once: ``sleep_cycles_per_s``), so the pace is approximate, and a
+        same-GPU copy moves twice its bytes through HBM (read and write)."""
         total = sum(nbytes for _, _, copies in self.lanes for _, nbytes, _ in copies)
         rates = {}
         for i, (label, stream, copies) in enumerate(self.lanes):
+            lane = sum(nbytes for _, nbytes, _ in copies)
+            if not lane:
+                continue
             if stream.device not in rates:
                 rates[stream.device] = sleep_cycles_per_s(stream.device)
-            rate = gbps * 1e9 * sum(nbytes for _, nbytes, _ in copies) / total  # this lane's share, bytes/s
-            paced, slept = [], 0.0
+            rate = gbps * 1e9 * lane / total  # this lane's share of the pace, bytes/s
+            paced, cycles = [], 0
             for kind, nbytes, fn in copies:
-                seconds = nbytes / rate
-                paced.append((kind, nbytes, _then_sleep(fn, int(seconds * rates[stream.device]))))
-                slept += seconds
+                c = int(nbytes / rate * rates[stream.device])
+                paced.append((kind, nbytes, _then_sleep(fn, c)))
+                cycles += c
             self.lanes[i] = (label, stream, paced)
-            self.paced_s = max(self.paced_s, slept)
+            self.paced_s = max(self.paced_s, cycles / rates[stream.device])  # what the recorded sleeps add up to
 
     def _issue(self) -> None:
         current = torch.cuda.current_stream(self.device)
@@ -454,6 +508,24 @@ class IpcPuller:
         return out
 
 
+def check_pace(plan: Plan, proc: int, config: TransferConfig) -> None:
+    """``ConfigError`` when ``config.pull_gbps`` would make this process's IPC pulls take more than half of
+    ``config.deadline_s`` (every refit would abort, and the sleeps already queued would still hold its
+    stream): called before pre-flight, naming both numbers."""
+    if not config.pull_gbps:
+        return
+    pulled = sum(
+        p.nbytes for m in plan.messages if m.transport == "ipc" and plan.procs.dst[m.dst] == proc for p in m.pieces
+    )
+    seconds = pulled / (config.pull_gbps * 1e9)
+    if seconds > config.deadline_s / 2:
+        raise ConfigError(
+            f"TransferConfig.pull_gbps={config.pull_gbps:g} paces process {proc}'s {pulled / 1e9:.2f} GB of IPC "
+            f"pulls to at least {seconds:.1f} s, more than half of deadline_s={config.deadline_s:g}; raise "
+            "pull_gbps (or deadline_s)"
+        )
+
+
 def _pace_chunks(d: torch.Tensor, s: torch.Tensor, chunk: int | None):
     """``(dst, src)`` cut into flat runs of at most ``chunk`` bytes where both are contiguous (else whole)."""
     nbytes = d.numel() * d.element_size()
@@ -478,18 +550,26 @@ _SLEEP_RATES: dict[torch.device, float] = {}
 
 
 def sleep_cycles_per_s(device: torch.device) -> float:
-    """How many ``torch.cuda._sleep`` cycles make one second on ``device`` (measured once per device and
-    process: a 20 ms spin timed with CUDA events)."""
+    """How many ``torch.cuda._sleep`` cycles make one second on ``device``, measured once per device and
+    process on a private stream (no other work queued between the events): a 20 ms spin first (the clocks
+    ramp up), then the fastest of three 10 ms spins, so a slow reading never makes the sleeps too short.
+    The sleeps count SM cycles: under a lower clock later they last longer (the pace is then slower)."""
     if device not in _SLEEP_RATES:
-        cycles = 20_000_000
-        with torch.cuda.device(device):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1000)  # loaded before timing
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-            _SLEEP_RATES[device] = cycles / (start.elapsed_time(end) / 1e3)
+        cycles, best = 20_000_000, 0.0
+        stream = private_stream(device)
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)  # loaded, and the clocks up
+                for _ in range(3):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    torch.cuda._sleep(cycles // 2)
+                    end.record(stream)
+                    end.synchronize()
+                    best = max(best, (cycles // 2) / (start.elapsed_time(end) / 1e3))
+        finally:
+            free_stream(stream)
+        _SLEEP_RATES[device] = best
     return _SLEEP_RATES[device]
 
 
@@ -602,22 +682,22 @@ class HostBarrier:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         deadline, next_check = start + timeout_s, start + 0.02
-        spins = 0
         while int(self.slots.min()) < self.gen and self._reached() < self.gen:
-            spins += 1
-            time.sleep(0)  # yield the GIL each poll (an engine thread beside the refit must not wait 5 ms for it)
-            if spins > 1000:
-                time.sleep(0.00002)
-                now = time.monotonic()
-                gone = [i for i in range(self.size) if -1 - int(self.slots[i]) in range(self.gen)]
-                if gone:
-                    raise BarrierLeft(f"barrier: participants {gone} left (closed) instead of arriving")
-                if check is not None and now >= next_check:
-                    check()
-                    next_check = now + 0.02
-                if now > deadline:
-                    behind = [i for i in range(self.size) if self.slots[i] < self.gen]
-                    raise TimeoutError(f"barrier: participants {behind} did not arrive within {timeout_s:.1f}s")
+            now = time.monotonic()
+            if now - start < SPIN_S:
+                continue  # tens of microseconds: spin
+            # then yield the GIL each poll (a spinning thread holds it for Python's 5 ms switch interval: an
+            # engine thread beside the refit would wait that long), and after 50 ms sleep 20 us a poll
+            time.sleep(0 if now - start < 0.05 else 0.00002)
+            gone = [i for i in range(self.size) if -1 - int(self.slots[i]) in range(self.gen)]
+            if gone:
+                raise BarrierLeft(f"barrier: participants {gone} left (closed) instead of arriving")
+            if check is not None and now >= next_check:
+                check()
+                next_check = now + 0.02
+            if now > deadline:
+                behind = [i for i in range(self.size) if self.slots[i] < self.gen]
+                raise TimeoutError(f"barrier: participants {behind} did not arrive within {timeout_s:g} s")
 
     def _reached(self) -> int:
         """The lowest generation every participant has reached (one that left counts what it had reached)."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
-from refit.errors import ChecksumError
+from refit.errors import ChecksumError, ConfigError
 from refit.plan import Plan
 from refit.plan.schedule import assign_slots, assign_tags, p2p_messages
 from refit.transport.checksum import Piece, PieceSums, triton_enabled
@@ -80,6 +80,30 @@ class StagingRing:
         self.buffers = [torch.empty(buf_len, dtype=torch.uint8, device=device) for _ in range(n_buf)]
         self.staging_bytes = n_buf * buf_len
         self.slot_of = dict(zip(packed, assign_slots(messages, plan.num_buffers)))
+
+
+def check_backend(
+    plan: Plan, proc: int, device: torch.device, group: dist.ProcessGroup | None, standalone: bool
+) -> None:
+    """``ConfigError`` when this process would send or receive CUDA tensors over a gloo group (``group``, or
+    the default group; ``standalone``: a ProcessGroup object outside torch.distributed's world). Gloo's
+    send/recv reads host memory: the process would abort in gloo, not raise."""
+    if device.type != "cuda" or not any(
+        m.transport == "p2p" and proc in (plan.procs.src[m.src], plan.procs.dst[m.dst]) for m in plan.messages
+    ):
+        return
+    group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    if group is None:
+        return
+    try:
+        backend = str(dist.get_backend(group)) if not standalone else type(group).__name__.lower()
+    except (RuntimeError, ValueError):
+        return
+    if "gloo" in backend and "nccl" not in backend:
+        raise ConfigError(
+            f"process {proc}: the plan sends CUDA tensors ({device}) over P2P, but the P2P group's backend is "
+            f"{backend!r}; pass group= an NCCL group (e.g. dist.new_group(ranks, backend='nccl'))"
+        )
 
 
 class _Waiter:
