@@ -41,7 +41,7 @@ from refit.layout import box_relative, box_slices
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages, part_key, source_part
 from refit.transport.checksum import Piece, PieceSums, fusable
-from refit.transport.clock import SPIN_S
+from refit.transport.clock import RunClock
 from refit.transport.rows import row_copy
 from refit.transport.store import SignedStore
 
@@ -375,7 +375,6 @@ class IpcPuller:
         if streams_per_lane < 1:
             raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
         self.device = device
-        self.pace_gbps = pace_gbps
         self.paced_s = 0.0  # the longest lane's sleeps per pull (``pace_gbps``; ``_pace``)
         self.fused = fused
         self.fused_stream = torch.cuda.Stream(device) if fused is not None else None
@@ -674,30 +673,29 @@ class HostBarrier:
         return cls(seg, index, size, timeout_s)
 
     def wait(self, timeout_s: float | None = None, check: Callable[[], None] | None = None) -> None:
-        """Return once every participant has called ``wait()`` as often as this one. ``TimeoutError`` after
-        ``timeout_s``; ``BarrierLeft`` if a participant left instead; ``check()`` (an abort check) is
-        called every 20 ms while waiting and may raise."""
+        """Return once every participant has called ``wait()`` as often as this one. ``DeadlineExceeded`` (a
+        ``TimeoutError``) after ``timeout_s``; ``BarrierLeft`` if a participant left instead; ``check()`` (an
+        abort check) is called every 20 ms while waiting and may raise. Polls through ``RunClock.watch``
+        (the same spin, GIL yield and sleeps as every other host wait of a refit)."""
         self.gen += 1
         self.slots[self.index] = self.gen
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        start = time.monotonic()
-        deadline, next_check = start + timeout_s, start + 0.02
-        while int(self.slots.min()) < self.gen and self._reached() < self.gen:
-            now = time.monotonic()
-            if now - start < SPIN_S:
-                continue  # tens of microseconds: spin
-            # then yield the GIL each poll (a spinning thread holds it for Python's 5 ms switch interval: an
-            # engine thread beside the refit would wait that long), and after 50 ms sleep 20 us a poll
-            time.sleep(0 if now - start < 0.05 else 0.00002)
-            gone = [i for i in range(self.size) if -1 - int(self.slots[i]) in range(self.gen)]
-            if gone:
-                raise BarrierLeft(f"barrier: participants {gone} left (closed) instead of arriving")
-            if check is not None and now >= next_check:
-                check()
-                next_check = now + 0.02
-            if now > deadline:
-                behind = [i for i in range(self.size) if self.slots[i] < self.gen]
-                raise TimeoutError(f"barrier: participants {behind} did not arrive within {timeout_s:g} s")
+        RunClock(time.monotonic() + timeout_s, check).watch(
+            self._arrived,
+            lambda: (
+                "barrier: participants "
+                f"{[i for i in range(self.size) if self.slots[i] < self.gen]} (waited {timeout_s:g} s for them)"
+            ),
+        )
+
+    def _arrived(self) -> bool:
+        """Whether every participant has reached this generation; ``BarrierLeft`` if one left instead."""
+        if int(self.slots.min()) >= self.gen or self._reached() >= self.gen:
+            return True
+        gone = [i for i in range(self.size) if -1 - int(self.slots[i]) in range(self.gen)]
+        if gone:
+            raise BarrierLeft(f"barrier: participants {gone} left (closed) instead of arriving")
+        return False
 
     def _reached(self) -> int:
         """The lowest generation every participant has reached (one that left counts what it had reached)."""
