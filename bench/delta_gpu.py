@@ -41,12 +41,12 @@ from refit.plan import ProcessMap
 from refit.quant.delta import (
     LINKS,
     apply_changes,
-    bits,
     choose_encoding,
     decode,
     encode,
     find_changes,
     find_changes_many,
+    launch_many,
     wire_bytes,
 )
 from refit.tools.bench.weights import make_weight
@@ -113,17 +113,9 @@ def _base_update(base, names, found):
 
 
 def _kernel_alone(base, cur, names):
-    """The one-pass kernel alone, launched as ``find_changes_many`` launches it (slots for a quarter of the
-    elements, every piece, one host sync for the counts), without copying the changes out of the slots."""
-    from refit.quant.delta_triton import launch
-
-    counts = torch.zeros(len(names), dtype=torch.int32, device=cur[names[0]].device)
-    for j, n in enumerate(names):
-        c = bits(cur[n]).reshape(-1)
-        cap = max(1024, c.numel() // 4)
-        launch(bits(base[n]).reshape(-1), c, torch.empty(cap, dtype=torch.int64, device=c.device), c.new_empty(cap),
-               counts[j : j + 1])  # fmt: skip
-    return counts.tolist()
+    """The one-pass kernel alone, launched as ``find_changes_many`` launches it (``launch_many``: slots for a
+    quarter of the elements, every piece, one host sync for the counts), without copying the changes out."""
+    return launch_many([(base[n], cur[n]) for n in names])[0].tolist()
 
 
 def _group(cur, base, engine, names, device, sec) -> list[tuple[int, int]]:

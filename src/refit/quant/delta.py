@@ -230,20 +230,27 @@ def find_changes_many(
         if c.numel() * c.element_size() <= chunk_bytes and (_kernel_fits(b, c) if use_triton is None else use_triton)
     ]
     if fits:
-        from refit.quant.delta_triton import launch
-
-        counts = torch.zeros(len(fits), dtype=torch.int32, device=pairs[fits[0]][1].device)
-        slots = []
-        for j, i in enumerate(fits):
-            b, c = pairs[i]
-            cap = max(1024, c.numel() // 4)
-            idx, vals = torch.empty(cap, dtype=torch.int64, device=c.device), bits(c.new_empty(cap))
-            launch(bits(b).reshape(-1), bits(c).reshape(-1), idx, vals, counts[j : j + 1])
-            slots.append((idx, vals))
+        counts, slots = launch_many([pairs[i] for i in fits])
         for i, k, (idx, vals) in zip(fits, counts.tolist(), slots):
             if k <= len(idx):  # copied out, so the slots are freed now
                 out[i] = (idx[:k].clone(), vals[:k].view(pairs[i][1].dtype).clone())
     return [o if o is not None else find_changes(b, c, chunk_bytes, use_triton) for o, (b, c) in zip(out, pairs)]
+
+
+def launch_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list]:
+    """Enqueue the one-pass kernel for every ``(base, cur)`` pair (contiguous, one device), no host sync:
+    ``(counts, slots)``, each pair's true number of changes (int32 on the device) and its ``(indices,
+    bits)`` slots for a quarter of its elements (``find_changes_many`` reads them after one sync)."""
+    from refit.quant.delta_triton import launch
+
+    counts = torch.zeros(len(pairs), dtype=torch.int32, device=pairs[0][1].device)
+    slots = []
+    for j, (b, c) in enumerate(pairs):
+        cap = max(1024, c.numel() // 4)
+        idx, vals = torch.empty(cap, dtype=torch.int64, device=c.device), bits(c.new_empty(cap))
+        launch(bits(b).reshape(-1), bits(c).reshape(-1), idx, vals, counts[j : j + 1])
+        slots.append((idx, vals))
+    return counts, slots
 
 
 def apply_changes(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
