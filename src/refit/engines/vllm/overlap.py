@@ -16,6 +16,8 @@ Both sides run with ``RefitInitInfo(commit="staged")``. One refit:
    (``start_weight_update``, ``update_weights({"version": v, "mode": "commit"})``: shadow -> live on the
    direct path, vLLM's loaders on the loader path; ``finish_weight_update(weight_version=v)``),
    ``refit_request_tokens`` (where each in-flight request switches version), ``resume_generation()``.
+   The pause is called right after a token arrives (``align_s``): the engine then stops for the commit
+   plus the one step that runs when the pause comes, not for part of a step more.
 
 Policies (``POLICY_MODES``: vLLM's pause mode and whether its KV / prefix caches are cleared):
 ``drain`` ("wait", cleared: in-flight requests finish on v-1, new ones wait for v), ``abort`` ("abort",
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refit.commit import TokenVersions, check_policy
-from refit.errors import RefitAborted
+from refit.errors import ConfigError, RefitAborted
 
 POLICY_MODES = {"drain": ("wait", True), "abort": ("abort", True), "in_place": ("keep", False)}
 
@@ -45,7 +47,8 @@ class CommitRecord:
     ``resume_at`` / ``resumed_at`` (``resume_generation`` called / returned); ``pause_s`` (the pause call
     itself: with ``drain`` it waits for the in-flight requests), ``commit_s`` (vLLM's weight-update calls
     and the token query: the engine is idle for this long), ``stage_s`` (from ``refit_stage`` to every
-    worker staged);
+    worker staged); ``aligned``: the pause was called right after a token arrived (``False``: no request
+    was in flight, or none produced a token within ``align_s``);
     ``tokens``: per external request id, its output tokens made under ``previous``."""
 
     version: int
@@ -57,6 +60,7 @@ class CommitRecord:
     paused_at: float = 0.0
     resume_at: float = 0.0
     resumed_at: float = 0.0
+    aligned: bool = False
     tokens: dict[str, int] = field(default_factory=dict)
 
 
@@ -71,14 +75,21 @@ class _Request:
 class OverlapDriver:
     """Drives overlapped refits of one ``AsyncLLM`` (``engine``) and tags its requests' tokens with
     versions (module docstring). ``policy``: one of ``POLICY_MODES`` (``ConfigError`` otherwise).
-    ``version``: the version live now (``initial_version`` until the first commit). Use one driver per
-    engine, from the event loop that serves it; ``refit`` calls must not overlap each other."""
+    ``version``: the version live now (``initial_version`` until the first commit). ``align_s``: at a
+    commit with requests in flight, wait at most this long for the next token before pausing, so the
+    pause meets the engine at the start of a step (0: pause at once). Use one driver per engine, from the
+    event loop that serves it; ``refit`` calls must not overlap each other."""
 
-    def __init__(self, engine: Any, policy: str = "drain", *, initial_version: int | None = None) -> None:
-        self.engine, self.policy = engine, check_policy(policy)
+    def __init__(
+        self, engine: Any, policy: str = "drain", *, initial_version: int | None = None, align_s: float = 0.5
+    ) -> None:
+        if not align_s >= 0 or align_s == float("inf"):
+            raise ConfigError(f"OverlapDriver: align_s must be a finite number of seconds >= 0, got {align_s!r}")
+        self.engine, self.policy, self.align_s = engine, check_policy(policy), align_s
         self.version = initial_version
         self.commits: list[CommitRecord] = []
         self._requests: dict[str, _Request] = {}
+        self._token = asyncio.Event()  # set on every token that arrives through ``generate``
 
     async def refit(
         self, version: int, send: Callable[[], Any], timeout_s: float = 300.0, policy: str | None = None
@@ -122,6 +133,7 @@ class OverlapDriver:
         policy = self.policy if policy is None else check_policy(policy)
         mode, clear = POLICY_MODES[policy]
         record = CommitRecord(version, self.version, policy)
+        record.aligned = await self._next_token()
         t0 = time.perf_counter()
         await self.engine.pause_generation(mode=mode, clear_cache=clear)
         record.paused_at = t1 = time.perf_counter()
@@ -145,6 +157,17 @@ class OverlapDriver:
         self.commits.append(record)
         return record
 
+    async def _next_token(self) -> bool:
+        """Wait (at most ``align_s``) for the next token of a request in flight; ``True`` if one came."""
+        if self.align_s == 0 or not any(r.finished_at is None for r in self._requests.values()):
+            return False
+        self._token.clear()
+        try:
+            await asyncio.wait_for(self._token.wait(), self.align_s)
+        except TimeoutError:
+            return False
+        return True
+
     def in_flight(self) -> dict[str, int]:
         """Requests under way through ``generate``: their output tokens so far, by request id."""
         return {rid: r.n_tokens for rid, r in self._requests.items()}
@@ -159,6 +182,7 @@ class OverlapDriver:
                 n = len(out.outputs[0].token_ids)
                 arrivals += [time.perf_counter()] * (n - req.n_tokens)
                 req.n_tokens, final = n, out
+                self._token.set()
             req.finished_at = time.perf_counter()
             aborted = final is not None and final.outputs[0].finish_reason == "abort"
             return final, self._versions(request_id, req, aborted), arrivals
