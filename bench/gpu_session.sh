@@ -5,6 +5,7 @@
 #            $OVERLAP_RUNS picks runs as "S2:- S2:500 S1:-" (scenario:pull GB/s, "-" full speed)
 #   lora     bench/lora_merge.py: adapter vs merged refit bytes, merge time
 #   delta    bench/delta_gpu.py (bench/gpu_delta.sh's command)
+#   find     bench/delta_find_variants.py: the delta find kernel's variants on GPU 0 ($FIND_ARGS)
 #   nixl     refit bench with refit_nixl (REFIT_NIXL_DEBUG=1): $NIXL_SCEN (default S1,S2), $NIXL_ARGS
 # Carry [".whl", ".wheels"] (cryptography etc. in .whl; nixl-cu13 in .wheels/nixl). Results under $OUT; a short
 # summary last.
@@ -38,6 +39,9 @@ for part in ${PARTS:-tests overlap lora}; do
   delta)
     timeout ${DELTA_TIMEOUT:-300} python3 -m bench.delta_gpu ${DELTA_ARGS:-} --out "$OUT/delta.json" > "$OUT/delta.txt" 2>&1
     echo "delta rc=$?" >> "$SUM"; tail -30 "$OUT/delta.txt" >> "$SUM";;
+  find)
+    timeout ${FIND_TIMEOUT:-200} python3 -m bench.delta_find_variants ${FIND_ARGS:---gib 8} --out "$OUT/find.json" > "$OUT/find.txt" 2>&1
+    echo "find rc=$?" >> "$SUM"; cat "$OUT/find.txt" >> "$SUM";;
   nixl)
     REFIT_BENCH_NIXL=1 REFIT_NIXL_DEBUG=1 timeout ${NIXL_TIMEOUT:-200} python3 -m refit.tools.cli bench \
       --scenarios ${NIXL_SCEN:-S1,S2} ${NIXL_ARGS:---iters 5 --growth-iters 3} --out "$OUT/nixl.json" > "$OUT/nixl.txt" 2>&1
