@@ -124,49 +124,58 @@ def _slots(n16: int, cap_fraction: float) -> dict:
     return out
 
 
+def _variant(name, fn, base, cur, keep, slots, f, reps, nbytes) -> dict:
+    restore = (lambda: base.copy_(keep)) if "update" in name else None
+    ms = _time(lambda: fn(base, cur, slots), reps, restore)
+    if restore:
+        restore()
+    count = int(fn(base, cur, slots).item()) if "update" not in name else None
+    word = 8 if "word64" in name else 4 if "word32" in name else 2
+    want = None
+    if name in ("lib", "word32", "word64"):  # checked against torch
+        v = {8: torch.int64, 4: torch.int32, 2: torch.int16}[word]
+        want = int((base.view(v) != cur.view(v)).sum().item())
+    med = statistics.median(ms)
+    row = {
+        "fraction": f,
+        "variant": name,
+        "ms": med,
+        "min_ms": min(ms),
+        "tbps": 2 * nbytes / med / 1e9,
+        "changes": count,
+        "exact_count": None if want is None else count == want,
+        "wire_over_dense": None if count is None else count * (8 + word) / nbytes,
+        "wire_int32_idx_over_dense": None if count is None else count * (4 + word) / nbytes,
+    }
+    print(
+        f"{f:>7.3%} {name:<18} {med:7.2f} ms  {row['tbps']:5.2f} TB/s"
+        + ("" if count is None else f"  wire {row['wire_int32_idx_over_dense']:.2%} (int32 idx)")
+        + ("" if want is None else f"  count {'ok' if count == want else 'WRONG'}"),
+        flush=True,
+    )
+    return row
+
+
+def _fraction(gib: float, f: float, reps: int, only: list[str] | None) -> list[dict]:
+    base, cur = _versions(gib, f, seed=int(f * 1e6))
+    keep = base.clone()
+    slots = _slots(cur.numel(), min(1.0, 4 * f + 0.01))
+    nbytes = cur.numel() * 2
+    rows = [
+        _variant(name, fn, base, cur, keep, slots, f, reps, nbytes)
+        for name, fn in VARIANTS.items()
+        if not only or name in only or name == "lib"
+    ]
+    copy_ms = statistics.median(_time(lambda: keep.copy_(cur), reps))  # keep is spent from here
+    rows.append({"fraction": f, "variant": "copy", "ms": copy_ms, "tbps": 2 * nbytes / copy_ms / 1e9})
+    print(f"{f:>7.3%} {'copy':<18} {copy_ms:7.2f} ms  {2 * nbytes / copy_ms / 1e9:5.2f} TB/s", flush=True)
+    return rows
+
+
 def run(gib: float, fractions: list[float], reps: int, only: list[str] | None) -> list[dict]:
     rows = []
     for f in fractions:
-        base, cur = _versions(gib, f, seed=int(f * 1e6))
-        keep = base.clone()
-        slots = _slots(cur.numel(), min(1.0, 4 * f + 0.01))
-        nbytes = cur.numel() * 2
-        for name, fn in VARIANTS.items():
-            if only and name not in only and name != "lib":
-                continue
-            restore = (lambda: base.copy_(keep)) if "update" in name else None
-            ms = _time(lambda fn=fn: fn(base, cur, slots), reps, restore)
-            if restore:
-                restore()
-            count = int(fn(base, cur, slots).item()) if "update" not in name else None
-            word = 8 if "word64" in name else 4 if "word32" in name else 2
-            want = None
-            if name in ("lib", "word32", "word64", "count"):  # checked against torch
-                v = torch.int64 if word == 8 else torch.int32 if word == 4 else torch.int16
-                want = int((base.view(v) != cur.view(v)).sum().item()) if name != "count" else None
-            med = statistics.median(ms)
-            row = {
-                "fraction": f,
-                "variant": name,
-                "ms": med,
-                "min_ms": min(ms),
-                "tbps": 2 * nbytes / med / 1e9,
-                "changes": count,
-                "exact_count": None if want is None else count == want,
-                "wire_over_dense": None if count is None else count * (8 + word) / nbytes,
-                "wire_int32_idx_over_dense": None if count is None else count * (4 + word) / nbytes,
-            }
-            rows.append(row)
-            print(
-                f"{f:>7.3%} {name:<18} {med:7.2f} ms  {row['tbps']:5.2f} TB/s"
-                + ("" if count is None else f"  wire {row['wire_int32_idx_over_dense']:.2%} (int32 idx)")
-                + ("" if want is None else f"  count {'ok' if count == want else 'WRONG'}"),
-                flush=True,
-            )
-        copy_ms = statistics.median(_time(lambda: keep.copy_(cur), reps))  # keep is spent from here
-        rows.append({"fraction": f, "variant": "copy", "ms": copy_ms, "tbps": 2 * nbytes / copy_ms / 1e9})
-        print(f"{f:>7.3%} {'copy':<18} {copy_ms:7.2f} ms  {2 * nbytes / copy_ms / 1e9:5.2f} TB/s", flush=True)
-        del base, cur, keep, slots
+        rows += _fraction(gib, f, reps, only)
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return rows
