@@ -5,9 +5,7 @@ ulp in a random fraction of the elements (spread, as an optimizer step on bf16 w
 variant runs ``--reps`` times (median, CUDA events); the base is restored before each rep of a variant that
 updates it. Variants:
 
-* ``launch`` (``+update``): the library's ``delta_triton.launch`` as it dispatches (the word kernel on aligned
-  bits), element indices and values out;
-* ``lib`` : the library's element kernel (``refit.quant.delta_triton._diff_compact``), on bf16 elements;
+* ``lib`` : the library's kernel (``refit.quant.delta_triton``) as launched, on bf16 elements (int16 bits);
 * ``lib b=B w=W``: the same kernel, other block sizes and warp counts;
 * ``word32`` / ``word64``: the same kernel on the bits viewed as int32 / int64 words (2 / 4 bf16 per word):
   a changed word is sent whole (its index and its bits), so fewer, larger changes;
@@ -90,18 +88,6 @@ def _lib(word: torch.dtype, block: int, warps: int, update: bool):
     return run
 
 
-def _launch(update: bool):
-    """The library's ``launch`` as it dispatches (the word kernel on aligned bits)."""
-
-    def run(base, cur, slots):
-        idx, vals, count = slots[torch.int16]
-        count.zero_()
-        delta_triton.launch(base, cur, idx, vals, count, update=update)
-        return count
-
-    return run
-
-
 def _count_run(base, cur, slots):
     count = slots["count"]
     count.zero_()
@@ -111,8 +97,6 @@ def _count_run(base, cur, slots):
 
 
 VARIANTS = {
-    "launch": _launch(False),
-    "launch+update": _launch(True),
     "lib": _lib(torch.int16, delta_triton.BLOCK, delta_triton.NUM_WARPS, False),
     "lib+update": _lib(torch.int16, delta_triton.BLOCK, delta_triton.NUM_WARPS, True),
     "lib b=2048 w=4": _lib(torch.int16, 2048, 4, False),
@@ -146,9 +130,9 @@ def _variant(name, fn, base, cur, keep, slots, f, reps, nbytes) -> dict:
     if restore:
         restore()
     count = int(fn(base, cur, slots).item()) if "update" not in name else None
-    word = 8 if "word64" in name else 4 if "word32" in name else 2  # launch: element indices, bf16 values
+    word = 8 if "word64" in name else 4 if "word32" in name else 2
     want = None
-    if name in ("launch", "lib", "word32", "word64"):  # checked against torch
+    if name in ("lib", "word32", "word64"):  # checked against torch
         v = {8: torch.int64, 4: torch.int32, 2: torch.int16}[word]
         want = int((base.view(v) != cur.view(v)).sum().item())
     med = statistics.median(ms)
@@ -180,7 +164,7 @@ def _fraction(gib: float, f: float, reps: int, only: list[str] | None) -> list[d
     rows = [
         _variant(name, fn, base, cur, keep, slots, f, reps, nbytes)
         for name, fn in VARIANTS.items()
-        if not only or name in only or name in ("lib", "launch")
+        if not only or name in only or name == "lib"
     ]
     copy_ms = statistics.median(_time(lambda: keep.copy_(cur), reps))  # keep is spent from here
     rows.append({"fraction": f, "variant": "copy", "ms": copy_ms, "tbps": 2 * nbytes / copy_ms / 1e9})
@@ -202,7 +186,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=8.0, help="GiB of bf16 per version")
     ap.add_argument("--fractions", default="0.001,0.01,0.1")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--only", default=None, help="comma-separated variant names (lib and launch always run)")
+    ap.add_argument("--only", default=None, help="comma-separated variant names (lib is always run)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if not (a.gib > 0 and a.reps >= 1):

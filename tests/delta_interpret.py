@@ -51,22 +51,6 @@ def main() -> None:
     assert k == 2999 and len(idx) == 100 and torch.equal(cur[idx], vals)
     idx, vals, k = diff_compact(base, cur, start=7, update=True)
     assert k == 2999 and torch.equal(base, cur) and torch.equal(torch.sort(idx).values, torch.arange(8, 3007))
-    # the word kernel (aligned bits) and the element kernel (a base one element off alignment) agree; the
-    # word kernel's fused base update writes whole changed words, the tail's the elements
-    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
-        cur = torch.randn(4099, generator=G).to(dtype)
-        bits(cur)[torch.rand(4099, generator=G) < 0.05] ^= 1
-        for lead in (0, 1):
-            store = torch.randn(4099 + lead, generator=G).to(dtype)
-            base = store[lead:]
-            base.copy_(cur)
-            flip = torch.rand(4099, generator=G) < 0.05
-            bits(base)[flip] ^= 1
-            want_i, want_v = find_changes(base, cur, use_triton=False)
-            idx, vals, k = diff_compact(bits(base).reshape(-1), bits(cur).reshape(-1), start=3, update=True)
-            order = torch.argsort(idx)
-            assert k == len(want_i) and torch.equal(idx[order], want_i + 3), (dtype, lead)
-            assert torch.equal(vals[order], bits(want_v)) and torch.equal(bits(base), bits(cur)), (dtype, lead)
     print("ALL OK")
 
 

@@ -9,12 +9,6 @@ prefix sum of its changes; with ``update`` it also writes the new values into th
 of a sender, fused). Blocks reserve in the order they run, so the indices come out grouped by block in no
 particular order across blocks (every consumer is order-free: ``encode``, ``apply_changes``). At most
 ``cap`` changes are written; the returned count says how many there were, so a caller sees an overflow.
-
-Where both versions' bits are 8-byte aligned, the kernel reads 64-bit words (``LANES`` = 4 bf16, 2 fp32 or
-8 fp8 elements each) and scans per word, not per element (``_diff_compact_words``: 3.0 TB/s against 1.9 TB/s
-per element on an H200, ``bench/delta_find_variants.py``); the output is the same: element indices and
-element bits. A tail of fewer than ``LANES`` elements, or unaligned bits, go through the element kernel
-into the same slots.
 Imports nothing of refit (tested in Triton's interpreter on CPU: ``tests/delta_interpret.py``).
 """
 
@@ -31,7 +25,6 @@ except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch pat
     AVAILABLE = False
 
 BLOCK = 4096  # elements per program: fewer atomics on the shared counter (one per program)
-WORD_BLOCK = 2048  # 64-bit words per program of the word kernel (measured best of 2048 / 4096)
 NUM_WARPS = 8
 
 if AVAILABLE:
@@ -55,42 +48,6 @@ if AVAILABLE:
         if UPDATE:
             tl.store(base_ptr + offs, c, mask=changed)
 
-    @triton.jit
-    def _diff_compact_words(
-        base_ptr,
-        cur_ptr,
-        idx_ptr,
-        val_ptr,
-        count_ptr,
-        n_words,
-        start,
-        cap,
-        LANES: tl.constexpr,
-        LANE_BITS: tl.constexpr,
-        UPDATE: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        pid = tl.program_id(0).to(tl.int64)
-        w = pid * BLOCK + tl.arange(0, BLOCK)
-        inb = w < n_words
-        b = tl.load(base_ptr + w, mask=inb, other=0)
-        c = tl.load(cur_ptr + w, mask=inb, other=0)
-        x = b ^ c
-        mask_bits = (1 << LANE_BITS) - 1
-        per_word = tl.zeros([BLOCK], dtype=tl.int32)
-        for lane in tl.static_range(LANES):
-            per_word += (((x >> (lane * LANE_BITS)) & mask_bits) != 0).to(tl.int32)
-        first = tl.atomic_add(count_ptr, tl.sum(per_word, axis=0))
-        pos = (first + tl.cumsum(per_word, axis=0) - per_word).to(tl.int64)
-        for lane in tl.static_range(LANES):  # in element order: pos counts the word's changed lanes so far
-            hit = (((x >> (lane * LANE_BITS)) & mask_bits) != 0) & inb
-            ok = hit & (pos < cap)
-            tl.store(idx_ptr + pos, w * LANES + lane + start, mask=ok)
-            tl.store(val_ptr + pos, ((c >> (lane * LANE_BITS)) & mask_bits).to(val_ptr.dtype.element_ty), mask=ok)
-            pos += hit.to(tl.int64)
-        if UPDATE:
-            tl.store(base_ptr + w, c, mask=x != 0)
-
 
 def launch(
     base_bits: torch.Tensor,
@@ -104,29 +61,11 @@ def launch(
     """Enqueue the kernel (no host sync): at most ``len(idx)`` changes of ``cur_bits`` vs ``base_bits``
     (contiguous 1-D integer views of equal length) into ``idx`` (int64, plus ``start``) and ``vals``
     (``cur_bits``' dtype); ``count`` (one int32, zeroed) receives the true number of changes."""
-    n, size = cur_bits.numel(), cur_bits.element_size()
-    lanes = 8 // size
-    m = n // lanes * lanes if lanes > 1 and base_bits.data_ptr() % 8 == 0 and cur_bits.data_ptr() % 8 == 0 else 0
-    if m:
-        _diff_compact_words[(triton.cdiv(m // lanes, WORD_BLOCK),)](
-            base_bits[:m].view(torch.int64),
-            cur_bits[:m].view(torch.int64),
-            idx,
-            vals,
-            count,
-            m // lanes,
-            start,
-            len(idx),
-            LANES=lanes,
-            LANE_BITS=8 * size,
-            UPDATE=update,
-            BLOCK=WORD_BLOCK,
-            num_warps=NUM_WARPS,
-        )
-    if m < n:
-        b, c = base_bits[m:], cur_bits[m:]
-        _diff_compact[(triton.cdiv(n - m, BLOCK),)](
-            b, c, idx, vals, count, n - m, start + m, len(idx), UPDATE=update, BLOCK=BLOCK, num_warps=NUM_WARPS
+    n = cur_bits.numel()
+    if n:
+        grid = (triton.cdiv(n, BLOCK),)
+        _diff_compact[grid](
+            base_bits, cur_bits, idx, vals, count, n, start, len(idx), UPDATE=update, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
 
 
