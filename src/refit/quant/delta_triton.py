@@ -2,7 +2,7 @@
 version once. ``refit.quant.delta.find_changes`` is its reference and calls it on contiguous CUDA tensors.
 
 The torch reference makes several passes (compare into a bool tensor, ``nonzero``, gather the values).
-Here one program reads a block of ``BLOCK`` (4096) elements of the base and the current version as integers
+Here one program reads a block of ``BLOCK`` (2048) elements of the base and the current version as integers
 (bitwise), counts its changed elements, reserves that many output slots with one atomic add on a global
 counter, and writes their flat indices (int64) and new values at its reserved offset plus the exclusive
 prefix sum of its changes; with ``update`` it also writes the new values into the base (the base update
@@ -24,8 +24,10 @@ try:
 except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch path is used
     AVAILABLE = False
 
-BLOCK = 4096  # elements per program: fewer atomics on the shared counter (one per program)
-NUM_WARPS = 8
+# elements per program and its warps: 2048 x 4 found 2.02-2.15 TB/s on an H200 against 1.78-1.99 for 4096 x 8 and
+# 1.10-1.24 for 8192 or more (bench/delta_find_variants.py, bench/results/h200-x2-session33/find.txt)
+BLOCK = 2048
+NUM_WARPS = 4
 
 if AVAILABLE:
 

@@ -10,9 +10,13 @@ Per refit, per step (host-driven; on CUDA the device is synchronized by the head
      fraction makes dense cheaper (then the base is not maintained either, until a probe every
      ``PROBE_EVERY`` runs refreshes it); else ``find_changes_many`` over the pieces and
      ``choose_encoding`` (or the forced ``TransferConfig.delta``) over the message;
-  2. headers travel (int64 ``[kind, base version, version, k per piece]``, tag plus ``HEADER_TAG``);
-  3. payloads: a dense message as the plain P2P path sends it (packed ring buffer or the tensor itself),
-     a delta as its encoded pieces (``quant.delta.encode``), sized from the header;
+  2. headers travel (int64 ``[kind, base version, version, k per piece]`` per message), one P2P message
+     per peer per step holding the headers of every message of the step between the two (tag: the
+     first of those messages' tags plus ``HEADER_TAG``);
+  3. payloads: a dense message as the plain P2P path sends it (packed ring buffer or the tensor itself);
+     the deltas of a step to one peer as one P2P message (their encoded pieces, ``quant.delta.encode``,
+     one after another, sized from the headers; tag: the first delta's own). A step of 291 direct
+     messages (Llama-3.1-8B, 1 -> 1) posts 2 P2P ops per peer instead of 582;
   4. receivers check the header (``check_header``: kind, version, base version = the version they hold,
      counts) and apply: dense unpacks, a delta scatters (``apply_changes``), O(changed).
 The sender's base follows what each message sent as it is encoded (``SourceBase.update``; a source box
@@ -197,8 +201,11 @@ class DeltaSchedule:
         self.p2p, self.plan, self.proc, self.config = p2p, plan, proc, config
         self.dst_rank = local.dst_rank
         self.base = SourceBase(plan, proc, local, config.delta_base) if local.src_rank is not None else None
-        self.steps = [
-            ([self._op(op, local, True) for op in st.sends], [self._op(op, local, False) for op in st.recvs])
+        self.steps = [  # each side's ops grouped by peer (stable: plan order within a peer, as on the peer)
+            (
+                sorted((self._op(op, local, True) for op in st.sends), key=lambda d: d.op.peer),
+                sorted((self._op(op, local, False) for op in st.recvs), key=lambda d: d.op.peer),
+            )
             for st in p2p.steps
         ]
         self.headers = self._headers()
@@ -225,7 +232,8 @@ class DeltaSchedule:
 
     def _headers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per step, one int64 buffer for the headers it sends and one for those it receives; each op's
-        ``header`` is its slice (one host-to-device copy and one read per step, not per message)."""
+        ``header`` is its slice, and the slices of one peer's ops are contiguous (one host-to-device copy
+        and one read per step, one P2P message per peer)."""
         out = []
         for sends, recvs in self.steps:
             bufs = []
@@ -240,6 +248,29 @@ class DeltaSchedule:
             out.append((bufs[0], bufs[1]))
         return out
 
+    @staticmethod
+    def _header_msgs(ops: list[_DeltaOp], buf: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
+        """``(peer, headers, tag)`` per peer of ``ops``: the contiguous slice of ``buf`` holding their headers."""
+        out, off = [], 0
+        for peer, group in _by_peer(ops):
+            n = sum(d.header.numel() for d in group)
+            out.append((peer, buf[off : off + n], group[0].op.tag + HEADER_TAG))
+            off += n
+        return out
+
+    @staticmethod
+    def _payload_msgs(ops: list[_DeltaOp]) -> list[tuple[int, torch.Tensor, int]]:
+        """``(peer, tensor, tag)`` to post: each dense message as itself; the deltas to (from) one peer as
+        one buffer, the concatenation of their payloads (``_join``: every delta's ``payload`` is its slice
+        of it), under the first delta's tag."""
+        out = []
+        for peer, group in _by_peer(ops):
+            deltas = [d for d in group if d.kind != "dense"]
+            out += [(peer, d.payload, d.op.tag) for d in group if d.kind == "dense"]
+            if deltas:
+                out.append((peer, _join(deltas), deltas[0].op.tag))
+        return out
+
     def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         """Every step: choose and encode (sends), headers, payloads, check and apply (receives)."""
         stats = DeltaStats()
@@ -247,13 +278,13 @@ class DeltaSchedule:
             if sends:
                 send_hdr.copy_(torch.tensor(self._send_step(sends, version, held, stats), dtype=torch.int64))
             ops = [d.op for d in sends + recvs]
-            hdr = self.p2p.post(*[[(d.op.peer, d.header, d.op.tag + HEADER_TAG) for d in x] for x in (sends, recvs)])
+            hdr = self.p2p.post(self._header_msgs(sends, send_hdr), self._header_msgs(recvs, recv_hdr))
             self.p2p.wait(clock, hdr, ops, "delta header exchange")
             got = recv_hdr.tolist()  # one read for the step's headers
             for d in recvs:
                 self._receive_into(d, got[: 3 + len(d.views)], version, held.get(self.proc))
                 got = got[3 + len(d.views) :]
-            works = self.p2p.post(*[[(d.op.peer, d.payload, d.op.tag) for d in x] for x in (sends, recvs)])
+            works = self.p2p.post(self._payload_msgs(sends), self._payload_msgs(recvs))
             self.p2p.wait(clock, works, ops, "delta transfer")
             self._apply(recvs)
             stats.received_bytes += sum(
@@ -357,14 +388,15 @@ class DeltaSchedule:
         return out
 
     def _receive_into(self, d: _DeltaOp, header: list[int], version: int, held: int | None) -> None:
-        """Check ``d``'s received header and make its payload buffer (dense: the plain op's tensor)."""
+        """Check ``d``'s received header and size its payload (dense: the plain op's tensor; a delta: an
+        unallocated tensor of its length, made a slice of its peer's buffer by ``_join``)."""
         me = f"process {self.proc} (destination rank {self.dst_rank})"
         d.kind, d.changes = check_header(header, [v.numel() for v in d.views], version, held, d.op, me)
         if d.kind == "dense":
             d.payload = d.op.tensor
         else:
             n = sum(_piece_wire(d.kind, v, k) for v, k in zip(d.views, d.changes))
-            d.payload = torch.empty(n, dtype=torch.uint8, device=d.op.tensor.device)
+            d.payload = torch.empty(n, dtype=torch.uint8, device="meta")
 
     def _apply(self, recvs: list[_DeltaOp]) -> None:
         """Unpack the dense messages; decode every delta's pieces, check all their indices (one host
@@ -388,6 +420,34 @@ class DeltaSchedule:
             raise
         for _, v, idx, vals in todo:
             apply_changes(v, idx, vals)
+
+
+def _by_peer(ops: list[_DeltaOp]) -> list[tuple[int, list[_DeltaOp]]]:
+    """``ops`` (sorted by peer) as ``(peer, its ops in order)``."""
+    out: list[tuple[int, list[_DeltaOp]]] = []
+    for d in ops:
+        if out and out[-1][0] == d.op.peer:
+            out[-1][1].append(d)
+        else:
+            out.append((d.op.peer, [d]))
+    return out
+
+
+def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
+    """One uint8 buffer holding the deltas' payloads one after another; each ``payload`` becomes its slice.
+    A sender's payloads are copied in; a receiver's are sized only (``device="meta"``) and filled by the
+    receive."""
+    if len(deltas) == 1 and deltas[0].payload.device.type != "meta":
+        return deltas[0].payload
+    buf = torch.empty(sum(d.payload.numel() for d in deltas), dtype=torch.uint8, device=deltas[0].op.tensor.device)
+    off = 0
+    for d in deltas:
+        n = d.payload.numel()
+        if d.payload.device.type != "meta":
+            buf[off : off + n].copy_(d.payload)
+        d.payload = buf[off : off + n]
+        off += n
+    return buf
 
 
 def exchange_held(
