@@ -2,6 +2,7 @@
 header checks, and multi-process refits on CPU gloo (exact, fewer bytes, base versions, heal)."""
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,15 @@ def test_out_of_range_indices_never_reach_the_scatter():
             [(torch.tensor([1, 2]), 4), (torch.tensor([], dtype=torch.int64), 0), (torch.tensor([12]), 12)], "x"
         )
     check_indices_many([(torch.tensor([0, 3]), 4), (torch.tensor([11]), 12)], "x")
+    # each piece against its own bound (side by side: an index fine for the first piece, not the second)
+    i32 = partial(torch.tensor, dtype=torch.int32)
+    check_indices_many([(i32([9, 0]), 10), (i32([3]), 4)], "x")
+    with pytest.raises(DeltaError, match="index 5 is outside the piece's 4 elements"):
+        check_indices_many([(i32([9, 5]), 10), (i32([5]), 4), (i32([0]), 1)], "x")
+    with pytest.raises(DeltaError, match="index -1 is outside the piece's 10 elements"):
+        check_indices_many([(i32([0]), 4), (i32([-1, 2]), 10)], "x")
+    with pytest.raises(DeltaError, match="index 4 is outside"):  # int32 and int64 pieces together
+        check_indices_many([(i32([3]), 4), (torch.tensor([4]), 4)], "x")
     with pytest.raises(DeltaError, match="outside the piece's 10 elements"):
         check_indices(torch.tensor([3, 10], dtype=torch.int32), 10, "x")
     with pytest.raises(DeltaError, match="marks 1 elements, its header says 2"):

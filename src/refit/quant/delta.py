@@ -216,13 +216,18 @@ def _find_kernel(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int) -> tup
 
 
 def find_changes_many(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int = CHUNK_BYTES, use_triton: bool | None = None
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    chunk_bytes: int = CHUNK_BYTES,
+    use_triton: bool | None = None,
+    copy: bool = True,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``find_changes`` of every ``(base, cur)`` pair (the pieces of one message). Pairs the one-pass
     kernel takes (contiguous, one CUDA device, at most ``chunk_bytes``) are launched together with one
     host sync for all of them, into slots for a quarter of their elements (a pair with more changes is
     found again by ``find_changes``, with every slot); the rest go through ``find_changes``. ``use_triton``: as
-    ``find_changes``' (True: every pair that fits the chunk, e.g. in Triton's interpreter)."""
+    ``find_changes``' (True: every pair that fits the chunk, e.g. in Triton's interpreter). ``copy=False``:
+    the kernel's pairs come back as views of their slots (no copy, two launches less per pair; the slots,
+    a quarter of the pair's elements each, stay allocated while a view is held: drop them soon)."""
     out: list = [None] * len(pairs)
     fits = [
         i
@@ -232,8 +237,9 @@ def find_changes_many(
     if fits:
         counts, slots = launch_many([pairs[i] for i in fits])
         for i, k, (idx, vals) in zip(fits, counts.tolist(), slots):
-            if k <= len(idx):  # copied out, so the slots are freed now
-                out[i] = (idx[:k].clone(), vals[:k].view(pairs[i][1].dtype).clone())
+            if k <= len(idx):  # copied out (``copy``), so the slots are freed now
+                idx, vals = idx[:k], vals[:k].view(pairs[i][1].dtype)
+                out[i] = (idx.clone(), vals.clone()) if copy else (idx, vals)
     return [o if o is not None else find_changes(b, c, chunk_bytes, use_triton) for o, (b, c) in zip(out, pairs)]
 
 
@@ -258,8 +264,8 @@ def apply_changes(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
     on any strides. ``indices`` must lie in ``[0, dst.numel())`` (``check_indices``)."""
     if not indices.numel():
         return
-    if dst.is_contiguous():
-        dst.view(-1).index_put_((indices.long(),), values)
+    if dst.is_contiguous():  # int32 indices as they came off the wire: no conversion pass
+        dst.view(-1).index_put_((indices if indices.dtype in (torch.int32, torch.int64) else indices.long(),), values)
     else:
         dst.index_put_(torch.unravel_index(indices.long(), dst.shape), values)
 
@@ -274,10 +280,20 @@ def check_indices(indices: torch.Tensor, n: int, what: str) -> None:
 
 
 def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> None:
-    """``check_indices`` of every ``(indices, n)`` with one host sync for all of them."""
+    """``check_indices`` of every ``(indices, n)`` with one host sync for all of them: the indices side by
+    side against each piece's bound (a few launches, not two reductions per piece); where one is out of
+    range, the pieces one by one name it."""
     pieces = [(i, n) for i, n in pieces if i.numel()]
     if not pieces:
         return
+    if len({i.dtype for i, _ in pieces}) == 1 and len({i.device for i, _ in pieces}) == 1:
+        flat = torch.cat([i.reshape(-1) for i, _ in pieces])
+        dev = flat.device
+        sizes = torch.tensor([n for _, n in pieces], dtype=torch.int64).to(dev, non_blocking=True)
+        counts = torch.tensor([i.numel() for i, _ in pieces], dtype=torch.int64).to(dev, non_blocking=True)
+        limits = torch.repeat_interleave(sizes, counts, output_size=flat.numel())
+        if not bool(((flat < 0) | (flat >= limits)).any()):
+            return
     lows = torch.stack([i.min().long() for i, _ in pieces])
     highs = torch.stack([i.max().long() - n for i, n in pieces])
     for (_, n), lo, hi in zip(pieces, lows.tolist(), highs.tolist()):

@@ -108,9 +108,10 @@ class SourceBase:
         self.pending: list = []  # (base view, indices or None, values or the live view)
 
     def update(self, message: int, updates: list) -> None:
-        """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces."""
+        """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces (the
+        changes may be views of the find's slots: a deferred update keeps copies)."""
         if message in self.shared:
-            self.pending += updates
+            self.pending += [(b, i, x) if i is None else (b, i.clone(), x.clone()) for b, i, x in updates]
         else:
             _update(updates)
 
@@ -307,7 +308,8 @@ class DeltaSchedule:
                 continue
             nbytes = sum(v.numel() * v.element_size() for v in sends[i].views) if i is not None else 0
             if batch and (i is None or size + nbytes > FIND_BATCH_BYTES):
-                found = find_changes_many([(b, v) for j in batch for b, v in zip(sends[j].bases, sends[j].views)])
+                pairs = [(b, v) for j in batch for b, v in zip(sends[j].bases, sends[j].views)]
+                found = find_changes_many(pairs, copy=False)  # encoded and dropped batch by batch
                 for j in batch:
                     sends[j].changes, found = found[: len(sends[j].views)], found[len(sends[j].views) :]
                     heads[j] = self._encode(sends[j], "diff", version, stats)
