@@ -169,6 +169,20 @@ def test_out_of_range_indices_never_reach_the_scatter():
         decode("bitmask", 8, 2, torch.tensor([1] + [0] * 15, dtype=torch.uint8), torch.uint8)
 
 
+def test_indices_are_checked_chunk_by_chunk_with_each_piece_against_its_bound(monkeypatch):
+    import refit.quant.delta as delta
+
+    monkeypatch.setattr(delta, "CHECK_CHUNK", 3)  # several chunks, one piece alone in a chunk
+    i32 = partial(torch.tensor, dtype=torch.int32)
+    good = [(i32([1, 2]), 3), (i32([0, 1, 2, 3]), 4), (i32([5]), 6), (torch.tensor([1]), 2)]
+    check_indices_many(good, "x")
+    for k, bad in ((0, i32([3, 0])), (1, i32([0, 4, 1, 2])), (2, i32([-2])), (3, torch.tensor([2]))):
+        pieces = list(good)
+        pieces[k] = (bad, good[k][1])
+        with pytest.raises(DeltaError, match=f"outside the piece's {good[k][1]} elements"):
+            check_indices_many(pieces, "x")
+
+
 def test_a_delta_on_another_base_version_is_refused_naming_both_versions():
     op = _Op(peer=3, tag=0, tensor=torch.empty(0), pack=[], names=("w",), step=0)
     with pytest.raises(

@@ -42,6 +42,7 @@ from refit.errors import ConfigError, TransferError
 
 ENCODINGS = ("dense", "sparse", "bitmask")
 INDEX_BYTES = 4  # sparse indices travel as int32 (a piece of 2**31 elements or more cannot be sparse)
+CHECK_CHUNK = 1 << 25  # indices checked side by side per launch group (``check_indices_many``)
 CHUNK_BYTES = 256 << 20  # default read size of find_changes (per version): bounds its temporaries
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -280,25 +281,44 @@ def check_indices(indices: torch.Tensor, n: int, what: str) -> None:
 
 
 def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> None:
-    """``check_indices`` of every ``(indices, n)`` with one host sync for all of them: the indices side by
-    side against each piece's bound (a few launches, not two reductions per piece); where one is out of
-    range, the pieces one by one name it."""
+    """``check_indices`` of every ``(indices, n)`` with one host sync for all of them: the pieces' indices
+    side by side against each piece's bound, ``CHECK_CHUNK`` indices at a time (a few launches per chunk,
+    not two reductions per piece; extra memory at most a chunk); where one is out of range, the pieces
+    one by one name it."""
     pieces = [(i, n) for i, n in pieces if i.numel()]
     if not pieces:
         return
-    if len({i.dtype for i, _ in pieces}) == 1 and len({i.device for i, _ in pieces}) == 1:
-        flat = torch.cat([i.reshape(-1) for i, _ in pieces])
-        dev = flat.device
-        sizes = torch.tensor([n for _, n in pieces], dtype=torch.int64).to(dev, non_blocking=True)
-        counts = torch.tensor([i.numel() for i, _ in pieces], dtype=torch.int64).to(dev, non_blocking=True)
-        limits = torch.repeat_interleave(sizes, counts, output_size=flat.numel())
-        if not bool(((flat < 0) | (flat >= limits)).any()):
-            return
+    flags, group = [], []
+    for i, n in pieces:
+        if group and (
+            sum(g.numel() for g, _ in group) + i.numel() > CHECK_CHUNK
+            or (i.dtype, i.device) != (group[0][0].dtype, group[0][0].device)
+        ):
+            flags.append(_out_of_range(group))
+            group = []
+        group.append((i, n))
+    flags.append(_out_of_range(group))
+    if len({f.device for f in flags}) == 1 and not bool(torch.stack(flags).any()):  # one host sync
+        return
+    if len({f.device for f in flags}) > 1 and not any(bool(f) for f in flags):
+        return
     lows = torch.stack([i.min().long() for i, _ in pieces])
     highs = torch.stack([i.max().long() - n for i, n in pieces])
     for (_, n), lo, hi in zip(pieces, lows.tolist(), highs.tolist()):
         if lo < 0 or hi >= 0:
             raise DeltaError(f"{what}: delta index {lo if lo < 0 else hi + n} is outside the piece's {n} elements")
+
+
+def _out_of_range(group: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """Whether an index of ``group`` (one dtype, one device) is outside its piece: a 0-d bool tensor."""
+    if len(group) == 1:
+        i, n = group[0]
+        return (i.min() < 0) | (i.max() >= n)
+    flat = torch.cat([i.reshape(-1) for i, _ in group])
+    sizes = torch.tensor([n for _, n in group], dtype=torch.int64).to(flat.device, non_blocking=True)
+    counts = torch.tensor([i.numel() for i, _ in group], dtype=torch.int64).to(flat.device, non_blocking=True)
+    limits = torch.repeat_interleave(sizes, counts, output_size=flat.numel())
+    return ((flat < 0) | (flat >= limits)).any()
 
 
 def encode(encoding: str, n: int, indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
