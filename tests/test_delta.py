@@ -173,6 +173,7 @@ def test_indices_are_checked_chunk_by_chunk_with_each_piece_against_its_bound(mo
     import refit.quant.delta as delta
 
     monkeypatch.setattr(delta, "CHECK_CHUNK", 3)  # several chunks, one piece alone in a chunk
+    monkeypatch.setattr(delta, "CHECK_ALONE", 4)  # the piece of 4 indices checked on its own
     i32 = partial(torch.tensor, dtype=torch.int32)
     good = [(i32([1, 2]), 3), (i32([0, 1, 2, 3]), 4), (i32([5]), 6), (torch.tensor([1]), 2)]
     check_indices_many(good, "x")

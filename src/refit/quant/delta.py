@@ -43,6 +43,7 @@ from refit.errors import ConfigError, TransferError
 ENCODINGS = ("dense", "sparse", "bitmask")
 INDEX_BYTES = 4  # sparse indices travel as int32 (a piece of 2**31 elements or more cannot be sparse)
 CHECK_CHUNK = 1 << 25  # indices checked side by side per launch group (``check_indices_many``)
+CHECK_ALONE = 1 << 20  # a piece with at least this many indices is checked alone (``check_indices_many``)
 CHUNK_BYTES = 256 << 20  # default read size of find_changes (per version): bounds its temporaries
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -265,8 +266,8 @@ def apply_changes(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
     on any strides. ``indices`` must lie in ``[0, dst.numel())`` (``check_indices``)."""
     if not indices.numel():
         return
-    if dst.is_contiguous():  # int32 indices as they came off the wire: no conversion pass
-        dst.view(-1).index_put_((indices if indices.dtype in (torch.int32, torch.int64) else indices.long(),), values)
+    if dst.is_contiguous():
+        dst.view(-1).index_put_((indices.long(),), values)
     else:
         dst.index_put_(torch.unravel_index(indices.long(), dst.shape), values)
 
@@ -281,15 +282,17 @@ def check_indices(indices: torch.Tensor, n: int, what: str) -> None:
 
 
 def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> None:
-    """``check_indices`` of every ``(indices, n)`` with one host sync for all of them: the pieces' indices
-    side by side against each piece's bound, ``CHECK_CHUNK`` indices at a time (a few launches per chunk,
-    not two reductions per piece; extra memory at most a chunk); where one is out of range, the pieces
+    """``check_indices`` of every ``(indices, n)`` with one host sync for all of them. A piece of at least
+    ``CHECK_ALONE`` indices is checked alone (its min and max: two reads); smaller ones side by side against
+    each piece's bound, ``CHECK_CHUNK`` indices at a time (a few launches per chunk, not two per piece, where
+    launches cost more than the reads; extra memory at most a chunk). Where one is out of range, the pieces
     one by one name it."""
     pieces = [(i, n) for i, n in pieces if i.numel()]
     if not pieces:
         return
-    flags, group = [], []
-    for i, n in pieces:
+    flags = [_out_of_range([p]) for p in pieces if p[0].numel() >= CHECK_ALONE]
+    group: list[tuple[torch.Tensor, int]] = []
+    for i, n in (p for p in pieces if p[0].numel() < CHECK_ALONE):
         if group and (
             sum(g.numel() for g, _ in group) + i.numel() > CHECK_CHUNK
             or (i.dtype, i.device) != (group[0][0].dtype, group[0][0].device)
@@ -297,7 +300,8 @@ def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> Non
             flags.append(_out_of_range(group))
             group = []
         group.append((i, n))
-    flags.append(_out_of_range(group))
+    if group:
+        flags.append(_out_of_range(group))
     if len({f.device for f in flags}) == 1 and not bool(torch.stack(flags).any()):  # one host sync
         return
     if len({f.device for f in flags}) > 1 and not any(bool(f) for f in flags):
