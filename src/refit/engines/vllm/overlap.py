@@ -164,7 +164,7 @@ class OverlapDriver:
         self._token.clear()
         try:
             await asyncio.wait_for(self._token.wait(), self.align_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # an alias of TimeoutError from Python 3.11 only
             return False
         return True
 
