@@ -282,7 +282,7 @@ def check_indices(indices: torch.Tensor, n: int, what: str) -> None:
 
 
 def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> None:
-    """``check_indices`` of every ``(indices, n)`` with one host sync for all of them. A piece of at least
+    """``check_indices`` of every ``(indices, n)`` with one host sync (per device) for all of them. A piece of at least
     ``CHECK_ALONE`` indices is checked alone (its min and max: two reads); smaller ones side by side against
     each piece's bound, ``CHECK_CHUNK`` indices at a time (a few launches per chunk, not two per piece, where
     launches cost more than the reads; extra memory at most a chunk). Where one is out of range, the pieces
@@ -291,26 +291,33 @@ def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> Non
     if not pieces:
         return
     flags = [_out_of_range([p]) for p in pieces if p[0].numel() >= CHECK_ALONE]
-    group: list[tuple[torch.Tensor, int]] = []
+    sum_sizes: dict[tuple, int] = {}
+    groups: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
     for i, n in (p for p in pieces if p[0].numel() < CHECK_ALONE):
-        if group and (
-            sum(g.numel() for g, _ in group) + i.numel() > CHECK_CHUNK
-            or (i.dtype, i.device) != (group[0][0].dtype, group[0][0].device)
-        ):
+        key = (i.dtype, i.device)
+        group = groups.setdefault(key, [])
+        if group and sum_sizes[key] + i.numel() > CHECK_CHUNK:
             flags.append(_out_of_range(group))
-            group = []
+            group = groups[key] = []
+            sum_sizes[key] = 0
         group.append((i, n))
-    if group:
-        flags.append(_out_of_range(group))
-    if len({f.device for f in flags}) == 1 and not bool(torch.stack(flags).any()):  # one host sync
+        sum_sizes[key] = sum_sizes.get(key, 0) + i.numel()
+    flags += [_out_of_range(g) for g in groups.values() if g]
+    if not any(bool(f) for f in _per_device_any(flags)):  # one host sync per device
         return
-    if len({f.device for f in flags}) > 1 and not any(bool(f) for f in flags):
-        return
-    lows = torch.stack([i.min().long() for i, _ in pieces])
-    highs = torch.stack([i.max().long() - n for i, n in pieces])
-    for (_, n), lo, hi in zip(pieces, lows.tolist(), highs.tolist()):
-        if lo < 0 or hi >= 0:
-            raise DeltaError(f"{what}: delta index {lo if lo < 0 else hi + n} is outside the piece's {n} elements")
+    for i, n in pieces:  # name the first bad index (an error path: a sync per piece is fine)
+        lo, hi = (int(x) for x in torch.stack([i.min().long(), i.max().long()]).tolist())
+        if lo < 0 or hi >= n:
+            raise DeltaError(f"{what}: delta index {lo if lo < 0 else hi} is outside the piece's {n} elements")
+    raise DeltaError(f"{what}: a delta index is outside its piece (found by the joint check, not per piece)")
+
+
+def _per_device_any(flags: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flags`` (0-d bools) reduced to one per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    return [torch.stack(fs).any() for fs in by_device.values()]
 
 
 def _out_of_range(group: list[tuple[torch.Tensor, int]]) -> torch.Tensor:

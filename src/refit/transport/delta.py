@@ -22,8 +22,9 @@ Per refit, per step (host-driven; on CUDA the device is synchronized by the head
 The sender's base follows what each message sent as it is encoded (``SourceBase.update``; a source box
 sent to several receivers at commit); the version it holds is set after the refit succeeded
 (``commit``), and a failed refit clears it (``fail``), so the next refit is dense everywhere.
-Extra memory: the base (this process's P2P-sent source bytes) plus one payload per delta message in
-flight (smaller than the message's dense bytes by the rule).
+Extra memory: the base (this process's P2P-sent source bytes) plus the payloads of one step's deltas
+while the step runs (each smaller than its message's dense bytes by the rule, unless forced; a sender
+briefly holds them twice, per message and joined per peer).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class _DeltaOp:
     bases: list[torch.Tensor]
     link: LinkSpeed
     header: torch.Tensor
-    payload: torch.Tensor | None = None
+    payload: torch.Tensor | None = None  # during a step: what is sent or received (dense: the op's tensor)
     kind: str = "dense"
     changes: list = field(default_factory=list)
     fraction: float | None = None  # sender: the changed fraction last measured
@@ -250,27 +251,33 @@ class DeltaSchedule:
         return out
 
     @staticmethod
-    def _header_msgs(ops: list[_DeltaOp], buf: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
-        """``(peer, headers, tag)`` per peer of ``ops``: the contiguous slice of ``buf`` holding their headers."""
-        out, off = [], 0
+    def _header_msgs(ops: list[_DeltaOp], buf: torch.Tensor) -> tuple[list[tuple[int, torch.Tensor, int]], list[_Op]]:
+        """``(peer, headers, tag)`` per peer of ``ops`` (the contiguous slice of ``buf`` holding their
+        headers), and per posted message the op that names it in an error (its peer's first)."""
+        out, named, off = [], [], 0
         for peer, group in _by_peer(ops):
             n = sum(d.header.numel() for d in group)
             out.append((peer, buf[off : off + n], group[0].op.tag + HEADER_TAG))
+            named.append(group[0].op)
             off += n
-        return out
+        return out, named
 
     @staticmethod
-    def _payload_msgs(ops: list[_DeltaOp]) -> list[tuple[int, torch.Tensor, int]]:
+    def _payload_msgs(ops: list[_DeltaOp]) -> tuple[list[tuple[int, torch.Tensor, int]], list[_Op]]:
         """``(peer, tensor, tag)`` to post: each dense message as itself; the deltas to (from) one peer as
         one buffer, the concatenation of their payloads (``_join``: every delta's ``payload`` is its slice
-        of it), under the first delta's tag."""
-        out = []
+        of it), under the first delta's tag. And per posted message the op that names it in an error."""
+        out, named = [], []
         for peer, group in _by_peer(ops):
             deltas = [d for d in group if d.kind != "dense"]
-            out += [(peer, d.payload, d.op.tag) for d in group if d.kind == "dense"]
+            for d in group:
+                if d.kind == "dense":
+                    out.append((peer, d.payload, d.op.tag))
+                    named.append(d.op)
             if deltas:
                 out.append((peer, _join(deltas), deltas[0].op.tag))
-        return out
+                named.append(deltas[0].op)
+        return out, named
 
     def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         """Every step: choose and encode (sends), headers, payloads, check and apply (receives)."""
@@ -278,19 +285,20 @@ class DeltaSchedule:
         for (sends, recvs), (send_hdr, recv_hdr) in zip(self.steps, self.headers):
             if sends:
                 send_hdr.copy_(torch.tensor(self._send_step(sends, version, held, stats), dtype=torch.int64))
-            ops = [d.op for d in sends + recvs]
-            hdr = self.p2p.post(self._header_msgs(sends, send_hdr), self._header_msgs(recvs, recv_hdr))
-            self.p2p.wait(clock, hdr, ops, "delta header exchange")
+            (out, out_ops), (inc, inc_ops) = self._header_msgs(sends, send_hdr), self._header_msgs(recvs, recv_hdr)
+            self.p2p.wait(clock, self.p2p.post(out, inc), out_ops + inc_ops, "delta header exchange")
             got = recv_hdr.tolist()  # one read for the step's headers
             for d in recvs:
                 self._receive_into(d, got[: 3 + len(d.views)], version, held.get(self.proc))
                 got = got[3 + len(d.views) :]
-            works = self.p2p.post(self._payload_msgs(sends), self._payload_msgs(recvs))
-            self.p2p.wait(clock, works, ops, "delta transfer")
+            (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends), self._payload_msgs(recvs)
+            self.p2p.wait(clock, self.p2p.post(out, inc), out_ops + inc_ops, "delta transfer")
             self._apply(recvs)
             stats.received_bytes += sum(
                 d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs
             )
+            for d in sends + recvs:  # the step's payloads are freed now, not held until the next refit
+                d.payload = None
         return stats
 
     def _send_step(self, sends: list[_DeltaOp], version: int, held: dict, stats: DeltaStats) -> list[int]:

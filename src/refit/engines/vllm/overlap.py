@@ -83,7 +83,7 @@ class OverlapDriver:
     def __init__(
         self, engine: Any, policy: str = "drain", *, initial_version: int | None = None, align_s: float = 0.5
     ) -> None:
-        if not align_s >= 0 or align_s == float("inf"):
+        if isinstance(align_s, bool) or not isinstance(align_s, (int, float)) or not 0 <= align_s < float("inf"):
             raise ConfigError(f"OverlapDriver: align_s must be a finite number of seconds >= 0, got {align_s!r}")
         self.engine, self.policy, self.align_s = engine, check_policy(policy), align_s
         self.version = initial_version
@@ -180,9 +180,10 @@ class OverlapDriver:
         try:
             async for out in self.engine.generate(prompt, params, request_id):
                 n = len(out.outputs[0].token_ids)
+                if n > req.n_tokens:
+                    self._token.set()
                 arrivals += [time.perf_counter()] * (n - req.n_tokens)
                 req.n_tokens, final = n, out
-                self._token.set()
             req.finished_at = time.perf_counter()
             aborted = final is not None and final.outputs[0].finish_reason == "abort"
             return final, self._versions(request_id, req, aborted), arrivals
