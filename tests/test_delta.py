@@ -303,6 +303,29 @@ def _run(mode, commit="in_place", timeout=150, dst_spec="tp=2", link_gbps=None):
     return run_local(_delta_worker, 2, 2, src, dst, cfg, mode, backend="gloo", timeout_s=timeout)
 
 
+def test_each_step_is_cut_into_chunks_of_the_staging_budget_per_sender_the_same_on_every_process():
+    from refit.transport.delta import _chunks
+
+    src = layout_from_spec(SHAPES, parse_spec("fsdp=2", "src"))
+    for dst_spec in ("tp=2", "tp=1,dp=2"):
+        dst = layout_from_spec(SHAPES, parse_spec(dst_spec, "dst"))
+        cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto")  # the multi-process tests' budget
+        plan = build_plan(src, dst, ProcessMap.disjoint(2, 2), cfg)
+        chunk = _chunks(plan, cfg)
+        p2p = [i for i, m in enumerate(plan.messages) if m.transport == "p2p"]
+        assert sorted(chunk) == p2p and chunk == _chunks(plan, replace(cfg))  # every message, deterministic
+        for step in {plan.messages[i].step for i in p2p}:
+            ids = [i for i in p2p if plan.messages[i].step == step]
+            cuts = [chunk[i] for i in ids]
+            assert cuts == sorted(cuts) and cuts[0] == 0  # in plan order, from 0, no gaps
+            assert set(cuts) == set(range(cuts[-1] + 1))
+            senders = len({plan.procs.src[plan.messages[i].src] for i in ids})
+            for c in set(cuts):
+                part = [plan.messages[i].nbytes for i in ids if chunk[i] == c]
+                assert len(part) == 1 or sum(part) <= 2 * (16 << 10) * senders  # within the budget, or one message
+        assert max(chunk.values()) > 0, dst_spec  # the tests below run several chunks per step
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
 def test_auto_on_a_link_where_no_delta_can_pay_runs_the_plain_path_exactly():

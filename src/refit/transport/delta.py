@@ -4,7 +4,8 @@ Setup (once): ``SourceBase`` copies a source process's tensors that it sends ove
 in pinned host memory: ``TransferConfig.delta_base``); ``DeltaSchedule`` pairs each of the process's P2P
 ops (``P2PSchedule``) with its pieces' views, the base views (sender) and the link's speed.
 
-Per refit, per step (host-driven; on CUDA the device is synchronized by the header reads):
+Per refit, per step and chunk of a step (``_chunks``: at most the staging budget of data per sending process;
+host-driven; on CUDA the device is synchronized by the header reads):
   1. each sender chooses its message's encoding (``DeltaSchedule._plan``): dense when the receiver does
      not hold the sender's base version (heal), on a same-device link, or when the last measured changed
      fraction makes dense cheaper (then the base is not maintained either, until a probe every
@@ -195,21 +196,27 @@ class DeltaSchedule:
 
     Lifecycle: built on every process of the plan (no communication); ``run(clock, version, held)``
     once per refit instead of the P2P schedule's run, same order everywhere; a source calls
-    ``base.commit(version)`` after the refit succeeded. Must agree with every peer: the plan, the tags
-    and ``config.delta`` (pre-flight checks it). ``held``: per receiving peer, the version it holds.
+    ``base.commit(version)`` after the refit succeeded. Must agree with every peer: the plan, the tags,
+    ``config.delta`` and the staging budget (the chunks; pre-flight checks them). ``held``: per receiving
+    peer, the version it holds.
     """
 
     def __init__(self, p2p: P2PSchedule, plan: Plan, proc: int, local: LocalTensors, config: TransferConfig) -> None:
         self.p2p, self.plan, self.proc, self.config = p2p, plan, proc, config
         self.dst_rank = local.dst_rank
         self.base = SourceBase(plan, proc, local, config.delta_base) if local.src_rank is not None else None
-        self.steps = [  # each side's ops grouped by peer (stable: plan order within a peer, as on the peer)
-            (
-                sorted((self._op(op, local, True) for op in st.sends), key=lambda d: d.op.peer),
-                sorted((self._op(op, local, False) for op in st.recvs), key=lambda d: d.op.peer),
-            )
-            for st in p2p.steps
-        ]
+        chunk = _chunks(plan, config)
+        self.steps = []  # per P2P step, its chunks in order; each side's ops grouped by peer (plan order within)
+        for st in p2p.steps:
+            sends = [self._op(op, local, True) for op in st.sends]
+            recvs = [self._op(op, local, False) for op in st.recvs]
+            for c in sorted({chunk[d.op.message] for d in sends + recvs}):
+                self.steps.append(
+                    (
+                        sorted((d for d in sends if chunk[d.op.message] == c), key=lambda d: d.op.peer),
+                        sorted((d for d in recvs if chunk[d.op.message] == c), key=lambda d: d.op.peer),
+                    )
+                )
         self.headers = self._headers()
 
     @property
@@ -430,6 +437,28 @@ class DeltaSchedule:
             raise
         for _, v, idx, vals in todo:
             apply_changes(v, idx, vals)
+
+
+def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
+    """Each P2P message's chunk within its step: the step's messages in plan order, cut where their bytes pass
+    the staging budget (at most ``FIND_BATCH_BYTES``) times the step's sending processes. Every process
+    computes the same cuts and runs a step chunk by chunk (headers, payloads, apply), so a receiver applies
+    one chunk while its sender finds the next, and the changes held at a time stay bounded."""
+    by_step: dict[int, list[int]] = {}
+    for i, m in enumerate(plan.messages):
+        if m.transport == "p2p":
+            by_step.setdefault(m.step, []).append(i)
+    out: dict[int, int] = {}
+    for ids in by_step.values():
+        senders = len({plan.procs.src[plan.messages[i].src] for i in ids})
+        limit = max(1, min(FIND_BATCH_BYTES, config.num_buffers * config.buffer_bytes)) * senders
+        c, size = 0, 0
+        for i in ids:
+            if size and size + plan.messages[i].nbytes > limit:
+                c, size = c + 1, 0
+            out[i] = c
+            size += plan.messages[i].nbytes
+    return out
 
 
 def _by_peer(ops: list[_DeltaOp]) -> list[tuple[int, list[_DeltaOp]]]:
