@@ -23,9 +23,10 @@ host-driven; on CUDA the device is synchronized by the header reads):
 The sender's base follows what each message sent as it is encoded (``SourceBase.update``; a source box
 sent to several receivers at commit); the version it holds is set after the refit succeeded
 (``commit``), and a failed refit clears it (``fail``), so the next refit is dense everywhere.
-Extra memory: the base (this process's P2P-sent source bytes) plus the payloads of one step's deltas
-while the step runs (each smaller than its message's dense bytes by the rule, unless forced; a sender
-briefly holds them twice, per message and joined per peer).
+Extra memory: the base (this process's P2P-sent source bytes) plus the payloads of one chunk's deltas
+while the chunk runs (each smaller than its message's dense bytes by the rule, unless forced; a sender
+briefly holds them twice, per message and joined per peer) and the find's slots (a quarter of a chunk's
+elements).
 """
 
 from __future__ import annotations
