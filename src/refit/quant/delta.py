@@ -291,24 +291,20 @@ def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> Non
     if not pieces:
         return
     flags = [_out_of_range([p]) for p in pieces if p[0].numel() >= CHECK_ALONE]
-    sum_sizes: dict[tuple, int] = {}
-    groups: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
+    groups: dict[tuple, tuple[list[tuple[torch.Tensor, int]], list[int]]] = {}  # (dtype, device) -> pieces, size
     for i, n in (p for p in pieces if p[0].numel() < CHECK_ALONE):
-        key = (i.dtype, i.device)
-        group = groups.setdefault(key, [])
-        if group and sum_sizes[key] + i.numel() > CHECK_CHUNK:
+        group, size = groups.setdefault((i.dtype, i.device), ([], [0]))
+        if group and size[0] + i.numel() > CHECK_CHUNK:
             flags.append(_out_of_range(group))
-            group = groups[key] = []
-            sum_sizes[key] = 0
+            group.clear()
+            size[0] = 0
         group.append((i, n))
-        sum_sizes[key] = sum_sizes.get(key, 0) + i.numel()
-    flags += [_out_of_range(g) for g in groups.values() if g]
+        size[0] += i.numel()
+    flags += [_out_of_range(list(g)) for g, _ in groups.values() if g]
     if not any(bool(f) for f in _per_device_any(flags)):  # one host sync per device
         return
     for i, n in pieces:  # name the first bad index (an error path: a sync per piece is fine)
-        lo, hi = (int(x) for x in torch.stack([i.min().long(), i.max().long()]).tolist())
-        if lo < 0 or hi >= n:
-            raise DeltaError(f"{what}: delta index {lo if lo < 0 else hi} is outside the piece's {n} elements")
+        check_indices(i, n, what)
     raise DeltaError(f"{what}: a delta index is outside its piece (found by the joint check, not per piece)")
 
 

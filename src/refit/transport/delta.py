@@ -32,6 +32,7 @@ elements).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import groupby
 
 import torch
 
@@ -240,10 +241,11 @@ class DeltaSchedule:
         d.may_pay = self._may_pay(d)
         return d
 
-    def _headers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _headers(self) -> list[tuple[torch.Tensor, torch.Tensor, tuple]]:
         """Per step, one int64 buffer for the headers it sends and one for those it receives; each op's
         ``header`` is its slice, and the slices of one peer's ops are contiguous (one host-to-device copy
-        and one read per step, one P2P message per peer)."""
+        and one read per step, one P2P message per peer); and the step's header messages to post
+        (``_header_msgs`` of both sides), built here once."""
         out = []
         for sends, recvs in self.steps:
             bufs = []
@@ -255,7 +257,7 @@ class DeltaSchedule:
                     d.header = buf[off : off + 3 + len(d.views)]
                     off += 3 + len(d.views)
                 bufs.append(buf)
-            out.append((bufs[0], bufs[1]))
+            out.append((bufs[0], bufs[1], (self._header_msgs(sends, bufs[0]), self._header_msgs(recvs, bufs[1]))))
         return out
 
     @staticmethod
@@ -290,10 +292,10 @@ class DeltaSchedule:
     def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         """Every step: choose and encode (sends), headers, payloads, check and apply (receives)."""
         stats = DeltaStats()
-        for (sends, recvs), (send_hdr, recv_hdr) in zip(self.steps, self.headers):
+        for (sends, recvs), (send_hdr, recv_hdr, headers) in zip(self.steps, self.headers):
             if sends:
                 send_hdr.copy_(torch.tensor(self._send_step(sends, version, held, stats), dtype=torch.int64))
-            (out, out_ops), (inc, inc_ops) = self._header_msgs(sends, send_hdr), self._header_msgs(recvs, recv_hdr)
+            (out, out_ops), (inc, inc_ops) = headers
             self.p2p.wait(clock, self.p2p.post(out, inc), out_ops + inc_ops, "delta header exchange")
             got = recv_hdr.tolist()  # one read for the step's headers
             for d in recvs:
@@ -464,13 +466,7 @@ def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
 
 def _by_peer(ops: list[_DeltaOp]) -> list[tuple[int, list[_DeltaOp]]]:
     """``ops`` (sorted by peer) as ``(peer, its ops in order)``."""
-    out: list[tuple[int, list[_DeltaOp]]] = []
-    for d in ops:
-        if out and out[-1][0] == d.op.peer:
-            out[-1][1].append(d)
-        else:
-            out.append((d.op.peer, [d]))
-    return out
+    return [(peer, list(group)) for peer, group in groupby(ops, key=lambda d: d.op.peer)]
 
 
 def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
