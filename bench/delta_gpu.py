@@ -49,6 +49,7 @@ from refit.quant.delta import (
     launch_many,
     wire_bytes,
 )
+from refit.quant.delta_words import find_words_many
 from refit.tools.bench.weights import make_weight
 from refit.tools.launch import run_local
 from refit.transfer import Receiver, Sender
@@ -125,6 +126,11 @@ def _group(cur, base, engine, names, device, sec) -> list[tuple[int, int]]:
         sec["kernel_alone"] += _timed(device, partial(_kernel_alone, base, cur, names))[0]
     dt, found = _timed(device, partial(_find, base, cur, names))
     sec["find"] += dt
+    dt, words = _timed(device, partial(find_words_many, [(base[n], cur[n]) for n in names]))
+    sec["words_find"] += dt
+    sec["words_count"] += sum(k for _, _, k in words)
+    sec["words_over_slots"] += sum(i is None for i, _, _ in words)
+    del words
     sizes = [wire_bytes("sparse", cur[n].numel(), len(i), 2) for n, (i, _) in zip(names, found)]
     bufs = [torch.empty(s, dtype=torch.uint8, device=device) for s in sizes]
     sec["pack"] += _timed(device, partial(_pack, cur, names, found, bufs))[0]
@@ -135,7 +141,8 @@ def _group(cur, base, engine, names, device, sec) -> list[tuple[int, int]]:
 
 def kernel_row(cur, base, engine, fraction, device, group_bytes) -> dict:
     """One fraction's find / pack / apply / base-update seconds over the whole model, bytes, exactness."""
-    sec = dict.fromkeys(("find", "find_torch", "kernel_alone", "pack", "apply", "base_update"), 0.0)
+    keys = ("find", "find_torch", "kernel_alone", "pack", "apply", "base_update", "words_find", "words_count")
+    sec = dict.fromkeys((*keys, "words_over_slots"), 0.0)
     counts = [nk for names in _groups(cur, group_bytes) for nk in _group(cur, base, engine, names, device, sec)]
     n_all, k_all = sum(n for n, _ in counts), sum(k for _, k in counts)
     copy_s, _ = _timed(device, partial(_copy_all, engine, cur))  # dense, on the device
@@ -144,7 +151,9 @@ def kernel_row(cur, base, engine, fraction, device, group_bytes) -> dict:
     return {
         "fraction": fraction,
         "changed": k_all / max(1, n_all),
-        **{f"{k}_ms": v * 1e3 for k, v in sec.items()},
+        **{f"{k}_ms": v * 1e3 for k, v in sec.items() if not k.startswith("words_") or k == "words_find"},
+        "words_bytes": wire_bytes("words", n_all, int(sec["words_count"]), 2),
+        "words_over_slots": int(sec["words_over_slots"]),
         "find_pack_apply_ms": (sec["find"] + sec["pack"] + sec["apply"]) * 1e3,
         "dense_copy_ms": copy_s * 1e3,
         "dense_bytes": 2 * n_all,
@@ -179,7 +188,8 @@ def kernels(model: str, device: torch.device, group_bytes: int) -> tuple[list[di
     return rows, model_bytes
 
 
-DELTA_PEERS = {"delta": "auto", "sparse": "sparse"}  # S1's delta Peer pairs beside the dense one: name -> mode
+# S1's delta Peer pairs beside the dense one: name -> mode
+DELTA_PEERS = {"delta": "auto", "sparse": "sparse", "words": "words"}
 
 
 def _s1_worker(world, model: str, iters: int, buffer_mb: int):
@@ -239,12 +249,8 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
         rows.append(
             {
                 "fraction": f,
-                "dense_ms": statistics.median(times["dense"][warm]) * 1e3,
-                "delta_ms": statistics.median(times["delta"][warm]) * 1e3,
-                "sparse_ms": statistics.median(times["sparse"][warm]) * 1e3,
-                "dense_bytes": wire["dense"][-1],
-                "delta_bytes": wire["delta"][-1],
-                "sparse_bytes": wire["sparse"][-1],
+                **{f"{k}_ms": statistics.median(times[k][warm]) * 1e3 for k in peers},
+                **{f"{k}_bytes": wire[k][-1] for k in peers},
                 "encodings": enc,
                 "exact": exact,
             }
@@ -264,9 +270,7 @@ def s1(model: str, device: str, iters: int, buffer_mb: int) -> list[dict] | None
         rows.append(
             {
                 **a,
-                "dense_ms": max(a["dense_ms"], b["dense_ms"]),
-                "delta_ms": max(a["delta_ms"], b["delta_ms"]),
-                "sparse_ms": max(a["sparse_ms"], b["sparse_ms"]),
+                **{f"{k}_ms": max(a[f"{k}_ms"], b[f"{k}_ms"]) for k in ("dense", *DELTA_PEERS)},
                 "exact": b["exact"],
                 "sender_base_bytes": extra,
             }
@@ -285,7 +289,9 @@ def _print(res: dict) -> None:
         if r["kernel_alone_ms"]:
             print(
                 f"  {r['fraction']:>6.1%}: find {r['find_ms']:.2f} ms ({gb / r['find_ms']:.2f} TB/s read); "
-                f"the kernel launched alone {r['kernel_alone_ms']:.2f} ms ({gb / r['kernel_alone_ms']:.2f} TB/s)"
+                f"the kernel launched alone {r['kernel_alone_ms']:.2f} ms ({gb / r['kernel_alone_ms']:.2f} TB/s); "
+                f"words: find {r['words_find_ms']:.2f} ms ({gb / r['words_find_ms']:.2f} TB/s), wire "
+                f"{r['words_bytes'] / r['dense_bytes']:.2%} of dense, {r['words_over_slots']} pieces over the slots"
             )
     for r in res["kernels"]:
         print(
@@ -305,16 +311,15 @@ def _print(res: dict) -> None:
         print(f"S1 not run: {res['s1_skipped']}")
         return
     print(
-        "S1 over P2P (slowest process, median): fraction | dense ms | auto ms (x dense) | forced sparse ms (x dense)"
-        " | auto bytes / dense | sparse bytes / dense | exact"
+        "S1 over P2P (slowest process, median): fraction | dense ms | per delta mode (auto = delta, forced sparse, "
+        "forced words): ms (x dense, bytes / dense) | exact"
     )
     for r in res["s1"]:
-        print(
-            f"  {r['fraction']:>6.1%} | {r['dense_ms']:8.2f} | {r['delta_ms']:8.2f} "
-            f"({r['delta_ms'] / r['dense_ms']:.2f}x) | {r['sparse_ms']:8.2f} ({r['sparse_ms'] / r['dense_ms']:.2f}x) | "
-            f"{r['delta_bytes'] / r['dense_bytes']:6.2%} | {r['sparse_bytes'] / r['dense_bytes']:6.2%} | {r['exact']} "
-            f"{r['encodings']}"
+        modes = " | ".join(
+            f"{k} {r[f'{k}_ms']:8.2f} ({r[f'{k}_ms'] / r['dense_ms']:.2f}x, {r[f'{k}_bytes'] / r['dense_bytes']:6.2%})"
+            for k in DELTA_PEERS
         )
+        print(f"  {r['fraction']:>6.1%} | {r['dense_ms']:8.2f} | {modes} | {r['exact']} {r['encodings']}")
     print(f"extra memory (sender base copy): {res['s1'][0]['sender_base_bytes'] / 1e9:.2f} GB")
 
 

@@ -19,7 +19,6 @@ from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap, build_plan
 from refit.quant.delta import (
-    ENCODINGS,
     LINKS,
     PAY_MARGIN,
     DeltaError,
@@ -34,9 +33,10 @@ from refit.quant.delta import (
     predicted_seconds,
     wire_bytes,
 )
+from refit.quant.delta_words import check_words_many, find_words, scatter_words_many, words_in
 from refit.tools.launch import WorkerError, run_local
 from refit.transfer import Receiver, Sender
-from refit.transport.delta import check_header, plan_may_pay
+from refit.transport.delta import _word_parts, check_header, plan_may_pay
 from refit.transport.p2p import _Op
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -63,7 +63,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @given(
     seed=st.integers(0, 2**31 - 1),
     dtype=st.sampled_from(DTYPES),
-    encoding=st.sampled_from(ENCODINGS[1:]),
+    encoding=st.sampled_from(("sparse", "bitmask")),
     rows=st.integers(1, 40),
     cols=st.integers(1, 40),
     strided=st.booleans(),
@@ -93,6 +93,43 @@ def test_twenty_consecutive_deltas_are_exact(seed, dtype, encoding, rows, cols, 
         apply_changes(base, idx, vals)
         assert _same_bits(engine_view, cur)
         assert _same_bits(base, cur)
+
+
+@settings(max_examples=12)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from(DTYPES),
+    rows=st.integers(1, 24),
+    cols8=st.integers(1, 5),
+    strided=st.booleans(),
+)
+def test_twenty_consecutive_word_deltas_are_exact(seed, dtype, rows, cols8, strided):
+    """Changed 64-bit words (``quant.delta_words``, the torch path) through the wire format, into a strided
+    destination and into the base, over 20 random steps: every step bit-exact."""
+    gen = torch.Generator().manual_seed(seed)
+    cols = cols8 * 8  # whole words for every dtype
+    whole = torch.randn(rows, cols + 8, generator=gen).to(dtype)
+    cur = whole[:, 8:] if strided else whole[:, :cols].contiguous()
+    base = cur.clone()
+    engine_view = torch.zeros(rows, cols + 16, dtype=dtype)[:, 8:-8]
+    engine_view.copy_(cur)
+    n, nwords = cur.numel(), words_in(cur)
+    for _ in range(20):
+        _step(cur, float(torch.rand(1, generator=gen)) ** 3, gen)
+        idx, words = find_words(base, cur)
+        per = 8 // dtype.itemsize
+        want = (base.contiguous().view(torch.int64) != cur.contiguous().view(torch.int64)).reshape(-1)
+        assert torch.equal(idx.long(), want.nonzero().squeeze(1)) and nwords == n // per
+        payload = torch.empty(wire_bytes("words", n, len(idx), dtype.itemsize), dtype=torch.uint8)
+        parts = _word_parts(idx, words)
+        torch.cat(parts, out=payload)
+        got_idx, got_words = decode("words", n, len(idx), payload, dtype)
+        assert check_words_many([(got_idx, nwords)])
+        scatter_words_many([(engine_view, got_idx, got_words), (base, idx, words)])
+        assert _same_bits(engine_view, cur)
+        assert _same_bits(base, cur)
+    bad = torch.tensor([0, nwords], dtype=torch.int32)
+    assert not check_words_many([(bad, nwords)]) and not check_words_many([(bad - 1, nwords)])
 
 
 def test_the_rule_picks_dense_on_one_device_and_when_everything_changed():
@@ -294,11 +331,11 @@ def _matches_reference(src, dst, dst_rank, local, version):
     )
 
 
-def _run(mode, commit="in_place", timeout=150, dst_spec="tp=2", link_gbps=None):
+def _run(mode, commit="in_place", timeout=150, dst_spec="tp=2", link_gbps=None, delta="auto"):
     src = layout_from_spec(SHAPES, parse_spec("fsdp=2", "src"))
     dst = layout_from_spec(SHAPES, parse_spec(dst_spec, "dst"))
     cfg = TransferConfig(
-        num_buffers=2, buffer_bytes=16 << 10, delta="auto", commit=commit, deadline_s=60, delta_link_gbps=link_gbps
+        num_buffers=2, buffer_bytes=16 << 10, delta=delta, commit=commit, deadline_s=60, delta_link_gbps=link_gbps
     )
     return run_local(_delta_worker, 2, 2, src, dst, cfg, mode, backend="gloo", timeout_s=timeout)
 
@@ -339,26 +376,33 @@ def test_auto_on_a_link_where_no_delta_can_pay_runs_the_plain_path_exactly():
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    "commit,dst_spec",
+    "commit,dst_spec,delta",
     [
-        ("in_place", "tp=2"),
-        ("staged", "tp=2"),
-        ("in_place", "tp=1,dp=2"),  # each source box goes to both replicas: its base is updated at commit
+        ("in_place", "tp=2", "auto"),
+        ("staged", "tp=2", "auto"),
+        ("in_place", "tp=1,dp=2", "auto"),  # each source box goes to both replicas: its base is updated at commit
+        ("in_place", "tp=1,dp=2", "words"),  # changed 64-bit words, every message
     ],
 )
-def test_deltas_are_exact_send_fewer_bytes_and_heal_a_replica_that_lost_its_version(commit, dst_spec):
-    out = _run("heal", commit, dst_spec=dst_spec)
+def test_deltas_are_exact_send_fewer_bytes_and_heal_a_replica_that_lost_its_version(commit, dst_spec, delta):
+    out = _run("heal", commit, dst_spec=dst_spec, delta=delta)
     senders, receivers = out[:2], out[2:]
     assert receivers == [[True] * VERSIONS] * 2  # exact after every version, on both replicas
+
+    def deltas(enc):
+        return enc["words"] if delta == "words" else enc["sparse"] + enc["bitmask"] + enc["words"]
+
     for per_version in senders:
         wire, dense, enc = per_version[0]
-        assert enc["dense"] > 0 and enc["sparse"] + enc["bitmask"] == 0  # version 1: nothing to diff against
+        assert enc["dense"] > 0 and deltas(enc) == 0  # version 1: nothing to diff against
         for v in (1, 4, 5):  # versions 2, 3 (and 5, 6): deltas to both replicas
             wire, dense, enc = per_version[v]
-            assert enc["sparse"] + enc["bitmask"] > 0 and wire < 0.5 * dense, (v + 1, per_version[v])
+            assert deltas(enc) > 0 and wire < 0.5 * dense, (v + 1, per_version[v])
+            if delta == "words":
+                assert enc["dense"] == 0 and enc["words"] == sum(enc.values()), per_version[v]
     # version 4: the replica that lost version 3 got dense messages (healed); the other deltas
     assert sum(p[3][2]["dense"] for p in senders) > 0
-    assert all(p[3][2]["sparse"] + p[3][2]["bitmask"] > 0 for p in senders)
+    assert all(deltas(p[3][2]) > 0 for p in senders)
 
 
 @pytest.mark.multiproc
@@ -378,6 +422,14 @@ INTERPRET_SCRIPT = Path(__file__).with_name("delta_interpret.py")
 @needs_triton
 def test_one_pass_kernel_in_interpreter_equals_the_torch_path():
     assert_all_ok_in_interpreter(INTERPRET_SCRIPT, 280)
+
+
+@pytest.mark.timeout(300)
+@needs_triton
+def test_word_kernels_in_interpreter_equal_the_torch_path():
+    """One launch over many pieces: find (with a piece over its slots), check (in range, out of range) and
+    scatter, against ``quant.delta_words``' torch reference."""
+    assert_all_ok_in_interpreter(Path(__file__).with_name("delta_words_interpret.py"), 280)
 
 
 def _fp8_worker(world):
@@ -459,7 +511,7 @@ def test_fanout_replicas_get_deltas_from_the_trainer_and_from_each_other():
     for v in range(4):
         assert all(o[v][0] == out[0][v][0] for o in out[1:]), v + 1  # every replica holds the trainer's bytes
     later = [enc for o in out for enc in o[3][1]]  # version 4: every sender (trainer, replica 0) sent deltas
-    assert len(later) >= 2 and all(e["sparse"] + e["bitmask"] > 0 for e in later), later
+    assert len(later) >= 2 and all(e["sparse"] + e["bitmask"] + e["words"] > 0 for e in later), later
 
 
 def _policy_worker(world):
@@ -500,7 +552,7 @@ def test_a_steady_full_change_is_sent_dense_without_diffing_and_deltas_resume_wh
     # versions 12-21 change 1%: the stale fraction keeps dense until the next probe (versions 19, 20),
     # then deltas again
     assert diffed[11:18] == [0] * 7 and diffed[19] == n, diffed
-    assert sent[-1][2]["sparse"] + sent[-1][2]["bitmask"] == n, sent[-1][1:]
+    assert sent[-1][2]["sparse"] + sent[-1][2]["bitmask"] + sent[-1][2]["words"] == n, sent[-1][1:]
 
 
 @pytest.mark.gpu
@@ -523,3 +575,40 @@ def test_one_pass_kernel_on_cuda_equals_the_torch_path_and_deltas_apply():
             apply_changes(engine, got_i, got_v)
             apply_changes(base, want_i, want_v)
             assert torch.equal(engine.view(torch.uint8), cur.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_word_kernels_on_cuda_equal_the_torch_path_in_one_launch_for_many_pieces():
+    """``find_words_many`` (one launch over pieces of three dtypes, one overflowing its slots), the one-launch
+    check and the scatter into an engine copy and the base: equal to the torch reference, bit for bit."""
+    from refit.quant.delta_words import find_words_many
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    specs = [(torch.bfloat16, (1 << 22) + 4), (torch.float32, 1 << 20), (torch.float8_e4m3fn, 12344 * 8)]
+    curs = [torch.randn(n, device="cuda", generator=gen).to(d) for d, n in specs]
+    bases, engines = [c.clone() for c in curs], [c.clone() for c in curs]
+    for f in (0.001, 0.01, 0.3):
+        for c in curs:
+            b = c.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[c.element_size()])
+            b ^= (torch.rand(c.numel(), device="cuda", generator=gen) < f).to(b.dtype)
+        found = find_words_many(list(zip(bases, curs)))
+        for b, c, (i, w, k) in zip(bases, curs, found):
+            want_i, want_w = find_words(b, c)
+            assert k == len(want_i)
+            if i is None:  # over a quarter of the words changed: the caller sends dense
+                assert f == 0.3 and k > words_in(c) // 4
+                continue
+            order = torch.argsort(i)
+            assert torch.equal(i[order], want_i) and torch.equal(w[order], want_w)
+        done = [(e, b, i, w) for e, b, (i, w, _) in zip(engines, bases, found) if i is not None]
+        assert check_words_many([(i, words_in(e)) for e, _, i, _ in done])
+        scatter_words_many([(e, i, w) for e, _, i, w in done] + [(b, i, w) for _, b, i, w in done])
+        for e, b, c in zip(engines, bases, curs):
+            if any(e is x for x, _, _, _ in done):
+                assert torch.equal(e.view(torch.uint8), c.view(torch.uint8))
+                assert torch.equal(b.view(torch.uint8), c.view(torch.uint8))
+            else:
+                e.copy_(c)
+                b.copy_(c)
+    bad = torch.tensor([0, 5, words_in(curs[1])], dtype=torch.int32, device="cuda")
+    assert not check_words_many([(bad, words_in(curs[1]))])

@@ -21,7 +21,7 @@ TRANSPORTS = ("p2p", "ipc", "nixl", "auto")
 COMMIT_MODES = ("in_place", "staged")
 COMMIT_POLICIES = ("drain", "abort", "in_place")
 """What an engine does with in-flight requests at an overlapped refit's commit (``refit.commit``)."""
-DELTA_MODES = ("off", "auto", "sparse", "bitmask")
+DELTA_MODES = ("off", "auto", "sparse", "bitmask", "words")
 DELTA_BASES = ("device", "host")
 
 
@@ -58,8 +58,9 @@ class TransferConfig:
       shadow, plus the previous version with ``keep_previous``); ``None``: no bound. A share that does
       not fit is refused when the Peer is built (``ConfigError`` naming both numbers).
     * ``delta``: P2P messages carry only the elements changed since the version the receiver holds
-      (``"auto"``: dense, sparse or bitmask per message by the cost rule of ``refit.quant.delta``;
-      ``"sparse"`` / ``"bitmask"``: that encoding whenever the receiver holds the base; ``"off"``).
+      (``"auto"``: dense, sparse, bitmask or words per message by the cost rule of ``refit.quant.delta``;
+      ``"sparse"`` / ``"bitmask"``: that encoding whenever the receiver holds the base; ``"words"``: changed
+      64-bit words (``refit.quant.delta_words``) where a message's pieces have words, else sparse; ``"off"``).
       ``delta_base``: where a source keeps the last version it sent (``"device"`` or pinned ``"host"``
       memory; extra memory: its P2P-sent shards). ``delta_link_gbps``: the link speed the rule weighs
       (default: by the link's kind, ``refit.quant.delta.LINKS``). Not with ``checksums``. Under

@@ -40,7 +40,7 @@ import torch
 
 from refit.errors import ConfigError, TransferError
 
-ENCODINGS = ("dense", "sparse", "bitmask")
+ENCODINGS = ("dense", "sparse", "bitmask", "words")
 INDEX_BYTES = 4  # sparse indices travel as int32 (a piece of 2**31 elements or more cannot be sparse)
 CHECK_CHUNK = 1 << 25  # indices checked side by side per launch group (``check_indices_many``)
 CHECK_ALONE = 1 << 20  # a piece with at least this many indices is checked alone (``check_indices_many``)
@@ -64,14 +64,22 @@ class LinkSpeed:
     apply_gbps: float
     piece_s: float = 0.0
     same_device: bool = False
+    word_find_gbps: float | None = None
+    word_piece_s: float | None = None
 
     def __post_init__(self) -> None:
-        for field in ("link_gbps", "find_gbps", "apply_gbps"):
+        if self.word_find_gbps is None:
+            object.__setattr__(self, "word_find_gbps", self.find_gbps)
+        if self.word_piece_s is None:
+            object.__setattr__(self, "word_piece_s", self.piece_s)
+        for field in ("link_gbps", "find_gbps", "apply_gbps", "word_find_gbps"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise ConfigError(f"LinkSpeed.{field} must be a finite number of GB/s > 0, got {value!r}")
-        if isinstance(self.piece_s, bool) or not isinstance(self.piece_s, (int, float)) or not 0 <= self.piece_s < 1:
-            raise ConfigError(f"LinkSpeed.piece_s must be seconds in [0, 1), got {self.piece_s!r}")
+        for field in ("piece_s", "word_piece_s"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ConfigError(f"LinkSpeed.{field} must be seconds in [0, 1), got {value!r}")
 
 
 # CUDA rates measured on one H100 (docs/benchmarks.md, "Delta kernels on an H100": Llama-3.1-8B shapes,
@@ -97,6 +105,8 @@ def wire_bytes(encoding: str, n: int, k: int, itemsize: int) -> int:
         return _align(k * INDEX_BYTES) + _align(k * itemsize)
     if encoding == "bitmask":
         return _align((n + 7) // 8) + _align(k * itemsize)
+    if encoding == "words":  # k counts changed 64-bit words
+        return _align(k * INDEX_BYTES) + k * 8
     raise ConfigError(f"delta encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
 
 
@@ -105,6 +115,9 @@ def predicted_seconds(encoding: str, n: int, k: int, itemsize: int, link: LinkSp
     wire = wire_bytes(encoding, n, k, itemsize) / (link.link_gbps * 1e9)
     if encoding == "dense":
         return wire
+    if encoding == "words":  # k words of 8 bytes: index, word, base update and scatter
+        find = 2 * n * itemsize / (link.word_find_gbps * 1e9)
+        return find + wire + k * (INDEX_BYTES + 16) / (link.apply_gbps * 1e9) + link.word_piece_s
     find = 2 * n * itemsize / (link.find_gbps * 1e9)
     apply = k * (INDEX_BYTES + 2 * itemsize) / (link.apply_gbps * 1e9)
     return find + wire + apply + link.piece_s
@@ -117,6 +130,20 @@ def choose_encoding(pieces: list[tuple[int, int, int]], link: LinkSpeed) -> str:
     if link.same_device or not any(n for n, _, _ in pieces):
         return "dense"
     kinds = ["dense", "bitmask"] + (["sparse"] if all(n < 2**31 for n, _, _ in pieces) else [])
+    return _cheapest(pieces, link, kinds)
+
+
+def choose_words(pieces: list[tuple[int, int, int]], link: LinkSpeed) -> str:
+    """``"words"`` or ``"dense"`` for one message whose pieces have ``(n, k, itemsize)``, ``k`` changed 64-bit
+    words in ``n`` elements (found by ``refit.quant.delta_words``): the cheaper by ``predicted_seconds``,
+    dense on a same-device link and on ties."""
+    if link.same_device or not any(n for n, _, _ in pieces):
+        return "dense"
+    return _cheapest(pieces, link, ["dense", "words"])
+
+
+def _cheapest(pieces: list[tuple[int, int, int]], link: LinkSpeed, kinds: list[str]) -> str:
+    """The kind of ``kinds`` with the least ``predicted_seconds`` summed over ``pieces``, earliest on ties."""
 
     def cost(e: str) -> float:
         return sum(predicted_seconds(e, n, k, s, link) for n, k, s in pieces)
@@ -137,6 +164,7 @@ def may_pay(pieces: list[tuple[int, int]], link: LinkSpeed) -> bool:
     if link.same_device or not any(n for n, _ in pieces):
         return False
     kinds = ["bitmask"] + (["sparse"] if all(n < 2**31 for n, _ in pieces) else [])
+    kinds += ["words"] if all(n * s % 8 == 0 for n, s in pieces) else []
     dense = sum(predicted_seconds("dense", n, 0, s, link) for n, s in pieces)
     best = min(sum(predicted_seconds(e, n, 0, s, link) for n, s in pieces) for e in kinds)
     return best <= PAY_MARGIN * dense
@@ -362,6 +390,9 @@ def decode(
         indices = mask.nonzero().squeeze(1)
         if indices.numel() != k:
             raise DeltaError(f"a bitmask delta marks {indices.numel()} elements, its header says {k}")
+    elif encoding == "words":  # k 64-bit words (``refit.quant.delta_words``)
+        head = _align(k * INDEX_BYTES)
+        return payload[: k * INDEX_BYTES].view(torch.int32), payload[head : head + k * 8].view(torch.int64)
     else:
         raise ValueError(f"decode: {encoding!r} is not a delta encoding")
     return indices, payload[head : head + k * size].view(dtype)

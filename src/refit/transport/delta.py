@@ -48,12 +48,14 @@ from refit.quant.delta import (
     apply_changes,
     check_indices_many,
     choose_encoding,
+    choose_words,
     decode,
     encode,
     find_changes_many,
     may_pay,
     wire_bytes,
 )
+from refit.quant.delta_words import check_words_many, find_words, find_words_many, scatter_words_many, words_in
 from refit.transport.clock import RunClock
 from refit.transport.p2p import P2PSchedule, _Op
 from refit.transport.store import SignedStore
@@ -111,11 +113,13 @@ class SourceBase:
         self.version: int | None = None
         self.pending: list = []  # (base view, indices or None, values or the live view)
 
-    def update(self, message: int, updates: list) -> None:
-        """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces (the
-        changes may be views of the find's slots: a deferred update keeps copies)."""
+    def update(self, message: int, updates: list, words: bool = False) -> None:
+        """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces; ``words``:
+        the indices and values are changed 64-bit words (``refit.quant.delta_words``). The changes may be views
+        of the find's slots: a deferred update keeps copies."""
+        updates = [(b, i, x, words) for b, i, x in updates]
         if message in self.shared:
-            self.pending += [(b, i, x) if i is None else (b, i.clone(), x.clone()) for b, i, x in updates]
+            self.pending += [(b, i, x, w) if i is None else (b, i.clone(), x.clone(), w) for b, i, x, w in updates]
         else:
             _update(updates)
 
@@ -130,11 +134,17 @@ class SourceBase:
 
 
 def _update(updates: list) -> None:
-    for base, idx, values in updates:
+    """Bring base views up to date: whole copies, element changes, and the word changes in one scatter."""
+    words = []
+    for base, idx, values, by_words in updates:
         if idx is None:
             base.copy_(values, non_blocking=True)
+        elif by_words:
+            words.append((base, idx, values))
         else:
             apply_changes(base, idx.to(base.device), values.to(base.device))
+    if words:
+        scatter_words_many(words)
 
 
 def _shared_messages(plan: Plan, sent: list[int]) -> set[int]:
@@ -179,6 +189,8 @@ class _DeltaOp:
     dense_runs: int = 0  # sender: runs sent dense since the last diff
     stale: bool = False  # sender: this message's base was not brought to the last version (``_plan``)
     may_pay: bool = True  # a delta could beat dense on this link (``_may_pay``; set at setup)
+    words: bool = False  # sender: changes are found per 64-bit word (``_by_words``; set at setup)
+    parts: list = field(default_factory=list)  # sender, words: the payload's pieces (``_join`` copies them)
 
 
 @dataclass
@@ -239,7 +251,13 @@ class DeltaSchedule:
         link = link_speed(self.plan, self.plan.procs.src[m.src], self.plan.procs.dst[m.dst], self.config)
         d = _DeltaOp(op, views, bases, link, torch.empty(0))
         d.may_pay = self._may_pay(d)
+        d.words = outgoing and self._by_words(views)
         return d
+
+    def _by_words(self, views: list[torch.Tensor]) -> bool:
+        """A message is diffed per 64-bit word (``refit.quant.delta_words``) under ``delta="words"`` and
+        ``"auto"`` when every piece has whole words (else per element)."""
+        return self.config.delta in ("words", "auto") and all(words_in(v) is not None for v in views)
 
     def _headers(self) -> list[tuple[torch.Tensor, torch.Tensor, tuple]]:
         """Per step, one int64 buffer for the headers it sends and one for those it receives; each op's
@@ -326,10 +344,8 @@ class DeltaSchedule:
                 continue
             nbytes = sum(v.numel() * v.element_size() for v in sends[i].views) if i is not None else 0
             if batch and (i is None or size + nbytes > FIND_BATCH_BYTES):
-                pairs = [(b, v) for j in batch for b, v in zip(sends[j].bases, sends[j].views)]
-                found = find_changes_many(pairs, copy=False)  # encoded and dropped batch by batch
-                for j in batch:
-                    sends[j].changes, found = found[: len(sends[j].views)], found[len(sends[j].views) :]
+                for j, found in zip(batch, _find(sends[j] for j in batch)):  # encoded and dropped batch by batch
+                    sends[j].changes = found
                     heads[j] = self._encode(sends[j], "diff", version, stats)
                 batch, size = [], 0
             if i is not None:
@@ -343,10 +359,7 @@ class DeltaSchedule:
         base = self.base.version
         d.kind = "dense"
         if plan == "diff":
-            pieces = [(v.numel(), len(i), v.element_size()) for v, (i, _) in zip(d.views, d.changes)]
-            forced = self.config.delta if self.config.delta in ENCODINGS else None
-            d.kind = forced or choose_encoding(pieces, d.link)
-            d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
+            d.kind = self._choose(d)
             d.dense_runs = 0
             stats.diffed += 1
         else:
@@ -363,12 +376,34 @@ class DeltaSchedule:
                 d.fraction = None  # the next run diffs and measures again
         else:
             d.payload = self._pack_delta(d)
-            self.base.update(d.op.message, [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)])
+            self.base.update(d.op.message, [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)], d.kind == "words")
         d.changes = []
         stats.wire_bytes += d.payload.numel() * d.payload.element_size() + d.header.numel() * 8
         stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
         stats.encodings[d.kind] += 1
         return [ENCODINGS.index(d.kind), -1 if base is None else base, version, *counts]
+
+    def _choose(self, d: _DeltaOp) -> str:
+        """The encoding of a diffed message (``d.changes`` found, ``d.fraction`` measured): the forced one or
+        the rule's. A word-found message is sent as words or dense; one whose changes overflowed the find's
+        slots (``None``) is found again when words are forced, else sent dense."""
+        forced = self.config.delta if self.config.delta in ENCODINGS else None
+        if not d.words:
+            pieces = [(v.numel(), len(i), v.element_size()) for v, (i, _) in zip(d.views, d.changes)]
+            d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
+            return forced or choose_encoding(pieces, d.link)
+        counts = [k for _, _, k in d.changes]
+        d.fraction = sum(counts) / max(1, sum(words_in(v) for v in d.views))
+        pieces = [(v.numel(), k, v.element_size()) for v, k in zip(d.views, counts)]
+        kind = "words" if forced else choose_words(pieces, d.link)
+        if kind == "words" and any(i is None for i, _, _ in d.changes):
+            if not forced:
+                kind = "dense"
+            else:
+                again = zip(d.bases, d.views, d.changes)
+                d.changes = [(*find_words(b, v), k) if i is None else (i, w, k) for b, v, (i, w, k) in again]
+        d.changes = [(i, w) for i, w, *_ in d.changes] if kind == "words" else [(None, None)] * len(d.views)
+        return kind
 
     def _plan(self, d: _DeltaOp, base_ok: bool) -> str:
         """``"diff"``; ``"refresh"`` (dense, and the base copied at commit so the next run may diff: a
@@ -388,6 +423,9 @@ class DeltaSchedule:
             return probe
         if d.fraction is None:
             return "diff"
+        if d.words:
+            guess = [(v.numel(), round(d.fraction * words_in(v)), v.element_size()) for v in d.views]
+            return "diff" if choose_words(guess, d.link) != "dense" else probe
         guess = [(v.numel(), round(d.fraction * v.numel()), v.element_size()) for v in d.views]
         return "diff" if choose_encoding(guess, d.link) != "dense" else probe
 
@@ -399,7 +437,13 @@ class DeltaSchedule:
         return may_pay([(v.numel(), v.element_size()) for v in d.views], d.link)
 
     def _pack_delta(self, d: _DeltaOp) -> torch.Tensor:
+        """``d``'s payload: its pieces encoded one after another. Words are not copied here: ``d.parts`` lists
+        their bytes (indices, padding, words per piece) and ``_join`` copies them once into the peer's
+        buffer; the payload returned is only sized (``device="meta"``)."""
         sizes = [_piece_wire(d.kind, v, len(i)) for v, (i, _) in zip(d.views, d.changes)]
+        if d.kind == "words":
+            d.parts = [p for i, w in d.changes for p in _word_parts(i, w)]
+            return torch.empty(sum(sizes), dtype=torch.uint8, device="meta")
         out = torch.empty(sum(sizes), dtype=torch.uint8, device=d.op.tensor.device)
         off = 0
         for v, (i, x), n in zip(d.views, d.changes, sizes):
@@ -411,7 +455,8 @@ class DeltaSchedule:
         """Check ``d``'s received header and size its payload (dense: the plain op's tensor; a delta: an
         unallocated tensor of its length, made a slice of its peer's buffer by ``_join``)."""
         me = f"process {self.proc} (destination rank {self.dst_rank})"
-        d.kind, d.changes = check_header(header, [v.numel() for v in d.views], version, held, d.op, me)
+        sizes = [v.numel() for v in d.views]
+        d.kind, d.changes = check_header(header, sizes, version, held, d.op, me, [words_in(v) for v in d.views])
         if d.kind == "dense":
             d.payload = d.op.tensor
         else:
@@ -421,7 +466,7 @@ class DeltaSchedule:
     def _apply(self, recvs: list[_DeltaOp]) -> None:
         """Unpack the dense messages; decode every delta's pieces, check all their indices (one host
         sync), then scatter them into their views."""
-        todo = []
+        todo, words = [], []
         for d in recvs:
             if d.kind == "dense":
                 for bv, tv in d.op.pack:
@@ -430,8 +475,17 @@ class DeltaSchedule:
             off = 0
             for v, k in zip(d.views, d.changes):
                 n = _piece_wire(d.kind, v, k)
-                todo.append((d, v, *decode(d.kind, v.numel(), k, d.payload[off : off + n], v.dtype)))
+                (words if d.kind == "words" else todo).append(
+                    (d, v, *decode(d.kind, v.numel(), k, d.payload[off : off + n], v.dtype))
+                )
                 off += n
+        if not check_words_many([(idx, words_in(v)) for _, v, idx, _ in words]):
+            for d, v, idx, _ in words:  # name the message
+                if not check_words_many([(idx, words_in(v))]):
+                    raise DeltaError(
+                        f"delta from process {d.op.peer} ({d.op.what()}): a word index is outside the piece's "
+                        f"{words_in(v)} words"
+                    )
         try:
             check_indices_many([(idx, v.numel()) for _, v, idx, _ in todo], "delta")
         except DeltaError:
@@ -440,6 +494,7 @@ class DeltaSchedule:
             raise
         for _, v, idx, vals in todo:
             apply_changes(v, idx, vals)
+        scatter_words_many([(v, idx, w) for _, v, idx, w in words])
 
 
 def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
@@ -471,19 +526,41 @@ def _by_peer(ops: list[_DeltaOp]) -> list[tuple[int, list[_DeltaOp]]]:
 
 def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
     """One uint8 buffer holding the deltas' payloads one after another; each ``payload`` becomes its slice.
-    A sender's payloads are copied in; a receiver's are sized only (``device="meta"``) and filled by the
-    receive."""
+    A sender's payloads (and words' ``parts``) are copied in by one ``torch.cat``; a receiver's are sized
+    only (``device="meta"``) and filled by the receive."""
     if len(deltas) == 1 and deltas[0].payload.device.type != "meta":
         return deltas[0].payload
     buf = torch.empty(sum(d.payload.numel() for d in deltas), dtype=torch.uint8, device=deltas[0].op.tensor.device)
+    if any(d.parts or d.payload.device.type != "meta" for d in deltas):  # a sender
+        torch.cat([p for d in deltas for p in (d.parts or [d.payload])], out=buf)
     off = 0
     for d in deltas:
         n = d.payload.numel()
-        if d.payload.device.type != "meta":
-            buf[off : off + n].copy_(d.payload)
-        d.payload = buf[off : off + n]
+        d.payload, d.parts = buf[off : off + n], []
         off += n
     return buf
+
+
+def _word_parts(idx: torch.Tensor, words: torch.Tensor) -> list[torch.Tensor]:
+    """One piece's word payload as byte views: its int32 indices, zero padding to 8 bytes, its words."""
+    pad = [torch.zeros(4, dtype=torch.uint8, device=idx.device)] if len(idx) % 2 else []
+    return [idx.view(torch.uint8), *pad, words.view(torch.uint8)]
+
+
+def _find(ops) -> list[list]:
+    """The changes of every piece of ``ops`` (one batch of a step's sends): per op, per piece, ``(indices,
+    words, count)`` for a word-found op (``find_words_many``: one launch for all of them) and ``(indices,
+    values)`` for the others (``find_changes_many``: views of the find's slots, encoded and dropped soon)."""
+    ops = list(ops)
+    out: list[list] = [[] for _ in ops]
+    for by_words, find in ((True, find_words_many), (False, lambda pairs: find_changes_many(pairs, copy=False))):
+        chosen = [j for j, d in enumerate(ops) if d.words == by_words]
+        pairs = [(b, v) for j in chosen for b, v in zip(ops[j].bases, ops[j].views)]
+        found = find(pairs) if pairs else []
+        for j in chosen:
+            n = len(ops[j].views)
+            out[j], found = found[:n], found[n:]
+    return out
 
 
 def exchange_held(
@@ -509,11 +586,18 @@ def _piece_wire(kind: str, view: torch.Tensor, k: int) -> int:
 
 
 def check_header(
-    header: list[int], sizes: list[int], version: int, held: int | None, op: _Op, me: str = "this receiver"
+    header: list[int],
+    sizes: list[int],
+    version: int,
+    held: int | None,
+    op: _Op,
+    me: str = "this receiver",
+    words: list[int | None] | None = None,
 ) -> tuple[str, list[int]]:
     """A received header, field by field: the encoding, the version being sent, a delta's base version
-    equal to the version this receiver holds, and ``0 <= k <= n`` per piece. Returns ``(encoding,
-    counts)``; ``DeltaError`` names both versions and the peer otherwise."""
+    equal to the version this receiver holds, and ``0 <= k <= n`` per piece (``n``: its elements, or for
+    words its 64-bit ``words``, None where it has none). Returns ``(encoding, counts)``; ``DeltaError``
+    names both versions and the peer otherwise."""
     who = f"process {op.peer} ({op.what()})"
     if len(header) != 3 + len(sizes) or not 0 <= header[0] < len(ENCODINGS):
         raise DeltaError(f"malformed delta header from {who}: {header[:3]}")
@@ -526,6 +610,8 @@ def check_header(
             f"{me} refuses a delta of version {version} from {who}: it was computed on base version {base}, "
             f"{me} holds {mine} (a dense refit heals it)"
         )
+    if kind == "words":
+        sizes = [-1 if w is None else w for w in (words or [None] * len(sizes))]
     for k, n in zip(counts, sizes):
         if not 0 <= k <= n:
             raise DeltaError(f"delta header from {who} claims {k} changes in a piece of {n} elements")

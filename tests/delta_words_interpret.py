@@ -1,0 +1,71 @@
+"""Run by tests/test_delta_words.py with TRITON_INTERPRET=1 (Triton's interpreter on CPU tensors): the word
+kernels of ``refit.quant.delta_triton`` (find, check, scatter over many pieces in one launch) against the
+torch reference of ``refit.quant.delta_words``. Prints ALL OK."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from refit.quant.delta import bits
+from refit.quant.delta_words import (
+    apply_words,
+    check_words_many,
+    find_words,
+    find_words_many,
+    scatter_words_many,
+)
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+G = torch.Generator().manual_seed(0)
+
+
+def versions(n: int, dtype: torch.dtype, f: float) -> tuple[torch.Tensor, torch.Tensor]:
+    cur = torch.randn(n, generator=G).to(dtype)
+    base = cur.clone()
+    bits(cur)[torch.rand(n, generator=G) < f] ^= 1
+    return base, cur
+
+
+def main() -> None:
+    # pieces of several sizes and dtypes in one launch; one over a quarter of its words changed (overflow)
+    specs = [(4096 * 3 + 8, torch.bfloat16, 0.01), (16, torch.float32, 0.5), (5000 * 8, torch.float8_e4m3fn, 0.001)]
+    specs += [(4, torch.bfloat16, 0.0), (2048 * 4 * 2, torch.bfloat16, 0.9)]
+    pairs = [versions(n, d, f) for n, d, f in specs]
+    found = find_words_many(pairs, use_triton=True)
+    for (base, cur), (idx, words, k) in zip(pairs, found):
+        want_i, want_w = find_words(base, cur)
+        assert k == len(want_i), (k, len(want_i))
+        if idx is None:
+            assert k > (cur.numel() * cur.element_size() // 8) // 4
+            continue
+        order = torch.argsort(idx)
+        assert torch.equal(idx[order], want_i) and torch.equal(words[order], want_w)
+    assert found[-1][0] is None  # 90% of the elements changed: over the slots
+    # check: in range, then one index out of range in the first piece
+    good = [(i, cur.numel() * cur.element_size() // 8) for (_, cur), (i, _, _) in zip(pairs, found) if i is not None]
+    assert check_words_many(good, use_triton=True)
+    bad = [(i.clone(), n) for i, n in good]
+    bad[0][0][3] = bad[0][1]
+    assert not check_words_many(bad, use_triton=True)
+    bad[0][0][3] = -1
+    assert not check_words_many(bad, use_triton=True)
+    # scatter into the bases: they become the current versions
+    items = [(b, i, w) for (b, _), (i, w, _) in zip(pairs, found) if i is not None]
+    scatter_words_many(items, use_triton=True)
+    for (b, c), (i, _, _) in zip(pairs, found):
+        if i is not None:
+            assert torch.equal(bits(b), bits(c))
+    # the torch path into a strided destination (the elements of each word)
+    base, cur = versions(64 * 8, torch.bfloat16, 0.05)
+    dst = torch.zeros(64, 16, dtype=torch.bfloat16)[:, :8]
+    dst.copy_(base.view(64, 8))
+    idx, words = find_words(base.view(64, 8), cur.view(64, 8))
+    apply_words(dst, idx, words)
+    assert torch.equal(bits(dst.contiguous()).reshape(-1), bits(cur))
+    print("ALL OK")
+
+
+if __name__ == "__main__":
+    main()
