@@ -77,11 +77,14 @@ def apply_words(dst: torch.Tensor, idx: torch.Tensor, words: torch.Tensor) -> No
 
 def _table(rows: list[list[int]], per_piece: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
     """The kernels' table: row 0 each piece's first program (``per_piece`` programs each), then ``rows``;
-    and the number of programs."""
+    and the number of programs. On CUDA it is copied from pinned memory without waiting for the stream
+    (a pageable copy would wait for every kernel queued before it)."""
     first = np.zeros(len(per_piece), dtype=np.int64)
     np.cumsum(per_piece[:-1], out=first[1:])
-    table = np.stack([first, *(np.asarray(r, dtype=np.int64) for r in rows)])
-    return torch.from_numpy(table).to(device), int(sum(per_piece))
+    table = torch.from_numpy(np.stack([first, *(np.asarray(r, dtype=np.int64) for r in rows)]))
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True), int(sum(per_piece))
+    return table, int(sum(per_piece))
 
 
 def _blocks(n: int) -> int:
@@ -109,23 +112,40 @@ def find_words_many(
         from refit.quant.delta_triton import launch_find_words
 
         device = pairs[kernel[0]][1].device
-        n = [words_in(pairs[i][1]) for i in kernel]
-        caps = [max(1, w // SLOT_FRACTION) for w in n]
-        slots = np.zeros(len(kernel), dtype=np.int64)
-        np.cumsum(caps[:-1], out=slots[1:])
-        rows = [[pairs[i][0].data_ptr() for i in kernel], [pairs[i][1].data_ptr() for i in kernel], n, slots, caps]
-        table, programs = _table(rows, [_blocks(w) for w in n], device)
+        table, programs, slots, caps = _find_table([pairs[i] for i in kernel], device)
         idx = torch.empty(sum(caps), dtype=torch.int32, device=device)
         vals = torch.empty(sum(caps), dtype=torch.int64, device=device)
         counts = torch.zeros(len(kernel), dtype=torch.int32, device=device)
         launch_find_words(table, programs, idx, vals, counts)
-        for i, k, s, cap in zip(kernel, counts.tolist(), slots.tolist(), caps):
+        for i, k, s, cap in zip(kernel, counts.tolist(), slots, caps):
             out[i] = (idx[s : s + k], vals[s : s + k], k) if k <= cap else (None, None, k)
     for i, (b, c) in enumerate(pairs):
         if out[i] is None:
             found = find_words(b, c)
             out[i] = (*found, len(found[0]))
     return out
+
+
+_FIND_TABLES: dict[tuple, tuple] = {}  # the find's tables by the pieces' addresses and sizes (a refit repeats them)
+_FIND_TABLES_MAX = 256
+
+
+def _find_table(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple:
+    """``(table, programs, slot offsets, slot capacities)`` of ``_find_words`` over ``pairs``, built once per
+    set of addresses and sizes (a refit's batches repeat every time) and kept (at most ``_FIND_TABLES_MAX``)."""
+    key = (device, *((b.data_ptr(), c.data_ptr(), c.numel() * c.element_size()) for b, c in pairs))
+    hit = _FIND_TABLES.get(key)
+    if hit is None:
+        n = [words_in(c) for _, c in pairs]
+        caps = [max(1, w // SLOT_FRACTION) for w in n]
+        slots = np.zeros(len(pairs), dtype=np.int64)
+        np.cumsum(caps[:-1], out=slots[1:])
+        rows = [[b.data_ptr() for b, _ in pairs], [c.data_ptr() for _, c in pairs], n, slots, caps]
+        hit = (*_table(rows, [_blocks(w) for w in n], device), slots.tolist(), caps)
+        if len(_FIND_TABLES) >= _FIND_TABLES_MAX:
+            _FIND_TABLES.pop(next(iter(_FIND_TABLES)))
+        _FIND_TABLES[key] = hit
+    return hit
 
 
 def _scatter_table(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int]:

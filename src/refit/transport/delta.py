@@ -63,6 +63,7 @@ from refit.transport.store import SignedStore
 HEADER_TAG = (1 << 20) + (1 << 19)  # a header: its message tag plus this (inside a fan-out tag window of 1 << 21)
 PROBE_EVERY = 8  # a message sent dense because of its last fraction is diffed again after this many runs
 FIND_BATCH_BYTES = 1 << 30  # data diffed per host sync (the kernel's slots: ~1.25x that for bf16)
+WORD_BATCH_BYTES = 4 << 30  # the same for word deltas (their slots: 0.375x that)
 
 
 def link_speed(plan: Plan, a: int, b: int, config: TransferConfig) -> LinkSpeed:
@@ -111,7 +112,8 @@ class SourceBase:
         self.nbytes = sum(t.numel() * t.element_size() for ps in parts.values() for _, t in ps)
         self.shared = _shared_messages(plan, sent)
         self.version: int | None = None
-        self.pending: list = []  # (base view, indices or None, values or the live view)
+        self.pending: list = []  # (base view, indices or None, values or the live view, words)
+        self.queued: list = []  # word updates of the current find batch (``flush``)
 
     def update(self, message: int, updates: list, words: bool = False) -> None:
         """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces; ``words``:
@@ -120,17 +122,25 @@ class SourceBase:
         updates = [(b, i, x, words) for b, i, x in updates]
         if message in self.shared:
             self.pending += [(b, i, x, w) if i is None else (b, i.clone(), x.clone(), w) for b, i, x, w in updates]
+        elif words:
+            self.queued += updates  # one scatter for a find batch's word updates (``flush``)
         else:
             _update(updates)
 
+    def flush(self) -> None:
+        """Apply the queued word updates (one launch); before the find's slots they view are reused."""
+        _update(self.queued)
+        self.queued = []
+
     def commit(self, version: int) -> None:
         """The run of ``version`` succeeded: the deferred updates, then the base holds ``version``."""
+        self.flush()
         _update(self.pending)
         self.pending, self.version = [], version
 
     def fail(self) -> None:
         """The run failed: the base may be part new; the next refit sends dense and rebuilds it."""
-        self.pending, self.version = [], None
+        self.pending, self.queued, self.version = [], [], None
 
 
 def _update(updates: list) -> None:
@@ -310,9 +320,10 @@ class DeltaSchedule:
     def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         """Every step: choose and encode (sends), headers, payloads, check and apply (receives)."""
         stats = DeltaStats()
+        sending: tuple = ([], [])  # the previous chunk's payload sends, still in flight (``_in_flight``)
         for (sends, recvs), (send_hdr, recv_hdr, headers) in zip(self.steps, self.headers):
             if sends:
-                send_hdr.copy_(torch.tensor(self._send_step(sends, version, held, stats), dtype=torch.int64))
+                send_hdr.copy_(_pinned(self._send_step(sends, version, held, stats)), non_blocking=True)
             (out, out_ops), (inc, inc_ops) = headers
             self.p2p.wait(clock, self.p2p.post(out, inc), out_ops + inc_ops, "delta header exchange")
             got = recv_hdr.tolist()  # one read for the step's headers
@@ -320,13 +331,19 @@ class DeltaSchedule:
                 self._receive_into(d, got[: 3 + len(d.views)], version, held.get(self.proc))
                 got = got[3 + len(d.views) :]
             (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends), self._payload_msgs(recvs)
-            self.p2p.wait(clock, self.p2p.post(out, inc), out_ops + inc_ops, "delta transfer")
+            works = self.p2p.post(out, inc)
+            if sending[0]:
+                self.p2p.wait(clock, *sending, "delta transfer")
+            sending = (works[: len(out)], out_ops) if _in_flight(sends) else ([], [])
+            self.p2p.wait(clock, works[len(sending[0]) :], (out_ops + inc_ops)[len(sending[0]) :], "delta transfer")
             self._apply(recvs)
             stats.received_bytes += sum(
                 d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs
             )
             for d in sends + recvs:  # the step's payloads are freed now, not held until the next refit
                 d.payload = None
+        if sending[0]:
+            self.p2p.wait(clock, *sending, "delta transfer")
         return stats
 
     def _send_step(self, sends: list[_DeltaOp], version: int, held: dict, stats: DeltaStats) -> list[int]:
@@ -343,10 +360,12 @@ class DeltaSchedule:
                 heads[i] = self._encode(sends[i], plans[i], version, stats)
                 continue
             nbytes = sum(v.numel() * v.element_size() for v in sends[i].views) if i is not None else 0
-            if batch and (i is None or size + nbytes > FIND_BATCH_BYTES):
+            limit = WORD_BATCH_BYTES if all(sends[j].words for j in batch) else FIND_BATCH_BYTES
+            if batch and (i is None or size + nbytes > limit):
                 for j, found in zip(batch, _find(sends[j] for j in batch)):  # encoded and dropped batch by batch
                     sends[j].changes = found
                     heads[j] = self._encode(sends[j], "diff", version, stats)
+                self.base.flush()
                 batch, size = [], 0
             if i is not None:
                 batch.append(i)
@@ -499,7 +518,8 @@ class DeltaSchedule:
 
 def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
     """Each P2P message's chunk within its step: the step's messages in plan order, cut where their bytes pass
-    the staging budget (at most ``FIND_BATCH_BYTES``) times the step's sending processes. Every process
+    the staging budget (at most ``FIND_BATCH_BYTES``, or ``WORD_BATCH_BYTES`` where words may be sent) times
+    the step's sending processes. Every process
     computes the same cuts and runs a step chunk by chunk (headers, payloads, apply), so a receiver applies
     one chunk while its sender finds the next, and the changes held at a time stay bounded."""
     by_step: dict[int, list[int]] = {}
@@ -509,7 +529,8 @@ def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
     out: dict[int, int] = {}
     for ids in by_step.values():
         senders = len({plan.procs.src[plan.messages[i].src] for i in ids})
-        limit = max(1, min(FIND_BATCH_BYTES, config.num_buffers * config.buffer_bytes)) * senders
+        batch = WORD_BATCH_BYTES if config.delta in ("words", "auto") else FIND_BATCH_BYTES
+        limit = max(1, min(batch, config.num_buffers * config.buffer_bytes)) * senders
         c, size = 0, 0
         for i in ids:
             if size and size + plan.messages[i].nbytes > limit:
@@ -517,6 +538,20 @@ def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
             out[i] = c
             size += plan.messages[i].nbytes
     return out
+
+
+def _in_flight(sends: list[_DeltaOp]) -> bool:
+    """Whether a chunk's payload sends may stay in flight while the next chunk is found: none reads the packed
+    ring buffer, which the next chunk may fill (deltas and whole tensors are not written again this refit; a
+    posted send keeps its tensor alive until it completes)."""
+    return not any(d.kind == "dense" and d.op.pack for d in sends)
+
+
+def _pinned(values: list[int]) -> torch.Tensor:
+    """``values`` as an int64 CPU tensor, pinned where CUDA is present (a copy from it to the device does not
+    wait for the kernels queued before it, as one from pageable memory would)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 def _by_peer(ops: list[_DeltaOp]) -> list[tuple[int, list[_DeltaOp]]]:
@@ -543,8 +578,15 @@ def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
 
 def _word_parts(idx: torch.Tensor, words: torch.Tensor) -> list[torch.Tensor]:
     """One piece's word payload as byte views: its int32 indices, zero padding to 8 bytes, its words."""
-    pad = [torch.zeros(4, dtype=torch.uint8, device=idx.device)] if len(idx) % 2 else []
-    return [idx.view(torch.uint8), *pad, words.view(torch.uint8)]
+    if len(idx) % 2 == 0:
+        return [idx.view(torch.uint8), words.view(torch.uint8)]
+    pad = _PADS.get(idx.device)
+    if pad is None:
+        pad = _PADS[idx.device] = torch.zeros(4, dtype=torch.uint8, device=idx.device)
+    return [idx.view(torch.uint8), pad, words.view(torch.uint8)]
+
+
+_PADS: dict[torch.device, torch.Tensor] = {}  # 4 zero bytes per device (``_word_parts``), made once
 
 
 def _find(ops) -> list[list]:
