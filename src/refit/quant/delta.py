@@ -10,6 +10,8 @@ sender that keeps the last version it sent (the *base*) can send only the change
 * an **encoding** per message (``ENCODINGS``): ``dense`` (every element), ``sparse`` (int32 indices +
   values: 4 + itemsize bytes per change), ``bitmask`` (one bit per element + values: n/8 + k x
   itemsize). ``choose_encoding`` picks by the cost rule below.
+* ``words`` (``refit.quant.delta_words``): changed 64-bit words, each sent whole (int32 index + 8 bytes),
+  found, checked and scattered in one launch per batch on CUDA; ``choose_words`` weighs it against dense.
 * ``apply_changes(dst, indices, values)``: ``dst[indices] = values`` by ``index_put_`` on the
   unravelled indices, O(changed): no pass over the whole tensor (a strided destination view too).
 

@@ -10,7 +10,9 @@ host-driven; on CUDA the device is synchronized by the header reads):
      not hold the sender's base version (heal), on a same-device link, or when the last measured changed
      fraction makes dense cheaper (then the base is not maintained either, until a probe every
      ``PROBE_EVERY`` runs refreshes it); else ``find_changes_many`` over the pieces and
-     ``choose_encoding`` (or the forced ``TransferConfig.delta``) over the message;
+     ``choose_encoding`` (or the forced ``TransferConfig.delta``) over the message, or, for a message
+     whose pieces have whole 64-bit words under ``"words"`` / ``"auto"``, ``find_words_many`` (one launch
+     for every such piece of a batch) and ``choose_words``;
   2. headers travel (int64 ``[kind, base version, version, k per piece]`` per message), one P2P message
      per peer per step holding the headers of every message of the step between the two (tag: the
      first of those messages' tags plus ``HEADER_TAG``);
@@ -19,7 +21,9 @@ host-driven; on CUDA the device is synchronized by the header reads):
      one after another, sized from the headers; tag: the first delta's own). A step of 291 direct
      messages (Llama-3.1-8B, 1 -> 1) posts 2 P2P ops per peer instead of 582;
   4. receivers check the header (``check_header``: kind, version, base version = the version they hold,
-     counts) and apply: dense unpacks, a delta scatters (``apply_changes``), O(changed).
+     counts) and apply: dense unpacks, a delta scatters (``apply_changes``; words: one checked launch
+     for the chunk, ``scatter_words_many``), O(changed). A sender's payload sends stay in flight until the
+     next chunk's are posted (``_in_flight``: not when one reads the packed ring buffer).
 The sender's base follows what each message sent as it is encoded (``SourceBase.update``; a source box
 sent to several receivers at commit); the version it holds is set after the refit succeeded
 (``commit``), and a failed refit clears it (``fail``), so the next refit is dense everywhere.
