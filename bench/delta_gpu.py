@@ -192,7 +192,31 @@ def kernels(model: str, device: torch.device, group_bytes: int) -> tuple[list[di
 DELTA_PEERS = {"delta": "auto", "sparse": "sparse", "words": "words"}
 
 
-def _s1_worker(world, model: str, iters: int, buffer_mb: int):
+def _profiled(peer, tensors, ref, version: int, out: str, rank: int) -> int:
+    """Three more refits of ``peer`` at 1% changed under cProfile; the top functions (by own and by cumulative
+    time) into ``out/profile_<rank>.txt``. Returns the last version."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for it in range(3):
+        version += 1
+        optimizer_step(tensors if ref is None else ref, 0.01, seed=99_000 + it)
+        dist.barrier()
+        prof.enable()
+        peer.run(version)
+        _sync(tensors[next(iter(tensors))].device)
+        prof.disable()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(35)
+    with open(f"{out}/profile_{rank}.txt", "w") as f:
+        f.write(text.getvalue())
+    return version
+
+
+def _s1_worker(world, model: str, iters: int, buffer_mb: int, profile: str | None = None):
     """S1: process 0 sends, process 1 receives; a dense and a delta Peer pair refit after every step."""
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes(model)]
     lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
@@ -255,15 +279,17 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int):
                 "exact": exact,
             }
         )
+    if profile:  # the receiver's reference follows the same steps, so both stay exact
+        _profiled(peers["words"], tensors, ref, version, profile, world.rank)
     extra = peers["delta"].executor.delta_base_bytes
     for p in peers.values():
         p.close()
     return rows, extra
 
 
-def s1(model: str, device: str, iters: int, buffer_mb: int) -> list[dict] | None:
+def s1(model: str, device: str, iters: int, buffer_mb: int, profile: str | None = None) -> list[dict] | None:
     devices = ["cuda:0", "cuda:1"] if device == "cuda" else ["cpu", "cpu"]
-    out = run_local(_s1_worker, 1, 1, model, iters, buffer_mb, devices=devices, timeout_s=1200)
+    out = run_local(_s1_worker, 1, 1, model, iters, buffer_mb, profile, devices=devices, timeout_s=1200)
     (send_rows, extra), (recv_rows, _) = out
     rows = []
     for a, b in zip(send_rows, recv_rows):  # the slowest process's time; the receiver's exactness
@@ -337,6 +363,7 @@ def main() -> None:
     ap.add_argument("--buffer-mb", type=int, default=256)
     ap.add_argument("--group-gb", type=float, default=1.0, help="kernel timings: tensors per phase, in GB")
     ap.add_argument("--no-s1", action="store_true", help="kernel timings and the rule only")
+    ap.add_argument("--profile", default=None, help="a directory: cProfile of 3 forced-words S1 refits at 1%%")
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
@@ -352,7 +379,7 @@ def main() -> None:
     if args.no_s1:
         res["s1_skipped"] = "--no-s1"
     elif device == "cpu" or torch.cuda.device_count() >= 2:
-        res["s1"] = s1(model, device, args.iters, args.buffer_mb)
+        res["s1"] = s1(model, device, args.iters, args.buffer_mb, args.profile)
         _print({**res, "kernels": []})
     else:
         res["s1_skipped"] = f"{torch.cuda.device_count()} GPU(s): S1 needs 2"

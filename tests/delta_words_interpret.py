@@ -43,6 +43,26 @@ def main() -> None:
         order = torch.argsort(idx)
         assert torch.equal(idx[order], want_i) and torch.equal(words[order], want_w)
     assert found[-1][0] is None  # 90% of the elements changed: over the slots
+    # the wire format packed by one launch equals the pieces' bytes one after another (odd counts padded with 0)
+    import numpy as np
+
+    from refit.quant.delta_words import find_words_table, pack_table, wire_sizes
+
+    ptrs = [np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in zip(*pairs)]
+    nw = np.array([c.numel() * c.element_size() // 8 for _, c in pairs], dtype=np.int64)
+    table_found = find_words_table(*ptrs, nw, torch.device("cpu"))
+    ok = table_found.count <= table_found.cap
+    sizes = np.where(ok, wire_sizes(table_found.count), 0)
+    buf = torch.full((int(sizes.sum()),), 0xAB, dtype=torch.uint8)
+    offs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    table_found.count = np.where(ok, table_found.count, 0)  # pieces over their slots are not packed
+    pack_table(table_found, np.arange(len(pairs)), buf.data_ptr() + offs, torch.device("cpu"))
+    want = []
+    for j in range(len(pairs)):
+        i, w = table_found.piece(j)
+        if i is not None and len(i):
+            want += [i.view(torch.uint8), torch.zeros(4 * (len(i) % 2), dtype=torch.uint8), w.view(torch.uint8)]
+    assert torch.equal(buf, torch.cat(want)), "packed wire format"
     # check: in range, then one index out of range in the first piece
     good = [(i, cur.numel() * cur.element_size() // 8) for (_, cur), (i, _, _) in zip(pairs, found) if i is not None]
     assert check_words_many(good, use_triton=True)

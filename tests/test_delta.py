@@ -424,6 +424,15 @@ def test_one_pass_kernel_in_interpreter_equals_the_torch_path():
     assert_all_ok_in_interpreter(INTERPRET_SCRIPT, 280)
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(500)
+@needs_triton
+def test_word_deltas_by_address_are_exact_end_to_end_in_interpreter():
+    """Forced words over CPU gloo with the word kernels in Triton's interpreter: every message goes by
+    address (one find, pack, check and scatter launch per batch), exact after every version, healed, fan-out."""
+    assert_all_ok_in_interpreter(Path(__file__).with_name("delta_words_e2e_interpret.py"), 480)
+
+
 @pytest.mark.timeout(300)
 @needs_triton
 def test_word_kernels_in_interpreter_equal_the_torch_path():

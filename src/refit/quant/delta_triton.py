@@ -105,6 +105,22 @@ if AVAILABLE:
             v = tl.load(tl.load(tab_ptr + 3 * NP + j).to(tl.pointer_type(tl.int64)) + offs, mask=m)
             tl.store(tl.load(tab_ptr + NP + j).to(tl.pointer_type(tl.int64)) + i, v, mask=m)
 
+    @triton.jit
+    def _pack_words(tab_ptr, NP, LOG: tl.constexpr, BLOCK: tl.constexpr):
+        """Table rows (int64, ``NP`` pieces each): first program, index address (int32), word address (int64),
+        changes ``k``, destination byte address. Writes the wire format: ``k`` indices, a zero int32 when
+        ``k`` is odd (padding to 8 bytes), then the ``k`` words."""
+        pid = tl.program_id(0).to(tl.int64)
+        j = _piece_of(tab_ptr, pid, NP, LOG)
+        k = tl.load(tab_ptr + 3 * NP + j)
+        dst = tl.load(tab_ptr + 4 * NP + j)
+        offs = (pid - tl.load(tab_ptr + j)) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < k
+        i = tl.load(tl.load(tab_ptr + NP + j).to(tl.pointer_type(tl.int32)) + offs, mask=m, other=0)
+        tl.store(dst.to(tl.pointer_type(tl.int32)) + offs, i, mask=offs < k + k % 2)  # the pad: a masked 0
+        v = tl.load(tl.load(tab_ptr + 2 * NP + j).to(tl.pointer_type(tl.int64)) + offs, mask=m)
+        tl.store((dst + (k * 4 + 7) // 8 * 8).to(tl.pointer_type(tl.int64)) + offs, v, mask=m)
+
 
 WORD_BLOCK = 2048  # 64-bit words per program of the word kernels: 3.0 TB/s found on an H200 (words, flat: find.txt)
 WORD_WARPS = 8
@@ -131,6 +147,13 @@ def launch_scatter_words(table: torch.Tensor, programs: int, flag: torch.Tensor,
         _scatter_words[(programs,)](
             table, flag, np_, LOG=_log2(np_), CHECK=check, BLOCK=WORD_BLOCK, num_warps=WORD_WARPS
         )
+
+
+def launch_pack_words(table: torch.Tensor, programs: int) -> None:
+    """Enqueue ``_pack_words`` over ``table`` (int64 ``[5, NP]`` on the device)."""
+    if programs:
+        np_ = table.shape[1]
+        _pack_words[(programs,)](table, np_, LOG=_log2(np_), BLOCK=WORD_BLOCK, num_warps=WORD_WARPS)
 
 
 def launch(

@@ -17,6 +17,8 @@ Wire format of one piece (``wire_bytes``): ``k`` int32 word indices, padded to 8
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -75,22 +77,65 @@ def apply_words(dst: torch.Tensor, idx: torch.Tensor, words: torch.Tensor) -> No
     apply_changes(dst, elems, words.contiguous().view(torch.uint8).view(dst.dtype))
 
 
-def _table(rows: list[list[int]], per_piece: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
+def _table(rows: list, per_piece: np.ndarray, device: torch.device) -> tuple[torch.Tensor, int]:
     """The kernels' table: row 0 each piece's first program (``per_piece`` programs each), then ``rows``;
     and the number of programs. On CUDA it is copied from pinned memory without waiting for the stream
     (a pageable copy would wait for every kernel queued before it)."""
+    per_piece = np.asarray(per_piece, dtype=np.int64)
     first = np.zeros(len(per_piece), dtype=np.int64)
     np.cumsum(per_piece[:-1], out=first[1:])
     table = torch.from_numpy(np.stack([first, *(np.asarray(r, dtype=np.int64) for r in rows)]))
     if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True), int(sum(per_piece))
-    return table, int(sum(per_piece))
+        return table.pin_memory().to(device, non_blocking=True), int(per_piece.sum())
+    return table, int(per_piece.sum())
 
 
-def _blocks(n: int) -> int:
+def _blocks(n) -> np.ndarray:
+    """Programs per piece of ``n`` words or changes (an int or an array)."""
     from refit.quant.delta_triton import WORD_BLOCK
 
-    return -(-n // WORD_BLOCK)
+    return -(-np.asarray(n, dtype=np.int64) // WORD_BLOCK)
+
+
+def wire_sizes(k: np.ndarray) -> np.ndarray:
+    """``wire_bytes`` of every piece of ``k`` changed words."""
+    return (k * INDEX_BYTES + 7) // 8 * 8 + k * WORD
+
+
+@dataclass
+class Found:
+    """What one find launch found: the slots (``idx`` int32, ``words`` int64) and, per piece (numpy int64),
+    its slot offset, its capacity and its true number of changed words (more than ``cap``: over its slots,
+    nothing usable was kept)."""
+
+    idx: torch.Tensor
+    words: torch.Tensor
+    slot: np.ndarray
+    cap: np.ndarray
+    count: np.ndarray
+
+    def piece(self, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Piece ``j``'s indices and words as views of the slots, or ``(None, None)`` over its slots."""
+        k, s = int(self.count[j]), int(self.slot[j])
+        return (self.idx[s : s + k], self.words[s : s + k]) if k <= self.cap[j] else (None, None)
+
+    def addresses(self, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The byte addresses of pieces ``sel``' indices and words in the slots."""
+        slot = self.slot[sel]
+        return self.idx.data_ptr() + INDEX_BYTES * slot, self.words.data_ptr() + WORD * slot
+
+
+def find_words_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> Found:
+    """The changed words of pieces at byte addresses ``base`` / ``cur`` (int64 arrays, 8-byte aligned,
+    contiguous, ``nwords`` words each, ``nwords > 0``) on ``device``: one launch, one host sync."""
+    from refit.quant.delta_triton import launch_find_words
+
+    table, programs, slot, cap = _find_table(base, cur, nwords, device)
+    idx = torch.empty(int(cap.sum()), dtype=torch.int32, device=device)
+    words = torch.empty(int(cap.sum()), dtype=torch.int64, device=device)
+    counts = torch.zeros(len(nwords), dtype=torch.int32, device=device)
+    launch_find_words(table, programs, idx, words, counts)
+    return Found(idx, words, slot, cap, counts.cpu().numpy().astype(np.int64))
 
 
 def find_words_many(
@@ -109,20 +154,16 @@ def find_words_many(
         and c.numel()
     ]
     if kernel:
-        from refit.quant.delta_triton import launch_find_words
-
-        device = pairs[kernel[0]][1].device
-        table, programs, slots, caps = _find_table([pairs[i] for i in kernel], device)
-        idx = torch.empty(sum(caps), dtype=torch.int32, device=device)
-        vals = torch.empty(sum(caps), dtype=torch.int64, device=device)
-        counts = torch.zeros(len(kernel), dtype=torch.int32, device=device)
-        launch_find_words(table, programs, idx, vals, counts)
-        for i, k, s, cap in zip(kernel, counts.tolist(), slots, caps):
-            out[i] = (idx[s : s + k], vals[s : s + k], k) if k <= cap else (None, None, k)
+        sel = [pairs[i] for i in kernel]
+        ptrs = [np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in zip(*sel)]
+        n = np.array([words_in(c) for _, c in sel], dtype=np.int64)
+        found = find_words_table(*ptrs, n, sel[0][1].device)
+        for j, i in enumerate(kernel):
+            out[i] = (*found.piece(j), int(found.count[j]))
     for i, (b, c) in enumerate(pairs):
         if out[i] is None:
-            found = find_words(b, c)
-            out[i] = (*found, len(found[0]))
+            got = find_words(b, c)
+            out[i] = (*got, len(got[0]))
     return out
 
 
@@ -130,49 +171,55 @@ _FIND_TABLES: dict[tuple, tuple] = {}  # the find's tables by the pieces' addres
 _FIND_TABLES_MAX = 256
 
 
-def _find_table(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple:
-    """``(table, programs, slot offsets, slot capacities)`` of ``_find_words`` over ``pairs``, built once per
+def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> tuple:
+    """``(table, programs, slot offsets, slot capacities)`` of ``_find_words`` over the pieces, built once per
     set of addresses and sizes (a refit's batches repeat every time) and kept (at most ``_FIND_TABLES_MAX``)."""
-    key = (device, *((b.data_ptr(), c.data_ptr(), c.numel() * c.element_size()) for b, c in pairs))
+    key = (device, base.tobytes(), cur.tobytes(), nwords.tobytes())
     hit = _FIND_TABLES.get(key)
     if hit is None:
-        n = [words_in(c) for _, c in pairs]
-        caps = [max(1, w // SLOT_FRACTION) for w in n]
-        slots = np.zeros(len(pairs), dtype=np.int64)
-        np.cumsum(caps[:-1], out=slots[1:])
-        rows = [[b.data_ptr() for b, _ in pairs], [c.data_ptr() for _, c in pairs], n, slots, caps]
-        hit = (*_table(rows, [_blocks(w) for w in n], device), slots.tolist(), caps)
+        cap = np.maximum(1, nwords // SLOT_FRACTION)
+        slot = np.zeros(len(cap), dtype=np.int64)
+        np.cumsum(cap[:-1], out=slot[1:])
+        hit = (*_table([base, cur, nwords, slot, cap], _blocks(nwords), device), slot, cap)
         if len(_FIND_TABLES) >= _FIND_TABLES_MAX:
             _FIND_TABLES.pop(next(iter(_FIND_TABLES)))
         _FIND_TABLES[key] = hit
     return hit
 
 
-def _scatter_table(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int]:
-    items = [it for it in items if it[1].numel()]
-    rows = [
-        [d.data_ptr() for d, _, _ in items],
-        [i.data_ptr() for _, i, _ in items],
-        [w.data_ptr() for _, _, w in items],
-        [i.numel() for _, i, _ in items],
-        [words_in(d) for d, _, _ in items],
-    ]
-    return _table(rows, [_blocks(i.numel()) for _, i, _ in items], items[0][0].device)
+def scatter_table(
+    dst: np.ndarray, idx: np.ndarray, words: np.ndarray, k: np.ndarray, n: np.ndarray, device, check: bool
+) -> bool:
+    """One launch over pieces given by byte addresses (int64 arrays): ``dst`` (contiguous, 8-byte aligned, ``n``
+    words), its ``k`` int32 indices at ``idx`` and ``k`` words at ``words``. ``check``: whether every index
+    is in ``[0, n)`` (one host sync; nothing stored); else store the words (returns True)."""
+    from refit.quant.delta_triton import launch_scatter_words
+
+    keep = k > 0
+    if not keep.any():
+        return True
+    rows = [dst[keep], idx[keep], words[keep], k[keep], n[keep]]
+    table, programs = _table(rows, _blocks(k[keep]), device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    launch_scatter_words(table, programs, flag, check=check)
+    return not check or not int(flag.item())
 
 
-def _kernel_items(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], use_triton: bool | None) -> list[int]:
-    """The items one launch takes: contiguous int32 indices and int64 words beside an addressable destination,
-    all on the first item's CUDA device (``use_triton=True``: every such item, e.g. in Triton's interpreter)."""
-    if use_triton is False or not items:
-        return []
-    device = items[0][0].device
+def pack_table(found: Found, sel: np.ndarray, dst: np.ndarray, device) -> None:
+    """Pieces ``sel`` of ``found`` (within their slots) into their wire format at byte addresses ``dst``
+    (8-byte aligned): its indices, zero padding to 8 bytes, its words. One launch."""
+    from refit.quant.delta_triton import launch_pack_words
 
-    def fits(d, i, w):
-        ok = i.is_contiguous() and w.is_contiguous() and i.dtype == torch.int32 and w.dtype == torch.int64
-        same = d.device == device and i.device == device and w.device == device
-        return ok and same and i.numel() and (use_triton or _addressable(d))
+    k = found.count[sel]
+    keep = k > 0
+    if keep.any():
+        idx, words = found.addresses(sel)
+        table, programs = _table([idx[keep], words[keep], k[keep], dst[keep]], _blocks(k[keep]), device)
+        launch_pack_words(table, programs)
 
-    return [j for j, it in enumerate(items) if fits(*it)]
+
+def _ptrs(ts) -> np.ndarray:
+    return np.array([t.data_ptr() for t in ts], dtype=np.int64)
 
 
 def check_words_many(pieces: list[tuple[torch.Tensor, int]], use_triton: bool | None = None) -> bool:
@@ -192,14 +239,11 @@ def check_words_many(pieces: list[tuple[torch.Tensor, int]], use_triton: bool | 
         and i.is_contiguous()
     ]
     if on:
-        from refit.quant.delta_triton import launch_scatter_words
-
         sel = [pieces[j] for j in on]
-        rows = [[0] * len(sel), [i.data_ptr() for i, _ in sel], [0] * len(sel), [i.numel() for i, _ in sel]]
-        table, programs = _table([*rows, [n for _, n in sel]], [_blocks(i.numel()) for i, _ in sel], device)
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        launch_scatter_words(table, programs, flag, check=True)
-        if int(flag.item()):
+        zeros = np.zeros(len(sel), dtype=np.int64)
+        k = np.array([i.numel() for i, _ in sel], dtype=np.int64)
+        n = np.array([n for _, n in sel], dtype=np.int64)
+        if not scatter_table(zeros, _ptrs(i for i, _ in sel), zeros, k, n, device, check=True):
             return False
     skip = set(on)
     for j, (i, n) in enumerate(pieces):
@@ -210,6 +254,21 @@ def check_words_many(pieces: list[tuple[torch.Tensor, int]], use_triton: bool | 
     return True
 
 
+def _kernel_items(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], use_triton: bool | None) -> list[int]:
+    """The items one launch takes: contiguous int32 indices and int64 words beside an addressable destination,
+    all on the first item's CUDA device (``use_triton=True``: every such item, e.g. in Triton's interpreter)."""
+    if use_triton is False or not items:
+        return []
+    device = items[0][0].device
+
+    def fits(d, i, w):
+        ok = i.is_contiguous() and w.is_contiguous() and i.dtype == torch.int32 and w.dtype == torch.int64
+        same = d.device == device and i.device == device and w.device == device
+        return ok and same and i.numel() and (use_triton or _addressable(d))
+
+    return [j for j, it in enumerate(items) if fits(*it)]
+
+
 def scatter_words_many(
     items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], use_triton: bool | None = None
 ) -> None:
@@ -217,10 +276,11 @@ def scatter_words_many(
     one launch for those on one CUDA device that the kernel addresses, ``apply_words`` for the others."""
     on = _kernel_items(items, use_triton)
     if on:
-        from refit.quant.delta_triton import launch_scatter_words
-
-        table, programs = _scatter_table([items[j] for j in on])
-        launch_scatter_words(table, programs, table[0, :1], check=False)  # no flag: nothing is checked
+        sel = [items[j] for j in on]
+        k = np.array([i.numel() for _, i, _ in sel], dtype=np.int64)
+        n = np.array([words_in(d) for d, _, _ in sel], dtype=np.int64)
+        ptrs = [_ptrs(t[c] for t in sel) for c in range(3)]
+        scatter_table(*ptrs, k, n, sel[0][0].device, check=False)
     skip = set(on)
     for j, (d, i, w) in enumerate(items):
         if j not in skip:

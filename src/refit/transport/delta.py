@@ -35,9 +35,11 @@ elements).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from itertools import groupby
 
+import numpy as np
 import torch
 
 from refit.binding import LocalTensors
@@ -59,7 +61,18 @@ from refit.quant.delta import (
     may_pay,
     wire_bytes,
 )
-from refit.quant.delta_words import check_words_many, find_words, find_words_many, scatter_words_many, words_in
+from refit.quant.delta_words import (
+    Found,
+    check_words_many,
+    find_words,
+    find_words_many,
+    find_words_table,
+    pack_table,
+    scatter_table,
+    scatter_words_many,
+    wire_sizes,
+    words_in,
+)
 from refit.transport.clock import RunClock
 from refit.transport.p2p import P2PSchedule, _Op
 from refit.transport.store import SignedStore
@@ -118,6 +131,7 @@ class SourceBase:
         self.version: int | None = None
         self.pending: list = []  # (base view, indices or None, values or the live view, words)
         self.queued: list = []  # word updates of the current find batch (``flush``)
+        self.by_address: list = []  # the same for words by address: (Found, a, b, base addresses, words)
 
     def update(self, message: int, updates: list, words: bool = False) -> None:
         """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces; ``words``:
@@ -131,10 +145,29 @@ class SourceBase:
         else:
             _update(updates)
 
+    def update_found(self, message: int, found: tuple, bases: list, ptrs: np.ndarray, nwords: list) -> None:
+        """The base update of a message sent as words by address: ``found`` = ``(Found, a, b)``, its pieces
+        there; ``bases`` its base views at byte addresses ``ptrs`` (``nwords`` words each). Queued for one
+        scatter per find (``flush``), or copied and deferred to ``commit`` for a shared message."""
+        f, a, b = found
+        if message in self.shared:
+            pieces = [f.piece(j) for j in range(a, b)]
+            self.pending += [(v, i.clone(), w.clone(), True) for v, (i, w) in zip(bases, pieces)]
+        else:
+            self.by_address.append((f, a, b, ptrs, nwords))
+
     def flush(self) -> None:
-        """Apply the queued word updates (one launch); before the find's slots they view are reused."""
+        """Apply the queued word updates (one launch per find) before the find's slots are reused."""
         _update(self.queued)
         self.queued = []
+        for group in _by_find(self.by_address):
+            f = group[0][0]
+            sel = np.concatenate([np.arange(a, b) for _, a, b, _, _ in group])
+            idx, words = f.addresses(sel)
+            dst = np.concatenate([p for *_, p, _ in group])
+            n = np.array([w for *_, ws in group for w in ws], dtype=np.int64)
+            scatter_table(dst, idx, words, f.count[sel], n, f.idx.device, check=False)
+        self.by_address = []
 
     def commit(self, version: int) -> None:
         """The run of ``version`` succeeded: the deferred updates, then the base holds ``version``."""
@@ -144,7 +177,7 @@ class SourceBase:
 
     def fail(self) -> None:
         """The run failed: the base may be part new; the next refit sends dense and rebuilds it."""
-        self.pending, self.queued, self.version = [], [], None
+        self.pending, self.queued, self.by_address, self.version = [], [], [], None
 
 
 def _update(updates: list) -> None:
@@ -205,6 +238,11 @@ class _DeltaOp:
     may_pay: bool = True  # a delta could beat dense on this link (``_may_pay``; set at setup)
     words: bool = False  # sender: changes are found per 64-bit word (``_by_words``; set at setup)
     parts: list = field(default_factory=list)  # sender, words: the payload's pieces (``_join`` copies them)
+    numels: list = field(default_factory=list)  # per piece: elements, and 64-bit words (None: not whole)
+    nwords: list = field(default_factory=list)
+    fast: bool = False  # words by address (``_fast``): every view (and base) addressable by the word kernels
+    ptrs: tuple = ()  # fast: per piece byte addresses, numpy: (base, current) on a sender, (destination,)
+    found: tuple | None = None  # fast sender, per run: (``Found``, first piece, end) of its pieces there
 
 
 @dataclass
@@ -266,6 +304,11 @@ class DeltaSchedule:
         d = _DeltaOp(op, views, bases, link, torch.empty(0))
         d.may_pay = self._may_pay(d)
         d.words = outgoing and self._by_words(views)
+        d.numels, d.nwords = [v.numel() for v in views], [words_in(v) for v in views]
+        d.fast = _fast(views + bases) and (d.words or not outgoing)
+        if d.fast:
+            sides = (bases, views) if outgoing else (views,)
+            d.ptrs = tuple(np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in sides)
         return d
 
     def _by_words(self, views: list[torch.Tensor]) -> bool:
@@ -358,22 +401,22 @@ class DeltaSchedule:
         plans = [self._plan(d, base is not None and held.get(d.op.peer) == base) for d in sends]
         heads: list[list[int]] = [[] for _ in sends]
         batch: list[int] = []
-        size = 0
+        size, words = 0, True  # the batch's bytes; whether all its messages are found per word
         for i in [*range(len(sends)), None]:
             if i is not None and plans[i] != "diff":
                 heads[i] = self._encode(sends[i], plans[i], version, stats)
                 continue
             nbytes = sum(v.numel() * v.element_size() for v in sends[i].views) if i is not None else 0
-            limit = WORD_BATCH_BYTES if all(sends[j].words for j in batch) else FIND_BATCH_BYTES
-            if batch and (i is None or size + nbytes > limit):
-                for j, found in zip(batch, _find(sends[j] for j in batch)):  # encoded and dropped batch by batch
-                    sends[j].changes = found
+            if batch and (i is None or size + nbytes > (WORD_BATCH_BYTES if words else FIND_BATCH_BYTES)):
+                _find([sends[j] for j in batch])  # encoded and dropped batch by batch
+                for j in batch:
                     heads[j] = self._encode(sends[j], "diff", version, stats)
                 self.base.flush()
-                batch, size = [], 0
+                batch, size, words = [], 0, True
             if i is not None:
                 batch.append(i)
                 size += nbytes
+                words = words and sends[i].words
         return [x for h in heads for x in h]
 
     def _encode(self, d: _DeltaOp, plan: str, version: int, stats: DeltaStats) -> list[int]:
@@ -387,7 +430,10 @@ class DeltaSchedule:
             stats.diffed += 1
         else:
             d.dense_runs += 1
-        counts = [len(i) for i, _ in d.changes] if d.kind != "dense" else [0] * len(d.views)
+        if d.kind == "dense":
+            counts = [0] * len(d.views)
+        else:
+            counts = d.changes if d.found is not None else [len(i) for i, _ in d.changes]
         if d.kind == "dense":
             for bv, tv in d.op.pack:
                 bv.copy_(tv)
@@ -397,6 +443,9 @@ class DeltaSchedule:
                 self.base.update(d.op.message, [(b, None, v) for b, v in zip(d.bases, d.views)])
             if plan == "refresh":
                 d.fraction = None  # the next run diffs and measures again
+        elif d.found is not None:  # words by address: packed by ``_join``, the base updated at ``flush``
+            d.payload = torch.empty(int(wire_sizes(np.array(counts)).sum()), dtype=torch.uint8, device="meta")
+            self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
         else:
             d.payload = self._pack_delta(d)
             self.base.update(d.op.message, [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)], d.kind == "words")
@@ -415,17 +464,26 @@ class DeltaSchedule:
             pieces = [(v.numel(), len(i), v.element_size()) for v, (i, _) in zip(d.views, d.changes)]
             d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
             return forced or choose_encoding(pieces, d.link)
-        counts = [k for _, _, k in d.changes]
-        d.fraction = sum(counts) / max(1, sum(words_in(v) for v in d.views))
-        pieces = [(v.numel(), k, v.element_size()) for v, k in zip(d.views, counts)]
-        kind = "words" if forced else choose_words(pieces, d.link)
-        if kind == "words" and any(i is None for i, _, _ in d.changes):
+        if d.found is not None:  # by address: the counts, and whether a piece is over its slots
+            found, a, b = d.found
+            counts, over = found.count[a:b].tolist(), bool((found.count[a:b] > found.cap[a:b]).any())
+        else:
+            counts, over = [k for _, _, k in d.changes], any(i is None for i, _, _ in d.changes)
+        d.fraction = sum(counts) / max(1, sum(d.nwords))
+        size = d.views[0].element_size()
+        kind = "words" if forced else choose_words([(n, k, size) for n, k in zip(d.numels, counts)], d.link)
+        if kind == "words" and over:
             if not forced:
                 kind = "dense"
-            else:
+            else:  # found again by the torch reference, piece by piece
+                if d.found is not None:
+                    d.changes = [(*found.piece(j), k) for j, k in zip(range(a, b), counts)]
+                    d.found = None
                 again = zip(d.bases, d.views, d.changes)
                 d.changes = [(*find_words(b, v), k) if i is None else (i, w, k) for b, v, (i, w, k) in again]
-        d.changes = [(i, w) for i, w, *_ in d.changes] if kind == "words" else [(None, None)] * len(d.views)
+        if kind != "words":
+            d.found = None
+        d.changes = counts if d.found is not None else [(i, w) for i, w, *_ in d.changes] if kind == "words" else []
         return kind
 
     def _plan(self, d: _DeltaOp, base_ok: bool) -> str:
@@ -478,22 +536,27 @@ class DeltaSchedule:
         """Check ``d``'s received header and size its payload (dense: the plain op's tensor; a delta: an
         unallocated tensor of its length, made a slice of its peer's buffer by ``_join``)."""
         me = f"process {self.proc} (destination rank {self.dst_rank})"
-        sizes = [v.numel() for v in d.views]
-        d.kind, d.changes = check_header(header, sizes, version, held, d.op, me, [words_in(v) for v in d.views])
+        d.kind, d.changes = check_header(header, d.numels, version, held, d.op, me, d.nwords)
         if d.kind == "dense":
             d.payload = d.op.tensor
         else:
-            n = sum(_piece_wire(d.kind, v, k) for v, k in zip(d.views, d.changes))
+            if d.kind == "words":
+                n = sum((k * 4 + 7) // 8 * 8 + k * 8 for k in d.changes)
+            else:
+                n = sum(_piece_wire(d.kind, v, k) for v, k in zip(d.views, d.changes))
             d.payload = torch.empty(n, dtype=torch.uint8, device="meta")
 
     def _apply(self, recvs: list[_DeltaOp]) -> None:
         """Unpack the dense messages; decode every delta's pieces, check all their indices (one host
         sync), then scatter them into their views."""
-        todo, words = [], []
+        todo, words, fast = [], [], []
         for d in recvs:
             if d.kind == "dense":
                 for bv, tv in d.op.pack:
                     tv.copy_(bv)
+                continue
+            if d.kind == "words" and d.fast:
+                fast.append(d)
                 continue
             off = 0
             for v, k in zip(d.views, d.changes):
@@ -518,6 +581,8 @@ class DeltaSchedule:
         for _, v, idx, vals in todo:
             apply_changes(v, idx, vals)
         scatter_words_many([(v, idx, w) for _, v, idx, w in words])
+        if fast:
+            _apply_by_address(fast)
 
 
 def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
@@ -570,13 +635,22 @@ def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
     if len(deltas) == 1 and deltas[0].payload.device.type != "meta":
         return deltas[0].payload
     buf = torch.empty(sum(d.payload.numel() for d in deltas), dtype=torch.uint8, device=deltas[0].op.tensor.device)
-    if any(d.parts or d.payload.device.type != "meta" for d in deltas):  # a sender
-        torch.cat([p for d in deltas for p in (d.parts or [d.payload])], out=buf)
+    packs: dict[int, tuple[Found, list, list]] = {}  # words by address, per find: its piece ranges, destinations
     off = 0
     for d in deltas:
         n = d.payload.numel()
-        d.payload, d.parts = buf[off : off + n], []
+        if d.found is not None:  # a sender's words by address: packed below, one launch per find
+            found, a, b = d.found
+            sizes = wire_sizes(found.count[a:b])
+            ranges, dsts = packs.setdefault(id(found), (found, [], []))[1:]
+            ranges.append(np.arange(a, b))
+            dsts.append(buf.data_ptr() + off + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64))
+        elif d.parts or d.payload.device.type != "meta":  # a sender's other payloads, copied in
+            torch.cat(d.parts or [d.payload], out=buf[off : off + n])
+        d.payload, d.parts, d.found = buf[off : off + n], [], None
         off += n
+    for found, ranges, dsts in packs.values():
+        pack_table(found, np.concatenate(ranges), np.concatenate(dsts), buf.device)
     return buf
 
 
@@ -593,20 +667,71 @@ def _word_parts(idx: torch.Tensor, words: torch.Tensor) -> list[torch.Tensor]:
 _PADS: dict[torch.device, torch.Tensor] = {}  # 4 zero bytes per device (``_word_parts``), made once
 
 
-def _find(ops) -> list[list]:
-    """The changes of every piece of ``ops`` (one batch of a step's sends): per op, per piece, ``(indices,
-    words, count)`` for a word-found op (``find_words_many``: one launch for all of them) and ``(indices,
-    values)`` for the others (``find_changes_many``: views of the find's slots, encoded and dropped soon)."""
-    ops = list(ops)
-    out: list[list] = [[] for _ in ops]
+def _find(ops: list[_DeltaOp]) -> None:
+    """The changes of every piece of ``ops`` (one batch of a step's sends): words by address in one launch
+    (``find_words_table``; each op's ``found``: its pieces' range there), other word-found ops per piece
+    (``find_words_many``: ``changes`` = ``(indices, words, count)`` per piece), the rest per element
+    (``find_changes_many``: ``(indices, values)`` per piece). All views of the finds' slots, encoded and
+    dropped soon."""
+    fast = [d for d in ops if d.words and d.fast]
+    if fast:
+        base, cur = (np.concatenate([d.ptrs[c] for d in fast]) for c in (0, 1))
+        nwords = np.array([w for d in fast for w in d.nwords], dtype=np.int64)
+        found, a = find_words_table(base, cur, nwords, fast[0].views[0].device), 0
+        for d in fast:
+            d.found, a = (found, a, a + len(d.views)), a + len(d.views)
     for by_words, find in ((True, find_words_many), (False, lambda pairs: find_changes_many(pairs, copy=False))):
-        chosen = [j for j, d in enumerate(ops) if d.words == by_words]
-        pairs = [(b, v) for j in chosen for b, v in zip(ops[j].bases, ops[j].views)]
-        found = find(pairs) if pairs else []
-        for j in chosen:
-            n = len(ops[j].views)
-            out[j], found = found[:n], found[n:]
-    return out
+        chosen = [d for d in ops if d.words == by_words and not (d.words and d.fast)]
+        got = find([(b, v) for d in chosen for b, v in zip(d.bases, d.views)]) if chosen else []
+        for d in chosen:
+            d.changes, got = got[: len(d.views)], got[len(d.views) :]
+
+
+def _fast(tensors: list[torch.Tensor]) -> bool:
+    """Whether the word kernels address every one of ``tensors`` (contiguous, 8-byte aligned, whole words, one
+    CUDA device, or CPU under Triton's interpreter): then a message's words go by address, with no per-piece
+    tensor work."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"  # the kernels in Triton's interpreter, on CPU tensors
+    return bool(tensors) and all(
+        (t.is_cuda or interpret)
+        and t.device == tensors[0].device
+        and t.is_contiguous()
+        and t.data_ptr() % 8 == 0
+        and words_in(t) is not None
+        and t.numel() > 0
+        for t in tensors
+    )
+
+
+def _by_find(entries: list[tuple]) -> list[list[tuple]]:
+    """``entries`` (their first item a ``Found``) grouped by that find, in order."""
+    groups: dict[int, list[tuple]] = {}
+    for e in entries:
+        groups.setdefault(id(e[0]), []).append(e)
+    return list(groups.values())
+
+
+def _apply_by_address(ops: list[_DeltaOp]) -> None:
+    """A receiver's words by address (every destination view addressable): each piece's indices and words
+    located in its op's payload by arithmetic, every index checked in one launch (``DeltaError`` naming the
+    message), then one scatter."""
+    k = np.array([c for d in ops for c in d.changes], dtype=np.int64)
+    sizes = wire_sizes(k)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    first = np.cumsum([0, *(len(d.changes) for d in ops)])
+    payload = np.repeat(np.array([d.payload.data_ptr() for d in ops], dtype=np.int64), np.diff(first))
+    idx = payload + starts - np.repeat(starts[first[:-1]], np.diff(first))
+    words = idx + (k * 4 + 7) // 8 * 8
+    dst = np.concatenate([d.ptrs[0] for d in ops])
+    n = np.array([w for d in ops for w in d.nwords], dtype=np.int64)
+    device = ops[0].views[0].device
+    if not scatter_table(dst, idx, words, k, n, device, check=True):
+        for j, d in enumerate(ops):  # name the message (an error path: a sync per message is fine)
+            part = slice(first[j], first[j + 1])
+            if not scatter_table(dst[part], idx[part], words[part], k[part], n[part], device, check=True):
+                raise DeltaError(f"delta from process {d.op.peer} ({d.op.what()}): a word index is outside its piece")
+        raise DeltaError("a word index is outside its piece (found by the joint check, not per message)")
+    scatter_table(dst, idx, words, k, n, device, check=False)
 
 
 def exchange_held(
