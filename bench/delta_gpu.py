@@ -203,6 +203,7 @@ def _profiled(peer, tensors, ref, version: int, out: str, rank: int) -> int:
     for it in range(3):
         version += 1
         optimizer_step(tensors if ref is None else ref, 0.01, seed=99_000 + it)
+        _sync(tensors[next(iter(tensors))].device)  # the step's kernels are not the refit's
         dist.barrier()
         prof.enable()
         peer.run(version)

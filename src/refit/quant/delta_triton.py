@@ -64,12 +64,14 @@ if AVAILABLE:
         return lo
 
     @triton.jit
-    def _find_words(tab_ptr, idx_ptr, val_ptr, count_ptr, NP, LOG: tl.constexpr, BLOCK: tl.constexpr):
+    def _find_words(tab_ptr, piece_ptr, idx_ptr, val_ptr, count_ptr, NP, BLOCK: tl.constexpr):
         """Table rows (int64, ``NP`` pieces each): first program, base address, current address, words, slot
-        offset, slot capacity. One program compares ``BLOCK`` 64-bit words of one piece and writes each
-        changed word's index (int32, within its piece) and bits at its piece's slots."""
+        offset, slot capacity; ``piece_ptr``: each program's piece (int32, one load instead of a search: the
+        find reads at HBM speed, so a program's start is on its critical path). One program compares ``BLOCK``
+        64-bit words of one piece and writes each changed word's index (int32, within its piece) and bits at
+        its piece's slots."""
         pid = tl.program_id(0).to(tl.int64)
-        j = _piece_of(tab_ptr, pid, NP, LOG)
+        j = tl.load(piece_ptr + pid).to(tl.int64)
         base = tl.load(tab_ptr + NP + j).to(tl.pointer_type(tl.int64))
         cur = tl.load(tab_ptr + 2 * NP + j).to(tl.pointer_type(tl.int64))
         n = tl.load(tab_ptr + 3 * NP + j)
@@ -130,13 +132,16 @@ def _log2(n: int) -> int:
     return max(1, (max(1, n) - 1).bit_length())
 
 
-def launch_find_words(table: torch.Tensor, programs: int, idx: torch.Tensor, vals: torch.Tensor, counts: torch.Tensor):
-    """Enqueue ``_find_words`` over ``table`` (int64 ``[6, NP]`` on the device, ``programs`` in all): changed
-    words into ``idx`` (int32) / ``vals`` (int64) at each piece's slots; ``counts`` (int32 ``[NP]``, zeroed)
-    receives each piece's true number of changed words."""
-    if programs:
-        np_ = table.shape[1]
-        _find_words[(programs,)](table, idx, vals, counts, np_, LOG=_log2(np_), BLOCK=WORD_BLOCK, num_warps=WORD_WARPS)
+def launch_find_words(
+    table: torch.Tensor, pieces: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """Enqueue ``_find_words`` over ``table`` (int64 ``[6, NP]`` on the device) with ``pieces`` (int32, each
+    program's piece): changed words into ``idx`` (int32) / ``vals`` (int64) at each piece's slots; ``counts``
+    (int32 ``[NP]``, zeroed) receives each piece's true number of changed words."""
+    if len(pieces):
+        _find_words[(len(pieces),)](
+            table, pieces, idx, vals, counts, table.shape[1], BLOCK=WORD_BLOCK, num_warps=WORD_WARPS
+        )
 
 
 def launch_scatter_words(table: torch.Tensor, programs: int, flag: torch.Tensor, check: bool) -> None:

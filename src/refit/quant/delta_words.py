@@ -130,11 +130,11 @@ def find_words_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, devi
     contiguous, ``nwords`` words each, ``nwords > 0``) on ``device``: one launch, one host sync."""
     from refit.quant.delta_triton import launch_find_words
 
-    table, programs, slot, cap = _find_table(base, cur, nwords, device)
+    table, pieces, slot, cap = _find_table(base, cur, nwords, device)
     idx = torch.empty(int(cap.sum()), dtype=torch.int32, device=device)
     words = torch.empty(int(cap.sum()), dtype=torch.int64, device=device)
     counts = torch.zeros(len(nwords), dtype=torch.int32, device=device)
-    launch_find_words(table, programs, idx, words, counts)
+    launch_find_words(table, pieces, idx, words, counts)
     return Found(idx, words, slot, cap, counts.cpu().numpy().astype(np.int64))
 
 
@@ -172,15 +172,18 @@ _FIND_TABLES_MAX = 256
 
 
 def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> tuple:
-    """``(table, programs, slot offsets, slot capacities)`` of ``_find_words`` over the pieces, built once per
-    set of addresses and sizes (a refit's batches repeat every time) and kept (at most ``_FIND_TABLES_MAX``)."""
+    """``(table, each program's piece, slot offsets, slot capacities)`` of ``_find_words`` over the pieces,
+    built once per set of addresses and sizes (a refit's batches repeat every time) and kept (at most
+    ``_FIND_TABLES_MAX``; the per-program pieces take 4 bytes per 16 KiB found)."""
     key = (device, base.tobytes(), cur.tobytes(), nwords.tobytes())
     hit = _FIND_TABLES.get(key)
     if hit is None:
         cap = np.maximum(1, nwords // SLOT_FRACTION)
         slot = np.zeros(len(cap), dtype=np.int64)
         np.cumsum(cap[:-1], out=slot[1:])
-        hit = (*_table([base, cur, nwords, slot, cap], _blocks(nwords), device), slot, cap)
+        table, _ = _table([base, cur, nwords, slot, cap], _blocks(nwords), device)
+        pieces = torch.from_numpy(np.repeat(np.arange(len(cap), dtype=np.int32), _blocks(nwords))).to(device)
+        hit = (table, pieces, slot, cap)
         if len(_FIND_TABLES) >= _FIND_TABLES_MAX:
             _FIND_TABLES.pop(next(iter(_FIND_TABLES)))
         _FIND_TABLES[key] = hit
