@@ -68,6 +68,7 @@ class LinkSpeed:
     same_device: bool = False
     word_find_gbps: float | None = None
     word_piece_s: float | None = None
+    chunk_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.word_find_gbps is None:
@@ -78,7 +79,7 @@ class LinkSpeed:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise ConfigError(f"LinkSpeed.{field} must be a finite number of GB/s > 0, got {value!r}")
-        for field in ("piece_s", "word_piece_s"):
+        for field in ("piece_s", "word_piece_s", "chunk_s"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ConfigError(f"LinkSpeed.{field} must be seconds in [0, 1), got {value!r}")
@@ -89,10 +90,15 @@ class LinkSpeed:
 # apply add ~31 ms at 0.1% (per piece: ~108 us) and ~15 ms more per 7.2e8 changes (~400 GB/s of
 # index + value bytes).
 _H100 = {"find_gbps": 780.0, "apply_gbps": 400.0, "piece_s": 108e-6}
+# Word deltas (``refit.quant.delta_words``), measured on 2x H200 (docs/benchmarks.md, "Word deltas by address"):
+# the find read 2.3-2.65 TB/s; the rule takes 1.7 TB/s, that scaled to an H100's memory bandwidth (3.35 vs
+# 4.8 TB/s; not measured on an H100). Host work per piece: ~10 us by address. Per chunk of a delta step
+# (header exchange, the find's and the check's host syncs): 1.05 ms (S1 with 32 chunks vs 4: 54.9 vs 25.4 ms).
+_WORDS = {"word_find_gbps": 1700.0, "word_piece_s": 10e-6, "chunk_s": 1.05e-3}
 LINKS = {
     "same_device": LinkSpeed(1500.0, **_H100, same_device=True),  # S2: a copy on one H100 (read + write HBM)
-    "nvlink": LinkSpeed(370.0, **_H100),  # S1/S3: H100 NVLink, measured ~370 GB/s one way
-    "nic": LinkSpeed(50.0, **_H100),  # a 400 Gb/s NIC per GPU
+    "nvlink": LinkSpeed(370.0, **_H100, **_WORDS),  # S1/S3: H100 NVLink, measured ~370 GB/s one way
+    "nic": LinkSpeed(50.0, **_H100, **_WORDS),  # a 400 Gb/s NIC per GPU
     "cpu": LinkSpeed(2.0, 10.0, 10.0),  # gloo over loopback on a CPU host (rough; no per-piece time measured)
 }
 """Speeds per kind of link (``TransferConfig.delta_link_gbps`` overrides the link's)."""
@@ -125,30 +131,32 @@ def predicted_seconds(encoding: str, n: int, k: int, itemsize: int, link: LinkSp
     return find + wire + apply + link.piece_s
 
 
-def choose_encoding(pieces: list[tuple[int, int, int]], link: LinkSpeed) -> str:
+def choose_encoding(pieces: list[tuple[int, int, int]], link: LinkSpeed, share: float = 0.0) -> str:
     """The cheapest encoding of one message whose pieces have ``(n, k, itemsize)`` (``k`` changes in ``n``
     elements) over ``link``: the sum of ``predicted_seconds`` over the pieces, dense on a same-device
     link and on ties; sparse never when a piece has 2**31 elements or more."""
     if link.same_device or not any(n for n, _, _ in pieces):
         return "dense"
     kinds = ["dense", "bitmask"] + (["sparse"] if all(n < 2**31 for n, _, _ in pieces) else [])
-    return _cheapest(pieces, link, kinds)
+    return _cheapest(pieces, link, kinds, share)
 
 
-def choose_words(pieces: list[tuple[int, int, int]], link: LinkSpeed) -> str:
+def choose_words(pieces: list[tuple[int, int, int]], link: LinkSpeed, share: float = 0.0) -> str:
     """``"words"`` or ``"dense"`` for one message whose pieces have ``(n, k, itemsize)``, ``k`` changed 64-bit
     words in ``n`` elements (found by ``refit.quant.delta_words``): the cheaper by ``predicted_seconds``,
     dense on a same-device link and on ties."""
     if link.same_device or not any(n for n, _, _ in pieces):
         return "dense"
-    return _cheapest(pieces, link, ["dense", "words"])
+    return _cheapest(pieces, link, ["dense", "words"], share)
 
 
-def _cheapest(pieces: list[tuple[int, int, int]], link: LinkSpeed, kinds: list[str]) -> str:
-    """The kind of ``kinds`` with the least ``predicted_seconds`` summed over ``pieces``, earliest on ties."""
+def _cheapest(pieces: list[tuple[int, int, int]], link: LinkSpeed, kinds: list[str], share: float = 0.0) -> str:
+    """The kind of ``kinds`` with the least ``predicted_seconds`` summed over ``pieces``, earliest on ties; a
+    delta also pays ``share`` (the message's part of its chunk's bytes) of the link's ``chunk_s``."""
 
     def cost(e: str) -> float:
-        return sum(predicted_seconds(e, n, k, s, link) for n, k, s in pieces)
+        step = 0.0 if e == "dense" else link.chunk_s * share
+        return step + sum(predicted_seconds(e, n, k, s, link) for n, k, s in pieces)
 
     return min(kinds, key=lambda e: (cost(e), ENCODINGS.index(e)))
 
@@ -160,16 +168,25 @@ exchange (S1 on 2x H200, 289-291 of 291 messages sent dense through it: 1.10-1.3
 docs/benchmarks.md)."""
 
 
-def may_pay(pieces: list[tuple[int, int]], link: LinkSpeed) -> bool:
-    """Whether a delta of a message whose pieces have ``(n, itemsize)`` can pay over ``link``: with nothing
-    changed, its cheapest encoding takes at most ``PAY_MARGIN`` of dense (never on a same-device link)."""
+def best_case(pieces: list[tuple[int, int]], link: LinkSpeed, words: bool = False) -> float:
+    """The rule's time for a delta of a message whose pieces have ``(n, itemsize)`` when nothing changed: its
+    cheapest encoding (``words``: found per 64-bit word, then that is its only one); ``inf`` on a
+    same-device link or for an empty message."""
     if link.same_device or not any(n for n, _ in pieces):
-        return False
-    kinds = ["bitmask"] + (["sparse"] if all(n < 2**31 for n, _ in pieces) else [])
-    kinds += ["words"] if all(n * s % 8 == 0 for n, s in pieces) else []
+        return math.inf
+    if words:
+        kinds = ["words"]
+    else:
+        kinds = ["bitmask"] + (["sparse"] if all(n < 2**31 for n, _ in pieces) else [])
+    return min(sum(predicted_seconds(e, n, 0, s, link) for n, s in pieces) for e in kinds)
+
+
+def may_pay(pieces: list[tuple[int, int]], link: LinkSpeed, words: bool = False, share: float = 0.0) -> bool:
+    """Whether a delta of a message whose pieces have ``(n, itemsize)`` can pay over ``link``: with nothing
+    changed (``best_case``), plus ``share`` (its part of its chunk's bytes) of ``link.chunk_s``, it takes at
+    most ``PAY_MARGIN`` of dense (never on a same-device link)."""
     dense = sum(predicted_seconds("dense", n, 0, s, link) for n, s in pieces)
-    best = min(sum(predicted_seconds(e, n, 0, s, link) for n, s in pieces) for e in kinds)
-    return best <= PAY_MARGIN * dense
+    return best_case(pieces, link, words) + link.chunk_s * share <= PAY_MARGIN * dense
 
 
 def _align(nbytes: int) -> int:

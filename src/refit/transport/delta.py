@@ -49,9 +49,11 @@ from refit.plan import Plan
 from refit.quant.delta import (
     ENCODINGS,
     LINKS,
+    PAY_MARGIN,
     DeltaError,
     LinkSpeed,
     apply_changes,
+    best_case,
     check_indices_many,
     choose_encoding,
     choose_words,
@@ -59,6 +61,7 @@ from refit.quant.delta import (
     encode,
     find_changes_many,
     may_pay,
+    predicted_seconds,
     wire_bytes,
 )
 from refit.quant.delta_words import (
@@ -98,15 +101,30 @@ def link_speed(plan: Plan, a: int, b: int, config: TransferConfig) -> LinkSpeed:
 
 
 def plan_may_pay(plan: Plan, config: TransferConfig) -> bool:
-    """Whether some P2P message of ``plan`` could pay as a delta (``may_pay`` over its link). Under
-    ``delta="auto"`` a plan where none can runs the plain P2P path: no base copy, no header exchange. The
-    same answer on every process (the plan and the config decide it)."""
-    for m in plan.messages:
-        if m.transport == "p2p":
-            link = link_speed(plan, plan.procs.src[m.src], plan.procs.dst[m.dst], config)
-            if may_pay([(p.nbytes // p.itemsize, p.itemsize) for p in m.pieces], link):
-                return True
-    return False
+    """Whether the delta protocol can pay for ``plan``'s P2P messages as a whole: with nothing changed, each
+    message at the cheaper of dense and its best delta (``quant.delta.best_case`` over its link), plus the
+    fixed cost of every chunk (``LinkSpeed.chunk_s``: its header exchange and host syncs, paid even where
+    every message goes dense), at most ``PAY_MARGIN`` of sending everything dense. Under ``delta="auto"`` a
+    plan where this fails runs the plain P2P path: no base copy, no header exchange. The same answer on
+    every process (the plan and the config decide it)."""
+    chunk = _chunks(plan, config)
+    dense = best = 0.0
+    fixed: dict[tuple[int, int], float] = {}
+    for i, m in enumerate(plan.messages):
+        if m.transport != "p2p":
+            continue
+        link = link_speed(plan, plan.procs.src[m.src], plan.procs.dst[m.dst], config)
+        pieces = [(p.nbytes // p.itemsize, p.itemsize) for p in m.pieces]
+        words = config.delta in ("words", "auto") and all(_whole_words(p.nbytes) for p in m.pieces)
+        d = sum(predicted_seconds("dense", n, 0, s, link) for n, s in pieces)
+        dense, best = dense + d, best + min(d, best_case(pieces, link, words))
+        fixed.setdefault((m.step, chunk[i]), link.chunk_s)
+    return best < dense and best + sum(fixed.values()) <= PAY_MARGIN * dense
+
+
+def _whole_words(nbytes: int) -> bool:
+    """A piece of ``nbytes`` has whole 64-bit words (as ``quant.delta_words.words_in`` counts them)."""
+    return nbytes % 8 == 0 and nbytes // 8 < 2**31
 
 
 class SourceBase:
@@ -236,6 +254,7 @@ class _DeltaOp:
     dense_runs: int = 0  # sender: runs sent dense since the last diff
     stale: bool = False  # sender: this message's base was not brought to the last version (``_plan``)
     may_pay: bool = True  # a delta could beat dense on this link (``_may_pay``; set at setup)
+    share: float = 0.0  # the message's part of its chunk's bytes: it pays that part of ``LinkSpeed.chunk_s``
     words: bool = False  # sender: changes are found per 64-bit word (``_by_words``; set at setup)
     parts: list = field(default_factory=list)  # sender, words: the payload's pieces (``_join`` copies them)
     numels: list = field(default_factory=list)  # per piece: elements, and 64-bit words (None: not whole)
@@ -272,6 +291,7 @@ class DeltaSchedule:
         self.dst_rank = local.dst_rank
         self.base = SourceBase(plan, proc, local, config.delta_base) if local.src_rank is not None else None
         chunk = _chunks(plan, config)
+        self.shares = _shares(plan, config)
         self.steps = []  # per P2P step, its chunks in order; each side's ops grouped by peer (plan order within)
         for st in p2p.steps:
             sends = [self._op(op, local, True) for op in st.sends]
@@ -302,8 +322,9 @@ class DeltaSchedule:
         bases = [self.base.local.src_view(p.tensor, p.box) for p in m.pieces] if outgoing else []
         link = link_speed(self.plan, self.plan.procs.src[m.src], self.plan.procs.dst[m.dst], self.config)
         d = _DeltaOp(op, views, bases, link, torch.empty(0))
-        d.may_pay = self._may_pay(d)
         d.words = outgoing and self._by_words(views)
+        d.share = self.shares[op.message]
+        d.may_pay = self._may_pay(d)
         d.numels, d.nwords = [v.numel() for v in views], [words_in(v) for v in views]
         d.fast = _fast(views + bases) and (d.words or not outgoing)
         if d.fast:
@@ -463,7 +484,7 @@ class DeltaSchedule:
         if not d.words:
             pieces = [(v.numel(), len(i), v.element_size()) for v, (i, _) in zip(d.views, d.changes)]
             d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
-            return forced or choose_encoding(pieces, d.link)
+            return forced or choose_encoding(pieces, d.link, d.share)
         if d.found is not None:  # by address: the counts, and whether a piece is over its slots
             found, a, b = d.found
             counts, over = found.count[a:b].tolist(), bool((found.count[a:b] > found.cap[a:b]).any())
@@ -471,7 +492,7 @@ class DeltaSchedule:
             counts, over = [k for _, _, k in d.changes], any(i is None for i, _, _ in d.changes)
         d.fraction = sum(counts) / max(1, sum(d.nwords))
         size = d.views[0].element_size()
-        kind = "words" if forced else choose_words([(n, k, size) for n, k in zip(d.numels, counts)], d.link)
+        kind = "words" if forced else choose_words([(n, k, size) for n, k in zip(d.numels, counts)], d.link, d.share)
         if kind == "words" and over:
             if not forced:
                 kind = "dense"
@@ -506,16 +527,16 @@ class DeltaSchedule:
             return "diff"
         if d.words:
             guess = [(v.numel(), round(d.fraction * words_in(v)), v.element_size()) for v in d.views]
-            return "diff" if choose_words(guess, d.link) != "dense" else probe
+            return "diff" if choose_words(guess, d.link, d.share) != "dense" else probe
         guess = [(v.numel(), round(d.fraction * v.numel()), v.element_size()) for v in d.views]
-        return "diff" if choose_encoding(guess, d.link) != "dense" else probe
+        return "diff" if choose_encoding(guess, d.link, d.share) != "dense" else probe
 
     @staticmethod
     def _may_pay(d: _DeltaOp) -> bool:
         """Whether a delta of ``d`` could beat dense at all (``quant.delta.may_pay``: its best case by a
         margin), else finding the changes costs about what sending everything does (NVLink with the
         measured find rate) and ``auto`` never diffs ``d``, not even to probe."""
-        return may_pay([(v.numel(), v.element_size()) for v in d.views], d.link)
+        return may_pay([(v.numel(), v.element_size()) for v in d.views], d.link, d.words, d.share)
 
     def _pack_delta(self, d: _DeltaOp) -> torch.Tensor:
         """``d``'s payload: its pieces encoded one after another. Words are not copied here: ``d.parts`` lists
@@ -621,6 +642,17 @@ def _pinned(values: list[int]) -> torch.Tensor:
     wait for the kernels queued before it, as one from pageable memory would)."""
     t = torch.tensor(values, dtype=torch.int64)
     return t.pin_memory() if torch.cuda.is_available() else t
+
+
+def _shares(plan: Plan, config: TransferConfig) -> dict[int, float]:
+    """Each P2P message's part of its chunk's bytes (``_chunks``): the part of a chunk's fixed cost
+    (``LinkSpeed.chunk_s``) the encoding rule charges a delta of it. The same on every process."""
+    chunk = _chunks(plan, config)
+    total: dict[tuple[int, int], int] = {}
+    for i, c in chunk.items():
+        key = (plan.messages[i].step, c)
+        total[key] = total.get(key, 0) + plan.messages[i].nbytes
+    return {i: plan.messages[i].nbytes / max(1, total[(plan.messages[i].step, c)]) for i, c in chunk.items()}
 
 
 def _by_peer(ops: list[_DeltaOp]) -> list[tuple[int, list[_DeltaOp]]]:
