@@ -559,17 +559,22 @@ def _policy_worker(world):
         return out
     local = {n: torch.zeros_like(t) for n, t in _weights(lay, 0, 0).items()}
     r = Receiver(lay, lay, world.rank, local, procs=procs, config=cfg)
+    quiet = []
     for v in range(1, 22):
+        quiet.append(r.executor.delta.quiet_senders())  # the refit about to run has no headers from these
         r.pull(v)
         out.append(_raw(local))
-    return out
+    return out, quiet
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(150)
 def test_a_steady_full_change_is_sent_dense_without_diffing_and_deltas_resume_when_it_drops():
-    sent, got = run_local(_policy_worker, 1, 1, backend="gloo", timeout_s=120)
+    sent, (got, quiet) = run_local(_policy_worker, 1, 1, backend="gloo", timeout_s=120)
     assert [s[0] for s in sent] == got  # exact at every version
+    # quiet refits: after version 2 measured 100%, versions 3-10 (7 skips and the refresh) go without headers,
+    # announced by version 2's last header; version 11 diffs with headers again; the same after version 11
+    assert [bool(q) for q in quiet] == [False] * 2 + [True] * 8 + [False] + [True] * 8 + [False] * 2, quiet
     diffed = [s[1] for s in sent]
     n = sum(sent[0][2].values())
     assert diffed[0] == 0 and diffed[1] == n  # version 1: nothing to diff against; 2: measured (100%)

@@ -353,10 +353,13 @@ class Peer:
             return None
         held = None if self.stale or self.torn else self.version
         if self.store is None:
+            delta.told = None  # no exchange: no quiet refits either
             return {self.proc: held}
         key = f"{self.config.name}/delta/{version}/{attempt}/held"
         left = max(0.0, deadline - time.monotonic())
-        return exchange_held(self.store, key, self.proc, held, delta.receives, delta.receivers, left)
+        quiet = delta.quiet_senders()
+        out, delta.told = exchange_held(self.store, key, self.proc, held, delta.receives, delta.receivers, left, quiet)
+        return out
 
     def close(self) -> None:
         """Stop this Peer's helper thread and shared-memory barrier (its tensors stay as they are)."""
@@ -364,8 +367,8 @@ class Peer:
 
     def _fail(self, msg: str) -> None:
         self.broken = msg
-        if self.executor.delta is not None and self.executor.delta.base is not None:
-            self.executor.delta.base.fail()
+        if self.executor.delta is not None:
+            self.executor.delta.fail()
         if self.live and not self.shadow and not self.private_dst:
             self.torn = True
 

@@ -82,6 +82,7 @@ from refit.transport.store import SignedStore
 
 HEADER_TAG = (1 << 20) + (1 << 19)  # a header: its message tag plus this (inside a fan-out tag window of 1 << 21)
 PROBE_EVERY = 8  # a message sent dense because of its last fraction is diffed again after this many runs
+QUIET_MAX = 1 << 20  # the most quiet refits one header announces (a pair where no delta can ever pay)
 FIND_BATCH_BYTES = 1 << 30  # data diffed per host sync (the kernel's slots: ~1.25x that for bf16)
 WORD_BATCH_BYTES = 4 << 30  # the same for word deltas (their slots: 0.375x that)
 
@@ -303,6 +304,13 @@ class DeltaSchedule:
                         sorted((d for d in recvs if chunk[d.op.message] == c), key=lambda d: d.op.peer),
                     )
                 )
+        self.quiet: dict[int, int] = {}  # receiver: sending peer -> quiet refits left (announced by it)
+        self.told: dict[int, bool] | None = None  # sender, this refit: receiving peer -> it expects a quiet one
+        self.last: dict[tuple[int, int], int] = {}  # (side, peer) -> the step-chunk of its last header message
+        for i, sides in enumerate(self.steps):
+            for side, ops in enumerate(sides):
+                for d in ops:
+                    self.last[(side, d.op.peer)] = i
         self.headers = self._headers()
 
     @property
@@ -347,11 +355,14 @@ class DeltaSchedule:
             bufs = []
             for ops in (sends, recvs):
                 dev = ops[0].op.tensor.device if ops else torch.device("cpu")
-                buf = torch.zeros(sum(3 + len(d.views) for d in ops), dtype=torch.int64, device=dev)
+                peers = len({d.op.peer for d in ops})
+                buf = torch.zeros(sum(3 + len(d.views) for d in ops) + peers, dtype=torch.int64, device=dev)
                 off = 0
-                for d in ops:
-                    d.header = buf[off : off + 3 + len(d.views)]
-                    off += 3 + len(d.views)
+                for _, group in _by_peer(ops):
+                    for d in group:
+                        d.header = buf[off : off + 3 + len(d.views)]
+                        off += 3 + len(d.views)
+                    off += 1  # the trailer: quiet refits announced (``_quiet_after``)
                 bufs.append(buf)
             out.append((bufs[0], bufs[1], (self._header_msgs(sends, bufs[0]), self._header_msgs(recvs, bufs[1]))))
         return out
@@ -359,10 +370,11 @@ class DeltaSchedule:
     @staticmethod
     def _header_msgs(ops: list[_DeltaOp], buf: torch.Tensor) -> tuple[list[tuple[int, torch.Tensor, int]], list[_Op]]:
         """``(peer, headers, tag)`` per peer of ``ops`` (the contiguous slice of ``buf`` holding their
-        headers), and per posted message the op that names it in an error (its peer's first)."""
+        headers and the peer's trailer), and per posted message the op that names it in an error (its
+        peer's first)."""
         out, named, off = [], [], 0
         for peer, group in _by_peer(ops):
-            n = sum(d.header.numel() for d in group)
+            n = sum(d.header.numel() for d in group) + 1
             out.append((peer, buf[off : off + n], group[0].op.tag + HEADER_TAG))
             named.append(group[0].op)
             off += n
@@ -386,18 +398,23 @@ class DeltaSchedule:
         return out, named
 
     def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
-        """Every step: choose and encode (sends), headers, payloads, check and apply (receives)."""
+        """Every step: choose and encode (sends), headers, payloads, check and apply (receives). Between a
+        pair in a quiet refit (``quiet``: announced by the pair's last header of an earlier refit) no header
+        travels: every message between them is dense, as on the plain P2P path."""
         stats = DeltaStats()
         sending: tuple = ([], [])  # the previous chunk's payload sends, still in flight (``_in_flight``)
-        for (sends, recvs), (send_hdr, recv_hdr, headers) in zip(self.steps, self.headers):
+        quiet = self._quiet_pairs()  # (0 sends / 1 receives, peer): pairs without headers this refit
+        after: dict[tuple[int, int], int] = {}  # the quiet refits each pair's last header announced
+        for i, ((sends, recvs), (send_hdr, recv_hdr, headers)) in enumerate(zip(self.steps, self.headers)):
             if sends:
-                send_hdr.copy_(_pinned(self._send_step(sends, version, held, stats)), non_blocking=True)
+                heads = self._send_step(sends, version, held, stats, quiet)
+                send_hdr.copy_(_pinned(self._with_trailers(i, sends, heads, quiet, after)), non_blocking=True)
             (out, out_ops), (inc, inc_ops) = headers
-            self.p2p.wait(clock, self.p2p.post(out, inc), out_ops + inc_ops, "delta header exchange")
-            got = recv_hdr.tolist()  # one read for the step's headers
-            for d in recvs:
-                self._receive_into(d, got[: 3 + len(d.views)], version, held.get(self.proc))
-                got = got[3 + len(d.views) :]
+            out, out_ops = _loud(out, out_ops, 0, quiet)
+            inc, inc_ops = _loud(inc, inc_ops, 1, quiet)
+            if out or inc:
+                self.p2p.wait(clock, self.p2p.post(out, inc), out_ops + inc_ops, "delta header exchange")
+            self._receive_headers(i, recvs, recv_hdr.tolist() if inc else [], version, held, quiet, after)
             (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends), self._payload_msgs(recvs)
             works = self.p2p.post(out, inc)
             if sending[0]:
@@ -412,14 +429,86 @@ class DeltaSchedule:
                 d.payload = None
         if sending[0]:
             self.p2p.wait(clock, *sending, "delta transfer")
+        for peer in {p for side, p in quiet | set(after) if side == 1}:  # counted down, or as announced
+            self.quiet[peer] = self.quiet.get(peer, 0) - 1 if (1, peer) in quiet else after.get((1, peer), 0)
+        self.told = None
         return stats
 
-    def _send_step(self, sends: list[_DeltaOp], version: int, held: dict, stats: DeltaStats) -> list[int]:
+    def quiet_senders(self) -> list[int]:
+        """Receiver: the sending peers whose next refit it expects quiet (published with the version it
+        holds: ``exchange_held``; the sender follows it, so a pair never disagrees, even after one of
+        them saw a refit fail and the other did not)."""
+        return sorted(p for p, left in self.quiet.items() if left > 0)
+
+    def _quiet_pairs(self) -> set[tuple[int, int]]:
+        """This refit's quiet pairs: the senders this receiver published (``quiet_senders``) and the
+        receivers that published this sender; none without the exchange (``told`` is None)."""
+        if self.told is None:
+            return set()
+        return {(1, p) for p in self.quiet_senders()} | {(0, p) for p, q in self.told.items() if q}
+
+    def fail(self) -> None:
+        """The refit failed on some process (each that sees it calls this): no quiet refits are left on
+        this one, and a source's base is dropped (``SourceBase.fail``)."""
+        self.quiet.clear()
+        self.told = None
+        if self.base is not None:
+            self.base.fail()
+
+    def _with_trailers(self, i: int, sends: list[_DeltaOp], heads: list[int], quiet: set, after: dict) -> list[int]:
+        """Step-chunk ``i``'s send headers with each peer's trailer: in the pair's last header of this refit,
+        the quiet refits that follow (``_quiet_after``); 0 elsewhere."""
+        out, at = [], 0
+        for peer, group in _by_peer(sends):
+            n = sum(3 + len(d.views) for d in group)
+            out += heads[at : at + n]
+            at += n
+            trailer = 0
+            if i == self.last[(0, peer)] and (0, peer) not in quiet:
+                trailer = self._quiet_after(peer)
+            out.append(trailer)
+        return out
+
+    def _quiet_after(self, peer: int) -> int:
+        """How many refits after this one send every message to ``peer`` dense without a diff, under
+        ``delta="auto"`` (a run's plans, ``_plan``, are known from each message's state): a message that
+        cannot pay never diffs; one whose last fraction says dense (or that is stale) diffs again after its
+        probe, ``PROBE_EVERY - dense_runs`` refits on; any other diffs next time (0). The least of them."""
+        if self.config.delta != "auto":
+            return 0
+        left = QUIET_MAX
+        for d in (d for sends, _ in self.steps for d in sends if d.op.peer == peer):
+            if not d.may_pay:
+                continue
+            if not (d.stale or (d.fraction is not None and self._says_dense(d))):
+                return 0
+            left = min(left, max(1, PROBE_EVERY - d.dense_runs))
+        return left
+
+    def _receive_headers(self, i: int, recvs: list, got: list[int], version: int, held, quiet, after) -> None:
+        """Check and size step-chunk ``i``'s receives from ``got`` (its header buffer read once): per peer its
+        ops' headers, then the trailer (read in the pair's last header of the refit). A quiet pair's
+        messages are dense without a header."""
+        off = 0
+        for peer, group in _by_peer(recvs):
+            at = off
+            for d in group:
+                header = None if (1, peer) in quiet else got[at : at + 3 + len(d.views)]
+                self._receive_into(d, header, version, held.get(self.proc))
+                at += 3 + len(d.views)
+            if (1, peer) not in quiet and i == self.last[(1, peer)]:
+                after[(1, peer)] = _announced(got[at], group[0].op)
+            off = at + 1
+
+    def _send_step(
+        self, sends: list[_DeltaOp], version: int, held: dict, stats: DeltaStats, quiet: set = frozenset()
+    ) -> list[int]:
         """Plan, diff and encode a step's sends; their headers, in order. Messages to diff are diffed in
         batches of at most ``FIND_BATCH_BYTES`` of data (``find_changes_many``: one host sync per batch)
         and encoded at once, so the changes held at a time stay bounded."""
         base = self.base.version
         plans = [self._plan(d, base is not None and held.get(d.op.peer) == base) for d in sends]
+        plans = ["skip" if p == "diff" and (0, d.op.peer) in quiet else p for p, d in zip(plans, sends)]
         heads: list[list[int]] = [[] for _ in sends]
         batch: list[int] = []
         size, words = 0, True  # the batch's bytes; whether all its messages are found per word
@@ -525,11 +614,16 @@ class DeltaSchedule:
             return probe
         if d.fraction is None:
             return "diff"
+        return probe if self._says_dense(d) else "diff"
+
+    @staticmethod
+    def _says_dense(d: _DeltaOp) -> bool:
+        """The rule sends ``d`` dense at its last measured fraction (``d.fraction``, not None)."""
         if d.words:
-            guess = [(v.numel(), round(d.fraction * words_in(v)), v.element_size()) for v in d.views]
-            return "diff" if choose_words(guess, d.link, d.share) != "dense" else probe
+            guess = [(n, round(d.fraction * w), d.views[0].element_size()) for n, w in zip(d.numels, d.nwords)]
+            return choose_words(guess, d.link, d.share) == "dense"
         guess = [(v.numel(), round(d.fraction * v.numel()), v.element_size()) for v in d.views]
-        return "diff" if choose_encoding(guess, d.link, d.share) != "dense" else probe
+        return choose_encoding(guess, d.link, d.share) == "dense"
 
     @staticmethod
     def _may_pay(d: _DeltaOp) -> bool:
@@ -557,7 +651,10 @@ class DeltaSchedule:
         """Check ``d``'s received header and size its payload (dense: the plain op's tensor; a delta: an
         unallocated tensor of its length, made a slice of its peer's buffer by ``_join``)."""
         me = f"process {self.proc} (destination rank {self.dst_rank})"
-        d.kind, d.changes = check_header(header, d.numels, version, held, d.op, me, d.nwords)
+        if header is None:  # a quiet refit: dense, no header
+            d.kind, d.changes = "dense", [0] * len(d.views)
+        else:
+            d.kind, d.changes = check_header(header, d.numels, version, held, d.op, me, d.nwords)
         if d.kind == "dense":
             d.payload = d.op.tensor
         else:
@@ -628,6 +725,19 @@ def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
             out[i] = c
             size += plan.messages[i].nbytes
     return out
+
+
+def _loud(msgs: list, ops: list, side: int, quiet: set) -> tuple[list, list]:
+    """The header messages (and the ops naming them) of the pairs not quiet this refit."""
+    keep = [j for j, (peer, _, _) in enumerate(msgs) if (side, peer) not in quiet]
+    return [msgs[j] for j in keep], [ops[j] for j in keep]
+
+
+def _announced(value: int, op: _Op) -> int:
+    """A header trailer (the quiet refits a sender announces), checked: ``DeltaError`` unless in range."""
+    if not 0 <= value <= QUIET_MAX:
+        raise DeltaError(f"malformed delta header from process {op.peer}: {value} quiet refits announced")
+    return value
 
 
 def _in_flight(sends: list[_DeltaOp]) -> bool:
@@ -767,21 +877,42 @@ def _apply_by_address(ops: list[_DeltaOp]) -> None:
 
 
 def exchange_held(
-    store: SignedStore, key: str, proc: int, held: int | None, publish: bool, peers: list[int], timeout_s: float
-) -> dict[int, int | None]:
-    """Before a delta run: a receiving process publishes ``{"held": version}`` under ``{key}/{proc}``
-    (signed), a sending one reads its receivers' (``timeout_s`` each); returns ``{proc: version}`` with
-    this process's own. A record that is not ``{"held": int >= 0 or null}`` raises ``DeltaError``."""
+    store: SignedStore,
+    key: str,
+    proc: int,
+    held: int | None,
+    publish: bool,
+    peers: list[int],
+    timeout_s: float,
+    quiet: list[int] = (),
+) -> tuple[dict[int, int | None], dict[int, bool]]:
+    """Before a delta run: a receiving process publishes ``{"held": version, "quiet": [senders]}`` under
+    ``{key}/{proc}`` (signed; ``quiet``: the senders whose refit it expects without headers,
+    ``DeltaSchedule.quiet_senders``), a sending one reads its receivers' (``timeout_s`` each); returns
+    ``({proc: version}`` with this process's own, ``{receiver: whether it expects this sender quiet})``. A
+    record that is not ``{"held": int >= 0 or null, "quiet": [int >= 0, ...]}`` raises ``DeltaError``."""
     if publish:
-        store.put(f"{key}/{proc}", {"held": held})
-    out = {proc: held}
+        store.put(f"{key}/{proc}", {"held": held, "quiet": list(quiet)})
+    out, told = {proc: held}, {}
     for p in peers:
         rec = store.get(f"{key}/{p}", timeout_s)
-        v = rec.get("held", -1) if isinstance(rec, dict) and len(rec) == 1 else -1
+        ok = isinstance(rec, dict) and set(rec) == {"held", "quiet"}
+        v, q = (rec["held"], rec["quiet"]) if ok else (-1, None)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise DeltaError(f"process {p} published {rec!r} as the version it holds, not {{'held': version or null}}")
-        out[p] = v
-    return out
+            ok = False
+        if not isinstance(q, list) or len(q) > 1 << 16 or not all(_proc_id(x) for x in q):
+            ok = False
+        if not ok:
+            raise DeltaError(
+                f"process {p} published {rec!r} as the version it holds, not "
+                "{'held': version or null, 'quiet': [process, ...]}"
+            )
+        out[p], told[p] = v, proc in q
+    return out, told
+
+
+def _proc_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31
 
 
 def _piece_wire(kind: str, view: torch.Tensor, k: int) -> int:
