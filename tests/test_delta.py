@@ -37,7 +37,7 @@ from refit.quant.delta import (
 from refit.quant.delta_words import check_words_many, find_words, scatter_words_many, words_in
 from refit.tools.launch import WorkerError, run_local
 from refit.transfer import Receiver, Sender
-from refit.transport.delta import _word_parts, check_header, plan_may_pay
+from refit.transport.delta import QUIET_MAX, _announced, _word_parts, check_header, exchange_held, plan_may_pay
 from refit.transport.p2p import _Op
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -254,6 +254,35 @@ def test_a_delta_on_another_base_version_is_refused_naming_both_versions():
         check_header([1, 4, 6, 1], [10], version=5, held=4, op=op)
 
 
+def test_held_records_and_quiet_trailers_are_checked_field_by_field():
+    """What a peer publishes before a delta refit (``{"held", "quiet"}``) and the quiet refits a header
+    announces are checked before use: anything else raises ``DeltaError`` naming the process."""
+
+    class Store:  # the signed store's get/put, returning one record
+        def __init__(self, rec):
+            self.rec = rec
+
+        def put(self, key, value):
+            self.rec = value
+
+        def get(self, key, timeout_s):
+            return self.rec
+
+    out, told = exchange_held(Store({"held": 3, "quiet": [0, 5]}), "k", 0, None, False, [1], 1.0)
+    assert out == {0: None, 1: 3} and told == {1: True}
+    assert exchange_held(Store(None), "k", 2, 4, True, [], 1.0) == ({2: 4}, {})
+    bad = [{"held": 3}, {"held": -1, "quiet": []}, {"held": True, "quiet": []}, {"held": 3, "quiet": ["0"]}]
+    bad += [{"held": 3, "quiet": [True]}, {"held": 3, "quiet": 0}, {"held": 3, "quiet": [], "x": 1}, [3], None]
+    for rec in bad:
+        with pytest.raises(DeltaError, match="process 1 published"):
+            exchange_held(Store(rec), "k", 0, None, False, [1], 1.0)
+    op = _Op(peer=3, tag=0, tensor=torch.empty(0), pack=[], names=("w",), step=0)
+    assert _announced(QUIET_MAX, op) == QUIET_MAX
+    for value in (-1, QUIET_MAX + 1):
+        with pytest.raises(DeltaError, match=f"from process 3: {value} quiet refits announced"):
+            _announced(value, op)
+
+
 def test_config_refuses_unknown_delta_settings():
     with pytest.raises(ConfigError, match="TransferConfig.delta must be one of"):
         TransferConfig(delta="yes")
@@ -421,6 +450,24 @@ def test_deltas_are_exact_send_fewer_bytes_and_heal_a_replica_that_lost_its_vers
     # version 4: the replica that lost version 3 got dense messages (healed); the other deltas
     assert sum(p[3][2]["dense"] for p in senders) > 0
     assert all(deltas(p[3][2]) > 0 for p in senders)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_forced_words_send_pieces_without_whole_words_per_element_exactly():
+    """``delta="words"`` on a plan with pieces that have no whole 64-bit words (3 and 35 bf16 elements): those
+    messages go per element (sparse), the others as words; exact after every version."""
+    shapes = [
+        ("a.weight", (16, 8), torch.bfloat16),
+        ("b.bias", (3,), torch.bfloat16),
+        ("c.weight", (5, 7), torch.bfloat16),
+    ]
+    lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="words", deadline_s=60)
+    sent, got = run_local(_delta_worker, 1, 1, lay, lay, cfg, "plain", backend="gloo", timeout_s=150)
+    assert got == [True] * VERSIONS
+    for _, _, enc in sent[1:]:
+        assert enc == {"dense": 0, "sparse": 2, "bitmask": 0, "words": 1}, enc
 
 
 @pytest.mark.multiproc

@@ -114,7 +114,9 @@ def wire_bytes(encoding: str, n: int, k: int, itemsize: int) -> int:
     if encoding == "bitmask":
         return _align((n + 7) // 8) + _align(k * itemsize)
     if encoding == "words":  # k counts changed 64-bit words
-        return _align(k * INDEX_BYTES) + k * 8
+        from refit.quant.delta_words import wire_sizes
+
+        return wire_sizes(k)
     raise ConfigError(f"delta encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
 
 
@@ -410,7 +412,9 @@ def decode(
         if indices.numel() != k:
             raise DeltaError(f"a bitmask delta marks {indices.numel()} elements, its header says {k}")
     elif encoding == "words":  # k 64-bit words (``refit.quant.delta_words``)
-        head = _align(k * INDEX_BYTES)
+        from refit.quant.delta_words import index_bytes
+
+        head = index_bytes(k)
         return payload[: k * INDEX_BYTES].view(torch.int32), payload[head : head + k * 8].view(torch.int64)
     else:
         raise ValueError(f"decode: {encoding!r} is not a delta encoding")

@@ -12,11 +12,12 @@ counts), ``check_words_many`` (one launch, one sync) and ``scatter_words_many`` 
 update and a receiver's apply). Elsewhere (CPU, strided or unaligned pieces) the torch reference does the
 same per piece: ``find_words``, ``apply_words``.
 
-Wire format of one piece (``wire_bytes``): ``k`` int32 word indices, padded to 8 bytes, then ``k`` words.
+Wire format of one piece (``wire_sizes``): ``k`` int32 word indices, padded to 8 bytes, then ``k`` words.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,19 +30,40 @@ SLOT_FRACTION = 4  # the kernel's slots hold a quarter of a piece's words; more 
 
 def words_in(t: torch.Tensor) -> int | None:
     """The number of 64-bit words of ``t``, or None when its bytes are not a whole number of them (or too
-    many for an int32 index)."""
+    many for an int32 index): ``whole_words`` of its bytes."""
     nbytes = t.numel() * t.element_size()
-    return nbytes // WORD if nbytes % WORD == 0 and nbytes // WORD < 2**31 else None
+    return nbytes // WORD if whole_words(nbytes) else None
 
 
-def wire_bytes(k: int) -> int:
-    """Bytes on the wire of ``k`` changed words."""
-    return (k * INDEX_BYTES + 7) // 8 * 8 + k * WORD
+def whole_words(nbytes: int) -> bool:
+    """A piece of ``nbytes`` has a word encoding: whole 64-bit words, fewer than 2**31 of them."""
+    return nbytes % WORD == 0 and nbytes // WORD < 2**31
 
 
-def _addressable(t: torch.Tensor) -> bool:
-    """The word kernels can address ``t``: contiguous CUDA memory at an 8-byte aligned address."""
-    return t.is_cuda and t.is_contiguous() and t.data_ptr() % WORD == 0 and words_in(t) is not None
+def index_bytes(k):
+    """Bytes of ``k`` int32 word indices padded to 8 (an int or a numpy array): where the words start."""
+    return (k * INDEX_BYTES + 7) // 8 * 8
+
+
+def wire_sizes(k):
+    """Bytes on the wire of ``k`` changed words (an int or a numpy array of them): indices, padding, words."""
+    return index_bytes(k) + k * WORD
+
+
+def addressable(t: torch.Tensor) -> bool:
+    """The word kernels can address ``t``: contiguous, 8-byte aligned, whole words, on a CUDA device with
+    Triton installed (or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``)."""
+    from refit.quant import delta_triton
+
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return (
+        delta_triton.AVAILABLE
+        and (t.is_cuda or interpret)
+        and t.is_contiguous()
+        and t.data_ptr() % WORD == 0
+        and words_in(t) is not None
+        and t.numel() > 0
+    )
 
 
 def _flat_words(t: torch.Tensor) -> torch.Tensor:
@@ -97,11 +119,6 @@ def _blocks(n) -> np.ndarray:
     return -(-np.asarray(n, dtype=np.int64) // WORD_BLOCK)
 
 
-def wire_sizes(k: np.ndarray) -> np.ndarray:
-    """``wire_bytes`` of every piece of ``k`` changed words."""
-    return (k * INDEX_BYTES + 7) // 8 * 8 + k * WORD
-
-
 @dataclass
 class Found:
     """What one find launch found: the slots (``idx`` int32, ``words`` int64) and, per piece (numpy int64),
@@ -150,7 +167,7 @@ def find_words_many(
     kernel = [
         i
         for i, (b, c) in enumerate(pairs)
-        if (_addressable(b) and _addressable(c) and b.device == c.device if use_triton is None else use_triton)
+        if (addressable(b) and addressable(c) and b.device == c.device if use_triton is None else use_triton)
         and c.numel()
     ]
     if kernel:
@@ -190,22 +207,41 @@ def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: t
     return hit
 
 
-def scatter_table(
-    dst: np.ndarray, idx: np.ndarray, words: np.ndarray, k: np.ndarray, n: np.ndarray, device, check: bool
-) -> bool:
-    """One launch over pieces given by byte addresses (int64 arrays): ``dst`` (contiguous, 8-byte aligned, ``n``
-    words), its ``k`` int32 indices at ``idx`` and ``k`` words at ``words``. ``check``: whether every index
-    is in ``[0, n)`` (one host sync; nothing stored); else store the words (returns True)."""
-    from refit.quant.delta_triton import launch_scatter_words
+@dataclass
+class Scatter:
+    """One table of pieces given by byte addresses, for ``_scatter_words``: built once, then checked
+    (``ok``) and applied (``apply``), one launch each."""
 
-    keep = k > 0
-    if not keep.any():
-        return True
-    rows = [dst[keep], idx[keep], words[keep], k[keep], n[keep]]
-    table, programs = _table(rows, _blocks(k[keep]), device)
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
-    launch_scatter_words(table, programs, flag, check=check)
-    return not check or not int(flag.item())
+    table: torch.Tensor | None
+    programs: int
+    device: torch.device
+
+    @staticmethod
+    def of(dst: np.ndarray, idx: np.ndarray, words: np.ndarray, k: np.ndarray, n: np.ndarray, device) -> Scatter:
+        """Pieces (int64 arrays): ``dst`` (contiguous, 8-byte aligned, ``n`` words), its ``k`` int32 indices at
+        ``idx`` and ``k`` words at ``words``; those with ``k == 0`` left out."""
+        keep = k > 0
+        if not keep.any():
+            return Scatter(None, 0, device)
+        rows = [dst[keep], idx[keep], words[keep], k[keep], n[keep]]
+        return Scatter(*_table(rows, _blocks(k[keep]), device), device)
+
+    def ok(self) -> bool:
+        """Whether every index is in ``[0, n)`` of its piece (one launch, one host sync; nothing stored)."""
+        from refit.quant.delta_triton import launch_scatter_words
+
+        if self.table is None:
+            return True
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        launch_scatter_words(self.table, self.programs, flag, check=True)
+        return not int(flag.item())
+
+    def apply(self) -> None:
+        """Store every word at its index (checked before: ``ok``)."""
+        from refit.quant.delta_triton import launch_scatter_words
+
+        if self.table is not None:
+            launch_scatter_words(self.table, self.programs, self.table[0, :1], check=False)  # no flag
 
 
 def pack_table(found: Found, sel: np.ndarray, dst: np.ndarray, device) -> None:
@@ -225,6 +261,12 @@ def _ptrs(ts) -> np.ndarray:
     return np.array([t.data_ptr() for t in ts], dtype=np.int64)
 
 
+def _kernels() -> bool:
+    from refit.quant import delta_triton
+
+    return delta_triton.AVAILABLE
+
+
 def check_words_many(pieces: list[tuple[torch.Tensor, int]], use_triton: bool | None = None) -> bool:
     """Whether every ``(indices, words)`` has its indices in ``[0, words)``: one launch and one host sync for
     the contiguous int32 indices on the first piece's CUDA device, a min and a max per piece for the others."""
@@ -236,7 +278,7 @@ def check_words_many(pieces: list[tuple[torch.Tensor, int]], use_triton: bool | 
         j
         for j, (i, _) in enumerate(pieces)
         if use_triton is not False
-        and (use_triton or i.is_cuda)
+        and (use_triton or (i.is_cuda and _kernels()))
         and i.device == device
         and i.dtype == torch.int32
         and i.is_contiguous()
@@ -246,7 +288,7 @@ def check_words_many(pieces: list[tuple[torch.Tensor, int]], use_triton: bool | 
         zeros = np.zeros(len(sel), dtype=np.int64)
         k = np.array([i.numel() for i, _ in sel], dtype=np.int64)
         n = np.array([n for _, n in sel], dtype=np.int64)
-        if not scatter_table(zeros, _ptrs(i for i, _ in sel), zeros, k, n, device, check=True):
+        if not Scatter.of(zeros, _ptrs(i for i, _ in sel), zeros, k, n, device).ok():
             return False
     skip = set(on)
     for j, (i, n) in enumerate(pieces):
@@ -267,7 +309,7 @@ def _kernel_items(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], 
     def fits(d, i, w):
         ok = i.is_contiguous() and w.is_contiguous() and i.dtype == torch.int32 and w.dtype == torch.int64
         same = d.device == device and i.device == device and w.device == device
-        return ok and same and i.numel() and (use_triton or _addressable(d))
+        return ok and same and i.numel() and (use_triton or addressable(d))
 
     return [j for j, it in enumerate(items) if fits(*it)]
 
@@ -283,7 +325,7 @@ def scatter_words_many(
         k = np.array([i.numel() for _, i, _ in sel], dtype=np.int64)
         n = np.array([words_in(d) for d, _, _ in sel], dtype=np.int64)
         ptrs = [_ptrs(t[c] for t in sel) for c in range(3)]
-        scatter_table(*ptrs, k, n, sel[0][0].device, check=False)
+        Scatter.of(*ptrs, k, n, sel[0][0].device).apply()
     skip = set(on)
     for j, (d, i, w) in enumerate(items):
         if j not in skip:

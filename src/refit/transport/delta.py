@@ -35,7 +35,6 @@ elements).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from itertools import groupby
 
@@ -66,13 +65,16 @@ from refit.quant.delta import (
 )
 from refit.quant.delta_words import (
     Found,
+    Scatter,
+    addressable,
     check_words_many,
     find_words,
     find_words_many,
     find_words_table,
+    index_bytes,
     pack_table,
-    scatter_table,
     scatter_words_many,
+    whole_words,
     wire_sizes,
     words_in,
 )
@@ -116,16 +118,11 @@ def plan_may_pay(plan: Plan, config: TransferConfig) -> bool:
             continue
         link = link_speed(plan, plan.procs.src[m.src], plan.procs.dst[m.dst], config)
         pieces = [(p.nbytes // p.itemsize, p.itemsize) for p in m.pieces]
-        words = config.delta in ("words", "auto") and all(_whole_words(p.nbytes) for p in m.pieces)
+        words = config.delta in ("words", "auto") and all(whole_words(p.nbytes) for p in m.pieces)
         d = sum(predicted_seconds("dense", n, 0, s, link) for n, s in pieces)
         dense, best = dense + d, best + min(d, best_case(pieces, link, words))
         fixed.setdefault((m.step, chunk[i]), link.chunk_s)
     return best < dense and best + sum(fixed.values()) <= PAY_MARGIN * dense
-
-
-def _whole_words(nbytes: int) -> bool:
-    """A piece of ``nbytes`` has whole 64-bit words (as ``quant.delta_words.words_in`` counts them)."""
-    return nbytes % 8 == 0 and nbytes // 8 < 2**31
 
 
 class SourceBase:
@@ -185,7 +182,7 @@ class SourceBase:
             idx, words = f.addresses(sel)
             dst = np.concatenate([p for *_, p, _ in group])
             n = np.array([w for *_, ws in group for w in ws], dtype=np.int64)
-            scatter_table(dst, idx, words, f.count[sel], n, f.idx.device, check=False)
+            Scatter.of(dst, idx, words, f.count[sel], n, f.idx.device).apply()
         self.by_address = []
 
     def commit(self, version: int) -> None:
@@ -307,6 +304,10 @@ class DeltaSchedule:
         self.quiet: dict[int, int] = {}  # receiver: sending peer -> quiet refits left (announced by it)
         self.told: dict[int, bool] | None = None  # sender, this refit: receiving peer -> it expects a quiet one
         self.last: dict[tuple[int, int], int] = {}  # (side, peer) -> the step-chunk of its last header message
+        self.sends_to: dict[int, list[_DeltaOp]] = {}  # receiving peer -> this process's ops to it
+        for sends, _ in self.steps:
+            for d in sends:
+                self.sends_to.setdefault(d.op.peer, []).append(d)
         for i, sides in enumerate(self.steps):
             for side, ops in enumerate(sides):
                 for d in ops:
@@ -408,7 +409,8 @@ class DeltaSchedule:
         for i, ((sends, recvs), (send_hdr, recv_hdr, headers)) in enumerate(zip(self.steps, self.headers)):
             if sends:
                 heads = self._send_step(sends, version, held, stats, quiet)
-                send_hdr.copy_(_pinned(self._with_trailers(i, sends, heads, quiet, after)), non_blocking=True)
+                heads = self._with_trailers(i, sends, heads, quiet, after)
+                send_hdr.copy_(_pinned(heads, send_hdr.is_cuda), non_blocking=True)
             (out, out_ops), (inc, inc_ops) = headers
             out, out_ops = _loud(out, out_ops, 0, quiet)
             inc, inc_ops = _loud(inc, inc_ops, 1, quiet)
@@ -419,8 +421,13 @@ class DeltaSchedule:
             works = self.p2p.post(out, inc)
             if sending[0]:
                 self.p2p.wait(clock, *sending, "delta transfer")
-            sending = (works[: len(out)], out_ops) if _in_flight(sends) else ([], [])
-            self.p2p.wait(clock, works[len(sending[0]) :], (out_ops + inc_ops)[len(sending[0]) :], "delta transfer")
+            # sends stay in flight only where their works are their own: NCCL returns one work for a batch
+            # of sends and receives, and a receive must be waited for before it is applied
+            apart = not inc or len(works) == len(out) + len(inc)
+            sending = (works[: len(works) - len(inc)], out_ops) if apart and _in_flight(sends) else ([], [])
+            rest, named = works[len(sending[0]) :], (out_ops + inc_ops)[len(out_ops) if sending[0] else 0 :]
+            if rest:
+                self.p2p.wait(clock, rest, named, "delta transfer")
             self._apply(recvs)
             stats.received_bytes += sum(
                 d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs
@@ -452,6 +459,8 @@ class DeltaSchedule:
         this one, and a source's base is dropped (``SourceBase.fail``)."""
         self.quiet.clear()
         self.told = None
+        for d in (d for sides in self.steps for ops in sides for d in ops):  # drop what the failed run held
+            d.payload, d.parts, d.changes, d.found = None, [], [], None
         if self.base is not None:
             self.base.fail()
 
@@ -477,7 +486,7 @@ class DeltaSchedule:
         if self.config.delta != "auto":
             return 0
         left = QUIET_MAX
-        for d in (d for sends, _ in self.steps for d in sends if d.op.peer == peer):
+        for d in self.sends_to[peer]:
             if not d.may_pay:
                 continue
             if not (d.stale or (d.fraction is not None and self._says_dense(d))):
@@ -517,7 +526,8 @@ class DeltaSchedule:
                 heads[i] = self._encode(sends[i], plans[i], version, stats)
                 continue
             nbytes = sum(v.numel() * v.element_size() for v in sends[i].views) if i is not None else 0
-            if batch and (i is None or size + nbytes > (WORD_BATCH_BYTES if words else FIND_BATCH_BYTES)):
+            joined = words and (i is None or sends[i].words)  # the batch with message i: all found per word
+            if batch and (i is None or size + nbytes > (WORD_BATCH_BYTES if joined else FIND_BATCH_BYTES)):
                 _find([sends[j] for j in batch])  # encoded and dropped batch by batch
                 for j in batch:
                     heads[j] = self._encode(sends[j], "diff", version, stats)
@@ -571,6 +581,7 @@ class DeltaSchedule:
         slots (``None``) is found again when words are forced, else sent dense."""
         forced = self.config.delta if self.config.delta in ENCODINGS else None
         if not d.words:
+            forced = "sparse" if forced == "words" else forced  # a piece without whole words: per element
             pieces = [(v.numel(), len(i), v.element_size()) for v, (i, _) in zip(d.views, d.changes)]
             d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
             return forced or choose_encoding(pieces, d.link, d.share)
@@ -580,8 +591,8 @@ class DeltaSchedule:
         else:
             counts, over = [k for _, _, k in d.changes], any(i is None for i, _, _ in d.changes)
         d.fraction = sum(counts) / max(1, sum(d.nwords))
-        size = d.views[0].element_size()
-        kind = "words" if forced else choose_words([(n, k, size) for n, k in zip(d.numels, counts)], d.link, d.share)
+        pieces = [(n, k, v.element_size()) for n, k, v in zip(d.numels, counts, d.views)]
+        kind = "words" if forced else choose_words(pieces, d.link, d.share)
         if kind == "words" and over:
             if not forced:
                 kind = "dense"
@@ -620,7 +631,7 @@ class DeltaSchedule:
     def _says_dense(d: _DeltaOp) -> bool:
         """The rule sends ``d`` dense at its last measured fraction (``d.fraction``, not None)."""
         if d.words:
-            guess = [(n, round(d.fraction * w), d.views[0].element_size()) for n, w in zip(d.numels, d.nwords)]
+            guess = [(n, round(d.fraction * w), v.element_size()) for n, w, v in zip(d.numels, d.nwords, d.views)]
             return choose_words(guess, d.link, d.share) == "dense"
         guess = [(v.numel(), round(d.fraction * v.numel()), v.element_size()) for v in d.views]
         return choose_encoding(guess, d.link, d.share) == "dense"
@@ -659,22 +670,18 @@ class DeltaSchedule:
             d.payload = d.op.tensor
         else:
             if d.kind == "words":
-                n = sum((k * 4 + 7) // 8 * 8 + k * 8 for k in d.changes)
+                n = sum(wire_sizes(k) for k in d.changes)
             else:
                 n = sum(_piece_wire(d.kind, v, k) for v, k in zip(d.views, d.changes))
             d.payload = torch.empty(n, dtype=torch.uint8, device="meta")
 
     def _apply(self, recvs: list[_DeltaOp]) -> None:
-        """Unpack the dense messages; decode every delta's pieces, check all their indices (one host
-        sync), then scatter them into their views."""
-        todo, words, fast = [], [], []
+        """Check every delta's indices first (one host sync per kind: a bad index raises ``DeltaError``
+        naming its message before anything of the chunk is written), then unpack the dense messages and
+        scatter the deltas into their views."""
+        todo, words, fast = [], [], [d for d in recvs if d.kind == "words" and d.fast]
         for d in recvs:
-            if d.kind == "dense":
-                for bv, tv in d.op.pack:
-                    tv.copy_(bv)
-                continue
-            if d.kind == "words" and d.fast:
-                fast.append(d)
+            if d.kind == "dense" or (d.kind == "words" and d.fast):
                 continue
             off = 0
             for v, k in zip(d.views, d.changes):
@@ -683,24 +690,23 @@ class DeltaSchedule:
                     (d, v, *decode(d.kind, v.numel(), k, d.payload[off : off + n], v.dtype))
                 )
                 off += n
-        if not check_words_many([(idx, words_in(v)) for _, v, idx, _ in words]):
-            for d, v, idx, _ in words:  # name the message
-                if not check_words_many([(idx, words_in(v))]):
-                    raise DeltaError(
-                        f"delta from process {d.op.peer} ({d.op.what()}): a word index is outside the piece's "
-                        f"{words_in(v)} words"
-                    )
+        _named(lambda group: check_words_many([(i, words_in(v)) for _, v, i, _ in group]), words)
         try:
             check_indices_many([(idx, v.numel()) for _, v, idx, _ in todo], "delta")
         except DeltaError:
             for d, v, idx, _ in todo:  # name the message
                 check_indices_many([(idx, v.numel())], f"delta from process {d.op.peer} ({d.op.what()})")
             raise
+        scatter = _located(fast) if fast else None
+        for d in recvs:
+            if d.kind == "dense":
+                for bv, tv in d.op.pack:
+                    tv.copy_(bv)
         for _, v, idx, vals in todo:
             apply_changes(v, idx, vals)
         scatter_words_many([(v, idx, w) for _, v, idx, w in words])
-        if fast:
-            _apply_by_address(fast)
+        if scatter is not None:
+            scatter.apply()
 
 
 def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
@@ -747,11 +753,11 @@ def _in_flight(sends: list[_DeltaOp]) -> bool:
     return not any(d.kind == "dense" and d.op.pack for d in sends)
 
 
-def _pinned(values: list[int]) -> torch.Tensor:
-    """``values`` as an int64 CPU tensor, pinned where CUDA is present (a copy from it to the device does not
-    wait for the kernels queued before it, as one from pageable memory would)."""
+def _pinned(values: list[int], cuda: bool) -> torch.Tensor:
+    """``values`` as an int64 CPU tensor, pinned for a copy to a CUDA device (that copy then does not wait for
+    the kernels queued before it, as one from pageable memory would)."""
     t = torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory() if torch.cuda.is_available() else t
+    return t.pin_memory() if cuda else t
 
 
 def _shares(plan: Plan, config: TransferConfig) -> dict[int, float]:
@@ -830,19 +836,9 @@ def _find(ops: list[_DeltaOp]) -> None:
 
 
 def _fast(tensors: list[torch.Tensor]) -> bool:
-    """Whether the word kernels address every one of ``tensors`` (contiguous, 8-byte aligned, whole words, one
-    CUDA device, or CPU under Triton's interpreter): then a message's words go by address, with no per-piece
-    tensor work."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"  # the kernels in Triton's interpreter, on CPU tensors
-    return bool(tensors) and all(
-        (t.is_cuda or interpret)
-        and t.device == tensors[0].device
-        and t.is_contiguous()
-        and t.data_ptr() % 8 == 0
-        and words_in(t) is not None
-        and t.numel() > 0
-        for t in tensors
-    )
+    """Whether the word kernels address every one of ``tensors`` on one device (``delta_words.addressable``):
+    then a message's words go by address, with no per-piece tensor work."""
+    return bool(tensors) and all(addressable(t) and t.device == tensors[0].device for t in tensors)
 
 
 def _by_find(entries: list[tuple]) -> list[list[tuple]]:
@@ -853,27 +849,40 @@ def _by_find(entries: list[tuple]) -> list[list[tuple]]:
     return list(groups.values())
 
 
-def _apply_by_address(ops: list[_DeltaOp]) -> None:
+def _located(ops: list[_DeltaOp]) -> Scatter:
     """A receiver's words by address (every destination view addressable): each piece's indices and words
-    located in its op's payload by arithmetic, every index checked in one launch (``DeltaError`` naming the
-    message), then one scatter."""
+    located in its op's payload by arithmetic, as one ``Scatter`` table, every index checked in one launch
+    (``DeltaError`` naming the message). The caller applies it."""
     k = np.array([c for d in ops for c in d.changes], dtype=np.int64)
-    sizes = wire_sizes(k)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(wire_sizes(k))[:-1]]).astype(np.int64)
     first = np.cumsum([0, *(len(d.changes) for d in ops)])
     payload = np.repeat(np.array([d.payload.data_ptr() for d in ops], dtype=np.int64), np.diff(first))
-    idx = payload + starts - np.repeat(starts[first[:-1]], np.diff(first))
-    words = idx + (k * 4 + 7) // 8 * 8
+    idx = payload + starts - np.repeat(starts[first[:-1]], np.diff(first))  # each op's pieces from its payload
     dst = np.concatenate([d.ptrs[0] for d in ops])
     n = np.array([w for d in ops for w in d.nwords], dtype=np.int64)
     device = ops[0].views[0].device
-    if not scatter_table(dst, idx, words, k, n, device, check=True):
-        for j, d in enumerate(ops):  # name the message (an error path: a sync per message is fine)
-            part = slice(first[j], first[j + 1])
-            if not scatter_table(dst[part], idx[part], words[part], k[part], n[part], device, check=True):
-                raise DeltaError(f"delta from process {d.op.peer} ({d.op.what()}): a word index is outside its piece")
-        raise DeltaError("a word index is outside its piece (found by the joint check, not per message)")
-    scatter_table(dst, idx, words, k, n, device, check=False)
+    scatter = Scatter.of(dst, idx, idx + index_bytes(k), k, n, device)
+    if not scatter.ok():
+        parts = [slice(first[j], first[j + 1]) for j in range(len(ops))]
+        _named(
+            lambda group: all(
+                Scatter.of(dst[p], idx[p], idx[p], k[p], n[p], device).ok() for _, p in group
+            ),  # indices only
+            list(zip(ops, parts)),
+            True,
+        )
+    return scatter
+
+
+def _named(ok, items: list[tuple], failed: bool = False) -> None:
+    """Raise ``DeltaError`` unless ``ok(items)``, naming the first message (item[0], a ``_DeltaOp``) whose own
+    items fail (an error path: a check per message); ``failed``: the joint check already failed."""
+    if not items or (not failed and ok(items)):
+        return
+    for d in dict.fromkeys(it[0] for it in items):
+        if not ok([it for it in items if it[0] is d]):
+            raise DeltaError(f"delta from process {d.op.peer} ({d.op.what()}): a word index is outside its piece")
+    raise DeltaError("a word index is outside its piece (found by the joint check, not per message)")
 
 
 def exchange_held(
