@@ -32,6 +32,7 @@ from refit.quant.delta import (
     find_changes,
     may_pay,
     predicted_seconds,
+    prefer_words,
     wire_bytes,
 )
 from refit.quant.delta_words import check_words_many, find_words, scatter_words_many, words_in
@@ -196,6 +197,10 @@ def test_the_rule_weighs_words_with_their_share_of_a_chunk():
     assert choose_words([(n, words, 2)], link, share=1.0) == "dense"
     assert choose_words([(n, int(0.34 * n / 4), 2)], link, share=n * 2 / (4 << 30)) == "dense"
     assert choose_words([(n, 0, 2)], LINKS["same_device"]) == "dense"
+    # whether auto finds a whole-word message per word: on CUDA links (word find 1.7 TB/s against 0.78 per
+    # element, 10 us against 108 us per piece) yes; over CPU gloo (the same find rate, twice the bytes) no
+    assert prefer_words([(n, 2)], link) and prefer_words([(2 * n, 1)], LINKS["nic"])
+    assert not prefer_words([(n, 2)], LINKS["cpu"])
 
 
 def test_sparse_wire_bytes_at_one_percent_of_bf16_are_under_eight_percent_of_dense():

@@ -60,7 +60,9 @@ class TransferConfig:
     * ``delta``: P2P messages carry only the elements changed since the version the receiver holds
       (``"auto"``: dense, sparse, bitmask or words per message by the cost rule of ``refit.quant.delta``;
       ``"sparse"`` / ``"bitmask"``: that encoding whenever the receiver holds the base; ``"words"``: changed
-      64-bit words (``refit.quant.delta_words``) where a message's pieces have words, else sparse; ``"off"``).
+      64-bit words (``refit.quant.delta_words``) where a message's pieces have words, else sparse; under
+      ``"auto"`` words where they have and the rule prefers them over the link, ``quant.delta.prefer_words``;
+      ``"off"``).
       ``delta_base``: where a source keeps the last version it sent (``"device"`` or pinned ``"host"``
       memory; extra memory: its P2P-sent shards). ``delta_link_gbps``: the link speed the rule weighs
       (default: by the link's kind, ``refit.quant.delta.LINKS``). Not with ``checksums``. Under

@@ -61,6 +61,7 @@ from refit.quant.delta import (
     find_changes_many,
     may_pay,
     predicted_seconds,
+    prefer_words,
     wire_bytes,
 )
 from refit.quant.delta_words import (
@@ -118,7 +119,7 @@ def plan_may_pay(plan: Plan, config: TransferConfig) -> bool:
             continue
         link = link_speed(plan, plan.procs.src[m.src], plan.procs.dst[m.dst], config)
         pieces = [(p.nbytes // p.itemsize, p.itemsize) for p in m.pieces]
-        words = config.delta in ("words", "auto") and all(whole_words(p.nbytes) for p in m.pieces)
+        words = all(whole_words(p.nbytes) for p in m.pieces) and _words_for(config, pieces, link)
         d = sum(predicted_seconds("dense", n, 0, s, link) for n, s in pieces)
         dense, best = dense + d, best + min(d, best_case(pieces, link, words))
         fixed.setdefault((m.step, chunk[i]), link.chunk_s)
@@ -331,7 +332,7 @@ class DeltaSchedule:
         bases = [self.base.local.src_view(p.tensor, p.box) for p in m.pieces] if outgoing else []
         link = link_speed(self.plan, self.plan.procs.src[m.src], self.plan.procs.dst[m.dst], self.config)
         d = _DeltaOp(op, views, bases, link, torch.empty(0))
-        d.words = outgoing and self._by_words(views)
+        d.words = outgoing and self._by_words(views, link)
         d.share = self.shares[op.message]
         d.may_pay = self._may_pay(d)
         d.numels, d.nwords = [v.numel() for v in views], [words_in(v) for v in views]
@@ -341,10 +342,12 @@ class DeltaSchedule:
             d.ptrs = tuple(np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in sides)
         return d
 
-    def _by_words(self, views: list[torch.Tensor]) -> bool:
-        """A message is diffed per 64-bit word (``refit.quant.delta_words``) under ``delta="words"`` and
-        ``"auto"`` when every piece has whole words (else per element)."""
-        return self.config.delta in ("words", "auto") and all(words_in(v) is not None for v in views)
+    def _by_words(self, views: list[torch.Tensor], link: LinkSpeed) -> bool:
+        """A message is diffed per 64-bit word (``refit.quant.delta_words``) when every piece has whole words:
+        under ``delta="words"``, and under ``"auto"`` where the rule prefers words over its link
+        (``_words_for``, decided from the plan alike on every process)."""
+        pieces = [(v.numel(), v.element_size()) for v in views]
+        return all(words_in(v) is not None for v in views) and _words_for(self.config, pieces, link)
 
     def _headers(self) -> list[tuple[torch.Tensor, torch.Tensor, tuple]]:
         """Per step, one int64 buffer for the headers it sends and one for those it receives; each op's
@@ -758,6 +761,12 @@ def _pinned(values: list[int], cuda: bool) -> torch.Tensor:
     the kernels queued before it, as one from pageable memory would)."""
     t = torch.tensor(values, dtype=torch.int64)
     return t.pin_memory() if cuda else t
+
+
+def _words_for(config: TransferConfig, pieces: list[tuple[int, int]], link: LinkSpeed) -> bool:
+    """Whether a message of whole-word pieces ``(n, itemsize)`` is found per word: always under
+    ``delta="words"``, under ``"auto"`` where ``quant.delta.prefer_words`` says so for its link."""
+    return config.delta == "words" or (config.delta == "auto" and prefer_words(pieces, link))
 
 
 def _shares(plan: Plan, config: TransferConfig) -> dict[int, float]:
