@@ -92,11 +92,9 @@ def apply_words(dst: torch.Tensor, idx: torch.Tensor, words: torch.Tensor) -> No
     if dst.is_contiguous() and dst.data_ptr() % WORD == 0:
         dst.reshape(-1).view(torch.uint8).view(torch.int64).index_put_((idx.long(),), words)
         return
-    from refit.quant.delta import apply_changes
-
     per = WORD // dst.element_size()
     elems = (idx.long()[:, None] * per + torch.arange(per, device=idx.device)).reshape(-1)
-    apply_changes(dst, elems, words.contiguous().view(torch.uint8).view(dst.dtype))
+    dst.index_put_(torch.unravel_index(elems, dst.shape), words.contiguous().view(torch.uint8).view(dst.dtype))
 
 
 def _table(rows: list, per_piece: np.ndarray, device: torch.device) -> tuple[torch.Tensor, int]:
