@@ -53,11 +53,9 @@ def wire_sizes(k):
 def addressable(t: torch.Tensor) -> bool:
     """The word kernels can address ``t``: contiguous, 8-byte aligned, whole words, on a CUDA device with
     Triton installed (or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``)."""
-    from refit.quant import delta_triton
-
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     return (
-        delta_triton.AVAILABLE
+        _kernels()
         and (t.is_cuda or interpret)
         and t.is_contiguous()
         and t.data_ptr() % WORD == 0
@@ -170,7 +168,7 @@ def find_words_many(
     ]
     if kernel:
         sel = [pairs[i] for i in kernel]
-        ptrs = [np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in zip(*sel)]
+        ptrs = [_ptrs(ts) for ts in zip(*sel)]
         n = np.array([words_in(c) for _, c in sel], dtype=np.int64)
         found = find_words_table(*ptrs, n, sel[0][1].device)
         for j, i in enumerate(kernel):

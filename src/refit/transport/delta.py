@@ -672,10 +672,7 @@ class DeltaSchedule:
         if d.kind == "dense":
             d.payload = d.op.tensor
         else:
-            if d.kind == "words":
-                n = sum(wire_sizes(k) for k in d.changes)
-            else:
-                n = sum(_piece_wire(d.kind, v, k) for v, k in zip(d.views, d.changes))
+            n = sum(_piece_wire(d.kind, v, k) for v, k in zip(d.views, d.changes))
             d.payload = torch.empty(n, dtype=torch.uint8, device="meta")
 
     def _apply(self, recvs: list[_DeltaOp]) -> None:
