@@ -12,7 +12,8 @@ Three parts, every method run in the same Ray session (one node; object store ca
   of ``--iters`` rounds after a warm-up that also checks the bytes. Methods: ``ray numpy``
   (``ray.put``/``ray.get`` of numpy arrays, read-only views),
   ``ray numpy + copy`` (then writable torch copies), ``refit`` (``RayStore``: views), ``refit
-  copy=True``, ``refit durable=False``, ``transferqueue`` (``kv_batch_put`` of a TensorDict,
+  copy=True``, ``refit durable=False``, the same two with ``trust_meta`` (gets read where the put's
+  ``BatchMeta`` says: no call), ``transferqueue`` (``kv_batch_put`` of a TensorDict,
   ``kv_batch_get``; SimpleStorage backend, its default). Clearing is done outside the timing, and
   so is the wait for refit's background durable copy (``RayStore.settle``: the put returns before
   the storage actor's copy exists); ``after_median_ms`` reports that clear + wait, so the copy's cost
@@ -145,7 +146,17 @@ def _as_dense(t, rows: int) -> torch.Tensor:
     return t.values().view(rows, -1) if getattr(t, "is_nested", False) else t
 
 
-def put_get_methods(ray, tq, store, store_nd, batch, counter) -> dict:
+def refit_stores(RayStore, units: int) -> dict:
+    """The refit configurations every part runs: name -> ``RayStore``."""
+    return {
+        "refit": RayStore(num_units=units),
+        "refit durable=False": RayStore(num_units=units, durable=False),
+        "refit trust_meta": RayStore(num_units=units, trust_meta=True),
+        "refit durable=False trust_meta": RayStore(num_units=units, durable=False, trust_meta=True),
+    }
+
+
+def put_get_methods(ray, tq, stores, batch, counter) -> dict:
     """name -> (put() -> handle, get(handle) -> rows, clear(handle))."""
     from tensordict import TensorDict
 
@@ -184,9 +195,8 @@ def put_get_methods(ray, tq, store, store_nd, batch, counter) -> dict:
             lambda ref: {f: torch.from_numpy(v.copy()) for f, v in ray.get(ref).items()},
             lambda ref: None,
         ),
-        "refit": refit(store, False),
-        "refit copy=True": refit(store, True),
-        "refit durable=False": refit(store_nd, False),
+        **{name: refit(s, False) for name, s in stores.items()},
+        "refit copy=True": refit(stores["refit"], True),
         "transferqueue": (
             tq_put,
             lambda k: {
@@ -250,7 +260,7 @@ def make_dp_consumer(ray):
     return DPConsumer
 
 
-def run_dp(ray, tq, store, store_nd, batch, dp, iters, counter) -> list[dict]:
+def run_dp(ray, tq, stores, batch, dp, iters, counter) -> list[dict]:
     from tensordict import TensorDict
 
     samples, seq = batch["ids"].shape
@@ -281,8 +291,7 @@ def run_dp(ray, tq, store, store_nd, batch, dp, iters, counter) -> list[dict]:
 
     methods = {
         f"ray numpy dp{dp}": ray_run,
-        f"refit dp{dp}": refit_run(store),
-        f"refit durable=False dp{dp}": refit_run(store_nd),
+        **{f"{name} dp{dp}": refit_run(s) for name, s in stores.items()},
         f"transferqueue dp{dp}": tq_run,
     }
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -364,7 +373,7 @@ def make_mpmc_actors(ray):
     return Producer, Consumer
 
 
-def run_mpmc(ray, store, store_nd, args, pids: list[int]) -> list[dict]:
+def run_mpmc(ray, stores, args, pids: list[int]) -> list[dict]:
     from ray.util.queue import Queue
 
     Producer, Consumer = make_mpmc_actors(ray)
@@ -377,8 +386,8 @@ def run_mpmc(ray, store, store_nd, args, pids: list[int]) -> list[dict]:
     rows = []
     for r in range(args.mp_rounds + 1):  # round 0 warms up
         print(f"mpmc round {r}", flush=True)
-        for mode in ("ray numpy", "refit", "refit durable=False", "transferqueue"):
-            s = store_nd if mode == "refit durable=False" else store
+        for mode in ("ray numpy", *stores, "transferqueue"):
+            s = stores.get(mode)
             queue = Queue(maxsize=args.bound, actor_options={"num_cpus": 0})
             with MemoryProbe(pids) as mem:
                 t0 = time.perf_counter()
@@ -443,6 +452,10 @@ def _median_rounds(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _pid(actor) -> int:
+    return os.getpid()
+
+
 def ratios(rows: list[dict]) -> None:
     """Each row's median against the zero-copy numpy Ray row of its part (same run)."""
     for part in {r["part"] for r in rows}:
@@ -476,20 +489,20 @@ def main(argv: list[str] | None = None) -> None:
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=3 << 30)
     tq.init()  # SimpleStorage, its default backend
-    store, store_nd = RayStore(num_units=args.units), RayStore(num_units=args.units, durable=False)
-    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in store.actors])
+    stores = refit_stores(RayStore, args.units)
+    pids = [pid for s in stores.values() for pid in ray.get([a.__ray_call__.remote(_pid) for a in s.actors])]
     from transfer_queue import interface as tqi
 
     tq_actors = [tqi._TQ_CONTROLLER, *tqi._TQ_STORAGE["SimpleStorage"].values()]
-    pids += ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in tq_actors])
+    pids += ray.get([a.__ray_call__.remote(_pid) for a in tq_actors])
     counter = iter(range(1 << 30))
     batch = make_batch(args.samples, args.seq)
     try:
-        rows = run_put_get(put_get_methods(ray, tq, store, store_nd, batch, counter), batch, args.iters)
-        rows += run_dp(ray, tq, store, store_nd, batch, args.dp, args.iters, counter)
-        rows += run_mpmc(ray, store, store_nd, args, pids)
-        leaked = store.keys() + store_nd.keys()
-        assert leaked == [] and store.chunks() == 0, f"refit leaked {len(leaked)} keys"
+        rows = run_put_get(put_get_methods(ray, tq, stores, batch, counter), batch, args.iters)
+        rows += run_dp(ray, tq, stores, batch, args.dp, args.iters, counter)
+        rows += run_mpmc(ray, stores, args, pids)
+        leaked = [k for s in stores.values() for k in s.keys()]
+        assert leaked == [] and sum(s.chunks() for s in stores.values()) == 0, f"refit leaked {len(leaked)} keys"
     finally:
         tq.close()
         ray.shutdown()

@@ -2,15 +2,14 @@
 
     python -m bench.dataplane_cpu [--samples 32 --seq 2048 --ops 200]
 
-Why the 16 producers x 8 consumers run of ``bench.dataplane_compare`` is slower with refit than with
-zero-copy numpy Ray: on 2 cores, 24 busy clients make the wall time the CPU the node spends per batch.
-One process puts a batch (int64 ids + float32 logprobs, [samples, seq]) and reads it back, ``--ops``
-times, per method; the CPU time (user + system) of this process, the raylet, the GCS and every Ray
-worker is read before and after. Methods: ``ray numpy`` (``ray.put`` + ``ray.get``), ``refit
-durable=False`` and ``refit durable`` (``RayStore`` put + take), and ``actor heap`` (the batch passed
-to an actor that keeps a copy in its heap and returns it on take: no object references; how
-TransferQueue stores, as a design probe for refit).
-"""
+Why the 16 producers x 8 consumers run of ``bench.dataplane_compare`` is slower with refit than with zero-copy
+numpy Ray: on 2 cores, 24 busy clients make the wall time the CPU the node spends per batch. One process puts
+a batch (int64 ids + float32 logprobs, [samples, seq]) and reads it back, ``--ops`` times, per method; the CPU
+time (user + system) of this process, the raylet, the GCS and every Ray worker is read before and after.
+Methods: ``ray numpy`` (``ray.put`` + ``ray.get``), ``refit durable=False`` and ``refit durable``
+(``RayStore`` put + take), each also with ``trust_meta``, and ``actor heap`` (the batch passed to an actor
+that keeps a copy in its heap and returns it on take: no object references; how TransferQueue stores, as a
+design probe for refit)."""
 
 from __future__ import annotations
 
@@ -75,7 +74,12 @@ def main(argv: list[str] | None = None) -> None:
             return self.held.pop(key)
 
     heap = Heap.remote()
-    stores = {"refit durable=False": RayStore(num_units=1, durable=False), "refit durable": RayStore(num_units=1)}
+    stores = {
+        "refit durable=False": RayStore(num_units=1, durable=False),
+        "refit durable": RayStore(num_units=1),
+        "refit durable=False trust_meta": RayStore(num_units=1, durable=False, trust_meta=True),
+        "refit durable trust_meta": RayStore(num_units=1, trust_meta=True),
+    }
 
     def ray_numpy(i):
         ref = ray.put(as_numpy)
@@ -100,9 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     rows["actor heap"] = measure(actor_heap, args.ops)
     ray.shutdown()
     base = rows["ray numpy"]["cpu_ms_per_op"]
-    print(f"{'method':22s} {'wall ms/op':>10s} {'cpu ms/op':>10s} {'x ray numpy (cpu)':>18s}")
+    print(f"{'method':32s} {'wall ms/op':>10s} {'cpu ms/op':>10s} {'x ray numpy (cpu)':>18s}")
     for name, r in rows.items():
-        print(f"{name:22s} {r['wall_ms_per_op']:10.2f} {r['cpu_ms_per_op']:10.2f} {r['cpu_ms_per_op'] / base:18.2f}")
+        print(f"{name:32s} {r['wall_ms_per_op']:10.2f} {r['cpu_ms_per_op']:10.2f} {r['cpu_ms_per_op'] / base:18.2f}")
     print(json.dumps({"args": vars(args), "rows": rows}))
 
 

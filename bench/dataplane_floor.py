@@ -3,18 +3,17 @@
     python -m bench.dataplane_floor [--samples 512 --seq 8192 --iters 15]
 
 The put+get row of ``bench.dataplane_compare`` (the driver puts one batch of int64 ids + float32 logprobs,
-[samples, seq], and reads every row back) asks refit to be within 1.2x of zero-copy numpy Ray. Any design
-that keeps its keys somewhere other than the writer (a store others can read, refuse duplicates in and
-clear) makes at least one call to that place per put and one per get. This bench times that floor
-directly: ``ray numpy`` (``ray.put`` + ``ray.get``), ``+ 2 empty calls`` (the same plus two calls to an
-actor that does nothing: the least any such design pays), and refit's ``RayStore`` (views) with
-``durable=False`` and durable, each put followed by a get of every row; clears and the durable copy's
-wait (``settle``) are outside the timing, and so is a pause of ``--gap-ms`` after each method: Ray frees a
-released object in the background, and a put that runs meanwhile on 2 cores took 2-3x as long (7 ms vs
-18-24 ms for the same 48 MiB, in ad hoc timings). Rounds interleave the methods, each going first in turn;
-medians. The empty calls take the arguments refit's put call takes (512 keys, tags, lengths), so only
-refit's own work differs.
-"""
+[samples, seq], and reads every row back) asks refit to be within 1.2x of zero-copy numpy Ray. Any design that
+keeps its keys somewhere other than the writer (a store others can read, refuse duplicates in and clear) makes
+at least one call to that place per put and one per get. This bench times that floor directly: ``ray numpy``
+(``ray.put`` + ``ray.get``), ``+ 2 empty calls`` (the same plus two calls to an actor that does nothing: the
+least any such design pays), and refit's ``RayStore`` (views) with ``durable=False`` and durable, each also
+with ``trust_meta`` (the get reads where the put's ``BatchMeta`` says: no call, so one call per round trip in
+all), each put followed by a get of every row; clears and the durable copy's wait (``settle``) are outside the
+timing, and so is a pause of ``--gap-ms`` after each method: Ray frees a released object in the background,
+and a put that runs meanwhile on 2 cores took 2-3x as long (7 ms vs 18-24 ms for the same 48 MiB, in ad hoc
+timings). Rounds interleave the methods, each going first in turn; medians. The empty calls take the arguments
+refit's put call takes (512 keys, tags, lengths), so only refit's own work differs."""
 
 from __future__ import annotations
 
@@ -69,7 +68,12 @@ def main(argv: list[str] | None = None) -> None:
 
     empty = Empty.remote()
     ray.get(empty.call.remote())
-    stores = {"refit durable=False": RayStore(num_units=1, durable=False), "refit durable": RayStore(num_units=1)}
+    stores = {
+        "refit durable=False": RayStore(num_units=1, durable=False),
+        "refit durable": RayStore(num_units=1),
+        "refit durable=False trust_meta": RayStore(num_units=1, durable=False, trust_meta=True),
+        "refit durable trust_meta": RayStore(num_units=1, trust_meta=True),
+    }
 
     keys = [f"k{j}" for j in range(args.samples)]
     tags, lens = [{}] * args.samples, [args.seq] * args.samples
@@ -119,9 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         m: {"median_ms": statistics.median(t) * 1e3, "x_ray_numpy": statistics.median(t) / base}
         for m, t in times.items()
     }
-    print(f"{'method':22s} {'median ms':>10s} {'x ray numpy':>12s}")
+    print(f"{'method':32s} {'median ms':>10s} {'x ray numpy':>12s}")
     for name, r in rows.items():
-        print(f"{name:22s} {r['median_ms']:10.2f} {r['x_ray_numpy']:12.2f}")
+        print(f"{name:32s} {r['median_ms']:10.2f} {r['x_ray_numpy']:12.2f}")
     print("one empty call, median of 300, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in calls.items()))
     print(json.dumps({"args": vars(args), "rows": rows, "empty_call_ms": calls}))
 

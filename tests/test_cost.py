@@ -19,7 +19,8 @@ from refit.plan.cost import (
     predict,
     transfer_time,
 )
-from refit.quant.delta import LINKS
+from refit.quant.delta import LINKS, prefer_words
+from refit.quant.delta_words import wire_sizes
 
 GB = 10**9
 
@@ -163,19 +164,32 @@ def test_delta_prediction_is_dense_at_full_change_and_on_one_gpu_and_small_at_on
     dense = transfer_time(cross, t)
     assert delta_time(cross, t, 1.0, 2)[0] == dense[0]  # everything changed: the rule sends dense
     secs, busiest, _, wire = delta_time(cross, t, 0.01, 2)
-    assert wire == 10 * GB // 2 // 100 * 6  # int32 index + bf16 value
-    # the sender's find (base and current at the measured find rate, then pack and base update) bounds it
+    # bf16 found per 64-bit word (as ``auto`` does over a CUDA link): a word of 4 elements changes with
+    # probability 1 - 0.99**4, and travels as an int32 index + its 8 bytes
+    words = round((1 - 0.99**4) * 10 * GB / 8)
+    assert wire == wire_sizes(words) and 0.058 < wire / (10 * GB) < 0.06
+    # the sender's find (base and current at the word find rate, then pack and base update) bounds it
     rate = LINKS["nic"]
-    per_change = 10 * GB // 2 // 100 * (4 + 2 * 2)
     assert busiest == "find of GPU 0"
-    assert secs == pytest.approx(2 * 10 * GB / (rate.find_gbps * 1e9) + per_change / (rate.apply_gbps * 1e9))
+    assert secs == pytest.approx(2 * 10 * GB / (rate.word_find_gbps * 1e9) + words * 20 / (rate.apply_gbps * 1e9))
     assert secs < 0.35 * dense[0]
-    nvlink = {(0, 1): 10 * GB}  # one node: finding the changes costs what sending them all does
-    assert delta_time(nvlink, t, 0.01, 2)[:2] == transfer_time(nvlink, t)[:2]
+    nvlink = {(0, 1): 10 * GB}  # one node: words pay over NVLink too (the find reads at 1.7 TB/s)
+    within, where, _, nv_wire = delta_time(nvlink, t, 0.01, 2)
+    assert within < 0.7 * transfer_time(nvlink, t)[0] and where == "find of GPU 0" and nv_wire == wire
     same = {(1, 1): 10 * GB}  # the engine on the trainer's GPU: a delta never beats the copy
     assert delta_time(same, t, 0.001, 2)[:2] == transfer_time(same, t)[:2]
     with pytest.raises(TopologyError, match="changed fraction"):
         delta_time(cross, t, 1.5, 2)
+
+
+def test_delta_prediction_follows_the_rules_choice_of_words_for_fp8():
+    t = topo()
+    cross = {(0, 4): 10 * GB}
+    # FP8 over a NIC: per word ~11.6% of dense (a word of 8 elements changes with probability 1 - 0.99**8),
+    # per element 5%, but the word find reads 2.2x faster: the rule (``prefer_words``) takes words, and the
+    # prediction is what ``auto`` does
+    assert prefer_words([(1 << 28, 1)], LINKS["nic"])
+    assert delta_time(cross, t, 0.01, 1)[3] == wire_sizes(round((1 - 0.99**8) * 10 * GB / 8))
 
 
 def test_cli_cluster_predicts_a_delta_with_its_wire_bytes(tmp_path, capsys):
@@ -187,4 +201,4 @@ def test_cli_cluster_predicts_a_delta_with_its_wire_bytes(tmp_path, capsys):
     assert main([*argv, "--changed-fraction", "0.01"]) == 0
     preds = {x["strategy"]: x for x in json.loads(capsys.readouterr().out)["predictions"]}
     assert preds["delta"]["seconds"] < 0.2 * preds["p2p"]["seconds"]
-    assert "3.0% of dense" in preds["delta"]["note"]  # bf16: int32 index + value
+    assert "5.9% of dense" in preds["delta"]["note"]  # bf16 per 64-bit word: int32 index + 8 bytes

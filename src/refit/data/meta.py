@@ -1,6 +1,7 @@
 """``BatchMeta``: what the driver holds instead of a batch — the keys of a set of samples in a
 store partition, the fields every one of them has, per-sample tags and sequence lengths, and
-free-form ``extra_info`` (e.g. the packing a trainer rank must use).
+free-form ``extra_info`` (e.g. the packing a trainer rank must use), and, where the store that
+wrote them gives it, ``where``: each key's location (so a read needs no call to the store).
 
 Metadata is small and cheap to move; the tensor columns stay in the store until a consumer
 fetches exactly the fields it names. Every operation returns a new object and keeps the
@@ -23,9 +24,12 @@ class BatchMeta:
     them. ``fields``: the fields every key has (as written or as ``Store.meta`` found them, not
     re-checked). ``tags``: one dict per key (default: an empty dict each). ``seq_lens``: one
     int per key, or None when unknown. ``extra_info``: free-form (e.g. a rank's packing).
+    ``where``: one location per key, opaque (the backend that wrote the keys made them and is the
+    only one that reads them; e.g. ``RayStore(trust_meta=True)`` names the object holding each
+    row), or None.
 
-    Must agree: ``keys`` are unique; ``tags`` and ``seq_lens`` have one entry per key, entry
-    ``i`` describing ``keys[i]``. Checked in ``__post_init__`` (``ValueError`` naming the
+    Must agree: ``keys`` are unique; ``tags``, ``seq_lens`` and ``where`` have one entry per key,
+    entry ``i`` describing ``keys[i]``. Checked in ``__post_init__`` (``ValueError`` naming the
     partition or both counts), which also turns the lists into tuples.
 
     Frozen: ``select``, ``reorder``, ``chunk``, ``concat``, ``with_fields`` and
@@ -39,6 +43,7 @@ class BatchMeta:
     tags: tuple[dict[str, Any], ...] = ()  # one dict per key (empty dicts when untagged)
     seq_lens: tuple[int, ...] | None = None  # one per key, when known
     extra_info: dict[str, Any] = field(default_factory=dict)
+    where: tuple[Any, ...] | None = None  # one location per key, when the writing store gives them
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keys", tuple(self.keys))
@@ -47,6 +52,8 @@ class BatchMeta:
         object.__setattr__(self, "tags", tags)
         if self.seq_lens is not None:
             object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens))
+        if self.where is not None:
+            object.__setattr__(self, "where", tuple(self.where))
         if len(set(self.keys)) != len(self.keys):
             dup = sorted({k for k in self.keys if self.keys.count(k) > 1})[:3]
             raise ValueError(f"BatchMeta: duplicate keys {dup} in partition {self.partition!r}")
@@ -54,6 +61,8 @@ class BatchMeta:
             raise ValueError(f"BatchMeta: {len(self.tags)} tags for {len(self.keys)} keys")
         if self.seq_lens is not None and len(self.seq_lens) != len(self.keys):
             raise ValueError(f"BatchMeta: {len(self.seq_lens)} seq_lens for {len(self.keys)} keys")
+        if self.where is not None and len(self.where) != len(self.keys):
+            raise ValueError(f"BatchMeta: {len(self.where)} locations for {len(self.keys)} keys")
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -78,6 +87,7 @@ class BatchMeta:
             tags=[self.tags[i] for i in idx],
             seq_lens=None if self.seq_lens is None else [self.seq_lens[i] for i in idx],
             extra_info=copy.deepcopy(self.extra_info),
+            where=None if self.where is None else [self.where[i] for i in idx],
         )
 
     def reorder(self, perm: Sequence[int]) -> BatchMeta:
@@ -109,18 +119,26 @@ class BatchMeta:
             self.tags,
             self.seq_lens,
             copy.deepcopy(self.extra_info),
+            self.where,
         )
 
     def with_extra_info(self, **info: Any) -> BatchMeta:
         """The same samples with ``info`` merged into ``extra_info`` (``info`` wins)."""
         return BatchMeta(
-            self.keys, self.partition, self.fields, self.tags, self.seq_lens, {**copy.deepcopy(self.extra_info), **info}
+            self.keys,
+            self.partition,
+            self.fields,
+            self.tags,
+            self.seq_lens,
+            {**copy.deepcopy(self.extra_info), **info},
+            self.where,
         )
 
     @staticmethod
     def concat(metas: Sequence[BatchMeta]) -> BatchMeta:
         """The samples of ``metas`` one after another; all in one partition. Fields: those every
-        part has. seq_lens: kept when every part has them. extra_info: merged, later parts win."""
+        part has. seq_lens and where: kept when every part has them. extra_info: merged, later parts
+        win."""
         if not metas:
             raise ValueError("BatchMeta.concat: nothing to concatenate")
         parts = {m.partition for m in metas}
@@ -130,6 +148,9 @@ class BatchMeta:
         lens = None
         if all(m.seq_lens is not None for m in metas):
             lens = [n for m in metas for n in m.seq_lens]  # type: ignore[union-attr]
+        where = None
+        if all(m.where is not None for m in metas):
+            where = [w for m in metas for w in m.where]  # type: ignore[union-attr]
         info: dict[str, Any] = {}
         for m in metas:
             info.update(copy.deepcopy(m.extra_info))
@@ -140,4 +161,5 @@ class BatchMeta:
             tags=[t for m in metas for t in m.tags],
             seq_lens=lens,
             extra_info=info,
+            where=where,
         )

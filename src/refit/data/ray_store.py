@@ -33,6 +33,21 @@ actor (the whole batch is recorded) or did not (nothing is; its orphaned object 
 with its owner). An object is freed when the last of its rows is cleared (a durable put's copy
 still queued is then skipped, and the writer's bytes unpinned when the copy thread reaches it).
 
+Reads through the meta (``trust_meta=True``). A put's ``BatchMeta`` then carries where each row
+is (``BatchMeta.where``: the put's object reference and the row), and a ``get`` through such a meta
+reads those objects directly: no call to the storage actor at all, the same ``ray.get`` a plain
+``ray.put``/``ray.get`` pipeline makes. A put submits its call and returns without waiting for
+the reply: a refusal (a key that already has the field) is raised by the first take through its
+meta, by the writer's next call of this client, or by ``confirm()``; a writer that may exit right
+after its puts calls ``confirm()`` first (until the storage actor has recorded a put, and for a
+durable one pinned its bytes, the put lives only in its writer). A ``take`` through the meta reads
+the objects and the puts' replies, then drops the keys in one call. The trade, opt-in because it
+weakens the contract: such a get does not ask the store, so it returns the rows that put wrote even
+after they were overwritten or refused, and reads keys already cleared while the meta (which holds
+the object's reference) lives; a meta also keeps its objects in the object store until it is
+dropped. A take still refuses keys already taken and puts refused (exactly-once holds). Gets by
+key list, and fields the meta's put did not write, go through the storage actor as usual.
+
 Trade-offs: a reader on another node pulls the whole objects that hold its rows (Ray moves
 objects, not rows): put batches the size you want readers to move. One partition's metadata is
 served by one actor (spread partitions to spread the load). Two writers racing on the same keys
@@ -136,7 +151,8 @@ class _StorageActor:
 
     def put(self, partition, keys, holder, fields, tags, seq_lens, overwrite, durable) -> str | None:
         """Check, pin (``durable``) and record, in one call; the reason a put is refused (nothing
-        written), or None. The durable copy follows in the background."""
+        written), or None. The durable copy follows in the background. ``tags`` None: no key has any."""
+        tags = [{} for _ in keys] if tags is None else tags
         if not overwrite:
             err = self.unit.clash(partition, keys, fields)
             if err:
@@ -234,6 +250,12 @@ class _StorageActor:
             break
         return {f: [([p.ref], name, pos, rows) for (p, name), pos, rows in groups] for f, groups in located.items()}
 
+    def drop(self, partition, keys, select) -> None:
+        """A take whose reader already holds the rows (it read them where its meta said): drop the
+        keys (no copy needed: the reader maps the bytes); raises, dropping nothing, where a key or
+        field is missing."""
+        self.unit.locate(partition, keys, select, clear=True)
+
     def settle(self, timeout_s: float) -> None:
         """Return once every durable copy asked for before this call exists (failed ones are tried
         again; ``RuntimeError`` if one still fails)."""
@@ -264,6 +286,49 @@ class _StorageActor:
         return self.unit.chunks()
 
 
+class Placed:
+    """Where one put's rows are, as ``RayStore(trust_meta=True)`` records them in its ``BatchMeta``
+    (each key's location is ``(placed, row)``): the put's object and the reply of its storage
+    actor's call (each in a list: Ray passes the reference, not the value), the fields it holds,
+    and what the put was (for errors). The reply is None, or why the put was refused."""
+
+    __slots__ = ("holder", "reply", "fields", "what")
+
+    def __init__(self, holder: list, reply: list, fields: tuple[str, ...], what: str) -> None:
+        self.holder, self.reply, self.fields, self.what = holder, reply, fields, what
+
+    def __reduce__(self):
+        return (Placed, (self.holder, self.reply, self.fields, self.what))
+
+
+def _refused(placed: list[Placed], replies: list) -> None:
+    """Raise the first refusal among the replies of these puts."""
+    for p, err in zip(placed, replies):
+        if err:
+            raise ValueError(f"{err} ({p.what}; it returned before the storage actor refused it: trust_meta)")
+
+
+def _objects(located: dict[str, list]) -> dict[Any, Any]:
+    """Every object ``locate`` named, once, read all at once (zero-copy)."""
+    refs = list(dict.fromkeys(holder[0] for groups in located.values() for holder, _, _, _ in groups))
+    return dict(zip(refs, ray.get(refs)))
+
+
+def _assemble(n: int, select: list[str], located: dict[str, list], objects: dict, copy: bool) -> dict[str, Rows]:
+    """The rows of each field asked, from the groups ``locate`` returned and the objects they name."""
+    decoded: dict[tuple[Any, str], FieldData] = {}
+    out: dict[str, Rows] = {}
+    for f in select:
+        groups = []
+        for holder, name, pos, rows in located[f]:
+            key = (holder[0], name)
+            if key not in decoded:
+                decoded[key] = _decode_field(objects[holder[0]][name])
+            groups.append((decoded[key], pos, rows))
+        out[f] = gather(n, groups, copy)
+    return out
+
+
 def _shard(partition: str, n: int) -> int:
     return zlib.crc32(partition.encode()) % n
 
@@ -280,7 +345,9 @@ class RayStore(Store):
 
     ``get`` returns read-only views where it can (the module docstring says when) and private
     writable tensors with ``copy=True``; ``put``, ``get``, ``clear`` and ``meta`` are each one
-    call to one storage actor.
+    call to one storage actor. ``trust_meta=True``: a get through a ``BatchMeta`` that a put
+    returned makes no call (it reads where the meta says; it does not see later overwrites or
+    clears: the module docstring says what that trades).
 
     Lifecycle: built once, on a process where ``ray.init()`` ran (the driver); pickling it
     (passing it to a Ray task or actor) gives a client of the same actors, in the same order,
@@ -294,11 +361,17 @@ class RayStore(Store):
     """
 
     def __init__(
-        self, num_units: int = 2, actor_options: dict | None = None, durable: bool = True, _actors: list | None = None
+        self,
+        num_units: int = 2,
+        actor_options: dict | None = None,
+        durable: bool = True,
+        trust_meta: bool = False,
+        _actors: list | None = None,
     ) -> None:
         if ray is None:
             raise ImportError("RayStore needs ray: pip install 'refit-rl[data]'")
-        self.durable = durable
+        self.durable, self.trust_meta = durable, trust_meta
+        self._pending: list[Placed] = []  # trust_meta puts whose storage actor's reply was not read yet
         if _actors is not None:
             self.actors = list(_actors)
             return
@@ -314,7 +387,7 @@ class RayStore(Store):
         ray.get([a.chunks.remote() for a in self.actors])  # started
 
     def __reduce__(self):
-        return (RayStore, (len(self.actors), None, self.durable, self.actors))
+        return (RayStore, (len(self.actors), None, self.durable, self.trust_meta, self.actors))
 
     def shutdown(self) -> None:
         """Kill the storage actors (everything they hold is lost); no client can be used after."""
@@ -328,14 +401,43 @@ class RayStore(Store):
     def put(self, keys, fields, *, partition="default", tags=None, seq_lens=None, overwrite=False) -> BatchMeta:
         keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
         ref = ray.put({n: _encode_field(d) for n, d in fields.items()})
-        err = ray.get(
-            self._unit(partition).put.remote(
-                partition, keys, [ref], list(fields), tag_list, lens, overwrite, self.durable
-            )
+        reply = self._unit(partition).put.remote(
+            partition, keys, [ref], list(fields), tag_list if any(tag_list) else None, lens, overwrite, self.durable
         )
-        if err:
-            raise ValueError(err)
-        return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens)
+        where = None
+        if not self.trust_meta:
+            err = ray.get(reply)
+            if err:
+                raise ValueError(err)
+        else:
+            self._confirm(block=False)  # an earlier put's refusal, if its reply is in
+            placed = Placed([ref], [reply], tuple(fields), f"a put of {len(keys)} keys to partition {partition!r}")
+            self._pending.append(placed)
+            where = [(placed, i) for i in range(len(keys))]
+        return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens, where=where)
+
+    def confirm(self) -> None:
+        """Wait for the storage actors' replies to this client's ``trust_meta`` puts; ``ValueError``
+        naming the first one refused. Every other call of this client (but ``put`` and reads through
+        a meta, which check their own puts) does this first."""
+        self._confirm(block=True)
+
+    def _confirm(self, block: bool, meta: Any = None) -> None:
+        """Raise the first refusal among the replies of this client's pending puts (all of them, or,
+        unless ``block``, those already in) and of the puts ``meta`` names."""
+        _refused(*self._replies(block, meta))
+
+    def _replies(self, block: bool, meta: Any = None) -> tuple[list[Placed], list]:
+        puts = {p.reply[0]: p for p in self._pending}
+        if isinstance(meta, BatchMeta) and meta.where is not None:
+            puts.update((p.reply[0], p) for p, _ in meta.where if isinstance(p, Placed))
+        if not puts:
+            return [], []
+        refs = list(puts)
+        done = refs if block else ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+        ready = set(done)
+        self._pending = [p for p in self._pending if p.reply[0] not in ready]
+        return [puts[r] for r in done], ray.get(done)
 
     def get(self, keys, *, select_fields, partition=None, copy=False) -> dict[str, Rows]:
         return self._fetch(keys, select_fields, partition, copy, clear=False)
@@ -344,7 +446,12 @@ class RayStore(Store):
         return self._fetch(keys, select_fields, partition, copy, clear=True)
 
     def _fetch(self, keys, select_fields, partition, copy: bool, clear: bool) -> dict[str, Rows]:
+        placed = self._placed(keys, select_fields)
+        keys_arg = keys
         keys, partition, select = self._request(keys, partition, select_fields)
+        if placed is not None:
+            return self._fetch_placed(placed, partition, keys, select, copy, clear)
+        self._confirm(True, keys_arg)
         try:
             located, objects = self._read(partition, keys, select, clear, settle=False)
         except ray.exceptions.ObjectLostError:
@@ -353,44 +460,93 @@ class RayStore(Store):
             # a writer died before the storage actor's copy existed: ask again, for the copies
             # (a take never gets here: its locate waits for them)
             located, objects = self._read(partition, keys, select, False, settle=True)
-        decoded: dict[tuple[Any, str], FieldData] = {}
+        return _assemble(len(keys), select, located, objects, copy)
+
+    def _placed(self, keys: Any, select_fields: Any) -> dict | None:
+        """The meta's locations grouped by put (``{placed: (positions, rows)}``), where this store
+        trusts them and they cover every field asked; else None."""
+        if not (self.trust_meta and isinstance(keys, BatchMeta) and keys.where is not None):
+            return None
+        try:
+            puts, rows = zip(*keys.where)
+        except (TypeError, ValueError):  # not (placed, row) pairs: not this store's
+            return None
+        groups: dict[int, tuple[Any, list[int], list[int]]] = {}
+        if puts.count(puts[0]) == len(puts):  # one put's rows (identity compares, in C)
+            groups[id(puts[0])] = (puts[0], list(range(len(puts))), list(rows))
+        for pos, p in enumerate(puts if not groups else ()):
+            g = groups.get(id(p))
+            if g is None:
+                g = groups[id(p)] = (p, [], [])
+            g[1].append(pos)
+            g[2].append(rows[pos])
+        fields = [select_fields] if isinstance(select_fields, str) else list(select_fields or ())
+        if not all(isinstance(p, Placed) and all(f in p.fields for f in fields) for p, _, _ in groups.values()):
+            return None
+        return {p: (pos, rows) for p, pos, rows in groups.values()}
+
+    def _fetch_placed(self, where: dict, partition, keys, select, copy: bool, clear: bool) -> dict[str, Rows]:
+        """Read the rows where the meta says they are, with no call and no wait for a get (it reads
+        what the meta's puts wrote, whether or not their storage actor has recorded them yet); a take
+        also waits for the storage actor's replies to those puts (raising a refusal), then drops the
+        keys in one call (which raises, dropping nothing, where a key or field is missing). A durable
+        put whose writer died before its copy existed is read the usual way (``locate``), which
+        waits for the copy."""
+        groups = where
+        replies = [p.reply[0] for p in groups] if clear else []  # a take drops only keys its puts recorded
+        try:
+            got = ray.get(replies + [p.holder[0] for p in groups])
+        except ray.exceptions.ObjectLostError:
+            if not self.durable:
+                raise
+            return self._fetch(keys, select, partition, copy, clear)
+        if replies:  # read here: not reported again by this client's next call
+            self._pending = [p for p in self._pending if p not in groups]
+        _refused(list(groups), got[: len(replies)])
+        objects = got[len(replies) :]
+        if clear:
+            ray.get(self._unit(partition).drop.remote(partition, keys, select))
         out: dict[str, Rows] = {}
         for f in select:
-            groups = []
-            for holder, name, pos, rows in located[f]:
-                key = (holder[0], name)
-                if key not in decoded:
-                    decoded[key] = _decode_field(objects[holder[0]][name])
-                groups.append((decoded[key], pos, rows))
-            out[f] = gather(len(keys), groups, copy)
+            parts = [(_decode_field(obj[f]), pos, rows) for obj, (pos, rows) in zip(objects, groups.values())]
+            out[f] = gather(len(keys), parts, copy)
         return out
 
     def _read(self, partition, keys, select, clear: bool, settle: bool) -> tuple[dict, dict]:
         """One locate call, then every object it names once, all at once, zero-copy."""
         located = ray.get(self._unit(partition).locate.remote(partition, keys, select, clear, settle))
-        refs = list(dict.fromkeys(holder[0] for groups in located.values() for holder, _, _, _ in groups))
-        return located, dict(zip(refs, ray.get(refs)))
+        return located, _objects(located)
 
     def clear(self, keys, *, partition=None) -> int:
+        refused = self._replies(True, keys)  # the puts are recorded before they are cleared
         keys, partition = self._resolve(keys, partition)
-        return ray.get(self._unit(partition).clear.remote(partition, keys))
+        n = ray.get(self._unit(partition).clear.remote(partition, keys))
+        _refused(*refused)  # the clear is done: an earlier put's refusal is still reported
+        return n
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """Wait until the storage actors own a copy of every durable put made so far (they are made
         in the background; nothing needs this for correctness: readers wait where they must)."""
+        self._confirm(True)
         ray.get([a.settle.remote(timeout_s) for a in self.actors])
 
     def clear_partition(self, partition: str) -> int:
-        return ray.get(self._unit(partition).clear_partition.remote(partition))
+        refused = self._replies(True)
+        n = ray.get(self._unit(partition).clear_partition.remote(partition))
+        _refused(*refused)
+        return n
 
     def keys(self, partition=None):
+        self._confirm(True)
         if partition is not None:
             return [k for p, k in ray.get(self._unit(partition).keys.remote()) if p == partition]
         return [pk for ks in ray.get([a.keys.remote() for a in self.actors]) for pk in ks]
 
     def meta(self, keys, *, partition="default") -> BatchMeta:
+        self._confirm(True, keys)
         return ray.get(self._unit(partition).meta.remote(partition, [str(k) for k in keys]))
 
     def chunks(self) -> int:
         """Field payloads referenced (an object is freed once no chunk references it)."""
+        self._confirm(True)
         return sum(ray.get([a.chunks.remote() for a in self.actors]))

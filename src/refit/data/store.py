@@ -110,6 +110,9 @@ def normalize_put(
 def _one_payload(n: int, p: torch.Tensor, pos: list[int], rows: list[int], copy: bool) -> torch.Tensor:
     """The ``n`` rows of one batch tensor in output order: a view when they are one run of
     consecutive rows in order (unless ``copy``), else one vectorized gather (fresh memory)."""
+    if n and pos == list(range(n)) and rows == list(range(rows[0], rows[0] + n)):  # in order, consecutive
+        view = p.narrow(0, rows[0], n)
+        return view.clone() if copy else view
     order = np.asarray(rows, dtype=np.int64)[np.argsort(np.asarray(pos, dtype=np.int64), kind="stable")]
     start = int(order[0]) if n else 0
     if n and order[-1] - start == n - 1 and bool((np.diff(order) == 1).all()):

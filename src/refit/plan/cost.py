@@ -28,10 +28,13 @@ Strategies (``predict``):
   ``gpu_nic_gbps`` of that mode ("stripe": every NIC of the node, capped by PCIe; "auto": the
   nearest one), whatever the topology's own ``nic_mode`` says (that one describes NCCL's choice).
 - ``delta`` (with ``changed_fraction``): refit's plan sending only the changed elements
-  (``refit.quant.delta``): per link the encoding its rule picks for that fraction over that link
-  (dense on a same-GPU link, and over NVLink at the measured find rate); a sender's ``find``
-  resource reads base and current (2x the link's dense bytes) and packs, a receiver's ``scatter``
-  applies, at the rule's rates measured on an H100 (``LINKS``); the wire carries the encoded bytes.
+  (``refit.quant.delta``): per link the encoding ``delta="auto"`` picks for that fraction over that
+  link (dense on a same-GPU link; per 64-bit word where ``prefer_words`` says words beat the element
+  encodings, as on NVLink and NICs for bf16, each word then changed with probability
+  ``1 - (1 - f)**(8 / itemsize)``); a sender's ``find`` resource reads base and current (2x the
+  link's dense bytes) and packs, a receiver's ``scatter`` applies, at the rule's rates (``LINKS``);
+  the wire carries the encoded bytes. The fixed cost per chunk of a delta step (``chunk_s``) is
+  not counted: it depends on the staging budget, not on the cluster.
   Changes are taken as spread evenly (an optimizer step on bf16 weights), so every link sees the
   same fraction; FP8 engines: the same
   fraction of FP8 elements (the blocks whose inputs changed are re-quantised; an element whose FP8
@@ -54,7 +57,16 @@ from typing import Any
 from refit.errors import TopologyError
 from refit.layout import ModelLayout
 from refit.plan.planner import ProcessMap, link_bytes
-from refit.quant.delta import INDEX_BYTES, LINKS, LinkSpeed, choose_encoding, may_pay, wire_bytes
+from refit.quant.delta import (
+    INDEX_BYTES,
+    LINKS,
+    LinkSpeed,
+    choose_encoding,
+    choose_words,
+    may_pay,
+    prefer_words,
+    wire_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -213,22 +225,10 @@ def delta_time(
     wire: dict[tuple[int, int], int] = {}
     work: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])  # bytes, seconds
     for (s, d), n in transfers.items():
-        elems = n // itemsize
-        k = round(fraction * elems)
-        msg = min(elems, 1 << 28)  # the rule weighs messages (at most a tensor), not a link's total
-        speed = _link_speed(s, d, topo)
-        pays = may_pay([(msg, itemsize)], speed)  # as ``delta="auto"``: dense where no delta can pay by the margin
-        kind = choose_encoding([(msg, round(fraction * msg), itemsize)], speed) if pays else "dense"
-        wire[(s, d)] = n if kind == "dense" else wire_bytes(kind, elems, k, itemsize)
-        if kind != "dense":  # at the rule's measured rates: the find reads base and current, then per change
-            per_change = k * (INDEX_BYTES + 2 * itemsize)  # pack and base update (sender), scatter (receiver)
-            apply_s = per_change / (speed.apply_gbps * 1e9)
-            for key, b, t in (
-                (("find", s), 2 * n + per_change, 2 * n / (speed.find_gbps * 1e9) + apply_s),
-                (("scatter", d), per_change, apply_s),
-            ):
-                work[key][0] += b
-                work[key][1] += t
+        wire[(s, d)], find, apply = _delta_link(n, itemsize, fraction, _link_speed(s, d, topo))
+        for key, (b, t) in ((("find", s), find), (("scatter", d), apply)):
+            work[key][0] += b
+            work[key][1] += t
     secs, raw = loads(wire, topo)
     for key, (b, t) in work.items():
         raw[key], secs[key] = b, t
@@ -237,6 +237,33 @@ def delta_time(
     (kind, idx), t = max(secs.items(), key=lambda kv: kv[1])
     where = f"node {idx}" if kind.startswith("node") else f"GPU {idx}"
     return t, f"{kind} of {where}", int(raw[(kind, idx)]), sum(wire.values())
+
+
+def _delta_link(
+    n: int, itemsize: int, fraction: float, speed: LinkSpeed
+) -> tuple[int, tuple[float, float], tuple[float, float]]:
+    """One link's ``n`` bytes as ``delta="auto"`` sends them: (wire bytes, (bytes, seconds) of the
+    sender's find + pack + base update, (bytes, seconds) of the receiver's scatter). The rule weighs
+    messages (at most a tensor), not a link's total: one message of up to 2**28 elements stands for
+    them. Found per 64-bit word where ``prefer_words`` says so (each word of ``8 // itemsize`` elements
+    changes with probability ``1 - (1 - fraction)**(8 // itemsize)``), else per element."""
+    elems = n // itemsize
+    msg = min(elems, 1 << 28)
+    words = prefer_words([(msg, itemsize)], speed)
+    if not may_pay([(msg, itemsize)], speed, words):  # as ``auto``: dense where no delta can pay by the margin
+        return n, (0.0, 0.0), (0.0, 0.0)
+    if words:
+        changed = 1 - (1 - fraction) ** max(1, 8 // itemsize)
+        kind = choose_words([(msg, round(changed * msg * itemsize / 8), itemsize)], speed)
+        k, per_change, find_gbps = round(changed * n / 8), INDEX_BYTES + 16, speed.word_find_gbps
+    else:
+        kind = choose_encoding([(msg, round(fraction * msg), itemsize)], speed)
+        k, per_change, find_gbps = round(fraction * elems), INDEX_BYTES + 2 * itemsize, speed.find_gbps
+    if kind == "dense":
+        return n, (0.0, 0.0), (0.0, 0.0)
+    apply = (k * per_change, k * per_change / (speed.apply_gbps * 1e9))  # pack + base update; scatter
+    find = (2 * n + apply[0], 2 * n / (find_gbps * 1e9) + apply[1])  # reads base and current, then packs
+    return wire_bytes(kind, elems, k, itemsize), find, apply
 
 
 def _link_speed(s: int, d: int, topo: Topology) -> LinkSpeed:

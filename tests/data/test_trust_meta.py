@@ -1,0 +1,151 @@
+"""``RayStore(trust_meta=True)``: reads through a put's ``BatchMeta`` make no call to the storage
+actors, puts return before their record is confirmed, and what that trades is exactly what the
+docs say: a refusal is never lost, a take stays exactly-once, and the rows read are the put's."""
+
+import sys
+
+import pytest
+import torch
+
+from refit.data import MissingKeyError
+
+ray = pytest.importorskip("ray")
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import this test module
+
+
+def _batch(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "ids": torch.randint(0, 1 << 30, (n, 40_000), generator=g, dtype=torch.int32),  # in the object store
+        "logprobs": torch.randn(n, 7, generator=g).to(torch.bfloat16),
+    }
+
+
+@pytest.fixture(params=[True, False], ids=["durable", "durable=False"])
+def trusting(request, ray_store):
+    """A trust_meta client of the package's storage actors, emptied before and after."""
+    from refit.data.ray_store import RayStore
+
+    s = RayStore(len(ray_store.actors), durable=request.param, trust_meta=True, _actors=ray_store.actors)
+    for p in {p for p, _ in s.keys()}:
+        s.clear_partition(p)
+    yield s
+    for p in {p for p, _ in s.keys()}:
+        s.clear_partition(p)
+    s.settle()
+
+
+class _NoCalls:
+    """Stands in for the storage actors: any call through it fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a call to the storage actor ({name}) was made")
+
+
+def test_get_through_the_meta_makes_no_call_and_returns_exact_rows(trusting, monkeypatch):
+    data = _batch(6, 0)
+    meta = trusting.put([f"k{i}" for i in range(6)], data, partition="tm")
+    trusting.confirm()
+    monkeypatch.setattr(trusting, "_unit", lambda partition: _NoCalls())
+    got = trusting.get(meta, select_fields=["ids", "logprobs"])
+    assert torch.equal(got["ids"], data["ids"]) and torch.equal(
+        got["logprobs"].view(torch.int16), data["logprobs"].view(torch.int16)
+    )
+    shard = trusting.get(meta.select([5, 0, 3]), select_fields=["ids"])  # a DP rank's scattered share
+    assert torch.equal(shard["ids"], data["ids"][[5, 0, 3]])
+    with pytest.raises(AssertionError, match="call to the storage actor"):
+        trusting.get(list(meta.keys), select_fields=["ids"], partition="tm")  # by key list: asks the actor
+
+
+def test_shares_read_in_other_processes_and_concatenated_metas(trusting):
+    a, b = _batch(4, 1), _batch(3, 2)
+    ma = trusting.put([f"a{i}" for i in range(4)], a, partition="tm")
+    mb = trusting.put([f"b{i}" for i in range(3)], b, partition="tm")
+    both = type(ma).concat([ma, mb])
+    assert both.where is not None and len(both.where) == 7
+
+    @ray.remote(num_cpus=0)
+    def read(store, meta):
+        return store.get(meta, select_fields=["ids"], copy=True)["ids"]
+
+    got = ray.get(read.remote(trusting, both.select([6, 1, 4])))
+    assert torch.equal(got, torch.cat([b["ids"][[2]], a["ids"][[1]], b["ids"][[0]]]))
+    assert trusting.clear(both) == 7
+
+
+def test_take_through_the_meta_is_exactly_once(trusting):
+    data = _batch(5, 3)
+    meta = trusting.put([f"t{i}" for i in range(5)], data, partition="tm")
+    got = trusting.take(meta.select([3, 4]), select_fields=["ids"])
+    assert torch.equal(got["ids"], data["ids"][3:5])
+    assert sorted(trusting.keys("tm")) == ["t0", "t1", "t2"]
+    with pytest.raises(MissingKeyError):
+        trusting.take(meta.select([4, 0]), select_fields=["ids"])  # t4 was taken: nothing dropped
+    assert sorted(trusting.keys("tm")) == ["t0", "t1", "t2"]
+    with pytest.raises(KeyError):  # a field the put never wrote: refused, nothing dropped
+        trusting.take(meta.select([0]).with_fields(["reward"]), select_fields=["reward"])
+    assert trusting.take(meta.select([0, 1, 2]), select_fields=["logprobs"])["logprobs"].shape == (3, 7)
+    assert trusting.keys("tm") == []
+
+
+def test_a_refused_put_is_reported_and_never_taken(trusting):
+    first = _batch(3, 4)
+    trusting.put(["x0", "x1", "x2"], first, partition="tm")
+    clash = trusting.put(["x2", "x3"], _batch(2, 5), partition="tm")  # returns: not confirmed yet
+    with pytest.raises(ValueError, match="'x2'.*already has field.*trust_meta"):
+        trusting.take(clash, select_fields=["ids"])  # waits for the record: refused, drops nothing
+    assert sorted(trusting.keys("tm")) == ["x0", "x1", "x2"]  # the first put's keys are whole
+    got = trusting.get(["x2"], select_fields=["ids"], partition="tm")["ids"]
+    assert torch.equal(got, first["ids"][[2]])  # the first put's row, not the refused one's
+    trusting.put(["x1"], {"ids": torch.zeros(1, 4, dtype=torch.int32)}, partition="tm")
+    with pytest.raises(ValueError, match="'x1'.*already has field"):
+        trusting.confirm()  # the writer's next call reports its refused put
+    trusting.confirm()  # reported once
+
+
+def test_fields_outside_the_meta_go_through_the_actor(trusting):
+    data = _batch(4, 6)
+    meta = trusting.put([f"f{i}" for i in range(4)], data, partition="tm")
+    adv = torch.arange(4, dtype=torch.float32)
+    trusting.put(list(meta.keys), {"advantages": adv}, partition="tm")
+    both = meta.with_fields(["advantages"])
+    got = trusting.get(both, select_fields=["advantages", "ids"])  # advantages: not in the meta's put
+    assert torch.equal(got["advantages"], adv) and torch.equal(got["ids"], data["ids"])
+
+
+def test_the_documented_trade_reads_the_puts_rows_after_a_clear(trusting):
+    data = _batch(2, 7)
+    meta = trusting.put(["s0", "s1"], data, partition="tm")
+    assert trusting.clear(meta) == 2
+    with pytest.raises(MissingKeyError):
+        trusting.get(["s0"], select_fields=["ids"], partition="tm")  # the store no longer holds it
+    stale = trusting.get(meta, select_fields=["ids"])  # the meta holds the object: what the put wrote
+    assert torch.equal(stale["ids"], data["ids"])
+    with pytest.raises(MissingKeyError):
+        trusting.take(meta, select_fields=["ids"])  # but a consuming read is refused
+
+
+def test_a_store_that_does_not_trust_metas_ignores_their_locations(trusting, ray_store):
+    meta = trusting.put(["u0"], _batch(1, 8), partition="tm")
+    assert trusting.clear(meta) == 1
+    with pytest.raises(MissingKeyError):
+        ray_store.get(meta, select_fields=["ids"])  # the default client asks the actor
+
+
+@ray.remote(num_cpus=0)
+class Writer:
+    def put(self, store, keys):
+        meta = store.put(keys, _batch(len(keys), 9), partition="tm")
+        store.confirm()  # recorded (and, durable, pinned by the storage actor)
+        return meta
+
+
+def test_a_durable_put_outlives_its_writer_when_read_through_the_meta(trusting):
+    if not trusting.durable:
+        pytest.skip("durable=False: the keys die with the writer, as documented")
+    w = Writer.remote()
+    meta = ray.get(w.put.remote(trusting, ["w0", "w1"]))
+    ray.kill(w, no_restart=True)
+    got = trusting.take(meta, select_fields=["ids"], copy=True)  # the writer's object is gone: the copy
+    assert torch.equal(got["ids"], _batch(2, 9)["ids"])
+    assert trusting.keys("tm") == []
