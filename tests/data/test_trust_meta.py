@@ -92,7 +92,7 @@ def test_a_refused_put_is_reported_and_never_taken(trusting):
     first = _batch(3, 4)
     trusting.put(["x0", "x1", "x2"], first, partition="tm")
     clash = trusting.put(["x2", "x3"], _batch(2, 5), partition="tm")  # returns: not confirmed yet
-    with pytest.raises(ValueError, match="'x2'.*already has field.*trust_meta"):
+    with pytest.raises(ValueError, match="trust_meta.*'x2'.*already has field"):
         trusting.take(clash, select_fields=["ids"])  # waits for the record: refused, drops nothing
     assert sorted(trusting.keys("tm")) == ["x0", "x1", "x2"]  # the first put's keys are whole
     got = trusting.get(["x2"], select_fields=["ids"], partition="tm")["ids"]
@@ -149,3 +149,61 @@ def test_a_durable_put_outlives_its_writer_when_read_through_the_meta(trusting):
     got = trusting.take(meta, select_fields=["ids"], copy=True)  # the writer's object is gone: the copy
     assert torch.equal(got["ids"], _batch(2, 9)["ids"])
     assert trusting.keys("tm") == []
+
+
+def test_a_take_through_an_old_meta_never_consumes_a_newer_put(trusting):
+    old = trusting.put(["r0"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")
+    trusting.take(old, select_fields=["ids"])
+    new = trusting.put(["r0"], {"ids": torch.full((1, 4), 2, dtype=torch.int32)}, partition="tm")
+    with pytest.raises(MissingKeyError, match="'r0'.*no longer holds the put its meta names"):
+        trusting.take(old, select_fields=["ids"])  # taken once: the new put's row stays
+    trusting.put(["r0"], {"ids": torch.full((1, 4), 3, dtype=torch.int32)}, partition="tm", overwrite=True)
+    with pytest.raises(MissingKeyError, match="no longer holds"):
+        trusting.take(new, select_fields=["ids"])  # overwritten since: not this meta's row
+    assert trusting.clear(new) == 0 and trusting.keys("tm") == ["r0"]  # a clear through it drops nothing
+    got = trusting.take(["r0"], select_fields=["ids"], partition="tm")["ids"]
+    assert got.tolist() == [[3, 3, 3, 3]]
+
+
+def test_a_clients_puts_of_the_same_keys_keep_their_order(trusting):
+    for r in range(20):  # the storage actor is threaded: without the wait, a later overwrite could land first
+        trusting.put([f"o{r}"], {"ids": torch.zeros(1, 4, dtype=torch.int32)}, partition="tm")
+        trusting.put([f"o{r}"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm", overwrite=True)
+        rollout = trusting.put([f"p{r}"], {"ids": torch.zeros(1, 4, dtype=torch.int32)}, partition="tm")
+        trusting.put([f"p{r}"], {"adv": torch.ones(1)}, partition="tm")  # a new field for the same key
+        trusting.take(rollout, select_fields=["ids"])  # waits for this client's pending puts first
+    got = trusting.get([f"o{r}" for r in range(20)], select_fields=["ids"], partition="tm")["ids"]
+    assert bool((got == 1).all())
+    assert sorted(trusting.keys("tm")) == sorted(f"o{r}" for r in range(20))  # no key re-created after its take
+
+
+def test_every_refusal_is_reported_once_and_none_is_lost(trusting):
+    trusting.put(["a", "b"], {"ids": torch.zeros(2, 4, dtype=torch.int32)}, partition="tm")
+    trusting.confirm()
+    trusting.put(["a"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")
+    trusting.put(["b"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")
+    with pytest.raises(ValueError, match=r"2 put\(s\) refused.*'a'.*'b'"):
+        trusting.confirm()
+    trusting.confirm()  # reported once
+    assert trusting.get(["a", "b"], select_fields=["ids"], partition="tm")["ids"].sum() == 0
+
+
+def test_a_put_that_reports_an_earlier_refusal_is_not_made(trusting):
+    trusting.put(["c"], {"ids": torch.zeros(1, 4, dtype=torch.int32)}, partition="tm")
+    trusting.confirm()
+    trusting.put(["c"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")  # refused later
+    ray.get(trusting._pending[0][0].reply[0])  # its reply is in
+    with pytest.raises(ValueError, match="'c'.*already has field"):
+        trusting.put(["d"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")
+    assert trusting.keys("tm") == ["c"]  # "d" was not written
+
+
+def test_zero_copy_survives_chunking_pickling_and_concat(trusting):
+    data = _batch(4, 10)
+    meta = trusting.put([f"z{i}" for i in range(4)], data, partition="tm")
+    parts = [ray.get(ray.put(m)) for m in meta.chunk(2)]  # two separate deserializations
+    joined = type(meta).concat(parts)
+    assert joined == meta  # locations take no part in equality
+    one = trusting.get(joined, select_fields=["ids"])["ids"]
+    again = trusting.get(meta, select_fields=["ids"])["ids"]
+    assert one.data_ptr() == again.data_ptr()  # one put, one object: a view, not a gather

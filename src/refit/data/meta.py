@@ -43,7 +43,7 @@ class BatchMeta:
     tags: tuple[dict[str, Any], ...] = ()  # one dict per key (empty dicts when untagged)
     seq_lens: tuple[int, ...] | None = None  # one per key, when known
     extra_info: dict[str, Any] = field(default_factory=dict)
-    where: tuple[Any, ...] | None = None  # one location per key, when the writing store gives them
+    where: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)  # one location per key, or None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keys", tuple(self.keys))

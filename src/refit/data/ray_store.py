@@ -36,17 +36,25 @@ still queued is then skipped, and the writer's bytes unpinned when the copy thre
 Reads through the meta (``trust_meta=True``). A put's ``BatchMeta`` then carries where each row
 is (``BatchMeta.where``: the put's object reference and the row), and a ``get`` through such a meta
 reads those objects directly: no call to the storage actor at all, the same ``ray.get`` a plain
-``ray.put``/``ray.get`` pipeline makes. A put submits its call and returns without waiting for
-the reply: a refusal (a key that already has the field) is raised by the first take through its
-meta, by the writer's next call of this client, or by ``confirm()``; a writer that may exit right
-after its puts calls ``confirm()`` first (until the storage actor has recorded a put, and for a
-durable one pinned its bytes, the put lives only in its writer). A ``take`` through the meta reads
-the objects and the puts' replies, then drops the keys in one call. The trade, opt-in because it
-weakens the contract: such a get does not ask the store, so it returns the rows that put wrote even
-after they were overwritten or refused, and reads keys already cleared while the meta (which holds
-the object's reference) lives; a meta also keeps its objects in the object store until it is
-dropped. A take still refuses keys already taken and puts refused (exactly-once holds). Gets by
-key list, and fields the meta's put did not write, go through the storage actor as usual.
+``ray.put``/``ray.get`` pipeline makes. Each such put has an origin (a random token) the storage
+actor keeps with its rows. A put submits its call and returns without waiting for the reply; a
+refusal (a key that already has the field) is raised by this client's next call before that call
+does anything (``put`` raises the refusals already in), or by ``confirm()``; a put that overwrites,
+or writes keys one of this client's pending puts wrote, first waits for those (the storage actor
+is threaded: Ray would not keep their order). A writer that may exit right after its puts calls
+``confirm()`` first: until the storage actor has recorded a put, and for a durable one pinned its
+bytes, the put lives only in its writer. A ``take`` through the meta reads the replies of its puts
+and of this client's pending ones (raising refusals), then the objects, then drops the keys in one
+call that checks each key still holds its put's rows (same origin), so exactly-once holds: a
+refused put's rival, or a key taken and written again or overwritten since, raises
+``MissingKeyError`` and nothing is dropped. A ``clear`` through such a meta drops only the keys
+holding its puts' rows. The trade, opt-in because it weakens the contract: a get through a meta
+does not ask the store, so it returns the rows that put wrote even after they were overwritten,
+refused or cleared; a meta keeps its objects in the object store until it is dropped (a durable
+put's object beside the storage actor's copy: twice its bytes while the meta lives); and another
+client sees a put only once it is recorded (read through the meta, or have the writer
+``confirm()``). Gets by key list, and fields the meta's put did not write, go through the storage
+actor as usual.
 
 Trade-offs: a reader on another node pulls the whole objects that hold its rows (Ray moves
 objects, not rows): put batches the size you want readers to move. One partition's metadata is
@@ -59,8 +67,10 @@ workers and trainer ranks. Nothing refit reads is unpickled outside Ray's own tr
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import uuid
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -119,10 +129,10 @@ class _Payload:
     still held (a copy of a put whose keys are all gone is skipped); ``error``: why the last copy
     failed (``held`` is then kept, and the copy is tried again when a reader or ``settle`` needs it)."""
 
-    __slots__ = ("ref", "held", "settled", "error", "live")
+    __slots__ = ("ref", "held", "settled", "error", "live", "origin")
 
-    def __init__(self, ref: Any, held: Any, live: int) -> None:
-        self.ref, self.held, self.error, self.live = ref, held, None, live
+    def __init__(self, ref: Any, held: Any, live: int, origin: str | None = None) -> None:
+        self.ref, self.held, self.error, self.live, self.origin = ref, held, None, live, origin
         self.settled = threading.Event()
         if held is None:
             self.settled.set()
@@ -149,9 +159,11 @@ class _StorageActor:
         self.lock = threading.Lock()  # guards ``failed`` and the retry of a failed copy
         self.failed: set[_Payload] = set()
 
-    def put(self, partition, keys, holder, fields, tags, seq_lens, overwrite, durable) -> str | None:
+    def put(self, partition, keys, holder, fields, tags, seq_lens, overwrite, durable, origin=None) -> str | None:
         """Check, pin (``durable``) and record, in one call; the reason a put is refused (nothing
-        written), or None. The durable copy follows in the background. ``tags`` None: no key has any."""
+        written), or None. The durable copy follows in the background. ``tags`` None: no key has any.
+        ``origin``: the put's token (``trust_meta``), by which a take or clear through its meta
+        recognises its rows."""
         tags = [{} for _ in keys] if tags is None else tags
         if not overwrite:
             err = self.unit.clash(partition, keys, fields)
@@ -169,7 +181,7 @@ class _StorageActor:
             except ray.exceptions.RayError as e:  # the writer died before its object was pinned
                 self.slots.release()
                 return f"put: the writer's object is gone ({type(e).__name__}); nothing was written"
-        payload = _Payload(ref, held, len(fields))
+        payload = _Payload(ref, held, len(fields), origin)
         try:  # checks again under the unit's lock: a racing put of the same keys may have won
             self.unit.put(partition, keys, {f: (payload, f) for f in fields}, tags, seq_lens, overwrite)
         except ValueError as e:
@@ -234,14 +246,18 @@ class _StorageActor:
                     "cleared (the writer's bytes stay pinned; the copy is tried again on the next read)"
                 )
 
-    def locate(self, partition, keys, select, clear=False, settle=False) -> dict[str, list]:
+    def locate(self, partition, keys, select, clear=False, settle=False, expect=None) -> dict[str, list]:
         """Where the rows are; with ``clear`` (a take), the keys are dropped in the same call once
         every durable copy they need exists (nothing is dropped if one cannot be made). ``settle``:
-        wait for the durable copies of the objects returned (the writer's reference may be dead)."""
+        wait for the durable copies of the objects returned (the writer's reference may be dead).
+        ``expect``: per key, the origin of the put its rows must come from (``_mine``)."""
         deadline, what = time.monotonic() + SETTLE_TIMEOUT_S, "take" if clear else "get"
+        accept = _mine(partition, keys, expect)
         while True:
             try:
-                located = self.unit.locate(partition, keys, select, clear, ready=_copied if clear else None)
+                located = self.unit.locate(
+                    partition, keys, select, clear, ready=_copied if clear else None, accept=accept
+                )
             except NotReady as e:  # nothing dropped: wait for those copies, then try again
                 self._wait({p for p, _ in e.payloads}, deadline, partition, what)
                 continue
@@ -250,11 +266,11 @@ class _StorageActor:
             break
         return {f: [([p.ref], name, pos, rows) for (p, name), pos, rows in groups] for f, groups in located.items()}
 
-    def drop(self, partition, keys, select) -> None:
+    def drop(self, partition, keys, select, expect) -> None:
         """A take whose reader already holds the rows (it read them where its meta said): drop the
         keys (no copy needed: the reader maps the bytes); raises, dropping nothing, where a key or
-        field is missing."""
-        self.unit.locate(partition, keys, select, clear=True)
+        field is missing or a key's rows are not from the put ``expect`` names (``_mine``)."""
+        self.unit.locate(partition, keys, select, clear=True, accept=_mine(partition, keys, expect))
 
     def settle(self, timeout_s: float) -> None:
         """Return once every durable copy asked for before this call exists (failed ones are tried
@@ -270,8 +286,11 @@ class _StorageActor:
         if failed:
             raise RuntimeError(f"settle: {len(failed)} durable copies failed, e.g. {failed[0]}")
 
-    def clear(self, partition, keys) -> int:
-        return self.unit.clear(partition, keys)
+    def clear(self, partition, keys, expect=None) -> int:
+        """Drop ``keys``; with ``expect`` (per key, a put's origin), only those holding a row of that put."""
+        if expect is None:
+            return self.unit.clear(partition, keys)
+        return self.unit.clear(partition, keys, lambda i, payloads: any(p.origin == expect[i] for p, _ in payloads))
 
     def clear_partition(self, partition) -> int:
         return self.unit.clear_partition(partition)
@@ -290,22 +309,29 @@ class Placed:
     """Where one put's rows are, as ``RayStore(trust_meta=True)`` records them in its ``BatchMeta``
     (each key's location is ``(placed, row)``): the put's object and the reply of its storage
     actor's call (each in a list: Ray passes the reference, not the value), the fields it holds,
-    and what the put was (for errors). The reply is None, or why the put was refused."""
+    its origin (a random token the storage actor keeps with its rows: a take or clear through the
+    meta acts only on rows of this put) and what the put was (for errors). The reply is None, or
+    why the put was refused."""
 
-    __slots__ = ("holder", "reply", "fields", "what")
+    __slots__ = ("holder", "reply", "fields", "origin", "what")
 
-    def __init__(self, holder: list, reply: list, fields: tuple[str, ...], what: str) -> None:
-        self.holder, self.reply, self.fields, self.what = holder, reply, fields, what
+    def __init__(self, holder: list, reply: list, fields: tuple[str, ...], origin: str, what: str) -> None:
+        self.holder, self.reply, self.fields, self.origin, self.what = holder, reply, fields, origin, what
 
     def __reduce__(self):
-        return (Placed, (self.holder, self.reply, self.fields, self.what))
+        return (Placed, (self.holder, self.reply, self.fields, self.origin, self.what))
 
 
 def _refused(placed: list[Placed], replies: list) -> None:
-    """Raise the first refusal among the replies of these puts."""
-    for p, err in zip(placed, replies):
-        if err:
-            raise ValueError(f"{err} ({p.what}; it returned before the storage actor refused it: trust_meta)")
+    """Raise every refusal among the replies of these puts, in one ``ValueError``."""
+    bad = [f"{err} ({p.what})" for p, err in zip(placed, replies) if err]
+    if bad:
+        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ValueError(
+            f"{len(bad)} put(s) refused by the storage actor after they returned (trust_meta): "
+            + "; ".join(bad[:3])
+            + more
+        )
 
 
 def _objects(located: dict[str, list]) -> dict[Any, Any]:
@@ -329,6 +355,28 @@ def _assemble(n: int, select: list[str], located: dict[str, list], objects: dict
     return out
 
 
+def _mine(partition: str, keys: list[str], expect: list[str] | None):
+    """``StorageUnit.locate``'s ``accept`` for a read through a ``trust_meta`` meta: every row located must
+    come from the put whose origin ``expect`` names for its key (not a refused put's rival, nor a later
+    put of a key taken or overwritten since)."""
+    if expect is None:
+        return None
+
+    def accept(located: dict) -> str | None:
+        for groups in located.values():
+            for (p, _), pos, _ in groups:
+                bad = next((i for i in pos if expect[i] != p.origin), None)
+                if bad is not None:
+                    return (
+                        f"key {keys[bad]!r} in partition {partition!r} no longer holds the put its meta names "
+                        "(that put was refused, or the key was taken and written again, or overwritten); "
+                        "nothing was dropped"
+                    )
+        return None
+
+    return accept
+
+
 def _shard(partition: str, n: int) -> int:
     return zlib.crc32(partition.encode()) % n
 
@@ -347,12 +395,14 @@ class RayStore(Store):
     writable tensors with ``copy=True``; ``put``, ``get``, ``clear`` and ``meta`` are each one
     call to one storage actor. ``trust_meta=True``: a get through a ``BatchMeta`` that a put
     returned makes no call (it reads where the meta says; it does not see later overwrites or
-    clears: the module docstring says what that trades).
+    clears), and a put does not wait for its record (``confirm()`` does): the module docstring says
+    what that trades and keeps.
 
     Lifecycle: built once, on a process where ``ray.init()`` ran (the driver); pickling it
     (passing it to a Ray task or actor) gives a client of the same actors, in the same order,
-    with the same ``durable``. ``shutdown()`` kills the actors, dropping every key they hold:
-    call it once, when no client is in use.
+    with the same ``durable`` and ``trust_meta`` (and no pending puts: they are the writer's).
+    ``shutdown()`` kills the actors, dropping every key they hold: call it once, when no client
+    is in use.
 
     Must agree: every client routes a partition to an actor by a stable hash of its name
     modulo the number of actors, so clients must come from one store by pickling (never build
@@ -371,7 +421,8 @@ class RayStore(Store):
         if ray is None:
             raise ImportError("RayStore needs ray: pip install 'refit-rl[data]'")
         self.durable, self.trust_meta = durable, trust_meta
-        self._pending: list[Placed] = []  # trust_meta puts whose storage actor's reply was not read yet
+        self._pending: list[tuple[Placed, str, frozenset]] = []  # trust_meta puts not confirmed: partition, keys
+        self._lock = threading.Lock()  # guards ``_pending`` (threads may share a client)
         if _actors is not None:
             self.actors = list(_actors)
             return
@@ -400,44 +451,70 @@ class RayStore(Store):
 
     def put(self, keys, fields, *, partition="default", tags=None, seq_lens=None, overwrite=False) -> BatchMeta:
         keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
+        origin = None
+        if self.trust_meta:
+            self._confirm(block=False)  # an earlier put's refusal, if its reply is in: this put is not made
+            if overwrite or self._pending_on(partition, keys):
+                self._confirm(block=True)  # after this client's earlier puts of these keys (the actor is threaded)
+            origin = uuid.uuid4().hex
         ref = ray.put({n: _encode_field(d) for n, d in fields.items()})
         reply = self._unit(partition).put.remote(
-            partition, keys, [ref], list(fields), tag_list if any(tag_list) else None, lens, overwrite, self.durable
+            partition,
+            keys,
+            [ref],
+            list(fields),
+            tag_list if any(tag_list) else None,
+            lens,
+            overwrite,
+            self.durable,
+            origin,
         )
         where = None
-        if not self.trust_meta:
+        if origin is None:
             err = ray.get(reply)
             if err:
                 raise ValueError(err)
         else:
-            self._confirm(block=False)  # an earlier put's refusal, if its reply is in
-            placed = Placed([ref], [reply], tuple(fields), f"a put of {len(keys)} keys to partition {partition!r}")
-            self._pending.append(placed)
+            placed = Placed(
+                [ref], [reply], tuple(fields), origin, f"a put of {len(keys)} keys to partition {partition!r}"
+            )
+            with self._lock:
+                self._pending.append((placed, partition, frozenset(keys)))
             where = [(placed, i) for i in range(len(keys))]
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens, where=where)
 
+    def _pending_on(self, partition: str, keys: list[str]) -> bool:
+        """Whether one of this client's pending puts wrote some of ``keys`` of ``partition``."""
+        with self._lock:
+            return any(p == partition and not held.isdisjoint(keys) for _, p, held in self._pending)
+
     def confirm(self) -> None:
-        """Wait for the storage actors' replies to this client's ``trust_meta`` puts; ``ValueError``
-        naming the first one refused. Every other call of this client (but ``put`` and reads through
-        a meta, which check their own puts) does this first."""
+        """Wait for the storage actors' replies to this client's ``trust_meta`` puts; one ``ValueError``
+        naming every one refused. Every other call of this client does this first (``put`` checks the
+        replies already in, and waits for them where it writes keys a pending put wrote)."""
         self._confirm(block=True)
 
     def _confirm(self, block: bool, meta: Any = None) -> None:
-        """Raise the first refusal among the replies of this client's pending puts (all of them, or,
-        unless ``block``, those already in) and of the puts ``meta`` names."""
+        """Raise the refusals among the replies of this client's pending puts (all of them, or, unless
+        ``block``, those already in) and of the puts ``meta`` names."""
         _refused(*self._replies(block, meta))
 
     def _replies(self, block: bool, meta: Any = None) -> tuple[list[Placed], list]:
-        puts = {p.reply[0]: p for p in self._pending}
+        """The puts whose replies were read, and those replies; they leave the pending list (a refusal is
+        reported once) only once read."""
+        with self._lock:
+            puts = {p.reply[0]: p for p, _, _ in self._pending}
         if isinstance(meta, BatchMeta) and meta.where is not None:
             puts.update((p.reply[0], p) for p, _ in meta.where if isinstance(p, Placed))
         if not puts:
             return [], []
         refs = list(puts)
         done = refs if block else ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+        replies = ray.get(done)
         ready = set(done)
-        self._pending = [p for p in self._pending if p.reply[0] not in ready]
-        return [puts[r] for r in done], ray.get(done)
+        with self._lock:
+            self._pending = [e for e in self._pending if e[0].reply[0] not in ready]
+        return [puts[r] for r in done], replies
 
     def get(self, keys, *, select_fields, partition=None, copy=False) -> dict[str, Rows]:
         return self._fetch(keys, select_fields, partition, copy, clear=False)
@@ -450,79 +527,96 @@ class RayStore(Store):
         keys_arg = keys
         keys, partition, select = self._request(keys, partition, select_fields)
         if placed is not None:
-            return self._fetch_placed(placed, partition, keys, select, copy, clear)
+            return self._fetch_placed(placed, keys_arg, partition, keys, select, copy, clear)
         self._confirm(True, keys_arg)
+        return self._located(partition, keys, select, copy, clear)
+
+    def _located(self, partition, keys, select, copy: bool, clear: bool, expect=None) -> dict[str, Rows]:
+        """Read through the storage actor (``locate``, then the objects it names)."""
         try:
-            located, objects = self._read(partition, keys, select, clear, settle=False)
+            located, objects = self._read(partition, keys, select, clear, False, expect)
         except ray.exceptions.ObjectLostError:
             if not self.durable:
                 raise
             # a writer died before the storage actor's copy existed: ask again, for the copies
             # (a take never gets here: its locate waits for them)
-            located, objects = self._read(partition, keys, select, False, settle=True)
+            located, objects = self._read(partition, keys, select, False, True, expect)
         return _assemble(len(keys), select, located, objects, copy)
 
     def _placed(self, keys: Any, select_fields: Any) -> dict | None:
-        """The meta's locations grouped by put (``{placed: (positions, rows)}``), where this store
-        trusts them and they cover every field asked; else None."""
+        """The meta's locations grouped by put (``{reply reference: (placed, positions, rows)}``), where this
+        store trusts them and they cover every field asked; else None."""
         if not (self.trust_meta and isinstance(keys, BatchMeta) and keys.where is not None):
             return None
         try:
             puts, rows = zip(*keys.where)
         except (TypeError, ValueError):  # not (placed, row) pairs: not this store's
             return None
-        groups: dict[int, tuple[Any, list[int], list[int]]] = {}
-        if puts.count(puts[0]) == len(puts):  # one put's rows (identity compares, in C)
-            groups[id(puts[0])] = (puts[0], list(range(len(puts))), list(rows))
+        if not isinstance(puts[0], Placed):
+            return None
+        groups: dict[Any, tuple[Any, list[int], list[int]]] = {}
+        if puts.count(puts[0]) == len(puts):  # one put's rows, one object (identity compares, in C)
+            groups[0] = (puts[0], list(range(len(puts))), list(rows))
         for pos, p in enumerate(puts if not groups else ()):
-            g = groups.get(id(p))
+            if not isinstance(p, Placed):
+                return None
+            g = groups.get(p.reply[0])  # one put, even where pickling made several ``Placed`` of it
             if g is None:
-                g = groups[id(p)] = (p, [], [])
+                g = groups[p.reply[0]] = (p, [], [])
             g[1].append(pos)
             g[2].append(rows[pos])
         fields = [select_fields] if isinstance(select_fields, str) else list(select_fields or ())
         if not all(isinstance(p, Placed) and all(f in p.fields for f in fields) for p, _, _ in groups.values()):
             return None
-        return {p: (pos, rows) for p, pos, rows in groups.values()}
+        return groups
 
-    def _fetch_placed(self, where: dict, partition, keys, select, copy: bool, clear: bool) -> dict[str, Rows]:
-        """Read the rows where the meta says they are, with no call and no wait for a get (it reads
-        what the meta's puts wrote, whether or not their storage actor has recorded them yet); a take
-        also waits for the storage actor's replies to those puts (raising a refusal), then drops the
-        keys in one call (which raises, dropping nothing, where a key or field is missing). A durable
-        put whose writer died before its copy existed is read the usual way (``locate``), which
-        waits for the copy."""
-        groups = where
-        replies = [p.reply[0] for p in groups] if clear else []  # a take drops only keys its puts recorded
+    def _fetch_placed(self, groups: dict, meta, partition, keys, select, copy: bool, clear: bool) -> dict[str, Rows]:
+        """Read the rows where the meta says they are, with no call and no wait for a get (it reads what
+        the meta's puts wrote, whether or not their storage actor recorded them). A take first reads the
+        replies of the meta's puts and of this client's pending ones (raising refusals), then the objects,
+        then drops the keys in one call that checks each key still holds its put's rows (``_mine``:
+        exactly-once; ``MissingKeyError`` dropping nothing otherwise). Where the writer died (its reply
+        or, ``durable``, its object is gone), the take or get goes through ``locate`` with the same check,
+        which waits for the storage actor's copy."""
+        expect = [p.origin for p, _ in meta.where] if clear else None
+        if clear:
+            try:
+                self._confirm(True, meta)
+            except ray.exceptions.ObjectLostError:
+                if not self.durable:
+                    raise
+                return self._located(partition, keys, select, copy, clear, expect)
         try:
-            got = ray.get(replies + [p.holder[0] for p in groups])
+            objects = ray.get([p.holder[0] for p, _, _ in groups.values()])
         except ray.exceptions.ObjectLostError:
             if not self.durable:
                 raise
-            return self._fetch(keys, select, partition, copy, clear)
-        if replies:  # read here: not reported again by this client's next call
-            self._pending = [p for p in self._pending if p not in groups]
-        _refused(list(groups), got[: len(replies)])
-        objects = got[len(replies) :]
+            return self._located(partition, keys, select, copy, clear, expect)
         if clear:
-            ray.get(self._unit(partition).drop.remote(partition, keys, select))
+            ray.get(self._unit(partition).drop.remote(partition, keys, select, expect))
         out: dict[str, Rows] = {}
         for f in select:
-            parts = [(_decode_field(obj[f]), pos, rows) for obj, (pos, rows) in zip(objects, groups.values())]
+            parts = [(_decode_field(obj[f]), pos, rows) for obj, (_, pos, rows) in zip(objects, groups.values())]
             out[f] = gather(len(keys), parts, copy)
         return out
 
-    def _read(self, partition, keys, select, clear: bool, settle: bool) -> tuple[dict, dict]:
+    def _read(self, partition, keys, select, clear: bool, settle: bool, expect=None) -> tuple[dict, dict]:
         """One locate call, then every object it names once, all at once, zero-copy."""
-        located = ray.get(self._unit(partition).locate.remote(partition, keys, select, clear, settle))
+        located = ray.get(self._unit(partition).locate.remote(partition, keys, select, clear, settle, expect))
         return located, _objects(located)
 
     def clear(self, keys, *, partition=None) -> int:
-        refused = self._replies(True, keys)  # the puts are recorded before they are cleared
+        """Through a ``trust_meta`` meta: after its puts are recorded, only the keys holding its puts'
+        rows (a refused put's rival, or a key written again since, is not this meta's to clear)."""
+        meta = keys if isinstance(keys, BatchMeta) and keys.where is not None else None
         keys, partition = self._resolve(keys, partition)
-        n = ray.get(self._unit(partition).clear.remote(partition, keys))
-        _refused(*refused)  # the clear is done: an earlier put's refusal is still reported
-        return n
+        self._confirm(True)
+        expect = None
+        if meta is not None and all(isinstance(p, Placed) for p, _ in meta.where):
+            with contextlib.suppress(ray.exceptions.ObjectLostError):  # a dead writer: the origins decide
+                self._replies(True, meta)  # recorded (or refused) before the clear; its refusals are not the clear's
+            expect = [p.origin for p, _ in meta.where]
+        return ray.get(self._unit(partition).clear.remote(partition, keys, expect))
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """Wait until the storage actors own a copy of every durable put made so far (they are made
@@ -531,10 +625,8 @@ class RayStore(Store):
         ray.get([a.settle.remote(timeout_s) for a in self.actors])
 
     def clear_partition(self, partition: str) -> int:
-        refused = self._replies(True)
-        n = ray.get(self._unit(partition).clear_partition.remote(partition))
-        _refused(*refused)
-        return n
+        self._confirm(True)
+        return ray.get(self._unit(partition).clear_partition.remote(partition))
 
     def keys(self, partition=None):
         self._confirm(True)

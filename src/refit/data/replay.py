@@ -5,8 +5,8 @@ weight version that generated them and the version they are meant to train.
   group: any number of keys).
 - ``sample(n, current_version, select_fields=[...])``: the ``n`` oldest eligible entries, each
   returned exactly once: eligible means generated at most ``max_age`` versions ago and targeting
-  ``current_version`` or earlier. Their fields are fetched, then their keys cleared from the
-  store, under one lock (a concurrent ``add`` cannot race the clear). Returns ``None`` (and
+  ``current_version`` or earlier. Their fields are taken from the store (``Store.take``: read
+  and cleared in one step), under one lock (a concurrent ``add`` cannot race the clear). Returns ``None`` (and
   takes nothing) when fewer than ``n`` are eligible. If the fetch fails the entries stay in the
   buffer and the error propagates: nothing is lost.
 - Entries older than ``max_age`` are dropped and their keys cleared at the next ``sample`` (they
@@ -67,8 +67,8 @@ class ReplayBuffer:
     (``ValueError`` naming the value).
 
     Lifecycle: ``add`` (rollout workers) and ``sample`` (the trainer) in any order, from any
-    threads: every method takes one lock, and ``sample`` holds it across its store ``get`` and
-    ``clear``. ``close()`` when done: clears the keys still held.
+    threads: every method takes one lock, and ``sample`` holds it across its store ``take``.
+    ``close()`` when done: clears the keys still held.
 
     Must agree: ``current_version`` (``sample``, ``eligible``) and ``generated_version`` /
     ``target_version`` (``add``) count the same weight versions. Entries expired at one
@@ -130,8 +130,9 @@ class ReplayBuffer:
         """Drop expired entries, then take the ``n`` oldest eligible ones (in ``add`` order):
         their concatenated ``BatchMeta`` and ``{field: rows}`` for ``select_fields`` (as
         ``Store.get``: read-only views where it can, which stay valid after the clear; private
-        writable tensors with ``copy=True``), their keys cleared. None, taking nothing, when
-        fewer than ``n`` are eligible; a failed ``get`` propagates and leaves them in the buffer."""
+        writable tensors with ``copy=True``), their keys cleared in the same step (``Store.take``:
+        exactly-once). None, taking nothing, when fewer than ``n`` are eligible; a failed take
+        propagates, clears nothing and leaves them in the buffer."""
         if n < 1:
             raise ValueError(f"ReplayBuffer.sample: n must be >= 1, got {n}")
         with self._lock:
@@ -140,10 +141,12 @@ class ReplayBuffer:
             if len(picked) < n:
                 return None
             meta = BatchMeta.concat([e.meta for e in picked])
-            data = self.store.get(meta, select_fields=select_fields, copy=copy)  # raises: entries stay
+            data = self.store.take(
+                meta, select_fields=select_fields, copy=copy
+            )  # raises: nothing cleared, entries stay
             ids = {id(e) for e in picked}
             self._entries = [e for e in self._entries if id(e) not in ids]
-            self._stats.keys_cleared += self.store.clear(meta)
+            self._stats.keys_cleared += len(meta)
             self._stats.consumed += len(picked)
             self._stats.ages.extend(current_version - e.generated_version for e in picked)
             return meta, data

@@ -254,10 +254,18 @@ class StorageUnit:
             if self._on_drop is not None:
                 self._on_drop(c[0])
 
-    def clear(self, partition: str, keys: Iterable[str]) -> int:
-        """Drop keys; absent ones are skipped. Returns how many were held."""
+    def clear(self, partition: str, keys: Iterable[str], only: Callable[[int, list[Any]], bool] | None = None) -> int:
+        """Drop keys; absent ones are skipped. Returns how many were dropped. ``only(i, payloads)``:
+        drop ``keys[i]`` only where it says so, given the payloads of its fields (under the lock: a
+        backend drops only the rows a put of its own wrote)."""
         with self._lock:
+            if only is not None:
+                keys = [k for i, k in enumerate(keys) if self._payloads(partition, k, only, i)]
             return self._drop(partition, keys)
+
+    def _payloads(self, partition: str, key: str, only: Callable[[int, list[Any]], bool], i: int) -> bool:
+        row = self._rows.get((partition, str(key)))
+        return row is not None and only(i, [self._chunks[cid][0] for cid, _ in row.values()])
 
     def _drop(self, partition: str, keys: Iterable[str]) -> int:
         pks = [(partition, str(k)) for k in keys]
@@ -293,10 +301,13 @@ class StorageUnit:
         select_fields: Sequence[str],
         clear: bool = False,
         ready: Callable[[Any], bool] | None = None,
+        accept: Callable[[dict], str | None] | None = None,
     ) -> dict[str, list[tuple[Any, list[int], list[int]]]]:
         """Per field, the groups (payload, positions in ``keys``, rows in the payload); with
         ``clear``, the keys are dropped in the same step (not when a key or field is missing, nor,
-        given ``ready``, when a payload returned is not ready: ``NotReady`` names those)."""
+        given ``ready``, when a payload returned is not ready: ``NotReady`` names those). ``accept(out)``:
+        why these groups are not the ones the caller may read (``MissingKeyError`` with that reason,
+        nothing dropped), or None."""
         with self._lock:
             try:
                 entries = [self._rows[(partition, k)] for k in keys]
@@ -305,6 +316,9 @@ class StorageUnit:
                 self._check(partition, keys, select_fields)  # raises, naming the key and field
                 raise
             out = {f: self._groups(locs) for f, locs in located.items()}
+            reason = accept(out) if accept is not None else None
+            if reason:
+                raise MissingKeyError(reason)
             if clear:
                 if ready is not None:
                     waiting = [p for groups in out.values() for p, _, _ in groups if not ready(p)]
