@@ -141,6 +141,32 @@ class Found:
 def find_words_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> Found:
     """The changed words of pieces at byte addresses ``base`` / ``cur`` (int64 arrays, 8-byte aligned,
     contiguous, ``nwords`` words each, ``nwords > 0``) on ``device``: one launch, one host sync."""
+    return launch_words_table(base, cur, nwords, device).result()
+
+
+@dataclass
+class PendingFind:
+    """A find launched and not waited for (``launch_words_table``): its slots, and its counts on their way
+    to the host (behind ``done`` on CUDA). ``result()`` waits for them."""
+
+    idx: torch.Tensor
+    words: torch.Tensor
+    slot: np.ndarray
+    cap: np.ndarray
+    counts: torch.Tensor  # on the host (pinned on CUDA), filled when ``done`` completes
+    done: torch.cuda.Event | None
+
+    def result(self) -> Found:
+        """The ``Found`` (waits for the find and its counts: one host sync)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return Found(self.idx, self.words, self.slot, self.cap, self.counts.numpy().astype(np.int64))
+
+
+def launch_words_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> PendingFind:
+    """``find_words_table`` without the wait: the find is queued on ``device``'s current stream and its
+    counts copied to the host behind it, so the host can go on (e.g. encode the chunk before) while the
+    device finds."""
     from refit.quant.delta_triton import launch_find_words
 
     table, pieces, slot, cap = _find_table(base, cur, nwords, device)
@@ -148,7 +174,13 @@ def find_words_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, devi
     words = torch.empty(int(cap.sum()), dtype=torch.int64, device=device)
     counts = torch.zeros(len(nwords), dtype=torch.int32, device=device)
     launch_find_words(table, pieces, idx, words, counts)
-    return Found(idx, words, slot, cap, counts.cpu().numpy().astype(np.int64))
+    if device.type != "cuda":
+        return PendingFind(idx, words, slot, cap, counts.cpu(), None)
+    host = torch.empty(len(nwords), dtype=torch.int32, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    return PendingFind(idx, words, slot, cap, host, done)
 
 
 def find_words_many(

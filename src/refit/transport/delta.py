@@ -66,13 +66,14 @@ from refit.quant.delta import (
 )
 from refit.quant.delta_words import (
     Found,
+    PendingFind,
     Scatter,
     addressable,
     check_words_many,
     find_words,
     find_words_many,
-    find_words_table,
     index_bytes,
+    launch_words_table,
     pack_table,
     scatter_words_many,
     whole_words,
@@ -314,6 +315,7 @@ class DeltaSchedule:
                 for d in ops:
                     self.last[(side, d.op.peer)] = i
         self.headers = self._headers()
+        self.ahead: tuple | None = None  # (step-chunk, plans, batches, its first find): queued by ``_prefetch``
 
     @property
     def receivers(self) -> list[int]:
@@ -411,7 +413,7 @@ class DeltaSchedule:
         after: dict[tuple[int, int], int] = {}  # the quiet refits each pair's last header announced
         for i, ((sends, recvs), (send_hdr, recv_hdr, headers)) in enumerate(zip(self.steps, self.headers)):
             if sends:
-                heads = self._send_step(sends, version, held, stats, quiet)
+                heads = self._send_step(i, sends, version, held, stats, quiet)
                 heads = self._with_trailers(i, sends, heads, quiet, after)
                 send_hdr.copy_(_pinned(heads, send_hdr.is_cuda), non_blocking=True)
             (out, out_ops), (inc, inc_ops) = headers
@@ -462,6 +464,7 @@ class DeltaSchedule:
         this one, and a source's base is dropped (``SourceBase.fail``)."""
         self.quiet.clear()
         self.told = None
+        self.ahead = None
         for d in (d for sides in self.steps for ops in sides for d in ops):  # drop what the failed run held
             d.payload, d.parts, d.changes, d.found = None, [], [], None
         if self.base is not None:
@@ -513,34 +516,50 @@ class DeltaSchedule:
             off = at + 1
 
     def _send_step(
-        self, sends: list[_DeltaOp], version: int, held: dict, stats: DeltaStats, quiet: set = frozenset()
+        self, i: int, sends: list[_DeltaOp], version: int, held: dict, stats: DeltaStats, quiet: set = frozenset()
     ) -> list[int]:
-        """Plan, diff and encode a step's sends; their headers, in order. Messages to diff are diffed in
-        batches of at most ``FIND_BATCH_BYTES`` of data (``find_changes_many``: one host sync per batch)
-        and encoded at once, so the changes held at a time stay bounded."""
+        """Plan, diff and encode step-chunk ``i``'s sends; their headers, in order. Messages to diff are diffed
+        in batches of at most ``FIND_BATCH_BYTES`` of data (``find_changes_many``: one host sync per batch)
+        and encoded at once, so the changes held at a time stay bounded. Once the last batch's changes are
+        known, the next step-chunk's first find is queued (``_prefetch``): the device finds it while the
+        host encodes this one."""
+        plans, batches, pending = self._planned(i, sends, held, quiet)
+        heads: list[list[int]] = [[] for _ in sends]
+        for j, d in enumerate(sends):
+            if plans[j] != "diff":
+                heads[j] = self._encode(d, plans[j], version, stats)
+        for b, batch in enumerate(batches):
+            _find([sends[j] for j in batch], pending if b == 0 else None)  # encoded and dropped batch by batch
+            if b == len(batches) - 1:
+                self._prefetch(i + 1, held, quiet)
+            for j in batch:
+                heads[j] = self._encode(sends[j], "diff", version, stats)
+            self.base.flush()
+        return [x for h in heads for x in h]
+
+    def _planned(self, i: int, sends: list[_DeltaOp], held: dict, quiet: set) -> tuple:
+        """Step-chunk ``i``'s plans, its find batches and its first batch's find if ``_prefetch`` queued it."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == i:
+            return ahead[1:]
+        plans = self._plans(sends, held, quiet)
+        return plans, _batches(sends, plans), None
+
+    def _plans(self, sends: list[_DeltaOp], held: dict, quiet: set) -> list[str]:
         base = self.base.version
         plans = [self._plan(d, base is not None and held.get(d.op.peer) == base) for d in sends]
-        plans = ["skip" if p == "diff" and (0, d.op.peer) in quiet else p for p, d in zip(plans, sends)]
-        heads: list[list[int]] = [[] for _ in sends]
-        batch: list[int] = []
-        size, words = 0, True  # the batch's bytes; whether all its messages are found per word
-        for i in [*range(len(sends)), None]:
-            if i is not None and plans[i] != "diff":
-                heads[i] = self._encode(sends[i], plans[i], version, stats)
-                continue
-            nbytes = sum(v.numel() * v.element_size() for v in sends[i].views) if i is not None else 0
-            joined = words and (i is None or sends[i].words)  # the batch with message i: all found per word
-            if batch and (i is None or size + nbytes > (WORD_BATCH_BYTES if joined else FIND_BATCH_BYTES)):
-                _find([sends[j] for j in batch])  # encoded and dropped batch by batch
-                for j in batch:
-                    heads[j] = self._encode(sends[j], "diff", version, stats)
-                self.base.flush()
-                batch, size, words = [], 0, True
-            if i is not None:
-                batch.append(i)
-                size += nbytes
-                words = words and sends[i].words
-        return [x for h in heads for x in h]
+        return ["skip" if p == "diff" and (0, d.op.peer) in quiet else p for p, d in zip(plans, sends)]
+
+    def _prefetch(self, i: int, held: dict, quiet: set) -> None:
+        """Queue step-chunk ``i``'s first find where its messages go by address (``launch_words_table``, no
+        wait): ``_send_step(i)`` takes it with the plans it was made for."""
+        sends = self.steps[i][0] if i < len(self.steps) else []
+        if not sends:
+            return
+        plans = self._plans(sends, held, quiet)
+        batches = _batches(sends, plans)
+        fast = [sends[j] for j in (batches[0] if batches else []) if sends[j].words and sends[j].fast]
+        self.ahead = (i, plans, batches, _launch(fast) if fast else None)
 
     def _encode(self, d: _DeltaOp, plan: str, version: int, stats: DeltaStats) -> list[int]:
         """Fill ``d``'s payload (dense: packed as the P2P path does) by ``plan`` (``_plan``) and the
@@ -821,17 +840,42 @@ def _word_parts(idx: torch.Tensor, words: torch.Tensor) -> list[torch.Tensor]:
 _PADS: dict[torch.device, torch.Tensor] = {}  # 4 zero bytes per device (``_word_parts``), made once
 
 
-def _find(ops: list[_DeltaOp]) -> None:
+def _launch(fast: list[_DeltaOp]) -> PendingFind:
+    """The find of ``fast`` (messages found per word by address) in one launch, not waited for."""
+    base, cur = (np.concatenate([d.ptrs[c] for d in fast]) for c in (0, 1))
+    nwords = np.array([w for d in fast for w in d.nwords], dtype=np.int64)
+    return launch_words_table(base, cur, nwords, fast[0].views[0].device)
+
+
+def _batches(sends: list[_DeltaOp], plans: list[str]) -> list[list[int]]:
+    """The positions of ``sends`` to diff (``plans``), in order, in find batches of at most
+    ``WORD_BATCH_BYTES`` of data where every message of the batch is found per word, else
+    ``FIND_BATCH_BYTES``."""
+    batches, batch, size, words = [], [], 0, True
+    for j, d in enumerate(sends):
+        if plans[j] != "diff":
+            continue
+        nbytes = sum(v.numel() * v.element_size() for v in d.views)
+        joined = words and d.words  # the batch with message j: all found per word
+        if batch and size + nbytes > (WORD_BATCH_BYTES if joined else FIND_BATCH_BYTES):
+            batches.append(batch)
+            batch, size, words = [], 0, True
+        batch.append(j)
+        size += nbytes
+        words = words and d.words
+    return [*batches, batch] if batch else batches
+
+
+def _find(ops: list[_DeltaOp], pending: PendingFind | None = None) -> None:
     """The changes of every piece of ``ops`` (one batch of a step's sends): words by address in one launch
-    (``find_words_table``; each op's ``found``: its pieces' range there), other word-found ops per piece
+    (``launch_words_table``, or ``pending`` where ``_prefetch`` queued it; each op's ``found``: its pieces'
+    range there), other word-found ops per piece
     (``find_words_many``: ``changes`` = ``(indices, words, count)`` per piece), the rest per element
     (``find_changes_many``: ``(indices, values)`` per piece). All views of the finds' slots, encoded and
     dropped soon."""
     fast = [d for d in ops if d.words and d.fast]
     if fast:
-        base, cur = (np.concatenate([d.ptrs[c] for d in fast]) for c in (0, 1))
-        nwords = np.array([w for d in fast for w in d.nwords], dtype=np.int64)
-        found, a = find_words_table(base, cur, nwords, fast[0].views[0].device), 0
+        found, a = (pending if pending is not None else _launch(fast)).result(), 0
         for d in fast:
             d.found, a = (found, a, a + len(d.views)), a + len(d.views)
     for by_words, find in ((True, find_words_many), (False, lambda pairs: find_changes_many(pairs, copy=False))):
