@@ -197,6 +197,7 @@ def _profiled(peer, tensors, ref, version: int, out: str, rank: int) -> int:
     time) into ``out/profile_<rank>.txt``. Returns the last version."""
     import cProfile
     import io
+    import os
     import pstats
 
     prof = cProfile.Profile()
@@ -212,6 +213,7 @@ def _profiled(peer, tensors, ref, version: int, out: str, rank: int) -> int:
     text = io.StringIO()
     for key in ("tottime", "cumulative"):
         pstats.Stats(prof, stream=text).sort_stats(key).print_stats(35)
+    os.makedirs(out, exist_ok=True)
     with open(f"{out}/profile_{rank}.txt", "w") as f:
         f.write(text.getvalue())
     return version
