@@ -411,19 +411,26 @@ class DeltaSchedule:
         sending: tuple = ([], [])  # the previous chunk's payload sends, still in flight (``_in_flight``)
         quiet = self._quiet_pairs()  # (0 sends / 1 receives, peer): pairs without headers this refit
         after: dict[tuple[int, int], int] = {}  # the quiet refits each pair's last header announced
+        # a pure receiver posts a chunk's header receives before it applies the previous chunk, so the sender's next
+        # header lands meanwhile (a process that also sends does not: on NCCL a receive queued ahead of its own
+        # sends could wait on a peer that waits on them)
+        ahead = not any(sends for sends, _ in self.steps)
+        early = self._post_headers(0, quiet) if ahead else ([], [])
         for i, ((sends, recvs), (send_hdr, recv_hdr, headers)) in enumerate(zip(self.steps, self.headers)):
             if sends:
                 heads = self._send_step(i, sends, version, held, stats, quiet)
                 heads = self._with_trailers(i, sends, heads, quiet, after)
                 send_hdr.copy_(_pinned(heads, send_hdr.is_cuda), non_blocking=True)
-            (out, out_ops), (inc, inc_ops) = headers
-            out, out_ops = _loud(out, out_ops, 0, quiet)
-            inc, inc_ops = _loud(inc, inc_ops, 1, quiet)
-            if out or inc:
-                self.p2p.wait(clock, self.p2p.post(out, inc), out_ops + inc_ops, "delta header exchange")
-            self._receive_headers(i, recvs, recv_hdr.tolist() if inc else [], version, held, quiet, after)
+            out, out_ops = _loud(*headers[0], 0, quiet)
+            inc, inc_ops = ([], []) if ahead else _loud(*headers[1], 1, quiet)
+            works = self.p2p.post(out, inc) if out or inc else []
+            if works or early[0]:
+                self.p2p.wait(clock, works + early[0], out_ops + inc_ops + early[1], "delta header exchange")
+            got = recv_hdr.tolist() if inc_ops or early[1] else []
+            self._receive_headers(i, recvs, got, version, held, quiet, after)
             (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends), self._payload_msgs(recvs)
             works = self.p2p.post(out, inc)
+            early = self._post_headers(i + 1, quiet) if ahead else ([], [])
             if sending[0]:
                 self.p2p.wait(clock, *sending, "delta transfer")
             # sends stay in flight only where their works are their own: NCCL returns one work for a batch
@@ -445,6 +452,13 @@ class DeltaSchedule:
             self.quiet[peer] = self.quiet.get(peer, 0) - 1 if (1, peer) in quiet else after.get((1, peer), 0)
         self.told = None
         return stats
+
+    def _post_headers(self, i: int, quiet: set) -> tuple[list, list]:
+        """Post step-chunk ``i``'s header receives (but a quiet pair's): ``(works, ops)``; none past the last."""
+        if i >= len(self.headers):
+            return [], []
+        inc, inc_ops = _loud(*self.headers[i][2][1], 1, quiet)
+        return (self.p2p.post([], inc), inc_ops) if inc else ([], [])
 
     def quiet_senders(self) -> list[int]:
         """Receiver: the sending peers whose next refit it expects quiet (published with the version it
