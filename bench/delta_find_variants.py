@@ -11,8 +11,7 @@ updates it. Variants:
   a changed word is sent whole (its index and its bits), so fewer, larger changes;
 * ``+update``: with the fused base update (what a sender runs);
 * ``words table``: the library's word find by table (``delta_words.launch_words_table``) over the tensor as one
-  piece, ``words table llama`` over Llama-3.1-8B's 291 tensor sizes (scaled to ``--gib``), ``... x2`` / ``x4``:
-  a variant kernel taking 2 / 4 blocks per program (the table loads paid once per program);
+  piece, ``words table llama`` over Llama-3.1-8B's 291 tensor sizes (scaled to ``--gib``);
 * ``count``: read both versions, count the changes per block, one atomic per block: no scan, no stores (the
   read's ceiling for this access pattern);
 * ``copy``: ``torch`` copy of one version into the other's place (read + write the same bytes: HBM's pace).
@@ -91,32 +90,6 @@ def _lib(word: torch.dtype, block: int, warps: int, update: bool):
     return run
 
 
-@triton.jit
-def _find_words_loop(tab_ptr, piece_ptr, idx_ptr, val_ptr, count_ptr, NP, ITERS: tl.constexpr, BLOCK: tl.constexpr):
-    """``delta_triton._find_words`` with ``ITERS`` blocks per program (its table's first programs counted in
-    programs of ``ITERS * BLOCK`` words): the table loads paid once per ``ITERS`` blocks."""
-    pid = tl.program_id(0).to(tl.int64)
-    j = tl.load(piece_ptr + pid).to(tl.int64)
-    base = tl.load(tab_ptr + NP + j).to(tl.pointer_type(tl.int64))
-    cur = tl.load(tab_ptr + 2 * NP + j).to(tl.pointer_type(tl.int64))
-    n = tl.load(tab_ptr + 3 * NP + j)
-    slot = tl.load(tab_ptr + 4 * NP + j)
-    cap = tl.load(tab_ptr + 5 * NP + j)
-    start = (pid - tl.load(tab_ptr + j)) * (BLOCK * ITERS)
-    for it in tl.static_range(ITERS):
-        offs = start + it * BLOCK + tl.arange(0, BLOCK)
-        inb = offs < n
-        b = tl.load(base + offs, mask=inb, other=0)
-        c = tl.load(cur + offs, mask=inb, other=0)
-        changed = (b != c) & inb
-        ones = changed.to(tl.int32)
-        first = tl.atomic_add(count_ptr + j, tl.sum(ones, axis=0))
-        pos = (first + tl.cumsum(ones, axis=0) - ones).to(tl.int64)
-        ok = changed & (pos < cap)
-        tl.store(idx_ptr + slot + pos, offs.to(tl.int32), mask=ok)
-        tl.store(val_ptr + slot + pos, c, mask=ok)
-
-
 # Llama-3.1-8B's tensor sizes in bf16 elements, in model order (embedding, 32 x (q, k, v, o, gate, up, down,
 # 2 norms), norm, lm head): the pieces the library's find sees in S1
 _LLAMA = (
@@ -142,9 +115,8 @@ def _pieces(n16: int, llama: bool) -> list[tuple[int, int]]:
     return out
 
 
-def _table_run(llama: bool, iters: int = 1):
-    """The library's word find by table (``delta_words.launch_words_table``), or with ``iters`` > 1 the loop
-    variant over the same pieces."""
+def _table_run(llama: bool):
+    """The library's word find by table (``delta_words.launch_words_table``)."""
     import numpy as np
 
     from refit.quant import delta_words as dw
@@ -157,32 +129,8 @@ def _table_run(llama: bool, iters: int = 1):
             pcs = _pieces(cur.numel(), llama)
             bptr = np.array([base.data_ptr() + 2 * a for a, _ in pcs], dtype=np.int64)
             cptr = np.array([cur.data_ptr() + 2 * a for a, _ in pcs], dtype=np.int64)
-            nw = np.array([x // 4 for _, x in pcs], dtype=np.int64)
-            cap = np.maximum(1, nw // dw.SLOT_FRACTION)
-            slot = np.zeros(len(cap), dtype=np.int64)
-            np.cumsum(cap[:-1], out=slot[1:])
-            per = -(-nw // (delta_triton.WORD_BLOCK * iters))
-            table, _ = dw._table([bptr, cptr, nw, slot, cap], per, cur.device)
-            pieces = torch.from_numpy(np.repeat(np.arange(len(cap), dtype=np.int32), per)).to(cur.device)
-            cache[key] = (bptr, cptr, nw, table, pieces, int(cap.sum()), len(cap))
-        bptr, cptr, nw, table, pieces, caps, np_ = cache[key]
-        if iters == 1:
-            return torch.from_numpy(dw.launch_words_table(bptr, cptr, nw, cur.device).result().count)
-        idx = torch.empty(caps, dtype=torch.int32, device=cur.device)
-        vals = torch.empty(caps, dtype=torch.int64, device=cur.device)
-        counts = torch.zeros(np_, dtype=torch.int32, device=cur.device)
-        _find_words_loop[(len(pieces),)](
-            table,
-            pieces,
-            idx,
-            vals,
-            counts,
-            np_,
-            ITERS=iters,
-            BLOCK=delta_triton.WORD_BLOCK,
-            num_warps=delta_triton.WORD_WARPS,
-        )
-        return counts.cpu()
+            cache[key] = (bptr, cptr, np.array([x // 4 for _, x in pcs], dtype=np.int64))
+        return torch.from_numpy(dw.launch_words_table(*cache[key], cur.device).result().count)
 
     return run
 
@@ -210,8 +158,6 @@ VARIANTS = {
     "count": _count_run,
     "words table": _table_run(False),
     "words table llama": _table_run(True),
-    "words table llama x2": _table_run(True, 2),
-    "words table llama x4": _table_run(True, 4),
 }
 
 
