@@ -192,7 +192,7 @@ def test_a_put_that_reports_an_earlier_refusal_is_not_made(trusting):
     trusting.put(["c"], {"ids": torch.zeros(1, 4, dtype=torch.int32)}, partition="tm")
     trusting.confirm()
     trusting.put(["c"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")  # refused later
-    ray.get(trusting._pending[0][0].reply[0])  # its reply is in
+    ray.get(trusting._pending._items[0][0].reply[0])  # its reply is in
     with pytest.raises(ValueError, match="'c'.*already has field"):
         trusting.put(["d"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")
     assert trusting.keys("tm") == ["c"]  # "d" was not written

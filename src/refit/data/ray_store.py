@@ -80,6 +80,7 @@ import numpy as np
 import torch
 
 from .meta import BatchMeta
+from .placed import PendingPuts, Placed
 from .store import FieldData, NotReady, Rows, StorageUnit, Store, gather, normalize_put
 
 try:
@@ -305,35 +306,6 @@ class _StorageActor:
         return self.unit.chunks()
 
 
-class Placed:
-    """Where one put's rows are, as ``RayStore(trust_meta=True)`` records them in its ``BatchMeta``
-    (each key's location is ``(placed, row)``): the put's object and the reply of its storage
-    actor's call (each in a list: Ray passes the reference, not the value), the fields it holds,
-    its origin (a random token the storage actor keeps with its rows: a take or clear through the
-    meta acts only on rows of this put) and what the put was (for errors). The reply is None, or
-    why the put was refused."""
-
-    __slots__ = ("holder", "reply", "fields", "origin", "what")
-
-    def __init__(self, holder: list, reply: list, fields: tuple[str, ...], origin: str, what: str) -> None:
-        self.holder, self.reply, self.fields, self.origin, self.what = holder, reply, fields, origin, what
-
-    def __reduce__(self):
-        return (Placed, (self.holder, self.reply, self.fields, self.origin, self.what))
-
-
-def _refused(placed: list[Placed], replies: list) -> None:
-    """Raise every refusal among the replies of these puts, in one ``ValueError``."""
-    bad = [f"{err} ({p.what})" for p, err in zip(placed, replies) if err]
-    if bad:
-        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise ValueError(
-            f"{len(bad)} put(s) refused by the storage actor after they returned (trust_meta): "
-            + "; ".join(bad[:3])
-            + more
-        )
-
-
 def _objects(located: dict[str, list]) -> dict[Any, Any]:
     """Every object ``locate`` named, once, read all at once (zero-copy)."""
     refs = list(dict.fromkeys(holder[0] for groups in located.values() for holder, _, _, _ in groups))
@@ -421,8 +393,7 @@ class RayStore(Store):
         if ray is None:
             raise ImportError("RayStore needs ray: pip install 'refit-rl[data]'")
         self.durable, self.trust_meta = durable, trust_meta
-        self._pending: list[tuple[Placed, str, frozenset]] = []  # trust_meta puts not confirmed: partition, keys
-        self._lock = threading.Lock()  # guards ``_pending`` (threads may share a client)
+        self._pending = PendingPuts()  # trust_meta puts whose storage actor's reply was not read yet
         if _actors is not None:
             self.actors = list(_actors)
             return
@@ -453,9 +424,9 @@ class RayStore(Store):
         keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
         origin = None
         if self.trust_meta:
-            self._confirm(block=False)  # an earlier put's refusal, if its reply is in: this put is not made
-            if overwrite or self._pending_on(partition, keys):
-                self._confirm(block=True)  # after this client's earlier puts of these keys (the actor is threaded)
+            self._pending.confirm(block=False)  # an earlier put's refusal, if its reply is in: this put is not made
+            if overwrite or self._pending.touches(partition, keys):
+                self._pending.confirm(block=True)  # after this client's earlier puts of these keys (threaded actor)
             origin = uuid.uuid4().hex
         ref = ray.put({n: _encode_field(d) for n, d in fields.items()})
         reply = self._unit(partition).put.remote(
@@ -478,43 +449,15 @@ class RayStore(Store):
             placed = Placed(
                 [ref], [reply], tuple(fields), origin, f"a put of {len(keys)} keys to partition {partition!r}"
             )
-            with self._lock:
-                self._pending.append((placed, partition, frozenset(keys)))
+            self._pending.add(placed, partition, keys)
             where = [(placed, i) for i in range(len(keys))]
         return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens, where=where)
-
-    def _pending_on(self, partition: str, keys: list[str]) -> bool:
-        """Whether one of this client's pending puts wrote some of ``keys`` of ``partition``."""
-        with self._lock:
-            return any(p == partition and not held.isdisjoint(keys) for _, p, held in self._pending)
 
     def confirm(self) -> None:
         """Wait for the storage actors' replies to this client's ``trust_meta`` puts; one ``ValueError``
         naming every one refused. Every other call of this client does this first (``put`` checks the
         replies already in, and waits for them where it writes keys a pending put wrote)."""
-        self._confirm(block=True)
-
-    def _confirm(self, block: bool, meta: Any = None) -> None:
-        """Raise the refusals among the replies of this client's pending puts (all of them, or, unless
-        ``block``, those already in) and of the puts ``meta`` names."""
-        _refused(*self._replies(block, meta))
-
-    def _replies(self, block: bool, meta: Any = None) -> tuple[list[Placed], list]:
-        """The puts whose replies were read, and those replies; they leave the pending list (a refusal is
-        reported once) only once read."""
-        with self._lock:
-            puts = {p.reply[0]: p for p, _, _ in self._pending}
-        if isinstance(meta, BatchMeta) and meta.where is not None:
-            puts.update((p.reply[0], p) for p, _ in meta.where if isinstance(p, Placed))
-        if not puts:
-            return [], []
-        refs = list(puts)
-        done = refs if block else ray.wait(refs, num_returns=len(refs), timeout=0)[0]
-        replies = ray.get(done)
-        ready = set(done)
-        with self._lock:
-            self._pending = [e for e in self._pending if e[0].reply[0] not in ready]
-        return [puts[r] for r in done], replies
+        self._pending.confirm(block=True)
 
     def get(self, keys, *, select_fields, partition=None, copy=False) -> dict[str, Rows]:
         return self._fetch(keys, select_fields, partition, copy, clear=False)
@@ -528,7 +471,7 @@ class RayStore(Store):
         keys, partition, select = self._request(keys, partition, select_fields)
         if placed is not None:
             return self._fetch_placed(placed, keys_arg, partition, keys, select, copy, clear)
-        self._confirm(True, keys_arg)
+        self._pending.confirm(True, keys_arg)
         return self._located(partition, keys, select, copy, clear)
 
     def _located(self, partition, keys, select, copy: bool, clear: bool, expect=None) -> dict[str, Rows]:
@@ -581,7 +524,7 @@ class RayStore(Store):
         expect = [p.origin for p, _ in meta.where] if clear else None
         if clear:
             try:
-                self._confirm(True, meta)
+                self._pending.confirm(True, meta)
             except ray.exceptions.ObjectLostError:
                 if not self.durable:
                     raise
@@ -610,35 +553,35 @@ class RayStore(Store):
         rows (a refused put's rival, or a key written again since, is not this meta's to clear)."""
         meta = keys if isinstance(keys, BatchMeta) and keys.where is not None else None
         keys, partition = self._resolve(keys, partition)
-        self._confirm(True)
+        self._pending.confirm(True)
         expect = None
         if meta is not None and all(isinstance(p, Placed) for p, _ in meta.where):
             with contextlib.suppress(ray.exceptions.ObjectLostError):  # a dead writer: the origins decide
-                self._replies(True, meta)  # recorded (or refused) before the clear; its refusals are not the clear's
+                self._pending.replies(True, meta)  # recorded (or refused) first; its refusals are not the clear's
             expect = [p.origin for p, _ in meta.where]
         return ray.get(self._unit(partition).clear.remote(partition, keys, expect))
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """Wait until the storage actors own a copy of every durable put made so far (they are made
         in the background; nothing needs this for correctness: readers wait where they must)."""
-        self._confirm(True)
+        self._pending.confirm(True)
         ray.get([a.settle.remote(timeout_s) for a in self.actors])
 
     def clear_partition(self, partition: str) -> int:
-        self._confirm(True)
+        self._pending.confirm(True)
         return ray.get(self._unit(partition).clear_partition.remote(partition))
 
     def keys(self, partition=None):
-        self._confirm(True)
+        self._pending.confirm(True)
         if partition is not None:
             return [k for p, k in ray.get(self._unit(partition).keys.remote()) if p == partition]
         return [pk for ks in ray.get([a.keys.remote() for a in self.actors]) for pk in ks]
 
     def meta(self, keys, *, partition="default") -> BatchMeta:
-        self._confirm(True, keys)
+        self._pending.confirm(True, keys)
         return ray.get(self._unit(partition).meta.remote(partition, [str(k) for k in keys]))
 
     def chunks(self) -> int:
         """Field payloads referenced (an object is freed once no chunk references it)."""
-        self._confirm(True)
+        self._pending.confirm(True)
         return sum(ray.get([a.chunks.remote() for a in self.actors]))

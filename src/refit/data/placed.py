@@ -1,0 +1,90 @@
+"""Where a put's rows are, for ``RayStore(trust_meta=True)``: ``Placed`` (one put, as its ``BatchMeta``
+names it) and ``PendingPuts`` (a client's puts whose storage actor's reply was not read yet).
+
+A ``trust_meta`` put returns before its storage actor has recorded it; the reply (None, or why the put
+was refused) is read later. ``PendingPuts`` keeps those puts, with their keys, until it reads their
+replies: every refusal is raised once, all of them in one ``ValueError``, and a put that writes keys a
+pending put wrote can wait for it first (the storage actor is threaded: Ray would not keep their
+order). Thread-safe (one lock). Needs Ray only when it reads replies.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .meta import BatchMeta
+
+
+class Placed:
+    """Where one put's rows are, as ``RayStore(trust_meta=True)`` records them in its ``BatchMeta``
+    (each key's location is ``(placed, row)``): the put's object and the reply of its storage
+    actor's call (each in a list: Ray passes the reference, not the value), the fields it holds,
+    its origin (a random token the storage actor keeps with its rows: a take or clear through the
+    meta acts only on rows of this put) and what the put was (for errors). The reply is None, or
+    why the put was refused."""
+
+    __slots__ = ("holder", "reply", "fields", "origin", "what")
+
+    def __init__(self, holder: list, reply: list, fields: tuple[str, ...], origin: str, what: str) -> None:
+        self.holder, self.reply, self.fields, self.origin, self.what = holder, reply, fields, origin, what
+
+    def __reduce__(self):
+        return (Placed, (self.holder, self.reply, self.fields, self.origin, self.what))
+
+
+def refused(placed: list[Placed], replies: list) -> None:
+    """Raise every refusal among the replies of these puts, in one ``ValueError``."""
+    bad = [f"{err} ({p.what})" for p, err in zip(placed, replies) if err]
+    if bad:
+        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ValueError(
+            f"{len(bad)} put(s) refused by the storage actor after they returned (trust_meta): "
+            + "; ".join(bad[:3])
+            + more
+        )
+
+
+class PendingPuts:
+    """One client's ``trust_meta`` puts not confirmed yet, with their partition and keys."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[Placed, str, frozenset]] = []
+
+    def add(self, placed: Placed, partition: str, keys: list[str]) -> None:
+        with self._lock:
+            self._items.append((placed, partition, frozenset(keys)))
+
+    def touches(self, partition: str, keys: list[str]) -> bool:
+        """Whether a pending put wrote some of ``keys`` of ``partition``."""
+        with self._lock:
+            return any(p == partition and not held.isdisjoint(keys) for _, p, held in self._items)
+
+    def confirm(self, block: bool, meta: Any = None) -> None:
+        """Raise the refusals among the replies of the pending puts (all of them, or, unless ``block``,
+        those already in) and of the puts ``meta`` names."""
+        refused(*self.replies(block, meta))
+
+    def replies(self, block: bool, meta: Any = None) -> tuple[list[Placed], list]:
+        """The puts whose replies were read (pending ones, and ``meta``'s), and those replies; a put leaves
+        the pending list (its refusal is reported once) only once its reply is read."""
+        import ray
+
+        with self._lock:
+            puts = {p.reply[0]: p for p, _, _ in self._items}
+        if isinstance(meta, BatchMeta) and meta.where is not None:
+            puts.update((p.reply[0], p) for p, _ in meta.where if isinstance(p, Placed))
+        if not puts:
+            return [], []
+        refs = list(puts)
+        done = refs if block else ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+        replies = ray.get(done)
+        ready = set(done)
+        with self._lock:
+            self._items = [e for e in self._items if e[0].reply[0] not in ready]
+        return [puts[r] for r in done], replies
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
