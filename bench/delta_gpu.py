@@ -30,6 +30,7 @@ import statistics
 import time
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -49,7 +50,7 @@ from refit.quant.delta import (
     launch_many,
     wire_bytes,
 )
-from refit.quant.delta_words import find_words_many
+from refit.quant.delta_words import addressable, find_words_many, launch_words_table, words_in
 from refit.tools.bench.weights import make_weight
 from refit.tools.launch import run_local
 from refit.transfer import Receiver, Sender
@@ -119,6 +120,14 @@ def _kernel_alone(base, cur, names):
     return launch_many([(base[n], cur[n]) for n in names])[0].tolist()
 
 
+def _by_address(base, cur, names, device):
+    """The word find as the transport launches it for a batch (``launch_words_table``: one launch over the
+    pieces' addresses, then its counts read)."""
+    ptrs = [np.array([t[n].data_ptr() for n in names], dtype=np.int64) for t in (base, cur)]
+    nwords = np.array([words_in(cur[n]) for n in names], dtype=np.int64)
+    return launch_words_table(*ptrs, nwords, device).result()
+
+
 def _group(cur, base, engine, names, device, sec) -> list[tuple[int, int]]:
     """One group's phases, each synchronized and added to ``sec``; returns ``(n, k)`` per tensor."""
     if device.type == "cuda":  # the torch reference and the kernel alone, beside what find_changes takes
@@ -128,6 +137,8 @@ def _group(cur, base, engine, names, device, sec) -> list[tuple[int, int]]:
     sec["find"] += dt
     dt, words = _timed(device, partial(find_words_many, [(base[n], cur[n]) for n in names]))
     sec["words_find"] += dt
+    if all(addressable(base[n]) and addressable(cur[n]) for n in names):  # by address, as the transport finds
+        sec["words_table"] += _timed(device, partial(_by_address, base, cur, names, device))[0]
     sec["words_count"] += sum(k for _, _, k in words)
     sec["words_over_slots"] += sum(i is None for i, _, _ in words)
     del words
@@ -142,6 +153,7 @@ def _group(cur, base, engine, names, device, sec) -> list[tuple[int, int]]:
 def kernel_row(cur, base, engine, fraction, device, group_bytes) -> dict:
     """One fraction's find / pack / apply / base-update seconds over the whole model, bytes, exactness."""
     keys = ("find", "find_torch", "kernel_alone", "pack", "apply", "base_update", "words_find", "words_count")
+    keys = (*keys, "words_table")
     sec = dict.fromkeys((*keys, "words_over_slots"), 0.0)
     counts = [nk for names in _groups(cur, group_bytes) for nk in _group(cur, base, engine, names, device, sec)]
     n_all, k_all = sum(n for n, _ in counts), sum(k for _, k in counts)
@@ -151,7 +163,11 @@ def kernel_row(cur, base, engine, fraction, device, group_bytes) -> dict:
     return {
         "fraction": fraction,
         "changed": k_all / max(1, n_all),
-        **{f"{k}_ms": v * 1e3 for k, v in sec.items() if not k.startswith("words_") or k == "words_find"},
+        **{
+            f"{k}_ms": v * 1e3
+            for k, v in sec.items()
+            if not k.startswith("words_") or k in ("words_find", "words_table")
+        },
         "words_bytes": wire_bytes("words", n_all, int(sec["words_count"]), 2),
         "words_over_slots": int(sec["words_over_slots"]),
         "find_pack_apply_ms": (sec["find"] + sec["pack"] + sec["apply"]) * 1e3,
@@ -319,7 +335,8 @@ def _print(res: dict) -> None:
             print(
                 f"  {r['fraction']:>6.1%}: find {r['find_ms']:.2f} ms ({gb / r['find_ms']:.2f} TB/s read); "
                 f"the kernel launched alone {r['kernel_alone_ms']:.2f} ms ({gb / r['kernel_alone_ms']:.2f} TB/s); "
-                f"words: find {r['words_find_ms']:.2f} ms ({gb / r['words_find_ms']:.2f} TB/s), wire "
+                f"words: find {r['words_find_ms']:.2f} ms ({gb / r['words_find_ms']:.2f} TB/s; find_words_many), "
+                f"by address {r.get('words_table_ms', 0):.2f} ms (the transport's launch), wire "
                 f"{r['words_bytes'] / r['dense_bytes']:.2%} of dense, {r['words_over_slots']} pieces over the slots"
             )
     for r in res["kernels"]:
