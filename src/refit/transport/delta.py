@@ -30,7 +30,7 @@ sent to several receivers at commit); the version it holds is set after the refi
 Extra memory: the base (this process's P2P-sent source bytes) plus the payloads of one chunk's deltas
 while the chunk runs (each smaller than its message's dense bytes by the rule, unless forced; a sender
 briefly holds them twice, per message and joined per peer) and the find's slots (a quarter of a chunk's
-elements).
+elements; a sender holds two chunks' slots while the next chunk's find runs ahead, ``_prefetch``).
 """
 
 from __future__ import annotations
@@ -414,15 +414,15 @@ class DeltaSchedule:
         # a pure receiver posts a chunk's header receives before it applies the previous chunk, so the sender's next
         # header lands meanwhile (a process that also sends does not: on NCCL a receive queued ahead of its own
         # sends could wait on a peer that waits on them)
-        ahead = not any(sends for sends, _ in self.steps)
-        early = self._post_headers(0, quiet) if ahead else ([], [])
+        pure_receiver = not any(sends for sends, _ in self.steps)
+        early = self._post_headers(0, quiet) if pure_receiver else ([], [])
         for i, ((sends, recvs), (send_hdr, recv_hdr, headers)) in enumerate(zip(self.steps, self.headers)):
             if sends:
                 heads = self._send_step(i, sends, version, held, stats, quiet)
                 heads = self._with_trailers(i, sends, heads, quiet, after)
                 send_hdr.copy_(_pinned(heads, send_hdr.is_cuda), non_blocking=True)
             out, out_ops = _loud(*headers[0], 0, quiet)
-            inc, inc_ops = ([], []) if ahead else _loud(*headers[1], 1, quiet)
+            inc, inc_ops = ([], []) if pure_receiver else _loud(*headers[1], 1, quiet)
             works = self.p2p.post(out, inc) if out or inc else []
             if works or early[0]:
                 self.p2p.wait(clock, works + early[0], out_ops + inc_ops + early[1], "delta header exchange")
@@ -430,7 +430,7 @@ class DeltaSchedule:
             self._receive_headers(i, recvs, got, version, held, quiet, after)
             (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends), self._payload_msgs(recvs)
             works = self.p2p.post(out, inc)
-            early = self._post_headers(i + 1, quiet) if ahead else ([], [])
+            early = self._post_headers(i + 1, quiet) if pure_receiver else ([], [])
             if sending[0]:
                 self.p2p.wait(clock, *sending, "delta transfer")
             # sends stay in flight only where their works are their own: NCCL returns one work for a batch
