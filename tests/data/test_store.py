@@ -205,3 +205,17 @@ def test_take_is_get_then_clear_in_one_step(store):
     rest["input_ids"].zero_()
     assert store.take(["f"], select_fields=["input_ids"], partition="t")["input_ids"].shape == (1, 7)
     assert store.keys("t") == [] and store.chunks() == 0
+
+
+def test_group_rows_groups_pairs_by_owner_key_in_first_seen_order():
+    from refit.data.store import group_rows
+
+    def no_key(_):
+        raise AssertionError("one owner: key is not called")
+
+    one = object()
+    assert group_rows([(one, 4), (one, 2)], no_key) == [(one, [0, 1], [4, 2])]
+    assert group_rows([]) == []
+    assert group_rows([(7, 0), (3, 5), (7, 1)]) == [(7, [0, 2], [0, 1]), (3, [1], [5])]
+    a, b, a2 = ("x", 1), ("y", 2), ("x", 3)  # a2: another owner of a's key, grouped with it
+    assert group_rows([(a, 0), (b, 1), (a2, 2)], key=lambda o: o[0]) == [(a, [0, 2], [0, 2]), (b, [1], [1])]

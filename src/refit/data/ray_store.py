@@ -68,6 +68,7 @@ workers and trainer ranks. Nothing refit reads is unpickled outside Ray's own tr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 import uuid
@@ -81,7 +82,7 @@ import torch
 
 from .meta import BatchMeta
 from .placed import PendingPuts, Placed
-from .store import FieldData, NotReady, Rows, StorageUnit, Store, gather, normalize_put
+from .store import FieldData, NotReady, Rows, StorageUnit, Store, gather, group_rows, normalize_put
 
 try:
     import ray
@@ -313,7 +314,9 @@ def _objects(located: dict[str, list]) -> dict[Any, Any]:
 
 
 def _assemble(n: int, select: list[str], located: dict[str, list], objects: dict, copy: bool) -> dict[str, Rows]:
-    """The rows of each field asked, from the groups ``locate`` returned and the objects they name."""
+    """The ``n`` rows of each field asked, from per-field groups (holder ``[ref]``, field name in the
+    object, positions, rows) — ``locate``'s, or a ``trust_meta`` meta's — and ``objects`` (``_objects``):
+    each (object, field) decoded once, zero-copy, then ``gather`` (views where it can, unless ``copy``)."""
     decoded: dict[tuple[Any, str], FieldData] = {}
     out: dict[str, Rows] = {}
     for f in select:
@@ -486,34 +489,25 @@ class RayStore(Store):
             located, objects = self._read(partition, keys, select, False, True, expect)
         return _assemble(len(keys), select, located, objects, copy)
 
-    def _placed(self, keys: Any, select_fields: Any) -> dict | None:
-        """The meta's locations grouped by put (``{reply reference: (placed, positions, rows)}``), where this
-        store trusts them and they cover every field asked; else None."""
+    def _placed(self, keys: Any, select_fields: Any) -> list | None:
+        """The meta's locations grouped by put (``group_rows``: (placed, positions, rows), one per put,
+        even where pickling made several ``Placed`` of it), where this store trusts them and they cover
+        every field asked; else None."""
         if not (self.trust_meta and isinstance(keys, BatchMeta) and keys.where is not None):
             return None
         try:
-            puts, rows = zip(*keys.where)
+            puts, _ = zip(*keys.where)
         except (TypeError, ValueError):  # not (placed, row) pairs: not this store's
             return None
-        if not isinstance(puts[0], Placed):
+        if not all(map(isinstance, puts, itertools.repeat(Placed))):  # in C
             return None
-        groups: dict[Any, tuple[Any, list[int], list[int]]] = {}
-        if puts.count(puts[0]) == len(puts):  # one put's rows, one object (identity compares, in C)
-            groups[0] = (puts[0], list(range(len(puts))), list(rows))
-        for pos, p in enumerate(puts if not groups else ()):
-            if not isinstance(p, Placed):
-                return None
-            g = groups.get(p.reply[0])  # one put, even where pickling made several ``Placed`` of it
-            if g is None:
-                g = groups[p.reply[0]] = (p, [], [])
-            g[1].append(pos)
-            g[2].append(rows[pos])
+        groups = group_rows(keys.where, lambda p: p.reply[0])  # the reply identifies the put
         fields = [select_fields] if isinstance(select_fields, str) else list(select_fields or ())
-        if not all(isinstance(p, Placed) and all(f in p.fields for f in fields) for p, _, _ in groups.values()):
+        if not all(all(f in p.fields for f in fields) for p, _, _ in groups):
             return None
         return groups
 
-    def _fetch_placed(self, groups: dict, meta, partition, keys, select, copy: bool, clear: bool) -> dict[str, Rows]:
+    def _fetch_placed(self, groups: list, meta, partition, keys, select, copy: bool, clear: bool) -> dict[str, Rows]:
         """Read the rows where the meta says they are, with no call and no wait for a get (it reads what
         the meta's puts wrote, whether or not their storage actor recorded them). A take first reads the
         replies of the meta's puts and of this client's pending ones (raising refusals), then the objects,
@@ -529,19 +523,16 @@ class RayStore(Store):
                 if not self.durable:
                     raise
                 return self._located(partition, keys, select, copy, clear, expect)
+        located = {f: [(p.holder, f, pos, rows) for p, pos, rows in groups] for f in select}  # as ``locate``'s
         try:
-            objects = ray.get([p.holder[0] for p, _, _ in groups.values()])
+            objects = _objects(located)
         except ray.exceptions.ObjectLostError:
             if not self.durable:
                 raise
             return self._located(partition, keys, select, copy, clear, expect)
         if clear:
             ray.get(self._unit(partition).drop.remote(partition, keys, select, expect))
-        out: dict[str, Rows] = {}
-        for f in select:
-            parts = [(_decode_field(obj[f]), pos, rows) for obj, (_, pos, rows) in zip(objects, groups.values())]
-            out[f] = gather(len(keys), parts, copy)
-        return out
+        return _assemble(len(keys), select, located, objects, copy)
 
     def _read(self, partition, keys, select, clear: bool, settle: bool, expect=None) -> tuple[dict, dict]:
         """One locate call, then every object it names once, all at once, zero-copy."""

@@ -156,6 +156,31 @@ def gather(n: int, groups: list[tuple[Any, list[int], list[int]]], copy: bool = 
     return [t.clone() for t in flat] if copy else flat  # type: ignore[union-attr,return-value]
 
 
+def group_rows(
+    located: Sequence[tuple[Any, Any]], key: Callable[[Any], Any] | None = None
+) -> list[tuple[Any, list[int], list[int]]]:
+    """Group ``(owner, row)`` pairs by owner: one ``(owner, positions in located, rows)`` triple per
+    distinct ``key(owner)`` (the owner itself when ``key`` is None), in order of first appearance;
+    a group's owner is the first one seen with its key, its positions ascend and its rows follow
+    them. Where every owner equals the first (``==``, identity first: one put's rows, the common
+    case), the one triple is built with no Python step per pair and ``key`` is never called. Pure:
+    ``located`` is only read (any sequence that unpacks as ``owners, rows = zip(*located)``)."""
+    if not located:
+        return []
+    owners, rows = zip(*located)
+    if owners.count(owners[0]) == len(owners):
+        return [(owners[0], list(range(len(owners))), list(rows))]
+    groups: dict[Any, tuple[Any, list[int], list[int]]] = {}
+    for pos, (owner, row) in enumerate(zip(owners, rows)):
+        k = owner if key is None else key(owner)
+        g = groups.get(k)
+        if g is None:
+            g = groups[k] = (owner, [], [])
+        g[1].append(pos)
+        g[2].append(row)
+    return list(groups.values())
+
+
 class NotReady(Exception):
     """``StorageUnit.locate(clear=True, ready=...)`` found payloads not ready: nothing was dropped."""
 
@@ -328,15 +353,8 @@ class StorageUnit:
             return out
 
     def _groups(self, locs: list[tuple[int, int]]) -> list[tuple[Any, list[int], list[int]]]:
-        cids = {c for c, _ in locs}
-        if len(cids) == 1:  # one put's rows
-            return [(self._chunks[cids.pop()][0], list(range(len(locs))), [r for _, r in locs])]
-        groups: dict[int, tuple[list[int], list[int]]] = {}
-        for pos, (cid, r) in enumerate(locs):
-            g = groups.setdefault(cid, ([], []))
-            g[0].append(pos)
-            g[1].append(r)
-        return [(self._chunks[cid][0], pos, rows) for cid, (pos, rows) in groups.items()]
+        """``(chunk id, row)`` locations as ``gather``'s (payload, positions, rows) groups, one per chunk."""
+        return [(self._chunks[cid][0], pos, rows) for cid, pos, rows in group_rows(locs)]
 
     def get_stacked(
         self, partition: str, keys: Sequence[str], select_fields: Sequence[str], copy: bool = False, clear: bool = False
