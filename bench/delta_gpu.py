@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from functools import partial
@@ -235,7 +236,32 @@ def _profiled(peer, tensors, ref, version: int, out: str, rank: int) -> int:
     return version
 
 
-def _s1_worker(world, model: str, iters: int, buffer_mb: int, profile: str | None = None):
+def _traced(peers, tensors, ref, version: int, out: str, rank: int) -> int:
+    """Two refits of each of ``auto`` and forced words at 1% changed under torch's profiler (host calls and
+    CUDA kernels, one timeline per process): ``out/trace_<mode>_<rank>.json`` (Chrome trace format), to see
+    where the device waits. Returns the last version."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    os.makedirs(out, exist_ok=True)
+    dev = tensors[next(iter(tensors))].device
+    for mode, key in (("words", "words"), ("auto", "delta")):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for it in range(2):
+                version += 1
+                optimizer_step(tensors if ref is None else ref, 0.01, seed=98_000 + it)
+                for k in ("dense", key):  # the dense peer's refit keeps every peer's base on the same version
+                    _sync(dev)
+                    dist.barrier()
+                    with record_function(f"refit {k} v{version}"):
+                        peers[k].run(version)
+                        _sync(dev)
+        prof.export_chrome_trace(f"{out}/trace_{mode}_{rank}.json")
+    return version
+
+
+def _s1_worker(world, model: str, iters: int, buffer_mb: int, profile: str | None = None, trace: str | None = None):
     """S1: process 0 sends, process 1 receives; a dense and a delta Peer pair refit after every step."""
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes(model)]
     lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
@@ -299,16 +325,20 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int, profile: str | Non
             }
         )
     if profile:  # the receiver's reference follows the same steps, so both stay exact
-        _profiled(peers["words"], tensors, ref, version, profile, world.rank)
+        version = _profiled(peers["words"], tensors, ref, version, profile, world.rank)
+    if trace:
+        _traced(peers, tensors, ref, version, trace, world.rank)
     extra = peers["delta"].executor.delta_base_bytes
     for p in peers.values():
         p.close()
     return rows, extra
 
 
-def s1(model: str, device: str, iters: int, buffer_mb: int, profile: str | None = None) -> list[dict] | None:
+def s1(
+    model: str, device: str, iters: int, buffer_mb: int, profile: str | None = None, trace: str | None = None
+) -> list[dict] | None:
     devices = ["cuda:0", "cuda:1"] if device == "cuda" else ["cpu", "cpu"]
-    out = run_local(_s1_worker, 1, 1, model, iters, buffer_mb, profile, devices=devices, timeout_s=1200)
+    out = run_local(_s1_worker, 1, 1, model, iters, buffer_mb, profile, trace, devices=devices, timeout_s=1200)
     (send_rows, extra), (recv_rows, _) = out
     rows = []
     for a, b in zip(send_rows, recv_rows):  # the slowest process's time; the receiver's exactness
@@ -383,12 +413,17 @@ def main() -> None:
     ap.add_argument("--buffer-mb", type=int, default=256)
     ap.add_argument("--group-gb", type=float, default=1.0, help="kernel timings: tensors per phase, in GB")
     ap.add_argument("--no-s1", action="store_true", help="kernel timings and the rule only")
+    ap.add_argument("--no-kernels", action="store_true", help="S1 only")
     ap.add_argument("--profile", default=None, help="a directory: cProfile of 3 forced-words S1 refits at 1%%")
+    ap.add_argument("--trace", default=None, help="a directory: torch profiler timelines of S1 refits at 1%%")
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
-    rows, model_bytes = kernels(model, dev, int(args.group_gb * 1e9))
+    if args.no_kernels:
+        rows, model_bytes = [], sum(math.prod(s) * 2 for _, s, _ in param_shapes(model))
+    else:
+        rows, model_bytes = kernels(model, dev, int(args.group_gb * 1e9))
     if device == "cuda":
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
@@ -399,7 +434,7 @@ def main() -> None:
     if args.no_s1:
         res["s1_skipped"] = "--no-s1"
     elif device == "cpu" or torch.cuda.device_count() >= 2:
-        res["s1"] = s1(model, device, args.iters, args.buffer_mb, args.profile)
+        res["s1"] = s1(model, device, args.iters, args.buffer_mb, args.profile, args.trace)
         _print({**res, "kernels": []})
     else:
         res["s1_skipped"] = f"{torch.cuda.device_count()} GPU(s): S1 needs 2"

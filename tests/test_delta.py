@@ -27,6 +27,7 @@ from refit.quant.delta import (
     check_indices_many,
     choose_encoding,
     choose_words,
+    choose_words_many,
     decode,
     encode,
     find_changes,
@@ -188,6 +189,32 @@ def test_a_delta_must_pay_by_a_margin_and_auto_runs_the_plain_path_where_none_ca
         assert plan_may_pay(plan, cfg) is pays, buffer_mb
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 1 << 26), st.floats(0, 0.6), st.sampled_from([1, 2, 4])), min_size=1, max_size=4
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from(["nvlink", "nic", "same_device"]),
+)
+def test_the_rule_at_once_decides_every_message_as_one_at_a_time(messages, link_name):
+    """``choose_words_many`` (a find batch's messages at once, numpy) picks what ``choose_words`` picks for each
+    message: the same sums in the same order, the share of a chunk included."""
+    import numpy as np
+
+    link = LINKS[link_name]
+    pieces = [[(n, int(f * n * s / 8), s) for n, f, s in m] for m in messages]
+    shares = [sum(n * s for n, _, s in m) / (4 << 30) for m in pieces]
+    flat = [p for m in pieces for p in m]
+    n, k, size = (np.array([p[i] for p in flat], dtype=np.int64) for i in range(3))
+    first = np.cumsum([0, *(len(m) for m in pieces)])
+    got = choose_words_many(n, k, size, first, link, np.array(shares))
+    assert got.tolist() == [choose_words(m, link, sh) == "words" for m, sh in zip(pieces, shares)]
+
+
 def test_the_rule_weighs_words_with_their_share_of_a_chunk():
     """A 55 MB bf16 tensor over NVLink: words at 1% changed (3.9% of the words) beat dense in a 4 GiB chunk,
     not alone in a 64 MiB one (its chunk's fixed cost); at 10% (34% of the words) dense wins."""
@@ -257,6 +284,40 @@ def test_a_delta_on_another_base_version_is_refused_naming_both_versions():
         check_header([1, 4, 5, 11], [10], version=5, held=4, op=op)
     with pytest.raises(DeltaError, match="is of version 6"):
         check_header([1, 4, 6, 1], [10], version=5, held=4, op=op)
+
+
+def test_word_headers_read_at_once_only_when_every_field_is_what_check_header_accepts():
+    """A receiver reads one peer's word headers at once (``_words_at_once``) only where each would pass
+    ``check_header`` as words; any other header leaves every op untouched, for ``check_header`` to name."""
+    from refit.quant.delta import ENCODINGS, LINKS
+    from refit.transport.delta import _DeltaOp, _words_at_once
+
+    op = _Op(peer=3, tag=0, tensor=torch.empty(0), pack=[], names=("w",), step=0)
+    group = []
+    for pieces in ([16, 8], [4]):  # words per piece
+        d = _DeltaOp(
+            op, [torch.zeros(n * 4, dtype=torch.bfloat16) for n in pieces], [], LINKS["nvlink"], torch.empty(0)
+        )
+        d.nwords = pieces
+        group.append(d)
+    words = ENCODINGS.index("words")
+    good = [words, 4, 5, 3, 8, words, 4, 5, 0]
+    bad = {
+        "a count over its piece": [words, 4, 5, 3, 9, words, 4, 5, 0],
+        "a negative count": [words, 4, 5, -1, 8, words, 4, 5, 0],
+        "another base": [words, 3, 5, 3, 8, words, 4, 5, 0],
+        "another version": [words, 4, 5, 3, 8, words, 4, 6, 0],
+        "not words": [words, 4, 5, 3, 8, ENCODINGS.index("sparse"), 4, 5, 0],
+        "too short": good[:-1],
+    }
+    for what, header in bad.items():
+        assert not _words_at_once(group, header, version=5, held=4), what
+        assert [d.kind for d in group] == ["dense", "dense"] and all(d.wire == 0 for d in group), what
+    assert not _words_at_once(group, good, version=5, held=None)  # no base held: no delta applies
+    assert _words_at_once(group, good, version=5, held=4)
+    assert [(d.kind, d.changes, d.wire) for d in group] == [("words", [3, 8], 16 + 24 + 32 + 64), ("words", [0], 0)]
+    for d, n in zip(group, ([16, 8], [4])):  # the same as op by op
+        assert check_header(good[:3] + d.changes, n, 5, 4, op, words=n) == ("words", d.changes)
 
 
 def test_held_records_and_quiet_trailers_are_checked_field_by_field():

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from refit.errors import ConfigError, TransferError
@@ -150,6 +151,20 @@ def choose_words(pieces: list[tuple[int, int, int]], link: LinkSpeed, share: flo
     if link.same_device or not any(n for n, _, _ in pieces):
         return "dense"
     return _cheapest(pieces, link, ["dense", "words"], share)
+
+
+def choose_words_many(
+    n: np.ndarray, k: np.ndarray, itemsize: np.ndarray, first: np.ndarray, link: LinkSpeed, share: np.ndarray
+) -> np.ndarray:
+    """``choose_words`` of many messages over one ``link`` at once: their pieces as numpy arrays (``n``
+    elements, ``k`` changed words, ``itemsize``), message ``j``'s pieces at ``first[j]:first[j + 1]`` (at least
+    one each), ``share`` per message. True where ``"words"``: the same sums, in the same order."""
+    starts = np.asarray(first[:-1])
+    if link.same_device:
+        return np.zeros(len(starts), dtype=bool)
+    dense = np.add.reduceat(predicted_seconds("dense", n, k, itemsize, link), starts)
+    words = link.chunk_s * np.asarray(share) + np.add.reduceat(predicted_seconds("words", n, k, itemsize, link), starts)
+    return (np.add.reduceat(n, starts) > 0) & (words < dense)
 
 
 def _cheapest(pieces: list[tuple[int, int, int]], link: LinkSpeed, kinds: list[str], share: float = 0.0) -> str:

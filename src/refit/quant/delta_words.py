@@ -157,29 +157,50 @@ class PendingFind:
     done: torch.cuda.Event | None
 
     def result(self) -> Found:
-        """The ``Found`` (waits for the find and its counts: one host sync)."""
+        """The ``Found`` (waits for the find and its counts: one host sync; on CUDA the current stream also
+        waits for the find's stream)."""
         if self.done is not None:
             self.done.synchronize()
+            torch.cuda.current_stream(self.idx.device).wait_event(self.done)
         return Found(self.idx, self.words, self.slot, self.cap, self.counts.numpy().astype(np.int64))
 
 
+_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # per CUDA device and purpose
+
+
+def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+    """The CUDA stream of ``device`` that work of ``purpose`` (``"find"``, ``"apply"``) runs on beside the
+    current stream, made once."""
+    key = (device, purpose)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device)
+    return _STREAMS[key]
+
+
 def launch_words_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> PendingFind:
-    """``find_words_table`` without the wait: the find is queued on ``device``'s current stream and its
-    counts copied to the host behind it, so the host can go on (e.g. encode the chunk before) while the
-    device finds."""
+    """``find_words_table`` without the wait. On CUDA the find runs on a stream of its own, behind all
+    work queued so far on the current stream (the weights' last writes), and its counts are copied to the
+    host behind it: what the current stream queues next (e.g. packing and sending the chunk before) does
+    not wait for this find, and the host can go on while the device finds."""
     from refit.quant.delta_triton import launch_find_words
 
     table, pieces, slot, cap = _find_table(base, cur, nwords, device)
     idx = torch.empty(int(cap.sum()), dtype=torch.int32, device=device)
     words = torch.empty(int(cap.sum()), dtype=torch.int64, device=device)
     counts = torch.zeros(len(nwords), dtype=torch.int32, device=device)
-    launch_find_words(table, pieces, idx, words, counts)
     if device.type != "cuda":
+        launch_find_words(table, pieces, idx, words, counts)
         return PendingFind(idx, words, slot, cap, counts.cpu(), None)
+    side = side_stream(device, "find")
+    side.wait_stream(torch.cuda.current_stream(device))
     host = torch.empty(len(nwords), dtype=torch.int32, pin_memory=True)
-    host.copy_(counts, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        launch_find_words(table, pieces, idx, words, counts)
+        host.copy_(counts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    for t in (idx, words, counts):  # made on the current stream, used on the find's: freed after both
+        t.record_stream(side)
     return PendingFind(idx, words, slot, cap, host, done)
 
 
@@ -264,12 +285,22 @@ class Scatter:
         launch_scatter_words(self.table, self.programs, flag, check=True)
         return not int(flag.item())
 
-    def apply(self) -> None:
-        """Store every word at its index (checked before: ``ok``)."""
+    def apply(self, stream: torch.cuda.Stream | None = None, keep: tuple[torch.Tensor, ...] = ()) -> None:
+        """Store every word at its index (checked before: ``ok``). With ``stream`` (CUDA): on that stream,
+        behind all work queued so far on the current one, and the table and ``keep`` (the tensors the table
+        points into) are not freed before it is done; the caller makes its stream wait for ``stream``."""
         from refit.quant.delta_triton import launch_scatter_words
 
-        if self.table is not None:
+        if self.table is None:
+            return
+        if stream is None or self.device.type != "cuda":
             launch_scatter_words(self.table, self.programs, self.table[0, :1], check=False)  # no flag
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            launch_scatter_words(self.table, self.programs, self.table[0, :1], check=False)
+        for t in (self.table, *keep):
+            t.record_stream(stream)
 
 
 def pack_table(found: Found, sel: np.ndarray, dst: np.ndarray, device) -> None:

@@ -56,6 +56,7 @@ from refit.quant.delta import (
     check_indices_many,
     choose_encoding,
     choose_words,
+    choose_words_many,
     decode,
     encode,
     find_changes_many,
@@ -76,6 +77,7 @@ from refit.quant.delta_words import (
     launch_words_table,
     pack_table,
     scatter_words_many,
+    side_stream,
     whole_words,
     wire_sizes,
     words_in,
@@ -262,6 +264,7 @@ class _DeltaOp:
     fast: bool = False  # words by address (``_fast``): every view (and base) addressable by the word kernels
     ptrs: tuple = ()  # fast: per piece byte addresses, numpy: (base, current) on a sender, (destination,)
     found: tuple | None = None  # fast sender, per run: (``Found``, first piece, end) of its pieces there
+    wire: int = 0  # fast sender sending words, per run: its payload's bytes (``_join`` packs it)
 
 
 @dataclass
@@ -316,6 +319,7 @@ class DeltaSchedule:
                     self.last[(side, d.op.peer)] = i
         self.headers = self._headers()
         self.ahead: tuple | None = None  # (step-chunk, plans, batches, its first find): queued by ``_prefetch``
+        self.applying: torch.device | None = None  # a CUDA device with scatters on its "apply" stream (``_apply``)
 
     @property
     def receivers(self) -> list[int]:
@@ -406,7 +410,16 @@ class DeltaSchedule:
     def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         """Every step: choose and encode (sends), headers, payloads, check and apply (receives). Between a
         pair in a quiet refit (``quiet``: announced by the pair's last header of an earlier refit) no header
-        travels: every message between them is dense, as on the plain P2P path."""
+        travels: every message between them is dense, as on the plain P2P path. On return (or raise) the
+        current stream is behind every scatter queued on the side (``_apply``)."""
+        try:
+            return self._run(clock, version, held)
+        finally:
+            if self.applying is not None:
+                torch.cuda.current_stream(self.applying).wait_stream(side_stream(self.applying, "apply"))
+                self.applying = None
+
+    def _run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         stats = DeltaStats()
         sending: tuple = ([], [])  # the previous chunk's payload sends, still in flight (``_in_flight``)
         quiet = self._quiet_pairs()  # (0 sends / 1 receives, peer): pairs without headers this refit
@@ -430,6 +443,8 @@ class DeltaSchedule:
             self._receive_headers(i, recvs, got, version, held, quiet, after)
             (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends), self._payload_msgs(recvs)
             works = self.p2p.post(out, inc)
+            if sends:  # the base's word updates, behind the payload's packing: the sends do not wait for them
+                self.base.flush()
             early = self._post_headers(i + 1, quiet) if pure_receiver else ([], [])
             if sending[0]:
                 self.p2p.wait(clock, *sending, "delta transfer")
@@ -520,11 +535,13 @@ class DeltaSchedule:
         messages are dense without a header."""
         off = 0
         for peer, group in _by_peer(recvs):
-            at = off
-            for d in group:
-                header = None if (1, peer) in quiet else got[at : at + 3 + len(d.views)]
-                self._receive_into(d, header, version, held.get(self.proc))
-                at += 3 + len(d.views)
+            at = off + sum(3 + len(d.views) for d in group)
+            if (1, peer) in quiet or not _words_at_once(group, got[off:at], version, held.get(self.proc)):
+                at = off
+                for d in group:
+                    header = None if (1, peer) in quiet else got[at : at + 3 + len(d.views)]
+                    self._receive_into(d, header, version, held.get(self.proc))
+                    at += 3 + len(d.views)
             if (1, peer) not in quiet and i == self.last[(1, peer)]:
                 after[(1, peer)] = _announced(got[at], group[0].op)
             off = at + 1
@@ -534,21 +551,25 @@ class DeltaSchedule:
     ) -> list[int]:
         """Plan, diff and encode step-chunk ``i``'s sends; their headers, in order. Messages to diff are diffed
         in batches of at most ``FIND_BATCH_BYTES`` of data (``find_changes_many``: one host sync per batch)
-        and encoded at once, so the changes held at a time stay bounded. Once the last batch's changes are
-        known, the next step-chunk's first find is queued (``_prefetch``): the device finds it while the
+        and encoded at once, so the changes held at a time stay bounded. Once the last batch's find is queued,
+        the next step-chunk's first find is queued behind it (``_prefetch``): the device finds it while the
         host encodes this one."""
         plans, batches, pending = self._planned(i, sends, held, quiet)
+        if batches and pending is None:  # the first find queued before the dense messages' copies
+            pending = _launch_fast([sends[j] for j in batches[0]])
         heads: list[list[int]] = [[] for _ in sends]
         for j, d in enumerate(sends):
             if plans[j] != "diff":
                 heads[j] = self._encode(d, plans[j], version, stats)
         for b, batch in enumerate(batches):
-            _find([sends[j] for j in batch], pending if b == 0 else None)  # encoded and dropped batch by batch
-            if b == len(batches) - 1:
+            ops = [sends[j] for j in batch]
+            launched = pending if b == 0 else _launch_fast(ops)
+            if b == len(batches) - 1:  # the next step-chunk's find queued behind this one, before the wait
                 self._prefetch(i + 1, held, quiet)
+            _find(ops, launched)  # encoded and dropped batch by batch
+            at_once = self._encode_found([sends[j] for j in batch], version, stats)
             for j in batch:
-                heads[j] = self._encode(sends[j], "diff", version, stats)
-            self.base.flush()
+                heads[j] = at_once.get(id(sends[j])) or self._encode(sends[j], "diff", version, stats)
         return [x for h in heads for x in h]
 
     def _planned(self, i: int, sends: list[_DeltaOp], held: dict, quiet: set) -> tuple:
@@ -572,8 +593,7 @@ class DeltaSchedule:
             return
         plans = self._plans(sends, held, quiet)
         batches = _batches(sends, plans)
-        fast = [sends[j] for j in (batches[0] if batches else []) if sends[j].words and sends[j].fast]
-        self.ahead = (i, plans, batches, _launch(fast) if fast else None)
+        self.ahead = (i, plans, batches, _launch_fast([sends[j] for j in batches[0]]) if batches else None)
 
     def _encode(self, d: _DeltaOp, plan: str, version: int, stats: DeltaStats) -> list[int]:
         """Fill ``d``'s payload (dense: packed as the P2P path does) by ``plan`` (``_plan``) and the
@@ -600,16 +620,60 @@ class DeltaSchedule:
             if plan == "refresh":
                 d.fraction = None  # the next run diffs and measures again
         elif d.found is not None:  # words by address: packed by ``_join``, the base updated at ``flush``
-            d.payload = torch.empty(int(wire_sizes(np.array(counts)).sum()), dtype=torch.uint8, device="meta")
+            d.payload, d.wire = None, int(wire_sizes(np.array(counts)).sum())
             self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
         else:
             d.payload = self._pack_delta(d)
             self.base.update(d.op.message, [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)], d.kind == "words")
         d.changes = []
-        stats.wire_bytes += d.payload.numel() * d.payload.element_size() + d.header.numel() * 8
+        payload = d.wire if d.payload is None else d.payload.numel() * d.payload.element_size()
+        stats.wire_bytes += payload + d.header.numel() * 8
         stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
         stats.encodings[d.kind] += 1
         return [ENCODINGS.index(d.kind), -1 if base is None else base, version, *counts]
+
+    def _encode_found(self, ops: list[_DeltaOp], version: int, stats: DeltaStats) -> dict[int, list[int]]:
+        """``_encode`` at once of a find batch's diffed messages found by address that go as words (numpy over
+        the find's counts: no Python step per piece): their headers by ``id``. The others (the rule says
+        dense, a piece over its slots, several finds) are left to ``_encode``."""
+        fast = [d for d in ops if d.found is not None]
+        if not fast or any(d.found[0] is not fast[0].found[0] for d in fast):
+            return {}
+        found = fast[0].found[0]
+        first = np.array([d.found[1] for d in fast] + [fast[-1].found[2]], dtype=np.int64)
+        if any(d.found[2] != e for d, e in zip(fast, first[1:])):  # not one run of pieces
+            return {}
+        k, starts = found.count[first[0] : first[-1]], first[:-1] - first[0]
+        words = np.add.reduceat((k > found.cap[first[0] : first[-1]]).astype(np.int64), starts) == 0
+        if self.config.delta != "words":
+            words &= self._rule_says_words(fast, k, first - first[0])
+        nwords = np.add.reduceat(np.array([w for d in fast for w in d.nwords], dtype=np.int64), starts)
+        fraction = (np.add.reduceat(k, starts) / np.maximum(1, nwords)).tolist()
+        wire, counts = np.add.reduceat(wire_sizes(k), starts).tolist(), k.tolist()
+        base, out = self.base.version, {}
+        head = [ENCODINGS.index("words"), -1 if base is None else base, version]
+        for j in np.flatnonzero(words).tolist():
+            d, a, b = fast[j], int(first[j] - first[0]), int(first[j + 1] - first[0])
+            d.kind, d.dense_runs, d.fraction, d.changes, d.payload, d.wire = "words", 0, fraction[j], [], None, wire[j]
+            self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
+            stats.wire_bytes += wire[j] + d.header.numel() * 8
+            stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
+            out[id(d)] = head + counts[a:b]
+        stats.diffed += len(out)
+        stats.encodings["words"] += len(out)
+        return out
+
+    @staticmethod
+    def _rule_says_words(ops: list[_DeltaOp], k: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """``choose_words`` of ``ops`` (pieces ``first[j]:first[j + 1]`` of ``k``), at once where they share one
+        link (else op by op)."""
+        n = np.array([x for d in ops for x in d.numels], dtype=np.int64)
+        size = np.array([v.element_size() for d in ops for v in d.views], dtype=np.int64)
+        if all(d.link == ops[0].link for d in ops):
+            share = np.array([d.share for d in ops])
+            return choose_words_many(n, k, size, first, ops[0].link, share)
+        pieces = [list(zip(n[a:b].tolist(), k[a:b].tolist(), size[a:b].tolist())) for a, b in zip(first, first[1:])]
+        return np.array([choose_words(p, d.link, d.share) == "words" for p, d in zip(pieces, ops)], dtype=bool)
 
     def _choose(self, d: _DeltaOp) -> str:
         """The encoding of a diffed message (``d.changes`` found, ``d.fraction`` measured): the forced one or
@@ -738,8 +802,10 @@ class DeltaSchedule:
         for _, v, idx, vals in todo:
             apply_changes(v, idx, vals)
         scatter_words_many([(v, idx, w) for _, v, idx, w in words])
-        if scatter is not None:
-            scatter.apply()
+        if scatter is not None:  # on CUDA beside the current stream: the next chunk's header read does not wait
+            dev = fast[0].views[0].device
+            self.applying = dev if dev.type == "cuda" else None
+            scatter.apply(side_stream(dev, "apply") if self.applying else None, tuple(d.payload for d in fast))
 
 
 def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
@@ -764,6 +830,30 @@ def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
             out[i] = c
             size += plan.messages[i].nbytes
     return out
+
+
+def _words_at_once(group: list[_DeltaOp], got: list[int], version: int, held: int | None) -> bool:
+    """``_receive_into`` at once (numpy) of one peer's ops whose headers (``got``) all say words of this
+    ``version`` on the base ``held``, every count within its piece's words; False otherwise, nothing set
+    (op by op, ``check_header`` then names what is wrong)."""
+    lens = np.array([3 + len(d.views) for d in group], dtype=np.int64)
+    starts, h = np.cumsum(lens) - lens, np.array(got, dtype=np.int64)
+    ok = held is not None and len(h) == lens.sum()
+    if not ok or (h[starts] != ENCODINGS.index("words")).any() or (h[starts + 1] != held).any():
+        return False
+    if (h[starts + 2] != version).any():
+        return False
+    counted = np.ones(len(h), dtype=bool)
+    counted[np.concatenate([starts, starts + 1, starts + 2])] = False
+    k, n = h[counted], np.array([-1 if w is None else w for d in group for w in d.nwords], dtype=np.int64)
+    if ((k < 0) | (k > n)).any():
+        return False
+    pieces = lens - 3
+    wire, counts, a = np.add.reduceat(wire_sizes(k), np.cumsum(pieces) - pieces).tolist(), k.tolist(), 0
+    for d, w, m in zip(group, wire, pieces.tolist()):
+        d.kind, d.changes, d.payload, d.wire = "words", counts[a : a + m], None, w
+        a += m
+    return True
 
 
 def _loud(msgs: list, ops: list, side: int, quiet: set) -> tuple[list, list]:
@@ -819,26 +909,36 @@ def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
     """One uint8 buffer holding the deltas' payloads one after another; each ``payload`` becomes its slice.
     A sender's payloads (and words' ``parts``) are copied in by one ``torch.cat``; a receiver's are sized
     only (``device="meta"``) and filled by the receive."""
-    if len(deltas) == 1 and deltas[0].payload.device.type != "meta":
+    if len(deltas) == 1 and deltas[0].payload is not None and deltas[0].payload.device.type != "meta":
         return deltas[0].payload
-    buf = torch.empty(sum(d.payload.numel() for d in deltas), dtype=torch.uint8, device=deltas[0].op.tensor.device)
-    packs: dict[int, tuple[Found, list, list]] = {}  # words by address, per find: its piece ranges, destinations
+    sizes = [d.wire if d.payload is None else d.payload.numel() for d in deltas]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=deltas[0].op.tensor.device)
+    packs: dict[int, tuple[Found, list]] = {}  # words by address, per find: (first piece, end, offset) per op
     off = 0
-    for d in deltas:
-        n = d.payload.numel()
+    for d, n in zip(deltas, sizes):
         if d.found is not None:  # a sender's words by address: packed below, one launch per find
-            found, a, b = d.found
-            sizes = wire_sizes(found.count[a:b])
-            ranges, dsts = packs.setdefault(id(found), (found, [], []))[1:]
-            ranges.append(np.arange(a, b))
-            dsts.append(buf.data_ptr() + off + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64))
-        elif d.parts or d.payload.device.type != "meta":  # a sender's other payloads, copied in
-            torch.cat(d.parts or [d.payload], out=buf[off : off + n])
-        d.payload, d.parts, d.found = buf[off : off + n], [], None
+            packs.setdefault(id(d.found[0]), (d.found[0], []))[1].append((*d.found[1:], off))
+            d.found = None
+        else:
+            if d.parts or (d.payload is not None and d.payload.device.type != "meta"):  # a sender's, copied in
+                torch.cat(d.parts or [d.payload], out=buf[off : off + n])
+            d.payload, d.parts = buf[off : off + n], []
         off += n
-    for found, ranges, dsts in packs.values():
-        pack_table(found, np.concatenate(ranges), np.concatenate(dsts), buf.device)
+    for found, spans in packs.values():
+        _pack_spans(found, np.array(spans, dtype=np.int64), buf)
     return buf
+
+
+def _pack_spans(found: Found, spans: np.ndarray, buf: torch.Tensor) -> None:
+    """Pack pieces of ``found`` into ``buf`` in one launch: per row of ``spans`` (first piece, end, byte offset
+    in ``buf``) those pieces one after another from that offset, each in its wire format."""
+    lengths = spans[:, 1] - spans[:, 0]
+    sel = np.repeat(spans[:, 0] - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+    sizes = wire_sizes(found.count[sel])
+    before = np.cumsum(sizes) - sizes  # bytes before each piece, over all spans
+    first = np.cumsum(lengths) - lengths
+    dst = buf.data_ptr() + np.repeat(spans[:, 2] - before[first], lengths) + before
+    pack_table(found, sel, dst.astype(np.int64), buf.device)
 
 
 def _word_parts(idx: torch.Tensor, words: torch.Tensor) -> list[torch.Tensor]:
@@ -859,6 +959,12 @@ def _launch(fast: list[_DeltaOp]) -> PendingFind:
     base, cur = (np.concatenate([d.ptrs[c] for d in fast]) for c in (0, 1))
     nwords = np.array([w for d in fast for w in d.nwords], dtype=np.int64)
     return launch_words_table(base, cur, nwords, fast[0].views[0].device)
+
+
+def _launch_fast(ops: list[_DeltaOp]) -> PendingFind | None:
+    """``_launch`` of those of ``ops`` found per word by address; None where there are none."""
+    fast = [d for d in ops if d.words and d.fast]
+    return _launch(fast) if fast else None
 
 
 def _batches(sends: list[_DeltaOp], plans: list[str]) -> list[list[int]]:
