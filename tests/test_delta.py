@@ -35,6 +35,7 @@ from refit.quant.delta import (
     predicted_seconds,
     prefer_words,
     wire_bytes,
+    words_changed,
 )
 from refit.quant.delta_words import check_words_many, find_words, scatter_words_many, words_in
 from refit.tools.launch import WorkerError, run_local
@@ -228,6 +229,9 @@ def test_the_rule_weighs_words_with_their_share_of_a_chunk():
     # element, 10 us against 108 us per piece) yes; over CPU gloo (the same find rate, twice the bytes) no
     assert prefer_words([(n, 2)], link) and prefer_words([(2 * n, 1)], LINKS["nic"])
     assert not prefer_words([(n, 2)], LINKS["cpu"])
+    # the words changed at 1% of the elements: 4 bf16 per word, 8 FP8, 1 float64
+    assert words_changed(0.01, 2) == pytest.approx(0.0394, abs=1e-4)
+    assert words_changed(0.01, 1) == pytest.approx(0.0773, abs=1e-4) and words_changed(0.01, 8) == pytest.approx(0.01)
 
 
 def test_sparse_wire_bytes_at_one_percent_of_bf16_are_under_eight_percent_of_dense():

@@ -66,6 +66,7 @@ from refit.quant.delta import (
     may_pay,
     prefer_words,
     wire_bytes,
+    words_changed,
 )
 
 
@@ -246,14 +247,14 @@ def _delta_link(
     sender's find + pack + base update, (bytes, seconds) of the receiver's scatter). The rule weighs
     messages (at most a tensor), not a link's total: one message of up to 2**28 elements stands for
     them. Found per 64-bit word where ``prefer_words`` says so (each word of ``8 // itemsize`` elements
-    changes with probability ``1 - (1 - fraction)**(8 // itemsize)``), else per element."""
+    changes with probability ``words_changed``), else per element."""
     elems = n // itemsize
     msg = min(elems, 1 << 28)
     words = prefer_words([(msg, itemsize)], speed)
     if not may_pay([(msg, itemsize)], speed, words):  # as ``auto``: dense where no delta can pay by the margin
         return n, (0.0, 0.0), (0.0, 0.0)
     if words:
-        changed = 1 - (1 - fraction) ** max(1, 8 // itemsize)
+        changed = words_changed(fraction, itemsize)
         kind = choose_words([(msg, round(changed * msg * itemsize / 8), itemsize)], speed)
         k, per_change, find_gbps = round(changed * n / 8), INDEX_BYTES + 16, speed.word_find_gbps
     else:

@@ -188,6 +188,12 @@ docs/benchmarks.md)."""
 TYPICAL_FRACTION = 0.01  # the changed fraction ``prefer_words`` weighs (RL steps on bf16: ~1%)
 
 
+def words_changed(fraction: float, itemsize: int) -> float:
+    """The share of 64-bit words that change where ``fraction`` of the elements (``itemsize`` bytes each)
+    change independently: ``1 - (1 - fraction)**(8 // itemsize)``."""
+    return 1 - (1 - fraction) ** max(1, 8 // itemsize)
+
+
 def prefer_words(pieces: list[tuple[int, int]], link: LinkSpeed) -> bool:
     """Whether a message whose pieces have ``(n, itemsize)`` (all with whole 64-bit words) is better found per
     word than per element over ``link``, at ``TYPICAL_FRACTION`` of its elements changed (each word of ``E``
@@ -195,7 +201,7 @@ def prefer_words(pieces: list[tuple[int, int]], link: LinkSpeed) -> bool:
     element encoding's. Words read faster and pay less per piece; elements send fewer bytes (FP8 over a NIC:
     5% of dense per element, 11.5% per word)."""
     f = TYPICAL_FRACTION
-    words = [(n, round((1 - (1 - f) ** (8 // s)) * n * s / 8), s) for n, s in pieces]
+    words = [(n, round(words_changed(f, s) * n * s / 8), s) for n, s in pieces]
     elements = [(n, round(f * n), s) for n, s in pieces]
     kinds = ["bitmask"] + (["sparse"] if all(n < 2**31 for n, _ in pieces) else [])
     by_word = sum(predicted_seconds("words", n, k, s, link) for n, k, s in words)

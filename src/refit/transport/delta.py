@@ -265,6 +265,7 @@ class _DeltaOp:
     ptrs: tuple = ()  # fast: per piece byte addresses, numpy: (base, current) on a sender, (destination,)
     found: tuple | None = None  # fast sender, per run: (``Found``, first piece, end) of its pieces there
     wire: int = 0  # fast sender sending words, per run: its payload's bytes (``_join`` packs it)
+    nbytes: int = 0  # its pieces' bytes (set at setup)
 
 
 @dataclass
@@ -342,6 +343,7 @@ class DeltaSchedule:
         d.share = self.shares[op.message]
         d.may_pay = self._may_pay(d)
         d.numels, d.nwords = [v.numel() for v in views], [words_in(v) for v in views]
+        d.nbytes = sum(v.numel() * v.element_size() for v in views)
         d.fast = _fast(views + bases) and (d.words or not outgoing)
         if d.fast:
             sides = (bases, views) if outgoing else (views,)
@@ -975,13 +977,12 @@ def _batches(sends: list[_DeltaOp], plans: list[str]) -> list[list[int]]:
     for j, d in enumerate(sends):
         if plans[j] != "diff":
             continue
-        nbytes = sum(v.numel() * v.element_size() for v in d.views)
         joined = words and d.words  # the batch with message j: all found per word
-        if batch and size + nbytes > (WORD_BATCH_BYTES if joined else FIND_BATCH_BYTES):
+        if batch and size + d.nbytes > (WORD_BATCH_BYTES if joined else FIND_BATCH_BYTES):
             batches.append(batch)
             batch, size, words = [], 0, True
         batch.append(j)
-        size += nbytes
+        size += d.nbytes
         words = words and d.words
     return [*batches, batch] if batch else batches
 
