@@ -159,12 +159,23 @@ def choose_words_many(
     """``choose_words`` of many messages over one ``link`` at once: their pieces as numpy arrays (``n``
     elements, ``k`` changed words, ``itemsize``), message ``j``'s pieces at ``first[j]:first[j + 1]`` (at least
     one each), ``share`` per message. True where ``"words"``: the same sums, in the same order."""
-    starts = np.asarray(first[:-1])
+    first = np.asarray(first)
     if link.same_device:
-        return np.zeros(len(starts), dtype=bool)
-    dense = np.add.reduceat(predicted_seconds("dense", n, k, itemsize, link), starts)
-    words = link.chunk_s * np.asarray(share) + np.add.reduceat(predicted_seconds("words", n, k, itemsize, link), starts)
-    return (np.add.reduceat(n, starts) > 0) & (words < dense)
+        return np.zeros(len(first) - 1, dtype=bool)
+    dense = _in_order(predicted_seconds("dense", n, k, itemsize, link), first)
+    words = link.chunk_s * np.asarray(share) + _in_order(predicted_seconds("words", n, k, itemsize, link), first)
+    return (np.add.reduceat(n, first[:-1]) > 0) & (words < dense)
+
+
+def _in_order(x: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Per message, its pieces' values (``x[first[j]:first[j + 1]]``) added one by one in order, as Python's
+    ``sum`` adds them (``np.add.reduceat`` may add them in another order, and round differently)."""
+    counts = np.diff(first)
+    out = np.zeros(len(counts))
+    for p in range(int(counts.max(initial=0))):
+        has = counts > p
+        out[has] += x[first[:-1][has] + p]
+    return out
 
 
 def _cheapest(pieces: list[tuple[int, int, int]], link: LinkSpeed, kinds: list[str], share: float = 0.0) -> str:

@@ -199,8 +199,8 @@ def launch_words_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, de
         host.copy_(counts, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
-    for t in (idx, words, counts):  # made on the current stream, used on the find's: freed after both
-        t.record_stream(side)
+    for t in (idx, words, counts, table, pieces):  # made on the current stream, used on the find's: freed after
+        t.record_stream(side)  # both (the table and pieces may leave ``_FIND_TABLES`` while the find runs)
     return PendingFind(idx, words, slot, cap, host, done)
 
 

@@ -5,7 +5,8 @@ in pinned host memory: ``TransferConfig.delta_base``); ``DeltaSchedule`` pairs e
 ops (``P2PSchedule``) with its pieces' views, the base views (sender) and the link's speed.
 
 Per refit, per step and chunk of a step (``_chunks``: at most the staging budget of data per sending process;
-host-driven; on CUDA the device is synchronized by the header reads):
+host-driven; on CUDA the current stream is synchronized by the header reads, while the word finds and a
+receiver's word scatters run on streams of their own, ``delta_words.side_stream``):
   1. each sender chooses its message's encoding (``DeltaSchedule._plan``): dense when the receiver does
      not hold the sender's base version (heal), on a same-device link, or when the last measured changed
      fraction makes dense cheaper (then the base is not maintained either, until a probe every
@@ -24,17 +25,20 @@ host-driven; on CUDA the device is synchronized by the header reads):
      counts) and apply: dense unpacks, a delta scatters (``apply_changes``; words: one checked launch
      for the chunk, ``scatter_words_many``), O(changed). A sender's payload sends stay in flight until the
      next chunk's are posted (``_in_flight``: not when one reads the packed ring buffer).
-The sender's base follows what each message sent as it is encoded (``SourceBase.update``; a source box
-sent to several receivers at commit); the version it holds is set after the refit succeeded
+The sender's base follows what each message sent (``SourceBase.update``: dense copies as they are encoded,
+word changes in one scatter per find once the chunk's payload is posted, ``flush``; a source box sent to
+several receivers at commit); the version it holds is set after the refit succeeded
 (``commit``), and a failed refit clears it (``fail``), so the next refit is dense everywhere.
 Extra memory: the base (this process's P2P-sent source bytes) plus the payloads of one chunk's deltas
 while the chunk runs (each smaller than its message's dense bytes by the rule, unless forced; a sender
-briefly holds them twice, per message and joined per peer) and the find's slots (a quarter of a chunk's
-elements; a sender holds two chunks' slots while the next chunk's find runs ahead, ``_prefetch``).
+briefly holds them twice, per message and joined per peer) and the find's slots (a quarter of the words
+found; a sender holds every find batch's slots of a chunk until its payload is packed and posted, plus the
+next chunk's first batch found ahead, ``_prefetch``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from itertools import groupby
 
@@ -150,7 +154,7 @@ class SourceBase:
         self.shared = _shared_messages(plan, sent)
         self.version: int | None = None
         self.pending: list = []  # (base view, indices or None, values or the live view, words)
-        self.queued: list = []  # word updates of the current find batch (``flush``)
+        self.queued: list = []  # word updates of the current step-chunk (``flush``)
         self.by_address: list = []  # the same for words by address: (Found, a, b, base addresses, words)
 
     def update(self, message: int, updates: list, words: bool = False) -> None:
@@ -177,7 +181,7 @@ class SourceBase:
             self.by_address.append((f, a, b, ptrs, nwords))
 
     def flush(self) -> None:
-        """Apply the queued word updates (one launch per find) before the find's slots are reused."""
+        """Apply the queued word updates (one launch per find), while the finds' slots are still held."""
         _update(self.queued)
         self.queued = []
         for group in _by_find(self.by_address):
@@ -415,11 +419,19 @@ class DeltaSchedule:
         travels: every message between them is dense, as on the plain P2P path. On return (or raise) the
         current stream is behind every scatter queued on the side (``_apply``)."""
         try:
-            return self._run(clock, version, held)
-        finally:
-            if self.applying is not None:
-                torch.cuda.current_stream(self.applying).wait_stream(side_stream(self.applying, "apply"))
-                self.applying = None
+            stats = self._run(clock, version, held)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the run's own error is the one to see
+                self._behind_apply()
+            raise
+        self._behind_apply()
+        return stats
+
+    def _behind_apply(self) -> None:
+        """The current stream waits for the scatters ``_apply`` queued on the "apply" stream, if any."""
+        if self.applying is not None:
+            dev, self.applying = self.applying, None
+            torch.cuda.current_stream(dev).wait_stream(side_stream(dev, "apply"))
 
     def _run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         stats = DeltaStats()
@@ -553,9 +565,9 @@ class DeltaSchedule:
     ) -> list[int]:
         """Plan, diff and encode step-chunk ``i``'s sends; their headers, in order. Messages to diff are diffed
         in batches of at most ``FIND_BATCH_BYTES`` of data (``find_changes_many``: one host sync per batch)
-        and encoded at once, so the changes held at a time stay bounded. Once the last batch's find is queued,
-        the next step-chunk's first find is queued behind it (``_prefetch``): the device finds it while the
-        host encodes this one."""
+        and encoded at once (a chunk's slots are held until its payload is posted: bounded by the chunk). Once
+        the last batch's find is queued, the next step-chunk's first find is queued behind it (``_prefetch``):
+        the device finds it while the host encodes this one."""
         plans, batches, pending = self._planned(i, sends, held, quiet)
         if batches and pending is None:  # the first find queued before the dense messages' copies
             pending = _launch_fast([sends[j] for j in batches[0]])
@@ -568,7 +580,7 @@ class DeltaSchedule:
             launched = pending if b == 0 else _launch_fast(ops)
             if b == len(batches) - 1:  # the next step-chunk's find queued behind this one, before the wait
                 self._prefetch(i + 1, held, quiet)
-            _find(ops, launched)  # encoded and dropped batch by batch
+            _find(ops, launched)  # encoded batch by batch; the slots are dropped once the chunk is posted
             at_once = self._encode_found([sends[j] for j in batch], version, stats)
             for j in batch:
                 heads[j] = at_once.get(id(sends[j])) or self._encode(sends[j], "diff", version, stats)
