@@ -147,6 +147,27 @@ def test_get_waits_past_a_forgery_for_the_real_value():
         s.get("nothing", 0.05)
 
 
+def test_get_with_under_a_millisecond_left_times_out_instead_of_waiting_forever():
+    """c10d stores take waits in whole milliseconds and read 0 as no timeout: a get whose time left
+    rounds down to 0 ms once waited forever (a CI run hung in the test above). It must time out."""
+    from refit.transport.store import _wait_span
+
+    assert _wait_span(0.0004) == timedelta(milliseconds=1) and _wait_span(0.0101) == timedelta(milliseconds=11)
+    s, errors = _store(), []
+
+    def get():
+        for timeout_s in (0.0004, 0.001, 0.0015):
+            try:
+                s.get("nothing", timeout_s)
+            except TimeoutError as e:
+                errors.append(e)
+
+    t = threading.Thread(target=get, daemon=True)  # a hang would block in C++, beyond pytest-timeout's reach
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive() and len(errors) == 3
+
+
 def test_a_sealed_value_is_useless_without_the_secret():
     s = _store()
     handle = b"\x01cuda-ipc-handle-bytes\x02" * 3

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import socket
 import time
@@ -39,6 +40,14 @@ JOB_ENV = "REFIT_JOB_ID"  # a per-job scope bound into every tag (replays betwee
 LOOPBACK = "127.0.0.1"
 _MAGIC = b"refit1."
 _POLL_S = 0.002
+
+
+def _wait_span(seconds: float) -> timedelta:
+    """A store wait of ``seconds``, rounded up to whole milliseconds and at least one: c10d stores take
+    milliseconds, and 0 means no timeout at all (a wait with 0.4 ms left would never end)."""
+    return timedelta(milliseconds=max(1, math.ceil(seconds * 1000)))
+
+
 _ABSENT = b"\0refit-absent\0"  # never written: compare_set(key, _ABSENT, _ABSENT) is a non-blocking read
 
 
@@ -98,7 +107,7 @@ def _listener(address: str, port: int) -> socket.socket:
 def open_store(address: str, port: int, world_size: int | None, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """Host (``is_master``) or join the TCP store at ``address:port``; the host's listener is bound to
     ``address`` alone (``port`` 0: any free port, read back from ``store.port``)."""
-    timeout = timedelta(seconds=timeout_s)
+    timeout = _wait_span(timeout_s)  # never 0 ms: c10d reads that as no timeout
     if not is_master:
         return dist.TCPStore(address, port, world_size, False, timeout=timeout)
     sock = _listener(address, port)
@@ -112,7 +121,7 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float, addres
     """A standalone gloo group whose listeners bind to ``address`` (not the host name's address)."""
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    opts._timeout = timedelta(seconds=timeout_s)
+    opts._timeout = _wait_span(timeout_s)
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
@@ -215,7 +224,7 @@ class SignedStore:
             if left <= 0:
                 raise self._timeout(key, timeout_s)
             try:
-                self.raw.wait([key], timedelta(seconds=left))
+                self.raw.wait([key], _wait_span(left))
             except dist.DistStoreError:  # the store's wait timed out: the loop's deadline decides
                 continue
             value = self.peek(key)
