@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -207,6 +208,18 @@ def kernels(model: str, device: torch.device, group_bytes: int) -> tuple[list[di
 
 # S1's delta Peer pairs beside the dense one: name -> mode
 DELTA_PEERS = {"delta": "auto", "sparse": "sparse", "words": "words"}
+ALL_PEERS = dict(DELTA_PEERS)
+
+
+def _select(modes: list[str], word_piece_us: float | None) -> None:
+    """This process's delta Peers (``--modes``; ``delta`` always, the run reads its base size) and, for an
+    A/B of the rule, its per-piece word cost (``--word-piece-us``: ``LinkSpeed.word_piece_s`` of the CUDA
+    links replaced in this process's ``quant.delta.LINKS``; every process of the run calls this alike)."""
+    global DELTA_PEERS
+    DELTA_PEERS = {k: ALL_PEERS[k] for k in ALL_PEERS if k == "delta" or k in modes}
+    if word_piece_us is not None:
+        for kind in ("nvlink", "nic"):
+            LINKS[kind] = dataclasses.replace(LINKS[kind], word_piece_s=word_piece_us * 1e-6)
 
 
 def _profiled(peer, tensors, ref, version: int, out: str, rank: int) -> int:
@@ -246,12 +259,14 @@ def _traced(peers, tensors, ref, version: int, out: str, rank: int) -> int:
 
     os.makedirs(out, exist_ok=True)
     dev = tensors[next(iter(tensors))].device
-    for mode, key in (("words", "words"), ("auto", "delta")):
+    for mode, key in (m for m in (("words", "words"), ("auto", "delta")) if m[1] in peers):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for it in range(2):
                 version += 1
                 optimizer_step(tensors if ref is None else ref, 0.01, seed=98_000 + it)
-                for k in ("dense", key):  # the dense peer's refit keeps every peer's base on the same version
+                # every peer refits every version: they share the receiver's tensors, so one left behind would
+                # diff against a version its receiver no longer holds (the traced one right after dense)
+                for k in ("dense", key, *(k for k in peers if k not in ("dense", key))):
                     _sync(dev)
                     dist.barrier()
                     with record_function(f"refit {k} v{version}"):
@@ -261,8 +276,11 @@ def _traced(peers, tensors, ref, version: int, out: str, rank: int) -> int:
     return version
 
 
-def _s1_worker(world, model: str, iters: int, buffer_mb: int, profile: str | None = None, trace: str | None = None):
+def _s1_worker(
+    world, model: str, iters: int, buffer_mb: int, profile=None, trace=None, modes=tuple(ALL_PEERS), piece_us=None
+):
     """S1: process 0 sends, process 1 receives; a dense and a delta Peer pair refit after every step."""
+    _select(list(modes), piece_us)
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes(model)]
     lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
     dev = world.device
@@ -324,10 +342,10 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int, profile: str | Non
                 "exact": exact,
             }
         )
+        if trace and f == 0.01:  # right after the 1% refits: auto diffs there (after 10% it sends dense)
+            version = _traced(peers, tensors, ref, version, trace, world.rank)
     if profile:  # the receiver's reference follows the same steps, so both stay exact
-        version = _profiled(peers["words"], tensors, ref, version, profile, world.rank)
-    if trace:
-        _traced(peers, tensors, ref, version, trace, world.rank)
+        version = _profiled(peers.get("words", peers["delta"]), tensors, ref, version, profile, world.rank)
     extra = peers["delta"].executor.delta_base_bytes
     for p in peers.values():
         p.close()
@@ -335,10 +353,11 @@ def _s1_worker(world, model: str, iters: int, buffer_mb: int, profile: str | Non
 
 
 def s1(
-    model: str, device: str, iters: int, buffer_mb: int, profile: str | None = None, trace: str | None = None
+    model: str, device: str, iters: int, buffer_mb: int, profile=None, trace=None, modes=tuple(ALL_PEERS), piece_us=None
 ) -> list[dict] | None:
     devices = ["cuda:0", "cuda:1"] if device == "cuda" else ["cpu", "cpu"]
-    out = run_local(_s1_worker, 1, 1, model, iters, buffer_mb, profile, trace, devices=devices, timeout_s=1200)
+    args = (model, iters, buffer_mb, profile, trace, tuple(modes), piece_us)
+    out = run_local(_s1_worker, 1, 1, *args, devices=devices, timeout_s=1200)
     (send_rows, extra), (recv_rows, _) = out
     rows = []
     for a, b in zip(send_rows, recv_rows):  # the slowest process's time; the receiver's exactness
@@ -416,7 +435,16 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="S1 only")
     ap.add_argument("--profile", default=None, help="a directory: cProfile of 3 forced-words S1 refits at 1%%")
     ap.add_argument("--trace", default=None, help="a directory: torch profiler timelines of S1 refits at 1%%")
+    ap.add_argument("--modes", default=",".join(ALL_PEERS), help="S1's delta Peers (delta = auto, always run)")
+    ap.add_argument("--word-piece-us", type=float, default=None, help="S1: the rule's per-piece word cost, for an A/B")
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(ALL_PEERS))
+    if unknown:
+        ap.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(ALL_PEERS)})")
+    if args.word_piece_us is not None and not 0 <= args.word_piece_us < 1e6:
+        ap.error(f"--word-piece-us must be microseconds in [0, 1e6), got {args.word_piece_us}")
+    _select(modes, args.word_piece_us)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
@@ -434,7 +462,7 @@ def main() -> None:
     if args.no_s1:
         res["s1_skipped"] = "--no-s1"
     elif device == "cpu" or torch.cuda.device_count() >= 2:
-        res["s1"] = s1(model, device, args.iters, args.buffer_mb, args.profile, args.trace)
+        res["s1"] = s1(model, device, args.iters, args.buffer_mb, args.profile, args.trace, modes, args.word_piece_us)
         _print({**res, "kernels": []})
     else:
         res["s1_skipped"] = f"{torch.cuda.device_count()} GPU(s): S1 needs 2"

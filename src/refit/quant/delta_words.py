@@ -161,7 +161,10 @@ class PendingFind:
         waits for the find's stream)."""
         if self.done is not None:
             self.done.synchronize()
-            torch.cuda.current_stream(self.idx.device).wait_event(self.done)
+            current = torch.cuda.current_stream(self.idx.device)
+            current.wait_event(self.done)
+            for t in (self.idx, self.words):  # read on the current stream from now on (pack, base update):
+                t.record_stream(current)  # their memory goes back to the find's pool only after that
         return Found(self.idx, self.words, self.slot, self.cap, self.counts.numpy().astype(np.int64))
 
 
@@ -177,31 +180,46 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     return _STREAMS[key]
 
 
-def launch_words_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> PendingFind:
-    """``find_words_table`` without the wait. On CUDA the find runs on a stream of its own, behind all
-    work queued so far on the current stream (the weights' last writes), and its counts are copied to the
-    host behind it: what the current stream queues next (e.g. packing and sending the chunk before) does
-    not wait for this find, and the host can go on while the device finds."""
+def launch_words_table(
+    base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device, after: torch.cuda.Event | None = None
+) -> PendingFind:
+    """``find_words_table`` without the wait. On CUDA the find runs on a stream of its own, behind ``after``
+    (an event the caller recorded on the current stream after the weights' and the bases' last writes), or
+    behind all work queued so far on the current stream (``after`` None, or the pieces' table new), and its
+    counts are copied to the host behind it: what the current stream queues next (e.g. packing and sending
+    the chunk before, the base's update) does not wait for this find, nor this find for it, and the host can
+    go on while the device finds. The slots are allocated on the find's stream (``PendingFind.result``
+    hands them to the current one)."""
     from refit.quant.delta_triton import launch_find_words
 
+    new = _table_key(base, cur, nwords, device) not in _FIND_TABLES
     table, pieces, slot, cap = _find_table(base, cur, nwords, device)
-    idx = torch.empty(int(cap.sum()), dtype=torch.int32, device=device)
-    words = torch.empty(int(cap.sum()), dtype=torch.int64, device=device)
-    counts = torch.zeros(len(nwords), dtype=torch.int32, device=device)
     if device.type != "cuda":
+        idx, words, counts = _slots(int(cap.sum()), len(nwords), device)
         launch_find_words(table, pieces, idx, words, counts)
         return PendingFind(idx, words, slot, cap, counts.cpu(), None)
     side = side_stream(device, "find")
-    side.wait_stream(torch.cuda.current_stream(device))
+    if after is None or new:
+        side.wait_stream(torch.cuda.current_stream(device))
+    else:
+        side.wait_event(after)
     host = torch.empty(len(nwords), dtype=torch.int32, pin_memory=True)
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side):  # the slots come from the find stream's pool: no wait on the current stream
+        idx, words, counts = _slots(int(cap.sum()), len(nwords), device)
         launch_find_words(table, pieces, idx, words, counts)
         host.copy_(counts, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
-    for t in (idx, words, counts, table, pieces):  # made on the current stream, used on the find's: freed after
-        t.record_stream(side)  # both (the table and pieces may leave ``_FIND_TABLES`` while the find runs)
+    for t in (table, pieces):  # made on the current stream, used on the find's: not freed before it is done
+        t.record_stream(side)  # (they may leave ``_FIND_TABLES`` while the find runs)
     return PendingFind(idx, words, slot, cap, host, done)
+
+
+def _slots(n: int, pieces: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A find's slots for ``n`` changed words (int32 indices, int64 words) and its ``pieces`` counts."""
+    idx = torch.empty(n, dtype=torch.int32, device=device)
+    words = torch.empty(n, dtype=torch.int64, device=device)
+    return idx, words, torch.zeros(pieces, dtype=torch.int32, device=device)
 
 
 def find_words_many(
@@ -237,11 +255,15 @@ _FIND_TABLES: dict[tuple, tuple] = {}  # the find's tables by the pieces' addres
 _FIND_TABLES_MAX = 256
 
 
+def _table_key(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> tuple:
+    return (device, base.tobytes(), cur.tobytes(), nwords.tobytes())
+
+
 def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> tuple:
     """``(table, each program's piece, slot offsets, slot capacities)`` of ``_find_words`` over the pieces,
     built once per set of addresses and sizes (a refit's batches repeat every time) and kept (at most
     ``_FIND_TABLES_MAX``; the per-program pieces take 4 bytes per 16 KiB found)."""
-    key = (device, base.tobytes(), cur.tobytes(), nwords.tobytes())
+    key = _table_key(base, cur, nwords, device)
     hit = _FIND_TABLES.get(key)
     if hit is None:
         cap = np.maximum(1, nwords // SLOT_FRACTION)

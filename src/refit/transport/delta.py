@@ -257,6 +257,7 @@ class _DeltaOp:
     kind: str = "dense"
     changes: list = field(default_factory=list)
     fraction: float | None = None  # sender: the changed fraction last measured
+    dense_next: bool = False  # sender: the rule sent its last diff dense (``auto`` then skips it until a probe)
     dense_runs: int = 0  # sender: runs sent dense since the last diff
     stale: bool = False  # sender: this message's base was not brought to the last version (``_plan``)
     may_pay: bool = True  # a delta could beat dense on this link (``_may_pay``; set at setup)
@@ -325,6 +326,7 @@ class DeltaSchedule:
         self.headers = self._headers()
         self.ahead: tuple | None = None  # (step-chunk, plans, batches, its first find): queued by ``_prefetch``
         self.applying: torch.device | None = None  # a CUDA device with scatters on its "apply" stream (``_apply``)
+        self.ready: torch.cuda.Event | None = None  # sender on CUDA, per run: the run's finds wait for it only
 
     @property
     def receivers(self) -> list[int]:
@@ -435,6 +437,7 @@ class DeltaSchedule:
 
     def _run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         stats = DeltaStats()
+        self.ready = _ready(self.steps)
         sending: tuple = ([], [])  # the previous chunk's payload sends, still in flight (``_in_flight``)
         quiet = self._quiet_pairs()  # (0 sends / 1 receives, peer): pairs without headers this refit
         after: dict[tuple[int, int], int] = {}  # the quiet refits each pair's last header announced
@@ -530,15 +533,16 @@ class DeltaSchedule:
     def _quiet_after(self, peer: int) -> int:
         """How many refits after this one send every message to ``peer`` dense without a diff, under
         ``delta="auto"`` (a run's plans, ``_plan``, are known from each message's state): a message that
-        cannot pay never diffs; one whose last fraction says dense (or that is stale) diffs again after its
-        probe, ``PROBE_EVERY - dense_runs`` refits on; any other diffs next time (0). The least of them."""
+        cannot pay never diffs; one whose last diff the rule sent dense (``dense_next``, or that is stale) diffs
+        again after its probe, ``PROBE_EVERY - dense_runs`` refits on; any other diffs next time (0). The least of
+        them."""
         if self.config.delta != "auto":
             return 0
         left = QUIET_MAX
         for d in self.sends_to[peer]:
             if not d.may_pay:
                 continue
-            if not (d.stale or (d.fraction is not None and self._says_dense(d))):
+            if not (d.stale or (d.fraction is not None and d.dense_next)):
                 return 0
             left = min(left, max(1, PROBE_EVERY - d.dense_runs))
         return left
@@ -570,17 +574,17 @@ class DeltaSchedule:
         the device finds it while the host encodes this one."""
         plans, batches, pending = self._planned(i, sends, held, quiet)
         if batches and pending is None:  # the first find queued before the dense messages' copies
-            pending = _launch_fast([sends[j] for j in batches[0]])
+            pending = _launch_fast([sends[j] for j in batches[0]], self.ready)
         heads: list[list[int]] = [[] for _ in sends]
         for j, d in enumerate(sends):
             if plans[j] != "diff":
                 heads[j] = self._encode(d, plans[j], version, stats)
         for b, batch in enumerate(batches):
             ops = [sends[j] for j in batch]
-            launched = pending if b == 0 else _launch_fast(ops)
+            launched = pending if b == 0 else _launch_fast(ops, self.ready)
             if b == len(batches) - 1:  # the next step-chunk's find queued behind this one, before the wait
                 self._prefetch(i + 1, held, quiet)
-            _find(ops, launched)  # encoded batch by batch; the slots are dropped once the chunk is posted
+            _find(ops, launched, self.ready)  # encoded batch by batch; the slots are dropped once the chunk is posted
             at_once = self._encode_found([sends[j] for j in batch], version, stats)
             for j in batch:
                 heads[j] = at_once.get(id(sends[j])) or self._encode(sends[j], "diff", version, stats)
@@ -607,7 +611,7 @@ class DeltaSchedule:
             return
         plans = self._plans(sends, held, quiet)
         batches = _batches(sends, plans)
-        self.ahead = (i, plans, batches, _launch_fast([sends[j] for j in batches[0]]) if batches else None)
+        self.ahead = (i, plans, batches, _launch_fast([sends[j] for j in batches[0]], self.ready) if batches else None)
 
     def _encode(self, d: _DeltaOp, plan: str, version: int, stats: DeltaStats) -> list[int]:
         """Fill ``d``'s payload (dense: packed as the P2P path does) by ``plan`` (``_plan``) and the
@@ -669,6 +673,7 @@ class DeltaSchedule:
         for j in np.flatnonzero(words).tolist():
             d, a, b = fast[j], int(first[j] - first[0]), int(first[j + 1] - first[0])
             d.kind, d.dense_runs, d.fraction, d.changes, d.payload, d.wire = "words", 0, fraction[j], [], None, wire[j]
+            d.dense_next = False
             self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
             stats.wire_bytes += wire[j] + d.header.numel() * 8
             stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
@@ -698,7 +703,9 @@ class DeltaSchedule:
             forced = "sparse" if forced == "words" else forced  # a piece without whole words: per element
             pieces = [(v.numel(), len(i), v.element_size()) for v, (i, _) in zip(d.views, d.changes)]
             d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
-            return forced or choose_encoding(pieces, d.link, d.share)
+            kind = forced or choose_encoding(pieces, d.link, d.share)
+            d.dense_next = kind == "dense"
+            return kind
         if d.found is not None:  # by address: the counts, and whether a piece is over its slots
             found, a, b = d.found
             counts, over = found.count[a:b].tolist(), bool((found.count[a:b] > found.cap[a:b]).any())
@@ -718,6 +725,7 @@ class DeltaSchedule:
                 d.changes = [(*find_words(b, v), k) if i is None else (i, w, k) for b, v, (i, w, k) in again]
         if kind != "words":
             d.found = None
+        d.dense_next = kind == "dense"
         d.changes = counts if d.found is not None else [(i, w) for i, w, *_ in d.changes] if kind == "words" else []
         return kind
 
@@ -725,8 +733,8 @@ class DeltaSchedule:
         """``"diff"``; ``"refresh"`` (dense, and the base copied at commit so the next run may diff: a
         receiver without the base, the first run, a probe every ``PROBE_EVERY`` dense runs); or ``"skip"``
         (dense, the base left as it was and marked stale: under ``auto`` on a link where no delta can pay
-        (``_may_pay``: a same-device link, NVLink at the measured find rate), or while the last measured
-        fraction says dense, so a steady 100% change costs neither a diff nor a copy)."""
+        (``_may_pay``: a same-device link, NVLink at the measured find rate), or while the rule sent its last
+        diff dense (``dense_next``), so a steady 100% change costs neither a diff nor a copy)."""
         auto = self.config.delta == "auto"
         if auto and not d.may_pay:
             return "skip"
@@ -739,16 +747,7 @@ class DeltaSchedule:
             return probe
         if d.fraction is None:
             return "diff"
-        return probe if self._says_dense(d) else "diff"
-
-    @staticmethod
-    def _says_dense(d: _DeltaOp) -> bool:
-        """The rule sends ``d`` dense at its last measured fraction (``d.fraction``, not None)."""
-        if d.words:
-            guess = [(n, round(d.fraction * w), v.element_size()) for n, w, v in zip(d.numels, d.nwords, d.views)]
-            return choose_words(guess, d.link, d.share) == "dense"
-        guess = [(v.numel(), round(d.fraction * v.numel()), v.element_size()) for v in d.views]
-        return choose_encoding(guess, d.link, d.share) == "dense"
+        return probe if d.dense_next else "diff"
 
     @staticmethod
     def _may_pay(d: _DeltaOp) -> bool:
@@ -968,17 +967,31 @@ def _word_parts(idx: torch.Tensor, words: torch.Tensor) -> list[torch.Tensor]:
 _PADS: dict[torch.device, torch.Tensor] = {}  # 4 zero bytes per device (``_word_parts``), made once
 
 
-def _launch(fast: list[_DeltaOp]) -> PendingFind:
-    """The find of ``fast`` (messages found per word by address) in one launch, not waited for."""
+def _ready(steps: list) -> torch.cuda.Event | None:
+    """On a CUDA sender, an event on the current stream at the start of a run: every write of the weights
+    and of the base the run's finds read is queued before it (the base's updates of this run touch only
+    messages already found, and a shared message's wait for ``commit``), so the finds wait for it, not for
+    the packing, sends and base updates of the chunks before theirs."""
+    dev = next((d.views[0].device for sends, _ in steps for d in sends if d.fast and d.words), None)
+    if dev is None or dev.type != "cuda":
+        return None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(dev))
+    return ready
+
+
+def _launch(fast: list[_DeltaOp], after: torch.cuda.Event | None = None) -> PendingFind:
+    """The find of ``fast`` (messages found per word by address) in one launch, not waited for; on CUDA
+    behind ``after`` (``launch_words_table``)."""
     base, cur = (np.concatenate([d.ptrs[c] for d in fast]) for c in (0, 1))
     nwords = np.array([w for d in fast for w in d.nwords], dtype=np.int64)
-    return launch_words_table(base, cur, nwords, fast[0].views[0].device)
+    return launch_words_table(base, cur, nwords, fast[0].views[0].device, after)
 
 
-def _launch_fast(ops: list[_DeltaOp]) -> PendingFind | None:
+def _launch_fast(ops: list[_DeltaOp], after: torch.cuda.Event | None = None) -> PendingFind | None:
     """``_launch`` of those of ``ops`` found per word by address; None where there are none."""
     fast = [d for d in ops if d.words and d.fast]
-    return _launch(fast) if fast else None
+    return _launch(fast, after) if fast else None
 
 
 def _batches(sends: list[_DeltaOp], plans: list[str]) -> list[list[int]]:
@@ -999,7 +1012,7 @@ def _batches(sends: list[_DeltaOp], plans: list[str]) -> list[list[int]]:
     return [*batches, batch] if batch else batches
 
 
-def _find(ops: list[_DeltaOp], pending: PendingFind | None = None) -> None:
+def _find(ops: list[_DeltaOp], pending: PendingFind | None = None, after: torch.cuda.Event | None = None) -> None:
     """The changes of every piece of ``ops`` (one batch of a step's sends): words by address in one launch
     (``launch_words_table``, or ``pending`` where ``_prefetch`` queued it; each op's ``found``: its pieces'
     range there), other word-found ops per piece
@@ -1008,7 +1021,7 @@ def _find(ops: list[_DeltaOp], pending: PendingFind | None = None) -> None:
     dropped soon."""
     fast = [d for d in ops if d.words and d.fast]
     if fast:
-        found, a = (pending if pending is not None else _launch(fast)).result(), 0
+        found, a = (pending if pending is not None else _launch(fast, after)).result(), 0
         for d in fast:
             d.found, a = (found, a, a + len(d.views)), a + len(d.views)
     for by_words, find in ((True, find_words_many), (False, lambda pairs: find_changes_many(pairs, copy=False))):
