@@ -93,9 +93,11 @@ class LinkSpeed:
 _H100 = {"find_gbps": 780.0, "apply_gbps": 400.0, "piece_s": 108e-6}
 # Word deltas (``refit.quant.delta_words``), measured on 2x H200 (docs/benchmarks.md, "Word deltas by address"):
 # the find read 2.3-2.65 TB/s; the rule takes 1.7 TB/s, that scaled to an H100's memory bandwidth (3.35 vs
-# 4.8 TB/s; not measured on an H100). Host work per piece: ~10 us by address. Per chunk of a delta step
-# (header exchange, the find's and the check's host syncs): 1.05 ms (S1 with 32 chunks vs 4: 54.9 vs 25.4 ms).
-_WORDS = {"word_find_gbps": 1700.0, "word_piece_s": 10e-6, "chunk_s": 1.05e-3}
+# 4.8 TB/s; not measured on an H100). Per piece: 2 us (a piece is a row of the kernels' tables and of the host's
+# numpy encoding; with 2 us `auto` sends the k/v projections as words, 0.37-0.41x dense at 1% on S1 against
+# 0.41-0.54x with 10 us, docs/benchmarks.md "Finds behind one event"). Per chunk of a delta step (header exchange,
+# the find's and the check's host syncs): 1.05 ms (S1 with 32 chunks vs 4: 54.9 vs 25.4 ms).
+_WORDS = {"word_find_gbps": 1700.0, "word_piece_s": 2e-6, "chunk_s": 1.05e-3}
 LINKS = {
     "same_device": LinkSpeed(1500.0, **_H100, same_device=True),  # S2: a copy on one H100 (read + write HBM)
     "nvlink": LinkSpeed(370.0, **_H100, **_WORDS),  # S1/S3: H100 NVLink, measured ~370 GB/s one way
