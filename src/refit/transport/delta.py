@@ -446,9 +446,6 @@ class DeltaSchedule:
         # sends could wait on a peer that waits on them)
         pure_receiver = not any(sends for sends, _ in self.steps)
         early = self._post_headers(0, quiet) if pure_receiver else ([], [])
-        # and it applies a chunk only once the next chunk's payload receives are posted: its check's host sync
-        # and its scatter overlap the next transfer (one more chunk's payload held: bounded by the chunks)
-        unapplied: list[_DeltaOp] = []
         for i, ((sends, recvs), (send_hdr, recv_hdr, headers)) in enumerate(zip(self.steps, self.headers)):
             if sends:
                 heads = self._send_step(i, sends, version, held, stats, quiet)
@@ -473,31 +470,20 @@ class DeltaSchedule:
             apart = not inc or len(works) == len(out) + len(inc)
             sending = (works[: len(works) - len(inc)], out_ops) if apart and _in_flight(sends) else ([], [])
             rest, named = works[len(sending[0]) :], (out_ops + inc_ops)[len(out_ops) if sending[0] else 0 :]
-            if pure_receiver:  # the chunk before, its transfer waited for; then this one's, queued
-                self._applied(unapplied, stats)
-                unapplied = recvs
             if rest:
                 self.p2p.wait(clock, rest, named, "delta transfer")
-            if not pure_receiver:
-                self._applied(recvs, stats)
-            for d in sends:  # the step's payloads are freed now, not held until the next refit
+            self._apply(recvs)
+            stats.received_bytes += sum(
+                d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs
+            )
+            for d in sends + recvs:  # the step's payloads are freed now, not held until the next refit
                 d.payload = None
-        self._applied(unapplied, stats)
         if sending[0]:
             self.p2p.wait(clock, *sending, "delta transfer")
         for peer in {p for side, p in quiet | set(after) if side == 1}:  # counted down, or as announced
             self.quiet[peer] = self.quiet.get(peer, 0) - 1 if (1, peer) in quiet else after.get((1, peer), 0)
         self.told = None
         return stats
-
-    def _applied(self, recvs: list[_DeltaOp], stats: DeltaStats) -> None:
-        """``_apply`` one chunk's receives (their transfer waited for), count their bytes, drop their payloads."""
-        if not recvs:
-            return
-        self._apply(recvs)
-        stats.received_bytes += sum(d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs)
-        for d in recvs:
-            d.payload = None
 
     def _post_headers(self, i: int, quiet: set) -> tuple[list, list]:
         """Post step-chunk ``i``'s header receives (but a quiet pair's): ``(works, ops)``; none past the last."""
