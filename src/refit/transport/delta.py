@@ -8,8 +8,8 @@ Per refit, per step and chunk of a step (``_chunks``: at most the staging budget
 host-driven; on CUDA the current stream is synchronized by the header reads, while the word finds and a
 receiver's word scatters run on streams of their own, ``delta_words.side_stream``):
   1. each sender chooses its message's encoding (``DeltaSchedule._plan``): dense when the receiver does
-     not hold the sender's base version (heal), on a same-device link, or when the last measured changed
-     fraction makes dense cheaper (then the base is not maintained either, until a probe every
+     not hold the sender's base version (heal), on a same-device link, or when the rule sent its last diff
+     dense (``dense_next``; then the base is not maintained either, until a probe every
      ``PROBE_EVERY`` runs refreshes it); else ``find_changes_many`` over the pieces and
      ``choose_encoding`` (or the forced ``TransferConfig.delta``) over the message, or, for a message
      whose pieces have whole 64-bit words under ``"words"`` / ``"auto"``, ``find_words_many`` (one launch
