@@ -184,25 +184,27 @@ def launch_words_table(
     base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device, after: torch.cuda.Event | None = None
 ) -> PendingFind:
     """``find_words_table`` without the wait. On CUDA the find runs on a stream of its own, behind ``after``
-    (an event the caller recorded on the current stream after the weights' and the bases' last writes), or
-    behind all work queued so far on the current stream (``after`` None, or the pieces' table new), and its
+    (an event the caller recorded on the current stream after the weights' and the bases' last writes) or
+    all work queued so far on the current stream (``after`` None), and behind its table's copy, and its
     counts are copied to the host behind it: what the current stream queues next (e.g. packing and sending
     the chunk before, the base's update) does not wait for this find, nor this find for it, and the host can
     go on while the device finds. The slots are allocated on the find's stream (``PendingFind.result``
     hands them to the current one)."""
     from refit.quant.delta_triton import launch_find_words
 
-    new = _table_key(base, cur, nwords, device) not in _FIND_TABLES
-    table, pieces, slot, cap = _find_table(base, cur, nwords, device)
+    table, pieces, slot, cap, made = _find_table(base, cur, nwords, device)
     if device.type != "cuda":
         idx, words, counts = _slots(int(cap.sum()), len(nwords), device)
         launch_find_words(table, pieces, idx, words, counts)
         return PendingFind(idx, words, slot, cap, counts.cpu(), None)
     side = side_stream(device, "find")
-    if after is None or new:
+    if after is None:
         side.wait_stream(torch.cuda.current_stream(device))
     else:
         side.wait_event(after)
+    side.wait_event(made)
+    for t in (table, pieces):  # made on another stream, used on the find's: not freed before it is done
+        t.record_stream(side)  # (they may leave ``_FIND_TABLES`` while the find runs)
     host = torch.empty(len(nwords), dtype=torch.int32, pin_memory=True)
     with torch.cuda.stream(side):  # the slots come from the find stream's pool: no wait on the current stream
         idx, words, counts = _slots(int(cap.sum()), len(nwords), device)
@@ -210,8 +212,6 @@ def launch_words_table(
         host.copy_(counts, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
-    for t in (table, pieces):  # made on the current stream, used on the find's: not freed before it is done
-        t.record_stream(side)  # (they may leave ``_FIND_TABLES`` while the find runs)
     return PendingFind(idx, words, slot, cap, host, done)
 
 
@@ -260,9 +260,10 @@ def _table_key(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: to
 
 
 def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> tuple:
-    """``(table, each program's piece, slot offsets, slot capacities)`` of ``_find_words`` over the pieces,
-    built once per set of addresses and sizes (a refit's batches repeat every time) and kept (at most
-    ``_FIND_TABLES_MAX``; the per-program pieces take 4 bytes per 16 KiB found)."""
+    """``(table, each program's piece, slot offsets, slot capacities, made)`` of ``_find_words`` over the
+    pieces, built once per set of addresses and sizes (a refit's batches repeat every time) and kept (at most
+    ``_FIND_TABLES_MAX``; the per-program pieces take 4 bytes per 16 KiB found); on CUDA ``made``: an event
+    behind the table's copies to the device (a find on another stream waits for it), else None."""
     key = _table_key(base, cur, nwords, device)
     hit = _FIND_TABLES.get(key)
     if hit is None:
@@ -271,7 +272,11 @@ def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: t
         np.cumsum(cap[:-1], out=slot[1:])
         table, _ = _table([base, cur, nwords, slot, cap], _blocks(nwords), device)
         pieces = torch.from_numpy(np.repeat(np.arange(len(cap), dtype=np.int32), _blocks(nwords))).to(device)
-        hit = (table, pieces, slot, cap)
+        made = None
+        if device.type == "cuda":
+            made = torch.cuda.Event()
+            made.record(torch.cuda.current_stream(device))
+        hit = (table, pieces, slot, cap, made)
         if len(_FIND_TABLES) >= _FIND_TABLES_MAX:
             _FIND_TABLES.pop(next(iter(_FIND_TABLES)))
         _FIND_TABLES[key] = hit

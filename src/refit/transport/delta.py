@@ -33,7 +33,8 @@ Extra memory: the base (this process's P2P-sent source bytes) plus the payloads 
 while the chunk runs (each smaller than its message's dense bytes by the rule, unless forced; a sender
 briefly holds them twice, per message and joined per peer) and the find's slots (a quarter of the words
 found; a sender holds every find batch's slots of a chunk until its payload is packed and posted, plus the
-next chunk's first batch found ahead, ``_prefetch``).
+next chunk's first batch found ahead, ``_prefetch``; on CUDA they come from the find stream's own pool, which
+PyTorch's allocator keeps cached for that stream).
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ class _DeltaOp:
     kind: str = "dense"
     changes: list = field(default_factory=list)
     fraction: float | None = None  # sender: the changed fraction last measured
-    dense_next: bool = False  # sender: the rule sent its last diff dense (``auto`` then skips it until a probe)
+    dense_next: bool = False  # sender: its last diff went dense (the rule, or a piece over its slots): ``auto``
+    # skips it until a probe
     dense_runs: int = 0  # sender: runs sent dense since the last diff
     stale: bool = False  # sender: this message's base was not brought to the last version (``_plan``)
     may_pay: bool = True  # a delta could beat dense on this link (``_may_pay``; set at setup)
@@ -437,7 +439,10 @@ class DeltaSchedule:
 
     def _run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
         stats = DeltaStats()
-        self.ready = _ready(self.steps)
+        self.ahead = None  # a find queued ahead by a run that did not finish is not this run's
+        # a process that also receives waits for its whole current stream before each find (its receives could
+        # write memory its sends read, were a destination to share storage with a source)
+        self.ready = None if self.receives else _ready(self.steps)
         sending: tuple = ([], [])  # the previous chunk's payload sends, still in flight (``_in_flight``)
         quiet = self._quiet_pairs()  # (0 sends / 1 receives, peer): pairs without headers this refit
         after: dict[tuple[int, int], int] = {}  # the quiet refits each pair's last header announced
@@ -636,7 +641,7 @@ class DeltaSchedule:
             if not d.stale:
                 self.base.update(d.op.message, [(b, None, v) for b, v in zip(d.bases, d.views)])
             if plan == "refresh":
-                d.fraction = None  # the next run diffs and measures again
+                d.fraction, d.dense_next = None, False  # the next run diffs and measures again
         elif d.found is not None:  # words by address: packed by ``_join``, the base updated at ``flush``
             d.payload, d.wire = None, int(wire_sizes(np.array(counts)).sum())
             self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
