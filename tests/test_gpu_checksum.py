@@ -93,16 +93,19 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str):
     if not is_src:
         sums = peer.executor.ipc.sums
         fused = sum(f.kernel_pieces for f in sums.fused if f is not None)
-        check = sums.check
+        if damage == "source":  # the first pulled piece's source, changed after the pull, before its re-read
+            victim = next((r for r in sums.reread if r is not None), None) or next(iter(sums.src_sums.values()))
+        else:  # ... or its destination, before it is summed
+            victim = sums.dst_sums
+        view = victim.pieces[0].src
+        run = victim.run
 
-        def damaged_check() -> None:
-            piece = next(iter(sums.src_sums.values())).pieces[0]  # the first pulled piece's source ...
-            view = piece.src if damage == "source" else sums.dst_sums.pieces[0].src  # ... or destination
+        def run_after_damage() -> None:  # on the stream the sum runs on: ordered after the copy
             b = view.view(torch.uint8)
             b[(0,) * b.dim()] ^= 1
-            check()
+            run()
 
-        sums.check = damaged_check
+        victim.run = run_after_damage
     try:
         peer.run(2)
         error = None

@@ -18,7 +18,8 @@ Run (each refit):
   4. P2P steps: per step, pack outgoing buckets into ring buffers, post all of the
      step's sends and receives in one ``batch_isend_irecv``, unpack; on CUDA,
      pipelined over pack and unpack streams (``refit.transport.p2p``);
-  5. on CUDA, wait for the device (within the deadline), then compare checksums;
+  5. on CUDA, enqueue the IPC checksums' last sums, wait for the device (within the
+     deadline), then read the checksum verdicts;
      NIXL receivers read their pieces, NIXL sources wait until their receivers are done;
   6. with IPC links, a last barrier: every pull is done, sources may change their
      weights again.
@@ -234,6 +235,8 @@ class Executor:
                 self._sync_device(clock)
         elif self.cuda:
             self.p2p.run_cuda(fault)
+            if self.ipc is not None:
+                self.ipc.enqueue_sums()  # behind the pulls, before the wait: no idle gap
             self._sync_device(clock)
             self.p2p.check_sums()
             if self.ipc is not None:

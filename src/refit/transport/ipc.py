@@ -350,8 +350,9 @@ class IpcPuller:
     Call order: construct (at setup, after the sources' handles are mapped), optionally ``capture()``
     once, then ``pull()`` per refit. The mapped source tensors must outlive it (``IpcLink`` holds them).
 
-    ``fused`` (checksum mode): the same-GPU pieces that one Triton kernel copies and checksums at
-    once (``IpcSums``); ``pull()`` launches it on a stream of its own beside the graph.
+    ``fused`` (checksum mode): the same-GPU pieces' checksum work (``IpcSums.fused_work``: one Triton
+    kernel that copies and sums them, then the re-read of their sources); ``pull()`` runs it in order
+    on a stream of its own beside the graph.
 
     Same-GPU copies run on a stream of the receiver's GPU. Copies from another
     GPU run on a stream of that source GPU, in this process, with peer access
@@ -369,15 +370,15 @@ class IpcPuller:
         same_device: Sequence[tuple[torch.Tensor, torch.Tensor]],
         peer: Sequence[tuple[torch.Tensor, torch.Tensor]],
         streams_per_lane: int = 2,
-        fused: PieceSums | None = None,
+        fused: Sequence[PieceSums] = (),
         pace_gbps: float | None = None,
     ) -> None:
         if streams_per_lane < 1:
             raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
         self.device = device
         self.paced_s = 0.0  # the longest lane's sleeps per pull (``pace_gbps``; ``_pace``)
-        self.fused = fused
-        self.fused_stream = torch.cuda.Stream(device) if fused is not None else None
+        self.fused = list(fused)
+        self.fused_stream = torch.cuda.Stream(device) if self.fused else None
         groups: dict[torch.device, list] = {device: list(same_device)} if same_device else {}
         for d, s in peer:
             groups.setdefault(s.device, []).append((d, s))
@@ -473,16 +474,17 @@ class IpcPuller:
 
     def pull(self) -> None:
         current = torch.cuda.current_stream(self.device)
-        if self.fused is not None:  # beside the copies: it waits for what the current stream has queued
+        if self.fused:  # beside the copies: it waits for what the current stream has queued
             self.fused_stream.wait_stream(current)
             with torch.cuda.stream(self.fused_stream):
-                self.fused.run()
+                for work in self.fused:
+                    work.run()
         if self.graph is not None:
             with torch.cuda.device(self.device):
                 self.graph.replay()
         elif self.lanes:
             self._issue()
-        if self.fused is not None:
+        if self.fused:
             current.wait_stream(self.fused_stream)
 
     def profile(self, repeats: int = 3) -> dict[str, tuple[int, int, float]]:
@@ -804,11 +806,12 @@ def _captured_puller(
     peer: list[Pair],
     config: TransferConfig,
     proc: int,
-    fused: PieceSums | None = None,
+    fused: Sequence[PieceSums] = (),
 ) -> IpcPuller | None:
     """The puller of one stage (None without pulls), its copies recorded into a CUDA graph if
     ``config.cuda_graph``; a failed capture warns and leaves the copies to be issued one by one.
-    ``fused``: the stage's same-GPU pieces that one kernel copies and checksums (not in ``same``)."""
+    ``fused``: the stage's checksum work on its same-GPU pieces (``IpcSums.fused_work``; those pieces
+    are not in ``same``)."""
     if not (same or peer or fused):
         return None
     puller = IpcPuller(
@@ -832,25 +835,30 @@ class IpcSums:
     a few kernel launches and one host sync per refit.
 
     Same-GPU pieces that the Triton kernel can address (``fusable``) are not memcpy'd: the kernel
-    copies them and sums the bytes it moves (``fused[stage]``, launched by that stage's puller).
-    ``check()`` then sums every piece's source again, on the source's GPU (one launch per GPU), sums
-    the destinations of the other pieces (peer GPUs, whose copy engine moved them, or no Triton; one
-    launch), compares everything on this GPU and reads back one flag and index. A fused piece thus
-    catches a source changed after the pull read it and a copy that read wrong; the others catch
-    any difference between destination and source. Traffic per byte beside the copy's read and
-    write: one read for a fused piece, two for the others.
+    copies them and sums the bytes it moves, then a second launch on the same stream sums their
+    sources again (``fused_work(stage)``, run by that stage's puller beside its other copies, so on
+    S3 the re-read overlaps the copy engines' NVLink pulls). The other pieces (from a peer GPU, whose
+    copy engine moved them, or without Triton) are summed at both ends once the pulls finished:
+    their destinations on this GPU, their sources on the source's GPU, on a stream of this process
+    there (``enqueue``). ``enqueue`` then compares everything on this GPU into a flag and an index;
+    ``check()``, after the caller's wait for the device, reads them back (16 bytes).
+    A fused piece thus catches a source changed after the pull read it (until its re-read) and a
+    copy that read wrong; the others catch any difference between destination and source. Traffic
+    per byte beside the copy's read and write: one read for a fused piece, two for the others.
     Lifecycle: built at setup from ``_map_pulls``' checked pulls; per refit the pullers run
-    ``fused``, then, after the pulls finished on the device, ``check()``.
+    ``fused_work``, then ``enqueue()`` after the last pull, the caller's wait for the device, ``check()``.
     """
 
     def __init__(self, checked: list[Checked], device: torch.device, stages: int) -> None:
         self.device = device
         self.names = [name for name, *_ in checked]
         self.nbytes = [dst.numel() * dst.element_size() for *_, (dst, _) in checked]
-        self.got = torch.zeros(len(checked), dtype=torch.int64, device=device)
+        n = len(checked)
+        self.got = torch.zeros(n, dtype=torch.int64, device=device)
+        self.want = torch.zeros(n, dtype=torch.int64, device=device)  # every source's sum lands here
         fused: list[list[Piece]] = [[] for _ in range(stages)]
         others: list[Piece] = []
-        sources: dict[torch.device, list[Piece]] = {}
+        sources: dict[torch.device, list[Piece]] = {}  # the sources of the pieces not fused
         self._fused_ids: set[int] = set()
         for slot, (_, stage, on_gpu, pair) in enumerate(checked):
             dst, src = pair
@@ -860,34 +868,62 @@ class IpcSums:
                 self._fused_ids.add(id(pair))
             else:
                 others.append(Piece(dst, slot))
-            sources.setdefault(src.device, []).append(Piece(src, slot))
+                sources.setdefault(src.device, []).append(Piece(src, slot))
         self.fused = [PieceSums(ps, self.got) if ps else None for ps in fused]
+        self.reread = [PieceSums([Piece(p.src, p.slot) for p in ps], self.want) if ps else None for ps in fused]
         self.dst_sums = PieceSums(others, self.got) if others else None
-        self.want = {d: torch.zeros(len(checked), dtype=torch.int64, device=d) for d in sources}
-        self.src_sums = {d: PieceSums(ps, self.want[d]) for d, ps in sources.items()}
+        self.src_sums = {
+            d: PieceSums(ps, self.want if d == device else torch.zeros(n, dtype=torch.int64, device=d))
+            for d, ps in sources.items()
+        }
+        self.side = {d: torch.cuda.Stream(d) for d in self.src_sums if d != device}
+        self.slots = {d: self.src_sums[d].slots.to(device) for d in self.side}  # what each peer GPU sums
+        self.verdict: torch.Tensor | None = None  # (mismatch?, first such slot) once ``enqueue`` ran
 
     def fuses(self, pair: Pair) -> bool:
         """Whether the fused kernel copies ``pair`` (the puller then leaves it out)."""
         return id(pair) in self._fused_ids
 
-    def check(self) -> None:
-        """Compare every piece's received sum with its source's; ``ChecksumError`` names the first
-        tensor that differs. Enqueues on the current streams; one host sync."""
+    def fused_work(self, stage: int) -> list[PieceSums]:
+        """What ``stage``'s puller runs, in order, on its checksum stream: the fused copy and sum of
+        the stage's same-GPU pieces, then the re-read of their sources."""
+        return [w for w in (self.fused[stage], self.reread[stage]) if w is not None]
+
+    def enqueue(self) -> None:
+        """After the last stage's pull, on the current stream: sum the pieces not fused at both ends
+        and compare every piece into ``verdict`` (no host sync)."""
         if not self.names:  # pulls nothing (a source process)
             return
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if self.dst_sums is not None:
             self.dst_sums.run()
-        want = torch.zeros_like(self.got)
         for d, ps in self.src_sums.items():
-            with torch.cuda.device(d):
+            if d == self.device:
                 ps.run()
-            want += self.want[d].to(self.device)  # slots of other GPUs stay 0 here
-        bad = self.got != want
-        flag, i = torch.stack([bad.any().to(torch.int64), torch.argmax(bad.to(torch.int32)).to(torch.int64)]).tolist()
+                continue
+            side = self.side[d]
+            side.wait_stream(current)  # after the pulls: the peer copies are ordered before it
+            with torch.cuda.device(d), torch.cuda.stream(side):
+                ps.run()
+            current.wait_stream(side)
+            slots = self.slots[d]
+            self.want.index_copy_(0, slots, ps.out.to(self.device).index_select(0, slots))
+        bad = self.got != self.want
+        self.verdict = torch.stack([bad.any().to(torch.int64), torch.argmax(bad.to(torch.int32)).to(torch.int64)])
+
+    def check(self) -> None:
+        """Raise ``ChecksumError`` naming the first tensor whose received sum differs from its source's.
+        Reads what ``enqueue`` left (enqueues it first if it did not run); one small read-back."""
+        if not self.names:
+            return
+        if self.verdict is None:
+            self.enqueue()
+        flag, i = self.verdict.tolist()
+        self.verdict = None
         if flag:
             raise ChecksumError(
                 f"checksum mismatch in tensor {self.names[i]!r} pulled over CUDA IPC: "
-                f"source {int(want[i])}, received {int(self.got[i])} ({self.nbytes[i]} bytes)"
+                f"source {int(self.want[i])}, received {int(self.got[i])} ({self.nbytes[i]} bytes)"
             )
 
 
@@ -898,8 +934,8 @@ class IpcLink:
     Lifecycle: ``IpcLink.open(...)`` on every process of a plan with IPC links, after pre-flight
     (collective through the store: each source publishes the handles of the tensors receivers pull,
     each receiver maps its sources'); per refit, for each stage in order: the sources' tensors of
-    that stage are final (a barrier), then ``pull(stage)``; ``check_sums()`` once the pulls have
-    finished on the device; ``close()``.
+    that stage are final (a barrier), then ``pull(stage)``; ``enqueue_sums()``, the wait for the
+    device, ``check_sums()``; ``close()``.
     Must agree on every process: the plan, ``config.name`` (store keys) and ``config.stages``.
     Between refits: the mappings stay open and the graphs are replayed; sources change their
     tensors in place only between the last barrier of one refit and the first of the next.
@@ -944,7 +980,7 @@ class IpcLink:
                 peer,
                 config,
                 proc,
-                None if sums is None else sums.fused[i],
+                () if sums is None else sums.fused_work(i),
             )
             for i, (same, peer) in enumerate(pairs)
         ]
@@ -961,9 +997,14 @@ class IpcLink:
         if self.pullers[stage] is not None:
             self.pullers[stage].pull()
 
+    def enqueue_sums(self) -> None:
+        """Checksum mode, after the last ``pull``: enqueue the rest of the check (``IpcSums.enqueue``)."""
+        if self.sums is not None:
+            self.sums.enqueue()
+
     def check_sums(self) -> None:
-        """Every pulled piece's checksum against its source's (checksum mode; after the pulls finished):
-        ``IpcSums.check``, one host sync."""
+        """Every pulled piece's checksum against its source's (checksum mode; after ``enqueue_sums`` and
+        the caller's wait for the device): ``IpcSums.check``."""
         if self.sums is not None:
             self.sums.check()
 
