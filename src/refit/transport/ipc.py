@@ -895,6 +895,8 @@ class IpcSums:
         if not self.names:  # pulls nothing (a source process)
             return
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for side in self.side.values():  # after the pulls (the peer copies are ordered before this point),
+            side.wait_stream(current)  # not after the destination sums: both ends are summed at once
         if self.dst_sums is not None:
             self.dst_sums.run()
         for d, ps in self.src_sums.items():
@@ -902,7 +904,6 @@ class IpcSums:
                 ps.run()
                 continue
             side = self.side[d]
-            side.wait_stream(current)  # after the pulls: the peer copies are ordered before it
             with torch.cuda.device(d), torch.cuda.stream(side):
                 ps.run()
             current.wait_stream(side)
