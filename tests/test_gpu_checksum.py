@@ -89,7 +89,7 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str):
     exact = is_src or all(
         torch.equal(t.cpu(), reference_tensor(n, t.shape, t.dtype, seed=1)) for n, t in tensors.items()
     )
-    fused = 0
+    fused, named = 0, None
     if not is_src:
         sums = peer.executor.ipc.sums
         fused = sum(f.kernel_pieces for f in sums.fused if f is not None)
@@ -98,6 +98,7 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str):
         else:  # ... or its destination, before it is summed
             victim = sums.dst_sums
         view = victim.pieces[0].src
+        named = sums.names[victim.pieces[0].slot]  # the error must name the tensor damaged
         run = victim.run
 
         def run_after_damage() -> None:  # on the stream the sum runs on: ordered after the copy
@@ -113,7 +114,7 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str):
         error = str(e)
     finally:
         peer.close()  # a failed refit still frees its barrier and mappings (no resource-tracker warnings)
-    return exact, fused, error
+    return exact, fused, error, named
 
 
 @pytest.mark.timeout(300)
@@ -139,8 +140,8 @@ def test_ipc_checksums_catch_a_changed_piece(damage, gpus):
     devices = ["cuda:0", "cuda:0" if gpus == 1 else "cuda:1"]
     procs = ProcessMap.disjoint(1, 1).with_devices(devices)
     out = run_local(_ipc_worker, 1, 1, src_l, dst_l, procs, damage, devices=devices, timeout_s=240)
-    (_, _, src_error), (exact, fused, dst_error) = out
+    (_, _, src_error, _), (exact, fused, dst_error, named) = out
     assert exact
     assert (fused > 0) == (damage == "source" and gpus == 1)
-    assert dst_error is not None and "checksum mismatch in tensor" in dst_error, dst_error
+    assert dst_error is not None and f"checksum mismatch in tensor {named!r}" in dst_error, (named, dst_error)
     assert src_error is not None and "checksum mismatch" in src_error, src_error

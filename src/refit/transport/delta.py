@@ -589,7 +589,7 @@ class DeltaSchedule:
             launched = pending if b == 0 else _launch_fast(ops, self.ready)
             if b == len(batches) - 1:  # the next step-chunk's find queued behind this one, before the wait
                 self._prefetch(i + 1, held, quiet)
-            _find(ops, launched, self.ready)  # encoded batch by batch; the slots are dropped once the chunk is posted
+            _find(ops, launched)  # encoded batch by batch; the slots are dropped once the chunk is posted
             at_once = self._encode_found([sends[j] for j in batch], version, stats)
             for j in batch:
                 heads[j] = at_once.get(id(sends[j])) or self._encode(sends[j], "diff", version, stats)
@@ -1017,16 +1017,16 @@ def _batches(sends: list[_DeltaOp], plans: list[str]) -> list[list[int]]:
     return [*batches, batch] if batch else batches
 
 
-def _find(ops: list[_DeltaOp], pending: PendingFind | None = None, after: torch.cuda.Event | None = None) -> None:
-    """The changes of every piece of ``ops`` (one batch of a step's sends): words by address in one launch
-    (``launch_words_table``, or ``pending`` where ``_prefetch`` queued it; each op's ``found``: its pieces'
+def _find(ops: list[_DeltaOp], pending: PendingFind | None) -> None:
+    """The changes of every piece of ``ops`` (one batch of a step's sends): words by address from ``pending``
+    (``_launch_fast`` of this batch, queued by the caller or ``_prefetch``; each op's ``found``: its pieces'
     range there), other word-found ops per piece
     (``find_words_many``: ``changes`` = ``(indices, words, count)`` per piece), the rest per element
     (``find_changes_many``: ``(indices, values)`` per piece). All views of the finds' slots, encoded and
     dropped soon."""
     fast = [d for d in ops if d.words and d.fast]
     if fast:
-        found, a = (pending if pending is not None else _launch(fast, after)).result(), 0
+        found, a = pending.result(), 0  # ``_launch_fast`` returns None only where no op is fast
         for d in fast:
             d.found, a = (found, a, a + len(d.views)), a + len(d.views)
     for by_words, find in ((True, find_words_many), (False, lambda pairs: find_changes_many(pairs, copy=False))):

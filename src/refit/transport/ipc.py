@@ -890,8 +890,9 @@ class IpcSums:
         return [w for w in (self.fused[stage], self.reread[stage]) if w is not None]
 
     def enqueue(self) -> None:
-        """After the last stage's pull, on the current stream: sum the pieces not fused at both ends
-        and compare every piece into ``verdict`` (no host sync)."""
+        """After the last stage's pull: sum the pieces not fused at both ends (destinations and this GPU's
+        sources on the current stream, a peer GPU's sources on a side stream there) and compare every
+        piece into ``verdict`` on the current stream (no host sync)."""
         if not self.names:  # pulls nothing (a source process)
             return
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -903,12 +904,11 @@ class IpcSums:
             if d == self.device:
                 ps.run()
                 continue
-            side = self.side[d]
-            with torch.cuda.device(d), torch.cuda.stream(side):
+            with torch.cuda.device(d), torch.cuda.stream(self.side[d]):
                 ps.run()
-            current.wait_stream(side)
-            slots = self.slots[d]
-            self.want.index_copy_(0, slots, ps.out.to(self.device).index_select(0, slots))
+                here = ps.out.to(self.device)  # on the side stream, both ends' current streams synchronized
+            current.wait_stream(self.side[d])
+            self.want.index_copy_(0, self.slots[d], here.index_select(0, self.slots[d]))
         bad = self.got != self.want
         self.verdict = torch.stack([bad.any().to(torch.int64), torch.argmax(bad.to(torch.int32)).to(torch.int64)])
 
@@ -919,8 +919,8 @@ class IpcSums:
             return
         if self.verdict is None:
             self.enqueue()
-        flag, i = self.verdict.tolist()
-        self.verdict = None
+        verdict, self.verdict = self.verdict, None
+        flag, i = verdict.tolist()
         if flag:
             raise ChecksumError(
                 f"checksum mismatch in tensor {self.names[i]!r} pulled over CUDA IPC: "
@@ -995,6 +995,8 @@ class IpcLink:
 
     def pull(self, stage: int) -> None:
         """Enqueue stage ``stage``'s copies on the GPU (the host does not wait)."""
+        if stage == 0 and self.sums is not None:  # a new refit: no verdict of an earlier, failed one is read
+            self.sums.verdict = None
         if self.pullers[stage] is not None:
             self.pullers[stage].pull()
 
