@@ -19,7 +19,11 @@
    NCCL P2P (``transport="p2p"``), Peer pairs dense (``delta="off"``), ``delta="auto"`` (the rule: dense
    over NVLink at the measured H100 rates, so it must match dense) and ``delta="sparse"`` (forced: what a
    delta costs there), all refit after every step; per fraction the median refit time (slowest process)
-   and the bytes on the wire. S3 (colocated reshard) runs its links over CUDA IPC, where deltas are not built: not run.
+   and the bytes on the wire.
+4. S3 (``--s3``; 2 GPUs, or 4 CPU processes): trainer fsdp=2 -> engine tp=2, colocated (processes 0-1 and 2-3
+   on GPUs 0-1), ``transport="auto"``: a dense Peer and a ``delta="auto"`` one refit after every step. On CUDA
+   every link is CUDA IPC, which ``auto`` keeps dense (on one GPU reading two versions costs more than
+   copying one), so auto must match dense; the rows say whether a delta schedule was built at all.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from refit.config import TransferConfig
+from refit.layout import box_slices
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
@@ -55,7 +60,7 @@ from refit.quant.delta import (
 from refit.quant.delta_words import addressable, find_words_many, launch_words_table, words_in
 from refit.tools.bench.weights import make_weight
 from refit.tools.launch import run_local
-from refit.transfer import Receiver, Sender
+from refit.transfer import Peer, Receiver, Sender
 
 FRACTIONS = (0.001, 0.01, 0.1, 1.0)
 
@@ -224,7 +229,8 @@ def _select(modes: list[str], word_piece_us: float | None) -> None:
 
 def _profiled(peer, tensors, ref, version: int, out: str, rank: int) -> int:
     """Three more refits of ``peer`` at 1% changed under cProfile; the top functions (by own and by cumulative
-    time) into ``out/profile_<rank>.txt``. Returns the last version."""
+    time) into ``out/profile_<rank>.txt``, the whole profile into ``out/profile_<rank>.pstats``. Returns the
+    last version."""
     import cProfile
     import io
     import os
@@ -246,6 +252,7 @@ def _profiled(peer, tensors, ref, version: int, out: str, rank: int) -> int:
     os.makedirs(out, exist_ok=True)
     with open(f"{out}/profile_{rank}.txt", "w") as f:
         f.write(text.getvalue())
+    prof.dump_stats(f"{out}/profile_{rank}.pstats")  # the whole profile, e.g. to keep refit's own functions
     return version
 
 
@@ -372,6 +379,88 @@ def s1(
     return rows
 
 
+def _s3_worker(world, model: str, iters: int) -> tuple[list[dict], bool]:
+    """S3: every process holds the whole model (changed alike: same seeds), a source refits its fsdp shard of
+    it, an engine rank checks its tp shard bit for bit after every refit. Returns the rows (this process's
+    times) and whether the ``auto`` Peer built a delta schedule (its links were P2P)."""
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes(model)]
+    src_l = layout_from_spec(shapes, parse_spec("fsdp=2", "src"))
+    dst_l = layout_from_spec(shapes, parse_spec("tp=2", "dst"))
+    dev = world.device
+    devices = ("cuda:0", "cuda:1", "cuda:0", "cuda:1") if dev.type == "cuda" else ("cpu",) * 4
+    procs = ProcessMap.disjoint(2, 2).with_devices(devices)
+    full = {n: make_weight(n, s, torch.bfloat16, dev) for n, s, _ in shapes}
+    is_src = world.src_rank is not None
+    layout, rank = (src_l, world.src_rank) if is_src else (dst_l, world.dst_rank)
+    boxes = {t.name: box_slices(b) for t, b in layout.local_tensors(rank)}
+    mine = {n: full[n][sl].clone() if is_src else torch.zeros_like(full[n][sl]) for n, sl in boxes.items()}
+    kw = {"src_tensors": mine} if is_src else {"dst_tensors": mine}
+    cfgs = {"dense": {}, "delta": {"delta": "auto"}}
+    peers = {
+        k: Peer(
+            src_l,
+            dst_l,
+            world.rank,
+            procs=procs,
+            config=TransferConfig(name=f"s3-{k}", deadline_s=600, **c),
+            device=dev,
+            tag_base=100_000 * i,
+            **kw,
+        )
+        for i, (k, c) in enumerate(cfgs.items())
+    }
+    version, rows = 1, []
+    for p in peers.values():
+        p.run(version)
+    for fi, f in enumerate(FRACTIONS):
+        times = {k: [] for k in peers}
+        exact = True
+        for it in range(iters):
+            version += 1
+            optimizer_step(full, f, seed=1000 * fi + it)  # the same change on every process
+            if is_src:
+                for n, sl in boxes.items():
+                    mine[n].copy_(full[n][sl])
+            for k in list(peers)[it % 2 :] + list(peers)[: it % 2]:  # each Peer first in turn
+                dist.barrier()
+                _sync(dev)
+                t0 = time.perf_counter()
+                peers[k].run(version)
+                _sync(dev)
+                times[k].append(time.perf_counter() - t0)
+                if not is_src:
+                    exact = exact and all(
+                        torch.equal(mine[n].view(torch.int16), full[n][sl].view(torch.int16)) for n, sl in boxes.items()
+                    )
+        warm = slice(1, None) if iters > 1 else slice(None)
+        rows.append(
+            {"fraction": f, **{f"{k}_ms": statistics.median(times[k][warm]) * 1e3 for k in peers}, "exact": exact}
+        )
+    built = peers["delta"].executor.delta is not None
+    for p in peers.values():
+        p.close()
+    return rows, built
+
+
+def s3(model: str, device: str, iters: int) -> list[dict]:
+    """``_s3_worker`` on 4 processes: per fraction the slowest process's median per Peer, every engine rank's
+    exactness, and whether any process built a delta schedule."""
+    devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1"] if device == "cuda" else ["cpu"] * 4
+    out = run_local(_s3_worker, 2, 2, model, iters, devices=devices, timeout_s=1200)
+    rows = []
+    for i, r in enumerate(out[0][0]):
+        per = [o[0][i] for o in out]
+        rows.append(
+            {
+                "fraction": r["fraction"],
+                **{f"{k}_ms": max(p[f"{k}_ms"] for p in per) for k in ("dense", "delta")},
+                "exact": all(p["exact"] for p in per),
+                "delta_schedule": any(built for _, built in out),
+            }
+        )
+    return rows
+
+
 def _print(res: dict) -> None:
     print(f"device {res['device']}, model {res['model']} ({res['model_bytes'] / 1e9:.2f} GB bf16)")
     print(
@@ -418,6 +507,17 @@ def _print(res: dict) -> None:
     print(f"extra memory (sender base copy): {res['s1'][0]['sender_base_bytes'] / 1e9:.2f} GB")
 
 
+def _print_s3(rows: list[dict]) -> None:
+    print(
+        "S3 fsdp=2 -> tp=2 colocated, transport auto (slowest process, median): fraction | dense ms | auto ms (x dense)"
+    )
+    for r in rows:
+        print(
+            f"  {r['fraction']:>6.1%} | {r['dense_ms']:8.2f} | {r['delta_ms']:8.2f} "
+            f"({r['delta_ms'] / r['dense_ms']:.2f}x) | exact {r['exact']} | delta schedule built: {r['delta_schedule']}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
@@ -433,6 +533,7 @@ def main() -> None:
     ap.add_argument("--group-gb", type=float, default=1.0, help="kernel timings: tensors per phase, in GB")
     ap.add_argument("--no-s1", action="store_true", help="kernel timings and the rule only")
     ap.add_argument("--no-kernels", action="store_true", help="S1 only")
+    ap.add_argument("--s3", action="store_true", help="also S3 (colocated fsdp=2 -> tp=2, 4 processes), dense vs auto")
     ap.add_argument("--profile", default=None, help="a directory: cProfile of 3 forced-words S1 refits at 1%%")
     ap.add_argument("--trace", default=None, help="a directory: torch profiler timelines of S1 refits at 1%%")
     ap.add_argument("--modes", default=",".join(ALL_PEERS), help="S1's delta Peers (delta = auto, always run)")
@@ -466,6 +567,9 @@ def main() -> None:
         _print({**res, "kernels": []})
     else:
         res["s1_skipped"] = f"{torch.cuda.device_count()} GPU(s): S1 needs 2"
+    if args.s3 and (device == "cpu" or torch.cuda.device_count() >= 2):
+        res["s3"] = s3(model, device, args.iters)
+        _print_s3(res["s3"])
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 
