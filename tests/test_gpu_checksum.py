@@ -69,9 +69,10 @@ def test_fused_copy_moves_the_bytes_and_sums_them():
     assert out.tolist() == [int(checksum(s)[0]) for _, s in pairs]
 
 
-def _ipc_worker(world, src_l, dst_l, procs, damage: str):
-    """Version 1 clean; version 2 with one pulled piece changed after the pull (on the receiver)."""
-    os.environ["REFIT_SUM_TRITON"] = "0" if damage == "destination" else "1"
+def _ipc_worker(world, src_l, dst_l, procs, damage: str, gpus: int):
+    """Version 1 clean; version 2 with one pulled piece changed after the pull (on the receiver). On one GPU a
+    destination is summed only without Triton (with it, the kernel sums what it copies)."""
+    os.environ["REFIT_SUM_TRITON"] = "0" if (damage, gpus) == ("destination", 1) else "1"
     dev = world.device
     is_src = world.rank in procs.src
     layout = src_l if is_src else dst_l
@@ -123,10 +124,9 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str):
     [
         ("source", 1),
         ("destination", 1),
-        pytest.param(
-            "source",
-            2,
-            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+        *(
+            pytest.param(d, 2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"))
+            for d in ("source", "destination")
         ),
     ],
 )
@@ -139,7 +139,7 @@ def test_ipc_checksums_catch_a_changed_piece(damage, gpus):
     dst_l = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
     devices = ["cuda:0", "cuda:0" if gpus == 1 else "cuda:1"]
     procs = ProcessMap.disjoint(1, 1).with_devices(devices)
-    out = run_local(_ipc_worker, 1, 1, src_l, dst_l, procs, damage, devices=devices, timeout_s=240)
+    out = run_local(_ipc_worker, 1, 1, src_l, dst_l, procs, damage, gpus, devices=devices, timeout_s=240)
     (_, _, src_error, _), (exact, fused, dst_error, named) = out
     assert exact
     assert (fused > 0) == (damage == "source" and gpus == 1)
