@@ -460,7 +460,8 @@ class DeltaSchedule:
             inc, inc_ops = ([], []) if pure_receiver else _loud(*headers[1], 1, quiet)
             works = self.p2p.post(out, inc) if out or inc else []
             if works or early[0]:
-                self.p2p.wait(clock, works + early[0], out_ops + inc_ops + early[1], "delta header exchange")
+                reads = bool(inc_ops or early[1])  # the headers are read next: the host waits under the clock
+                self.p2p.wait(clock, works + early[0], out_ops + inc_ops + early[1], "delta header exchange", reads)
             got = recv_hdr.tolist() if inc_ops or early[1] else []
             self._receive_headers(i, recvs, got, version, held, quiet, after)
             (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends), self._payload_msgs(recvs)
@@ -475,8 +476,8 @@ class DeltaSchedule:
             apart = not inc or len(works) == len(out) + len(inc)
             sending = (works[: len(works) - len(inc)], out_ops) if apart and _in_flight(sends) else ([], [])
             rest, named = works[len(sending[0]) :], (out_ops + inc_ops)[len(out_ops) if sending[0] else 0 :]
-            if rest:
-                self.p2p.wait(clock, rest, named, "delta transfer")
+            if rest:  # the receives' checks read back from the device next: the host waits under the clock
+                self.p2p.wait(clock, rest, named, "delta transfer", bool(recvs))
             self._apply(recvs)
             stats.received_bytes += sum(
                 d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs

@@ -15,6 +15,7 @@ destination tensor. With checksums on, a [sum, bytes] message travels beside eve
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -104,6 +105,13 @@ def check_backend(
             f"process {proc}: the plan sends CUDA tensors ({device}) over P2P, but the P2P group's backend is "
             f"{backend!r}; pass group= an NCCL group (e.g. dist.new_group(ranks, backend='nccl'))"
         )
+
+
+def _nccl_blocking_wait() -> bool:
+    """Whether NCCL's ``Work.wait()`` blocks the host (``TORCH_NCCL_BLOCKING_WAIT``, or its old name): then a
+    thread must block in it while the executor's thread keeps the clock."""
+    value = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", os.environ.get("NCCL_BLOCKING_WAIT", "0"))
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 class _Waiter:
@@ -283,6 +291,9 @@ class P2PSchedule:
         self.checksums = config.checksums
         self.sums = MessageSums(self.steps, device, self.cuda and triton_enabled()) if self.checksums else None
         self._waiter: _Waiter | None = None
+        # NCCL in its default mode: ``Work.wait()`` only orders the current stream and returns at once, so it
+        # is called inline (no thread to hand it to); a host wait that must follow goes under the clock
+        self.inline_waits = self.cuda and not standalone and not _nccl_blocking_wait()
         if self.cuda:
             self.pack_stream = torch.cuda.Stream(device)
             self.unpack_stream = torch.cuda.Stream(device)
@@ -318,13 +329,18 @@ class P2PSchedule:
             peers = ", ".join(f"process {p}" for p in sorted({p for p, _, _ in sends + recvs}))
             raise RuntimeError(f"posting the step's sends and receives with {peers} failed: {e}") from e
 
-    def wait(self, clock: RunClock, works: list, ops: list[_Op], what: str) -> None:
+    def wait(self, clock: RunClock, works: list, ops: list[_Op], what: str, host: bool = False) -> None:
         """Wait for ``works`` (one per op, in order) under ``clock.watch``; a failed work names its peer.
 
         A blocked gloo wait cannot be interrupted (and gloo's own wait-with-timeout breaks the
         pair), so a waiter thread blocks in ``wait()`` while this thread keeps the clock; past
         the deadline the waiter stays blocked until the group's own timeout, and the refit is
-        aborted (its Peer is then unusable anyway)."""
+        aborted (its Peer is then unusable anyway). On CUDA over NCCL (``inline_waits``) the waits
+        only order the current stream; ``host``: the host then waits for that stream under the clock
+        too (the caller reads what was received next: that read never waits past the deadline)."""
+        if self.inline_waits:
+            self._wait_inline(clock, works, ops, what, host)
+            return
         if not clock.bounded:
             for w in works:
                 w.wait()
@@ -338,6 +354,18 @@ class P2PSchedule:
         if done.error is not None:
             i, e = done.error
             raise RuntimeError(f"{what} with process {ops[i].peer} ({ops[i].what()}) failed: {e}") from e
+
+    def _wait_inline(self, clock: RunClock, works: list, ops: list[_Op], what: str, host: bool) -> None:
+        for i, w in enumerate(works):
+            try:
+                w.wait()
+            except RuntimeError as e:
+                raise RuntimeError(f"{what} with process {ops[i].peer} ({ops[i].what()}) failed: {e}") from e
+        if host and works:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            peers = ", ".join(f"process {p}" for p in sorted({op.peer for op in ops}))
+            clock.watch(done.query, lambda: f"{what} with {peers} ({ops[0].what() if ops else '-'})")
 
     def run_cpu(self, clock: RunClock, fault: FaultHook | None = None) -> None:
         """Every step in turn on the host: pack, post, wait, check, unpack."""
