@@ -476,8 +476,8 @@ class DeltaSchedule:
             apart = not inc or len(works) == len(out) + len(inc)
             sending = (works[: len(works) - len(inc)], out_ops) if apart and _in_flight(sends) else ([], [])
             rest, named = works[len(sending[0]) :], (out_ops + inc_ops)[len(out_ops) if sending[0] else 0 :]
-            if rest:  # the receives' checks read back from the device next: the host waits under the clock
-                self.p2p.wait(clock, rest, named, "delta transfer", bool(recvs))
+            if rest:  # a delta's indices are checked on the host next: the host waits under the clock first
+                self.p2p.wait(clock, rest, named, "delta transfer", any(d.kind != "dense" for d in recvs))
             self._apply(recvs)
             stats.received_bytes += sum(
                 d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs
