@@ -114,6 +114,17 @@ def _nccl_blocking_wait() -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _pending(what: str, ops: list[_Op]) -> str:
+    """What a wait still waits for, for a deadline's error: the peers and the first op."""
+    peers = ", ".join(f"process {p}" for p in sorted({op.peer for op in ops}))
+    return f"{what} with {peers} ({ops[0].what() if ops else '-'})"
+
+
+def _failed(what: str, op: _Op, e: BaseException) -> RuntimeError:
+    """A failed work's error, naming its peer and op."""
+    return RuntimeError(f"{what} with process {op.peer} ({op.what()}) failed: {e}")
+
+
 class _Waiter:
     """A daemon thread that blocks in ``Work.wait()`` for the executor's thread, which keeps the clock."""
 
@@ -349,23 +360,21 @@ class P2PSchedule:
             self._waiter = _Waiter()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         done = self._waiter.submit(works, stream)
-        peers = ", ".join(f"process {p}" for p in sorted({op.peer for op in ops}))
-        clock.watch(lambda: done.wait(0.001), lambda: f"{what} with {peers} ({ops[0].what() if ops else '-'})")
+        clock.watch(lambda: done.wait(0.001), lambda: _pending(what, ops))
         if done.error is not None:
             i, e = done.error
-            raise RuntimeError(f"{what} with process {ops[i].peer} ({ops[i].what()}) failed: {e}") from e
+            raise _failed(what, ops[i], e) from e
 
     def _wait_inline(self, clock: RunClock, works: list, ops: list[_Op], what: str, host: bool) -> None:
         for i, w in enumerate(works):
             try:
                 w.wait()
             except RuntimeError as e:
-                raise RuntimeError(f"{what} with process {ops[i].peer} ({ops[i].what()}) failed: {e}") from e
+                raise _failed(what, ops[i], e) from e
         if host and works:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
-            peers = ", ".join(f"process {p}" for p in sorted({op.peer for op in ops}))
-            clock.watch(done.query, lambda: f"{what} with {peers} ({ops[0].what() if ops else '-'})")
+            clock.watch(done.query, lambda: _pending(what, ops))
 
     def run_cpu(self, clock: RunClock, fault: FaultHook | None = None) -> None:
         """Every step in turn on the host: pack, post, wait, check, unpack."""
