@@ -326,8 +326,8 @@ def _s1_worker(
             turn = (it - 1) % len(names)  # each method first in turn (the first after a step may pay for it)
             for k in names[turn:] + names[:turn]:
                 p = peers[k]
-                dist.barrier()
-                _sync(dev)
+                _sync(dev)  # this process's step is done before the barrier: no process starts its clock
+                dist.barrier()  # while another still finishes its step (the first refit after it would pay)
                 t0 = time.perf_counter()
                 st = p.run(version)
                 _sync(dev)
@@ -402,7 +402,7 @@ def _s3_worker(world, model: str, iters: int) -> tuple[list[dict], bool]:
             dst_l,
             world.rank,
             procs=procs,
-            config=TransferConfig(name=f"s3-{k}", deadline_s=600, **c),
+            config=TransferConfig(name=f"s3-{k}", transport="auto", deadline_s=600, **c),
             device=dev,
             tag_base=100_000 * i,
             **kw,
@@ -422,8 +422,8 @@ def _s3_worker(world, model: str, iters: int) -> tuple[list[dict], bool]:
                 for n, sl in boxes.items():
                     mine[n].copy_(full[n][sl])
             for k in list(peers)[it % 2 :] + list(peers)[: it % 2]:  # each Peer first in turn
+                _sync(dev)  # as in S1: every process's step is done before any clock starts
                 dist.barrier()
-                _sync(dev)
                 t0 = time.perf_counter()
                 peers[k].run(version)
                 _sync(dev)
