@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from refit.cudart import private_stream
+
 WORD = 8  # bytes per word
 INDEX_BYTES = 4  # a word index travels as int32 (a piece of 2**31 words or more has no word encoding)
 SLOT_FRACTION = 4  # the kernel's slots hold a quarter of a piece's words; more changes overflow (``None``)
@@ -176,7 +178,7 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     current stream, made once."""
     key = (device, purpose)
     if key not in _STREAMS:
-        _STREAMS[key] = torch.cuda.Stream(device)
+        _STREAMS[key] = private_stream(device)  # kept for the process's life: one per device and purpose
     return _STREAMS[key]
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
 import errno
 import json
 import os
@@ -36,6 +35,7 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
+from refit.cudart import OwnedStreams, cuda_runtime, free_stream, private_stream
 from refit.errors import ChecksumError, ConfigError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
@@ -45,84 +45,8 @@ from refit.transport.clock import RunClock
 from refit.transport.rows import row_copy
 from refit.transport.store import SignedStore
 
-_CUDART: ctypes.CDLL | None = None
-_CUDA_MEMCPY_DEFAULT = 4
-
-
-def _cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library torch itself loaded (for memcpy / memcpy2D / peer access), or None.
-
-    It must be torch's own instance: a second runtime keeps its own notion of
-    the current device, so peer access enabled through it lands on the wrong
-    device. If torch's cannot be found, callers fall back to torch copies.
-    """
-    global _CUDART  # a process-wide handle to an already loaded shared library
-    if _CUDART is not None or not torch.cuda.is_available():
-        return _CUDART
-    torch.cuda.init()
-    path = None
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                if "libcudart.so" in line:
-                    path = line.split()[-1]
-                    break
-    except OSError:
-        return None
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(path)
-        lib.cudaMemcpy2DAsync.restype = ctypes.c_int
-        lib.cudaMemcpy2DAsync.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_size_t,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        lib.cudaDeviceEnablePeerAccess.restype = ctypes.c_int
-        lib.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
-        lib.cudaGetLastError.restype = ctypes.c_int
-        lib.cudaStreamCreateWithFlags.restype = ctypes.c_int
-        lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        lib.cudaStreamDestroy.restype = ctypes.c_int
-        lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
-        lib.cudaMemcpyAsync.restype = ctypes.c_int
-        lib.cudaMemcpyAsync.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-    except (OSError, AttributeError):
-        return None
-    _CUDART = lib
-    return lib
-
-
 _PEER_ACCESS_ALREADY_ENABLED = 704
-_STREAM_NON_BLOCKING = 1
-
-
-def private_stream(device: torch.device) -> torch.cuda.Stream:
-    """A CUDA stream of ``device`` that no one else in the process holds: created through the runtime
-    (non-blocking), not taken from torch's pool, whose 32 streams per device are handed out round-robin
-    (an engine's ``torch.cuda.Stream()`` could be the same stream). Free it with ``free_stream``. Without
-    torch's runtime found, a pool stream (the only other way)."""
-    lib = _cudart()
-    if lib is None:
-        return torch.cuda.Stream(device)
-    handle = ctypes.c_void_p()
-    with torch.cuda.device(device):
-        rc = lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _STREAM_NON_BLOCKING)
-    if rc != 0:
-        raise RuntimeError(f"cudaStreamCreateWithFlags on {device} failed with CUDA error {rc}")
-    return torch.cuda.ExternalStream(handle.value, device=device)
+_CUDA_MEMCPY_DEFAULT = 4
 
 
 @contextlib.contextmanager
@@ -142,18 +66,9 @@ def joined(stream: torch.cuda.Stream, device: torch.device):
     caller.wait_stream(stream)
 
 
-def free_stream(stream: torch.cuda.Stream | None) -> None:
-    """Destroy ``stream`` if ``private_stream`` created it through the runtime, without waiting: CUDA
-    releases it once its queued work is done (a refit that failed may have left work that never ends)."""
-    lib = _cudart()
-    if stream is None or lib is None or not isinstance(stream, torch.cuda.ExternalStream):
-        return
-    lib.cudaStreamDestroy(ctypes.c_void_p(stream.cuda_stream))
-
-
 def enable_peer_access(device: torch.device, peer: torch.device) -> None:
     """Let ``device`` read ``peer``'s memory directly (NVLink); without it copies stage through the host."""
-    lib = _cudart()
+    lib = cuda_runtime()
     if lib is None or device == peer:
         return
     if not torch.cuda.can_device_access_peer(device.index, peer.index):
@@ -178,7 +93,7 @@ def make_copy(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, Callable[[torc
     Raw runtime calls avoid torch's per-copy cross-device event handshakes; the
     caller orders the streams.
     """
-    lib = _cudart()
+    lib = cuda_runtime()
     nbytes = dst.numel() * dst.element_size()
     if dst.is_contiguous() and src.is_contiguous():
         if lib is None:
@@ -378,7 +293,8 @@ class IpcPuller:
         self.device = device
         self.paced_s = 0.0  # the longest lane's sleeps per pull (``pace_gbps``; ``_pace``)
         self.fused = list(fused)
-        self.fused_stream = torch.cuda.Stream(device) if self.fused else None
+        self.owned = OwnedStreams()  # every stream of this puller is its own (``close`` frees them)
+        self.fused_stream = self.owned.new(device) if self.fused else None
         groups: dict[torch.device, list] = {device: list(same_device)} if same_device else {}
         for d, s in peer:
             groups.setdefault(s.device, []).append((d, s))
@@ -396,7 +312,7 @@ class IpcPuller:
             small = [c for c in copies if c[1] < self.SMALL]
             large = [c for c in copies if c[1] >= self.SMALL]
             if small:
-                self.lanes.append((f"{label}.small", torch.cuda.Stream(src_dev), small))
+                self.lanes.append((f"{label}.small", self.owned.new(src_dev), small))
             large.sort(key=lambda c: -c[1])
             n = min(streams_per_lane, len(large))
             per = [[] for _ in range(n)]
@@ -406,7 +322,7 @@ class IpcPuller:
                 per[i].append(c)
                 load[i] += c[1]
             for i, cs in enumerate(per):
-                self.lanes.append((label if n == 1 else f"{label}.{i}", torch.cuda.Stream(src_dev), cs))
+                self.lanes.append((label if n == 1 else f"{label}.{i}", self.owned.new(src_dev), cs))
         if pace_gbps:
             self._pace(pace_gbps)
         # issue order: largest first across all lanes, so every lane gets long work at once and
@@ -486,6 +402,11 @@ class IpcPuller:
             self._issue()
         if self.fused:
             current.wait_stream(self.fused_stream)
+
+    def close(self) -> None:
+        """Drop the graph and the copies and free this puller's streams (queued work still finishes)."""
+        self.graph, self.lanes, self.runs, self.fused_stream = None, [], [], None
+        self.owned.free()
 
     def profile(self, repeats: int = 3) -> dict[str, tuple[int, int, float]]:
         """Seconds per lane and copy kind ("same/memcpy", "peer0/memcpy2d", ...), each run alone."""
@@ -876,7 +797,8 @@ class IpcSums:
             d: PieceSums(ps, self.want if d == device else torch.zeros(n, dtype=torch.int64, device=d))
             for d, ps in sources.items()
         }
-        self.side = {d: torch.cuda.Stream(d) for d in self.src_sums if d != device}
+        self.owned = OwnedStreams()  # the peer GPUs' side streams (``close`` frees them)
+        self.side = {d: self.owned.new(d) for d in self.src_sums if d != device}
         self.slots = {d: self.src_sums[d].slots.to(device) for d in self.side}  # what each peer GPU sums
         self.verdict: torch.Tensor | None = None  # (mismatch?, first such slot) once ``enqueue`` ran
 
@@ -911,6 +833,11 @@ class IpcSums:
             self.want.index_copy_(0, self.slots[d], here.index_select(0, self.slots[d]))
         bad = self.got != self.want
         self.verdict = torch.stack([bad.any().to(torch.int64), torch.argmax(bad.to(torch.int32)).to(torch.int64)])
+
+    def close(self) -> None:
+        """Free the side streams (queued work still finishes)."""
+        self.side = {}
+        self.owned.free()
 
     def check(self) -> None:
         """Raise ``ChecksumError`` naming the first tensor whose received sum differs from its source's.
@@ -1018,6 +945,9 @@ class IpcLink:
         reference counts drop), then, on one host, wait at the barrier so that no source process exits
         while a receiver still maps its memory (best effort: a peer that died is not waited for), free what
         the receivers released (sources), and unlink the barrier (its owner). Idempotent."""
+        for owner in [*self.pullers, self.sums]:
+            if owner is not None:
+                owner.close()
         self.pullers, self.puller, self.sums, self._mapped = [], None, None, {}
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda:

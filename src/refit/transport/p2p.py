@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
+from refit.cudart import free_stream, private_stream
 from refit.errors import ChecksumError, ConfigError
 from refit.plan import Plan
 from refit.plan.schedule import assign_slots, assign_tags, p2p_messages
@@ -306,8 +307,8 @@ class P2PSchedule:
         # is called inline (no thread to hand it to); a host wait that must follow goes under the clock
         self.inline_waits = self.cuda and not standalone and not _nccl_blocking_wait()
         if self.cuda:
-            self.pack_stream = torch.cuda.Stream(device)
-            self.unpack_stream = torch.cuda.Stream(device)
+            self.pack_stream = private_stream(device)
+            self.unpack_stream = private_stream(device)
             self.free = [None] * len(self.ring.buffers)  # event: ring buffer's last use finished
 
     def close(self) -> None:
@@ -315,6 +316,10 @@ class P2PSchedule:
         if self._waiter is not None:
             self._waiter.stop()
             self._waiter = None
+        if self.cuda:
+            free_stream(self.pack_stream)
+            free_stream(self.unpack_stream)
+            self.pack_stream = self.unpack_stream = None
 
     def _post(self, step: _Step, sums: bool = False) -> list:
         """Post every send and receive of a step (or, ``sums``, of their checksums); return the works."""

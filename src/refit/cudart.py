@@ -1,0 +1,117 @@
+"""torch's own CUDA runtime, reached through ctypes, for what torch does not expose: raw copies (IPC pulls),
+peer access, and CUDA streams that refit owns alone (``private_stream``, freed by ``free_stream``;
+``OwnedStreams`` makes and frees a component's set of them).
+
+torch hands out ``torch.cuda.Stream()`` round-robin from a pool of 32 streams per device, so an engine's
+stream and one of refit's could be the same stream: each would then wait for the other's work. Every
+stream refit keeps (the executor's, IPC lanes, checksum and delta side streams, P2P pack/unpack) is
+private."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_CUDART: ctypes.CDLL | None = None
+
+
+def cuda_runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch itself loaded (for memcpy / memcpy2D / peer access), or None.
+
+    It must be torch's own instance: a second runtime keeps its own notion of
+    the current device, so peer access enabled through it lands on the wrong
+    device. If torch's cannot be found, callers fall back to torch copies.
+    """
+    global _CUDART  # a process-wide handle to an already loaded shared library
+    if _CUDART is not None or not torch.cuda.is_available():
+        return _CUDART
+    torch.cuda.init()
+    path = None
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libcudart.so" in line:
+                    path = line.split()[-1]
+                    break
+    except OSError:
+        return None
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        lib.cudaMemcpy2DAsync.restype = ctypes.c_int
+        lib.cudaMemcpy2DAsync.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        lib.cudaDeviceEnablePeerAccess.restype = ctypes.c_int
+        lib.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
+        lib.cudaGetLastError.restype = ctypes.c_int
+        lib.cudaStreamCreateWithFlags.restype = ctypes.c_int
+        lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cudaStreamDestroy.restype = ctypes.c_int
+        lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
+        lib.cudaMemcpyAsync.restype = ctypes.c_int
+        lib.cudaMemcpyAsync.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+    except (OSError, AttributeError):
+        return None
+    _CUDART = lib
+    return lib
+
+
+_STREAM_NON_BLOCKING = 1
+
+
+def private_stream(device: torch.device) -> torch.cuda.Stream:
+    """A CUDA stream of ``device`` that no one else in the process holds: created through the runtime
+    (non-blocking), not taken from torch's pool, whose 32 streams per device are handed out round-robin
+    (an engine's ``torch.cuda.Stream()`` could be the same stream). Free it with ``free_stream``. Without
+    torch's runtime found, a pool stream (the only other way)."""
+    lib = cuda_runtime()
+    if lib is None:
+        return torch.cuda.Stream(device)
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        rc = lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _STREAM_NON_BLOCKING)
+    if rc != 0:
+        raise RuntimeError(f"cudaStreamCreateWithFlags on {device} failed with CUDA error {rc}")
+    return torch.cuda.ExternalStream(handle.value, device=device)
+
+
+def free_stream(stream: torch.cuda.Stream | None) -> None:
+    """Destroy ``stream`` if ``private_stream`` created it through the runtime, without waiting: CUDA
+    releases it once its queued work is done (a refit that failed may have left work that never ends)."""
+    lib = cuda_runtime()
+    if stream is None or lib is None or not isinstance(stream, torch.cuda.ExternalStream):
+        return
+    lib.cudaStreamDestroy(ctypes.c_void_p(stream.cuda_stream))
+
+
+class OwnedStreams:
+    """The private streams one component made (``new``), freed together by ``free`` (idempotent)."""
+
+    def __init__(self) -> None:
+        self.streams: list[torch.cuda.Stream] = []
+
+    def new(self, device: torch.device) -> torch.cuda.Stream:
+        stream = private_stream(device)
+        self.streams.append(stream)
+        return stream
+
+    def free(self) -> None:
+        streams, self.streams = self.streams, []
+        for stream in streams:
+            free_stream(stream)
