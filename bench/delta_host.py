@@ -171,7 +171,7 @@ def _own(stats: pstats.Stats) -> tuple[float, float, float, list, list]:
             stand += tt
         else:
             other.append((f"{file.split('/')[-1]}:{line}({fn})", tt))
-    return own, stand, total, *(sorted(t, key=lambda x: -x[1])[:12] for t in (top, other))
+    return own, stand, total, *(sorted(t, key=lambda x: -x[1])[:25] for t in (top, other))
 
 
 def _worker(world, args: dict) -> dict:

@@ -156,7 +156,7 @@ class SourceBase:
         self.version: int | None = None
         self.pending: list = []  # (base view, indices or None, values or the live view, words)
         self.queued: list = []  # word updates of the current step-chunk (``flush``)
-        self.by_address: list = []  # the same for words by address: (Found, a, b, base addresses, words)
+        self.by_address: list = []  # the same for words by address: (Found, pieces there, base addresses, words)
 
     def update(self, message: int, updates: list, words: bool = False) -> None:
         """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces; ``words``:
@@ -179,7 +179,12 @@ class SourceBase:
             pieces = [f.piece(j) for j in range(a, b)]
             self.pending += [(v, i.clone(), w.clone(), True) for v, (i, w) in zip(bases, pieces)]
         else:
-            self.by_address.append((f, a, b, ptrs, nwords))
+            self.queue_found(f, np.arange(a, b), ptrs, np.array(nwords, dtype=np.int64))
+
+    def queue_found(self, found: Found, sel: np.ndarray, ptrs: np.ndarray, nwords: np.ndarray) -> None:
+        """Queue the base update of pieces ``sel`` of ``found`` (of messages no other message shares) into the
+        base views at byte addresses ``ptrs`` (``nwords`` words each): one scatter per find at ``flush``."""
+        self.by_address.append((found, sel, ptrs, nwords))
 
     def flush(self) -> None:
         """Apply the queued word updates (one launch per find), while the finds' slots are still held."""
@@ -187,10 +192,8 @@ class SourceBase:
         self.queued = []
         for group in _by_find(self.by_address):
             f = group[0][0]
-            sel = np.concatenate([np.arange(a, b) for _, a, b, _, _ in group])
+            sel, dst, n = (np.concatenate([e[c] for e in group]) for c in (1, 2, 3))
             idx, words = f.addresses(sel)
-            dst = np.concatenate([p for *_, p, _ in group])
-            n = np.array([w for *_, ws in group for w in ws], dtype=np.int64)
             Scatter.of(dst, idx, words, f.count[sel], n, f.idx.device).apply()
         self.by_address = []
 
@@ -273,6 +276,75 @@ class _DeltaOp:
     found: tuple | None = None  # fast sender, per run: (``Found``, first piece, end) of its pieces there
     wire: int = 0  # fast sender sending words, per run: its payload's bytes (``_join`` packs it)
     nbytes: int = 0  # its pieces' bytes (set at setup)
+    shared: bool = False  # sender: another message of this process reads some of its elements (``SourceBase``)
+    memo: dict = field(default_factory=dict)  # ``_memo``: setup facts of op lists this op heads, kept between refits
+
+
+MEMO_MAX = 64  # op lists memoized per first op (``_memo``; under ``auto`` a batch may diff another subset each run)
+
+
+def _memo(ops: list[_DeltaOp], what: tuple, make):
+    """``make(ops)``, computed once per list of ops (by identity, in order) and ``what``, kept on the first op: a
+    refit repeats its step-chunks' op lists (find batches, a peer's group), so what ``make`` derives from their
+    setup fields (views, addresses, sizes, peers; never per-run state) is built once. The entry keeps the ops,
+    so their ids stay theirs while it lives; at most ``MEMO_MAX`` per first op."""
+    key = (*what, *map(id, ops))
+    memo = ops[0].memo
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) >= MEMO_MAX:
+            memo.clear()
+        hit = memo[key] = (tuple(ops), make(ops))
+    return hit[1]
+
+
+@dataclass
+class _Pieces:
+    """Setup facts of a list of ops, per op and per piece (numpy int64, the pieces of the ops one after
+    another), built once per list (``_pieces``) so that a refit does numpy over them, not Python per op."""
+
+    first: np.ndarray  # per op its first piece, and the total: ``[0, ..., pieces]``
+    spans: list  # per op (first piece, end) as ints
+    nwords: np.ndarray  # per piece: its 64-bit words (-1: not whole)
+    numels: np.ndarray  # per piece: its elements
+    itemsize: np.ndarray  # per piece: its element size
+    ptrs: tuple  # per side of ``_DeltaOp.ptrs``, every piece's addresses (where every op is ``fast``)
+    op_words: np.ndarray  # per op: its pieces' words (where whole)
+    header_bytes: np.ndarray  # per op: its header's bytes
+    dense_bytes: np.ndarray  # per op: its plain op's bytes (what it is when sent dense)
+    shared: np.ndarray  # per op (bool): ``_DeltaOp.shared``
+    heads: np.ndarray  # per op: where its header starts in the group's headers (``3 + pieces`` each)
+    counted: np.ndarray  # per header word (bool): a count (not kind, base version, version)
+
+    @staticmethod
+    def of(ops: list[_DeltaOp]) -> _Pieces:
+        counts = np.array([len(d.views) for d in ops], dtype=np.int64)
+        first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        lens = counts + 3
+        heads = np.cumsum(lens) - lens
+        counted = np.ones(int(lens.sum()), dtype=bool)
+        counted[np.concatenate([heads, heads + 1, heads + 2])] = False
+        nwords = np.array([-1 if w is None else w for d in ops for w in d.nwords], dtype=np.int64)
+        sides = len(ops[0].ptrs) if all(d.fast for d in ops) else 0
+        return _Pieces(
+            first=first,
+            spans=list(zip(first[:-1].tolist(), first[1:].tolist())),
+            nwords=nwords,
+            numels=np.array([n for d in ops for n in d.numels], dtype=np.int64),
+            itemsize=np.array([v.element_size() for d in ops for v in d.views], dtype=np.int64),
+            ptrs=tuple(np.concatenate([d.ptrs[c] for d in ops]) for c in range(sides)),
+            op_words=np.add.reduceat(np.maximum(nwords, 0), first[:-1]) if len(nwords) else first[:-1],
+            header_bytes=np.array([d.header.numel() * 8 for d in ops], dtype=np.int64),
+            dense_bytes=np.array([d.op.tensor.numel() * d.op.tensor.element_size() for d in ops], dtype=np.int64),
+            shared=np.array([d.shared for d in ops], dtype=bool),
+            heads=heads,
+            counted=counted,
+        )
+
+
+def _pieces(ops: list[_DeltaOp]) -> _Pieces:
+    """``_Pieces`` of ``ops`` (non-empty, each with pieces), built once per list (``_memo``)."""
+    return _memo(ops, ("pieces",), _Pieces.of)
 
 
 @dataclass
@@ -353,6 +425,7 @@ class DeltaSchedule:
         d.numels, d.nwords = [v.numel() for v in views], [words_in(v) for v in views]
         d.nbytes = sum(v.numel() * v.element_size() for v in views)
         d.fast = _fast(views + bases) and (d.words or not outgoing)
+        d.shared = outgoing and op.message in self.base.shared
         if d.fast:
             sides = (bases, views) if outgoing else (views,)
             d.ptrs = tuple(np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in sides)
@@ -661,39 +734,46 @@ class DeltaSchedule:
         the find's counts: no Python step per piece): their headers by ``id``. The others (the rule says
         dense, a piece over its slots, several finds) are left to ``_encode``."""
         fast = [d for d in ops if d.found is not None]
-        if not fast or any(d.found[0] is not fast[0].found[0] for d in fast):
+        if not fast or not _one_run(fast):
             return {}
-        found = fast[0].found[0]
-        first = np.array([d.found[1] for d in fast] + [fast[-1].found[2]], dtype=np.int64)
-        if any(d.found[2] != e for d, e in zip(fast, first[1:])):  # not one run of pieces
-            return {}
-        k, starts = found.count[first[0] : first[-1]], first[:-1] - first[0]
-        words = np.add.reduceat((k > found.cap[first[0] : first[-1]]).astype(np.int64), starts) == 0
+        found, s, at = fast[0].found[0], _pieces(fast), fast[0].found[1]
+        k, starts, cap = found.count[at : at + s.first[-1]], s.first[:-1], found.cap[at : at + s.first[-1]]
+        words = np.add.reduceat((k > cap).astype(np.int64), starts) == 0
         if self.config.delta != "words":
-            words &= self._rule_says_words(fast, k, first - first[0])
-        nwords = np.add.reduceat(np.array([w for d in fast for w in d.nwords], dtype=np.int64), starts)
-        fraction = (np.add.reduceat(k, starts) / np.maximum(1, nwords)).tolist()
-        wire, counts = np.add.reduceat(wire_sizes(k), starts).tolist(), k.tolist()
-        base, out = self.base.version, {}
+            words &= self._rule_says_words(fast, k, s)
+        fraction = (np.add.reduceat(k, starts) / np.maximum(1, s.op_words)).tolist()
+        wire, counts = np.add.reduceat(wire_sizes(k), starts), k.tolist()
+        base, out, chosen = self.base.version, {}, np.flatnonzero(words)
         head = [ENCODINGS.index("words"), -1 if base is None else base, version]
-        for j in np.flatnonzero(words).tolist():
-            d, a, b = fast[j], int(first[j] - first[0]), int(first[j + 1] - first[0])
-            d.kind, d.dense_runs, d.fraction, d.changes, d.payload, d.wire = "words", 0, fraction[j], [], None, wire[j]
+        for j, w in zip(chosen.tolist(), wire[chosen].tolist()):
+            d, (a, b) = fast[j], s.spans[j]
+            d.kind, d.dense_runs, d.fraction, d.changes, d.payload, d.wire = "words", 0, fraction[j], [], None, w
             d.dense_next = False
-            self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
-            stats.wire_bytes += wire[j] + d.header.numel() * 8
-            stats.dense_bytes += d.op.tensor.numel() * d.op.tensor.element_size()
             out[id(d)] = head + counts[a:b]
+        self._base_found(fast, words, found, at)
+        stats.wire_bytes += int(wire[chosen].sum() + s.header_bytes[chosen].sum())
+        stats.dense_bytes += int(s.dense_bytes[chosen].sum())
         stats.diffed += len(out)
         stats.encodings["words"] += len(out)
         return out
 
+    def _base_found(self, fast: list[_DeltaOp], words: np.ndarray, found: Found, at: int) -> None:
+        """The base update of the ops of ``fast`` sent as words (``words``, per op), their pieces one run of
+        ``found`` from piece ``at``: the shared ones' copied and deferred (``SourceBase.update_found``), the others'
+        queued at once (``SourceBase.queue_found``)."""
+        s = _pieces(fast)
+        for j in np.flatnonzero(words & s.shared).tolist():
+            d = fast[j]
+            self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
+        mine = np.repeat(words & ~s.shared, np.diff(s.first))
+        if mine.any():
+            self.base.queue_found(found, at + np.flatnonzero(mine), s.ptrs[0][mine], s.nwords[mine])
+
     @staticmethod
-    def _rule_says_words(ops: list[_DeltaOp], k: np.ndarray, first: np.ndarray) -> np.ndarray:
-        """``choose_words`` of ``ops`` (pieces ``first[j]:first[j + 1]`` of ``k``), at once where they share one
-        link (else op by op)."""
-        n = np.array([x for d in ops for x in d.numels], dtype=np.int64)
-        size = np.array([v.element_size() for d in ops for v in d.views], dtype=np.int64)
+    def _rule_says_words(ops: list[_DeltaOp], k: np.ndarray, s: _Pieces) -> np.ndarray:
+        """``choose_words`` of ``ops`` (``s``: their ``_pieces``; ``k``: the changes per piece), at once where they
+        share one link (else op by op)."""
+        n, size, first = s.numels, s.itemsize, s.first
         if all(d.link == ops[0].link for d in ops):
             share = np.array([d.share for d in ops])
             return choose_words_many(n, k, size, first, ops[0].link, share)
@@ -989,9 +1069,8 @@ def _ready(steps: list) -> torch.cuda.Event | None:
 def _launch(fast: list[_DeltaOp], after: torch.cuda.Event | None = None) -> PendingFind:
     """The find of ``fast`` (messages found per word by address) in one launch, not waited for; on CUDA
     behind ``after`` (``launch_words_table``)."""
-    base, cur = (np.concatenate([d.ptrs[c] for d in fast]) for c in (0, 1))
-    nwords = np.array([w for d in fast for w in d.nwords], dtype=np.int64)
-    return launch_words_table(base, cur, nwords, fast[0].views[0].device, after)
+    s = _pieces(fast)
+    return launch_words_table(s.ptrs[0], s.ptrs[1], s.nwords, fast[0].views[0].device, after)
 
 
 def _launch_fast(ops: list[_DeltaOp], after: torch.cuda.Event | None = None) -> PendingFind | None:
@@ -1027,14 +1106,21 @@ def _find(ops: list[_DeltaOp], pending: PendingFind | None) -> None:
     dropped soon."""
     fast = [d for d in ops if d.words and d.fast]
     if fast:
-        found, a = pending.result(), 0  # ``_launch_fast`` returns None only where no op is fast
-        for d in fast:
-            d.found, a = (found, a, a + len(d.views)), a + len(d.views)
+        found = pending.result()  # ``_launch_fast`` returns None only where no op is fast
+        for d, (a, b) in zip(fast, _pieces(fast).spans):
+            d.found = (found, a, b)
     for by_words, find in ((True, find_words_many), (False, lambda pairs: find_changes_many(pairs, copy=False))):
         chosen = [d for d in ops if d.words == by_words and not (d.words and d.fast)]
         got = find([(b, v) for d in chosen for b, v in zip(d.bases, d.views)]) if chosen else []
         for d in chosen:
             d.changes, got = got[: len(d.views)], got[len(d.views) :]
+
+
+def _one_run(fast: list[_DeltaOp]) -> bool:
+    """Whether the ``found`` of ``fast`` (each op's ``(Found, first piece, end)``) are one find's pieces, one op's
+    after the other's."""
+    f = fast[0].found[0]
+    return all(d.found[0] is f for d in fast) and [d.found[1] for d in fast[1:]] == [d.found[2] for d in fast[:-1]]
 
 
 def _fast(tensors: list[torch.Tensor]) -> bool:
