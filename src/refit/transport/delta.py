@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from itertools import groupby
+from itertools import accumulate, groupby
 
 import numpy as np
 import torch
@@ -389,10 +389,9 @@ class DeltaSchedule:
         self.quiet: dict[int, int] = {}  # receiver: sending peer -> quiet refits left (announced by it)
         self.told: dict[int, bool] | None = None  # sender, this refit: receiving peer -> it expects a quiet one
         self.last: dict[tuple[int, int], int] = {}  # (side, peer) -> the step-chunk of its last header message
-        self.sends_to: dict[int, list[_DeltaOp]] = {}  # receiving peer -> this process's ops to it
-        for sends, _ in self.steps:
-            for d in sends:
-                self.sends_to.setdefault(d.op.peer, []).append(d)
+        self.sends_to: dict[int, list[_DeltaOp]] = {}  # receiving peer -> this process's ops to it (peers sorted)
+        for d in sorted((d for sends, _ in self.steps for d in sends), key=lambda d: d.op.peer):
+            self.sends_to.setdefault(d.op.peer, []).append(d)
         for i, sides in enumerate(self.steps):
             for side, ops in enumerate(sides):
                 for d in ops:
@@ -405,7 +404,7 @@ class DeltaSchedule:
     @property
     def receivers(self) -> list[int]:
         """The processes this one sends P2P messages to (it needs the version each holds)."""
-        return sorted({d.op.peer for sends, _ in self.steps for d in sends})
+        return list(self.sends_to)
 
     @property
     def receives(self) -> bool:
@@ -552,9 +551,8 @@ class DeltaSchedule:
             if rest:  # a delta's indices are checked on the host next: the host waits under the clock first
                 self.p2p.wait(clock, rest, named, "delta transfer", any(d.kind != "dense" for d in recvs))
             self._apply(recvs)
-            stats.received_bytes += sum(
-                d.payload.numel() * d.payload.element_size() + d.header.numel() * 8 for d in recvs
-            )
+            if recvs:
+                stats.received_bytes += sum(d.payload.nbytes for d in recvs) + int(_pieces(recvs).header_bytes.sum())
             for d in sends + recvs:  # the step's payloads are freed now, not held until the next refit
                 d.payload = None
         if sending[0]:
@@ -600,7 +598,7 @@ class DeltaSchedule:
         the quiet refits that follow (``_quiet_after``); 0 elsewhere."""
         out, at = [], 0
         for peer, group in _by_peer(sends):
-            n = sum(3 + len(d.views) for d in group)
+            n = len(_pieces(group).counted)
             out += heads[at : at + n]
             at += n
             trailer = 0
@@ -632,7 +630,7 @@ class DeltaSchedule:
         messages are dense without a header."""
         off = 0
         for peer, group in _by_peer(recvs):
-            at = off + sum(3 + len(d.views) for d in group)
+            at = off + len(_pieces(group).counted)
             if (1, peer) in quiet or not _words_at_once(group, got[off:at], version, held.get(self.proc)):
                 at = off
                 for d in group:
@@ -675,7 +673,7 @@ class DeltaSchedule:
         if ahead is not None and ahead[0] == i:
             return ahead[1:]
         plans = self._plans(sends, held, quiet)
-        return plans, _batches(sends, plans), None
+        return plans, _batches_of(sends, plans), None
 
     def _plans(self, sends: list[_DeltaOp], held: dict, quiet: set) -> list[str]:
         base = self.base.version
@@ -689,7 +687,7 @@ class DeltaSchedule:
         if not sends:
             return
         plans = self._plans(sends, held, quiet)
-        batches = _batches(sends, plans)
+        batches = _batches_of(sends, plans)
         self.ahead = (i, plans, batches, _launch_fast([sends[j] for j in batches[0]], self.ready) if batches else None)
 
     def _encode(self, d: _DeltaOp, plan: str, version: int, stats: DeltaStats) -> list[int]:
@@ -750,18 +748,17 @@ class DeltaSchedule:
             d.kind, d.dense_runs, d.fraction, d.changes, d.payload, d.wire = "words", 0, fraction[j], [], None, w
             d.dense_next = False
             out[id(d)] = head + counts[a:b]
-        self._base_found(fast, words, found, at)
+        self._base_found(fast, s, words, found, at)
         stats.wire_bytes += int(wire[chosen].sum() + s.header_bytes[chosen].sum())
         stats.dense_bytes += int(s.dense_bytes[chosen].sum())
         stats.diffed += len(out)
         stats.encodings["words"] += len(out)
         return out
 
-    def _base_found(self, fast: list[_DeltaOp], words: np.ndarray, found: Found, at: int) -> None:
-        """The base update of the ops of ``fast`` sent as words (``words``, per op), their pieces one run of
-        ``found`` from piece ``at``: the shared ones' copied and deferred (``SourceBase.update_found``), the others'
-        queued at once (``SourceBase.queue_found``)."""
-        s = _pieces(fast)
+    def _base_found(self, fast: list[_DeltaOp], s: _Pieces, words: np.ndarray, found: Found, at: int) -> None:
+        """The base update of the ops of ``fast`` (``s``: their ``_pieces``) sent as words (``words``, per op), their
+        pieces one run of ``found`` from piece ``at``: the shared ones' copied and deferred
+        (``SourceBase.update_found``), the others' queued at once (``SourceBase.queue_found``)."""
         for j in np.flatnonzero(words & s.shared).tolist():
             d = fast[j]
             self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
@@ -935,23 +932,19 @@ def _words_at_once(group: list[_DeltaOp], got: list[int], version: int, held: in
     """``_receive_into`` at once (numpy) of one peer's ops whose headers (``got``) all say words of this
     ``version`` on the base ``held``, every count within its piece's words; False otherwise, nothing set
     (op by op, ``check_header`` then names what is wrong)."""
-    lens = np.array([3 + len(d.views) for d in group], dtype=np.int64)
-    starts, h = np.cumsum(lens) - lens, np.array(got, dtype=np.int64)
-    ok = held is not None and len(h) == lens.sum()
+    s, h = _pieces(group), np.array(got, dtype=np.int64)
+    starts = s.heads
+    ok = held is not None and len(h) == len(s.counted)
     if not ok or (h[starts] != ENCODINGS.index("words")).any() or (h[starts + 1] != held).any():
         return False
     if (h[starts + 2] != version).any():
         return False
-    counted = np.ones(len(h), dtype=bool)
-    counted[np.concatenate([starts, starts + 1, starts + 2])] = False
-    k, n = h[counted], np.array([-1 if w is None else w for d in group for w in d.nwords], dtype=np.int64)
-    if ((k < 0) | (k > n)).any():
+    k = h[s.counted]
+    if ((k < 0) | (k > s.nwords)).any():
         return False
-    pieces = lens - 3
-    wire, counts, a = np.add.reduceat(wire_sizes(k), np.cumsum(pieces) - pieces).tolist(), k.tolist(), 0
-    for d, w, m in zip(group, wire, pieces.tolist()):
-        d.kind, d.changes, d.payload, d.wire = "words", counts[a : a + m], None, w
-        a += m
+    wire, counts = np.add.reduceat(wire_sizes(k), s.first[:-1]).tolist(), k.tolist()
+    for d, w, (a, b) in zip(group, wire, s.spans):
+        d.kind, d.changes, d.payload, d.wire = "words", counts[a:b], None, w
     return True
 
 
@@ -1000,8 +993,10 @@ def _shares(plan: Plan, config: TransferConfig) -> dict[int, float]:
 
 
 def _by_peer(ops: list[_DeltaOp]) -> list[tuple[int, list[_DeltaOp]]]:
-    """``ops`` (sorted by peer) as ``(peer, its ops in order)``."""
-    return [(peer, list(group)) for peer, group in groupby(ops, key=lambda d: d.op.peer)]
+    """``ops`` (sorted by peer) as ``(peer, its ops in order)``, grouped once per list (``_memo``)."""
+    if not ops:
+        return []
+    return _memo(ops, ("peers",), lambda ops: [(p, list(g)) for p, g in groupby(ops, key=lambda d: d.op.peer)])
 
 
 def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
@@ -1013,16 +1008,14 @@ def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
     sizes = [d.wire if d.payload is None else d.payload.numel() for d in deltas]
     buf = torch.empty(sum(sizes), dtype=torch.uint8, device=deltas[0].op.tensor.device)
     packs: dict[int, tuple[Found, list]] = {}  # words by address, per find: (first piece, end, offset) per op
-    off = 0
-    for d, n in zip(deltas, sizes):
+    for d, off, part in zip(deltas, accumulate(sizes, initial=0), buf.split(sizes)):  # one call for the slices
         if d.found is not None:  # a sender's words by address: packed below, one launch per find
             packs.setdefault(id(d.found[0]), (d.found[0], []))[1].append((*d.found[1:], off))
             d.found = None
         else:
             if d.parts or (d.payload is not None and d.payload.device.type != "meta"):  # a sender's, copied in
-                torch.cat(d.parts or [d.payload], out=buf[off : off + n])
-            d.payload, d.parts = buf[off : off + n], []
-        off += n
+                torch.cat(d.parts or [d.payload], out=part)
+            d.payload, d.parts = part, []
     for found, spans in packs.values():
         _pack_spans(found, np.array(spans, dtype=np.int64), buf)
     return buf
@@ -1097,6 +1090,11 @@ def _batches(sends: list[_DeltaOp], plans: list[str]) -> list[list[int]]:
     return [*batches, batch] if batch else batches
 
 
+def _batches_of(sends: list[_DeltaOp], plans: list[str]) -> list[list[int]]:
+    """``_batches``, cut once per step-chunk and set of plans (``_memo``: a refit repeats them)."""
+    return _memo(sends, ("batches", *plans), lambda ops: _batches(ops, plans)) if sends else []
+
+
 def _find(ops: list[_DeltaOp], pending: PendingFind | None) -> None:
     """The changes of every piece of ``ops`` (one batch of a step's sends): words by address from ``pending``
     (``_launch_fast`` of this batch, queued by the caller or ``_prefetch``; each op's ``found``: its pieces'
@@ -1141,13 +1139,12 @@ def _located(ops: list[_DeltaOp]) -> Scatter:
     """A receiver's words by address (every destination view addressable): each piece's indices and words
     located in its op's payload by arithmetic, as one ``Scatter`` table, every index checked in one launch
     (``DeltaError`` naming the message). The caller applies it."""
+    s = _pieces(ops)
     k = np.array([c for d in ops for c in d.changes], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(wire_sizes(k))[:-1]]).astype(np.int64)
-    first = np.cumsum([0, *(len(d.changes) for d in ops)])
+    first, dst, n = s.first, s.ptrs[0], s.nwords
     payload = np.repeat(np.array([d.payload.data_ptr() for d in ops], dtype=np.int64), np.diff(first))
     idx = payload + starts - np.repeat(starts[first[:-1]], np.diff(first))  # each op's pieces from its payload
-    dst = np.concatenate([d.ptrs[0] for d in ops])
-    n = np.array([w for d in ops for w in d.nwords], dtype=np.int64)
     device = ops[0].views[0].device
     scatter = Scatter.of(dst, idx, idx + index_bytes(k), k, n, device)
     if not scatter.ok():
