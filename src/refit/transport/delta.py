@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from itertools import accumulate, groupby
+from itertools import accumulate, chain, groupby
 
 import numpy as np
 import torch
@@ -665,7 +665,7 @@ class DeltaSchedule:
             at_once = self._encode_found([sends[j] for j in batch], version, stats)
             for j in batch:
                 heads[j] = at_once.get(id(sends[j])) or self._encode(sends[j], "diff", version, stats)
-        return [x for h in heads for x in h]
+        return list(chain.from_iterable(heads))
 
     def _planned(self, i: int, sends: list[_DeltaOp], held: dict, quiet: set) -> tuple:
         """Step-chunk ``i``'s plans, its find batches and its first batch's find if ``_prefetch`` queued it."""
@@ -1107,8 +1107,9 @@ def _find(ops: list[_DeltaOp], pending: PendingFind | None) -> None:
         found = pending.result()  # ``_launch_fast`` returns None only where no op is fast
         for d, (a, b) in zip(fast, _pieces(fast).spans):
             d.found = (found, a, b)
+    rest = [d for d in ops if not (d.words and d.fast)] if len(fast) < len(ops) else []
     for by_words, find in ((True, find_words_many), (False, lambda pairs: find_changes_many(pairs, copy=False))):
-        chosen = [d for d in ops if d.words == by_words and not (d.words and d.fast)]
+        chosen = [d for d in rest if d.words == by_words]
         got = find([(b, v) for d in chosen for b, v in zip(d.bases, d.views)]) if chosen else []
         for d in chosen:
             d.changes, got = got[: len(d.views)], got[len(d.views) :]
@@ -1116,9 +1117,11 @@ def _find(ops: list[_DeltaOp], pending: PendingFind | None) -> None:
 
 def _one_run(fast: list[_DeltaOp]) -> bool:
     """Whether the ``found`` of ``fast`` (each op's ``(Found, first piece, end)``) are one find's pieces, one op's
-    after the other's."""
-    f = fast[0].found[0]
-    return all(d.found[0] is f for d in fast) and [d.found[1] for d in fast[1:]] == [d.found[2] for d in fast[:-1]]
+    after the other's, as many as their pieces (``_pieces``)."""
+    f, total = fast[0].found[0], int(_pieces(fast).first[-1])
+    if fast[-1].found[2] - fast[0].found[1] != total or not all(d.found[0] is f for d in fast):
+        return False
+    return [d.found[1] for d in fast[1:]] == [d.found[2] for d in fast[:-1]]
 
 
 def _fast(tensors: list[torch.Tensor]) -> bool:
