@@ -20,9 +20,11 @@ Per refit: an optimizer-like step (``bench.delta_gpu.optimizer_step``: each elem
 probability ``--fraction``), a barrier, then ``run(version)`` timed on each process. Reported per process over
 ``--iters`` refits (after a dense first refit and one warm-up diff): the median ``run()`` wall time (it includes
 the stand-ins, gloo and waiting for the peer: noisy on a shared 2-core machine) and the median host CPU time of
-``run()``'s thread less the stand-ins' (``time.thread_time``: refit's own host work, the number to compare);
-then ``--profiled`` more refits under cProfile: the tottime per refit of refit's own functions (``src/refit``),
-of the harness (the stand-ins) and of everything, and refit's top functions (``--verbose``: the others too).
+``run()``'s thread less the stand-ins' and the waits' for the peer (``P2PSchedule.wait``, ``SignedStore.get``:
+their polling costs what the peer takes), by ``time.thread_time``: refit's own host work, the number to compare;
+then ``--profiled`` more refits under cProfile: the tottime per refit of refit's own functions (``src/refit``, but
+those that wait for the peer), of the harness (the stand-ins) and of everything, and refit's top functions
+(``--verbose``: the others too).
 """
 
 from __future__ import annotations
@@ -115,20 +117,21 @@ def _pack_words(table, programs) -> None:
         out[pad:] = _at(words[j], 8 * k[j], np.uint8)
 
 
-def _timed(fn):
-    """``fn``, its main-thread CPU time added to ``SPENT`` (taken out of a refit's host time)."""
+def _timed(fn, spent: list[float]):
+    """``fn``, its main-thread CPU time added to ``spent[0]`` (taken out of a refit's host time)."""
 
     def call(*args, **kwargs):
         t0 = time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            SPENT[0] += time.thread_time() - t0
+            spent[0] += time.thread_time() - t0
 
     return call
 
 
 SPENT = [0.0]  # the stand-ins' CPU time so far
+WAITED = [0.0]  # the CPU time of the waits for the peer so far (polling a P2P work, the store's records)
 STAND_INS = {"launch_find_words": _find_words, "launch_scatter_words": _scatter_words, "launch_pack_words": _pack_words}
 
 
@@ -138,7 +141,12 @@ def _stand_in() -> None:
 
     assert os.environ.get("TRITON_INTERPRET") == "1" and delta_triton.AVAILABLE, "needs Triton and TRITON_INTERPRET=1"
     for name, fn in STAND_INS.items():
-        setattr(delta_triton, name, _timed(fn))
+        setattr(delta_triton, name, _timed(fn, SPENT))
+    from refit.transport.p2p import P2PSchedule
+    from refit.transport.store import SignedStore
+
+    P2PSchedule.wait = _timed(P2PSchedule.wait, WAITED)  # CPU spent waiting (polling) depends on the peer
+    SignedStore.get = _timed(SignedStore.get, WAITED)
 
 
 def shapes(div: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -164,7 +172,7 @@ def _own(stats: pstats.Stats) -> tuple[float, float, float, list, list]:
     own, stand, total, top, other = 0.0, 0.0, 0.0, [], []
     for (file, line, fn), (_, _, tt, _, _) in stats.stats.items():
         total += tt
-        if "/src/refit/" in file:
+        if "/src/refit/" in file and not _waiting(file, fn):
             own += tt
             top.append((f"{file.split('/src/refit/')[1]}:{line}({fn})", tt))
         elif file.endswith("delta_host.py"):
@@ -172,6 +180,13 @@ def _own(stats: pstats.Stats) -> tuple[float, float, float, list, list]:
         else:
             other.append((f"{file.split('/')[-1]}:{line}({fn})", tt))
     return own, stand, total, *(sorted(t, key=lambda x: -x[1])[:25] for t in (top, other))
+
+
+def _waiting(file: str, fn: str) -> bool:
+    """A function of refit's that waits for the peer (polls a P2P work or the store): not counted as its own."""
+    return file.endswith("transport/clock.py") or (
+        file.endswith(("transport/p2p.py", "transport/store.py")) and fn in {"wait", "_wait_inline", "<lambda>", "get"}
+    )
 
 
 def _worker(world, args: dict) -> dict:
@@ -202,9 +217,9 @@ def _worker(world, args: dict) -> dict:
         profiled = it >= 2 + args["iters"]
         if profiled:
             prof.enable()
-        t0, c0, s0 = time.perf_counter(), time.thread_time(), SPENT[0]
+        t0, c0, s0 = time.perf_counter(), time.thread_time(), SPENT[0] + WAITED[0]
         st = peer.run(version)
-        dt, dc = time.perf_counter() - t0, time.thread_time() - c0 - (SPENT[0] - s0)
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0 - (SPENT[0] + WAITED[0] - s0)
         if profiled:
             prof.disable()
         elif it >= 2:

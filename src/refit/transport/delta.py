@@ -970,8 +970,9 @@ def _in_flight(sends: list[_DeltaOp]) -> bool:
 
 def _pinned(values: list[int], cuda: bool) -> torch.Tensor:
     """``values`` as an int64 CPU tensor, pinned for a copy to a CUDA device (that copy then does not wait for
-    the kernels queued before it, as one from pageable memory would)."""
-    t = torch.tensor(values, dtype=torch.int64)
+    the kernels queued before it, as one from pageable memory would). Through numpy (twice as fast as
+    ``torch.tensor`` on a list of a step-chunk's thousand header words)."""
+    t = torch.from_numpy(np.array(values, dtype=np.int64))
     return t.pin_memory() if cuda else t
 
 
