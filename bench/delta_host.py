@@ -23,8 +23,9 @@ the stand-ins, gloo and waiting for the peer: noisy on a shared 2-core machine) 
 ``run()``'s thread less the stand-ins' and the waits' for the peer (``P2PSchedule.wait``, ``SignedStore.get``:
 their polling costs what the peer takes), by ``time.thread_time``: refit's own host work, the number to compare;
 then ``--profiled`` more refits under cProfile: the tottime per refit of refit's own functions (``src/refit``, but
-those that wait for the peer), of the harness (the stand-ins) and of everything, and refit's top functions
-(``--verbose``: the others too).
+those that wait for the peer), the function calls per refit but the waits' and the harness's (a count the
+machine's load does not change), the tottime of the harness (the stand-ins) and of everything, and refit's top
+functions (``--verbose``: the others too).
 """
 
 from __future__ import annotations
@@ -182,6 +183,18 @@ def _own(stats: pstats.Stats) -> tuple[float, float, float, list, list]:
     return own, stand, total, *(sorted(t, key=lambda x: -x[1])[:25] for t in (top, other))
 
 
+def _calls(stats: pstats.Stats) -> int:
+    """The function calls made under the profile but by the waits for the peer and by the harness (every call
+    whose caller is neither): a count that the machine's load does not change, unlike the times."""
+    calls = 0
+    for (file, _, fn), (_, _, _, _, callers) in stats.stats.items():
+        if not (_waiting(file, fn) or file.endswith("delta_host.py")):
+            calls += sum(
+                v[1] for c, v in callers.items() if not (_waiting(c[0], c[2]) or c[0].endswith("delta_host.py"))
+            )
+    return calls
+
+
 def _waiting(file: str, fn: str) -> bool:
     """A function of refit's that waits for the peer (polls a P2P work or the store): not counted as its own."""
     return file.endswith("transport/clock.py") or (
@@ -230,7 +243,9 @@ def _worker(world, args: dict) -> dict:
         if ref is not None:
             exact = exact and all(torch.equal(tensors[n].view(torch.int16), ref[n].view(torch.int16)) for n in ref)
         version += 1
-    own, stand, total, top, other = _own(pstats.Stats(prof))
+    stats = pstats.Stats(prof)
+    own, stand, total, top, other = _own(stats)
+    calls = _calls(stats)
     peer.close()
     n = max(1, args["profiled"])
     return {
@@ -239,6 +254,7 @@ def _worker(world, args: dict) -> dict:
         "host_ms": statistics.median(cpu) * 1e3,
         "own_ms": own / n * 1e3,
         "stand_in_ms": stand / n * 1e3,
+        "calls": calls // n,
         "profiled_total_ms": total / n * 1e3,
         "top": [(f, tt / n * 1e3) for f, tt in top],
         "other": [(f, tt / n * 1e3) for f, tt in other],
@@ -276,14 +292,11 @@ def main() -> None:
     assert all(r["exact"] for r in res), "the receiver's tensors differ from the sender's"
     print(f"delta={args['delta']} fraction={args['fraction']} chunks={res[0]['chunks']} msgs={res[0]['messages']}")
     print(f"sender encodings: {res[0]['encodings']}")
-    print(
-        f"{'side':<9} {'run() ms':>9} {'host cpu ms':>12} {'refit own ms':>13} {'stand-ins ms':>13} {'prof all ms':>12}"
-    )
+    cols = ("run() ms", "host cpu ms", "refit own ms", "calls/refit", "stand-ins ms", "prof all ms")
+    print(f"{'side':<9}" + "".join(f"{c:>14}" for c in cols))
     for r in res:
-        print(
-            f"{r['side']:<9} {r['run_ms']:9.2f} {r['host_ms']:12.2f} {r['own_ms']:13.2f} {r['stand_in_ms']:13.2f} "
-            f"{r['profiled_total_ms']:12.2f}"
-        )
+        keys = ("run_ms", "host_ms", "own_ms", "calls", "stand_in_ms", "profiled_total_ms")
+        print(f"{r['side']:<9}" + "".join(f"{r[k]:14.2f}" if k != "calls" else f"{r[k]:14d}" for k in keys))
     for r in res:
         print(f"{r['side']}: refit's top functions, tottime ms per refit")
         for f, ms in r["top"]:
