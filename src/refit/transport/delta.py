@@ -2,7 +2,9 @@
 
 Setup (once): ``SourceBase`` copies a source process's tensors that it sends over P2P (on the device or
 in pinned host memory: ``TransferConfig.delta_base``); ``DeltaSchedule`` pairs each of the process's P2P
-ops (``P2PSchedule``) with its pieces' views, the base views (sender) and the link's speed.
+ops (``P2PSchedule``) with its pieces' views, the base views (sender) and the link's speed; what a refit
+derives from the ops of a find batch or a peer's group (addresses, sizes, header layout, groups, batches) is
+built on its first use and kept (``_memo``, ``_Pieces``): a refit does numpy over arrays, not Python per message.
 
 Per refit, per step and chunk of a step (``_chunks``: at most the staging budget of data per sending process;
 host-driven; on CUDA the current stream is synchronized by the header reads, while the word finds and a
