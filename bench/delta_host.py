@@ -90,6 +90,20 @@ def _find_words(table, pieces, idx, vals, counts) -> None:
         i64[slot[j] : slot[j] + m] = c[changed[:m]]
 
 
+def _update_words(table, pieces, idx, vals, counts) -> None:
+    """``_update_words``: per piece with programs (rows: first, base, slot, cap) its slot words (at most its
+    count, at most its capacity) at their indices in its base."""
+    if not len(pieces):
+        return
+    _, base, slot, cap = _rows(table)
+    i32, i64, cnt = idx.numpy(), vals.numpy(), counts.numpy()
+    for j in sorted(set(pieces.tolist())):
+        m = min(int(cnt[j]), cap[j])
+        _at(base[j], 8 * (int(i32[slot[j] : slot[j] + m].max()) + 1) if m else 0, np.int64)[
+            i32[slot[j] : slot[j] + m]
+        ] = i64[slot[j] : slot[j] + m]
+
+
 def _scatter_words(table, programs, flag, check) -> None:
     """``_scatter_words``: per piece (rows: first, destination, indices, words, k, n) check every index into
     ``flag`` or store each word at its index."""
@@ -133,7 +147,12 @@ def _timed(fn, spent: list[float]):
 
 SPENT = [0.0]  # the stand-ins' CPU time so far
 WAITED = [0.0]  # the CPU time of the waits for the peer so far (polling a P2P work, the store's records)
-STAND_INS = {"launch_find_words": _find_words, "launch_scatter_words": _scatter_words, "launch_pack_words": _pack_words}
+STAND_INS = {
+    "launch_find_words": _find_words,
+    "launch_update_words": _update_words,
+    "launch_scatter_words": _scatter_words,
+    "launch_pack_words": _pack_words,
+}
 
 
 def _stand_in() -> None:

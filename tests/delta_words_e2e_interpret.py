@@ -1,7 +1,9 @@
 """Run by tests/test_delta.py with TRITON_INTERPRET=1: refits with ``delta="words"`` over CPU gloo where the
 word kernels run in Triton's interpreter, so every message takes the by-address path (one find, pack, check
-and scatter launch per batch) end to end: exact after every version, the base updated by the scatter, a
-replica that lost its version healed, fan-out's shared messages deferred to commit. Prints ALL OK."""
+and scatter launch per batch) end to end: exact after every version, the base updated from the find's slots
+(``Found.update_base``), a replica that lost its version healed, fan-out's shared messages deferred to
+commit, and a version that changes nearly every value (words over the find's slots, found again) followed
+by one that diffs against it. Prints ALL OK."""
 
 from __future__ import annotations
 
@@ -24,6 +26,14 @@ def main() -> None:
             for v in (1, 4, 5):
                 wire, dense, enc = per_version[v]
                 assert enc["words"] == sum(enc.values()) and wire < 0.5 * dense, (dst_spec, v + 1, per_version[v])
+    out = _run("burst", delta="words", timeout=240)
+    senders, receivers = out[:2], out[2:]
+    assert receivers == [[True] * VERSIONS] * 2, receivers  # version 6 diffs against the bytes of version 5
+    for per_version in senders:
+        wire, dense, enc = per_version[4]  # version 5: over the slots, found again and sent as words all the same
+        assert enc["words"] == sum(enc.values()) and wire > dense, per_version[4]
+        wire, dense, enc = per_version[5]
+        assert enc["words"] == sum(enc.values()) and wire < 0.5 * dense, per_version[5]
     print("ALL OK")
 
 

@@ -63,6 +63,26 @@ def main() -> None:
         if i is not None and len(i):
             want += [i.view(torch.uint8), torch.zeros(4 * (len(i) % 2), dtype=torch.uint8), w.view(torch.uint8)]
     assert torch.equal(buf, torch.cat(want)), "packed wire format"
+    # a find launched with ``update``: ``update_base`` stores each chosen piece's slot words into its base (a
+    # piece over its slots: its first ``cap`` changes), the others keep their bytes
+    from refit.quant.delta_words import launch_words_table
+
+    fresh = [(b.clone(), c) for b, c in pairs]
+    before = [bits(b).clone() for b, _ in fresh]
+    ptrs = [np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in zip(*fresh)]
+    update = np.array([True, False, True, True, True])
+    got = launch_words_table(*ptrs, nw, torch.device("cpu"), update=update).result()
+    assert got.count.tolist() == [k for _, _, k in found], (got.count, found)
+    assert all(torch.equal(bits(b), old) for (b, _), old in zip(fresh, before)), "the find alone writes no base"
+    got.update_base()
+    for j, ((b, c), old, up) in enumerate(zip(fresh, before, update)):
+        if not up:
+            assert torch.equal(bits(b), old), "a piece left out keeps its base"
+        elif got.count[j] <= got.cap[j]:
+            assert torch.equal(bits(b), bits(c)), f"piece {j}: base updated"
+        else:  # over its slots: exactly its first cap changed words are new
+            words = [t.reshape(-1).view(torch.uint8).view(torch.int64) for t in (b, old)]
+            assert int((words[0] != words[1]).sum()) == int(got.cap[j]), (j, got.cap[j])
     # check: in range, then one index out of range in the first piece
     good = [(i, cur.numel() * cur.element_size() // 8) for (_, cur), (i, _, _) in zip(pairs, found) if i is not None]
     assert check_words_many(good, use_triton=True)

@@ -400,16 +400,19 @@ def _weights(layout, rank, seed):
     }
 
 
-def _optimizer_step(local, version):
-    """Master weights in float32 plus a tiny update, rounded to bf16: a few bf16 values change."""
+def _optimizer_step(local, version, burst=()):
+    """Master weights in float32 plus a tiny update, rounded to bf16: a few bf16 values change (at a version
+    in ``burst``, nearly every value does)."""
     gen = torch.Generator().manual_seed(1000 + version)
     for t in local.values():
-        upd = torch.randn(t.shape, generator=gen) * 2e-3 * (torch.rand(t.shape, generator=gen) < 0.05)
+        share, scale = (1.0, 0.5) if version in burst else (0.05, 2e-3)
+        upd = torch.randn(t.shape, generator=gen) * scale * (torch.rand(t.shape, generator=gen) < share)
         t.copy_((t.float() + upd * t.float().abs()).to(t.dtype))
 
 
 def _delta_worker(world, src, dst, config, mode):
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
+    burst = (5,) if mode == "burst" else ()  # version 5 changes nearly every value: words over their slots
     if world.src_rank is not None:
         local = {n: t for n, t in _weights(src, world.src_rank, 0).items()}
         s = Sender(src, dst, world.rank, local, procs=procs, config=config)
@@ -418,7 +421,7 @@ def _delta_worker(world, src, dst, config, mode):
         out = []
         for v in range(1, VERSIONS + 1):
             if v > 1:
-                _optimizer_step(local, v)
+                _optimizer_step(local, v, burst)
             st = s.push(v)
             if st.delta is None:  # the plain P2P path: no delta protocol, no base copy
                 out.append((None, s.executor.delta_base_bytes))
@@ -434,17 +437,17 @@ def _delta_worker(world, src, dst, config, mode):
                 t.zero_()  # this replica lost its weights (e.g. reloaded): it no longer holds version 3
             r.invalidate()
         r.pull(v)
-        exact.append(_matches_reference(src, dst, world.dst_rank, local, v))
+        exact.append(_matches_reference(src, dst, world.dst_rank, local, v, burst))
     return exact
 
 
-def _matches_reference(src, dst, dst_rank, local, version):
+def _matches_reference(src, dst, dst_rank, local, version, burst=()):
     """The engine's bytes equal the trainer's full tensors of ``version``, sliced to this rank's boxes."""
     full = {}
     for r in range(src.world_size):
         w = _weights(src, r, 0)
         for v in range(2, version + 1):
-            _optimizer_step(w, v)
+            _optimizer_step(w, v, burst)
         for t, b in src.local_tensors(r):
             full.setdefault(t.name, torch.empty(t.shape, dtype=t.dtype))[box_slices(b)] = w[t.name]
     return all(

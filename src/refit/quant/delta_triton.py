@@ -90,6 +90,24 @@ if AVAILABLE:
         tl.store(val_ptr + slot + pos, c, mask=ok)
 
     @triton.jit
+    def _update_words(tab_ptr, piece_ptr, idx_ptr, val_ptr, count_ptr, NP, BLOCK: tl.constexpr):
+        """A find's base update without a host table. Rows (int64, ``NP`` pieces each, built with the find's
+        table): first program, base address, slot offset, slot capacity; ``piece_ptr``: each program's piece
+        (``cap / BLOCK`` programs for each piece to update, none for the others); ``count_ptr``: the find's
+        counts on the device. One program stores ``BLOCK`` of its piece's slot words (at most the piece's
+        count, at most its capacity) at their indices in the base."""
+        pid = tl.program_id(0).to(tl.int64)
+        j = tl.load(piece_ptr + pid).to(tl.int64)
+        base = tl.load(tab_ptr + NP + j).to(tl.pointer_type(tl.int64))
+        slot = tl.load(tab_ptr + 2 * NP + j)
+        k = tl.minimum(tl.load(count_ptr + j).to(tl.int64), tl.load(tab_ptr + 3 * NP + j))
+        offs = (pid - tl.load(tab_ptr + j)) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < k
+        i = tl.load(idx_ptr + slot + offs, mask=m, other=0).to(tl.int64)
+        v = tl.load(val_ptr + slot + offs, mask=m)
+        tl.store(base + i, v, mask=m)
+
+    @triton.jit
     def _scatter_words(tab_ptr, flag_ptr, NP, LOG: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr):
         """Table rows (int64, ``NP`` pieces each): first program, destination address, index address (int32),
         word address (int64), changes, words in the piece. ``CHECK``: raise ``flag`` where an index is outside
@@ -140,6 +158,18 @@ def launch_find_words(
     (int32 ``[NP]``, zeroed) receives each piece's true number of changed words."""
     if len(pieces):
         _find_words[(len(pieces),)](
+            table, pieces, idx, vals, counts, table.shape[1], BLOCK=WORD_BLOCK, num_warps=WORD_WARPS
+        )
+
+
+def launch_update_words(
+    table: torch.Tensor, pieces: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """Enqueue ``_update_words`` over ``table`` (int64 ``[4, NP]`` on the device) with ``pieces`` (int32, each
+    program's piece): each piece's slot words of ``idx`` / ``vals`` (a find's, ``counts`` its device counts)
+    stored into its base."""
+    if len(pieces):
+        _update_words[(len(pieces),)](
             table, pieces, idx, vals, counts, table.shape[1], BLOCK=WORD_BLOCK, num_warps=WORD_WARPS
         )
 

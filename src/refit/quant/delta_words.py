@@ -128,6 +128,18 @@ class Found:
     slot: np.ndarray
     cap: np.ndarray
     count: np.ndarray
+    device_count: torch.Tensor | None = None  # the counts where the find wrote them (``update_base``)
+    updater: tuple | None = None  # ``_update_words``' table and program pieces (``launch_words_table``'s update)
+
+    def update_base(self) -> None:
+        """Store the words in the slots of each piece launched with ``update`` (``launch_words_table``) at their
+        indices in its base: one launch on the current stream, its table built with the find's (no host work
+        per run). A piece over its slots gets its first ``cap`` changes only (its caller sends it dense or
+        finds it again, and updates its base with that)."""
+        if self.updater is not None:
+            from refit.quant.delta_triton import launch_update_words
+
+            launch_update_words(*self.updater, self.idx, self.words, self.device_count)
 
     def piece(self, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Piece ``j``'s indices and words as views of the slots, or ``(None, None)`` over its slots."""
@@ -157,6 +169,8 @@ class PendingFind:
     cap: np.ndarray
     counts: torch.Tensor  # on the host (pinned on CUDA), filled when ``done`` completes
     done: torch.cuda.Event | None
+    device_count: torch.Tensor | None = None
+    updater: tuple | None = None
 
     def result(self) -> Found:
         """The ``Found`` (waits for the find and its counts: one host sync; on CUDA the current stream also
@@ -165,9 +179,10 @@ class PendingFind:
             self.done.synchronize()
             current = torch.cuda.current_stream(self.idx.device)
             current.wait_event(self.done)
-            for t in (self.idx, self.words):  # read on the current stream from now on (pack, base update):
-                t.record_stream(current)  # their memory goes back to the find's pool only after that
-        return Found(self.idx, self.words, self.slot, self.cap, self.counts.numpy().astype(np.int64))
+            for t in (self.idx, self.words, self.device_count):  # read on the current stream from now on (pack,
+                t.record_stream(current)  # base update): their memory goes back to the find's pool only after that
+        count = self.counts.numpy().astype(np.int64)
+        return Found(self.idx, self.words, self.slot, self.cap, count, self.device_count, self.updater)
 
 
 _STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # per CUDA device and purpose
@@ -183,9 +198,15 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
 
 
 def launch_words_table(
-    base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device, after: torch.cuda.Event | None = None
+    base: np.ndarray,
+    cur: np.ndarray,
+    nwords: np.ndarray,
+    device: torch.device,
+    after: torch.cuda.Event | None = None,
+    update: np.ndarray | None = None,
 ) -> PendingFind:
-    """``find_words_table`` without the wait. On CUDA the find runs on a stream of its own, behind ``after``
+    """``find_words_table`` without the wait; ``update`` (per piece, bool): the pieces whose base
+    ``Found.update_base`` updates. On CUDA the find runs on a stream of its own, behind ``after``
     (an event the caller recorded on the current stream after the weights' and the bases' last writes) or
     all work queued so far on the current stream (``after`` None), and behind its table's copy, and its
     counts are copied to the host behind it: what the current stream queues next (e.g. packing and sending
@@ -194,11 +215,11 @@ def launch_words_table(
     hands them to the current one)."""
     from refit.quant.delta_triton import launch_find_words
 
-    table, pieces, slot, cap, made = _find_table(base, cur, nwords, device)
+    table, pieces, slot, cap, made, updater = _find_table(base, cur, nwords, device, update)
     if device.type != "cuda":
         idx, words, counts = _slots(int(cap.sum()), len(nwords), device)
         launch_find_words(table, pieces, idx, words, counts)
-        return PendingFind(idx, words, slot, cap, counts.cpu(), None)
+        return PendingFind(idx, words, slot, cap, counts.clone(), None, counts, updater)
     side = side_stream(device, "find")
     if after is None:
         side.wait_stream(torch.cuda.current_stream(device))
@@ -214,7 +235,7 @@ def launch_words_table(
         host.copy_(counts, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
-    return PendingFind(idx, words, slot, cap, host, done)
+    return PendingFind(idx, words, slot, cap, host, done, counts, updater)
 
 
 def _slots(n: int, pieces: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,16 +278,17 @@ _FIND_TABLES: dict[tuple, tuple] = {}  # the find's tables by the pieces' addres
 _FIND_TABLES_MAX = 256
 
 
-def _table_key(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> tuple:
-    return (device, base.tobytes(), cur.tobytes(), nwords.tobytes())
+def _table_key(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device, update) -> tuple:
+    return (device, base.tobytes(), cur.tobytes(), nwords.tobytes(), None if update is None else update.tobytes())
 
 
-def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> tuple:
-    """``(table, each program's piece, slot offsets, slot capacities, made)`` of ``_find_words`` over the
-    pieces, built once per set of addresses and sizes (a refit's batches repeat every time) and kept (at most
-    ``_FIND_TABLES_MAX``; the per-program pieces take 4 bytes per 16 KiB found); on CUDA ``made``: an event
-    behind the table's copies to the device (a find on another stream waits for it), else None."""
-    key = _table_key(base, cur, nwords, device)
+def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device, update=None) -> tuple:
+    """``(table, each program's piece, slot offsets, slot capacities, made, updater)`` of ``_find_words`` over
+    the pieces, built once per set of addresses, sizes and ``update`` (a refit's batches repeat every time) and
+    kept (at most ``_FIND_TABLES_MAX``; the per-program pieces take 4 bytes per 16 KiB found); on CUDA
+    ``made``: an event behind the table's copies to the device (a find on another stream waits for it), else
+    None; ``updater``: ``_update_words``' table and program pieces over the pieces to ``update`` (None: none)."""
+    key = _table_key(base, cur, nwords, device, update)
     hit = _FIND_TABLES.get(key)
     if hit is None:
         cap = np.maximum(1, nwords // SLOT_FRACTION)
@@ -274,15 +296,26 @@ def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: t
         np.cumsum(cap[:-1], out=slot[1:])
         table, _ = _table([base, cur, nwords, slot, cap], _blocks(nwords), device)
         pieces = torch.from_numpy(np.repeat(np.arange(len(cap), dtype=np.int32), _blocks(nwords))).to(device)
+        updater = _updater(base, slot, cap, update, device)
         made = None
         if device.type == "cuda":
             made = torch.cuda.Event()
             made.record(torch.cuda.current_stream(device))
-        hit = (table, pieces, slot, cap, made)
+        hit = (table, pieces, slot, cap, made, updater)
         if len(_FIND_TABLES) >= _FIND_TABLES_MAX:
             _FIND_TABLES.pop(next(iter(_FIND_TABLES)))
         _FIND_TABLES[key] = hit
     return hit
+
+
+def _updater(base: np.ndarray, slot: np.ndarray, cap: np.ndarray, update, device: torch.device) -> tuple | None:
+    """``_update_words``' table (first program, base address, slot offset, capacity) and each program's piece:
+    ``cap / WORD_BLOCK`` programs per piece to ``update``; None where there is none."""
+    if update is None or not np.any(update):
+        return None
+    programs = _blocks(cap) * np.asarray(update, dtype=bool)
+    table, _ = _table([base, slot, cap], programs, device)
+    return table, torch.from_numpy(np.repeat(np.arange(len(cap), dtype=np.int32), programs)).to(device)
 
 
 @dataclass

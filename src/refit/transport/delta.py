@@ -158,7 +158,7 @@ class SourceBase:
         self.version: int | None = None
         self.pending: list = []  # (base view, indices or None, values or the live view, words)
         self.queued: list = []  # word updates of the current step-chunk (``flush``)
-        self.by_address: list = []  # the same for words by address: (Found, pieces there, base addresses, words)
+        self.finds: list[Found] = []  # the same for words by address: the step-chunk's finds (``Found.update_base``)
 
     def update(self, message: int, updates: list, words: bool = False) -> None:
         """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces; ``words``:
@@ -172,32 +172,24 @@ class SourceBase:
         else:
             _update(updates)
 
-    def update_found(self, message: int, found: tuple, bases: list, ptrs: np.ndarray, nwords: list) -> None:
-        """The base update of a message sent as words by address: ``found`` = ``(Found, a, b)``, its pieces
-        there; ``bases`` its base views at byte addresses ``ptrs`` (``nwords`` words each). Queued for one
-        scatter per find (``flush``), or copied and deferred to ``commit`` for a shared message."""
+    def defer_found(self, found: tuple, bases: list) -> None:
+        """The base update of a shared message sent as words by address (``found`` = ``(Found, a, b)``, its
+        pieces there; ``bases`` its base views): copied and deferred to ``commit``."""
         f, a, b = found
-        if message in self.shared:
-            pieces = [f.piece(j) for j in range(a, b)]
-            self.pending += [(v, i.clone(), w.clone(), True) for v, (i, w) in zip(bases, pieces)]
-        else:
-            self.queue_found(f, np.arange(a, b), ptrs, np.array(nwords, dtype=np.int64))
+        pieces = [f.piece(j) for j in range(a, b)]
+        self.pending += [(v, i.clone(), w.clone(), True) for v, (i, w) in zip(bases, pieces)]
 
-    def queue_found(self, found: Found, sel: np.ndarray, ptrs: np.ndarray, nwords: np.ndarray) -> None:
-        """Queue the base update of pieces ``sel`` of ``found`` (of messages no other message shares) into the
-        base views at byte addresses ``ptrs`` (``nwords`` words each): one scatter per find at ``flush``."""
-        self.by_address.append((found, sel, ptrs, nwords))
+    def queue_find(self, found: Found) -> None:
+        """Queue a find's base update (``Found.update_base``: the pieces of messages no other shares, launched
+        with ``update``; whichever way each is sent, its base then holds what it sent) for ``flush``."""
+        self.finds.append(found)
 
     def flush(self) -> None:
-        """Apply the queued word updates (one launch per find), while the finds' slots are still held."""
+        """Apply the queued word updates (one launch, and one per find), while the finds' slots are held."""
         _update(self.queued)
-        self.queued = []
-        for group in _by_find(self.by_address):
-            f = group[0][0]
-            sel, dst, n = (np.concatenate([e[c] for e in group]) for c in (1, 2, 3))
-            idx, words = f.addresses(sel)
-            Scatter.of(dst, idx, words, f.count[sel], n, f.idx.device).apply()
-        self.by_address = []
+        for found in self.finds:
+            found.update_base()
+        self.queued, self.finds = [], []
 
     def commit(self, version: int) -> None:
         """The run of ``version`` succeeded: the deferred updates, then the base holds ``version``."""
@@ -207,7 +199,7 @@ class SourceBase:
 
     def fail(self) -> None:
         """The run failed: the base may be part new; the next refit sends dense and rebuilds it."""
-        self.pending, self.queued, self.by_address, self.version = [], [], [], None
+        self.pending, self.queued, self.finds, self.version = [], [], [], None
 
 
 def _update(updates: list) -> None:
@@ -315,6 +307,7 @@ class _Pieces:
     header_bytes: np.ndarray  # per op: its header's bytes
     dense_bytes: np.ndarray  # per op: its plain op's bytes (what it is when sent dense)
     shared: np.ndarray  # per op (bool): ``_DeltaOp.shared``
+    mine: np.ndarray  # per piece (bool): its op is not shared (its base is updated with its find, ``_launch``)
     heads: np.ndarray  # per op: where its header starts in the group's headers (``3 + pieces`` each)
     counted: np.ndarray  # per header word (bool): a count (not kind, base version, version)
 
@@ -339,6 +332,7 @@ class _Pieces:
             header_bytes=np.array([d.header.numel() * 8 for d in ops], dtype=np.int64),
             dense_bytes=np.array([d.op.tensor.numel() * d.op.tensor.element_size() for d in ops], dtype=np.int64),
             shared=np.array([d.shared for d in ops], dtype=bool),
+            mine=np.repeat(np.array([not d.shared for d in ops], dtype=bool), counts),
             heads=heads,
             counted=counted,
         )
@@ -663,7 +657,9 @@ class DeltaSchedule:
             launched = pending if b == 0 else _launch_fast(ops, self.ready)
             if b == len(batches) - 1:  # the next step-chunk's find queued behind this one, before the wait
                 self._prefetch(i + 1, held, quiet)
-            _find(ops, launched)  # encoded batch by batch; the slots are dropped once the chunk is posted
+            found = _find(ops, launched)  # encoded batch by batch; the slots are dropped once the chunk is posted
+            if found is not None:
+                self.base.queue_find(found)
             at_once = self._encode_found([sends[j] for j in batch], version, stats)
             for j in batch:
                 heads[j] = at_once.get(id(sends[j])) or self._encode(sends[j], "diff", version, stats)
@@ -716,9 +712,10 @@ class DeltaSchedule:
                 self.base.update(d.op.message, [(b, None, v) for b, v in zip(d.bases, d.views)])
             if plan == "refresh":
                 d.fraction, d.dense_next = None, False  # the next run diffs and measures again
-        elif d.found is not None:  # words by address: packed by ``_join``, the base updated at ``flush``
+        elif d.found is not None:  # words by address: packed by ``_join``, the base updated by its find at ``flush``
             d.payload, d.wire = None, int(wire_sizes(np.array(counts)).sum())
-            self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
+            if d.shared:
+                self.base.defer_found(d.found, d.bases)
         else:
             d.payload = self._pack_delta(d)
             self.base.update(d.op.message, [(b, i, x) for b, (i, x) in zip(d.bases, d.changes)], d.kind == "words")
@@ -750,23 +747,13 @@ class DeltaSchedule:
             d.kind, d.dense_runs, d.fraction, d.changes, d.payload, d.wire = "words", 0, fraction[j], [], None, w
             d.dense_next = False
             out[id(d)] = head + counts[a:b]
-        self._base_found(fast, s, words, found, at)
+        for j in np.flatnonzero(words & s.shared).tolist():  # the others' bases: their find's update (``flush``)
+            self.base.defer_found(fast[j].found, fast[j].bases)
         stats.wire_bytes += int(wire[chosen].sum() + s.header_bytes[chosen].sum())
         stats.dense_bytes += int(s.dense_bytes[chosen].sum())
         stats.diffed += len(out)
         stats.encodings["words"] += len(out)
         return out
-
-    def _base_found(self, fast: list[_DeltaOp], s: _Pieces, words: np.ndarray, found: Found, at: int) -> None:
-        """The base update of the ops of ``fast`` (``s``: their ``_pieces``) sent as words (``words``, per op), their
-        pieces one run of ``found`` from piece ``at``: the shared ones' copied and deferred
-        (``SourceBase.update_found``), the others' queued at once (``SourceBase.queue_found``)."""
-        for j in np.flatnonzero(words & s.shared).tolist():
-            d = fast[j]
-            self.base.update_found(d.op.message, d.found, d.bases, d.ptrs[0], d.nwords)
-        mine = np.repeat(words & ~s.shared, np.diff(s.first))
-        if mine.any():
-            self.base.queue_found(found, at + np.flatnonzero(mine), s.ptrs[0][mine], s.nwords[mine])
 
     @staticmethod
     def _rule_says_words(ops: list[_DeltaOp], k: np.ndarray, s: _Pieces) -> np.ndarray:
@@ -1008,6 +995,8 @@ def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
     only (``device="meta"``) and filled by the receive."""
     if len(deltas) == 1 and deltas[0].payload is not None and deltas[0].payload.device.type != "meta":
         return deltas[0].payload
+    if deltas[0].found is not None and all(d.found is not None for d in deltas) and _one_run(deltas):
+        return _join_run(deltas)
     sizes = [d.wire if d.payload is None else d.payload.numel() for d in deltas]
     buf = torch.empty(sum(sizes), dtype=torch.uint8, device=deltas[0].op.tensor.device)
     packs: dict[int, tuple[Found, list]] = {}  # words by address, per find: (first piece, end, offset) per op
@@ -1021,6 +1010,17 @@ def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
             d.payload, d.parts = part, []
     for found, spans in packs.values():
         _pack_spans(found, np.array(spans, dtype=np.int64), buf)
+    return buf
+
+
+def _join_run(deltas: list[_DeltaOp]) -> torch.Tensor:
+    """``_join`` of a sender's deltas that are one run of one find's pieces (words by address, ``_one_run``):
+    packed by one launch, no slice per delta."""
+    found, first, end = deltas[0].found[0], deltas[0].found[1], deltas[-1].found[2]
+    buf = torch.empty(sum(d.wire for d in deltas), dtype=torch.uint8, device=deltas[0].op.tensor.device)
+    _pack_spans(found, np.array([[first, end, 0]], dtype=np.int64), buf)
+    for d in deltas:
+        d.found = None
     return buf
 
 
@@ -1064,9 +1064,10 @@ def _ready(steps: list) -> torch.cuda.Event | None:
 
 def _launch(fast: list[_DeltaOp], after: torch.cuda.Event | None = None) -> PendingFind:
     """The find of ``fast`` (messages found per word by address) in one launch, not waited for; on CUDA
-    behind ``after`` (``launch_words_table``)."""
+    behind ``after`` (``launch_words_table``); the base update of the pieces of messages no other shares
+    made with it (``Found.update_base``, queued by ``_find``)."""
     s = _pieces(fast)
-    return launch_words_table(s.ptrs[0], s.ptrs[1], s.nwords, fast[0].views[0].device, after)
+    return launch_words_table(s.ptrs[0], s.ptrs[1], s.nwords, fast[0].views[0].device, after, s.mine)
 
 
 def _launch_fast(ops: list[_DeltaOp], after: torch.cuda.Event | None = None) -> PendingFind | None:
@@ -1098,14 +1099,14 @@ def _batches_of(sends: list[_DeltaOp], plans: list[str]) -> list[list[int]]:
     return _memo(sends, ("batches", *plans), lambda ops: _batches(ops, plans)) if sends else []
 
 
-def _find(ops: list[_DeltaOp], pending: PendingFind | None) -> None:
+def _find(ops: list[_DeltaOp], pending: PendingFind | None) -> Found | None:
     """The changes of every piece of ``ops`` (one batch of a step's sends): words by address from ``pending``
     (``_launch_fast`` of this batch, queued by the caller or ``_prefetch``; each op's ``found``: its pieces'
     range there), other word-found ops per piece
     (``find_words_many``: ``changes`` = ``(indices, words, count)`` per piece), the rest per element
     (``find_changes_many``: ``(indices, values)`` per piece). All views of the finds' slots, encoded and
-    dropped soon."""
-    fast = [d for d in ops if d.words and d.fast]
+    dropped soon. Returns the find by address (None: none)."""
+    fast, found = [d for d in ops if d.words and d.fast], None
     if fast:
         found = pending.result()  # ``_launch_fast`` returns None only where no op is fast
         for d, (a, b) in zip(fast, _pieces(fast).spans):
@@ -1116,6 +1117,7 @@ def _find(ops: list[_DeltaOp], pending: PendingFind | None) -> None:
         got = find([(b, v) for d in chosen for b, v in zip(d.bases, d.views)]) if chosen else []
         for d in chosen:
             d.changes, got = got[: len(d.views)], got[len(d.views) :]
+    return found
 
 
 def _one_run(fast: list[_DeltaOp]) -> bool:
@@ -1131,14 +1133,6 @@ def _fast(tensors: list[torch.Tensor]) -> bool:
     """Whether the word kernels address every one of ``tensors`` on one device (``delta_words.addressable``):
     then a message's words go by address, with no per-piece tensor work."""
     return bool(tensors) and all(addressable(t) and t.device == tensors[0].device for t in tensors)
-
-
-def _by_find(entries: list[tuple]) -> list[list[tuple]]:
-    """``entries`` (their first item a ``Found``) grouped by that find, in order."""
-    groups: dict[int, list[tuple]] = {}
-    for e in entries:
-        groups.setdefault(id(e[0]), []).append(e)
-    return list(groups.values())
 
 
 def _located(ops: list[_DeltaOp]) -> Scatter:
