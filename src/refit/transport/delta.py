@@ -28,9 +28,10 @@ receiver's word scatters run on streams of their own, ``delta_words.side_stream`
      for the chunk, ``scatter_words_many``), O(changed). A sender's payload sends stay in flight until the
      next chunk's are posted (``_in_flight``: not when one reads the packed ring buffer).
 The sender's base follows what each message sent (``SourceBase.update``: dense copies as they are encoded,
-word changes in one scatter per find once the chunk's payload is posted, ``flush``; a source box sent to
-several receivers at commit); the version it holds is set after the refit succeeded
-(``commit``), and a failed refit clears it (``fail``), so the next refit is dense everywhere.
+word changes once the chunk's payload is posted, ``flush``: one launch per find by address, its table built
+with the find's, ``Found.update_base``; a source box sent to several receivers at commit); the version it
+holds is set after the refit succeeded (``commit``), and a failed refit clears it (``fail``), so the next
+refit is dense everywhere.
 Extra memory: the base (this process's P2P-sent source bytes) plus the payloads of one chunk's deltas
 while the chunk runs (each smaller than its message's dense bytes by the rule, unless forced; a sender
 briefly holds them twice, per message and joined per peer) and the find's slots (a quarter of the words
