@@ -11,7 +11,8 @@ staging budget cuts the step into ``--chunks`` chunks: the messages, pieces and 
 
 ``TRITON_INTERPRET=1`` makes ``delta_words.addressable`` true on the CPU, so the word path goes by address
 (``launch_words_table``, ``pack_table``, ``Scatter``) as on CUDA; the Triton launches themselves
-(``delta_triton.launch_find_words`` / ``launch_pack_words`` / ``launch_scatter_words``) are replaced in both
+(``delta_triton.launch_find_words`` / ``launch_update_words`` / ``launch_pack_words`` /
+``launch_scatter_words``) are replaced in both
 processes by numpy stand-ins reading the same tables (raw addresses), so the interpreter's kernel time stays
 out of the measurement. The stand-ins must be exact: the receiver compares every tensor with its reference
 (the same steps from the same seed) bit for bit after every refit and the run fails otherwise.

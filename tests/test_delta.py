@@ -423,6 +423,8 @@ def _delta_worker(world, src, dst, config, mode):
             if v > 1:
                 _optimizer_step(local, v, burst)
             st = s.push(v)
+            if config.delta == "words" and mode != "lie":  # forced words: nothing stale, shared ones committed
+                assert _base_is_sent(s, local), f"version {v}: the sender's base is not the weights it sent"
             if st.delta is None:  # the plain P2P path: no delta protocol, no base copy
                 out.append((None, s.executor.delta_base_bytes))
                 continue
@@ -439,6 +441,16 @@ def _delta_worker(world, src, dst, config, mode):
         r.pull(v)
         exact.append(_matches_reference(src, dst, world.dst_rank, local, v, burst))
     return exact
+
+
+def _base_is_sent(sender, local) -> bool:
+    """The sender's delta base (its copies of every tensor it sends over P2P) equals its weights bit for bit."""
+    base = sender.executor.delta.base
+    return all(
+        torch.equal(copy.view(torch.int16), local[name].view(torch.int16))
+        for name, parts in base.local.src.items()
+        for _, copy in parts
+    )
 
 
 def _matches_reference(src, dst, dst_rank, local, version, burst=()):
@@ -572,7 +584,8 @@ def test_one_pass_kernel_in_interpreter_equals_the_torch_path():
 @needs_triton
 def test_word_deltas_by_address_are_exact_end_to_end_in_interpreter():
     """Forced words over CPU gloo with the word kernels in Triton's interpreter: every message goes by
-    address (one find, pack, check and scatter launch per batch), exact after every version, healed, fan-out."""
+    address (one find, base update, pack, check and scatter launch per batch), exact after every version,
+    the sender's base equal to its weights, healed, fan-out, a version over the find's slots."""
     assert_all_ok_in_interpreter(Path(__file__).with_name("delta_words_e2e_interpret.py"), 480)
 
 

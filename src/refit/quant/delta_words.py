@@ -6,11 +6,13 @@ multiple of 8). Finding changed words instead of changed elements reads the two 
 (the element kernel scans and stores per element: 2.0-2.15 TB/s on an H200 against 3.0 TB/s per word,
 ``bench/delta_find_variants.py``) and at 1% of bf16 elements changed sends 5.9% of the dense bytes (the
 elements' own sparse encoding: 3%). On CUDA every step is one launch for many pieces, driven by a table
-built on the host (``refit.quant.delta_triton``: ``_find_words``, ``_scatter_words``), so the host work
-per piece is a table row, not a dozen launches: ``find_words_many`` (one launch, one host sync for the
-counts), ``check_words_many`` (one launch, one sync) and ``scatter_words_many`` (one launch; a sender's base
-update and a receiver's apply). Elsewhere (CPU, strided or unaligned pieces) the torch reference does the
-same per piece: ``find_words``, ``apply_words``.
+built on the host (``refit.quant.delta_triton``: ``_find_words``, ``_update_words``, ``_scatter_words``,
+``_pack_words``), so the host work per piece is a table row, not a dozen launches: ``find_words_many`` (one
+launch, one host sync for the counts), ``Found.update_base`` (a sender's base update by address: one launch,
+its table built once with the find's), ``check_words_many`` (one launch, one sync) and
+``scatter_words_many`` (one launch; a receiver's apply, and a sender's base update on the per-piece path).
+Elsewhere (CPU, strided or unaligned pieces) the torch reference does the same per piece: ``find_words``,
+``apply_words``.
 
 Wire format of one piece (``wire_sizes``): ``k`` int32 word indices, padded to 8 bytes, then ``k`` words.
 """
@@ -134,11 +136,16 @@ class Found:
     def update_base(self) -> None:
         """Store the words in the slots of each piece launched with ``update`` (``launch_words_table``) at their
         indices in its base: one launch on the current stream, its table built with the find's (no host work
-        per run). A piece over its slots gets its first ``cap`` changes only (its caller sends it dense or
-        finds it again, and updates its base with that)."""
+        per run). A piece over its slots gets the ``cap`` changes its slots hold only (the first the find's
+        programs reserved, not the first by index: its caller sends it dense or finds it again, and updates
+        its base with that)."""
         if self.updater is not None:
             from refit.quant.delta_triton import launch_update_words
 
+            if self.idx.is_cuda:  # the table was built on the stream of the find that made it (and is kept)
+                current = torch.cuda.current_stream(self.idx.device)
+                for t in self.updater:
+                    t.record_stream(current)
             launch_update_words(*self.updater, self.idx, self.words, self.device_count)
 
     def piece(self, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -496,6 +496,7 @@ class DeltaSchedule:
         except BaseException:
             with contextlib.suppress(Exception):  # the run's own error is the one to see
                 self._behind_apply()
+            self.fail()  # whoever catches it (a Peer also calls this): nothing this run queued or half-did stays
             raise
         self._behind_apply()
         return stats
@@ -659,11 +660,11 @@ class DeltaSchedule:
             if b == len(batches) - 1:  # the next step-chunk's find queued behind this one, before the wait
                 self._prefetch(i + 1, held, quiet)
             found = _find(ops, launched)  # encoded batch by batch; the slots are dropped once the chunk is posted
-            if found is not None:
-                self.base.queue_find(found)
             at_once = self._encode_found([sends[j] for j in batch], version, stats)
             for j in batch:
                 heads[j] = at_once.get(id(sends[j])) or self._encode(sends[j], "diff", version, stats)
+            if found is not None and any(sends[j].found is not None for j in batch):  # some went as words
+                self.base.queue_find(found)
         return list(chain.from_iterable(heads))
 
     def _planned(self, i: int, sends: list[_DeltaOp], held: dict, quiet: set) -> tuple:
