@@ -226,7 +226,7 @@ def launch_words_table(
     if device.type != "cuda":
         idx, words, counts = _slots(int(cap.sum()), len(nwords), device)
         launch_find_words(table, pieces, idx, words, counts)
-        return PendingFind(idx, words, slot, cap, counts.clone(), None, counts, updater)
+        return PendingFind(idx, words, slot, cap, counts, None, counts, updater)  # on the CPU: the same tensor
     side = side_stream(device, "find")
     if after is None:
         side.wait_stream(torch.cuda.current_stream(device))
@@ -302,7 +302,7 @@ def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: t
         slot = np.zeros(len(cap), dtype=np.int64)
         np.cumsum(cap[:-1], out=slot[1:])
         table, _ = _table([base, cur, nwords, slot, cap], _blocks(nwords), device)
-        pieces = torch.from_numpy(np.repeat(np.arange(len(cap), dtype=np.int32), _blocks(nwords))).to(device)
+        pieces = _program_pieces(_blocks(nwords), device)
         updater = _updater(base, slot, cap, update, device)
         made = None
         if device.type == "cuda":
@@ -322,7 +322,12 @@ def _updater(base: np.ndarray, slot: np.ndarray, cap: np.ndarray, update, device
         return None
     programs = _blocks(cap) * np.asarray(update, dtype=bool)
     table, _ = _table([base, slot, cap], programs, device)
-    return table, torch.from_numpy(np.repeat(np.arange(len(cap), dtype=np.int32), programs)).to(device)
+    return table, _program_pieces(programs, device)
+
+
+def _program_pieces(programs: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Each program's piece (int32, on ``device``): piece ``j`` repeated ``programs[j]`` times."""
+    return torch.from_numpy(np.repeat(np.arange(len(programs), dtype=np.int32), programs)).to(device)
 
 
 @dataclass
