@@ -263,6 +263,8 @@ def _worker(world, args: dict) -> dict:
         if ref is not None:
             exact = exact and all(torch.equal(tensors[n].view(torch.int16), ref[n].view(torch.int16)) for n in ref)
         version += 1
+    if args.get("dump"):
+        prof.dump_stats(os.path.join(args["dump"], f"prof_{'sender' if sender else 'receiver'}.pstats"))
     stats = pstats.Stats(prof)
     own, stand, total, top, other = _own(stats)
     calls = _calls(stats)
@@ -304,10 +306,11 @@ def main() -> None:
     ap.add_argument("--profiled", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--verbose", action="store_true", help="also the top functions outside refit")
+    ap.add_argument("--dump", default=None, help="a folder: each side's profile as pstats (prof_sender.pstats, ...)")
     args = vars(ap.parse_args())
     verbose = args["verbose"]
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    run_args = {k: args[k] for k in ("div", "chunks", "delta", "fraction", "iters", "profiled")}
+    run_args = {k: args[k] for k in ("div", "chunks", "delta", "fraction", "iters", "profiled", "dump")}
     res = run_local(_worker, 1, 1, run_args, backend="gloo", timeout_s=1200)
     assert all(r["exact"] for r in res), "the receiver's tensors differ from the sender's"
     print(f"delta={args['delta']} fraction={args['fraction']} chunks={res[0]['chunks']} msgs={res[0]['messages']}")

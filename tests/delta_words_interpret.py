@@ -32,7 +32,10 @@ def main() -> None:
     # pieces of several sizes and dtypes in one launch; one over a quarter of its words changed (overflow)
     specs = [(4096 * 3 + 8, torch.bfloat16, 0.01), (16, torch.float32, 0.5), (5000 * 8, torch.float8_e4m3fn, 0.001)]
     specs += [(4, torch.bfloat16, 0.0), (2048 * 4 * 2, torch.bfloat16, 0.9)]
-    specs += [(40960, torch.bfloat16, 0.06)]  # 10,240 words, 2,560 slots, ~2,250 changed: two update programs
+    specs += [(40960, torch.bfloat16, 0.06)]  # 10,240 words, 2,560 slots, ~2,250 changed: one update program, 2 blocks
+    # 150,000 words, 37,500 slots (19 blocks of 2,048: two update programs, taking every other block): ~30,000
+    # changed (within the slots, 15 blocks), then over half the elements changed (over the slots)
+    specs += [(600000, torch.bfloat16, 0.054), (600000, torch.bfloat16, 0.5)]
     pairs = [versions(n, d, f) for n, d, f in specs]
     found = find_words_many(pairs, use_triton=True)
     for (base, cur), (idx, words, k) in zip(pairs, found):
@@ -45,6 +48,7 @@ def main() -> None:
         assert torch.equal(idx[order], want_i) and torch.equal(words[order], want_w)
     assert found[4][0] is None  # 90% of the elements changed: over the slots
     assert 2048 < found[5][2] <= 2560, found[5][2]
+    assert 2048 * 14 < found[6][2] <= 37500 and found[7][0] is None, (found[6][2], found[7][2])
     # the wire format packed by one launch equals the pieces' bytes one after another (odd counts padded with 0)
     import numpy as np
 
@@ -72,7 +76,7 @@ def main() -> None:
     fresh = [(b.clone(), c) for b, c in pairs]
     before = [bits(b).clone() for b, _ in fresh]
     ptrs = [np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in zip(*fresh)]
-    update = np.array([True, False, True, True, True, True])
+    update = np.array([True, False, True, True, True, True, True, True])
     got = launch_words_table(*ptrs, nw, torch.device("cpu"), update=update).result()
     assert got.count.tolist() == [k for _, _, k in found], (got.count, found)
     assert all(torch.equal(bits(b), old) for (b, _), old in zip(fresh, before)), "the find alone writes no base"

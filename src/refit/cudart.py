@@ -56,6 +56,10 @@ def cuda_runtime() -> ctypes.CDLL | None:
         lib.cudaGetLastError.restype = ctypes.c_int
         lib.cudaStreamCreateWithFlags.restype = ctypes.c_int
         lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cudaStreamCreateWithPriority.restype = ctypes.c_int
+        lib.cudaStreamCreateWithPriority.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_int]
+        lib.cudaDeviceGetStreamPriorityRange.restype = ctypes.c_int
+        lib.cudaDeviceGetStreamPriorityRange.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
         lib.cudaStreamDestroy.restype = ctypes.c_int
         lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
         lib.cudaMemcpyAsync.restype = ctypes.c_int
@@ -75,19 +79,27 @@ def cuda_runtime() -> ctypes.CDLL | None:
 _STREAM_NON_BLOCKING = 1
 
 
-def private_stream(device: torch.device) -> torch.cuda.Stream:
+def private_stream(device: torch.device, high: bool = False) -> torch.cuda.Stream:
     """A CUDA stream of ``device`` that no one else in the process holds: created through the runtime
     (non-blocking), not taken from torch's pool, whose 32 streams per device are handed out round-robin
-    (an engine's ``torch.cuda.Stream()`` could be the same stream). Free it with ``free_stream``. Without
-    torch's runtime found, a pool stream (the only other way)."""
+    (an engine's ``torch.cuda.Stream()`` could be the same stream). ``high``: of the device's greatest
+    priority (its blocks are scheduled before those of default-priority streams' kernels already queued,
+    e.g. a large find's). Free it with ``free_stream``. Without torch's runtime found, a pool stream (the
+    only other way)."""
     lib = cuda_runtime()
     if lib is None:
-        return torch.cuda.Stream(device)
+        return torch.cuda.Stream(device, priority=-1 if high else 0)
     handle = ctypes.c_void_p()
     with torch.cuda.device(device):
-        rc = lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _STREAM_NON_BLOCKING)
+        if high:
+            least, greatest = ctypes.c_int(), ctypes.c_int()
+            rc = lib.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest))
+            if rc == 0:
+                rc = lib.cudaStreamCreateWithPriority(ctypes.byref(handle), _STREAM_NON_BLOCKING, greatest.value)
+        else:
+            rc = lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _STREAM_NON_BLOCKING)
     if rc != 0:
-        raise RuntimeError(f"cudaStreamCreateWithFlags on {device} failed with CUDA error {rc}")
+        raise RuntimeError(f"creating a private CUDA stream on {device} failed with CUDA error {rc}")
     return torch.cuda.ExternalStream(handle.value, device=device)
 
 

@@ -142,11 +142,18 @@ class Found:
         if self.updater is not None:
             from refit.quant.delta_triton import launch_update_words
 
-            if self.idx.is_cuda:  # the table was built on the stream of the find that made it (and is kept)
-                current = torch.cuda.current_stream(self.idx.device)
-                for t in self.updater:
-                    t.record_stream(current)
+            self.mark_current(*self.updater)  # the table was built on the stream of the find that made it
             launch_update_words(*self.updater, self.idx, self.words, self.device_count)
+
+    def mark_current(self, *more: torch.Tensor) -> None:
+        """On CUDA, the slots, the device counts and ``more`` are marked as read on the current stream
+        (``record_stream``): a kernel about to read them there (the pack, the base update, on a stream of
+        their own) does so before their memory can go back to the find's stream."""
+        if self.idx.is_cuda:
+            current = torch.cuda.current_stream(self.idx.device)
+            for t in (self.idx, self.words, self.device_count, *more):
+                if t is not None:
+                    t.record_stream(current)
 
     def piece(self, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Piece ``j``'s indices and words as views of the slots, or ``(None, None)`` over its slots."""
@@ -195,12 +202,16 @@ class PendingFind:
 _STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # per CUDA device and purpose
 
 
+HIGH_PRIORITY = ("send",)  # side streams of the device's greatest priority (``side_stream``)
+
+
 def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-    """The CUDA stream of ``device`` that work of ``purpose`` (``"find"``, ``"apply"``) runs on beside the
-    current stream, made once."""
+    """The CUDA stream of ``device`` that work of ``purpose`` (``"find"``, ``"apply"``, ``"send"``) runs on
+    beside the current stream, made once. ``"send"`` (a sender's packing and base updates) is of the device's
+    greatest priority: its small kernels start while a find's blocks fill the device, not after them."""
     key = (device, purpose)
-    if key not in _STREAMS:
-        _STREAMS[key] = private_stream(device)  # kept for the process's life: one per device and purpose
+    if key not in _STREAMS:  # kept for the process's life: one per device and purpose
+        _STREAMS[key] = private_stream(device, high=purpose in HIGH_PRIORITY)
     return _STREAMS[key]
 
 
@@ -317,10 +328,13 @@ def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: t
 
 def _updater(base: np.ndarray, slot: np.ndarray, cap: np.ndarray, update, device: torch.device) -> tuple | None:
     """``_update_words``' table (first program, base address, slot offset, capacity) and each program's piece:
-    ``cap / WORD_BLOCK`` programs per piece to ``update``; None where there is none."""
+    ``cap / (WORD_BLOCK * UPDATE_SPAN)`` programs (rounded up) per piece to ``update`` (each stores up to
+    ``UPDATE_SPAN`` blocks of changes, and most store none at a low fraction); None where there is none."""
     if update is None or not np.any(update):
         return None
-    programs = _blocks(cap) * np.asarray(update, dtype=bool)
+    from refit.quant.delta_triton import UPDATE_SPAN
+
+    programs = -(-_blocks(cap) // UPDATE_SPAN) * np.asarray(update, dtype=bool)
     table, _ = _table([base, slot, cap], programs, device)
     return table, _program_pieces(programs, device)
 
@@ -385,6 +399,7 @@ def pack_table(found: Found, sel: np.ndarray, dst: np.ndarray, device) -> None:
     k = found.count[sel]
     keep = k > 0
     if keep.any():
+        found.mark_current()
         idx, words = found.addresses(sel)
         table, programs = _table([idx[keep], words[keep], k[keep], dst[keep]], _blocks(k[keep]), device)
         launch_pack_words(table, programs)

@@ -102,9 +102,18 @@ def _join(
     os.environ[BIND_ENV] = address
     pin_interfaces(address)
     store = open_store(address, port, world_size, rank == 0, timeout_s)
+    options = nccl_options() if backend == "nccl" else None
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), pg_options=options
     )
+
+
+def nccl_options():
+    """Options of the NCCL groups the launcher makes: streams of high priority, so that a P2P send or receive
+    starts beside a large kernel already queued on another stream (a delta refit's next find) instead of after
+    its blocks (``refit.transport.delta``); None where this torch has no NCCL."""
+    options = getattr(dist, "ProcessGroupNCCL", None)
+    return None if options is None else options.Options(is_high_priority_stream=True)
 
 
 def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices, job):
@@ -125,7 +134,7 @@ def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, 
         all_devices = tuple(devices) if devices else ()
         world = World(rank, world_size, n_src, n_dst, backend, device, trainer, engine, colocated, all_devices)
         if backend != "nccl" and len(set(all_devices)) == world_size and all(d.startswith("cuda") for d in all_devices):
-            world.data_group = dist.new_group(list(range(world_size)), backend="nccl")
+            world.data_group = dist.new_group(list(range(world_size)), backend="nccl", pg_options=nccl_options())
         payload = pickle.dumps(fn(world, *args))  # plain bytes: no shared memory outliving us
         release_at_exit(world.store, rank, _cuda_ranks(world))
         results.put((rank, True, payload))

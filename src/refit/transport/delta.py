@@ -186,10 +186,13 @@ class SourceBase:
         self.finds.append(found)
 
     def flush(self) -> None:
-        """Apply the queued word updates (one launch, and one per find), while the finds' slots are held."""
+        """Apply the queued word updates (one launch, and one per find, on CUDA beside the next chunk's find:
+        ``_send_stream``), while the finds' slots are held."""
         _update(self.queued)
-        for found in self.finds:
-            found.update_base()
+        if self.finds:
+            with _send_stream(self.finds[0].idx.device):
+                for found in self.finds:
+                    found.update_base()
         self.queued, self.finds = [], []
 
     def commit(self, version: int) -> None:
@@ -952,6 +955,25 @@ def _announced(value: int, op: _Op) -> int:
     return value
 
 
+@contextlib.contextmanager
+def _send_stream(device: torch.device):
+    """On a CUDA sender, what runs inside (a chunk's packing, its base updates) is queued on the device's
+    high-priority ``"send"`` side stream, behind everything queued on the current stream so far, and the
+    current stream then waits for it. The next chunk's find, queued before on its own stream, fills the
+    device with its blocks: a kernel of the current stream's default priority would start only once they are
+    all scheduled, this one starts at once, and so do the payload's sends behind it where the NCCL group's
+    streams are of high priority too (``ProcessGroupNCCL.Options(is_high_priority_stream=True)``). A kernel
+    inside reading tensors made on another stream marks them for this one (``record_stream``)."""
+    if device.type != "cuda":
+        yield
+        return
+    current, stream = torch.cuda.current_stream(device), side_stream(device, "send")
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+
+
 def _in_flight(sends: list[_DeltaOp]) -> bool:
     """Whether a chunk's payload sends may stay in flight while the next chunk is found: none reads the packed
     ring buffer, which the next chunk may fill (deltas and whole tensors are not written again this refit; a
@@ -1035,7 +1057,8 @@ def _pack_spans(found: Found, spans: np.ndarray, buf: torch.Tensor) -> None:
     before = np.cumsum(sizes) - sizes  # bytes before each piece, over all spans
     first = np.cumsum(lengths) - lengths
     dst = buf.data_ptr() + np.repeat(spans[:, 2] - before[first], lengths) + before
-    pack_table(found, sel, dst.astype(np.int64), buf.device)
+    with _send_stream(buf.device):  # beside the next chunk's find
+        pack_table(found, sel, dst.astype(np.int64), buf.device)
 
 
 def _word_parts(idx: torch.Tensor, words: torch.Tensor) -> list[torch.Tensor]:
