@@ -11,7 +11,7 @@ staging budget cuts the step into ``--chunks`` chunks: the messages, pieces and 
 
 ``TRITON_INTERPRET=1`` makes ``delta_words.addressable`` true on the CPU, so the word path goes by address
 (``launch_words_table``, ``pack_table``, ``Scatter``) as on CUDA; the Triton launches themselves
-(``delta_triton.launch_find_words`` / ``launch_update_words`` / ``launch_pack_words`` /
+(``delta_triton.launch_find_words`` / ``launch_pack_words`` /
 ``launch_scatter_words``) are replaced in both
 processes by numpy stand-ins reading the same tables (raw addresses), so the interpreter's kernel time stays
 out of the measurement. The stand-ins must be exact: the receiver compares every tensor with its reference
@@ -91,20 +91,6 @@ def _find_words(table, pieces, idx, vals, counts) -> None:
         i64[slot[j] : slot[j] + m] = c[changed[:m]]
 
 
-def _update_words(table, pieces, idx, vals, counts) -> None:
-    """``_update_words``: per piece with programs (rows: first, base, slot, cap) its slot words (at most its
-    count, at most its capacity) at their indices in its base."""
-    if not len(pieces):
-        return
-    _, base, slot, cap = _rows(table)
-    i32, i64, cnt = idx.numpy(), vals.numpy(), counts.numpy()
-    for j in sorted(set(pieces.tolist())):
-        m = min(int(cnt[j]), cap[j])
-        _at(base[j], 8 * (int(i32[slot[j] : slot[j] + m].max()) + 1) if m else 0, np.int64)[
-            i32[slot[j] : slot[j] + m]
-        ] = i64[slot[j] : slot[j] + m]
-
-
 def _scatter_words(table, programs, flag, check) -> None:
     """``_scatter_words``: per piece (rows: first, destination, indices, words, k, n) check every index into
     ``flag`` or store each word at its index."""
@@ -150,7 +136,6 @@ SPENT = [0.0]  # the stand-ins' CPU time so far
 WAITED = [0.0]  # the CPU time of the waits for the peer so far (polling a P2P work, the store's records)
 STAND_INS = {
     "launch_find_words": _find_words,
-    "launch_update_words": _update_words,
     "launch_scatter_words": _scatter_words,
     "launch_pack_words": _pack_words,
 }

@@ -1,9 +1,10 @@
 """Run by tests/test_delta.py with TRITON_INTERPRET=1: refits with ``delta="words"`` over CPU gloo where the
-word kernels run in Triton's interpreter, so every message takes the by-address path (one find, base
-update, pack, check and scatter launch per batch) end to end: exact after every version, each sender's base
-equal to its weights after every refit (updated from the find's slots, ``Found.update_base``), a replica that
-lost its version healed, fan-out's shared messages deferred to commit, and a version that changes nearly
-every value (words over the find's slots, found again) followed by one that diffs against it. Prints ALL OK."""
+word kernels run in Triton's interpreter, so every message takes the by-address path (one find, pack, check
+and scatter launch per batch) end to end: exact after every version, each sender's base equal to its weights
+after every refit (updated from its packed payloads, ``SourceBase.defer_packed``: mid-run where they pass the
+32 KiB staging budget, else at the end), a replica that lost its version healed, fan-out's shared messages
+deferred to commit, and a version that changes nearly every value (words over the find's slots, found again)
+followed by one that diffs against it. Prints ALL OK."""
 
 from __future__ import annotations
 

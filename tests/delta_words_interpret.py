@@ -1,5 +1,5 @@
 """Run by tests/test_delta.py with TRITON_INTERPRET=1 (Triton's interpreter on CPU tensors): the word
-kernels of ``refit.quant.delta_triton`` (find, base update, pack, check, scatter over many pieces in one
+kernels of ``refit.quant.delta_triton`` (find, pack, check, scatter over many pieces in one
 launch) against the torch reference of ``refit.quant.delta_words``. Prints ALL OK."""
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ def main() -> None:
     # pieces of several sizes and dtypes in one launch; one over a quarter of its words changed (overflow)
     specs = [(4096 * 3 + 8, torch.bfloat16, 0.01), (16, torch.float32, 0.5), (5000 * 8, torch.float8_e4m3fn, 0.001)]
     specs += [(4, torch.bfloat16, 0.0), (2048 * 4 * 2, torch.bfloat16, 0.9)]
-    specs += [(40960, torch.bfloat16, 0.06)]  # 10,240 words, 2,560 slots, ~2,250 changed: one update program, 2 blocks
-    # 150,000 words, 37,500 slots (19 blocks of 2,048: two update programs, taking every other block): ~30,000
-    # changed (within the slots, 15 blocks), then over half the elements changed (over the slots)
-    specs += [(600000, torch.bfloat16, 0.054), (600000, torch.bfloat16, 0.5)]
+    specs += [(40960, torch.bfloat16, 0.06)]  # 10,240 words, 2,560 slots, ~2,250 changed: two blocks of slots
     pairs = [versions(n, d, f) for n, d, f in specs]
     found = find_words_many(pairs, use_triton=True)
     for (base, cur), (idx, words, k) in zip(pairs, found):
@@ -48,7 +45,6 @@ def main() -> None:
         assert torch.equal(idx[order], want_i) and torch.equal(words[order], want_w)
     assert found[4][0] is None  # 90% of the elements changed: over the slots
     assert 2048 < found[5][2] <= 2560, found[5][2]
-    assert 2048 * 14 < found[6][2] <= 37500 and found[7][0] is None, (found[6][2], found[7][2])
     # the wire format packed by one launch equals the pieces' bytes one after another (odd counts padded with 0)
     import numpy as np
 
@@ -69,28 +65,6 @@ def main() -> None:
         if i is not None and len(i):
             want += [i.view(torch.uint8), torch.zeros(4 * (len(i) % 2), dtype=torch.uint8), w.view(torch.uint8)]
     assert torch.equal(buf, torch.cat(want)), "packed wire format"
-    # a find launched with ``update``: ``update_base`` stores each chosen piece's slot words into its base (a
-    # piece over its slots: its first ``cap`` changes), the others keep their bytes
-    from refit.quant.delta_words import launch_words_table
-
-    fresh = [(b.clone(), c) for b, c in pairs]
-    before = [bits(b).clone() for b, _ in fresh]
-    ptrs = [np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in zip(*fresh)]
-    update = np.array([True, False, True, True, True, True, True, True])
-    got = launch_words_table(*ptrs, nw, torch.device("cpu"), update=update).result()
-    assert got.count.tolist() == [k for _, _, k in found], (got.count, found)
-    assert all(torch.equal(bits(b), old) for (b, _), old in zip(fresh, before)), "the find alone writes no base"
-    got.update_base()
-    for j, ((b, c), old, up) in enumerate(zip(fresh, before, update)):
-        if not up:
-            assert torch.equal(bits(b), old), "a piece left out keeps its base"
-        elif got.count[j] <= got.cap[j]:
-            assert torch.equal(bits(b), bits(c)), f"piece {j}: base updated"
-        else:  # over its slots: exactly cap changed words are new, each now the current word
-            words = [t.reshape(-1).view(torch.uint8).view(torch.int64) for t in (b, old, c)]
-            new = words[0] != words[1]
-            assert int(new.sum()) == int(got.cap[j]), (j, got.cap[j])
-            assert torch.equal(words[0][new], words[2][new]), j
     # check: in range, then one index out of range in the first piece
     good = [(i, cur.numel() * cur.element_size() // 8) for (_, cur), (i, _, _) in zip(pairs, found) if i is not None]
     assert check_words_many(good, use_triton=True)

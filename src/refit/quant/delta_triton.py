@@ -90,28 +90,6 @@ if AVAILABLE:
         tl.store(val_ptr + slot + pos, c, mask=ok)
 
     @triton.jit
-    def _update_words(tab_ptr, piece_ptr, idx_ptr, val_ptr, count_ptr, NP, BLOCK: tl.constexpr, SPAN: tl.constexpr):
-        """A find's base update without a host table. Rows (int64, ``NP`` pieces each, built with the find's
-        table): first program, base address, slot offset, slot capacity; ``piece_ptr``: each program's piece
-        (``cap / (BLOCK * SPAN)`` programs, rounded up, for each piece to update, none for the others);
-        ``count_ptr``: the find's counts on the device. The piece's ``P`` programs take its slot words (at most
-        its count, at most its capacity) ``BLOCK`` at a time, program ``p`` the blocks ``p, p + P, ...``, and
-        store them at their indices in the base: a program past the count stores nothing and ends at once."""
-        pid = tl.program_id(0).to(tl.int64)
-        j = tl.load(piece_ptr + pid).to(tl.int64)
-        base = tl.load(tab_ptr + NP + j).to(tl.pointer_type(tl.int64))
-        slot = tl.load(tab_ptr + 2 * NP + j)
-        cap = tl.load(tab_ptr + 3 * NP + j)
-        k = tl.minimum(tl.load(count_ptr + j).to(tl.int64), cap)
-        step = (cap + BLOCK * SPAN - 1) // (BLOCK * SPAN)
-        for b in range(pid - tl.load(tab_ptr + j), (k + BLOCK - 1) // BLOCK, step):
-            offs = b * BLOCK + tl.arange(0, BLOCK)
-            m = offs < k
-            i = tl.load(idx_ptr + slot + offs, mask=m, other=0).to(tl.int64)
-            v = tl.load(val_ptr + slot + offs, mask=m)
-            tl.store(base + i, v, mask=m)
-
-    @triton.jit
     def _scatter_words(tab_ptr, flag_ptr, NP, LOG: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr):
         """Table rows (int64, ``NP`` pieces each): first program, destination address, index address (int32),
         word address (int64), changes, words in the piece. ``CHECK``: raise ``flag`` where an index is outside
@@ -148,7 +126,6 @@ if AVAILABLE:
 
 WORD_BLOCK = 2048  # 64-bit words per program of the word kernels: 3.0 TB/s found on an H200 (words, flat: find.txt)
 WORD_WARPS = 8
-UPDATE_SPAN = 16  # ``_update_words``: blocks of a piece's slots per program at most (``delta_words._updater``)
 
 
 def _log2(n: int) -> int:
@@ -164,18 +141,6 @@ def launch_find_words(
     if len(pieces):
         _find_words[(len(pieces),)](
             table, pieces, idx, vals, counts, table.shape[1], BLOCK=WORD_BLOCK, num_warps=WORD_WARPS
-        )
-
-
-def launch_update_words(
-    table: torch.Tensor, pieces: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, counts: torch.Tensor
-) -> None:
-    """Enqueue ``_update_words`` over ``table`` (int64 ``[4, NP]`` on the device) with ``pieces`` (int32, each
-    program's piece): each piece's slot words of ``idx`` / ``vals`` (a find's, ``counts`` its device counts)
-    stored into its base."""
-    if len(pieces):
-        _update_words[(len(pieces),)](
-            table, pieces, idx, vals, counts, table.shape[1], BLOCK=WORD_BLOCK, SPAN=UPDATE_SPAN, num_warps=WORD_WARPS
         )
 
 

@@ -6,11 +6,10 @@ multiple of 8). Finding changed words instead of changed elements reads the two 
 (the element kernel scans and stores per element: 2.0-2.15 TB/s on an H200 against 3.0 TB/s per word,
 ``bench/delta_find_variants.py``) and at 1% of bf16 elements changed sends 5.9% of the dense bytes (the
 elements' own sparse encoding: 3%). On CUDA every step is one launch for many pieces, driven by a table
-built on the host (``refit.quant.delta_triton``: ``_find_words``, ``_update_words``, ``_scatter_words``,
-``_pack_words``), so the host work per piece is a table row, not a dozen launches: ``find_words_many`` (one
-launch, one host sync for the counts), ``Found.update_base`` (a sender's base update by address: one launch,
-its table built once with the find's), ``check_words_many`` (one launch, one sync) and
-``scatter_words_many`` (one launch; a receiver's apply, and a sender's base update on the per-piece path).
+built on the host (``refit.quant.delta_triton``: ``_find_words``, ``_scatter_words``, ``_pack_words``), so the
+host work per piece is a table row, not a dozen launches: ``find_words_many`` (one launch, one host sync for the
+counts), ``pack_table`` (one launch), ``check_words_many`` (one launch, one sync) and ``scatter_words_many`` /
+``Scatter`` (one launch; a receiver's apply, and a sender's base update from its packed payload or per piece).
 Elsewhere (CPU, strided or unaligned pieces) the torch reference does the same per piece: ``find_words``,
 ``apply_words``.
 
@@ -130,30 +129,15 @@ class Found:
     slot: np.ndarray
     cap: np.ndarray
     count: np.ndarray
-    device_count: torch.Tensor | None = None  # the counts where the find wrote them (``update_base``)
-    updater: tuple | None = None  # ``_update_words``' table and program pieces (``launch_words_table``'s update)
 
-    def update_base(self) -> None:
-        """Store the words in the slots of each piece launched with ``update`` (``launch_words_table``) at their
-        indices in its base: one launch on the current stream, its table built with the find's (no host work
-        per run). A piece over its slots gets the ``cap`` changes its slots hold only (the first the find's
-        programs reserved, not the first by index: its caller sends it dense or finds it again, and updates
-        its base with that)."""
-        if self.updater is not None:
-            from refit.quant.delta_triton import launch_update_words
-
-            self.mark_current(*self.updater)  # the table was built on the stream of the find that made it
-            launch_update_words(*self.updater, self.idx, self.words, self.device_count)
-
-    def mark_current(self, *more: torch.Tensor) -> None:
-        """On CUDA, the slots, the device counts and ``more`` are marked as read on the current stream
-        (``record_stream``): a kernel about to read them there (the pack, the base update, on a stream of
-        their own) does so before their memory can go back to the find's stream."""
+    def mark_current(self) -> None:
+        """On CUDA, the slots are marked as read on the current stream (``record_stream``): a kernel about to
+        read them there (a sender's pack, on a stream of its own) does so before their memory can go back to
+        the find's stream."""
         if self.idx.is_cuda:
             current = torch.cuda.current_stream(self.idx.device)
-            for t in (self.idx, self.words, self.device_count, *more):
-                if t is not None:
-                    t.record_stream(current)
+            for t in (self.idx, self.words):
+                t.record_stream(current)
 
     def piece(self, j: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Piece ``j``'s indices and words as views of the slots, or ``(None, None)`` over its slots."""
@@ -183,8 +167,6 @@ class PendingFind:
     cap: np.ndarray
     counts: torch.Tensor  # on the host (pinned on CUDA), filled when ``done`` completes
     done: torch.cuda.Event | None
-    device_count: torch.Tensor | None = None
-    updater: tuple | None = None
 
     def result(self) -> Found:
         """The ``Found`` (waits for the find and its counts: one host sync; on CUDA the current stream also
@@ -193,10 +175,10 @@ class PendingFind:
             self.done.synchronize()
             current = torch.cuda.current_stream(self.idx.device)
             current.wait_event(self.done)
-            for t in (self.idx, self.words, self.device_count):  # read on the current stream from now on (pack,
-                t.record_stream(current)  # base update): their memory goes back to the find's pool only after that
+            for t in (self.idx, self.words):  # read on the current stream from now on: their memory goes back to
+                t.record_stream(current)  # the find's pool only after that
         count = self.counts.numpy().astype(np.int64)
-        return Found(self.idx, self.words, self.slot, self.cap, count, self.device_count, self.updater)
+        return Found(self.idx, self.words, self.slot, self.cap, count)
 
 
 _STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # per CUDA device and purpose
@@ -206,9 +188,9 @@ HIGH_PRIORITY = ("send",)  # side streams of the device's greatest priority (``s
 
 
 def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-    """The CUDA stream of ``device`` that work of ``purpose`` (``"find"``, ``"apply"``, ``"send"``) runs on
-    beside the current stream, made once. ``"send"`` (a sender's packing and base updates) is of the device's
-    greatest priority: its small kernels start while a find's blocks fill the device, not after them."""
+    """The CUDA stream of ``device`` that work of ``purpose`` (``"find"``, ``"apply"``, ``"send"``, ``"update"``)
+    runs on beside the current stream, made once. ``"send"`` (a sender's packing) is of the device's greatest
+    priority: its small kernels start while a find's blocks fill the device, not after them."""
     key = (device, purpose)
     if key not in _STREAMS:  # kept for the process's life: one per device and purpose
         _STREAMS[key] = private_stream(device, high=purpose in HIGH_PRIORITY)
@@ -221,10 +203,8 @@ def launch_words_table(
     nwords: np.ndarray,
     device: torch.device,
     after: torch.cuda.Event | None = None,
-    update: np.ndarray | None = None,
 ) -> PendingFind:
-    """``find_words_table`` without the wait; ``update`` (per piece, bool): the pieces whose base
-    ``Found.update_base`` updates. On CUDA the find runs on a stream of its own, behind ``after``
+    """``find_words_table`` without the wait. On CUDA the find runs on a stream of its own, behind ``after``
     (an event the caller recorded on the current stream after the weights' and the bases' last writes) or
     all work queued so far on the current stream (``after`` None), and behind its table's copy, and its
     counts are copied to the host behind it: what the current stream queues next (e.g. packing and sending
@@ -233,11 +213,11 @@ def launch_words_table(
     hands them to the current one)."""
     from refit.quant.delta_triton import launch_find_words
 
-    table, pieces, slot, cap, made, updater = _find_table(base, cur, nwords, device, update)
+    table, pieces, slot, cap, made = _find_table(base, cur, nwords, device)
     if device.type != "cuda":
         idx, words, counts = _slots(int(cap.sum()), len(nwords), device)
         launch_find_words(table, pieces, idx, words, counts)
-        return PendingFind(idx, words, slot, cap, counts, None, counts, updater)  # on the CPU: the same tensor
+        return PendingFind(idx, words, slot, cap, counts, None)
     side = side_stream(device, "find")
     if after is None:
         side.wait_stream(torch.cuda.current_stream(device))
@@ -253,7 +233,7 @@ def launch_words_table(
         host.copy_(counts, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
-    return PendingFind(idx, words, slot, cap, host, done, counts, updater)
+    return PendingFind(idx, words, slot, cap, host, done)
 
 
 def _slots(n: int, pieces: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,17 +276,16 @@ _FIND_TABLES: dict[tuple, tuple] = {}  # the find's tables by the pieces' addres
 _FIND_TABLES_MAX = 256
 
 
-def _table_key(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device, update) -> tuple:
-    return (device, base.tobytes(), cur.tobytes(), nwords.tobytes(), None if update is None else update.tobytes())
+def _table_key(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> tuple:
+    return (device, base.tobytes(), cur.tobytes(), nwords.tobytes())
 
 
-def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device, update=None) -> tuple:
-    """``(table, each program's piece, slot offsets, slot capacities, made, updater)`` of ``_find_words`` over
-    the pieces, built once per set of addresses, sizes and ``update`` (a refit's batches repeat every time) and
-    kept (at most ``_FIND_TABLES_MAX``; the per-program pieces take 4 bytes per 16 KiB found); on CUDA
-    ``made``: an event behind the table's copies to the device (a find on another stream waits for it), else
-    None; ``updater``: ``_update_words``' table and program pieces over the pieces to ``update`` (None: none)."""
-    key = _table_key(base, cur, nwords, device, update)
+def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: torch.device) -> tuple:
+    """``(table, each program's piece, slot offsets, slot capacities, made)`` of ``_find_words`` over the
+    pieces, built once per set of addresses and sizes (a refit's batches repeat every time) and kept (at most
+    ``_FIND_TABLES_MAX``; the per-program pieces take 4 bytes per 16 KiB found); on CUDA ``made``: an event
+    behind the table's copies to the device (a find on another stream waits for it), else None."""
+    key = _table_key(base, cur, nwords, device)
     hit = _FIND_TABLES.get(key)
     if hit is None:
         cap = np.maximum(1, nwords // SLOT_FRACTION)
@@ -314,29 +293,15 @@ def _find_table(base: np.ndarray, cur: np.ndarray, nwords: np.ndarray, device: t
         np.cumsum(cap[:-1], out=slot[1:])
         table, _ = _table([base, cur, nwords, slot, cap], _blocks(nwords), device)
         pieces = _program_pieces(_blocks(nwords), device)
-        updater = _updater(base, slot, cap, update, device)
         made = None
         if device.type == "cuda":
             made = torch.cuda.Event()
             made.record(torch.cuda.current_stream(device))
-        hit = (table, pieces, slot, cap, made, updater)
+        hit = (table, pieces, slot, cap, made)
         if len(_FIND_TABLES) >= _FIND_TABLES_MAX:
             _FIND_TABLES.pop(next(iter(_FIND_TABLES)))
         _FIND_TABLES[key] = hit
     return hit
-
-
-def _updater(base: np.ndarray, slot: np.ndarray, cap: np.ndarray, update, device: torch.device) -> tuple | None:
-    """``_update_words``' table (first program, base address, slot offset, capacity) and each program's piece:
-    ``cap / (WORD_BLOCK * UPDATE_SPAN)`` programs (rounded up) per piece to ``update`` (each stores up to
-    ``UPDATE_SPAN`` blocks of changes, and most store none at a low fraction); None where there is none."""
-    if update is None or not np.any(update):
-        return None
-    from refit.quant.delta_triton import UPDATE_SPAN
-
-    programs = -(-_blocks(cap) // UPDATE_SPAN) * np.asarray(update, dtype=bool)
-    table, _ = _table([base, slot, cap], programs, device)
-    return table, _program_pieces(programs, device)
 
 
 def _program_pieces(programs: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -28,16 +28,21 @@ receiver's word scatters run on streams of their own, ``delta_words.side_stream`
      for the chunk, ``scatter_words_many``), O(changed). A sender's payload sends stay in flight until the
      next chunk's are posted (``_in_flight``: not when one reads the packed ring buffer).
 The sender's base follows what each message sent (``SourceBase.update``: dense copies as they are encoded,
-word changes once the chunk's payload is posted, ``flush``: one launch per find by address, its table built
-with the find's, ``Found.update_base``; a source box sent to several receivers at commit); the version it
-holds is set after the refit succeeded (``commit``), and a failed refit clears it (``fail``), so the next
-refit is dense everywhere.
+word changes once the chunk's payload is posted, ``flush``; words by address from their packed payload,
+``SourceBase.defer_packed``, one launch for the run once its last find is queued, so the finds run back to
+back; a source box sent to several receivers at commit); the version it holds is set after the refit
+succeeded (``commit``), and a failed refit clears it (``fail``), so the next refit is dense everywhere.
+On CUDA a sender packs on a high-priority stream (``_send_stream``): the next chunk's find, queued before,
+fills the device with its blocks, and the pack and the payload's sends (on the NCCL group's streams, high
+priority where the group was made so) start beside it, not after it.
 Extra memory: the base (this process's P2P-sent source bytes) plus the payloads of one chunk's deltas
 while the chunk runs (each smaller than its message's dense bytes by the rule, unless forced; a sender
-briefly holds them twice, per message and joined per peer) and the find's slots (a quarter of the words
-found; a sender holds every find batch's slots of a chunk until its payload is packed and posted, plus the
-next chunk's first batch found ahead, ``_prefetch``; on CUDA they come from the find stream's own pool, which
-PyTorch's allocator keeps cached for that stream).
+briefly holds them twice, per message and joined per peer, and keeps its packed payloads of words by address
+until their base update: at most the staging budget, ``num_buffers * buffer_bytes``, beyond which ``flush``
+applies them mid-run) and the find's slots (a quarter of the words found; a sender holds every find batch's
+slots of a chunk until its payload is packed and posted, plus the next chunk's first batch found ahead,
+``_prefetch``; on CUDA they come from the find stream's own pool, which PyTorch's allocator keeps cached for
+that stream).
 """
 
 from __future__ import annotations
@@ -149,7 +154,7 @@ class SourceBase:
     ``commit(v)`` after the run succeeded; ``fail()`` after it failed (the base is part old, part new:
     ``None``, so the next refit is dense and rebuilds it)."""
 
-    def __init__(self, plan: Plan, proc: int, local: LocalTensors, where: str) -> None:
+    def __init__(self, plan: Plan, proc: int, local: LocalTensors, where: str, budget: int) -> None:
         sent = _sent(plan, proc)
         names = {p.tensor for i in sent for p in plan.messages[i].pieces}
         parts = {n: tuple((box, _copy_of(t, where)) for box, t in local.src[n]) for n in names}
@@ -159,7 +164,10 @@ class SourceBase:
         self.version: int | None = None
         self.pending: list = []  # (base view, indices or None, values or the live view, words)
         self.queued: list = []  # word updates of the current step-chunk (``flush``)
-        self.finds: list[Found] = []  # the same for words by address: the step-chunk's finds (``Found.update_base``)
+        self.packed: list = []  # words by address: (scatter rows, payload buffer) per packed buffer (``defer_packed``)
+        self.packed_bytes = 0  # their buffers' bytes, held until ``flush`` applies them
+        self.budget = budget  # the packed payload bytes held at most before ``flush`` applies them mid-run
+        self.updating: torch.device | None = None  # a CUDA device with packed updates on its "update" stream
 
     def update(self, message: int, updates: list, words: bool = False) -> None:
         """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces; ``words``:
@@ -180,30 +188,43 @@ class SourceBase:
         pieces = [f.piece(j) for j in range(a, b)]
         self.pending += [(v, i.clone(), w.clone(), True) for v, (i, w) in zip(bases, pieces)]
 
-    def queue_find(self, found: Found) -> None:
-        """Queue a find's base update (``Found.update_base``: the pieces of messages no other shares, launched
-        with ``update``; whichever way each is sent, its base then holds what it sent) for ``flush``."""
-        self.finds.append(found)
+    def defer_packed(self, rows: tuple, buf: torch.Tensor) -> None:
+        """The base update of messages sent as words by address, read from their packed payload ``buf``: per piece
+        ``rows`` = (base address, index address, word address, changes, words) (``_pack_spans``); applied by
+        ``flush`` after the refit's last find is queued (or once the held buffers pass ``budget``), so it runs
+        behind the finds, not between them."""
+        self.packed.append((rows, buf))
+        self.packed_bytes += buf.nbytes
 
-    def flush(self) -> None:
-        """Apply the queued word updates (one launch, and one per find, on CUDA beside the next chunk's find:
-        ``_send_stream``), while the finds' slots are held."""
+    def flush(self, final: bool = False) -> None:
+        """Apply the queued word updates (one launch, while the finds' slots are held) and, when ``final`` or over
+        ``budget``, the packed ones (one launch for all, on the current stream; then their buffers are let go)."""
         _update(self.queued)
-        if self.finds:
-            with _send_stream(self.finds[0].idx.device):
-                for found in self.finds:
-                    found.update_base()
-        self.queued, self.finds = [], []
+        self.queued = []
+        if self.packed and (final or self.packed_bytes > self.budget):
+            rows = [np.concatenate(c) for c in zip(*(r for r, _ in self.packed))]
+            dev = self.packed[0][1].device
+            self.updating = dev if dev.type == "cuda" else self.updating
+            stream = side_stream(dev, "update") if dev.type == "cuda" else None
+            Scatter.of(*rows, dev).apply(stream, tuple(buf for _, buf in self.packed))
+            self.packed, self.packed_bytes = [], 0
+
+    def join(self) -> None:
+        """The current stream waits for the packed updates ``flush`` queued on the ``"update"`` stream, if any."""
+        if self.updating is not None:
+            dev, self.updating = self.updating, None
+            torch.cuda.current_stream(dev).wait_stream(side_stream(dev, "update"))
 
     def commit(self, version: int) -> None:
         """The run of ``version`` succeeded: the deferred updates, then the base holds ``version``."""
-        self.flush()
+        self.flush(final=True)
+        self.join()
         _update(self.pending)
         self.pending, self.version = [], version
 
     def fail(self) -> None:
         """The run failed: the base may be part new; the next refit sends dense and rebuilds it."""
-        self.pending, self.queued, self.finds, self.version = [], [], [], None
+        self.pending, self.queued, self.packed, self.packed_bytes, self.version = [], [], [], 0, None
 
 
 def _update(updates: list) -> None:
@@ -311,7 +332,7 @@ class _Pieces:
     header_bytes: np.ndarray  # per op: its header's bytes
     dense_bytes: np.ndarray  # per op: its plain op's bytes (what it is when sent dense)
     shared: np.ndarray  # per op (bool): ``_DeltaOp.shared``
-    mine: np.ndarray  # per piece (bool): its op is not shared (its base is updated with its find, ``_launch``)
+    mine: np.ndarray  # per piece (bool): its op is not shared (its base is updated from its packed payload)
     heads: np.ndarray  # per op: where its header starts in the group's headers (``3 + pieces`` each)
     counted: np.ndarray  # per header word (bool): a count (not kind, base version, version)
 
@@ -372,7 +393,8 @@ class DeltaSchedule:
     def __init__(self, p2p: P2PSchedule, plan: Plan, proc: int, local: LocalTensors, config: TransferConfig) -> None:
         self.p2p, self.plan, self.proc, self.config = p2p, plan, proc, config
         self.dst_rank = local.dst_rank
-        self.base = SourceBase(plan, proc, local, config.delta_base) if local.src_rank is not None else None
+        budget = config.num_buffers * config.buffer_bytes
+        self.base = SourceBase(plan, proc, local, config.delta_base, budget) if local.src_rank is not None else None
         chunk = _chunks(plan, config)
         self.shares = _shares(plan, config)
         self.steps = []  # per P2P step, its chunks in order; each side's ops grouped by peer (plan order within)
@@ -473,10 +495,14 @@ class DeltaSchedule:
         return out, named
 
     @staticmethod
-    def _payload_msgs(ops: list[_DeltaOp]) -> tuple[list[tuple[int, torch.Tensor, int]], list[_Op]]:
+    def _payload_msgs(
+        ops: list[_DeltaOp], base: SourceBase | None = None
+    ) -> tuple[list[tuple[int, torch.Tensor, int]], list[_Op]]:
         """``(peer, tensor, tag)`` to post: each dense message as itself; the deltas to (from) one peer as
         one buffer, the concatenation of their payloads (``_join``: every delta's ``payload`` is its slice
-        of it), under the first delta's tag. And per posted message the op that names it in an error."""
+        of it; a sender's ``base`` defers the update of what went as words by address to its buffer,
+        ``SourceBase.defer_packed``), under the first delta's tag. And per posted message the op that names it
+        in an error."""
         out, named = [], []
         for peer, group in _by_peer(ops):
             deltas = [d for d in group if d.kind != "dense"]
@@ -485,7 +511,7 @@ class DeltaSchedule:
                     out.append((peer, d.payload, d.op.tag))
                     named.append(d.op)
             if deltas:
-                out.append((peer, _join(deltas), deltas[0].op.tag))
+                out.append((peer, _join(deltas, base), deltas[0].op.tag))
                 named.append(deltas[0].op)
         return out, named
 
@@ -505,7 +531,10 @@ class DeltaSchedule:
         return stats
 
     def _behind_apply(self) -> None:
-        """The current stream waits for the scatters ``_apply`` queued on the "apply" stream, if any."""
+        """The current stream waits for the scatters ``_apply`` queued on the "apply" stream, and for the base's
+        updates (``SourceBase.join``), if any."""
+        if self.base is not None:
+            self.base.join()
         if self.applying is not None:
             dev, self.applying = self.applying, None
             torch.cuda.current_stream(dev).wait_stream(side_stream(dev, "apply"))
@@ -537,10 +566,11 @@ class DeltaSchedule:
                 self.p2p.wait(clock, works + early[0], out_ops + inc_ops + early[1], "delta header exchange", reads)
             got = recv_hdr.tolist() if inc_ops or early[1] else []
             self._receive_headers(i, recvs, got, version, held, quiet, after)
-            (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends), self._payload_msgs(recvs)
+            (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends, self.base), self._payload_msgs(recvs)
             works = self.p2p.post(out, inc)
-            if sends:  # the base's word updates, behind the payload's packing: the sends do not wait for them
-                self.base.flush()
+            if sends:  # the base's updates, behind the payload's packing: the sends do not wait for them; the packed
+                # ones once the run's last find is queued (the chunk before the last queued it ahead: ``_prefetch``)
+                self.base.flush(final=i >= len(self.steps) - 2)
             early = self._post_headers(i + 1, quiet) if pure_receiver else ([], [])
             if sending[0]:
                 self.p2p.wait(clock, *sending, "delta transfer")
@@ -556,6 +586,8 @@ class DeltaSchedule:
                 stats.received_bytes += sum(d.payload.nbytes for d in recvs) + int(_pieces(recvs).header_bytes.sum())
             for d in sends + recvs:  # the step's payloads are freed now, not held until the next refit
                 d.payload = None
+        if self.base is not None:
+            self.base.flush(final=True)
         if sending[0]:
             self.p2p.wait(clock, *sending, "delta transfer")
         for peer in {p for side, p in quiet | set(after) if side == 1}:  # counted down, or as announced
@@ -662,12 +694,10 @@ class DeltaSchedule:
             launched = pending if b == 0 else _launch_fast(ops, self.ready)
             if b == len(batches) - 1:  # the next step-chunk's find queued behind this one, before the wait
                 self._prefetch(i + 1, held, quiet)
-            found = _find(ops, launched)  # encoded batch by batch; the slots are dropped once the chunk is posted
+            _find(ops, launched)  # encoded batch by batch; the slots are dropped once the chunk is posted
             at_once = self._encode_found([sends[j] for j in batch], version, stats)
             for j in batch:
                 heads[j] = at_once.get(id(sends[j])) or self._encode(sends[j], "diff", version, stats)
-            if found is not None and any(sends[j].found is not None for j in batch):  # some went as words
-                self.base.queue_find(found)
         return list(chain.from_iterable(heads))
 
     def _planned(self, i: int, sends: list[_DeltaOp], held: dict, quiet: set) -> tuple:
@@ -1013,52 +1043,65 @@ def _by_peer(ops: list[_DeltaOp]) -> list[tuple[int, list[_DeltaOp]]]:
     return _memo(ops, ("peers",), lambda ops: [(p, list(g)) for p, g in groupby(ops, key=lambda d: d.op.peer)])
 
 
-def _join(deltas: list[_DeltaOp]) -> torch.Tensor:
+def _join(deltas: list[_DeltaOp], base: SourceBase | None = None) -> torch.Tensor:
     """One uint8 buffer holding the deltas' payloads one after another; each ``payload`` becomes its slice.
-    A sender's payloads (and words' ``parts``) are copied in by one ``torch.cat``; a receiver's are sized
-    only (``device="meta"``) and filled by the receive."""
+    A sender's payloads (and words' ``parts``) are copied in by one ``torch.cat``, its words by address packed
+    (``_pack_spans``) and their base update deferred to the buffer (``base``, ``SourceBase.defer_packed``); a
+    receiver's are sized only (``device="meta"``) and filled by the receive."""
     if len(deltas) == 1 and deltas[0].payload is not None and deltas[0].payload.device.type != "meta":
         return deltas[0].payload
     if deltas[0].found is not None and all(d.found is not None for d in deltas) and _one_run(deltas):
-        return _join_run(deltas)
+        return _join_run(deltas, base)
     sizes = [d.wire if d.payload is None else d.payload.numel() for d in deltas]
     buf = torch.empty(sum(sizes), dtype=torch.uint8, device=deltas[0].op.tensor.device)
-    packs: dict[int, tuple[Found, list]] = {}  # words by address, per find: (first piece, end, offset) per op
+    packs: dict[int, tuple[Found, list, list]] = {}  # words by address, per find: (first piece, end, offset), ops
     for d, off, part in zip(deltas, accumulate(sizes, initial=0), buf.split(sizes)):  # one call for the slices
         if d.found is not None:  # a sender's words by address: packed below, one launch per find
-            packs.setdefault(id(d.found[0]), (d.found[0], []))[1].append((*d.found[1:], off))
+            found, spans, ops = packs.setdefault(id(d.found[0]), (d.found[0], [], []))
+            spans.append((*d.found[1:], off))
+            ops.append(d)
             d.found = None
         else:
             if d.parts or (d.payload is not None and d.payload.device.type != "meta"):  # a sender's, copied in
                 torch.cat(d.parts or [d.payload], out=part)
             d.payload, d.parts = part, []
-    for found, spans in packs.values():
-        _pack_spans(found, np.array(spans, dtype=np.int64), buf)
+    rows = [_pack_spans(found, np.array(spans, dtype=np.int64), buf, ops) for found, spans, ops in packs.values()]
+    if rows and base is not None:
+        base.defer_packed(tuple(np.concatenate(c) for c in zip(*rows)), buf)
     return buf
 
 
-def _join_run(deltas: list[_DeltaOp]) -> torch.Tensor:
+def _join_run(deltas: list[_DeltaOp], base: SourceBase | None) -> torch.Tensor:
     """``_join`` of a sender's deltas that are one run of one find's pieces (words by address, ``_one_run``):
     packed by one launch, no slice per delta."""
     found, first, end = deltas[0].found[0], deltas[0].found[1], deltas[-1].found[2]
     buf = torch.empty(sum(d.wire for d in deltas), dtype=torch.uint8, device=deltas[0].op.tensor.device)
-    _pack_spans(found, np.array([[first, end, 0]], dtype=np.int64), buf)
+    rows = _pack_spans(found, np.array([[first, end, 0]], dtype=np.int64), buf, deltas)
+    if base is not None:
+        base.defer_packed(rows, buf)
     for d in deltas:
         d.found = None
     return buf
 
 
-def _pack_spans(found: Found, spans: np.ndarray, buf: torch.Tensor) -> None:
+def _pack_spans(found: Found, spans: np.ndarray, buf: torch.Tensor, ops: list[_DeltaOp]) -> tuple:
     """Pack pieces of ``found`` into ``buf`` in one launch: per row of ``spans`` (first piece, end, byte offset
-    in ``buf``) those pieces one after another from that offset, each in its wire format."""
+    in ``buf``; one row per op of ``ops``, whose pieces they are) those pieces one after another from that offset,
+    each in its wire format. Returns the base update it makes possible, read from ``buf``: per piece with
+    changes of an op no other message shares (``_Pieces.mine``), ``(base address, index address, word address,
+    changes, words)`` (numpy int64 each; ``Scatter.of``'s rows)."""
     lengths = spans[:, 1] - spans[:, 0]
     sel = np.repeat(spans[:, 0] - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
-    sizes = wire_sizes(found.count[sel])
+    k = found.count[sel]
+    sizes = wire_sizes(k)
     before = np.cumsum(sizes) - sizes  # bytes before each piece, over all spans
     first = np.cumsum(lengths) - lengths
-    dst = buf.data_ptr() + np.repeat(spans[:, 2] - before[first], lengths) + before
+    dst = (buf.data_ptr() + np.repeat(spans[:, 2] - before[first], lengths) + before).astype(np.int64)
     with _send_stream(buf.device):  # beside the next chunk's find
-        pack_table(found, sel, dst.astype(np.int64), buf.device)
+        pack_table(found, sel, dst, buf.device)
+    s = _pieces(ops)
+    keep = s.mine & (k > 0) & (k <= found.cap[sel])
+    return s.ptrs[0][keep], dst[keep], dst[keep] + index_bytes(k[keep]), k[keep], s.nwords[keep]
 
 
 def _word_parts(idx: torch.Tensor, words: torch.Tensor) -> list[torch.Tensor]:
@@ -1089,10 +1132,9 @@ def _ready(steps: list) -> torch.cuda.Event | None:
 
 def _launch(fast: list[_DeltaOp], after: torch.cuda.Event | None = None) -> PendingFind:
     """The find of ``fast`` (messages found per word by address) in one launch, not waited for; on CUDA
-    behind ``after`` (``launch_words_table``); the base update of the pieces of messages no other shares
-    made with it (``Found.update_base``, queued by ``_find``)."""
+    behind ``after`` (``launch_words_table``)."""
     s = _pieces(fast)
-    return launch_words_table(s.ptrs[0], s.ptrs[1], s.nwords, fast[0].views[0].device, after, s.mine)
+    return launch_words_table(s.ptrs[0], s.ptrs[1], s.nwords, fast[0].views[0].device, after)
 
 
 def _launch_fast(ops: list[_DeltaOp], after: torch.cuda.Event | None = None) -> PendingFind | None:
