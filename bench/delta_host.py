@@ -91,17 +91,19 @@ def _find_words(table, pieces, idx, vals, counts) -> None:
         i64[slot[j] : slot[j] + m] = c[changed[:m]]
 
 
-def _scatter_words(table, programs, flag, check) -> None:
+def _scatter_words(table, programs, flag, check, pieces=False) -> None:
     """``_scatter_words``: per piece (rows: first, destination, indices, words, k, n) check every index into
-    ``flag`` or store each word at its index."""
-    if not programs:
+    ``flag`` (``pieces``: and ``flag[1 + j]``) or, unless ``flag[0]`` is raised, store each word at its index."""
+    if not programs or (not check and int(flag[0])):
         return
     _, dst, idx, words, k, n = _rows(table)
     for j in range(len(k)):
         i = _at(idx[j], 4 * k[j], np.int32)
         if check:
             if k[j] and (i.min() < 0 or i.max() >= n[j]):
-                flag.fill_(1)
+                flag[0] = 1
+                if pieces:
+                    flag[1 + j] = 1
         else:
             _at(dst[j], 8 * n[j], np.int64)[i] = _at(words[j], 8 * k[j], np.int64)
 

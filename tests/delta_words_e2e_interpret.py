@@ -3,8 +3,9 @@ word kernels run in Triton's interpreter, so every message takes the by-address 
 and scatter launch per batch) end to end: exact after every version, each sender's base equal to its weights
 after every refit (updated from its packed payloads, ``SourceBase.defer_packed``: mid-run where they pass the
 32 KiB staging budget, else at the end), a replica that lost its version healed, fan-out's shared messages
-deferred to commit, and a version that changes nearly every value (words over the find's slots, found again)
-followed by one that diffs against it. Prints ALL OK."""
+deferred to commit, a version that changes nearly every value (words over the find's slots, found again)
+followed by one that diffs against it, and an attacker's word index past its piece refused (nothing of its
+chunk's words stored, the message named). Prints ALL OK."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def main() -> None:
         assert enc["words"] == sum(enc.values()) and wire > dense, per_version[4]
         wire, dense, enc = per_version[5]
         assert enc["words"] == sum(enc.values()) and wire < 0.5 * dense, per_version[5]
+    # an attacker's word index past its piece (version 3): refused on every receiver (a sender may have finished
+    # first), the message named, none of the bad chunk's words stored (elements still at version 2 where 3
+    # differs), no element at another version
+    out = _run("corrupt", delta="words", timeout=240)
+    senders, receivers = out[:2], out[2:]
+    for got in receivers:
+        assert got[:2] == [True, True] and got[2][0] == "refused", got
+        assert "a word index is outside its piece" in got[2][1] and "delta from process" in got[2][1], got
+        assert got[2][3] == 0, got  # every element at version 2 or 3
+    assert any(got[2][2] >= 1 for got in receivers), receivers  # the bad chunk's words not stored
+    assert all(len(sent) == 3 for sent in senders), senders  # a sender refused, or done before the abort
     print("ALL OK")
 
 

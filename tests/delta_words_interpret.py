@@ -73,6 +73,29 @@ def main() -> None:
     assert not check_words_many(bad, use_triton=True)
     bad[0][0][3] = -1
     assert not check_words_many(bad, use_triton=True)
+    # the check without a host sync, a flag per piece (``Scatter.check``), and a scatter it guards: the bad
+    # index's piece flagged alone, and nothing stored anywhere while ``flags[0]`` is raised
+    from refit.quant.delta_words import Scatter
+
+    kept = [(b, i, w) for (b, _), (i, w, _) in zip(pairs, found) if i is not None]
+    before = [bits(b).clone() for b, _, _ in kept]
+    rows = [np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in zip(*kept)]
+    k = np.array([len(i) for _, i, _ in kept], dtype=np.int64)
+    n = np.array([b.numel() * b.element_size() // 8 for b, _, _ in kept], dtype=np.int64)
+    j = int(np.flatnonzero(k)[-1])  # the last piece with changes: one index past its words
+    saved = kept[j][1][0].item()
+    kept[j][1][0] = int(n[j])
+    scatter = Scatter.of(*rows, k, n, torch.device("cpu"))
+    flags = torch.zeros(1 + len(scatter.pieces), dtype=torch.int32)
+    scatter.check(flags)
+    raised = [int(scatter.pieces[r]) for r, v in enumerate(flags[1:].tolist()) if v]
+    assert flags[0] == 1 and raised == [j] and len(scatter.pieces) > 1, (flags, raised, j)
+    scatter.apply(flag=flags)
+    assert all(torch.equal(bits(b), old) for (b, _, _), old in zip(kept, before)), "a raised flag stores nothing"
+    kept[j][1][0] = saved
+    flags.zero_()
+    scatter.check(flags)
+    assert not flags.any()
     # scatter into the bases: they become the current versions
     items = [(b, i, w) for (b, _), (i, w, _) in zip(pairs, found) if i is not None]
     scatter_words_many(items, use_triton=True)

@@ -295,21 +295,24 @@ def test_a_delta_on_another_base_version_is_refused_naming_both_versions():
         check_header([1, 4, 6, 1], [10], version=5, held=4, op=op)
 
 
-def test_word_headers_read_at_once_only_when_every_field_is_what_check_header_accepts():
-    """A receiver reads one peer's word headers at once (``_words_at_once``) only where each would pass
-    ``check_header`` as words; any other header leaves every op untouched, for ``check_header`` to name."""
+def test_word_and_dense_headers_read_at_once_only_when_every_field_is_what_check_header_accepts():
+    """A receiver reads one peer's headers at once (``_headers_at_once``) only where each would pass
+    ``check_header`` as words or as dense (counts 0, as senders write them); any other header leaves every op
+    untouched, for ``check_header`` to name."""
     from refit.quant.delta import ENCODINGS, LINKS
-    from refit.transport.delta import _DeltaOp, _words_at_once
+    from refit.transport.delta import _DeltaOp, _headers_at_once
 
-    op = _Op(peer=3, tag=0, tensor=torch.empty(0), pack=[], names=("w",), step=0)
     group = []
     for pieces in ([16, 8], [4]):  # words per piece
+        op = _Op(
+            peer=3, tag=0, tensor=torch.empty(sum(pieces) * 4, dtype=torch.bfloat16), pack=[], names=("w",), step=0
+        )
         d = _DeltaOp(
             op, [torch.zeros(n * 4, dtype=torch.bfloat16) for n in pieces], [], LINKS["nvlink"], torch.empty(0)
         )
         d.nwords = pieces
         group.append(d)
-    words = ENCODINGS.index("words")
+    words, dense = ENCODINGS.index("words"), ENCODINGS.index("dense")
     good = [words, 4, 5, 3, 8, words, 4, 5, 0]
     bad = {
         "a count over its piece": [words, 4, 5, 3, 9, words, 4, 5, 0],
@@ -317,16 +320,28 @@ def test_word_headers_read_at_once_only_when_every_field_is_what_check_header_ac
         "another base": [words, 3, 5, 3, 8, words, 4, 5, 0],
         "another version": [words, 4, 5, 3, 8, words, 4, 6, 0],
         "not words": [words, 4, 5, 3, 8, ENCODINGS.index("sparse"), 4, 5, 0],
+        "a dense count": [words, 4, 5, 3, 8, dense, -1, 5, 1],
+        "a dense one of another version": [words, 4, 5, 3, 8, dense, -1, 4, 0],
         "too short": good[:-1],
     }
     for what, header in bad.items():
-        assert not _words_at_once(group, header, version=5, held=4), what
+        assert not _headers_at_once(group, header, version=5, held=4), what
         assert [d.kind for d in group] == ["dense", "dense"] and all(d.wire == 0 for d in group), what
-    assert not _words_at_once(group, good, version=5, held=None)  # no base held: no delta applies
-    assert _words_at_once(group, good, version=5, held=4)
+        assert all(d.payload is None for d in group), what
+    assert not _headers_at_once(group, good, version=5, held=None)  # no base held: no delta applies
+    assert _headers_at_once(group, good, version=5, held=4)
     assert [(d.kind, d.changes, d.wire) for d in group] == [("words", [3, 8], 16 + 24 + 32 + 64), ("words", [0], 0)]
     for d, n in zip(group, ([16, 8], [4])):  # the same as op by op
         assert check_header(good[:3] + d.changes, n, 5, 4, op, words=n) == ("words", d.changes)
+    mixed = [dense, -1, 5, 0, 0, words, 4, 5, 2]  # a dense message (any base) beside one of words
+    for held in (4, None):
+        expect = held is not None
+        assert _headers_at_once(group, mixed, version=5, held=held) == expect
+    assert [(d.kind, d.changes) for d in group] == [("dense", [0, 0]), ("words", [2])]
+    assert group[0].payload is group[0].op.tensor and group[1].payload is None and group[1].wire == 8 + 16
+    assert check_header(mixed[:5], [64, 32], 5, 4, group[0].op, words=[16, 8]) == ("dense", [0, 0])
+    assert _headers_at_once(group, [dense, -1, 5, 0, 0, dense, 7, 5, 0], version=5, held=None)  # a first refit
+    assert [d.kind for d in group] == ["dense", "dense"]
 
 
 def test_held_records_and_quiet_trailers_are_checked_field_by_field():
@@ -418,12 +433,22 @@ def _delta_worker(world, src, dst, config, mode):
         s = Sender(src, dst, world.rank, local, procs=procs, config=config)
         if mode == "lie":  # a buggy sender that believes every receiver holds its base
             s._held = lambda v, a, d: {p: s.executor.delta.base.version for p in range(world.world_size)}
+        at = [0]  # the version being pushed
+        if mode == "corrupt":
+            _corrupt_an_index_at_version_3(at)
         out = []
-        for v in range(1, VERSIONS + 1):
+        for v in range(1, (3 if mode == "corrupt" else VERSIONS) + 1):
+            at[0] = v
             if v > 1:
                 _optimizer_step(local, v, burst)
-            st = s.push(v)
-            if config.delta == "words" and mode != "lie":  # forced words: nothing stale, shared ones committed
+            try:
+                st = s.push(v)
+            except RefitAborted as e:
+                if mode != "corrupt":
+                    raise
+                out.append(("refused", str(e)))
+                break
+            if config.delta == "words" and mode not in ("lie", "corrupt"):  # nothing stale, shared ones committed
                 assert _base_is_sent(s, local), f"version {v}: the sender's base is not the weights it sent"
             if st.delta is None:  # the plain P2P path: no delta protocol, no base copy
                 out.append((None, s.executor.delta_base_bytes))
@@ -433,14 +458,39 @@ def _delta_worker(world, src, dst, config, mode):
     local = {n: torch.zeros_like(t) for n, t in _weights(dst, world.dst_rank, 0).items()}
     r = Receiver(src, dst, world.rank, local, procs=procs, config=config)
     exact = []
-    for v in range(1, VERSIONS + 1):
+    for v in range(1, (3 if mode == "corrupt" else VERSIONS) + 1):
         if v == 4 and mode in ("heal", "lie") and world.dst_rank == 1:
             for t in local.values():
                 t.zero_()  # this replica lost its weights (e.g. reloaded): it no longer holds version 3
             r.invalidate()
-        r.pull(v)
+        try:
+            r.pull(v)
+        except (DeltaError, RefitAborted) as e:
+            if mode != "corrupt":
+                raise
+            exact.append(("refused", str(e), *_left_by_refusal(src, dst, world.dst_rank, local, 2, 3)))
+            break
         exact.append(_matches_reference(src, dst, world.dst_rank, local, v, burst))
     return exact
+
+
+def _corrupt_an_index_at_version_3(at: list[int]) -> None:
+    """An attacker on a sender's side: at version ``at[0] == 3`` the first piece it packs as words by address
+    claims a word index past its piece (its own base update leaves that piece out: it would write past it)."""
+    import refit.transport.delta as td
+
+    real = td._pack_spans
+
+    def pack(found, spans, buf, ops):
+        rows = real(found, spans, buf, ops)
+        if at[0] != 3 or not len(rows[0]):
+            return rows
+        first = int(rows[1][0]) - buf.data_ptr()
+        buf[first : first + 4].view(torch.int32)[0] = int(rows[4][0]) + 7
+        at[0] = 0  # once
+        return tuple(r[1:] for r in rows)
+
+    td._pack_spans = pack
 
 
 def _base_is_sent(sender, local) -> bool:
@@ -455,6 +505,12 @@ def _base_is_sent(sender, local) -> bool:
 
 def _matches_reference(src, dst, dst_rank, local, version, burst=()):
     """The engine's bytes equal the trainer's full tensors of ``version``, sliced to this rank's boxes."""
+    want = _reference(src, dst, dst_rank, version, burst)
+    return all(torch.equal(local[n].view(torch.int16), w.view(torch.int16)) for n, w in want.items())
+
+
+def _reference(src, dst, dst_rank, version, burst=()):
+    """This rank's boxes of the trainer's full tensors of ``version``, by name."""
     full = {}
     for r in range(src.world_size):
         w = _weights(src, r, 0)
@@ -462,10 +518,19 @@ def _matches_reference(src, dst, dst_rank, local, version, burst=()):
             _optimizer_step(w, v, burst)
         for t, b in src.local_tensors(r):
             full.setdefault(t.name, torch.empty(t.shape, dtype=t.dtype))[box_slices(b)] = w[t.name]
-    return all(
-        torch.equal(local[t.name].view(torch.int16), full[t.name][box_slices(b)].view(torch.int16))
-        for t, b in dst.local_tensors(dst_rank)
-    )
+    return {t.name: full[t.name][box_slices(b)] for t, b in dst.local_tensors(dst_rank)}
+
+
+def _left_by_refusal(src, dst, dst_rank, local, old, new):
+    """After a refused version ``new``: the elements (16-bit) still at version ``old`` where it differs, and
+    those at neither version."""
+    a, b = (_reference(src, dst, dst_rank, v) for v in (old, new))
+    kept = neither = 0
+    for name, t in local.items():
+        x, o, n = (v.view(torch.int16) for v in (t, a[name], b[name]))
+        kept += int(((x == o) & (o != n)).sum())
+        neither += int(((x != o) & (x != n)).sum())
+    return kept, neither
 
 
 def _run(mode, commit="in_place", timeout=150, dst_spec="tp=2", link_gbps=None, delta="auto"):

@@ -90,10 +90,13 @@ if AVAILABLE:
         tl.store(val_ptr + slot + pos, c, mask=ok)
 
     @triton.jit
-    def _scatter_words(tab_ptr, flag_ptr, NP, LOG: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr):
+    def _scatter_words(
+        tab_ptr, flag_ptr, NP, LOG: tl.constexpr, CHECK: tl.constexpr, PIECES: tl.constexpr, BLOCK: tl.constexpr
+    ):
         """Table rows (int64, ``NP`` pieces each): first program, destination address, index address (int32),
-        word address (int64), changes, words in the piece. ``CHECK``: raise ``flag`` where an index is outside
-        ``[0, words)``, store nothing; else store each word at its index."""
+        word address (int64), changes, words in the piece. ``CHECK``: raise ``flag[0]`` where an index is outside
+        ``[0, words)`` (``PIECES``: and ``flag[1 + j]`` for its piece ``j``), store nothing; else, unless
+        ``flag[0]`` is raised, store each word at its index."""
         pid = tl.program_id(0).to(tl.int64)
         j = _piece_of(tab_ptr, pid, NP, LOG)
         k = tl.load(tab_ptr + 4 * NP + j)
@@ -101,9 +104,12 @@ if AVAILABLE:
         m = offs < k
         i = tl.load(tl.load(tab_ptr + 2 * NP + j).to(tl.pointer_type(tl.int32)) + offs, mask=m, other=0).to(tl.int64)
         if CHECK:
-            bad = m & ((i < 0) | (i >= tl.load(tab_ptr + 5 * NP + j)))
-            tl.atomic_max(flag_ptr, tl.max(bad.to(tl.int32), axis=0))
+            bad = tl.max((m & ((i < 0) | (i >= tl.load(tab_ptr + 5 * NP + j)))).to(tl.int32), axis=0)
+            tl.atomic_max(flag_ptr, bad)
+            if PIECES:
+                tl.atomic_max(flag_ptr + 1 + j, bad)
         else:
+            m = m & (tl.zeros_like(offs) == tl.load(flag_ptr))  # a raised flag masks every store
             v = tl.load(tl.load(tab_ptr + 3 * NP + j).to(tl.pointer_type(tl.int64)) + offs, mask=m)
             tl.store(tl.load(tab_ptr + NP + j).to(tl.pointer_type(tl.int64)) + i, v, mask=m)
 
@@ -144,13 +150,16 @@ def launch_find_words(
         )
 
 
-def launch_scatter_words(table: torch.Tensor, programs: int, flag: torch.Tensor, check: bool) -> None:
+def launch_scatter_words(
+    table: torch.Tensor, programs: int, flag: torch.Tensor, check: bool, pieces: bool = False
+) -> None:
     """Enqueue ``_scatter_words`` over ``table`` (int64 ``[6, NP]`` on the device): check every index into
-    ``flag`` (one int32, zeroed: 1 where one is out of range), or scatter."""
+    ``flag`` (int32, zeroed: ``flag[0]`` 1 where one is out of range; ``pieces``: ``NP + 1`` of them, ``flag[1 + j]``
+    for piece ``j``), or scatter unless ``flag[0]`` is raised."""
     if programs:
         np_ = table.shape[1]
         _scatter_words[(programs,)](
-            table, flag, np_, LOG=_log2(np_), CHECK=check, BLOCK=WORD_BLOCK, num_warps=WORD_WARPS
+            table, flag, np_, LOG=_log2(np_), CHECK=check, PIECES=pieces, BLOCK=WORD_BLOCK, num_warps=WORD_WARPS
         )
 
 

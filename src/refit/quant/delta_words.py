@@ -19,7 +19,7 @@ Wire format of one piece (``wire_sizes``): ``k`` int32 word indices, padded to 8
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -312,47 +312,63 @@ def _program_pieces(programs: np.ndarray, device: torch.device) -> torch.Tensor:
 @dataclass
 class Scatter:
     """One table of pieces given by byte addresses, for ``_scatter_words``: built once, then checked
-    (``ok``) and applied (``apply``), one launch each."""
+    (``ok``, or ``check`` without a host sync) and applied (``apply``), one launch each."""
 
     table: torch.Tensor | None
     programs: int
     device: torch.device
+    pieces: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # each row's piece in ``of``
 
     @staticmethod
     def of(dst: np.ndarray, idx: np.ndarray, words: np.ndarray, k: np.ndarray, n: np.ndarray, device) -> Scatter:
         """Pieces (int64 arrays): ``dst`` (contiguous, 8-byte aligned, ``n`` words), its ``k`` int32 indices at
-        ``idx`` and ``k`` words at ``words``; those with ``k == 0`` left out."""
+        ``idx`` and ``k`` words at ``words``; those with ``k == 0`` left out (``pieces``: the others' positions)."""
         keep = k > 0
         if not keep.any():
             return Scatter(None, 0, device)
         rows = [dst[keep], idx[keep], words[keep], k[keep], n[keep]]
-        return Scatter(*_table(rows, _blocks(k[keep]), device), device)
+        return Scatter(*_table(rows, _blocks(k[keep]), device), device, np.flatnonzero(keep))
 
     def ok(self) -> bool:
         """Whether every index is in ``[0, n)`` of its piece (one launch, one host sync; nothing stored)."""
-        from refit.quant.delta_triton import launch_scatter_words
-
         if self.table is None:
             return True
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        launch_scatter_words(self.table, self.programs, flag, check=True)
+        self.check(flag)
         return not int(flag.item())
 
-    def apply(self, stream: torch.cuda.Stream | None = None, keep: tuple[torch.Tensor, ...] = ()) -> None:
-        """Store every word at its index (checked before: ``ok``). With ``stream`` (CUDA): on that stream,
-        behind all work queued so far on the current one, and the table and ``keep`` (the tensors the table
+    def check(self, flags: torch.Tensor) -> None:
+        """Launch the check of every index into ``flags`` (int32, zeroed, ``1 + len(pieces)`` or 1 of them on the
+        device): ``flags[0]`` is raised where some index is outside its piece, and ``flags[1 + r]`` for row ``r``
+        (piece ``pieces[r]``) where it has room. No host sync: read them later (``apply(flag=flags)`` stores
+        nothing where ``flags[0]`` is raised)."""
+        from refit.quant.delta_triton import launch_scatter_words
+
+        if self.table is not None:
+            launch_scatter_words(self.table, self.programs, flags, check=True, pieces=len(flags) > 1)
+
+    def apply(
+        self,
+        stream: torch.cuda.Stream | None = None,
+        keep: tuple[torch.Tensor, ...] = (),
+        flag: torch.Tensor | None = None,
+    ) -> None:
+        """Store every word at its index (checked before: ``ok``; or, with ``flag``, by ``check(flag)`` queued
+        before: nothing is stored where it raised ``flag[0]``). With ``stream`` (CUDA): on that stream, behind
+        all work queued so far on the current one, and the table, ``flag`` and ``keep`` (the tensors the table
         points into) are not freed before it is done; the caller makes its stream wait for ``stream``."""
         from refit.quant.delta_triton import launch_scatter_words
 
         if self.table is None:
             return
+        guard = self.table[0, :1] if flag is None else flag  # row 0 starts with piece 0's first program: 0
         if stream is None or self.device.type != "cuda":
-            launch_scatter_words(self.table, self.programs, self.table[0, :1], check=False)  # no flag
+            launch_scatter_words(self.table, self.programs, guard, check=False)
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            launch_scatter_words(self.table, self.programs, self.table[0, :1], check=False)
-        for t in (self.table, *keep):
+            launch_scatter_words(self.table, self.programs, guard, check=False)
+        for t in (self.table, guard, *keep):
             t.record_stream(stream)
 
 

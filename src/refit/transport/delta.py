@@ -422,6 +422,7 @@ class DeltaSchedule:
         self.ahead: tuple | None = None  # (step-chunk, plans, batches, its first find): queued by ``_prefetch``
         self.applying: torch.device | None = None  # a CUDA device with scatters on its "apply" stream (``_apply``)
         self.ready: torch.cuda.Event | None = None  # sender on CUDA, per run: the run's finds wait for it only
+        self.checks: list = []  # receiver, per run: each word scatter's index check (flags, ops, pieces): ``_verify``
 
     @property
     def receivers(self) -> list[int]:
@@ -579,8 +580,9 @@ class DeltaSchedule:
             apart = not inc or len(works) == len(out) + len(inc)
             sending = (works[: len(works) - len(inc)], out_ops) if apart and _in_flight(sends) else ([], [])
             rest, named = works[len(sending[0]) :], (out_ops + inc_ops)[len(out_ops) if sending[0] else 0 :]
-            if rest:  # a delta's indices are checked on the host next: the host waits under the clock first
-                self.p2p.wait(clock, rest, named, "delta transfer", any(d.kind != "dense" for d in recvs))
+            if rest:  # a delta's indices checked on the host next (not words by address, ``_scatter``): the host
+                # waits under the clock first
+                self.p2p.wait(clock, rest, named, "delta transfer", any(_host_checked(d) for d in recvs))
             self._apply(recvs)
             if recvs:
                 stats.received_bytes += sum(d.payload.nbytes for d in recvs) + int(_pieces(recvs).header_bytes.sum())
@@ -590,6 +592,7 @@ class DeltaSchedule:
             self.base.flush(final=True)
         if sending[0]:
             self.p2p.wait(clock, *sending, "delta transfer")
+        self._verify(clock)
         for peer in {p for side, p in quiet | set(after) if side == 1}:  # counted down, or as announced
             self.quiet[peer] = self.quiet.get(peer, 0) - 1 if (1, peer) in quiet else after.get((1, peer), 0)
         self.told = None
@@ -621,6 +624,7 @@ class DeltaSchedule:
         self.quiet.clear()
         self.told = None
         self.ahead = None
+        self.checks = []
         for d in (d for sides in self.steps for ops in sides for d in ops):  # drop what the failed run held
             d.payload, d.parts, d.changes, d.found = None, [], [], None
         if self.base is not None:
@@ -664,7 +668,7 @@ class DeltaSchedule:
         off = 0
         for peer, group in _by_peer(recvs):
             at = off + len(_pieces(group).counted)
-            if (1, peer) in quiet or not _words_at_once(group, got[off:at], version, held.get(self.proc)):
+            if (1, peer) in quiet or not _headers_at_once(group, got[off:at], version, held.get(self.proc)):
                 at = off
                 for d in group:
                     header = None if (1, peer) in quiet else got[at : at + 3 + len(d.views)]
@@ -894,8 +898,9 @@ class DeltaSchedule:
 
     def _apply(self, recvs: list[_DeltaOp]) -> None:
         """Check every delta's indices first (one host sync per kind: a bad index raises ``DeltaError``
-        naming its message before anything of the chunk is written), then unpack the dense messages and
-        scatter the deltas into their views."""
+        naming its message before anything of the chunk is written; words by address: ``_scatter``, checked on
+        the device, nothing of the chunk's words stored if one is bad, named at the run's end), then unpack the
+        dense messages and scatter the deltas into their views."""
         todo, words, fast = [], [], [d for d in recvs if d.kind == "words" and d.fast]
         for d in recvs:
             if d.kind == "dense" or (d.kind == "words" and d.fast):
@@ -914,7 +919,6 @@ class DeltaSchedule:
             for d, v, idx, _ in todo:  # name the message
                 check_indices_many([(idx, v.numel())], f"delta from process {d.op.peer} ({d.op.what()})")
             raise
-        scatter = _located(fast) if fast else None
         for d in recvs:
             if d.kind == "dense":
                 for bv, tv in d.op.pack:
@@ -922,10 +926,42 @@ class DeltaSchedule:
         for _, v, idx, vals in todo:
             apply_changes(v, idx, vals)
         scatter_words_many([(v, idx, w) for _, v, idx, w in words])
-        if scatter is not None:  # on CUDA beside the current stream: the next chunk's header read does not wait
-            dev = fast[0].views[0].device
-            self.applying = dev if dev.type == "cuda" else None
-            scatter.apply(side_stream(dev, "apply") if self.applying else None, tuple(d.payload for d in fast))
+        if fast:
+            self._scatter(fast)
+
+    def _scatter(self, fast: list[_DeltaOp]) -> None:
+        """Words by address: every index checked and the words scattered, one launch each, queued without a host
+        sync (on CUDA the scatter beside the current stream: the next chunk's header read does not wait for it).
+        The scatter stores nothing if any index of the chunk is outside its piece; ``_verify`` reads the check
+        at the end of the run and names the message."""
+        scatter, dev = _located(fast), fast[0].views[0].device
+        flags = torch.zeros(1 + len(scatter.pieces), dtype=torch.int32, device=dev)
+        scatter.check(flags)
+        self.checks.append((flags, fast, scatter.pieces))
+        self.applying = dev if dev.type == "cuda" else None
+        scatter.apply(side_stream(dev, "apply") if self.applying else None, tuple(d.payload for d in fast), flags)
+
+    def _verify(self, clock: RunClock) -> None:
+        """The index checks ``_scatter`` queued, read once (on CUDA under ``clock``): ``DeltaError`` naming the
+        first message with a word index outside its piece (its chunk stored none of its words)."""
+        checks, self.checks = self.checks, []
+        if not checks:
+            return
+        flags = torch.cat([f for f, _, _ in checks])
+        if flags.is_cuda and clock.bounded:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(flags.device))
+            clock.watch(done.query, lambda: "the delta word index checks")
+        got, at = flags.tolist(), 0
+        for f, ops, pieces in checks:
+            mine, at = got[at : at + len(f)], at + len(f)
+            if mine[0]:
+                bad = pieces[[r for r, v in enumerate(mine[1:]) if v][0]]
+                d = ops[int(np.searchsorted(_pieces(ops).first, bad, side="right")) - 1]
+                raise DeltaError(
+                    f"delta from process {d.op.peer} ({d.op.what()}): a word index is outside its piece "
+                    "(none of that chunk's words were stored)"
+                )
 
 
 def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
@@ -952,23 +988,31 @@ def _chunks(plan: Plan, config: TransferConfig) -> dict[int, int]:
     return out
 
 
-def _words_at_once(group: list[_DeltaOp], got: list[int], version: int, held: int | None) -> bool:
-    """``_receive_into`` at once (numpy) of one peer's ops whose headers (``got``) all say words of this
-    ``version`` on the base ``held``, every count within its piece's words; False otherwise, nothing set
-    (op by op, ``check_header`` then names what is wrong)."""
+def _headers_at_once(group: list[_DeltaOp], got: list[int], version: int, held: int | None) -> bool:
+    """``_receive_into`` at once (numpy) of one peer's ops whose headers (``got``) all say words or dense of this
+    ``version``: words on the base ``held``, every count within its piece's words; dense with every count 0 (as
+    a sender writes them). False otherwise, nothing set (op by op, ``check_header`` then names what is wrong).
+    A chunk of a few dense messages among many of words (``auto``: a norm's few KiB go dense) takes no Python
+    step per op but for its dense ones."""
     s, h = _pieces(group), np.array(got, dtype=np.int64)
     starts = s.heads
-    ok = held is not None and len(h) == len(s.counted)
-    if not ok or (h[starts] != ENCODINGS.index("words")).any() or (h[starts + 1] != held).any():
+    if len(h) != len(s.counted):
         return False
-    if (h[starts + 2] != version).any():
+    kind = h[starts]
+    words, dense = kind == ENCODINGS.index("words"), kind == ENCODINGS.index("dense")
+    if not (words | dense).all() or (h[starts + 2] != version).any():
+        return False
+    if words.any() and (held is None or (h[starts + 1][words] != held).any()):
         return False
     k = h[s.counted]
-    if ((k < 0) | (k > s.nwords)).any():
+    if ((k < 0) | (k > np.where(np.repeat(words, np.diff(s.first)), s.nwords, 0))).any():
         return False
     wire, counts = np.add.reduceat(wire_sizes(k), s.first[:-1]).tolist(), k.tolist()
-    for d, w, (a, b) in zip(group, wire, s.spans):
-        d.kind, d.changes, d.payload, d.wire = "words", counts[a:b], None, w
+    for d, w, (a, b), by_words in zip(group, wire, s.spans, words.tolist()):
+        if by_words:
+            d.kind, d.changes, d.payload, d.wire = "words", counts[a:b], None, w
+        else:
+            d.kind, d.changes, d.payload = "dense", counts[a:b], d.op.tensor
     return True
 
 
@@ -1002,6 +1046,12 @@ def _send_stream(device: torch.device):
     with torch.cuda.stream(stream):
         yield
     current.wait_stream(stream)
+
+
+def _host_checked(d: _DeltaOp) -> bool:
+    """Whether a received delta's indices are checked with a host sync (every kind but dense and words by
+    address, whose check ``_scatter`` queues on the device)."""
+    return d.kind != "dense" and not (d.kind == "words" and d.fast)
 
 
 def _in_flight(sends: list[_DeltaOp]) -> bool:
@@ -1204,26 +1254,14 @@ def _fast(tensors: list[torch.Tensor]) -> bool:
 
 def _located(ops: list[_DeltaOp]) -> Scatter:
     """A receiver's words by address (every destination view addressable): each piece's indices and words
-    located in its op's payload by arithmetic, as one ``Scatter`` table, every index checked in one launch
-    (``DeltaError`` naming the message). The caller applies it."""
+    located in its op's payload by arithmetic, as one ``Scatter`` table. The caller checks and applies it."""
     s = _pieces(ops)
     k = np.array([c for d in ops for c in d.changes], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(wire_sizes(k))[:-1]]).astype(np.int64)
     first, dst, n = s.first, s.ptrs[0], s.nwords
     payload = np.repeat(np.array([d.payload.data_ptr() for d in ops], dtype=np.int64), np.diff(first))
     idx = payload + starts - np.repeat(starts[first[:-1]], np.diff(first))  # each op's pieces from its payload
-    device = ops[0].views[0].device
-    scatter = Scatter.of(dst, idx, idx + index_bytes(k), k, n, device)
-    if not scatter.ok():
-        parts = [slice(first[j], first[j + 1]) for j in range(len(ops))]
-        _named(
-            lambda group: all(
-                Scatter.of(dst[p], idx[p], idx[p], k[p], n[p], device).ok() for _, p in group
-            ),  # indices only
-            list(zip(ops, parts)),
-            True,
-        )
-    return scatter
+    return Scatter.of(dst, idx, idx + index_bytes(k), k, n, ops[0].views[0].device)
 
 
 def _named(ok, items: list[tuple], failed: bool = False) -> None:
