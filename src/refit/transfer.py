@@ -192,6 +192,11 @@ class Peer:
     with a new Peer, either on a fresh group or on the same group with a new
     ``config.name`` and a fresh ``tag_base`` range (as ``Fanout`` does), so a
     receive left posted by the failed attempt never matches.
+
+    CUDA tensors over P2P need an NCCL ``group``. For delta refits make it with
+    high-priority streams (``pg_options=ProcessGroupNCCL.Options(
+    is_high_priority_stream=True)``, as ``refit.tools.launch`` does): a chunk's
+    payload sends then start beside the next chunk's find, not after it.
     """
 
     def __init__(
