@@ -64,6 +64,34 @@ class BatchMeta:
         if self.where is not None and len(self.where) != len(self.keys):
             raise ValueError(f"BatchMeta: {len(self.where)} locations for {len(self.keys)} keys")
 
+    @classmethod
+    def trusted(
+        cls,
+        keys: tuple[str, ...],
+        partition: str,
+        fields: tuple[str, ...],
+        tags: tuple[dict[str, Any], ...],
+        seq_lens: tuple[int, ...] | None = None,
+        where: tuple[Any, ...] | None = None,
+    ) -> BatchMeta:
+        """The meta a store builds for a put it has already checked (``normalize_put``): the same
+        object the validated constructor gives, without its per-key work (no copy of ``tags``, no
+        duplicate check, no conversion). Only for refit's own stores: the caller guarantees the
+        contract above (tuples, unique ``str`` keys, ``int`` lengths, one fresh tag dict and one
+        location per key, nobody else holding those dicts); nothing is checked. ``extra_info`` is empty."""
+        meta = object.__new__(cls)
+        for name, value in (
+            ("keys", keys),
+            ("partition", partition),
+            ("fields", fields),
+            ("tags", tags),
+            ("seq_lens", seq_lens),
+            ("extra_info", {}),
+            ("where", where),
+        ):
+            object.__setattr__(meta, name, value)
+        return meta
+
     def __len__(self) -> int:
         return len(self.keys)
 
