@@ -245,3 +245,15 @@ def test_group_rows_groups_pairs_by_owner_key_in_first_seen_order():
     assert group_rows([(7, 0), (3, 5), (7, 1)]) == [(7, [0, 2], [0, 1]), (3, [1], [5])]
     a, b, a2 = ("x", 1), ("y", 2), ("x", 3)  # a2: another owner of a's key, grouped with it
     assert group_rows([(a, 0), (b, 1), (a2, 2)], key=lambda o: o[0]) == [(a, [0, 2], [0, 2]), (b, [1], [1])]
+
+
+def test_gather_of_ranges_is_the_view_lists_give():
+    from refit.data.store import gather
+
+    t = torch.arange(24).reshape(6, 4)
+    whole = gather(6, [(t, range(6), range(6))])
+    assert whole.data_ptr() == t.data_ptr() and torch.equal(whole, gather(6, [(t, list(range(6)), list(range(6)))]))
+    tail = gather(2, [(t, range(2), range(4, 6))])
+    assert torch.equal(tail, t[4:6]) and tail.data_ptr() == t[4].data_ptr()
+    private = gather(6, [(t, range(6), range(6))], copy=True)
+    assert torch.equal(private, t) and private.data_ptr() != t.data_ptr()

@@ -503,7 +503,7 @@ class RayStore(Store):
             return None
         where = keys.where
         if isinstance(where, PutRows):  # a whole put, as it returned it
-            groups = [(where.placed, list(range(where.n)), list(range(where.n)))]
+            groups = [(where.placed, range(where.n), range(where.n))]
         elif placed_of(where) is None:  # not (placed, row) pairs: not this store's
             return None
         else:
