@@ -257,3 +257,19 @@ def test_gather_of_ranges_is_the_view_lists_give():
     assert torch.equal(tail, t[4:6]) and tail.data_ptr() == t[4].data_ptr()
     private = gather(6, [(t, range(6), range(6))], copy=True)
     assert torch.equal(private, t) and private.data_ptr() != t.data_ptr()
+
+
+def test_zero_copy_decode_of_read_only_bytes_is_exact_and_silent():
+    import warnings
+
+    from refit.data.ray_store import decode, encode
+
+    t = torch.randn(3, 5).to(torch.bfloat16)
+    arr, dtype, shape = encode(t)
+    arr = arr.copy()
+    arr.flags.writeable = False  # as an object-store buffer is
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        view = decode((arr, dtype, shape), copy=False)
+    assert view.dtype == torch.bfloat16 and torch.equal(view.view(torch.int16), t.view(torch.int16))
+    assert view.data_ptr() == arr.ctypes.data  # a view of the bytes, not a copy

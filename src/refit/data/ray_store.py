@@ -99,13 +99,25 @@ def encode(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
     return t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
+def _quiet_readonly_views() -> None:
+    """torch warns once per process when it views a read-only numpy array (as every zero-copy read of
+    an object-store buffer does); spend that one warning here, silently, so ``decode`` needs no
+    ``warnings.catch_warnings`` per call (what the first read used to spend it on)."""
+    arr = np.zeros(1, dtype=np.uint8)
+    arr.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.from_numpy(arr)
+
+
+_quiet_readonly_views()
+
+
 def decode(w: tuple[np.ndarray, str, tuple[int, ...]], copy: bool) -> torch.Tensor:
     """The tensor ``encode`` described; ``copy=False`` views the array's memory (never write to it
     when it is an object-store buffer), ``copy=True`` owns a writable copy."""
     arr, dtype, shape = w
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only object-store buffers
-        t = torch.from_numpy(arr)
+    t = torch.from_numpy(arr)
     if copy:
         t = t.clone()
     return t.view(getattr(torch, dtype)).reshape(shape)
