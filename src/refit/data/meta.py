@@ -26,11 +26,13 @@ class BatchMeta:
     int per key, or None when unknown. ``extra_info``: free-form (e.g. a rank's packing).
     ``where``: one location per key, opaque (the backend that wrote the keys made them and is the
     only one that reads them; e.g. ``RayStore(trust_meta=True)`` names the object holding each
-    row), or None.
+    row), or None: a tuple, or, in a meta the backend built itself, an immutable sequence of its own
+    (``RayStore``'s ``PutRows``: a whole put without a pair per key).
 
     Must agree: ``keys`` are unique; ``tags``, ``seq_lens`` and ``where`` have one entry per key,
     entry ``i`` describing ``keys[i]``. Checked in ``__post_init__`` (``ValueError`` naming the
-    partition or both counts), which also turns the lists into tuples.
+    partition or both counts), which also turns the lists into tuples; ``trusted`` skips that, for
+    the metas a store builds from a put it has checked.
 
     Frozen: ``select``, ``reorder``, ``chunk``, ``concat``, ``with_fields`` and
     ``with_extra_info`` return a new ``BatchMeta`` (``extra_info`` deep-copied), keeping the
