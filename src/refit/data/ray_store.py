@@ -357,7 +357,10 @@ def _mine(partition: str, keys: list[str], expect: str | list[str] | None):
     def accept(located: dict) -> str | None:
         for groups in located.values():
             for (p, _), pos, _ in groups:
-                bad = next((i for i in pos if _origin(expect, i) != p.origin), None)
+                if isinstance(expect, str):  # one put's meta: one comparison per group
+                    bad = pos[0] if pos and expect != p.origin else None
+                else:
+                    bad = next((i for i in pos if expect[i] != p.origin), None)
                 if bad is not None:
                     return (
                         f"key {keys[bad]!r} in partition {partition!r} no longer holds the put its meta names "
