@@ -22,7 +22,8 @@ Three parts, every method run in the same Ray session (one node; object store ca
   (``balanced_shards`` of long-tailed lengths: scattered rows) at once; time from the put to the
   last consumer done. Ray: ``ray.get`` of the whole object, then its rows (one ``index_select``).
 - ``mpmc``: ``--producers`` actors each put ``--batches-per-producer`` small batches and push their
-  handles into one bounded queue (``ray.util.queue.Queue(maxsize=--bound)``); ``--consumers`` actors
+  handles into one bounded queue (``ray.util.queue.Queue(maxsize=--bound)``, a new one per method and
+  round, warmed before the timing with one handle of each kind: ``warm_queue``); ``--consumers`` actors
   pop, read every field, and release them (refit: ``take``, one call that reads and clears;
   TransferQueue: ``kv_batch_get`` then ``kv_clear``; Ray: drop the reference). Throughput is bytes
   moved over the wall time; latencies are per put and per get, measured in the actors; memory is the
@@ -373,6 +374,18 @@ def make_mpmc_actors(ray):
     return Producer, Consumer
 
 
+def warm_queue(ray, queue) -> None:
+    """Pass one handle of every method's kind (a Ray reference, a key list, a ``BatchMeta``) through a new
+    queue before it is timed, alike for every method: unpickling a ``BatchMeta`` makes the queue's actor
+    import refit, and so torch (~2.7 s of CPU, once per process), which until stop 41 fell inside the
+    timed run of the refit methods (~20 ms of CPU per batch of 128)."""
+    from refit.data import BatchMeta
+
+    for handle in ([ray.put(0)], ["warm"], BatchMeta(keys=["warm"], partition="mpmc")):
+        queue.put(handle)
+        queue.get()
+
+
 def run_mpmc(ray, stores, args, pids: list[int]) -> list[dict]:
     from ray.util.queue import Queue
 
@@ -389,6 +402,7 @@ def run_mpmc(ray, stores, args, pids: list[int]) -> list[dict]:
         for mode in ("ray numpy", *stores, "transferqueue"):
             s = stores.get(mode)
             queue = Queue(maxsize=args.bound, actor_options={"num_cpus": 0})
+            warm_queue(ray, queue)
             with MemoryProbe(pids) as mem:
                 t0 = time.perf_counter()
                 cons = [c.run.remote(mode, s, queue, total // args.consumers) for c in consumers]

@@ -187,6 +187,32 @@ def test_batch_meta_ops():
         BatchMeta.concat([m, m])
 
 
+def test_trusted_meta_equals_the_validated_one():
+    keys, tags = [f"k{i}" for i in range(4)], [{"v": i} for i in range(4)]
+    fast = BatchMeta.trusted(tuple(keys), "p", ("x", "y"), tuple(tags), (3, 2, 1, 0), where=None)
+    slow = BatchMeta(keys=keys, partition="p", fields=["x", "y"], tags=tags, seq_lens=[3, 2, 1, 0])
+    assert fast == slow and repr(fast) == repr(slow) and hash(fast.keys) == hash(slow.keys)
+    assert fast.extra_info == {} and fast.where is None and isinstance(fast.tags, tuple)
+    assert fast.select([2, 0]) == slow.select([2, 0]) and BatchMeta.concat([fast, slow.select([])]) == slow
+    with pytest.raises(AttributeError):  # frozen, as the validated one
+        fast.keys = ()  # type: ignore[misc]
+
+
+def test_put_returns_the_validated_meta_and_bad_input_still_names_its_error(store):
+    meta = store.put(["a", "b"], {"x": torch.zeros(2, 3)}, partition="m", tags={"v": 1}, seq_lens=torch.tensor([4, 5]))
+    want = BatchMeta(keys=["a", "b"], partition="m", fields=["x"], tags=[{"v": 1}, {"v": 1}], seq_lens=[4, 5])
+    assert meta == want and type(meta.seq_lens[0]) is int and type(meta.keys) is tuple
+    meta.tags[0]["v"] = 99  # the meta's dicts are its own: not the store's, not each other's
+    assert meta.tags[1] == {"v": 1} and store.meta(["a"], partition="m").tags == ({"v": 1},)
+    with pytest.raises(ValueError, match=r"put: duplicate keys \['a'\]"):
+        store.put(["a", "a"], {"x": torch.zeros(2, 3)}, partition="m2")
+    with pytest.raises(ValueError, match="put: 1 seq_lens for 2 keys"):
+        store.put(["c", "d"], {"x": torch.zeros(2, 3)}, partition="m2", seq_lens=[1])
+    with pytest.raises(ValueError, match="BatchMeta: duplicate keys"):  # a user's own meta is still checked
+        BatchMeta(keys=["a", "a"], partition="m")
+    assert store.keys("m2") == []
+
+
 def test_take_is_get_then_clear_in_one_step(store):
     data = _batch()
     keys = ["a", "b", "c", "d", "e", "f"]
@@ -219,3 +245,31 @@ def test_group_rows_groups_pairs_by_owner_key_in_first_seen_order():
     assert group_rows([(7, 0), (3, 5), (7, 1)]) == [(7, [0, 2], [0, 1]), (3, [1], [5])]
     a, b, a2 = ("x", 1), ("y", 2), ("x", 3)  # a2: another owner of a's key, grouped with it
     assert group_rows([(a, 0), (b, 1), (a2, 2)], key=lambda o: o[0]) == [(a, [0, 2], [0, 2]), (b, [1], [1])]
+
+
+def test_gather_of_ranges_is_the_view_lists_give():
+    from refit.data.store import gather
+
+    t = torch.arange(24).reshape(6, 4)
+    whole = gather(6, [(t, range(6), range(6))])
+    assert whole.data_ptr() == t.data_ptr() and torch.equal(whole, gather(6, [(t, list(range(6)), list(range(6)))]))
+    tail = gather(2, [(t, range(2), range(4, 6))])
+    assert torch.equal(tail, t[4:6]) and tail.data_ptr() == t[4].data_ptr()
+    private = gather(6, [(t, range(6), range(6))], copy=True)
+    assert torch.equal(private, t) and private.data_ptr() != t.data_ptr()
+
+
+def test_zero_copy_decode_of_read_only_bytes_is_exact_and_silent():
+    import warnings
+
+    from refit.data.ray_store import decode, encode
+
+    t = torch.randn(3, 5).to(torch.bfloat16)
+    arr, dtype, shape = encode(t)
+    arr = arr.copy()
+    arr.flags.writeable = False  # as an object-store buffer is
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        view = decode((arr, dtype, shape), copy=False)
+    assert view.dtype == torch.bfloat16 and torch.equal(view.view(torch.int16), t.view(torch.int16))
+    assert view.data_ptr() == arr.ctypes.data  # a view of the bytes, not a copy

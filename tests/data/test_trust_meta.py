@@ -207,3 +207,35 @@ def test_zero_copy_survives_chunking_pickling_and_concat(trusting):
     one = trusting.get(joined, select_fields=["ids"])["ids"]
     again = trusting.get(meta, select_fields=["ids"])["ids"]
     assert one.data_ptr() == again.data_ptr()  # one put, one object: a view, not a gather
+
+
+def test_a_puts_locations_are_one_compact_sequence_equal_to_its_pairs(trusting):
+    from refit.data.placed import Placed, PutRows
+
+    data = _batch(5, 11)
+    meta = trusting.put([f"c{i}" for i in range(5)], data, partition="tm")
+    where = meta.where
+    assert isinstance(where, PutRows) and isinstance(where[0][0], Placed)
+    pairs = tuple((where.placed, i) for i in range(5))
+    assert tuple(where) == pairs and list(where) == list(pairs) and len(where) == 5
+    assert where[-1] == pairs[-1] and where[1:3] == pairs[1:3]
+    with pytest.raises(IndexError, match="out of range for 5 rows"):
+        where[5]
+    shipped = ray.get(ray.put(meta))  # pickled as (placed, n), not one pair per key
+    assert isinstance(shipped.where, PutRows) and len(shipped.where) == 5 and shipped == meta
+    assert meta.select([4, 1]).where == (pairs[4], pairs[1])  # the validated constructor makes it a tuple
+    got = trusting.get(shipped, select_fields=["ids"])["ids"]
+    assert torch.equal(got, data["ids"])
+    assert got.data_ptr() == trusting.get(meta, select_fields=["ids"])["ids"].data_ptr()  # one object, a view
+
+
+def test_a_take_through_a_concatenated_meta_checks_each_keys_own_put(trusting):
+    a = trusting.put(["m0", "m1"], _batch(2, 12), partition="tm")
+    b = trusting.put(["m2"], _batch(1, 13), partition="tm")
+    trusting.take(b, select_fields=["ids"])
+    trusting.put(["m2"], _batch(1, 14), partition="tm")  # m2 written again: not b's put any more
+    both = type(a).concat([a, b])  # per-key origins: a's for m0 and m1, b's for m2
+    with pytest.raises(MissingKeyError, match="'m2'.*no longer holds"):
+        trusting.take(both, select_fields=["ids"])
+    assert sorted(trusting.keys("tm")) == ["m0", "m1", "m2"]  # nothing dropped
+    assert trusting.clear(both) == 2 and trusting.keys("tm") == ["m2"]  # only a's keys were both's

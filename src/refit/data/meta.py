@@ -26,11 +26,13 @@ class BatchMeta:
     int per key, or None when unknown. ``extra_info``: free-form (e.g. a rank's packing).
     ``where``: one location per key, opaque (the backend that wrote the keys made them and is the
     only one that reads them; e.g. ``RayStore(trust_meta=True)`` names the object holding each
-    row), or None.
+    row), or None: a tuple, or, in a meta the backend built itself, an immutable sequence of its own
+    (``RayStore``'s ``PutRows``: a whole put without a pair per key).
 
     Must agree: ``keys`` are unique; ``tags``, ``seq_lens`` and ``where`` have one entry per key,
     entry ``i`` describing ``keys[i]``. Checked in ``__post_init__`` (``ValueError`` naming the
-    partition or both counts), which also turns the lists into tuples.
+    partition or both counts), which also turns the lists into tuples; ``trusted`` skips that, for
+    the metas a store builds from a put it has checked.
 
     Frozen: ``select``, ``reorder``, ``chunk``, ``concat``, ``with_fields`` and
     ``with_extra_info`` return a new ``BatchMeta`` (``extra_info`` deep-copied), keeping the
@@ -63,6 +65,34 @@ class BatchMeta:
             raise ValueError(f"BatchMeta: {len(self.seq_lens)} seq_lens for {len(self.keys)} keys")
         if self.where is not None and len(self.where) != len(self.keys):
             raise ValueError(f"BatchMeta: {len(self.where)} locations for {len(self.keys)} keys")
+
+    @classmethod
+    def trusted(
+        cls,
+        keys: tuple[str, ...],
+        partition: str,
+        fields: tuple[str, ...],
+        tags: tuple[dict[str, Any], ...],
+        seq_lens: tuple[int, ...] | None = None,
+        where: tuple[Any, ...] | None = None,
+    ) -> BatchMeta:
+        """The meta a store builds for a put it has already checked (``normalize_put``): the same
+        object the validated constructor gives, without its per-key work (no copy of ``tags``, no
+        duplicate check, no conversion). Only for refit's own stores: the caller guarantees the
+        contract above (tuples, unique ``str`` keys, ``int`` lengths, one fresh tag dict and one
+        location per key, nobody else holding those dicts); nothing is checked. ``extra_info`` is empty."""
+        meta = object.__new__(cls)
+        for name, value in (
+            ("keys", keys),
+            ("partition", partition),
+            ("fields", fields),
+            ("tags", tags),
+            ("seq_lens", seq_lens),
+            ("extra_info", {}),
+            ("where", where),
+        ):
+            object.__setattr__(meta, name, value)
+        return meta
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -10,7 +10,9 @@ order). Thread-safe (one lock). Needs Ray only when it reads replies.
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from .meta import BatchMeta
@@ -31,6 +33,55 @@ class Placed:
 
     def __reduce__(self):
         return (Placed, (self.holder, self.reply, self.fields, self.origin, self.what))
+
+
+class PutRows(Sequence):
+    """``BatchMeta.where`` of a whole put, without a tuple per key: entry ``i`` is ``(placed, i)``
+    (a sequence equal, item by item, to ``tuple((placed, i) for i in range(n))``). Pickles as
+    ``(placed, n)``. Immutable; ``BatchMeta``'s validated constructor (``select``, ``concat``, ...)
+    turns it into that tuple, ``BatchMeta.trusted`` keeps it, so a read through the meta a put
+    returned finds its one put and its rows in O(1)."""
+
+    __slots__ = ("placed", "n")
+
+    def __init__(self, placed: Placed, n: int) -> None:
+        self.placed, self.n = placed, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        if not -self.n <= i < self.n:
+            raise IndexError(f"PutRows: index {i} out of range for {self.n} rows")
+        return (self.placed, i % self.n)
+
+    def __iter__(self):
+        return zip(itertools.repeat(self.placed, self.n), range(self.n))
+
+    def __reduce__(self):
+        return (PutRows, (self.placed, self.n))
+
+
+def placed_of(where: Any) -> list[Placed] | None:
+    """The ``Placed`` of each entry of a meta's ``where`` (once for a ``PutRows``), or None where an
+    entry is not a ``(Placed, row)`` pair (not a ``trust_meta`` store's meta)."""
+    if isinstance(where, PutRows):
+        return [where.placed]
+    try:
+        puts, _ = zip(*where)
+    except (TypeError, ValueError):
+        return None
+    return list(puts) if all(map(isinstance, puts, itertools.repeat(Placed))) else None  # in C
+
+
+def origins(where: Any) -> str | list[str]:
+    """Per key, the origin of the put whose rows a meta's ``where`` names; one ``str`` for a ``PutRows``
+    (every key is that put's): what a take or clear through the meta sends its storage actor."""
+    if isinstance(where, PutRows):
+        return where.placed.origin
+    return [p.origin for p, _ in where]
 
 
 def refused(placed: list[Placed], replies: list) -> None:
@@ -74,7 +125,8 @@ class PendingPuts:
         with self._lock:
             puts = {p.reply[0]: p for p, _, _ in self._items}
         if isinstance(meta, BatchMeta) and meta.where is not None:
-            puts.update((p.reply[0], p) for p, _ in meta.where if isinstance(p, Placed))
+            where = [(meta.where.placed, 0)] if isinstance(meta.where, PutRows) else meta.where
+            puts.update((p.reply[0], p) for p, _ in where if isinstance(p, Placed))
         if not puts:
             return [], []
         refs = list(puts)

@@ -68,7 +68,6 @@ workers and trainer ranks. Nothing refit reads is unpickled outside Ray's own tr
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 import uuid
@@ -81,7 +80,7 @@ import numpy as np
 import torch
 
 from .meta import BatchMeta
-from .placed import PendingPuts, Placed
+from .placed import PendingPuts, Placed, PutRows, origins, placed_of
 from .store import FieldData, NotReady, Rows, StorageUnit, Store, gather, group_rows, normalize_put
 
 try:
@@ -100,13 +99,25 @@ def encode(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
     return t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
+def _quiet_readonly_views() -> None:
+    """torch warns once per process when it views a read-only numpy array (as every zero-copy read of
+    an object-store buffer does); spend that one warning here, silently, so ``decode`` needs no
+    ``warnings.catch_warnings`` per call (what the first read used to spend it on)."""
+    arr = np.zeros(1, dtype=np.uint8)
+    arr.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.from_numpy(arr)
+
+
+_quiet_readonly_views()
+
+
 def decode(w: tuple[np.ndarray, str, tuple[int, ...]], copy: bool) -> torch.Tensor:
     """The tensor ``encode`` described; ``copy=False`` views the array's memory (never write to it
     when it is an object-store buffer), ``copy=True`` owns a writable copy."""
     arr, dtype, shape = w
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only object-store buffers
-        t = torch.from_numpy(arr)
+    t = torch.from_numpy(arr)
     if copy:
         t = t.clone()
     return t.view(getattr(torch, dtype)).reshape(shape)
@@ -161,11 +172,13 @@ class _StorageActor:
         self.lock = threading.Lock()  # guards ``failed`` and the retry of a failed copy
         self.failed: set[_Payload] = set()
 
-    def put(self, partition, keys, holder, fields, tags, seq_lens, overwrite, durable, origin=None) -> str | None:
+    def put(self, call: tuple) -> str | None:
         """Check, pin (``durable``) and record, in one call; the reason a put is refused (nothing
-        written), or None. The durable copy follows in the background. ``tags`` None: no key has any.
-        ``origin``: the put's token (``trust_meta``), by which a take or clear through its meta
-        recognises its rows."""
+        written), or None. ``call``: ``(partition, keys, holder, fields, tags, seq_lens, overwrite,
+        durable, origin)``, one tuple (``RayStore.put``'s: one argument costs Ray less than nine).
+        The durable copy follows in the background. ``tags`` None: no key has any. ``origin``: the
+        put's token (``trust_meta``), by which a take or clear through its meta recognises its rows."""
+        partition, keys, holder, fields, tags, seq_lens, overwrite, durable, origin = call
         tags = [{} for _ in keys] if tags is None else tags
         if not overwrite:
             err = self.unit.clash(partition, keys, fields)
@@ -252,7 +265,8 @@ class _StorageActor:
         """Where the rows are; with ``clear`` (a take), the keys are dropped in the same call once
         every durable copy they need exists (nothing is dropped if one cannot be made). ``settle``:
         wait for the durable copies of the objects returned (the writer's reference may be dead).
-        ``expect``: per key, the origin of the put its rows must come from (``_mine``)."""
+        ``expect``: per key, the origin of the put its rows must come from, or one origin for every key
+        (``_mine``)."""
         deadline, what = time.monotonic() + SETTLE_TIMEOUT_S, "take" if clear else "get"
         accept = _mine(partition, keys, expect)
         while True:
@@ -289,10 +303,13 @@ class _StorageActor:
             raise RuntimeError(f"settle: {len(failed)} durable copies failed, e.g. {failed[0]}")
 
     def clear(self, partition, keys, expect=None) -> int:
-        """Drop ``keys``; with ``expect`` (per key, a put's origin), only those holding a row of that put."""
+        """Drop ``keys``; with ``expect`` (per key, a put's origin, or one for all), only those holding a row
+        of that put."""
         if expect is None:
             return self.unit.clear(partition, keys)
-        return self.unit.clear(partition, keys, lambda i, payloads: any(p.origin == expect[i] for p, _ in payloads))
+        return self.unit.clear(
+            partition, keys, lambda i, payloads: any(p.origin == _origin(expect, i) for p, _ in payloads)
+        )
 
     def clear_partition(self, partition) -> int:
         return self.unit.clear_partition(partition)
@@ -330,7 +347,7 @@ def _assemble(n: int, select: list[str], located: dict[str, list], objects: dict
     return out
 
 
-def _mine(partition: str, keys: list[str], expect: list[str] | None):
+def _mine(partition: str, keys: list[str], expect: str | list[str] | None):
     """``StorageUnit.locate``'s ``accept`` for a read through a ``trust_meta`` meta: every row located must
     come from the put whose origin ``expect`` names for its key (not a refused put's rival, nor a later
     put of a key taken or overwritten since)."""
@@ -340,7 +357,10 @@ def _mine(partition: str, keys: list[str], expect: list[str] | None):
     def accept(located: dict) -> str | None:
         for groups in located.values():
             for (p, _), pos, _ in groups:
-                bad = next((i for i in pos if expect[i] != p.origin), None)
+                if isinstance(expect, str):  # one put's meta: one comparison per group
+                    bad = pos[0] if pos and expect != p.origin else None
+                else:
+                    bad = next((i for i in pos if expect[i] != p.origin), None)
                 if bad is not None:
                     return (
                         f"key {keys[bad]!r} in partition {partition!r} no longer holds the put its meta names "
@@ -350,6 +370,11 @@ def _mine(partition: str, keys: list[str], expect: list[str] | None):
         return None
 
     return accept
+
+
+def _origin(expect: str | list[str], i: int) -> str:
+    """Key ``i``'s expected origin (``placed.origins``: one ``str`` where every key is one put's)."""
+    return expect if isinstance(expect, str) else expect[i]
 
 
 def _shard(partition: str, n: int) -> int:
@@ -425,36 +450,32 @@ class RayStore(Store):
 
     def put(self, keys, fields, *, partition="default", tags=None, seq_lens=None, overwrite=False) -> BatchMeta:
         keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
-        origin = None
-        if self.trust_meta:
-            self._pending.confirm(block=False)  # an earlier put's refusal, if its reply is in: this put is not made
-            if overwrite or self._pending.touches(partition, keys):
-                self._pending.confirm(block=True)  # after this client's earlier puts of these keys (threaded actor)
-            origin = uuid.uuid4().hex
+        names = tuple(fields)
+        origin = self._ordered(partition, keys, overwrite) if self.trust_meta else None
         ref = ray.put({n: _encode_field(d) for n, d in fields.items()})
-        reply = self._unit(partition).put.remote(
-            partition,
-            keys,
-            [ref],
-            list(fields),
-            tag_list if any(tag_list) else None,
-            lens,
-            overwrite,
-            self.durable,
-            origin,
-        )
+        tags_arg = tag_list if any(tag_list) else None
+        call = (partition, keys, [ref], names, tags_arg, lens, overwrite, self.durable, origin)
+        reply = self._unit(partition).put.remote(call)  # one argument: Ray serializes each argument apart
         where = None
         if origin is None:
             err = ray.get(reply)
             if err:
                 raise ValueError(err)
         else:
-            placed = Placed(
-                [ref], [reply], tuple(fields), origin, f"a put of {len(keys)} keys to partition {partition!r}"
-            )
+            placed = Placed([ref], [reply], names, origin, f"a put of {len(keys)} keys to partition {partition!r}")
             self._pending.add(placed, partition, keys)
-            where = [(placed, i) for i in range(len(keys))]
-        return BatchMeta(keys=keys, partition=partition, fields=list(fields), tags=tag_list, seq_lens=lens, where=where)
+            where = PutRows(placed, len(keys))
+        lens = None if lens is None else tuple(lens)
+        return BatchMeta.trusted(tuple(keys), partition, names, tuple(tag_list), lens, where)  # normalize_put checked
+
+    def _ordered(self, partition: str, keys: list[str], overwrite: bool) -> str:
+        """Before a ``trust_meta`` put: raise the refusals already in (this put is then not made), wait for
+        this client's pending puts where this one overwrites or writes keys they wrote (the storage actor is
+        threaded: Ray would not keep their order); the new put's origin."""
+        self._pending.confirm(block=False)
+        if overwrite or self._pending.touches(partition, keys):
+            self._pending.confirm(block=True)
+        return uuid.uuid4().hex
 
     def confirm(self) -> None:
         """Wait for the storage actors' replies to this client's ``trust_meta`` puts; one ``ValueError``
@@ -491,17 +512,17 @@ class RayStore(Store):
 
     def _placed(self, keys: Any, select_fields: Any) -> list | None:
         """The meta's locations grouped by put (``group_rows``: (placed, positions, rows), one per put,
-        even where pickling made several ``Placed`` of it), where this store trusts them and they cover
-        every field asked; else None."""
+        even where pickling made several ``Placed`` of it; at once for a ``PutRows``), where this store
+        trusts them and they cover every field asked; else None."""
         if not (self.trust_meta and isinstance(keys, BatchMeta) and keys.where is not None):
             return None
-        try:
-            puts, _ = zip(*keys.where)
-        except (TypeError, ValueError):  # not (placed, row) pairs: not this store's
+        where = keys.where
+        if isinstance(where, PutRows):  # a whole put, as it returned it
+            groups = [(where.placed, range(where.n), range(where.n))]
+        elif placed_of(where) is None:  # not (placed, row) pairs: not this store's
             return None
-        if not all(map(isinstance, puts, itertools.repeat(Placed))):  # in C
-            return None
-        groups = group_rows(keys.where, lambda p: p.reply[0])  # the reply identifies the put
+        else:
+            groups = group_rows(where, lambda p: p.reply[0])  # the reply identifies the put
         fields = [select_fields] if isinstance(select_fields, str) else list(select_fields or ())
         if not all(all(f in p.fields for f in fields) for p, _, _ in groups):
             return None
@@ -515,7 +536,7 @@ class RayStore(Store):
         exactly-once; ``MissingKeyError`` dropping nothing otherwise). Where the writer died (its reply
         or, ``durable``, its object is gone), the take or get goes through ``locate`` with the same check,
         which waits for the storage actor's copy."""
-        expect = [p.origin for p, _ in meta.where] if clear else None
+        expect = origins(meta.where) if clear else None
         if clear:
             try:
                 self._pending.confirm(True, meta)
@@ -546,10 +567,10 @@ class RayStore(Store):
         keys, partition = self._resolve(keys, partition)
         self._pending.confirm(True)
         expect = None
-        if meta is not None and all(isinstance(p, Placed) for p, _ in meta.where):
+        if meta is not None and placed_of(meta.where) is not None:
             with contextlib.suppress(ray.exceptions.ObjectLostError):  # a dead writer: the origins decide
                 self._pending.replies(True, meta)  # recorded (or refused) first; its refusals are not the clear's
-            expect = [p.origin for p, _ in meta.where]
+            expect = origins(meta.where)
         return ray.get(self._unit(partition).clear.remote(partition, keys, expect))
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:

@@ -107,10 +107,18 @@ def normalize_put(
     return keys, fields, tag_list, lens
 
 
-def _one_payload(n: int, p: torch.Tensor, pos: list[int], rows: list[int], copy: bool) -> torch.Tensor:
+def _in_order(n: int, pos: Sequence[int], rows: Sequence[int]) -> bool:
+    """Whether output row ``i`` is payload row ``rows[0] + i`` for every ``i < n`` (``n >= 1``); at once
+    where ``pos`` and ``rows`` are ``range`` objects (a whole put read through its meta)."""
+    if isinstance(pos, range) and isinstance(rows, range):
+        return pos == range(n) and rows.step == 1 and len(rows) == n
+    return pos == list(range(n)) and rows == list(range(rows[0], rows[0] + n))
+
+
+def _one_payload(n: int, p: torch.Tensor, pos: Sequence[int], rows: Sequence[int], copy: bool) -> torch.Tensor:
     """The ``n`` rows of one batch tensor in output order: a view when they are one run of
     consecutive rows in order (unless ``copy``), else one vectorized gather (fresh memory)."""
-    if n and pos == list(range(n)) and rows == list(range(rows[0], rows[0] + n)):  # in order, consecutive
+    if n and _in_order(n, pos, rows):
         view = p.narrow(0, rows[0], n)
         return view.clone() if copy else view
     order = np.asarray(rows, dtype=np.int64)[np.argsort(np.asarray(pos, dtype=np.int64), kind="stable")]
@@ -121,8 +129,18 @@ def _one_payload(n: int, p: torch.Tensor, pos: list[int], rows: list[int], copy:
     return p.index_select(0, torch.from_numpy(order))
 
 
-def gather(n: int, groups: list[tuple[Any, list[int], list[int]]], copy: bool = False) -> Rows:
-    """Assemble ``n`` output rows from ``groups`` of (payload, output positions, payload rows),
+def _merged(groups: list[tuple[Any, Sequence[int], Sequence[int]]]) -> list[tuple[Any, list[int], list[int]]]:
+    """One group per payload (a payload may come in several groups: several calls, several puts)."""
+    merged: dict[int, tuple[Any, list[int], list[int]]] = {}
+    for p, pos, rows in groups:
+        m = merged.setdefault(id(p), (p, [], []))
+        m[1].extend(pos)
+        m[2].extend(rows)
+    return list(merged.values())
+
+
+def gather(n: int, groups: list[tuple[Any, Sequence[int], Sequence[int]]], copy: bool = False) -> Rows:
+    """Assemble ``n`` output rows from ``groups`` of (payload, output positions, payload rows: lists or ranges),
     where a payload is a batch tensor (rows on dim 0) or a list of row tensors. One stacked
     tensor when every row shares shape and dtype, else a list.
 
@@ -131,12 +149,8 @@ def gather(n: int, groups: list[tuple[Any, list[int], list[int]]], copy: bool = 
     readers see); any other selection is gathered with one ``index_select`` per payload (no
     per-row loop), ragged rows come back as views of the rows held. ``copy=True``: the result
     never aliases a payload (writable, private)."""
-    merged: dict[int, tuple[Any, list[int], list[int]]] = {}  # groups of one payload (several calls)
-    for p, pos, rows in groups:
-        m = merged.setdefault(id(p), (p, [], []))
-        m[1].extend(pos)
-        m[2].extend(rows)
-    groups = list(merged.values())
+    if len(groups) > 1:
+        groups = _merged(groups)
     tensors = [p for p, _, _ in groups if isinstance(p, torch.Tensor)]
     if len(tensors) == len(groups):
         shape, dtype = tensors[0].shape[1:], tensors[0].dtype
