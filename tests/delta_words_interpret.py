@@ -102,6 +102,28 @@ def main() -> None:
     for (b, c), (i, _, _) in zip(pairs, found):
         if i is not None:
             assert torch.equal(bits(b), bits(c))
+    # a sender's base updates from packed payloads (``SourceBase.defer_packed``): held within the budget, those
+    # held applied first where the next buffer would pass it, the rest at ``flush(final=True)``
+    from refit.transport.delta import SourceBase
+
+    held = object.__new__(SourceBase)
+    held.queued, held.packed, held.packed_bytes, held.budget, held.updating = [], [], 0, 100, None
+    bases = [torch.zeros(8, dtype=torch.int64) for _ in range(3)]
+    wanted = [torch.arange(8, dtype=torch.int64) + 10 * (j + 1) for j in range(3)]
+    for j, (base, want) in enumerate(zip(bases, wanted)):  # each base's words 1, 4, 6 change, packed in a buffer
+        idx = torch.tensor([1, 4, 6], dtype=torch.int32)
+        buf = torch.cat([idx.view(torch.uint8), torch.zeros(4, dtype=torch.uint8), want[idx.long()].view(torch.uint8)])
+        at = buf.data_ptr()
+        rows = tuple(np.array([v], dtype=np.int64) for v in (base.data_ptr(), at, at + 16, 3, 8))
+        held.defer_packed(rows, buf)  # 40 bytes each: the third would pass 100
+        done = [torch.equal(b[[1, 4, 6]], w[[1, 4, 6]]) for b, w in zip(bases, wanted)]
+        assert done == [j == 2] * 2 + [False], (j, done)  # the third's deferral applied the first two
+        assert held.packed_bytes == (40 if j == 2 else 40 * (j + 1)), held.packed_bytes
+    held.defer_packed(tuple(np.zeros(0, dtype=np.int64) for _ in range(5)), torch.zeros(64, dtype=torch.uint8))
+    assert held.packed_bytes == 40, "a buffer that updates nothing is not held"
+    held.flush(final=True)
+    assert all(torch.equal(b[[1, 4, 6]], w[[1, 4, 6]]) for b, w in zip(bases, wanted)) and not held.packed
+    assert all(int(b[[0, 2, 3, 5, 7]].abs().sum()) == 0 for b in bases), "only the packed words are written"
     # the torch path into a strided destination (the elements of each word)
     base, cur = versions(64 * 8, torch.bfloat16, 0.05)
     dst = torch.zeros(64, 16, dtype=torch.bfloat16)[:, :8]

@@ -25,12 +25,14 @@ receiver's word scatters run on streams of their own, ``delta_words.side_stream`
      messages (Llama-3.1-8B, 1 -> 1) posts 2 P2P ops per peer instead of 582;
   4. receivers check the header (``check_header``: kind, version, base version = the version they hold,
      counts) and apply: dense unpacks, a delta scatters (``apply_changes``; words: one checked launch
-     for the chunk, ``scatter_words_many``), O(changed). A sender's payload sends stay in flight until the
+     for the chunk, ``scatter_words_many``; by address with no host sync, ``DeltaSchedule._scatter``, the
+     check read at the end of the run, ``_verify``), O(changed). A sender's payload sends stay in flight until the
      next chunk's are posted (``_in_flight``: not when one reads the packed ring buffer).
 The sender's base follows what each message sent (``SourceBase.update``: dense copies as they are encoded,
 word changes once the chunk's payload is posted, ``flush``; words by address from their packed payload,
-``SourceBase.defer_packed``, one launch for the run once its last find is queued, so the finds run back to
-back; a source box sent to several receivers at commit); the version it holds is set after the refit
+``SourceBase.defer_packed``, applied once the run's last find is queued (one launch; another before, when
+the buffers held would pass the staging budget), so the finds run back to back; a source box sent to several
+receivers at commit); the version it holds is set after the refit
 succeeded (``commit``), and a failed refit clears it (``fail``), so the next refit is dense everywhere.
 On CUDA a sender packs on a high-priority stream (``_send_stream``): the next chunk's find, queued before,
 fills the device with its blocks, and the pack and the payload's sends (on the NCCL group's streams, high
@@ -38,8 +40,8 @@ priority where the group was made so) start beside it, not after it.
 Extra memory: the base (this process's P2P-sent source bytes) plus the payloads of one chunk's deltas
 while the chunk runs (each smaller than its message's dense bytes by the rule, unless forced; a sender
 briefly holds them twice, per message and joined per peer, and keeps its packed payloads of words by address
-until their base update: at most the staging budget, ``num_buffers * buffer_bytes``, beyond which ``flush``
-applies them mid-run) and the find's slots (a quarter of the words found; a sender holds every find batch's
+until their base update: within the staging budget, ``num_buffers * buffer_bytes``, or one larger buffer
+alone, ``defer_packed``) and the find's slots (a quarter of the words found; a sender holds every find batch's
 slots of a chunk until its payload is packed and posted, plus the next chunk's first batch found ahead,
 ``_prefetch``; on CUDA they come from the find stream's own pool, which PyTorch's allocator keeps cached for
 that stream).
@@ -148,9 +150,11 @@ class SourceBase:
     CUDA is present). ``version`` is the version it holds (``None``: nothing sent yet, or a refit failed
     after part of it was updated). ``nbytes``: the extra memory.
 
-    Per run, each message's base is brought to what it sent (``update``): at once when no other message
-    of this process reads any of its elements (the common case: the changes are dropped right after),
-    else at ``commit`` (another message to another receiver still has to diff against the old bytes).
+    Per run, each message's base is brought to what it sent (``update``): when no other message of this
+    process reads any of its elements (the common case), dense copies at once, word changes found per piece
+    once the chunk's payload is posted (``flush``), words by address from their packed payloads after the
+    run's last find is queued (``defer_packed``); else at ``commit`` (another message to another receiver
+    still has to diff against the old bytes).
     ``commit(v)`` after the run succeeded; ``fail()`` after it failed (the base is part old, part new:
     ``None``, so the next refit is dense and rebuilds it)."""
 
@@ -165,8 +169,8 @@ class SourceBase:
         self.pending: list = []  # (base view, indices or None, values or the live view, words)
         self.queued: list = []  # word updates of the current step-chunk (``flush``)
         self.packed: list = []  # words by address: (scatter rows, payload buffer) per packed buffer (``defer_packed``)
-        self.packed_bytes = 0  # their buffers' bytes, held until ``flush`` applies them
-        self.budget = budget  # the packed payload bytes held at most before ``flush`` applies them mid-run
+        self.packed_bytes = 0  # their buffers' bytes, held until they are applied (``_apply_packed``)
+        self.budget = budget  # the packed payload bytes held at most (one buffer over it is applied alone)
         self.updating: torch.device | None = None  # a CUDA device with packed updates on its "update" stream
 
     def update(self, message: int, updates: list, words: bool = False) -> None:
@@ -191,23 +195,35 @@ class SourceBase:
     def defer_packed(self, rows: tuple, buf: torch.Tensor) -> None:
         """The base update of messages sent as words by address, read from their packed payload ``buf``: per piece
         ``rows`` = (base address, index address, word address, changes, words) (``_pack_spans``); applied by
-        ``flush`` after the refit's last find is queued (or once the held buffers pass ``budget``), so it runs
-        behind the finds, not between them."""
+        ``flush(final=True)`` once the refit's last find is queued, so it runs behind the finds, not between them.
+        The buffers held stay within ``budget``: those held before are applied first where ``buf`` would pass it
+        (then at most ``buf`` alone is held)."""
+        if not len(rows[3]):
+            return  # nothing of this buffer updates a base (shared messages' wait for ``commit``)
+        if self.packed and self.packed_bytes + buf.nbytes > self.budget:
+            self._apply_packed()
         self.packed.append((rows, buf))
         self.packed_bytes += buf.nbytes
 
     def flush(self, final: bool = False) -> None:
-        """Apply the queued word updates (one launch, while the finds' slots are held) and, when ``final`` or over
-        ``budget``, the packed ones (one launch for all, on the current stream; then their buffers are let go)."""
+        """Apply the queued word updates (one launch, while the finds' slots are held) and, when ``final``, the
+        packed ones (``_apply_packed``)."""
         _update(self.queued)
         self.queued = []
-        if self.packed and (final or self.packed_bytes > self.budget):
-            rows = [np.concatenate(c) for c in zip(*(r for r, _ in self.packed))]
-            dev = self.packed[0][1].device
-            self.updating = dev if dev.type == "cuda" else self.updating
-            stream = side_stream(dev, "update") if dev.type == "cuda" else None
-            Scatter.of(*rows, dev).apply(stream, tuple(buf for _, buf in self.packed))
-            self.packed, self.packed_bytes = [], 0
+        if final:
+            self._apply_packed()
+
+    def _apply_packed(self) -> None:
+        """The packed updates held, in one launch (on CUDA on the ``"update"`` stream, behind the current one;
+        ``join`` makes the current stream wait for it); then their buffers are let go."""
+        if not self.packed:
+            return
+        rows = [np.concatenate(c) for c in zip(*(r for r, _ in self.packed))]
+        dev = self.packed[0][1].device
+        self.updating = dev if dev.type == "cuda" else self.updating
+        stream = side_stream(dev, "update") if dev.type == "cuda" else None
+        Scatter.of(*rows, dev).apply(stream, tuple(buf for _, buf in self.packed))
+        self.packed, self.packed_bytes = [], 0
 
     def join(self) -> None:
         """The current stream waits for the packed updates ``flush`` queued on the ``"update"`` stream, if any."""
@@ -570,7 +586,8 @@ class DeltaSchedule:
             (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends, self.base), self._payload_msgs(recvs)
             works = self.p2p.post(out, inc)
             if sends:  # the base's updates, behind the payload's packing: the sends do not wait for them; the packed
-                # ones once the run's last find is queued (the chunk before the last queued it ahead: ``_prefetch``)
+                # ones once the run's last find is queued (the chunk before the last queued its first batch ahead,
+                # ``_prefetch``; a later batch of the last chunk may still run beside them)
                 self.base.flush(final=i >= len(self.steps) - 2)
             early = self._post_headers(i + 1, quiet) if pure_receiver else ([], [])
             if sending[0]:
@@ -751,7 +768,7 @@ class DeltaSchedule:
                 self.base.update(d.op.message, [(b, None, v) for b, v in zip(d.bases, d.views)])
             if plan == "refresh":
                 d.fraction, d.dense_next = None, False  # the next run diffs and measures again
-        elif d.found is not None:  # words by address: packed by ``_join``, the base updated by its find at ``flush``
+        elif d.found is not None:  # words by address: packed by ``_join``, the base updated from it (``defer_packed``)
             d.payload, d.wire = None, int(wire_sizes(np.array(counts)).sum())
             if d.shared:
                 self.base.defer_found(d.found, d.bases)
@@ -786,7 +803,8 @@ class DeltaSchedule:
             d.kind, d.dense_runs, d.fraction, d.changes, d.payload, d.wire = "words", 0, fraction[j], [], None, w
             d.dense_next = False
             out[id(d)] = head + counts[a:b]
-        for j in np.flatnonzero(words & s.shared).tolist():  # the others' bases: their find's update (``flush``)
+        for j in np.flatnonzero(words & s.shared).tolist():  # shared ones' bases wait for ``commit``; the others'
+            # come from the packed payload (``SourceBase.defer_packed``)
             self.base.defer_found(fast[j].found, fast[j].bases)
         stats.wire_bytes += int(wire[chosen].sum() + s.header_bytes[chosen].sum())
         stats.dense_bytes += int(s.dense_bytes[chosen].sum())
@@ -1031,7 +1049,7 @@ def _announced(value: int, op: _Op) -> int:
 
 @contextlib.contextmanager
 def _send_stream(device: torch.device):
-    """On a CUDA sender, what runs inside (a chunk's packing, its base updates) is queued on the device's
+    """On a CUDA sender, what runs inside (a chunk's packing) is queued on the device's
     high-priority ``"send"`` side stream, behind everything queued on the current stream so far, and the
     current stream then waits for it. The next chunk's find, queued before on its own stream, fills the
     device with its blocks: a kernel of the current stream's default priority would start only once they are
@@ -1043,9 +1061,11 @@ def _send_stream(device: torch.device):
         return
     current, stream = torch.cuda.current_stream(device), side_stream(device, "send")
     stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        yield
-    current.wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:  # also where the body raised after queueing work: nothing read later on the current stream races it
+        current.wait_stream(stream)
 
 
 def _host_checked(d: _DeltaOp) -> bool:
