@@ -790,6 +790,54 @@ def test_a_steady_full_change_is_sent_dense_without_diffing_and_deltas_resume_wh
     assert sent[-1][2]["sparse"] + sent[-1][2]["bitmask"] + sent[-1][2]["words"] == n, sent[-1][1:]
 
 
+def _joined_worker(world):
+    """tiny-llama, one sender and one receiver under ``auto``: the norms change wholly every version (dense), the
+    other tensors 1% (deltas). Every ``P2PSchedule.post`` is recorded as the peers of its sends and receives."""
+    from refit.transport.p2p import P2PSchedule
+
+    posted = []
+    real = P2PSchedule.post
+
+    def post(self, sends, recvs):
+        posted.append(([p for p, _, _ in sends], [p for p, _, _ in recvs]))
+        return real(self, sends, recvs)
+
+    P2PSchedule.post = post
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
+    lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto", deadline_s=60)
+    procs = ProcessMap.disjoint(1, 1)
+    if world.src_rank is not None:
+        local, out = _weights(lay, 0, 0), []
+        s = Sender(lay, lay, world.rank, local, procs=procs, config=cfg)
+        for v in range(1, 6):
+            for name, t in local.items():
+                t.view(torch.int16)[torch.rand(t.shape) < (1.0 if "norm" in name else 0.01)] ^= 1
+            out.append((_raw(local), dict(s.push(v).delta.encodings)))
+        return out, posted
+    local = {n: torch.zeros_like(t) for n, t in _weights(lay, 0, 0).items()}
+    r = Receiver(lay, lay, world.rank, local, procs=procs, config=cfg)
+    got = []
+    for v in range(1, 6):
+        r.pull(v)
+        got.append(_raw(local))
+    return got, posted
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_small_dense_messages_travel_in_their_peers_joined_buffer_beside_the_deltas():
+    (sent, sent_posts), (got, got_posts) = run_local(_joined_worker, 1, 1, backend="gloo", timeout_s=120)
+    assert [s[0] for s in sent] == got  # exact at every version
+    norms = sum("norm" in n for n, _, _ in param_shapes("tiny-llama"))
+    for _, enc in sent[2:]:  # versions 3-5: the norms dense (the rule, then skipped), the rest as deltas
+        assert enc["dense"] == norms and enc["sparse"] + enc["bitmask"] + enc["words"] > 0, enc
+    # every post, headers and payloads: one message per peer, the small dense ones joined to the deltas' buffer
+    for sends, recvs in sent_posts + got_posts:
+        assert len(sends) == len(set(sends)) and len(recvs) == len(set(recvs)), (sends, recvs)
+    assert len(sent_posts) == len(got_posts) > 5  # several chunks per version
+
+
 @pytest.mark.gpu
 def test_one_pass_kernel_on_cuda_equals_the_torch_path_and_deltas_apply():
     from refit.quant.delta import find_changes_many

@@ -312,8 +312,15 @@ class _DeltaOp:
     wire: int = 0  # fast sender sending words, per run: its payload's bytes (``_join`` packs it)
     nbytes: int = 0  # its pieces' bytes (set at setup)
     shared: bool = False  # sender: another message of this process reads some of its elements (``SourceBase``)
+    flat: torch.Tensor | None = None  # a small message (``JOIN_BYTES``): its plain op's tensor as flat bytes; when
+    # it goes dense it travels in its peer's joined buffer (``_join``), not as a P2P operation of its own
     memo: dict = field(default_factory=dict)  # ``_memo``: setup facts of op lists this op heads, kept between refits
 
+
+JOIN_BYTES = 1 << 20
+"""A message of at most this many bytes that goes dense travels in its peer's joined buffer, after the deltas,
+not as a P2P operation of its own: a copy into the buffer and one out of it cost far less than an operation does
+(a norm layer's few KiB; S1 under ``auto`` at 1%: 65 of 291 messages)."""
 
 MEMO_MAX = 64  # op lists memoized per first op (``_memo``; under ``auto`` a batch may diff another subset each run)
 
@@ -464,6 +471,9 @@ class DeltaSchedule:
         d.nbytes = sum(v.numel() * v.element_size() for v in views)
         d.fast = _fast(views + bases) and (d.words or not outgoing)
         d.shared = outgoing and op.message in self.base.shared
+        t = op.tensor
+        if 0 < t.numel() * t.element_size() <= JOIN_BYTES and t.is_contiguous():
+            d.flat = t.view(-1).view(torch.uint8)
         if d.fast:
             sides = (bases, views) if outgoing else (views,)
             d.ptrs = tuple(np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in sides)
@@ -513,23 +523,28 @@ class DeltaSchedule:
 
     @staticmethod
     def _payload_msgs(
-        ops: list[_DeltaOp], base: SourceBase | None = None
+        ops: list[_DeltaOp], base: SourceBase | None = None, send: bool = False
     ) -> tuple[list[tuple[int, torch.Tensor, int]], list[_Op]]:
-        """``(peer, tensor, tag)`` to post: each dense message as itself; the deltas to (from) one peer as
-        one buffer, the concatenation of their payloads (``_join``: every delta's ``payload`` is its slice
-        of it; a sender's ``base`` defers the update of what went as words by address to its buffer,
-        ``SourceBase.defer_packed``), under the first delta's tag. And per posted message the op that names it
-        in an error."""
+        """``(peer, tensor, tag)`` to post: each large dense message as itself; the deltas to (from) one peer and
+        its small dense messages (``_DeltaOp.flat``) as one buffer, their payloads one after another (``_join``:
+        every delta's ``payload`` is its slice of it; a sender's ``base`` defers the update of what went as words
+        by address to its buffer, ``SourceBase.defer_packed``; ``send``: the small dense messages are copied in,
+        else received there and copied out by ``_apply``), under its first message's tag. And per posted message
+        the op that names it in an error."""
         out, named = [], []
         for peer, group in _by_peer(ops):
-            deltas = [d for d in group if d.kind != "dense"]
+            deltas, small = [], []
             for d in group:
-                if d.kind == "dense":
+                if d.kind != "dense":
+                    deltas.append(d)
+                elif d.flat is not None:
+                    small.append(d)
+                else:
                     out.append((peer, d.payload, d.op.tag))
                     named.append(d.op)
-            if deltas:
-                out.append((peer, _join(deltas, base), deltas[0].op.tag))
-                named.append(deltas[0].op)
+            if deltas or small:
+                out.append((peer, _join(deltas, base, small, send), (deltas or small)[0].op.tag))
+                named.append((deltas or small)[0].op)
         return out, named
 
     def run(self, clock: RunClock, version: int, held: dict[int, int | None]) -> DeltaStats:
@@ -583,7 +598,7 @@ class DeltaSchedule:
                 self.p2p.wait(clock, works + early[0], out_ops + inc_ops + early[1], "delta header exchange", reads)
             got = recv_hdr.tolist() if inc_ops or early[1] else []
             self._receive_headers(i, recvs, got, version, held, quiet, after)
-            (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends, self.base), self._payload_msgs(recvs)
+            (out, out_ops), (inc, inc_ops) = self._payload_msgs(sends, self.base, True), self._payload_msgs(recvs)
             works = self.p2p.post(out, inc)
             if sends:  # the base's updates, behind the payload's packing: the sends do not wait for them; the packed
                 # ones once the run's last find is queued (the chunk before the last queued its first batch ahead,
@@ -918,7 +933,8 @@ class DeltaSchedule:
         """Check every delta's indices first (one host sync per kind: a bad index raises ``DeltaError``
         naming its message before anything of the chunk is written; words by address: ``_scatter``, checked on
         the device, nothing of the chunk's words stored if one is bad, named at the run's end), then unpack the
-        dense messages and scatter the deltas into their views."""
+        dense messages (a small one first copied out of its peer's joined buffer) and scatter the deltas into their
+        views."""
         todo, words, fast = [], [], [d for d in recvs if d.kind == "words" and d.fast]
         for d in recvs:
             if d.kind == "dense" or (d.kind == "words" and d.fast):
@@ -937,6 +953,9 @@ class DeltaSchedule:
             for d, v, idx, _ in todo:  # name the message
                 check_indices_many([(idx, v.numel())], f"delta from process {d.op.peer} ({d.op.what()})")
             raise
+        joined = [d for d in recvs if d.kind == "dense" and d.payload is not d.op.tensor]  # ``_join_small``
+        if joined:
+            torch._foreach_copy_([d.flat for d in joined], [d.payload for d in joined])
         for d in recvs:
             if d.kind == "dense":
                 for bv, tv in d.op.pack:
@@ -1076,9 +1095,10 @@ def _host_checked(d: _DeltaOp) -> bool:
 
 def _in_flight(sends: list[_DeltaOp]) -> bool:
     """Whether a chunk's payload sends may stay in flight while the next chunk is found: none reads the packed
-    ring buffer, which the next chunk may fill (deltas and whole tensors are not written again this refit; a
-    posted send keeps its tensor alive until it completes)."""
-    return not any(d.kind == "dense" and d.op.pack for d in sends)
+    ring buffer, which the next chunk may fill (deltas, whole tensors and the joined buffers, where a small dense
+    message's ring slice was copied, are not written again this refit; a posted send keeps its tensor alive until
+    it completes)."""
+    return not any(d.kind == "dense" and d.op.pack and d.flat is None for d in sends)
 
 
 def _pinned(values: list[int], cuda: bool) -> torch.Tensor:
@@ -1113,19 +1133,36 @@ def _by_peer(ops: list[_DeltaOp]) -> list[tuple[int, list[_DeltaOp]]]:
     return _memo(ops, ("peers",), lambda ops: [(p, list(g)) for p, g in groupby(ops, key=lambda d: d.op.peer)])
 
 
-def _join(deltas: list[_DeltaOp], base: SourceBase | None = None) -> torch.Tensor:
-    """One uint8 buffer holding the deltas' payloads one after another; each ``payload`` becomes its slice.
-    A sender's payloads (and words' ``parts``) are copied in by one ``torch.cat``, its words by address packed
-    (``_pack_spans``) and their base update deferred to the buffer (``base``, ``SourceBase.defer_packed``); a
-    receiver's are sized only (``device="meta"``) and filled by the receive."""
-    if len(deltas) == 1 and deltas[0].payload is not None and deltas[0].payload.device.type != "meta":
-        return deltas[0].payload
-    if deltas[0].found is not None and all(d.found is not None for d in deltas) and _one_run(deltas):
-        return _join_run(deltas, base)
+def _join(
+    deltas: list[_DeltaOp], base: SourceBase | None = None, small: list[_DeltaOp] = (), send: bool = False
+) -> torch.Tensor:
+    """One uint8 buffer holding the deltas' payloads one after another, then the bytes of the ``small`` dense
+    messages (``_join_small``); each delta's ``payload`` becomes its slice. A sender's payloads (and words'
+    ``parts``) are copied in by one ``torch.cat``, its words by address packed (``_pack_spans``) and their base
+    update deferred to the buffer (``base``, ``SourceBase.defer_packed``); a receiver's are sized only
+    (``device="meta"``) and filled by the receive. A lone message whose payload exists goes as itself."""
+    alone = deltas[0] if len(deltas) == 1 and not small else small[0] if len(small) == 1 and not deltas else None
+    if alone is not None and alone.payload is not None and alone.payload.device.type != "meta":
+        return alone.payload
+    extra = sum(d.flat.numel() for d in small)
+    if deltas and deltas[0].found is not None and all(d.found is not None for d in deltas) and _one_run(deltas):
+        buf = _join_run(deltas, base, extra)
+    elif deltas:
+        buf = _join_any(deltas, base, extra)
+    else:
+        buf = torch.empty(extra, dtype=torch.uint8, device=small[0].op.tensor.device)
+    if small:
+        _join_small(small, buf[buf.numel() - extra :], send)
+    return buf
+
+
+def _join_any(deltas: list[_DeltaOp], base: SourceBase | None, extra: int) -> torch.Tensor:
+    """``_join``'s deltas in a buffer of their bytes and ``extra`` more, slice by slice."""
     sizes = [d.wire if d.payload is None else d.payload.numel() for d in deltas]
-    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=deltas[0].op.tensor.device)
+    buf = torch.empty(sum(sizes) + extra, dtype=torch.uint8, device=deltas[0].op.tensor.device)
     packs: dict[int, tuple[Found, list, list]] = {}  # words by address, per find: (first piece, end, offset), ops
-    for d, off, part in zip(deltas, accumulate(sizes, initial=0), buf.split(sizes)):  # one call for the slices
+    parts = buf.split([*sizes, extra])  # one call for the slices
+    for d, off, part in zip(deltas, accumulate(sizes, initial=0), parts):
         if d.found is not None:  # a sender's words by address: packed below, one launch per find
             found, spans, ops = packs.setdefault(id(d.found[0]), (d.found[0], [], []))
             spans.append((*d.found[1:], off))
@@ -1141,17 +1178,30 @@ def _join(deltas: list[_DeltaOp], base: SourceBase | None = None) -> torch.Tenso
     return buf
 
 
-def _join_run(deltas: list[_DeltaOp], base: SourceBase | None) -> torch.Tensor:
-    """``_join`` of a sender's deltas that are one run of one find's pieces (words by address, ``_one_run``):
-    packed by one launch, no slice per delta."""
+def _join_run(deltas: list[_DeltaOp], base: SourceBase | None, extra: int = 0) -> torch.Tensor:
+    """``_join`` of a sender's deltas that are one run of one find's pieces (words by address, ``_one_run``),
+    in a buffer of their bytes and ``extra`` more: packed by one launch, no slice per delta."""
     found, first, end = deltas[0].found[0], deltas[0].found[1], deltas[-1].found[2]
-    buf = torch.empty(sum(d.wire for d in deltas), dtype=torch.uint8, device=deltas[0].op.tensor.device)
+    buf = torch.empty(sum(d.wire for d in deltas) + extra, dtype=torch.uint8, device=deltas[0].op.tensor.device)
     rows = _pack_spans(found, np.array([[first, end, 0]], dtype=np.int64), buf, deltas)
     if base is not None:
         base.defer_packed(rows, buf)
     for d in deltas:
         d.found = None
     return buf
+
+
+def _join_small(small: list[_DeltaOp], out: torch.Tensor, send: bool) -> None:
+    """The small dense messages' bytes (``_DeltaOp.flat``) one after another in ``out``: a sender copies them in
+    (one launch, on the ``"send"`` stream beside the next chunk's find, as ``_pack_spans``); a receiver's
+    ``payload`` becomes its slice, copied out by ``_apply`` once received."""
+    flats = _memo(small, ("flats",), lambda ops: [d.flat for d in ops])
+    if send:
+        with _send_stream(out.device):
+            torch.cat(flats, out=out)
+        return
+    for d, part in zip(small, out.split([f.numel() for f in flats])):
+        d.payload = part
 
 
 def _pack_spans(found: Found, spans: np.ndarray, buf: torch.Tensor, ops: list[_DeltaOp]) -> tuple:
