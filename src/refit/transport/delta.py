@@ -1334,10 +1334,10 @@ def _located(ops: list[_DeltaOp]) -> Scatter:
     return Scatter.of(dst, idx, idx + index_bytes(k), k, n, ops[0].views[0].device)
 
 
-def _named(ok, items: list[tuple], failed: bool = False) -> None:
+def _named(ok, items: list[tuple]) -> None:
     """Raise ``DeltaError`` unless ``ok(items)``, naming the first message (item[0], a ``_DeltaOp``) whose own
-    items fail (an error path: a check per message); ``failed``: the joint check already failed."""
-    if not items or (not failed and ok(items)):
+    items fail (an error path: a check per message)."""
+    if not items or ok(items):
         return
     for d in dict.fromkeys(it[0] for it in items):
         if not ok([it for it in items if it[0] is d]):
