@@ -1,6 +1,7 @@
 """torch's own CUDA runtime, reached through ctypes, for what torch does not expose: raw copies (IPC pulls),
 peer access, and CUDA streams that refit owns alone (``private_stream``, freed by ``free_stream``;
-``OwnedStreams`` makes and frees a component's set of them).
+``OwnedStreams`` makes and frees a component's set of them; ``joined`` runs work on one, ordered both ways
+with the caller's stream).
 
 torch hands out ``torch.cuda.Stream()`` round-robin from a pool of 32 streams per device, so an engine's
 stream and one of refit's could be the same stream: each would then wait for the other's work. Every
@@ -9,6 +10,7 @@ private."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import torch
@@ -127,3 +129,20 @@ class OwnedStreams:
         streams, self.streams = self.streams, []
         for stream in streams:
             free_stream(stream)
+
+
+@contextlib.contextmanager
+def joined(stream: torch.cuda.Stream, device: torch.device):
+    """Device work inside runs on ``stream``: it first waits for what the caller's current stream of
+    ``device`` has queued, and the caller's stream waits for it on the way out (also after an error; a
+    sticky CUDA error there does not hide the original one)."""
+    caller = torch.cuda.current_stream(device)
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            caller.wait_stream(stream)
+        raise
+    caller.wait_stream(stream)

@@ -38,13 +38,13 @@ import torch.distributed as dist
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
-from refit.cudart import free_stream, private_stream
+from refit.cudart import free_stream, joined, private_stream
 from refit.errors import ConfigError
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
 from refit.transport.clock import RunClock
 from refit.transport.delta import DeltaSchedule, DeltaStats, plan_may_pay
-from refit.transport.ipc import IpcLink, IpcPuller, joined
+from refit.transport.ipc import IpcLink, IpcPuller
 from refit.transport.nixl import NixlLink
 from refit.transport.p2p import P2PSchedule, _Step, check_backend
 from refit.transport.store import SignedStore

@@ -58,6 +58,7 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
+from refit.cudart import joined
 from refit.layout import box_intersect
 from refit.plan import Plan
 from refit.quant.delta import (
@@ -1066,25 +1067,15 @@ def _announced(value: int, op: _Op) -> int:
     return value
 
 
-@contextlib.contextmanager
 def _send_stream(device: torch.device):
-    """On a CUDA sender, what runs inside (a chunk's packing) is queued on the device's
-    high-priority ``"send"`` side stream, behind everything queued on the current stream so far, and the
-    current stream then waits for it. The next chunk's find, queued before on its own stream, fills the
-    device with its blocks: a kernel of the current stream's default priority would start only once they are
-    all scheduled, this one starts at once, and so do the payload's sends behind it where the NCCL group's
-    streams are of high priority too (``ProcessGroupNCCL.Options(is_high_priority_stream=True)``). A kernel
-    inside reading tensors made on another stream marks them for this one (``record_stream``)."""
-    if device.type != "cuda":
-        yield
-        return
-    current, stream = torch.cuda.current_stream(device), side_stream(device, "send")
-    stream.wait_stream(current)
-    try:
-        with torch.cuda.stream(stream):
-            yield
-    finally:  # also where the body raised after queueing work: nothing read later on the current stream races it
-        current.wait_stream(stream)
+    """On a CUDA sender, what runs inside (a chunk's packing) is queued on the device's high-priority ``"send"``
+    side stream, behind everything queued on the current stream so far, and the current stream then waits for it
+    (``cudart.joined``). The next chunk's find, queued before on its own stream, fills the device with its
+    blocks: a kernel of the current stream's default priority would start only once they are all scheduled, this
+    one starts at once, and so do the payload's sends behind it where the NCCL group's streams are of high
+    priority too (``ProcessGroupNCCL.Options(is_high_priority_stream=True)``). A kernel inside reading tensors
+    made on another stream marks them for this one (``record_stream``). On CPU: nothing."""
+    return joined(side_stream(device, "send"), device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _host_checked(d: _DeltaOp) -> bool:

@@ -18,7 +18,6 @@ host), agree on a shared-memory ``HostBarrier`` through the store.
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
 import json
 import os
@@ -47,23 +46,6 @@ from refit.transport.store import SignedStore
 
 _PEER_ACCESS_ALREADY_ENABLED = 704
 _CUDA_MEMCPY_DEFAULT = 4
-
-
-@contextlib.contextmanager
-def joined(stream: torch.cuda.Stream, device: torch.device):
-    """Device work inside runs on ``stream``: it first waits for what the caller's current stream of
-    ``device`` has queued, and the caller's stream waits for it on the way out (also after an error; a
-    sticky CUDA error there does not hide the original one)."""
-    caller = torch.cuda.current_stream(device)
-    stream.wait_stream(caller)
-    try:
-        with torch.cuda.stream(stream):
-            yield
-    except BaseException:
-        with contextlib.suppress(Exception):
-            caller.wait_stream(stream)
-        raise
-    caller.wait_stream(stream)
 
 
 def enable_peer_access(device: torch.device, peer: torch.device) -> None:
