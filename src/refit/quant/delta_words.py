@@ -361,7 +361,7 @@ class Scatter:
 
         if self.table is None:
             return
-        guard = self.table[0, :1] if flag is None else flag  # row 0 starts with piece 0's first program: 0
+        guard = _never_raised(self.device) if flag is None else flag
         if stream is None or self.device.type != "cuda":
             launch_scatter_words(self.table, self.programs, guard, check=False)
             return
@@ -370,6 +370,18 @@ class Scatter:
             launch_scatter_words(self.table, self.programs, guard, check=False)
         for t in (self.table, guard, *keep):
             t.record_stream(stream)
+
+
+_ZERO_FLAGS: dict[torch.device, torch.Tensor] = {}  # per device, one int32 0 (``_never_raised``)
+
+
+def _never_raised(device: torch.device) -> torch.Tensor:
+    """A check flag (int32) of ``device`` that nothing raises, made once: ``Scatter.apply``'s guard when no check
+    was queued before it (never written after it is made, so any stream may read it)."""
+    flag = _ZERO_FLAGS.get(device)
+    if flag is None:
+        flag = _ZERO_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
 
 
 def pack_table(found: Found, sel: np.ndarray, dst: np.ndarray, device) -> None:
