@@ -585,12 +585,16 @@ class DeltaSchedule:
         # header lands meanwhile (a process that also sends does not: on NCCL a receive queued ahead of its own
         # sends could wait on a peer that waits on them)
         pure_receiver = not any(sends for sends, _ in self.steps)
+        pure_sender = not self.receives
         early = self._post_headers(0, quiet) if pure_receiver else ([], [])
         for i, ((sends, recvs), (send_hdr, recv_hdr, headers)) in enumerate(zip(self.steps, self.headers)):
             if sends:
                 heads = self._send_step(i, sends, version, held, stats, quiet)
                 heads = self._with_trailers(i, sends, heads, quiet, after)
                 send_hdr.copy_(_pinned(heads, send_hdr.is_cuda), non_blocking=True)
+            if pure_sender:
+                sending = self._post_chunk(clock, i, sends, headers[0], quiet, sending)
+                continue
             out, out_ops = _loud(*headers[0], 0, quiet)
             inc, inc_ops = ([], []) if pure_receiver else _loud(*headers[1], 1, quiet)
             works = self.p2p.post(out, inc) if out or inc else []
@@ -630,6 +634,27 @@ class DeltaSchedule:
             self.quiet[peer] = self.quiet.get(peer, 0) - 1 if (1, peer) in quiet else after.get((1, peer), 0)
         self.told = None
         return stats
+
+    def _post_chunk(self, clock: RunClock, i: int, sends: list, headers: tuple, quiet: set, sending: tuple) -> tuple:
+        """A pure sender's step-chunk ``i`` once encoded: its payloads packed, then its headers and payloads posted
+        as one batch (a peer receives a header before the payload it sizes: sends to one peer complete in the
+        order posted), so the packing waits for no header send and the host for none of them. The base's updates
+        behind them (``SourceBase.flush``); the previous chunk's sends waited for (``sending``); returns what
+        stays in flight (``_in_flight``)."""
+        out, out_ops = _loud(*headers, 0, quiet)
+        pay, pay_ops = self._payload_msgs(sends, self.base, True)
+        works, ops = self.p2p.post(out + pay, []) if out or pay else [], out_ops + pay_ops
+        if sends:
+            self.base.flush(final=i >= len(self.steps) - 2)
+        if sending[0]:
+            self.p2p.wait(clock, *sending, "delta transfer")
+        for d in sends:  # the chunk's payloads are freed once sent, not held until the next refit
+            d.payload = None
+        if _in_flight(sends):
+            return works, ops
+        if works:
+            self.p2p.wait(clock, works, ops, "delta transfer")
+        return [], []
 
     def _post_headers(self, i: int, quiet: set) -> tuple[list, list]:
         """Post step-chunk ``i``'s header receives (but a quiet pair's): ``(works, ops)``; none past the last."""
