@@ -742,11 +742,14 @@ class DeltaSchedule:
         """Plan, diff and encode step-chunk ``i``'s sends; their headers, in order. Messages to diff are diffed
         in batches of at most ``FIND_BATCH_BYTES`` of data (``find_changes_many``: one host sync per batch)
         and encoded at once (a chunk's slots are held until its payload is posted: bounded by the chunk). Once
-        the last batch's find is queued, the next step-chunk's first find is queued behind it (``_prefetch``):
-        the device finds it while the host encodes this one."""
+        the last batch's find is queued, the next step-chunk's first find is queued behind it (``_prefetch``; with
+        one batch or none, before this chunk's dense messages are encoded): the device finds it while the host
+        encodes this one."""
         plans, batches, pending = self._planned(i, sends, held, quiet)
         if batches and pending is None:  # the first find queued before the dense messages' copies
             pending = _launch_fast([sends[j] for j in batches[0]], self.ready)
+        if len(batches) <= 1:
+            self._prefetch(i + 1, held, quiet)
         heads: list[list[int]] = [[] for _ in sends]
         for j, d in enumerate(sends):
             if plans[j] != "diff":
@@ -754,7 +757,7 @@ class DeltaSchedule:
         for b, batch in enumerate(batches):
             ops = [sends[j] for j in batch]
             launched = pending if b == 0 else _launch_fast(ops, self.ready)
-            if b == len(batches) - 1:  # the next step-chunk's find queued behind this one, before the wait
+            if b == len(batches) - 1 > 0:  # the next step-chunk's find queued behind this one, before the wait
                 self._prefetch(i + 1, held, quiet)
             _find(ops, launched)  # encoded batch by batch; the slots are dropped once the chunk is posted
             at_once = self._encode_found([sends[j] for j in batch], version, stats)
