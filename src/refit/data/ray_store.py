@@ -161,8 +161,8 @@ class _Payload:
 def _background() -> None:
     """Run by the copy thread when it starts: lower its own scheduling priority by ``ADOPT_NICE`` (Linux: a
     thread's nice value is its own), so the durable copies, background work by design, yield the CPU to
-    the reads and calls this node runs meanwhile (on 2 cores a 48 MiB copy overlapping 4 DP readers cost
-    them 15-20%, stop 42). Where the platform does not allow it, the copy keeps the process's priority."""
+    the reads and calls this node runs meanwhile (on 2 cores a 48 MiB copy overlaps the reads of the put it
+    copies). Where the platform does not allow it, the copy keeps the process's priority."""
     with contextlib.suppress(AttributeError, OSError):  # no setpriority (not POSIX), or not allowed
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + ADOPT_NICE))
