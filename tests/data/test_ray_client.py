@@ -64,6 +64,23 @@ def test_a_trust_meta_get_in_another_process_looks_up_no_actor(ray_store):
     ray.kill(r)
 
 
+def test_a_client_checks_the_names_it_was_given(ray_session):
+    from refit.data.ray_store import RayStore
+
+    ns = ray.get_runtime_context().namespace
+    for bad in (
+        (ns, ("refit-store-a",)),
+        (ns, ["refit-store-a", "refit-store-b"]),
+        (ns, ("other", "refit-store-b")),
+        (None, ("refit-store-a", "refit-store-b")),
+        (ns, ("refit-store-a", 3)),
+        "refit-store-a",
+    ):
+        with pytest.raises(ValueError, match="not a client's actor names"):
+            RayStore(2, None, True, False, bad)
+    assert RayStore(2, None, True, False, (ns, ("refit-store-a", "refit-store-b")))._actors is None
+
+
 def test_actor_options_may_not_name_the_actors(ray_session):
     from refit.data.ray_store import RayStore
 

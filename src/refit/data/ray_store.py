@@ -417,6 +417,20 @@ def _named(namespace: str, names: tuple[str, ...]) -> list:
     return got
 
 
+def _check_names(names: Any, n: int) -> None:
+    """A client's ``(namespace, actor names)`` as it came through a pickle: plain strings, one name per actor."""
+    ok = (
+        isinstance(names, tuple)
+        and len(names) == 2
+        and isinstance(names[0], str)
+        and isinstance(names[1], tuple)
+        and len(names[1]) == n >= 1
+        and all(isinstance(a, str) and a.startswith("refit-store-") for a in names[1])
+    )
+    if not ok:
+        raise ValueError(f"RayStore: not a client's actor names for {n} actors: {names!r:.200}")
+
+
 def _shard(partition: str, n: int) -> int:
     return zlib.crc32(partition.encode()) % n
 
@@ -466,6 +480,7 @@ class RayStore(Store):
         self._pending = PendingPuts()  # trust_meta puts whose storage actor's reply was not read yet
         self._n, self._names, self._actors = num_units, _names, None
         if _names is not None:  # a client (unpickled): (namespace, actor names); handles looked up when needed
+            _check_names(_names, num_units)
             return
         if num_units < 1:
             raise ValueError(f"RayStore: num_units must be >= 1, got {num_units}")
