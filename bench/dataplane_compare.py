@@ -238,14 +238,17 @@ def run_put_get(methods: dict, batch: dict, iters: int) -> list[dict]:
     return rows
 
 
-def make_dp_consumer(ray):
+def make_dp_consumer(ray, with_tq: bool = True):
+    """A DP rank's actor; ``with_tq=False``: TransferQueue is not attached (its ``tq_get`` is then unusable)."""
+
     @ray.remote(num_cpus=0)
     class DPConsumer:
         def __init__(self) -> None:
-            import transfer_queue as tq
+            if with_tq:
+                import transfer_queue as tq
 
-            tq.init()  # attaches to the running controller
-            self.tq = tq
+                tq.init()  # attaches to the running controller
+                self.tq = tq
 
         def refit(self, store, meta):
             return sum(t.numel() for t in store.get(meta, select_fields=FIELDS).values())
@@ -261,15 +264,12 @@ def make_dp_consumer(ray):
     return DPConsumer
 
 
-def run_dp(ray, tq, stores, batch, dp, iters, counter) -> list[dict]:
-    from tensordict import TensorDict
-
-    samples, seq = batch["ids"].shape
-    shares = [[i for mb in rank for i in mb] for rank in balanced_shards(long_tail(samples, seq), dp, 2 * seq)]
-    consumers = [make_dp_consumer(ray).remote() for _ in range(dp)]
+def dp_methods(ray, tq, stores, batch, consumers, shares, counter, suffix: str = "") -> dict:
+    """name + ``suffix`` -> run(): one put of ``batch`` read by ``consumers`` (one share each, at once),
+    returning done() (the clear, outside the timing). TransferQueue only where ``tq`` is given."""
+    samples = batch["ids"].shape[0]
     as_numpy = {k: v.numpy() for k, v in batch.items()}
-    td = TensorDict(batch, batch_size=samples)
-    want = 2 * samples * seq
+    want = 2 * batch["ids"].numel()
 
     def refit_run(s):
         def run():
@@ -284,17 +284,32 @@ def run_dp(ray, tq, stores, batch, dp, iters, counter) -> list[dict]:
         assert sum(ray.get([c.ray.remote([ref], s) for c, s in zip(consumers, shares)])) == want
         return lambda: None
 
+    if tq is not None:
+        from tensordict import TensorDict
+
+        td = TensorDict(batch, batch_size=samples)
+
     def tq_run():
         keys = [f"d{next(counter)}/{i}" for i in range(samples)]
         tq.kv_batch_put(keys=keys, partition_id="bench", fields=td)
         assert sum(ray.get([c.tq_get.remote([keys[i] for i in s]) for c, s in zip(consumers, shares)])) == want
         return lambda: tq.kv_clear(keys=keys, partition_id="bench")
 
-    methods = {
-        f"ray numpy dp{dp}": ray_run,
-        **{f"{name} dp{dp}": refit_run(s) for name, s in stores.items()},
-        f"transferqueue dp{dp}": tq_run,
-    }
+    methods = {f"ray numpy{suffix}": ray_run, **{f"{name}{suffix}": refit_run(s) for name, s in stores.items()}}
+    if tq is not None:
+        methods[f"transferqueue{suffix}"] = tq_run
+    return methods
+
+
+def dp_shares(samples: int, seq: int, dp: int) -> list[list[int]]:
+    """Each DP rank's rows: ``balanced_shards`` of long-tailed lengths (scattered rows)."""
+    return [[i for mb in rank for i in mb] for rank in balanced_shards(long_tail(samples, seq), dp, 2 * seq)]
+
+
+def run_dp(ray, tq, stores, batch, dp, iters, counter) -> list[dict]:
+    samples, seq = batch["ids"].shape
+    consumers = [make_dp_consumer(ray).remote() for _ in range(dp)]
+    methods = dp_methods(ray, tq, stores, batch, consumers, dp_shares(samples, seq, dp), counter, f" dp{dp}")
     times: dict[str, list[float]] = {m: [] for m in methods}
     for fn in methods.values():
         fn()()

@@ -26,7 +26,7 @@ def trusting(request, ray_store):
     """A trust_meta client of the package's storage actors, emptied before and after."""
     from refit.data.ray_store import RayStore
 
-    s = RayStore(len(ray_store.actors), durable=request.param, trust_meta=True, _actors=ray_store.actors)
+    s = RayStore(len(ray_store.actors), durable=request.param, trust_meta=True, _names=ray_store._names)
     for p in {p for p, _ in s.keys()}:
         s.clear_partition(p)
     yield s

@@ -1,0 +1,114 @@
+"""Only the DP-readers row of ``bench.dataplane_compare``, many alternating rounds, each after a pause.
+
+    python -m bench.dataplane_dp [--samples 512 --seq 8192 --dp 4 --rounds 40 --gap-ms 50]
+        [--all] [--tq] [--out bench/results/cpu-dataplane-dp.json]
+
+The batch (int64 ids + float32 logprobs, [samples, seq]) is put once by the driver, then ``--dp`` consumer
+actors fetch their balanced shares (``balanced_shards`` of long-tailed lengths: scattered rows) at once; the
+time is from the put to the last consumer done, exactly as ``bench.dataplane_compare``'s ``dp<N>`` row (same
+consumers, same shares). Methods: ``ray numpy`` (``ray.put`` of numpy arrays; each rank ``ray.get``s the whole
+object, then its rows with one ``index_select``), refit ``RayStore(trust_meta=True)`` ``durable=False`` and
+durable (each rank gets ``meta.select(share)`` through the meta); ``--all`` adds the two configurations without
+``trust_meta``, ``--tq`` TransferQueue (``kv_batch_put`` / ``kv_batch_get``; needs it on ``PYTHONPATH``).
+
+Rounds interleave the methods, each going first in turn; after each method its clear (refit: and the wait for
+the durable copy, ``settle``) and a pause of ``--gap-ms`` (Ray frees a released object in the background; a put
+that runs meanwhile on 2 cores is slower), both outside the timing; two warm-up rounds are not timed. Reports
+each method's median and p90 over the rounds and its ratio to ``ray numpy``'s median of the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from bench.dataplane_compare import FIELDS, dp_methods, dp_shares, make_batch, make_dp_consumer, pct, rotated
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--gap-ms", type=float, default=50.0)
+    ap.add_argument("--units", type=int, default=2, help="refit storage actors")
+    ap.add_argument("--all", action="store_true", help="also refit without trust_meta")
+    ap.add_argument("--tq", action="store_true", help="also TransferQueue")
+    ap.add_argument("--out", default="bench/results/cpu-dataplane-dp.json")
+    args = ap.parse_args(argv)
+    import ray
+
+    from refit.data.ray_store import RayStore
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, object_store_memory=3 << 30)
+    tq = None
+    if args.tq:
+        import transfer_queue as tq
+
+        tq.init()
+    stores = {
+        "refit durable=False trust_meta": RayStore(num_units=args.units, durable=False, trust_meta=True),
+        "refit durable trust_meta": RayStore(num_units=args.units, trust_meta=True),
+    }
+    if args.all:
+        stores["refit durable=False"] = RayStore(num_units=args.units, durable=False)
+        stores["refit durable"] = RayStore(num_units=args.units)
+    batch = make_batch(args.samples, args.seq)
+    consumers = [make_dp_consumer(ray, with_tq=args.tq).remote() for _ in range(args.dp)]
+    shares = dp_shares(args.samples, args.seq, args.dp)
+    methods = dp_methods(ray, tq, stores, batch, consumers, shares, iter(range(1 << 30)))
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    loads = []
+    try:
+        for r in range(-2, args.rounds):
+            for name in rotated(list(methods), r):
+                t0 = time.perf_counter()
+                done = methods[name]()
+                if r >= 0:
+                    times[name].append(time.perf_counter() - t0)
+                done()
+                time.sleep(args.gap_ms / 1e3)
+            loads.append(os.getloadavg()[0])
+        leaked = [k for s in stores.values() for k in s.keys()]
+        assert leaked == [] and sum(s.chunks() for s in stores.values()) == 0, f"refit leaked {len(leaked)} keys"
+    finally:
+        if tq is not None:
+            tq.close()
+        ray.shutdown()
+    base = statistics.median(times["ray numpy"])
+    rows = {
+        m: {
+            "median_ms": 1e3 * statistics.median(t),
+            "p90_ms": 1e3 * pct(t, 90),
+            "x_ray_numpy": statistics.median(t) / base,
+            "times_ms": [round(1e3 * x, 3) for x in t],
+        }
+        for m, t in times.items()
+    }
+    meta = {
+        "command": "python -m bench.dataplane_dp " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+        "load_avg_start_end": [loads[0], loads[-1]],
+        "load_avg_median": statistics.median(loads),
+        "ray": ray.__version__,
+        "fields": FIELDS,
+        "args": vars(args),
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(
+        f"{'method':32s} {'median ms':>10s} {'p90 ms':>8s} {'x ray numpy':>12s}   (load {meta['load_avg_median']:.2f})"
+    )
+    for name, r in rows.items():
+        print(f"{name:32s} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['x_ray_numpy']:12.2f}")
+    print(f"records written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
