@@ -744,11 +744,30 @@ def test_fanout_replicas_get_deltas_from_the_trainer_and_from_each_other():
     assert len(later) >= 2 and all(e["sparse"] + e["bitmask"] + e["words"] > 0 for e in later), later
 
 
-def _policy_worker(world):
+def _tiny_pair():
+    """tiny-llama at tp=1 on both sides, ``auto`` over a 2 x 16 KiB staging budget, one sender, one receiver."""
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
     lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
     cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto", deadline_s=60)
-    procs = ProcessMap.disjoint(1, 1)
+    return lay, cfg, ProcessMap.disjoint(1, 1)
+
+
+def _receive_versions(world, lay, cfg, procs, versions: int, before=None) -> tuple[list, list]:
+    """A receiver of ``_tiny_pair``: pulls versions 1 to ``versions``; its tensors' raw bytes after each, and what
+    ``before(receiver)`` says before each pull (nothing without it)."""
+    local = {n: torch.zeros_like(t) for n, t in _weights(lay, 0, 0).items()}
+    r = Receiver(lay, lay, world.rank, local, procs=procs, config=cfg)
+    got, seen = [], []
+    for v in range(1, versions + 1):
+        if before is not None:
+            seen.append(before(r))
+        r.pull(v)
+        got.append(_raw(local))
+    return got, seen
+
+
+def _policy_worker(world):
+    lay, cfg, procs = _tiny_pair()
     out = []
     if world.src_rank is not None:
         local = _weights(lay, 0, 0)
@@ -760,14 +779,8 @@ def _policy_worker(world):
             st = s.push(v)
             out.append((_raw(local), st.delta.diffed, dict(st.delta.encodings)))
         return out
-    local = {n: torch.zeros_like(t) for n, t in _weights(lay, 0, 0).items()}
-    r = Receiver(lay, lay, world.rank, local, procs=procs, config=cfg)
-    quiet = []
-    for v in range(1, 22):
-        quiet.append(r.executor.delta.quiet_senders())  # the refit about to run has no headers from these
-        r.pull(v)
-        out.append(_raw(local))
-    return out, quiet
+    # before each pull: the senders whose refit about to run comes without headers
+    return _receive_versions(world, lay, cfg, procs, 21, lambda r: r.executor.delta.quiet_senders())
 
 
 @pytest.mark.multiproc
@@ -805,10 +818,7 @@ def _joined_worker(world):
         return real(self, sends, recvs)
 
     P2PSchedule.post = post
-    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes("tiny-llama")]
-    lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
-    cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto", deadline_s=60)
-    procs = ProcessMap.disjoint(1, 1)
+    lay, cfg, procs = _tiny_pair()
     if world.src_rank is not None:
         local, out = _weights(lay, 0, 0), []
         s = Sender(lay, lay, world.rank, local, procs=procs, config=cfg)
@@ -817,13 +827,7 @@ def _joined_worker(world):
                 t.view(torch.int16)[torch.rand(t.shape) < (1.0 if "norm" in name else 0.01)] ^= 1
             out.append((_raw(local), dict(s.push(v).delta.encodings)))
         return out, posted
-    local = {n: torch.zeros_like(t) for n, t in _weights(lay, 0, 0).items()}
-    r = Receiver(lay, lay, world.rank, local, procs=procs, config=cfg)
-    got = []
-    for v in range(1, 6):
-        r.pull(v)
-        got.append(_raw(local))
-    return got, posted
+    return _receive_versions(world, lay, cfg, procs, 5)[0], posted
 
 
 @pytest.mark.multiproc
