@@ -163,15 +163,16 @@ def test_meta_rebuilds_tags_and_lengths(store):
     assert m.tags == ({"version": 2}, {"version": 1}) and m.seq_lens == (20, 10) and m.fields == ("x",)
 
 
-def test_batch_meta_ops():
-    m = BatchMeta(
-        keys=[f"k{i}" for i in range(5)],
-        partition="p",
-        fields=["x"],
-        tags=[{"v": i} for i in range(5)],
-        seq_lens=[5, 4, 3, 2, 1],
-        extra_info={"step": 1},
+def _five(**more) -> BatchMeta:
+    """Five keys k0..k4 of partition p, field x, tag v=i, lengths 5..1, and ``more``."""
+    tags = [{"v": i} for i in range(5)]
+    return BatchMeta(
+        keys=[f"k{i}" for i in range(5)], partition="p", fields=["x"], tags=tags, seq_lens=[5, 4, 3, 2, 1], **more
     )
+
+
+def test_batch_meta_ops():
+    m = _five(extra_info={"step": 1})
     parts = m.chunk(2)
     assert [p.keys for p in parts] == [("k0", "k1", "k2"), ("k3", "k4")]
     assert BatchMeta.concat(parts) == m
@@ -185,6 +186,31 @@ def test_batch_meta_ops():
         BatchMeta.concat([m, BatchMeta(keys=["z"], partition="q")])
     with pytest.raises(ValueError, match="duplicate keys"):
         BatchMeta.concat([m, m])
+
+
+def test_select_equals_the_validated_constructor_and_names_bad_positions():
+    m = _five(extra_info={"plan": [1, 2]}, where=[("w", i) for i in range(5)])
+    for idx in ([4, 0, 2], [-1, 1], [], range(5)):
+        got = m.select(idx)
+        pos = [i % 5 for i in idx]
+        want = BatchMeta(
+            keys=[m.keys[i] for i in pos],
+            partition="p",
+            fields=["x"],
+            tags=[m.tags[i] for i in pos],
+            seq_lens=[m.seq_lens[i] for i in pos],
+            extra_info={"plan": [1, 2]},
+            where=[m.where[i] for i in pos],
+        )
+        assert got == want and got.where == want.where and repr(got) == repr(want)
+    share = m.select([3, 1])
+    share.tags[0]["v"] = 99  # a copy: the source meta's tags are not shared
+    share.extra_info["plan"].append(3)
+    assert m.tags[3] == {"v": 3} and m.extra_info == {"plan": [1, 2]}
+    with pytest.raises(IndexError, match=r"indices \[5, -6\] out of range for 5 keys"):
+        m.select([0, 5, -6])
+    with pytest.raises(ValueError, match=r"duplicate keys \['k4'\] in partition 'p'"):
+        m.select([4, 0, -1])
 
 
 def test_trusted_meta_equals_the_validated_one():

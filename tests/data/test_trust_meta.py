@@ -221,9 +221,15 @@ def test_a_puts_locations_are_one_compact_sequence_equal_to_its_pairs(trusting):
     assert where[-1] == pairs[-1] and where[1:3] == pairs[1:3]
     with pytest.raises(IndexError, match="out of range for 5 rows"):
         where[5]
-    shipped = ray.get(ray.put(meta))  # pickled as (placed, n), not one pair per key
+    shipped = ray.get(ray.put(meta))  # pickled as (placed, rows), not one pair per key
     assert isinstance(shipped.where, PutRows) and len(shipped.where) == 5 and shipped == meta
-    assert meta.select([4, 1]).where == (pairs[4], pairs[1])  # the validated constructor makes it a tuple
+    share = meta.select([4, 1, -2])  # a DP rank's share stays one compact sequence of its put's rows
+    assert isinstance(share.where, PutRows) and tuple(share.where) == (pairs[4], pairs[1], pairs[3])
+    assert share.select([2, 0]).where.rows == (3, 4) and tuple(meta.reorder([1, 0, 2, 3, 4]).where)[0] == pairs[1]
+    assert type(meta).concat([share, meta.select([0])]).where == (pairs[4], pairs[1], pairs[3], pairs[0])
+    sent = ray.get(ray.put(share))
+    assert isinstance(sent.where, PutRows) and sent == share
+    assert torch.equal(trusting.get(sent, select_fields=["ids"])["ids"], data["ids"][[4, 1, 3]])
     got = trusting.get(shipped, select_fields=["ids"])["ids"]
     assert torch.equal(got, data["ids"])
     assert got.data_ptr() == trusting.get(meta, select_fields=["ids"])["ids"].data_ptr()  # one object, a view

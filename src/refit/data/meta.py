@@ -27,12 +27,13 @@ class BatchMeta:
     ``where``: one location per key, opaque (the backend that wrote the keys made them and is the
     only one that reads them; e.g. ``RayStore(trust_meta=True)`` names the object holding each
     row), or None: a tuple, or, in a meta the backend built itself, an immutable sequence of its own
-    (``RayStore``'s ``PutRows``: a whole put without a pair per key).
+    that may offer ``select(positions)`` (non-negative, in range, distinct) giving the same kind for
+    those entries (``RayStore``'s ``PutRows``: one put's rows without a pair per key).
 
     Must agree: ``keys`` are unique; ``tags``, ``seq_lens`` and ``where`` have one entry per key,
     entry ``i`` describing ``keys[i]``. Checked in ``__post_init__`` (``ValueError`` naming the
     partition or both counts), which also turns the lists into tuples; ``trusted`` skips that, for
-    the metas a store builds from a put it has checked.
+    the metas a store builds from a put it has checked and those ``select`` builds from checked ones.
 
     Frozen: ``select``, ``reorder``, ``chunk``, ``concat``, ``with_fields`` and
     ``with_extra_info`` return a new ``BatchMeta`` (``extra_info`` deep-copied), keeping the
@@ -75,12 +76,14 @@ class BatchMeta:
         tags: tuple[dict[str, Any], ...],
         seq_lens: tuple[int, ...] | None = None,
         where: tuple[Any, ...] | None = None,
+        extra_info: dict[str, Any] | None = None,
     ) -> BatchMeta:
-        """The meta a store builds for a put it has already checked (``normalize_put``): the same
-        object the validated constructor gives, without its per-key work (no copy of ``tags``, no
-        duplicate check, no conversion). Only for refit's own stores: the caller guarantees the
-        contract above (tuples, unique ``str`` keys, ``int`` lengths, one fresh tag dict and one
-        location per key, nobody else holding those dicts); nothing is checked. ``extra_info`` is empty."""
+        """The meta a store builds for a put it has already checked (``normalize_put``), or ``select`` from
+        a meta's checked entries: the same object the validated constructor gives, without its per-key
+        work (no copy of ``tags``, no duplicate check, no conversion). Only for refit's own code: the
+        caller guarantees the contract above (tuples, unique ``str`` keys, ``int`` lengths, one fresh tag
+        dict and one location per key, nobody else holding those dicts or ``extra_info``); nothing is
+        checked. ``extra_info``: empty when not given."""
         meta = object.__new__(cls)
         for name, value in (
             ("keys", keys),
@@ -88,7 +91,7 @@ class BatchMeta:
             ("fields", fields),
             ("tags", tags),
             ("seq_lens", seq_lens),
-            ("extra_info", {}),
+            ("extra_info", {} if extra_info is None else extra_info),
             ("where", where),
         ):
             object.__setattr__(meta, name, value)
@@ -105,19 +108,31 @@ class BatchMeta:
         return sum(self.seq_lens)
 
     def select(self, indices: Sequence[int]) -> BatchMeta:
-        """The samples at ``indices`` (positions in this meta), in that order."""
+        """The samples at ``indices`` (positions in this meta, negative ones from the end), in that
+        order. ``IndexError`` naming the positions out of range; ``ValueError`` for a position given twice
+        (the keys would repeat). Built from this meta's checked entries without checking each again:
+        tags copied, ``where`` kept compact where it offers ``select`` (``RayStore``'s ``PutRows``)."""
+        n = len(self.keys)
         idx = [int(i) for i in indices]
-        bad = [i for i in idx if not -len(self) <= i < len(self)]
-        if bad:
-            raise IndexError(f"BatchMeta.select: indices {bad[:3]} out of range for {len(self)} keys")
-        return BatchMeta(
-            keys=[self.keys[i] for i in idx],
-            partition=self.partition,
-            fields=self.fields,
-            tags=[self.tags[i] for i in idx],
-            seq_lens=None if self.seq_lens is None else [self.seq_lens[i] for i in idx],
-            extra_info=copy.deepcopy(self.extra_info),
-            where=None if self.where is None else [self.where[i] for i in idx],
+        if idx and not -n <= min(idx) <= max(idx) < n:
+            bad = [i for i in idx if not -n <= i < n]
+            raise IndexError(f"BatchMeta.select: indices {bad[:3]} out of range for {n} keys")
+        if idx and min(idx) < 0:
+            idx = [i % n for i in idx]
+        if len(set(idx)) != len(idx):
+            dup = sorted({self.keys[i] for i in idx if idx.count(i) > 1})[:3]
+            raise ValueError(f"BatchMeta: duplicate keys {dup} in partition {self.partition!r}")
+        keys, tags, lens, where = self.keys, self.tags, self.seq_lens, self.where
+        if where is not None:
+            where = where.select(idx) if hasattr(where, "select") else tuple([where[i] for i in idx])
+        return BatchMeta.trusted(
+            tuple([keys[i] for i in idx]),
+            self.partition,
+            self.fields,
+            tuple([dict(tags[i]) for i in idx]),
+            None if lens is None else tuple([lens[i] for i in idx]),
+            where,
+            copy.deepcopy(self.extra_info) if self.extra_info else {},
         )
 
     def reorder(self, perm: Sequence[int]) -> BatchMeta:

@@ -36,32 +36,38 @@ class Placed:
 
 
 class PutRows(Sequence):
-    """``BatchMeta.where`` of a whole put, without a tuple per key: entry ``i`` is ``(placed, i)``
-    (a sequence equal, item by item, to ``tuple((placed, i) for i in range(n))``). Pickles as
-    ``(placed, n)``. Immutable; ``BatchMeta``'s validated constructor (``select``, ``concat``, ...)
-    turns it into that tuple, ``BatchMeta.trusted`` keeps it, so a read through the meta a put
-    returned finds its one put and its rows in O(1)."""
+    """``BatchMeta.where`` for rows of one put, without a tuple per key: entry ``i`` is
+    ``(placed, rows[i])`` (a sequence equal, item by item, to ``tuple((placed, r) for r in rows)``).
+    ``rows``: ``range(n)`` for a whole put as it returned it, a tuple of rows after ``select``. Pickles
+    as ``(placed, rows)``. Immutable; ``BatchMeta.select`` (so ``reorder`` and ``chunk``) keeps it
+    compact, ``concat`` and the validated constructor turn it into pairs, so a read through the meta
+    of a put, or of a DP rank's share of it, finds its one put and its rows in O(1)."""
 
-    __slots__ = ("placed", "n")
+    __slots__ = ("placed", "rows")
 
-    def __init__(self, placed: Placed, n: int) -> None:
-        self.placed, self.n = placed, n
+    def __init__(self, placed: Placed, rows: range | tuple[int, ...]) -> None:
+        self.placed, self.rows = placed, rows
 
     def __len__(self) -> int:
-        return self.n
+        return len(self.rows)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return tuple(self)[i]
-        if not -self.n <= i < self.n:
-            raise IndexError(f"PutRows: index {i} out of range for {self.n} rows")
-        return (self.placed, i % self.n)
+        if not -len(self.rows) <= i < len(self.rows):
+            raise IndexError(f"PutRows: index {i} out of range for {len(self.rows)} rows")
+        return (self.placed, self.rows[i])
 
     def __iter__(self):
-        return zip(itertools.repeat(self.placed, self.n), range(self.n))
+        return zip(itertools.repeat(self.placed, len(self.rows)), self.rows)
+
+    def select(self, indices: list[int]) -> PutRows:
+        """The entries at ``indices`` (checked by the caller: in range, not negative), still compact."""
+        rows = self.rows
+        return PutRows(self.placed, tuple(indices) if rows == range(len(rows)) else tuple(rows[i] for i in indices))
 
     def __reduce__(self):
-        return (PutRows, (self.placed, self.n))
+        return (PutRows, (self.placed, self.rows))
 
 
 def placed_of(where: Any) -> list[Placed] | None:

@@ -197,7 +197,7 @@ class _StorageActor:
         put's token (``trust_meta``), by which a take or clear through its meta recognises its rows."""
         partition, keys, holder, fields, tags, seq_lens, overwrite, durable, origin = call
         tags = [{} for _ in keys] if tags is None else tags
-        if not overwrite:
+        if durable and not overwrite:  # refused before pinning; ``unit.put`` checks (again) under its lock
             err = self.unit.clash(partition, keys, fields)
             if err:
                 return err
@@ -539,7 +539,7 @@ class RayStore(Store):
         else:
             placed = Placed([ref], [reply], names, origin, f"a put of {len(keys)} keys to partition {partition!r}")
             self._pending.add(placed, partition, keys)
-            where = PutRows(placed, len(keys))
+            where = PutRows(placed, range(len(keys)))
         lens = None if lens is None else tuple(lens)
         return BatchMeta.trusted(tuple(keys), partition, names, tuple(tag_list), lens, where)  # normalize_put checked
 
@@ -592,8 +592,8 @@ class RayStore(Store):
         if not (self.trust_meta and isinstance(keys, BatchMeta) and keys.where is not None):
             return None
         where = keys.where
-        if isinstance(where, PutRows):  # a whole put, as it returned it
-            groups = [(where.placed, range(where.n), range(where.n))]
+        if isinstance(where, PutRows):  # one put's rows: the whole put, or a share of it
+            groups = [(where.placed, range(len(where)), where.rows)]
         elif placed_of(where) is None:  # not (placed, row) pairs: not this store's
             return None
         else:

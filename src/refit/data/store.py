@@ -121,7 +121,9 @@ def _one_payload(n: int, p: torch.Tensor, pos: Sequence[int], rows: Sequence[int
     if n and _in_order(n, pos, rows):
         view = p.narrow(0, rows[0], n)
         return view.clone() if copy else view
-    order = np.asarray(rows, dtype=np.int64)[np.argsort(np.asarray(pos, dtype=np.int64), kind="stable")]
+    order = np.asarray(rows, dtype=np.int64)
+    if not (isinstance(pos, range) and pos == range(n)):  # else output row i is rows[i] already
+        order = order[np.argsort(np.asarray(pos, dtype=np.int64), kind="stable")]
     start = int(order[0]) if n else 0
     if n and order[-1] - start == n - 1 and bool((np.diff(order) == 1).all()):
         view = p.narrow(0, start, n)
