@@ -249,8 +249,16 @@ def make_dp_consumer(ray, with_tq: bool = True):
 
                 tq.init()  # attaches to the running controller
                 self.tq = tq
+            self.stores: dict = {}
 
-        def refit(self, store, meta):
+        def attach(self, stores):
+            """The refit store clients, once at setup (as ``tq.init()`` attaches TransferQueue's)."""
+            self.stores.update(stores)
+
+        def refit(self, name, meta):
+            return self.refit_with(self.stores[name], meta)
+
+        def refit_with(self, store, meta):
             return sum(t.numel() for t in store.get(meta, select_fields=FIELDS).values())
 
         def ray(self, holder, rows):
@@ -264,17 +272,25 @@ def make_dp_consumer(ray, with_tq: bool = True):
     return DPConsumer
 
 
-def dp_methods(ray, tq, stores, batch, consumers, shares, counter, suffix: str = "") -> dict:
+def dp_methods(ray, tq, stores, batch, consumers, shares, counter, suffix: str = "", per_call: bool = False) -> dict:
     """name + ``suffix`` -> run(): one put of ``batch`` read by ``consumers`` (one share each, at once),
-    returning done() (the clear, outside the timing). TransferQueue only where ``tq`` is given."""
+    returning done() (the clear, outside the timing). TransferQueue only where ``tq`` is given. The
+    consumers get the refit store clients once, here (a trainer rank holds its client from setup, as
+    TransferQueue's consumers hold theirs from ``tq.init()``), then only each round's meta; ``per_call``
+    adds each refit store again as ``<name> (store per call)``, whose client travels with every call."""
     samples = batch["ids"].shape[0]
     as_numpy = {k: v.numpy() for k, v in batch.items()}
     want = 2 * batch["ids"].numel()
+    ray.get([c.attach.remote(stores) for c in consumers])
 
-    def refit_run(s):
+    def refit_run(name, s, passed):
         def run():
             meta = s.put([f"d{next(counter)}/{i}" for i in range(samples)], batch, partition="bench")
-            assert sum(ray.get([c.refit.remote(s, meta.select(sh)) for c, sh in zip(consumers, shares)])) == want
+            calls = [
+                c.refit_with.remote(s, meta.select(sh)) if passed else c.refit.remote(name, meta.select(sh))
+                for c, sh in zip(consumers, shares)
+            ]
+            assert sum(ray.get(calls)) == want
             return lambda: (s.clear(meta), s.settle())  # the background copy is not the next method's cost
 
         return run
@@ -295,7 +311,9 @@ def dp_methods(ray, tq, stores, batch, consumers, shares, counter, suffix: str =
         assert sum(ray.get([c.tq_get.remote([keys[i] for i in s]) for c, s in zip(consumers, shares)])) == want
         return lambda: tq.kv_clear(keys=keys, partition_id="bench")
 
-    methods = {f"ray numpy{suffix}": ray_run, **{f"{name}{suffix}": refit_run(s) for name, s in stores.items()}}
+    methods = {f"ray numpy{suffix}": ray_run, **{f"{n}{suffix}": refit_run(n, s, False) for n, s in stores.items()}}
+    if per_call:
+        methods.update({f"{n} (store per call){suffix}": refit_run(n, s, True) for n, s in stores.items()})
     if tq is not None:
         methods[f"transferqueue{suffix}"] = tq_run
     return methods

@@ -1,15 +1,18 @@
 """Only the DP-readers row of ``bench.dataplane_compare``, many alternating rounds, each after a pause.
 
     python -m bench.dataplane_dp [--samples 512 --seq 8192 --dp 4 --rounds 40 --gap-ms 50]
-        [--all] [--tq] [--out bench/results/cpu-dataplane-dp.json]
+        [--all] [--tq] [--floor] [--store-per-call] [--out bench/results/cpu-dataplane-dp.json]
 
 The batch (int64 ids + float32 logprobs, [samples, seq]) is put once by the driver, then ``--dp`` consumer
 actors fetch their balanced shares (``balanced_shards`` of long-tailed lengths: scattered rows) at once; the
 time is from the put to the last consumer done, exactly as ``bench.dataplane_compare``'s ``dp<N>`` row (same
 consumers, same shares). Methods: ``ray numpy`` (``ray.put`` of numpy arrays; each rank ``ray.get``s the whole
 object, then its rows with one ``index_select``), refit ``RayStore(trust_meta=True)`` ``durable=False`` and
-durable (each rank gets ``meta.select(share)`` through the meta); ``--all`` adds the two configurations without
-``trust_meta``, ``--tq`` TransferQueue (``kv_batch_put`` / ``kv_batch_get``; needs it on ``PYTHONPATH``).
+durable (each rank holds the store's client from setup, as TransferQueue's ranks hold theirs from ``tq.init()``,
+and gets ``meta.select(share)`` through the meta); ``--all`` adds the two configurations without ``trust_meta``,
+``--tq`` TransferQueue (``kv_batch_put`` / ``kv_batch_get``; needs it on ``PYTHONPATH``), ``--store-per-call``
+each refit store again with its client sent in every call (this bench before stop 43), ``--floor`` ``ray numpy``
+plus one put call to an actor that records nothing (``floor_method``).
 
 Rounds interleave the methods, each going first in turn; after each method its clear (refit: and the wait for
 the durable copy, ``settle``) and a pause of ``--gap-ms`` (Ray frees a released object in the background; a put
@@ -24,8 +27,36 @@ import os
 import statistics
 import sys
 import time
+import uuid
 
 from bench.dataplane_compare import FIELDS, dp_methods, dp_shares, make_batch, make_dp_consumer, pct, rotated
+
+
+def floor_method(ray, batch, consumers, shares, counter):
+    """``ray numpy`` plus, per put, the one call a store whose keys live outside the writer makes: the
+    arguments ``RayStore``'s put call carries (partition, the keys, the object reference, fields, origin)
+    to an actor that records nothing, not waited for (as a ``trust_meta`` put). The readers are ``ray
+    numpy``'s. What no such store can go below."""
+
+    @ray.remote(num_cpus=0)
+    class Sink:
+        def put(self, call):
+            return None
+
+    sink = Sink.remote()
+    ray.get(sink.put.remote(None))
+    samples = batch["ids"].shape[0]
+    as_numpy = {k: v.numpy() for k, v in batch.items()}
+    want = 2 * batch["ids"].numel()
+
+    def run():
+        ref = ray.put(as_numpy)
+        keys = [f"d{next(counter)}/{i}" for i in range(samples)]
+        sink.put.remote(("bench", keys, [ref], tuple(as_numpy), None, None, False, False, uuid.uuid4().hex))
+        assert sum(ray.get([c.ray.remote([ref], s) for c, s in zip(consumers, shares)])) == want
+        return lambda: None
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--units", type=int, default=2, help="refit storage actors")
     ap.add_argument("--all", action="store_true", help="also refit without trust_meta")
     ap.add_argument("--tq", action="store_true", help="also TransferQueue")
+    ap.add_argument("--store-per-call", action="store_true", help="also each refit store passed with every call")
+    ap.add_argument("--floor", action="store_true", help="also ray numpy + one put call to a sink (the floor)")
     ap.add_argument("--out", default="bench/results/cpu-dataplane-dp.json")
     args = ap.parse_args(argv)
     import ray
@@ -60,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     batch = make_batch(args.samples, args.seq)
     consumers = [make_dp_consumer(ray, with_tq=args.tq).remote() for _ in range(args.dp)]
     shares = dp_shares(args.samples, args.seq, args.dp)
-    methods = dp_methods(ray, tq, stores, batch, consumers, shares, iter(range(1 << 30)))
+    methods = dp_methods(ray, tq, stores, batch, consumers, shares, iter(range(1 << 30)), per_call=args.store_per_call)
+    if args.floor:
+        methods["ray numpy + put call (floor)"] = floor_method(ray, batch, consumers, shares, iter(range(1 << 30)))
     times: dict[str, list[float]] = {m: [] for m in methods}
     loads = []
     try:
