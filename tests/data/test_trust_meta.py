@@ -224,8 +224,11 @@ def test_a_puts_locations_are_one_compact_sequence_equal_to_its_pairs(trusting):
     shipped = ray.get(ray.put(meta))  # pickled as (placed, rows), not one pair per key
     assert isinstance(shipped.where, PutRows) and len(shipped.where) == 5 and shipped == meta
     share = meta.select([4, 1, -2])  # a DP rank's share stays one compact sequence of its put's rows
-    assert isinstance(share.where, PutRows) and tuple(share.where) == (pairs[4], pairs[1], pairs[3])
-    assert share.select([2, 0]).where.rows == (3, 4) and tuple(meta.reorder([1, 0, 2, 3, 4]).where)[0] == pairs[1]
+    assert isinstance(share.where, PutRows) and share.where == (pairs[4], pairs[1], pairs[3])
+    assert share.select([2, 0]).where.rows == (3, 4)
+    flipped = meta.reorder([1, 0, 2, 3, 4]).where
+    assert isinstance(flipped, PutRows) and flipped == (pairs[1], pairs[0], *pairs[2:])
+    assert all(isinstance(part.where, PutRows) for part in meta.chunk(2)) and meta.select([]).where == ()
     assert type(meta).concat([share, meta.select([0])]).where == (pairs[4], pairs[1], pairs[3], pairs[0])
     sent = ray.get(ray.put(share))
     assert isinstance(sent.where, PutRows) and sent == share
@@ -233,6 +236,12 @@ def test_a_puts_locations_are_one_compact_sequence_equal_to_its_pairs(trusting):
     got = trusting.get(shipped, select_fields=["ids"])["ids"]
     assert torch.equal(got, data["ids"])
     assert got.data_ptr() == trusting.get(meta, select_fields=["ids"])["ids"].data_ptr()  # one object, a view
+    tail = meta.chunk(2)[1]  # rows 3, 4 in order: a view of the put's object, not a gather
+    assert tail.where.rows == (3, 4)
+    assert trusting.get(tail, select_fields=["ids"])["ids"].data_ptr() == got.data_ptr() + 3 * data["ids"][0].nbytes
+    torn = type(meta).trusted(meta.keys[:2], meta.partition, meta.fields, meta.tags[:2], None, meta.where)
+    with pytest.raises(ValueError, match="5 locations for 2 keys"):
+        trusting.get(torn, select_fields=["ids"])
 
 
 def test_a_take_through_a_concatenated_meta_checks_each_keys_own_put(trusting):

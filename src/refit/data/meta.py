@@ -79,8 +79,9 @@ class BatchMeta:
         extra_info: dict[str, Any] | None = None,
     ) -> BatchMeta:
         """The meta a store builds for a put it has already checked (``normalize_put``), or ``select`` from
-        a meta's checked entries: the same object the validated constructor gives, without its per-key
-        work (no copy of ``tags``, no duplicate check, no conversion). Only for refit's own code: the
+        a meta's checked entries: equal to what the validated constructor gives (``where`` may stay the
+        backend's compact sequence instead of a tuple), without its per-key work (no copy of ``tags``, no
+        duplicate check, no conversion). Only for refit's own code: the
         caller guarantees the contract above (tuples, unique ``str`` keys, ``int`` lengths, one fresh tag
         dict and one location per key, nobody else holding those dicts or ``extra_info``); nothing is
         checked. ``extra_info``: empty when not given."""
@@ -123,8 +124,8 @@ class BatchMeta:
             dup = sorted({self.keys[i] for i in idx if idx.count(i) > 1})[:3]
             raise ValueError(f"BatchMeta: duplicate keys {dup} in partition {self.partition!r}")
         keys, tags, lens, where = self.keys, self.tags, self.seq_lens, self.where
-        if where is not None:
-            where = where.select(idx) if hasattr(where, "select") else tuple([where[i] for i in idx])
+        if where is not None:  # an empty selection: no location, as the validated constructor made it
+            where = where.select(idx) if idx and hasattr(where, "select") else tuple([where[i] for i in idx])
         return BatchMeta.trusted(
             tuple([keys[i] for i in idx]),
             self.partition,

@@ -61,6 +61,11 @@ class PutRows(Sequence):
     def __iter__(self):
         return zip(itertools.repeat(self.placed, len(self.rows)), self.rows)
 
+    def __eq__(self, other: object) -> bool:  # equal to its pairs, as the tuple it stands for
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-free but compared as a sequence, like a list
+
     def select(self, indices: list[int]) -> PutRows:
         """The entries at ``indices`` (checked by the caller: in range, not negative), still compact."""
         rows = self.rows

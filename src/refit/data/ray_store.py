@@ -592,6 +592,8 @@ class RayStore(Store):
         if not (self.trust_meta and isinstance(keys, BatchMeta) and keys.where is not None):
             return None
         where = keys.where
+        if len(where) != len(keys.keys):  # only a meta built around the checks (``trusted``) gets here
+            raise ValueError(f"BatchMeta: {len(where)} locations for {len(keys.keys)} keys")
         if isinstance(where, PutRows):  # one put's rows: the whole put, or a share of it
             groups = [(where.placed, range(len(where)), where.rows)]
         elif placed_of(where) is None:  # not (placed, row) pairs: not this store's

@@ -109,10 +109,13 @@ def normalize_put(
 
 def _in_order(n: int, pos: Sequence[int], rows: Sequence[int]) -> bool:
     """Whether output row ``i`` is payload row ``rows[0] + i`` for every ``i < n`` (``n >= 1``); at once
-    where ``pos`` and ``rows`` are ``range`` objects (a whole put read through its meta)."""
+    where ``pos`` and ``rows`` are ``range`` objects (a whole put read through its meta). Any sequences
+    (lists, ranges, tuples: a share of a put read through its meta)."""
     if isinstance(pos, range) and isinstance(rows, range):
         return pos == range(n) and rows.step == 1 and len(rows) == n
-    return pos == list(range(n)) and rows == list(range(rows[0], rows[0] + n))
+    if not (pos == range(n) if isinstance(pos, range) else list(pos) == list(range(n))):
+        return False
+    return list(rows) == list(range(rows[0], rows[0] + n))
 
 
 def _one_payload(n: int, p: torch.Tensor, pos: Sequence[int], rows: Sequence[int], copy: bool) -> torch.Tensor:
