@@ -265,6 +265,13 @@ def make_dp_consumer(ray, with_tq: bool = True):
             idx = torch.as_tensor(rows)
             return sum(torch.from_numpy(v).index_select(0, idx).numel() for v in ray.get(holder[0]).values())
 
+        def refit_raw(self, holder, rows):
+            """``ray`` on a refit put's object (its fields as ``encode`` wrote them), without the store."""
+            from refit.data.ray_store import decode
+
+            idx = torch.as_tensor(rows)
+            return sum(decode(w, copy=False).index_select(0, idx).numel() for _, w in ray.get(holder[0]).values())
+
         def tq_get(self, keys):
             out = self.tq.kv_batch_get(keys=keys, partition_id="bench", select_fields=FIELDS)
             return sum(_as_dense(v, len(keys)).numel() for v in out.values())

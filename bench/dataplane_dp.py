@@ -1,7 +1,7 @@
 """Only the DP-readers row of ``bench.dataplane_compare``, many alternating rounds, each after a pause.
 
     python -m bench.dataplane_dp [--samples 512 --seq 8192 --dp 4 --rounds 40 --gap-ms 50]
-        [--all] [--tq] [--floor] [--store-per-call] [--out bench/results/cpu-dataplane-dp.json]
+        [--all] [--tq] [--floor] [--parts] [--store-per-call] [--out bench/results/cpu-dataplane-dp.json]
 
 The batch (int64 ids + float32 logprobs, [samples, seq]) is put once by the driver, then ``--dp`` consumer
 actors fetch their balanced shares (``balanced_shards`` of long-tailed lengths: scattered rows) at once; the
@@ -12,7 +12,8 @@ durable (each rank holds the store's client from setup, as TransferQueue's ranks
 and gets ``meta.select(share)`` through the meta); ``--all`` adds the two configurations without ``trust_meta``,
 ``--tq`` TransferQueue (``kv_batch_put`` / ``kv_batch_get``; needs it on ``PYTHONPATH``), ``--store-per-call``
 each refit store again with its client sent in every call (this bench before stop 43), ``--floor`` ``ray numpy``
-plus one put call to an actor that records nothing (``floor_method``).
+plus one put call to an actor that records nothing (``floor_method``), ``--parts`` the ``durable=False trust_meta``
+store's put read by ``ray numpy``'s readers (``parts_method``: the put's side alone).
 
 Rounds interleave the methods, each going first in turn; after each method its clear (refit: and the wait for
 the durable copy, ``settle``) and a pause of ``--gap-ms`` (Ray frees a released object in the background; a put
@@ -59,6 +60,23 @@ def floor_method(ray, batch, consumers, shares, counter):
     return run
 
 
+def parts_method(ray, store, batch, consumers, shares, counter):
+    """refit's put (``store``, ``trust_meta``), read by ``ray numpy``'s readers: each gets the put's object
+    reference and its rows, not the share's meta, and gathers them without the store. Between
+    ``floor_method`` and the refit method of the same store, it splits refit's time into the put's side and
+    the readers' side."""
+    samples = batch["ids"].shape[0]
+    want = 2 * batch["ids"].numel()
+
+    def run():
+        meta = store.put([f"d{next(counter)}/{i}" for i in range(samples)], batch, partition="bench")
+        holder = meta.where.placed.holder
+        assert sum(ray.get([c.refit_raw.remote(holder, s) for c, s in zip(consumers, shares)])) == want
+        return lambda: (store.clear(meta), store.settle())
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=512)
@@ -71,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tq", action="store_true", help="also TransferQueue")
     ap.add_argument("--store-per-call", action="store_true", help="also each refit store passed with every call")
     ap.add_argument("--floor", action="store_true", help="also ray numpy + one put call to a sink (the floor)")
+    ap.add_argument("--parts", action="store_true", help="also refit's put read by ray numpy's readers")
     ap.add_argument("--out", default="bench/results/cpu-dataplane-dp.json")
     args = ap.parse_args(argv)
     import ray
@@ -93,9 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     batch = make_batch(args.samples, args.seq)
     consumers = [make_dp_consumer(ray, with_tq=args.tq).remote() for _ in range(args.dp)]
     shares = dp_shares(args.samples, args.seq, args.dp)
-    methods = dp_methods(ray, tq, stores, batch, consumers, shares, iter(range(1 << 30)), per_call=args.store_per_call)
+    counter = iter(range(1 << 30))  # one key space for every method: no two rounds write the same keys
+    methods = dp_methods(ray, tq, stores, batch, consumers, shares, counter, per_call=args.store_per_call)
     if args.floor:
-        methods["ray numpy + put call (floor)"] = floor_method(ray, batch, consumers, shares, iter(range(1 << 30)))
+        methods["ray numpy + put call (floor)"] = floor_method(ray, batch, consumers, shares, counter)
+    if args.parts:
+        store = stores["refit durable=False trust_meta"]
+        methods["refit put, raw readers (parts)"] = parts_method(ray, store, batch, consumers, shares, counter)
     times: dict[str, list[float]] = {m: [] for m in methods}
     loads = []
     try:
