@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def _refuse_duplicates(keys: Sequence[str], partition: str) -> None:
+    """``ValueError`` naming up to three keys that occur more than once."""
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})[:3]
+        raise ValueError(f"BatchMeta: duplicate keys {dup} in partition {partition!r}")
+
+
 @dataclass(frozen=True)
 class BatchMeta:
     """The samples ``keys`` of store partition ``partition``, described without their data.
@@ -57,9 +64,7 @@ class BatchMeta:
             object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens))
         if self.where is not None:
             object.__setattr__(self, "where", tuple(self.where))
-        if len(set(self.keys)) != len(self.keys):
-            dup = sorted({k for k in self.keys if self.keys.count(k) > 1})[:3]
-            raise ValueError(f"BatchMeta: duplicate keys {dup} in partition {self.partition!r}")
+        _refuse_duplicates(self.keys, self.partition)
         if len(self.tags) != len(self.keys):
             raise ValueError(f"BatchMeta: {len(self.tags)} tags for {len(self.keys)} keys")
         if self.seq_lens is not None and len(self.seq_lens) != len(self.keys):
@@ -120,10 +125,9 @@ class BatchMeta:
             raise IndexError(f"BatchMeta.select: indices {bad[:3]} out of range for {n} keys")
         if idx and min(idx) < 0:
             idx = [i % n for i in idx]
-        if len(set(idx)) != len(idx):
-            dup = sorted({self.keys[i] for i in idx if idx.count(i) > 1})[:3]
-            raise ValueError(f"BatchMeta: duplicate keys {dup} in partition {self.partition!r}")
         keys, tags, lens, where = self.keys, self.tags, self.seq_lens, self.where
+        if len(set(idx)) != len(idx):
+            _refuse_duplicates([keys[i] for i in idx], self.partition)
         if where is not None:  # an empty selection: no location, as the validated constructor made it
             where = where.select(idx) if idx and hasattr(where, "select") else tuple([where[i] for i in idx])
         return BatchMeta.trusted(

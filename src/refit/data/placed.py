@@ -64,7 +64,7 @@ class PutRows(Sequence):
     def __eq__(self, other: object) -> bool:  # equal to its pairs, as the tuple it stands for
         return isinstance(other, Sequence) and tuple(self) == tuple(other)
 
-    __hash__ = None  # type: ignore[assignment]  # mutable-free but compared as a sequence, like a list
+    __hash__ = None  # type: ignore[assignment]  # equal to a tuple whose hash it does not share: unhashable
 
     def select(self, indices: list[int]) -> PutRows:
         """The entries at ``indices`` (checked by the caller: in range, not negative), still compact."""

@@ -108,14 +108,12 @@ def normalize_put(
 
 
 def _in_order(n: int, pos: Sequence[int], rows: Sequence[int]) -> bool:
-    """Whether output row ``i`` is payload row ``rows[0] + i`` for every ``i < n`` (``n >= 1``); at once
-    where ``pos`` and ``rows`` are ``range`` objects (a whole put read through its meta). Any sequences
-    (lists, ranges, tuples: a share of a put read through its meta)."""
+    """Whether ``pos`` and ``rows`` are ``range`` objects (a whole put read through its meta) with output
+    row ``i`` payload row ``rows[0] + i`` for every ``i < n``: decided at once. Other sequences get
+    ``_one_payload``'s vectorized check."""
     if isinstance(pos, range) and isinstance(rows, range):
         return pos == range(n) and rows.step == 1 and len(rows) == n
-    if not (pos == range(n) if isinstance(pos, range) else list(pos) == list(range(n))):
-        return False
-    return list(rows) == list(range(rows[0], rows[0] + n))
+    return False
 
 
 def _one_payload(n: int, p: torch.Tensor, pos: Sequence[int], rows: Sequence[int], copy: bool) -> torch.Tensor:
