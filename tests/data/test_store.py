@@ -1,9 +1,13 @@
 """The store contract, on every backend (in-process and Ray storage actors)."""
 
+import pickle
+
+import numpy as np
 import pytest
 import torch
 
 from refit.data import BatchMeta, MissingFieldError, MissingKeyError
+from refit.data.meta import _unpickled
 
 
 def _batch(n=6, seed=0):
@@ -190,9 +194,9 @@ def test_batch_meta_ops():
 
 def test_select_equals_the_validated_constructor_and_names_bad_positions():
     m = _five(extra_info={"plan": [1, 2]}, where=[("w", i) for i in range(5)])
-    for idx in ([4, 0, 2], [-1, 1], [], range(5)):
+    for idx in ([4, 0, 2], [-1, 1], [3], [], range(5), np.array([2, 0]), torch.tensor([1, -2])):
         got = m.select(idx)
-        pos = [i % 5 for i in idx]
+        pos = [int(i) % 5 for i in idx]
         want = BatchMeta(
             keys=[m.keys[i] for i in pos],
             partition="p",
@@ -211,6 +215,30 @@ def test_select_equals_the_validated_constructor_and_names_bad_positions():
         m.select([0, 5, -6])
     with pytest.raises(ValueError, match=r"duplicate keys \['k4'\] in partition 'p'"):
         m.select([4, 0, -1])
+    with pytest.raises(TypeError):  # a position is an integer: 1.7 is not truncated to 1
+        m.select([0, 1.7])
+
+
+def test_a_pickled_meta_comes_back_equal_with_its_own_tags_and_refuses_misaligned_counts():
+    plain = BatchMeta(keys=["a", "b", "c"], partition="p", fields=["x"], seq_lens=[1, 2, 3], where=[(0, 0)] * 3)
+    tagged = _five(extra_info={"plan": [1]})
+    for m in (plain, tagged, plain.select([])):
+        back = pickle.loads(pickle.dumps(m))
+        assert back == m and back.where == m.where and repr(back) == repr(m)
+        assert all(a is not b for a, b in zip(back.tags, m.tags))  # fresh dicts, not shared
+    _, args = plain.__reduce__()
+    assert args[3] is None  # no tags: no empty dict per key on the wire
+    back = pickle.loads(pickle.dumps(plain))
+    back.tags[0]["v"] = 1  # one dict per key, not one shared by all
+    assert back.tags[1] == {}
+    keys, partition, fields, _, lens, info, where = args
+    for bad, what in (
+        ((keys, partition, fields, ({},), lens, info, where), "1 tags"),
+        ((keys, partition, fields, None, (1,), info, where), "1 seq_lens"),
+        ((keys, partition, fields, None, lens, info, ((0, 0),)), "1 locations"),
+    ):
+        with pytest.raises(ValueError, match=f"BatchMeta: {what} for 3 keys"):
+            _unpickled(*bad)
 
 
 def test_trusted_meta_equals_the_validated_one():

@@ -11,9 +11,15 @@ per-sample lists (keys, tags, sequence lengths) aligned.
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def _picked(seq: Sequence[Any], idx: list[int]) -> tuple[Any, ...]:
+    """``seq``'s entries at ``idx`` as a tuple, in one C-level step (``itemgetter``) where there are several."""
+    return operator.itemgetter(*idx)(seq) if len(idx) > 1 else tuple([seq[i] for i in idx])
 
 
 def _refuse_duplicates(keys: Sequence[str], partition: str) -> None:
@@ -103,6 +109,12 @@ class BatchMeta:
             object.__setattr__(meta, name, value)
         return meta
 
+    def __reduce__(self):
+        """Pickled as its fields, the tags as None where every one is empty (a put without tags: no empty
+        dict per key on the wire); ``_unpickled`` checks the counts and builds it back."""
+        tags = self.tags if any(self.tags) else None
+        return (_unpickled, (self.keys, self.partition, self.fields, tags, self.seq_lens, self.extra_info, self.where))
+
     def __len__(self) -> int:
         return len(self.keys)
 
@@ -119,23 +131,23 @@ class BatchMeta:
         (the keys would repeat). Built from this meta's checked entries without checking each again:
         tags copied, ``where`` kept compact where it offers ``select`` (``RayStore``'s ``PutRows``)."""
         n = len(self.keys)
-        idx = [int(i) for i in indices]
+        idx = list(map(operator.index, indices))  # an int each (numpy and torch integers too), not a float
         if idx and not -n <= min(idx) <= max(idx) < n:
             bad = [i for i in idx if not -n <= i < n]
             raise IndexError(f"BatchMeta.select: indices {bad[:3]} out of range for {n} keys")
         if idx and min(idx) < 0:
             idx = [i % n for i in idx]
-        keys, tags, lens, where = self.keys, self.tags, self.seq_lens, self.where
+        keys, lens, where = self.keys, self.seq_lens, self.where
         if len(set(idx)) != len(idx):
             _refuse_duplicates([keys[i] for i in idx], self.partition)
         if where is not None:  # an empty selection: no location, as the validated constructor made it
-            where = where.select(idx) if idx and hasattr(where, "select") else tuple([where[i] for i in idx])
+            where = where.select(idx) if idx and hasattr(where, "select") else _picked(where, idx)
         return BatchMeta.trusted(
-            tuple([keys[i] for i in idx]),
+            _picked(keys, idx),
             self.partition,
             self.fields,
-            tuple([dict(tags[i]) for i in idx]),
-            None if lens is None else tuple([lens[i] for i in idx]),
+            tuple(map(dict.copy, _picked(self.tags, idx))),
+            None if lens is None else _picked(lens, idx),
             where,
             copy.deepcopy(self.extra_info) if self.extra_info else {},
         )
@@ -213,3 +225,15 @@ class BatchMeta:
             extra_info=info,
             where=where,
         )
+
+
+def _unpickled(keys, partition, fields, tags, seq_lens, extra_info, where) -> BatchMeta:
+    """``BatchMeta.__reduce__``'s inverse: one fresh empty dict per key where ``tags`` is None; a count that
+    does not match the keys raises ``ValueError`` (as the constructor would) instead of making a meta whose
+    entries are not aligned. Its entries are not checked one by one again: they were when it was built."""
+    n = len(keys)
+    tags = tuple([{} for _ in range(n)]) if tags is None else tags
+    for what, items in (("tags", tags), ("seq_lens", seq_lens), ("locations", where)):
+        if items is not None and len(items) != n:
+            raise ValueError(f"BatchMeta: {len(items)} {what} for {n} keys")
+    return BatchMeta.trusted(keys, partition, fields, tags, seq_lens, where, extra_info)

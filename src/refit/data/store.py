@@ -69,7 +69,7 @@ def normalize_put(
     keys: Sequence[str], fields: dict[str, FieldData], tags: Any, seq_lens: Sequence[int] | None
 ) -> tuple[list[str], dict[str, FieldData], list[dict], list[int] | None]:
     """Check a put before anything is written; errors name the field and the numbers."""
-    keys = [str(k) for k in keys]
+    keys = list(map(str, keys))
     if not keys:
         raise ValueError("put: no keys")
     if len(set(keys)) != len(keys):
