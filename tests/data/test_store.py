@@ -8,6 +8,7 @@ import torch
 
 from refit.data import BatchMeta, MissingFieldError, MissingKeyError
 from refit.data.meta import _unpickled
+from refit.data.placed import Placed, PutRows
 
 
 def _batch(n=6, seed=0):
@@ -215,8 +216,12 @@ def test_select_equals_the_validated_constructor_and_names_bad_positions():
         m.select([0, 5, -6])
     with pytest.raises(ValueError, match=r"duplicate keys \['k4'\] in partition 'p'"):
         m.select([4, 0, -1])
-    with pytest.raises(TypeError):  # a position is an integer: 1.7 is not truncated to 1
-        m.select([0, 1.7])
+    for bad in ([0, 1.7], ["1"], [True, False], torch.tensor([True, False]), np.array([False, True])):
+        with pytest.raises(TypeError, match=r"BatchMeta\.select: positions"):  # not truncated, not a mask
+            m.select(bad)
+    assert m.reorder(iter([4, 3, 2, 1, 0])).keys == ("k4", "k3", "k2", "k1", "k0")  # an iterator read once
+    with pytest.raises(TypeError, match=r"BatchMeta\.reorder: positions must be integers"):
+        m.reorder([4.0, 3.0, 2.0, 1.0, 0.0])
 
 
 def test_a_pickled_meta_comes_back_equal_with_its_own_tags_and_refuses_misaligned_counts():
@@ -231,7 +236,20 @@ def test_a_pickled_meta_comes_back_equal_with_its_own_tags_and_refuses_misaligne
     back = pickle.loads(pickle.dumps(plain))
     back.tags[0]["v"] = 1  # one dict per key, not one shared by all
     assert back.tags[1] == {}
+    share = BatchMeta.trusted(
+        ("a", "b"), "p", ("x",), ({}, {}), None, PutRows(Placed([1], [2], ("x",), "o", "w"), (4, 1))
+    )
+    back = pickle.loads(pickle.dumps(share))
+    assert isinstance(back.where, PutRows) and back.where.rows == (4, 1) and back.where.placed.origin == "o"
     keys, partition, fields, _, lens, info, where = args
+    for crafted in (
+        (list(keys), partition, fields, None, lens, info, where),
+        (keys, 7, fields, None, lens, info, where),
+        (keys, partition, fields, "abc", lens, info, where),
+        (keys, partition, fields, None, lens, [1], where),
+    ):
+        with pytest.raises(ValueError, match="not a pickled meta"):
+            _unpickled(*crafted)
     for bad, what in (
         ((keys, partition, fields, ({},), lens, info, where), "1 tags"),
         ((keys, partition, fields, None, (1,), info, where), "1 seq_lens"),

@@ -22,6 +22,18 @@ def _picked(seq: Sequence[Any], idx: list[int]) -> tuple[Any, ...]:
     return operator.itemgetter(*idx)(seq) if len(idx) > 1 else tuple([seq[i] for i in idx])
 
 
+def _positions(indices: Any, what: str) -> list[int]:
+    """``indices`` as a list of ``int`` (numpy and torch integers too): ``TypeError`` for a float, a string or a
+    boolean mask (``True`` would otherwise read as position 1), naming the method."""
+    items = list(indices)
+    if str(getattr(indices, "dtype", "")) in ("bool", "torch.bool") or bool in set(map(type, items)):
+        raise TypeError(f"BatchMeta.{what}: positions expected, not a boolean mask")
+    try:
+        return list(map(operator.index, items))
+    except TypeError as e:
+        raise TypeError(f"BatchMeta.{what}: positions must be integers ({e})") from None
+
+
 def _refuse_duplicates(keys: Sequence[str], partition: str) -> None:
     """``ValueError`` naming up to three keys that occur more than once."""
     if len(set(keys)) != len(keys):
@@ -110,8 +122,9 @@ class BatchMeta:
         return meta
 
     def __reduce__(self):
-        """Pickled as its fields, the tags as None where every one is empty (a put without tags: no empty
-        dict per key on the wire); ``_unpickled`` checks the counts and builds it back."""
+        """Pickled as its fields, in the dataclass's order (``_unpickled`` takes them so: a new field goes into
+        both), the tags as None where every one is empty (a put without tags: no empty dict per key on the
+        wire); ``_unpickled`` checks the types and counts and builds it back."""
         tags = self.tags if any(self.tags) else None
         return (_unpickled, (self.keys, self.partition, self.fields, tags, self.seq_lens, self.extra_info, self.where))
 
@@ -131,7 +144,7 @@ class BatchMeta:
         (the keys would repeat). Built from this meta's checked entries without checking each again:
         tags copied, ``where`` kept compact where it offers ``select`` (``RayStore``'s ``PutRows``)."""
         n = len(self.keys)
-        idx = list(map(operator.index, indices))  # an int each (numpy and torch integers too), not a float
+        idx = _positions(indices, "select")
         if idx and not -n <= min(idx) <= max(idx) < n:
             bad = [i for i in idx if not -n <= i < n]
             raise IndexError(f"BatchMeta.select: indices {bad[:3]} out of range for {n} keys")
@@ -155,8 +168,9 @@ class BatchMeta:
     def reorder(self, perm: Sequence[int]) -> BatchMeta:
         """Sample ``i`` of the result is sample ``perm[i]`` of this one; ``perm`` must be a
         permutation of ``range(len(self))``."""
-        if sorted(int(p) for p in perm) != list(range(len(self))):
-            raise ValueError(f"BatchMeta.reorder: not a permutation of range({len(self)}): {list(perm)[:8]}...")
+        perm = _positions(perm, "reorder")  # read once: an iterator is not used up by the check
+        if sorted(perm) != list(range(len(self))):
+            raise ValueError(f"BatchMeta.reorder: not a permutation of range({len(self)}): {perm[:8]}...")
         return self.select(perm)
 
     def chunk(self, n: int) -> list[BatchMeta]:
@@ -230,7 +244,11 @@ class BatchMeta:
 def _unpickled(keys, partition, fields, tags, seq_lens, extra_info, where) -> BatchMeta:
     """``BatchMeta.__reduce__``'s inverse: one fresh empty dict per key where ``tags`` is None; a count that
     does not match the keys raises ``ValueError`` (as the constructor would) instead of making a meta whose
-    entries are not aligned. Its entries are not checked one by one again: they were when it was built."""
+    entries are not aligned, and so does a field of the wrong kind. Its entries are not checked one by one
+    again (O(1) here): they were when it was built."""
+    kinds = ((keys, tuple), (partition, str), (fields, tuple), (extra_info, dict))
+    if not all(isinstance(v, t) for v, t in kinds) or not all(v is None or type(v) is tuple for v in (tags, seq_lens)):
+        raise ValueError("BatchMeta: not a pickled meta (keys, fields, tags and seq_lens are tuples, partition a str)")
     n = len(keys)
     tags = tuple([{} for _ in range(n)]) if tags is None else tags
     for what, items in (("tags", tags), ("seq_lens", seq_lens), ("locations", where)):
