@@ -254,3 +254,74 @@ def test_a_take_through_a_concatenated_meta_checks_each_keys_own_put(trusting):
         trusting.take(both, select_fields=["ids"])
     assert sorted(trusting.keys("tm")) == ["m0", "m1", "m2"]  # nothing dropped
     assert trusting.clear(both) == 2 and trusting.keys("tm") == ["m2"]  # only a's keys were both's
+
+
+@ray.remote(num_cpus=0)
+def _take_elsewhere(store, meta):
+    """A trainer rank's take through a share it was sent: returns the rows and the share's reply as received."""
+    return store.take(meta, select_fields=["ids"], copy=True)["ids"], meta.where.placed.reply
+
+
+def test_a_shipped_share_carries_no_reply_and_is_taken_exactly_once_elsewhere(trusting):
+    data = _batch(4, 15)
+    meta = trusting.put([f"s{i}" for i in range(4)], data, partition="tm")  # not confirmed: the take may come first
+    got, reply = ray.get(_take_elsewhere.remote(trusting, meta.select([3, 0])))
+    assert reply is None and meta.where.placed.reply is not None  # the writer keeps it; the share does not carry it
+    assert torch.equal(got, data["ids"][[3, 0]]) and sorted(trusting.keys("tm")) == ["s1", "s2"]
+    with pytest.raises(MissingKeyError, match="'s3'"):  # taken once: the second take fails at once, drops nothing
+        ray.get(_take_elsewhere.remote(trusting, meta.select([1, 3])))
+    assert sorted(trusting.keys("tm")) == ["s1", "s2"]
+    clash = trusting.put(["s1"], _batch(1, 16), partition="tm")  # refused later by the storage actor
+    with pytest.raises(ValueError, match="refused.*'s1'.*already has field"):
+        ray.get(_take_elsewhere.remote(trusting, clash))
+    with pytest.raises(ValueError, match="'s1'.*already has field"):
+        trusting.confirm()  # the writer still hears of its refusal
+    assert sorted(trusting.keys("tm")) == ["s1", "s2"]
+
+
+def _call(origin, keys=("a0", "a1"), partition="arr"):
+    """A storage actor's put call for a ``durable=False`` ``trust_meta`` put of ``keys`` (see ``_record``)."""
+    return (partition, list(keys), [None], ("ids",), None, None, False, False, origin)
+
+
+def test_a_take_or_clear_through_a_shipped_meta_waits_for_its_put_to_arrive(monkeypatch):
+    """The storage actor's side, in this process: the put's call may reach the actor after a take or clear
+    through the meta it returned (the share was shipped without the put's reply)."""
+    import threading
+    import time
+
+    from refit.data import ray_store as rs
+
+    actor = rs._StorageActor()
+    late = f"{'1' * 32}@{time.time():.3f}"
+    timer = threading.Timer(0.3, actor.put, (_call(late),))
+    timer.start()  # the put arrives while the take below waits for it
+    actor.drop("arr", ["a0", "a1"], ["ids"], late)
+    timer.join()
+    assert actor.keys() == []  # taken: both keys dropped, once
+    with pytest.raises(MissingKeyError):  # arrived and taken: a second take fails at once
+        actor.drop("arr", ["a0", "a1"], ["ids"], late)
+    cleared = f"{'2' * 32}@{time.time():.3f}"
+    timer = threading.Timer(0.3, actor.put, (_call(cleared, ("c0", "c1")),))
+    timer.start()
+    assert actor.clear("arr", ["c0", "c1"], cleared) == 2  # not 0 with the keys left behind
+    timer.join()
+    assert actor.keys() == []
+    refused = f"{'3' * 32}@{time.time():.3f}"
+    actor.put(_call(f"{'4' * 32}@{time.time():.3f}", ("r0",)))
+    assert "already has field" in actor.put(_call(refused, ("r0",)))
+    with pytest.raises(ValueError, match="refused.*'r0'.*already has field"):
+        actor.drop("arr", ["r0"], ["ids"], refused)
+    assert actor.clear("arr", ["r0"], refused) == 0 and len(actor.keys()) == 1  # the rival's key stays
+    waits = []
+    real = actor.arrival.wait_for
+    monkeypatch.setattr(actor.arrival, "wait_for", lambda pred, timeout: waits.append(timeout) or real(pred, timeout))
+    with pytest.raises(MissingKeyError):  # made long ago and never arrived (or forgotten): no wait
+        actor.drop("arr", ["old"], ["ids"], f"{'5' * 32}@1000.0")
+    with pytest.raises(MissingKeyError):  # an origin without a time: no wait either
+        actor.drop("arr", ["old"], ["ids"], "6" * 32)
+    assert waits == [0.0, 0.0]
+    monkeypatch.setattr(rs, "ARRIVAL_WINDOW_S", 0.2)
+    with pytest.raises(MissingKeyError):  # made just now but never arrives: waits out the window, then fails
+        actor.drop("arr", ["gone"], ["ids"], f"{'7' * 32}@{time.time():.3f}")
+    assert 0.0 < waits[-1] <= 0.2

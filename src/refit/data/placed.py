@@ -22,17 +22,22 @@ class Placed:
     """Where one put's rows are, as ``RayStore(trust_meta=True)`` records them in its ``BatchMeta``
     (each key's location is ``(placed, row)``): the put's object and the reply of its storage
     actor's call (each in a list: Ray passes the reference, not the value), the fields it holds,
-    its origin (a random token the storage actor keeps with its rows: a take or clear through the
-    meta acts only on rows of this put) and what the put was (for errors). The reply is None, or
-    why the put was refused."""
+    its origin (a random token and the time the put was made, ``<hex>@<time>``, which the storage actor
+    keeps with its rows: a take or clear through the meta acts only on rows of this put) and what the
+    put was (for errors). The reply resolves to None, or why the put was refused; only the writer's
+    own ``Placed`` holds it (pickled, ``reply`` is None)."""
 
     __slots__ = ("holder", "reply", "fields", "origin", "what")
 
-    def __init__(self, holder: list, reply: list, fields: tuple[str, ...], origin: str, what: str) -> None:
+    def __init__(self, holder: list, reply: list | None, fields: tuple[str, ...], origin: str, what: str) -> None:
         self.holder, self.reply, self.fields, self.origin, self.what = holder, reply, fields, origin, what
 
     def __reduce__(self):
-        return (Placed, (self.holder, self.reply, self.fields, self.origin, self.what))
+        """Pickled without the reply, which stays with the writer (its ``PendingPuts`` reads it). A get
+        through the meta needs no reply, and a call that carried a reference to a reply not yet in started
+        1-2 ms later (measured: 4 DP readers of a share, stop 44); a take or clear through a shipped meta
+        waits for the put at its storage actor instead (``ray_store.ARRIVAL_WINDOW_S``)."""
+        return (Placed, (self.holder, None, self.fields, self.origin, self.what))
 
 
 class PutRows(Sequence):
@@ -137,7 +142,7 @@ class PendingPuts:
             puts = {p.reply[0]: p for p, _, _ in self._items}
         if isinstance(meta, BatchMeta) and meta.where is not None:
             where = [(meta.where.placed, 0)] if isinstance(meta.where, PutRows) else meta.where
-            puts.update((p.reply[0], p) for p, _ in where if isinstance(p, Placed))
+            puts.update((p.reply[0], p) for p, _ in where if isinstance(p, Placed) and p.reply is not None)
         if not puts:
             return [], []
         refs = list(puts)

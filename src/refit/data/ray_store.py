@@ -37,19 +37,26 @@ still queued is then skipped, and the writer's bytes unpinned when the copy thre
 Reads through the meta (``trust_meta=True``). A put's ``BatchMeta`` then carries where each row
 is (``BatchMeta.where``: the put's object reference and the row), and a ``get`` through such a meta
 reads those objects directly: no call to the storage actor at all, the same ``ray.get`` a plain
-``ray.put``/``ray.get`` pipeline makes. Each such put has an origin (a random token) the storage
-actor keeps with its rows. A put submits its call and returns without waiting for the reply; a
+``ray.put``/``ray.get`` pipeline makes. Each such put has an origin (a random token and the time the
+put was made) the storage actor keeps with its rows. A put submits its call and returns without waiting for the reply; a
 refusal (a key that already has the field) is raised by this client's next call before that call
 does anything (``put`` raises the refusals already in), or by ``confirm()``; a put that overwrites,
 or writes keys one of this client's pending puts wrote, first waits for those (the storage actor
 is threaded: Ray would not keep their order). A writer that may exit right after its puts calls
 ``confirm()`` first: until the storage actor has recorded a put, and for a durable one pinned its
 bytes, the put lives only in its writer. A ``take`` through the meta reads the replies of its puts
-and of this client's pending ones (raising refusals), then the objects, then drops the keys in one
-call that checks each key still holds its put's rows (same origin), so exactly-once holds: a
-refused put's rival, or a key taken and written again or overwritten since, raises
-``MissingKeyError`` and nothing is dropped. A ``clear`` through such a meta drops only the keys
-holding its puts' rows. The trade, opt-in because it weakens the contract: a get through a meta
+(those this client made) and of this client's pending ones (raising refusals), then the objects,
+then drops the keys in one call that checks each key still holds its put's rows (same origin), so
+exactly-once holds: a refused put's rival, or a key taken and written again or overwritten since,
+raises ``MissingKeyError`` and nothing is dropped. A ``clear`` through such a meta drops only the
+keys holding its puts' rows. A meta pickled (a DP rank's share sent to a trainer rank) carries no
+reply (``Placed``): a call that carried a reference to a reply not yet in started 1-2 ms later, and
+a get needs none. A take or clear through such a meta learns the put's fate at its storage actor
+instead: the actor remembers each ``trust_meta`` put it has recorded or refused (for
+``2 * ARRIVAL_WINDOW_S``, at most ``MAX_ARRIVALS``), and where the keys are not the put's and the put
+has not arrived, waits for it, at most until ``ARRIVAL_WINDOW_S`` after the put was made (an origin
+carries its put's time), then tries once more; a refused put's take raises its refusal
+(``ValueError``). The trade, opt-in because it weakens the contract: a get through a meta
 does not ask the store, so it returns the rows that put wrote even after they were overwritten,
 refused or cleared; a meta keeps its objects in the object store until it is dropped (a durable
 put's object beside the storage actor's copy: twice its bytes while the meta lives); and another
@@ -79,6 +86,7 @@ import time
 import uuid
 import warnings
 import zlib
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -97,6 +105,8 @@ except ImportError:  # pragma: no cover - exercised only without ray
 SETTLE_TIMEOUT_S = 120.0  # a reader that needs a durable copy waits at most this long for it
 MAX_PENDING_COPIES = 8  # durable copies queued per storage actor before a put waits for one
 ADOPT_NICE = 10  # how much lower the copy thread's priority is than its actor's (``_background``)
+ARRIVAL_WINDOW_S = 60.0  # a take or clear through a shipped meta waits this long after its put for the put's call
+MAX_ARRIVALS = 1 << 17  # trust_meta puts a storage actor remembers at most (``_StorageActor.arrived``)
 
 
 def encode(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
@@ -188,8 +198,56 @@ class _StorageActor:
         self.slots = threading.BoundedSemaphore(MAX_PENDING_COPIES)
         self.lock = threading.Lock()  # guards ``failed`` and the retry of a failed copy
         self.failed: set[_Payload] = set()
+        self.arrival = threading.Condition()  # guards ``arrived``; told when a trust_meta put's call is done
+        self.arrived: OrderedDict[str, tuple[float, str | None]] = OrderedDict()  # origin -> (when, refusal or None)
 
     def put(self, call: tuple) -> str | None:
+        """``_record`` the put; a ``trust_meta`` put's origin is then remembered as arrived (with its refusal,
+        if any) for ``2 * ARRIVAL_WINDOW_S`` (at most ``MAX_ARRIVALS``), and every take or clear waiting for it
+        (``_awaited``) is told."""
+        origin, err = call[8], "the storage actor's put failed"
+        try:
+            err = self._record(call)
+        finally:
+            if origin is not None:
+                self._arrived(origin, err)
+        return err
+
+    def _arrived(self, origin: str, err: str | None) -> None:
+        """Remember that the put of ``origin`` is done here (``err``: its refusal, or None); forget the ones
+        older than ``2 * ARRIVAL_WINDOW_S`` or beyond ``MAX_ARRIVALS``; tell the waiting takes and clears."""
+        now = time.monotonic()
+        with self.arrival:
+            self.arrived[origin] = (now, err)
+            while self.arrived and (
+                len(self.arrived) > MAX_ARRIVALS or next(iter(self.arrived.values()))[0] < now - 2 * ARRIVAL_WINDOW_S
+            ):
+                self.arrived.popitem(last=False)
+            self.arrival.notify_all()
+
+    def _awaited(self, expect: str | list[str], refusals: bool) -> bool:
+        """For a take or clear through a meta shipped without its puts' replies (``Placed``): wait until the
+        puts ``expect`` names (one origin, or one per key) have been recorded or refused here, at most until
+        ``ARRIVAL_WINDOW_S`` after the latest of them was made (the time in its origin). True where one that
+        had not arrived now has (the caller tries again); ``ValueError`` naming a refused one (``refusals``)."""
+        wanted = {expect} if isinstance(expect, str) else set(expect)
+        with self.arrival:
+            missing = [o for o in wanted if o not in self.arrived]
+            if missing:
+                until = max(map(_made_at, missing)) + ARRIVAL_WINDOW_S
+                self.arrival.wait_for(
+                    lambda: all(o in self.arrived for o in missing),
+                    max(0.0, min(until - time.time(), ARRIVAL_WINDOW_S)),
+                )
+            bad = [self.arrived[o][1] for o in wanted if o in self.arrived and self.arrived[o][1]]
+            came = bool(missing) and all(o in self.arrived for o in missing)
+        if refusals and bad:
+            raise ValueError(
+                f"{len(bad)} put(s) refused by the storage actor after they returned (trust_meta): {bad[0]}"
+            )
+        return came
+
+    def _record(self, call: tuple) -> str | None:
         """Check, pin (``durable``) and record, in one call; the reason a put is refused (nothing
         written), or None. ``call``: ``(partition, keys, holder, fields, tags, seq_lens, overwrite,
         durable, origin)``, one tuple (``RayStore.put``'s: one argument costs Ray less than nine).
@@ -302,8 +360,16 @@ class _StorageActor:
     def drop(self, partition, keys, select, expect) -> None:
         """A take whose reader already holds the rows (it read them where its meta said): drop the
         keys (no copy needed: the reader maps the bytes); raises, dropping nothing, where a key or
-        field is missing or a key's rows are not from the put ``expect`` names (``_mine``)."""
-        self.unit.locate(partition, keys, select, clear=True, accept=_mine(partition, keys, expect))
+        field is missing or a key's rows are not from the put ``expect`` names (``_mine``). Where that
+        is so because the put's call has not arrived yet (the meta was shipped before the put was
+        recorded), waits for it (``_awaited``) and tries once more; a refused put raises its refusal."""
+        accept = _mine(partition, keys, expect)
+        try:
+            self.unit.locate(partition, keys, select, clear=True, accept=accept)
+        except KeyError:  # MissingKeyError, MissingFieldError
+            if not self._awaited(expect, refusals=True):
+                raise
+            self.unit.locate(partition, keys, select, clear=True, accept=accept)
 
     def settle(self, timeout_s: float) -> None:
         """Return once every durable copy asked for before this call exists (failed ones are tried
@@ -321,12 +387,15 @@ class _StorageActor:
 
     def clear(self, partition, keys, expect=None) -> int:
         """Drop ``keys``; with ``expect`` (per key, a put's origin, or one for all), only those holding a row
-        of that put."""
+        of that put, after waiting for a put whose call has not arrived yet (``_awaited``: a meta shipped
+        before its put was recorded)."""
         if expect is None:
             return self.unit.clear(partition, keys)
-        return self.unit.clear(
-            partition, keys, lambda i, payloads: any(p.origin == _origin(expect, i) for p, _ in payloads)
-        )
+        mine = lambda i, payloads: any(p.origin == _origin(expect, i) for p, _ in payloads)  # noqa: E731
+        n = self.unit.clear(partition, keys, mine)
+        if n < len(keys) and self._awaited(expect, refusals=False):
+            n += self.unit.clear(partition, keys, mine)
+        return n
 
     def clear_partition(self, partition) -> int:
         return self.unit.clear_partition(partition)
@@ -392,6 +461,16 @@ def _mine(partition: str, keys: list[str], expect: str | list[str] | None):
 def _origin(expect: str | list[str], i: int) -> str:
     """Key ``i``'s expected origin (``placed.origins``: one ``str`` where every key is one put's)."""
     return expect if isinstance(expect, str) else expect[i]
+
+
+def _made_at(origin: str) -> float:
+    """When the put of ``origin`` was made (``RayStore._ordered``: ``<token>@<time.time()>``); 0 where the
+    origin carries no time (nothing to wait for)."""
+    _, at, when = origin.rpartition("@")
+    try:
+        return float(when) if at else 0.0
+    except ValueError:
+        return 0.0
 
 
 NAMED_CACHED = 4  # stores whose storage actors' handles a process keeps (``_named``)
@@ -550,7 +629,7 @@ class RayStore(Store):
         self._pending.confirm(block=False)
         if overwrite or self._pending.touches(partition, keys):
             self._pending.confirm(block=True)
-        return uuid.uuid4().hex
+        return f"{uuid.uuid4().hex}@{time.time():.3f}"  # when: how long a take through a shipped meta waits for it
 
     def confirm(self) -> None:
         """Wait for the storage actors' replies to this client's ``trust_meta`` puts; one ``ValueError``
@@ -599,7 +678,7 @@ class RayStore(Store):
         elif placed_of(where) is None:  # not (placed, row) pairs: not this store's
             return None
         else:
-            groups = group_rows(where, lambda p: p.reply[0])  # the reply identifies the put
+            groups = group_rows(where, lambda p: p.origin)  # the origin identifies the put
         fields = [select_fields] if isinstance(select_fields, str) else list(select_fields or ())
         if not all(all(f in p.fields for f in fields) for p, _, _ in groups):
             return None
@@ -608,9 +687,11 @@ class RayStore(Store):
     def _fetch_placed(self, groups: list, meta, partition, keys, select, copy: bool, clear: bool) -> dict[str, Rows]:
         """Read the rows where the meta says they are, with no call and no wait for a get (it reads what
         the meta's puts wrote, whether or not their storage actor recorded them). A take first reads the
-        replies of the meta's puts and of this client's pending ones (raising refusals), then the objects,
-        then drops the keys in one call that checks each key still holds its put's rows (``_mine``:
-        exactly-once; ``MissingKeyError`` dropping nothing otherwise). Where the writer died (its reply
+        replies of the meta's puts that this client made and of its pending ones (raising refusals), then
+        the objects, then drops the keys in one call that checks each key still holds its put's rows
+        (``_mine``: exactly-once; ``MissingKeyError`` dropping nothing otherwise; for a shipped meta, whose
+        ``Placed`` carry no reply, that call waits for a put not arrived yet: ``_StorageActor.drop``). Where
+        the writer died (its reply
         or, ``durable``, its object is gone), the take or get goes through ``locate`` with the same check,
         which waits for the storage actor's copy."""
         expect = origins(meta.where) if clear else None
