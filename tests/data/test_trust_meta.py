@@ -314,14 +314,93 @@ def test_a_take_or_clear_through_a_shipped_meta_waits_for_its_put_to_arrive(monk
         actor.drop("arr", ["r0"], ["ids"], refused)
     assert actor.clear("arr", ["r0"], refused) == 0 and len(actor.keys()) == 1  # the rival's key stays
     waits = []
-    real = actor.arrival.wait_for
-    monkeypatch.setattr(actor.arrival, "wait_for", lambda pred, timeout: waits.append(timeout) or real(pred, timeout))
+    real = actor.arrival.wait
+    monkeypatch.setattr(actor.arrival, "wait", lambda timeout: waits.append(timeout) or real(timeout))
     with pytest.raises(MissingKeyError):  # made long ago and never arrived (or forgotten): no wait
         actor.drop("arr", ["old"], ["ids"], f"{'5' * 32}@1000.0")
-    with pytest.raises(MissingKeyError):  # an origin without a time: no wait either
-        actor.drop("arr", ["old"], ["ids"], "6" * 32)
-    assert waits == [0.0, 0.0]
+    for timeless in ("6" * 32, f"{'6' * 32}@nan", f"{'6' * 32}@inf"):  # no finite time: no wait either
+        with pytest.raises(MissingKeyError):
+            actor.drop("arr", ["old"], ["ids"], timeless)
+    assert waits == []
     monkeypatch.setattr(rs, "ARRIVAL_WINDOW_S", 0.2)
     with pytest.raises(MissingKeyError):  # made just now but never arrives: waits out the window, then fails
         actor.drop("arr", ["gone"], ["ids"], f"{'7' * 32}@{time.time():.3f}")
-    assert 0.0 < waits[-1] <= 0.2
+    assert waits and all(0.0 < w <= 0.2 for w in waits)
+
+
+def test_a_put_that_arrives_between_a_take_and_its_wait_is_not_missed(monkeypatch):
+    """The put lands after the take or clear first looked at the keys and before it asks whether the put has
+    arrived: it must still try again (the put is new since it first looked), not fail or leave keys."""
+    import time
+
+    from refit.data import ray_store as rs
+
+    actor = rs._StorageActor()
+    for op, token in (("clear", "8"), ("take", "9")):
+        origin = f"{token * 32}@{time.time():.3f}"
+        keys = [f"{op}0", f"{op}1"]
+        name = "clear" if op == "clear" else "locate"
+        real = getattr(actor.unit, name)
+        landed = []
+
+        def first_then_put(*a, real=real, origin=origin, keys=keys, landed=landed, **kw):
+            try:
+                return real(*a, **kw)
+            finally:
+                if not landed:
+                    landed.append(actor.put(_call(origin, keys)))  # the put, right after the first look
+
+        monkeypatch.setattr(actor.unit, name, first_then_put)
+        if op == "clear":
+            assert actor.clear("arr", keys, origin) == 2
+        else:
+            actor.drop("arr", keys, ["ids"], origin)
+        monkeypatch.undo()
+        assert landed == [None] and actor.keys() == []
+
+
+def test_a_clear_through_two_puts_clears_the_one_that_arrived(monkeypatch):
+    import threading
+    import time
+
+    from refit.data import ray_store as rs
+
+    monkeypatch.setattr(rs, "ARRIVAL_WINDOW_S", 0.5)
+    actor = rs._StorageActor()
+    a, b = f"{'a' * 32}@{time.time():.3f}", f"{'b' * 32}@{time.time():.3f}"
+    timer = threading.Timer(0.1, actor.put, (_call(a, ("a0", "a1")),))
+    timer.start()  # a arrives while the clear waits; b never does (its writer died before its call went out)
+    assert actor.clear("arr", ["a0", "a1", "b0"], [a, a, b]) == 2
+    timer.join()
+    assert actor.keys() == []
+
+
+@ray.remote(num_cpus=0)
+def _direct(store, method, *args):
+    """A call to the partition's storage actor as the client makes it (takes and clears on their own threads)."""
+    from refit.data.ray_store import AWAITS
+
+    actor = store._unit("arr")
+    call = getattr(actor, method)
+    return call.options(concurrency_group=AWAITS).remote(*args) if method != "put" else call.remote(*args)
+
+
+def test_takes_waiting_for_their_puts_do_not_hold_up_the_puts(ray_store):
+    """More takes waiting than the storage actor has threads for them: the puts they wait for still run."""
+    import time
+
+    from refit.data.ray_store import AWAIT_THREADS
+
+    soon = time.time() - 60.0 + 10.0  # made 50 s ago: each waits up to 10 s for a put that never comes
+    waits = [
+        ray.get(_direct.remote(ray_store, "drop", "arr", [f"w{i}"], ["ids"], f"{i:032x}@{soon:.3f}"))
+        for i in range(AWAIT_THREADS + 2)
+    ]
+    put = ray.get(_direct.remote(ray_store, "put", _call(f"{'e' * 32}@{time.time():.3f}", ("q0",))))
+    ready, _ = ray.wait([put], timeout=8)
+    assert ready and ray.get(put) is None  # recorded while every take thread is waiting
+    assert ray.wait(waits, num_returns=len(waits), timeout=0)[0] == []  # the takes still wait
+    assert ray_store.clear(["q0"], partition="arr") == 1
+    for w in waits:
+        with pytest.raises(MissingKeyError):  # the window ends: nothing to take
+            ray.get(w)

@@ -49,14 +49,20 @@ bytes, the put lives only in its writer. A ``take`` through the meta reads the r
 then drops the keys in one call that checks each key still holds its put's rows (same origin), so
 exactly-once holds: a refused put's rival, or a key taken and written again or overwritten since,
 raises ``MissingKeyError`` and nothing is dropped. A ``clear`` through such a meta drops only the
-keys holding its puts' rows. A meta pickled (a DP rank's share sent to a trainer rank) carries no
-reply (``Placed``): a call that carried a reference to a reply not yet in started 1-2 ms later, and
-a get needs none. A take or clear through such a meta learns the put's fate at its storage actor
-instead: the actor remembers each ``trust_meta`` put it has recorded or refused (for
-``2 * ARRIVAL_WINDOW_S``, at most ``MAX_ARRIVALS``), and where the keys are not the put's and the put
-has not arrived, waits for it, at most until ``ARRIVAL_WINDOW_S`` after the put was made (an origin
-carries its put's time), then tries once more; a refused put's take raises its refusal
-(``ValueError``). The trade, opt-in because it weakens the contract: a get through a meta
+keys holding its puts' rows. A meta pickled or copied (a DP rank's share sent to a trainer rank)
+carries no reply (``Placed``): a call that carried a reference to a reply not yet in started 1-2 ms
+later, and a get needs none. A take or clear through such a meta learns the put's fate at its
+storage actor instead. The actor knows each ``trust_meta`` put from the start of its call and
+remembers it, recorded or refused, for ``2 * ARRIVAL_WINDOW_S`` (at most ``MAX_ARRIVALS``); a take
+or clear that finds keys not its put's, where the put is new since it first looked or has not
+arrived, waits for it (while its call runs there, up to ``SETTLE_TIMEOUT_S``; otherwise until
+``ARRIVAL_WINDOW_S`` after the put was made: an origin carries its time on the writer's clock, so
+clocks further apart than that make such a take fail at once instead of waiting), then tries once
+more, and a refused put's take raises its refusal (``ValueError``). These calls run on threads of
+their own (``AWAITS``), so the puts they wait for are never queued behind them. A take whose
+durable writer died (read through ``locate``) and a get of fields the meta's put did not write
+do not wait: they see the put once it is recorded, as any other client does. The trade, opt-in
+because it weakens the contract: a get through a meta
 does not ask the store, so it returns the rows that put wrote even after they were overwritten,
 refused or cleared; a meta keeps its objects in the object store until it is dropped (a durable
 put's object beside the storage actor's copy: twice its bytes while the meta lives); and another
@@ -80,6 +86,7 @@ not keep them alive. Nothing refit reads is unpickled outside Ray's own transpor
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -107,6 +114,9 @@ MAX_PENDING_COPIES = 8  # durable copies queued per storage actor before a put w
 ADOPT_NICE = 10  # how much lower the copy thread's priority is than its actor's (``_background``)
 ARRIVAL_WINDOW_S = 60.0  # a take or clear through a shipped meta waits this long after its put for the put's call
 MAX_ARRIVALS = 1 << 17  # trust_meta puts a storage actor remembers at most (``_StorageActor.arrived``)
+MAX_ORIGIN_CHARS = 80  # a put's origin: 32 hex digits, "@", its time
+AWAITS = "awaits"  # the storage actor's threads for takes and clears through a meta, which may wait for a put
+AWAIT_THREADS = 16  # their number (the puts they wait for run on the actor's other threads)
 
 
 def encode(t: torch.Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
@@ -198,14 +208,21 @@ class _StorageActor:
         self.slots = threading.BoundedSemaphore(MAX_PENDING_COPIES)
         self.lock = threading.Lock()  # guards ``failed`` and the retry of a failed copy
         self.failed: set[_Payload] = set()
-        self.arrival = threading.Condition()  # guards ``arrived``; told when a trust_meta put's call is done
+        self.arrival = threading.Condition()  # guards ``arriving`` and ``arrived``; told when a put is done
+        self.arriving: set[str] = set()  # origins of the trust_meta puts being recorded now
         self.arrived: OrderedDict[str, tuple[float, str | None]] = OrderedDict()  # origin -> (when, refusal or None)
 
     def put(self, call: tuple) -> str | None:
-        """``_record`` the put; a ``trust_meta`` put's origin is then remembered as arrived (with its refusal,
-        if any) for ``2 * ARRIVAL_WINDOW_S`` (at most ``MAX_ARRIVALS``), and every take or clear waiting for it
-        (``_awaited``) is told."""
+        """``_record`` the put. A ``trust_meta`` put's origin is known here from the start of this call
+        (``arriving``) and, once recorded or refused, remembered as arrived with its refusal, if any, for
+        ``2 * ARRIVAL_WINDOW_S`` (at most ``MAX_ARRIVALS``); the takes and clears waiting for it
+        (``_awaited``) are told."""
         origin, err = call[8], "the storage actor's put failed"
+        if origin is not None and not (isinstance(origin, str) and len(origin) <= MAX_ORIGIN_CHARS):
+            return f"put: not a put's origin (a str of at most {MAX_ORIGIN_CHARS} characters); nothing was written"
+        if origin is not None:
+            with self.arrival:
+                self.arriving.add(origin)
         try:
             err = self._record(call)
         finally:
@@ -218,29 +235,42 @@ class _StorageActor:
         older than ``2 * ARRIVAL_WINDOW_S`` or beyond ``MAX_ARRIVALS``; tell the waiting takes and clears."""
         now = time.monotonic()
         with self.arrival:
+            self.arriving.discard(origin)
             self.arrived[origin] = (now, err)
+            self.arrived.move_to_end(origin)
             while self.arrived and (
                 len(self.arrived) > MAX_ARRIVALS or next(iter(self.arrived.values()))[0] < now - 2 * ARRIVAL_WINDOW_S
             ):
                 self.arrived.popitem(last=False)
             self.arrival.notify_all()
 
-    def _awaited(self, expect: str | list[str], refusals: bool) -> bool:
-        """For a take or clear through a meta shipped without its puts' replies (``Placed``): wait until the
-        puts ``expect`` names (one origin, or one per key) have been recorded or refused here, at most until
-        ``ARRIVAL_WINDOW_S`` after the latest of them was made (the time in its origin). True where one that
-        had not arrived now has (the caller tries again); ``ValueError`` naming a refused one (``refusals``)."""
-        wanted = {expect} if isinstance(expect, str) else set(expect)
+    def _known(self, expect: str | list[str]) -> set[str]:
+        """The puts ``expect`` names that have arrived here, as a take or clear finds them before it acts."""
         with self.arrival:
-            missing = [o for o in wanted if o not in self.arrived]
-            if missing:
-                until = max(map(_made_at, missing)) + ARRIVAL_WINDOW_S
-                self.arrival.wait_for(
-                    lambda: all(o in self.arrived for o in missing),
-                    max(0.0, min(until - time.time(), ARRIVAL_WINDOW_S)),
-                )
+            return {o for o in _wanted(expect) if o in self.arrived}
+
+    def _awaited(self, expect: str | list[str], before: set[str], refusals: bool) -> bool:
+        """For a take or clear through a meta shipped without its puts' replies (``Placed``) that found keys
+        not its puts': wait for the puts ``expect`` names (one origin, or one per key) that have not
+        arrived here: while one's call is running here (a durable put may wait for a copy slot), up to
+        ``SETTLE_TIMEOUT_S``; else up to ``ARRIVAL_WINDOW_S`` after the latest was made (the time in its
+        origin, on the writer's clock; at most ``ARRIVAL_WINDOW_S`` from now). True where one that had not
+        arrived when the caller first looked (``before``, from ``_known``) has now: the caller tries
+        again, once. ``ValueError`` naming a refused one (``refusals``: a take)."""
+        wanted = _wanted(expect)
+        new = [o for o in wanted if o not in before]
+        made = max((_made_at(o) for o in new), default=0.0)
+        start, budget = time.monotonic(), min(ARRIVAL_WINDOW_S, max(0.0, made + ARRIVAL_WINDOW_S - time.time()))
+        with self.arrival:
+            while True:
+                missing = [o for o in wanted if o not in self.arrived]
+                running = any(o in self.arriving for o in missing)
+                left = start + (SETTLE_TIMEOUT_S if running else budget) - time.monotonic()
+                if not missing or left <= 0:
+                    break
+                self.arrival.wait(left)
+            came = any(o in self.arrived for o in new)
             bad = [self.arrived[o][1] for o in wanted if o in self.arrived and self.arrived[o][1]]
-            came = bool(missing) and all(o in self.arrived for o in missing)
         if refusals and bad:
             raise ValueError(
                 f"{len(bad)} put(s) refused by the storage actor after they returned (trust_meta): {bad[0]}"
@@ -364,10 +394,11 @@ class _StorageActor:
         is so because the put's call has not arrived yet (the meta was shipped before the put was
         recorded), waits for it (``_awaited``) and tries once more; a refused put raises its refusal."""
         accept = _mine(partition, keys, expect)
+        before = self._known(expect)
         try:
             self.unit.locate(partition, keys, select, clear=True, accept=accept)
         except KeyError:  # MissingKeyError, MissingFieldError
-            if not self._awaited(expect, refusals=True):
+            if not self._awaited(expect, before, refusals=True):
                 raise
             self.unit.locate(partition, keys, select, clear=True, accept=accept)
 
@@ -392,8 +423,9 @@ class _StorageActor:
         if expect is None:
             return self.unit.clear(partition, keys)
         mine = lambda i, payloads: any(p.origin == _origin(expect, i) for p, _ in payloads)  # noqa: E731
+        before = self._known(expect)
         n = self.unit.clear(partition, keys, mine)
-        if n < len(keys) and self._awaited(expect, refusals=False):
+        if n < len(keys) and self._awaited(expect, before, refusals=False):
             n += self.unit.clear(partition, keys, mine)
         return n
 
@@ -465,12 +497,18 @@ def _origin(expect: str | list[str], i: int) -> str:
 
 def _made_at(origin: str) -> float:
     """When the put of ``origin`` was made (``RayStore._ordered``: ``<token>@<time.time()>``); 0 where the
-    origin carries no time (nothing to wait for)."""
+    origin carries no finite time (nothing to wait for)."""
     _, at, when = origin.rpartition("@")
     try:
-        return float(when) if at else 0.0
+        t = float(when) if at and len(when) <= 32 else 0.0
     except ValueError:
         return 0.0
+    return t if math.isfinite(t) else 0.0
+
+
+def _wanted(expect: str | list[str]) -> set[str]:
+    """The origins a take or clear through a meta expects (one for a put's meta, one per key otherwise)."""
+    return {expect} if isinstance(expect, str) else set(expect)
 
 
 NAMED_CACHED = 4  # stores whose storage actors' handles a process keeps (``_named``)
@@ -567,7 +605,7 @@ class RayStore(Store):
             raise RuntimeError("RayStore: call ray.init() first")
         if actor_options and ("name" in actor_options or "namespace" in actor_options):
             raise ValueError("RayStore: actor_options may not set name or namespace (the store names its actors)")
-        cls = ray.remote(_StorageActor)
+        cls = ray.remote(concurrency_groups={AWAITS: AWAIT_THREADS})(_StorageActor)  # waits: not on the puts' threads
         # threaded: a put waiting for a copy slot or a take waiting for a copy does not hold up other
         # calls (StorageUnit is locked)
         opts = {"num_cpus": 0, "max_concurrency": 16, **(actor_options or {})}
@@ -710,7 +748,9 @@ class RayStore(Store):
                 raise
             return self._located(partition, keys, select, copy, clear, expect)
         if clear:
-            ray.get(self._unit(partition).drop.remote(partition, keys, select, expect))
+            ray.get(
+                self._unit(partition).drop.options(concurrency_group=AWAITS).remote(partition, keys, select, expect)
+            )
         return _assemble(len(keys), select, located, objects, copy)
 
     def _read(self, partition, keys, select, clear: bool, settle: bool, expect=None) -> tuple[dict, dict]:
@@ -729,7 +769,10 @@ class RayStore(Store):
             with contextlib.suppress(ray.exceptions.ObjectLostError):  # a dead writer: the origins decide
                 self._pending.replies(True, meta)  # recorded (or refused) first; its refusals are not the clear's
             expect = origins(meta.where)
-        return ray.get(self._unit(partition).clear.remote(partition, keys, expect))
+        call = self._unit(partition).clear
+        if expect is not None:  # may wait for its puts: on the actor's threads for waits
+            call = call.options(concurrency_group=AWAITS)
+        return ray.get(call.remote(partition, keys, expect))
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """Wait until the storage actors own a copy of every durable put made so far (they are made
