@@ -41,6 +41,13 @@ def _refuse_duplicates(keys: Sequence[str], partition: str) -> None:
         raise ValueError(f"BatchMeta: duplicate keys {dup} in partition {partition!r}")
 
 
+def _refuse_misaligned(n: int, tags: Sequence[Any], seq_lens: Sequence[int] | None, where: Any) -> None:
+    """``ValueError`` naming the counts where the tags, seq_lens or locations are not one per key."""
+    for what, items in (("tags", tags), ("seq_lens", seq_lens), ("locations", where)):
+        if items is not None and len(items) != n:
+            raise ValueError(f"BatchMeta: {len(items)} {what} for {n} keys")
+
+
 @dataclass(frozen=True)
 class BatchMeta:
     """The samples ``keys`` of store partition ``partition``, described without their data.
@@ -83,12 +90,7 @@ class BatchMeta:
         if self.where is not None:
             object.__setattr__(self, "where", tuple(self.where))
         _refuse_duplicates(self.keys, self.partition)
-        if len(self.tags) != len(self.keys):
-            raise ValueError(f"BatchMeta: {len(self.tags)} tags for {len(self.keys)} keys")
-        if self.seq_lens is not None and len(self.seq_lens) != len(self.keys):
-            raise ValueError(f"BatchMeta: {len(self.seq_lens)} seq_lens for {len(self.keys)} keys")
-        if self.where is not None and len(self.where) != len(self.keys):
-            raise ValueError(f"BatchMeta: {len(self.where)} locations for {len(self.keys)} keys")
+        _refuse_misaligned(len(self.keys), self.tags, self.seq_lens, self.where)
 
     @classmethod
     def trusted(
@@ -249,9 +251,6 @@ def _unpickled(keys, partition, fields, tags, seq_lens, extra_info, where) -> Ba
     kinds = ((keys, tuple), (partition, str), (fields, tuple), (extra_info, dict))
     if not all(isinstance(v, t) for v, t in kinds) or not all(v is None or type(v) is tuple for v in (tags, seq_lens)):
         raise ValueError("BatchMeta: not a pickled meta (keys, fields, tags and seq_lens are tuples, partition a str)")
-    n = len(keys)
-    tags = tuple([{} for _ in range(n)]) if tags is None else tags
-    for what, items in (("tags", tags), ("seq_lens", seq_lens), ("locations", where)):
-        if items is not None and len(items) != n:
-            raise ValueError(f"BatchMeta: {len(items)} {what} for {n} keys")
+    tags = tuple([{} for _ in keys]) if tags is None else tags
+    _refuse_misaligned(len(keys), tags, seq_lens, where)
     return BatchMeta.trusted(keys, partition, fields, tags, seq_lens, where, extra_info)

@@ -38,11 +38,11 @@ Reads through the meta (``trust_meta=True``). A put's ``BatchMeta`` then carries
 is (``BatchMeta.where``: the put's object reference and the row), and a ``get`` through such a meta
 reads those objects directly: no call to the storage actor at all, the same ``ray.get`` a plain
 ``ray.put``/``ray.get`` pipeline makes. Each such put has an origin (a random token and the time the
-put was made) the storage actor keeps with its rows. A put submits its call and returns without waiting for the reply; a
-refusal (a key that already has the field) is raised by this client's next call before that call
-does anything (``put`` raises the refusals already in), or by ``confirm()``; a put that overwrites,
-or writes keys one of this client's pending puts wrote, first waits for those (the storage actor
-is threaded: Ray would not keep their order). A writer that may exit right after its puts calls
+put was made) the storage actor keeps with its rows. A put submits its call and returns without
+waiting for the reply; a refusal (a key that already has the field) is raised by this client's next
+call before that call does anything (``put`` raises the refusals already in), or by ``confirm()``;
+a put that overwrites, or writes keys one of this client's pending puts wrote, first waits for those
+(the storage actor is threaded: Ray would not keep their order). A writer that may exit right after its puts calls
 ``confirm()`` first: until the storage actor has recorded a put, and for a durable one pinned its
 bytes, the put lives only in its writer. A ``take`` through the meta reads the replies of its puts
 (those this client made) and of this client's pending ones (raising refusals), then the objects,
@@ -218,9 +218,9 @@ class _StorageActor:
         ``2 * ARRIVAL_WINDOW_S`` (at most ``MAX_ARRIVALS``); the takes and clears waiting for it
         (``_awaited``) are told."""
         origin, err = call[8], "the storage actor's put failed"
-        if origin is not None and not (isinstance(origin, str) and len(origin) <= MAX_ORIGIN_CHARS):
-            return f"put: not a put's origin (a str of at most {MAX_ORIGIN_CHARS} characters); nothing was written"
         if origin is not None:
+            if not (isinstance(origin, str) and len(origin) <= MAX_ORIGIN_CHARS):
+                return f"put: not a put's origin (a str of at most {MAX_ORIGIN_CHARS} characters); nothing was written"
             with self.arrival:
                 self.arriving.add(origin)
         try:
@@ -729,9 +729,8 @@ class RayStore(Store):
         the objects, then drops the keys in one call that checks each key still holds its put's rows
         (``_mine``: exactly-once; ``MissingKeyError`` dropping nothing otherwise; for a shipped meta, whose
         ``Placed`` carry no reply, that call waits for a put not arrived yet: ``_StorageActor.drop``). Where
-        the writer died (its reply
-        or, ``durable``, its object is gone), the take or get goes through ``locate`` with the same check,
-        which waits for the storage actor's copy."""
+        the writer died (its reply or, ``durable``, its object is gone), the take or get goes through
+        ``locate`` with the same check, which waits for the storage actor's copy."""
         expect = origins(meta.where) if clear else None
         if clear:
             try:
