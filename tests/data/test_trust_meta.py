@@ -192,7 +192,7 @@ def test_a_put_that_reports_an_earlier_refusal_is_not_made(trusting):
     trusting.put(["c"], {"ids": torch.zeros(1, 4, dtype=torch.int32)}, partition="tm")
     trusting.confirm()
     trusting.put(["c"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")  # refused later
-    ray.get(trusting._pending._items[0][0].reply[0])  # its reply is in
+    ray.get(trusting._pending._items[0][0])  # its reply is in
     with pytest.raises(ValueError, match="'c'.*already has field"):
         trusting.put(["d"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")
     assert trusting.keys("tm") == ["c"]  # "d" was not written
@@ -404,3 +404,27 @@ def test_takes_waiting_for_their_puts_do_not_hold_up_the_puts(ray_store):
     for w in waits:
         with pytest.raises(MissingKeyError):  # the window ends: nothing to take
             ray.get(w)
+
+
+def test_the_writer_does_not_pin_a_put_whose_keys_were_taken_elsewhere(trusting):
+    """The writer's pending list keeps each put's reply, not its object: once a reader took the keys
+    through a shipped share and no meta names the put, the object is released though the writer made
+    no call since (before, it stayed pinned until the writer's next call)."""
+    import pickle
+    import time
+
+    meta = trusting.put(["p0", "p1"], _batch(2, 3), partition="tm")
+    counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts  # the owner's table
+    ref_id = meta.where.placed.holder[0].hex().encode()
+    assert ref_id in counts()  # the table's key form: else the check below could not fail
+    shipped = pickle.loads(pickle.dumps(meta))  # as a reader receives it: no reply
+    assert shipped.where.placed.reply is None
+    reader = pickle.loads(pickle.dumps(trusting))  # another client of the same storage actors
+    assert reader.take(shipped, select_fields=["ids"])["ids"].shape == (2, 40_000)
+    del meta, shipped
+    assert len(trusting._pending) == 1  # still unconfirmed: the writer made no call since its put
+    deadline = time.monotonic() + 30
+    while ref_id in counts() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the storage actor's release reaches the owner asynchronously
+    assert ref_id not in counts(), f"the writer still holds its put's object: {counts()[ref_id]}"
+    trusting.confirm()

@@ -2,10 +2,11 @@
 names it) and ``PendingPuts`` (a client's puts whose storage actor's reply was not read yet).
 
 A ``trust_meta`` put returns before its storage actor has recorded it; the reply (None, or why the put
-was refused) is read later. ``PendingPuts`` keeps those puts, with their keys, until it reads their
-replies: every refusal is raised once, all of them in one ``ValueError``, and a put that writes keys a
-pending put wrote can wait for it first (the storage actor is threaded: Ray would not keep their
-order). Thread-safe (one lock). Needs Ray only when it reads replies.
+was refused) is read later. ``PendingPuts`` keeps those puts (each one's reply reference and keys, not
+its object) until it reads their replies: every refusal is raised once, all of them in one
+``ValueError``, and a put that writes keys a pending put wrote can wait for it first (the storage actor
+is threaded: Ray would not keep their order). Thread-safe (one lock). Needs Ray only when it reads
+replies.
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ def origins(where: Any) -> str | list[str]:
     return [p.origin for p, _ in where]
 
 
-def refused(placed: list[Placed], replies: list) -> None:
-    """Raise every refusal among the replies of these puts, in one ``ValueError``."""
-    bad = [f"{err} ({p.what})" for p, err in zip(placed, replies) if err]
+def refused(whats: list[str], replies: list) -> None:
+    """Raise every refusal among the replies of these puts (``whats``: what each put was), in one
+    ``ValueError``."""
+    bad = [f"{err} ({what})" for what, err in zip(whats, replies) if err]
     if bad:
         more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise ValueError(
@@ -113,36 +115,38 @@ def refused(placed: list[Placed], replies: list) -> None:
 
 
 class PendingPuts:
-    """One client's ``trust_meta`` puts not confirmed yet, with their partition and keys."""
+    """One client's ``trust_meta`` puts not confirmed yet: each put's reply reference, what it was, its
+    partition and keys. Not the put's object: a put whose keys were taken or cleared elsewhere is freed
+    as soon as no meta names it, not at this client's next call."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: list[tuple[Placed, str, frozenset]] = []
+        self._items: list[tuple[Any, str, str, frozenset]] = []  # (reply ref, what, partition, keys)
 
     def add(self, placed: Placed, partition: str, keys: list[str]) -> None:
         with self._lock:
-            self._items.append((placed, partition, frozenset(keys)))
+            self._items.append((placed.reply[0], placed.what, partition, frozenset(keys)))
 
     def touches(self, partition: str, keys: list[str]) -> bool:
         """Whether a pending put wrote some of ``keys`` of ``partition``."""
         with self._lock:
-            return any(p == partition and not held.isdisjoint(keys) for _, p, held in self._items)
+            return any(p == partition and not held.isdisjoint(keys) for _, _, p, held in self._items)
 
     def confirm(self, block: bool, meta: Any = None) -> None:
         """Raise the refusals among the replies of the pending puts (all of them, or, unless ``block``,
         those already in) and of the puts ``meta`` names."""
         refused(*self.replies(block, meta))
 
-    def replies(self, block: bool, meta: Any = None) -> tuple[list[Placed], list]:
-        """The puts whose replies were read (pending ones, and ``meta``'s), and those replies; a put leaves
-        the pending list (its refusal is reported once) only once its reply is read."""
+    def replies(self, block: bool, meta: Any = None) -> tuple[list[str], list]:
+        """What each put whose reply was read was (pending ones, and ``meta``'s), and those replies; a put
+        leaves the pending list (its refusal is reported once) only once its reply is read."""
         import ray
 
         with self._lock:
-            puts = {p.reply[0]: p for p, _, _ in self._items}
+            puts = {reply: what for reply, what, _, _ in self._items}
         if isinstance(meta, BatchMeta) and meta.where is not None:
             where = [(meta.where.placed, 0)] if isinstance(meta.where, PutRows) else meta.where
-            puts.update((p.reply[0], p) for p, _ in where if isinstance(p, Placed) and p.reply is not None)
+            puts.update((p.reply[0], p.what) for p, _ in where if isinstance(p, Placed) and p.reply is not None)
         if not puts:
             return [], []
         refs = list(puts)
@@ -150,7 +154,7 @@ class PendingPuts:
         replies = ray.get(done)
         ready = set(done)
         with self._lock:
-            self._items = [e for e in self._items if e[0].reply[0] not in ready]
+            self._items = [e for e in self._items if e[0] not in ready]
         return [puts[r] for r in done], replies
 
     def __len__(self) -> int:
