@@ -162,6 +162,35 @@ def test_memory_freed_when_rows_cleared(store):
     assert store.chunks() == 1
 
 
+def test_keys_of_one_put_and_keys_written_again_read_clear_and_release_alike():
+    """A put of new keys keeps one (shared field map, row) entry per key; a key written again gets its
+    own entry. Reads, metas, refusals, clears and the chunks' counts are the same over both kinds."""
+    from refit.data.store import StorageUnit
+
+    dropped = []
+    u = StorageUnit(on_drop=dropped.append)
+    keys = ["a", "b", "c", "d"]
+    u.put("p", keys, {"x": torch.arange(8).reshape(4, 2), "y": torch.arange(4)}, [{}] * 4, None)
+    u.put("p", ["b", "c"], {"adv": torch.tensor([1.0, 2.0])}, [{}, {"t": 1}], None)  # b, c: their own entries
+    u.put("p", ["c"], {"x": torch.tensor([[70, 71]])}, [{}], None, overwrite=True)
+    assert u.clash("p", ["a", "b"], ["y"]) == (
+        "put: key 'a' in partition 'p' already has field 'y' (pass overwrite=True to replace it)"
+    )
+    assert u.clash("p", ["a", "d"], ["adv"]) is None
+    got = u.get_stacked("p", ["d", "c", "b", "a"], ["x", "y"])
+    assert got["x"].tolist() == [[6, 7], [70, 71], [2, 3], [0, 1]] and got["y"].tolist() == [3, 2, 1, 0]
+    assert u.get_stacked("p", ["c", "b"], ["adv"])["adv"].tolist() == [2.0, 1.0]
+    with pytest.raises(MissingFieldError, match=r"field 'adv' was never produced for key 'a'.*\['x', 'y'\]"):
+        u.get_stacked("p", ["b", "a"], ["adv"])
+    assert u.meta("p", ["a", "c"]).fields == ("x", "y") and list(u.meta("p", ["b", "c"]).tags) == [{}, {"t": 1}]
+    assert set(u.meta("p", ["b", "c"]).fields) == {"x", "y", "adv"}
+    assert u.chunks() == 4 and dropped == []  # x, y, adv, c's new x
+    assert u.clear("p", ["a", "c"], only=lambda i, payloads: i == 1) == 1  # c only: its new x goes
+    assert u.chunks() == 3 and len(dropped) == 1 and dropped[0].tolist() == [[70, 71]]
+    assert u.clear("p", ["a", "b", "d"]) == 3
+    assert u.chunks() == 0 and len(dropped) == 4 and u.keys() == []
+
+
 def test_meta_rebuilds_tags_and_lengths(store):
     store.put(["a", "b"], {"x": torch.zeros(2)}, tags=[{"version": 1}, {"version": 2}], seq_lens=[10, 20])
     m = store.meta(["b", "a"])

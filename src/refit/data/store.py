@@ -206,6 +206,17 @@ class NotReady(Exception):
         self.payloads = payloads
 
 
+def _names(entry: dict | tuple) -> dict:
+    """A key's entry in ``StorageUnit._rows`` as a mapping whose keys are its field names: the entry
+    itself (``{field: (chunk, row)}``) or, for a key whose fields all come from one put, that put's
+    shared ``{field: chunk}``."""
+    return entry if type(entry) is dict else entry[0]
+
+
+def _chunk_ids(entry: dict | tuple) -> Iterable[int]:
+    return [c for c, _ in entry.values()] if type(entry) is dict else entry[0].values()
+
+
 class StorageUnit:
     """Rows of columns. Each field of a put is one chunk — a payload whose row ``rows[i]``
     belongs to ``keys[i]``: a batch tensor, a list of row tensors, or an opaque handle (the Ray
@@ -221,7 +232,10 @@ class StorageUnit:
         self._ids = itertools.count()
         self._on_drop = on_drop
         self._chunks: dict[int, list] = {}  # id -> [payload, live rows]
-        self._rows: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}  # (partition, key) -> field -> (chunk, row)
+        # (partition, key) -> {field: (chunk, row)}, or (shared {field: chunk}, row) for a key whose fields
+        # all come from one put: a put of new keys stores one tuple per key (no dict per key); the shared
+        # map is never changed (a key written again gets its own dict)
+        self._rows: dict[tuple[str, str], dict[str, tuple[int, int]] | tuple[dict[str, int], int]] = {}
         self._info: dict[tuple[str, str], tuple[dict, int | None]] = {}  # tags, seq_len
 
     # -- writes -------------------------------------------------------------------------
@@ -256,12 +270,15 @@ class StorageUnit:
             for name, payload in fields.items():
                 cids[name] = next(self._ids)
                 self._chunks[cids[name]] = [payload, len(keys)]
-            if not held:  # new keys: bulk inserts
-                self._rows.update(zip(pks, ({n: (c, r) for n, c in cids.items()} for r in rows)))
+            if not held:  # new keys: bulk inserts, one (shared field map, row) tuple per key
+                self._rows.update(zip(pks, zip(itertools.repeat(cids), rows)))
                 self._info.update(zip(pks, zip(tags, seq_lens or itertools.repeat(None))))
                 return
             for i, pk in enumerate(pks):
-                row = self._rows.setdefault(pk, {})
+                row = self._rows.get(pk, {})
+                if type(row) is not dict:  # one put's shared map: this key's own dict from now on
+                    row = {n: (c, row[1]) for n, c in row[0].items()}
+                self._rows[pk] = row
                 for name, cid in cids.items():
                     if name in row:
                         self._release(row[name][0], 1)
@@ -280,7 +297,7 @@ class StorageUnit:
         for k in keys:
             if (partition, k) not in held:
                 continue
-            clash = [f for f in fields if f in self._rows[(partition, k)]]
+            clash = [f for f in fields if f in _names(self._rows[(partition, k)])]
             if clash:
                 return (
                     f"put: key {k!r} in partition {partition!r} already has field {clash[0]!r} "
@@ -307,14 +324,14 @@ class StorageUnit:
 
     def _payloads(self, partition: str, key: str, only: Callable[[int, list[Any]], bool], i: int) -> bool:
         row = self._rows.get((partition, str(key)))
-        return row is not None and only(i, [self._chunks[cid][0] for cid, _ in row.values()])
+        return row is not None and only(i, [self._chunks[cid][0] for cid in _chunk_ids(row)])
 
     def _drop(self, partition: str, keys: Iterable[str]) -> int:
         pks = [(partition, str(k)) for k in keys]
         dropped = [r for r in map(self._rows.pop, pks, itertools.repeat(None)) if r is not None]
         for pk in pks:
             self._info.pop(pk, None)
-        released = Counter(cid for row in dropped for cid, _ in row.values())
+        released = Counter(cid for row in dropped for cid in _chunk_ids(row))
         for cid, n in released.items():
             self._release(cid, n)
         return len(dropped)
@@ -330,10 +347,10 @@ class StorageUnit:
             if row is None:
                 raise MissingKeyError(f"get: key {k!r} is not in partition {partition!r} (never written, or cleared)")
             for f in select_fields:
-                if f not in row:
+                if f not in _names(row):
                     raise MissingFieldError(
                         f"get: field {f!r} was never produced for key {k!r} in partition "
-                        f"{partition!r} (it has {sorted(row)})"
+                        f"{partition!r} (it has {sorted(_names(row))})"
                     )
 
     def locate(
@@ -353,7 +370,7 @@ class StorageUnit:
         with self._lock:
             try:
                 entries = [self._rows[(partition, k)] for k in keys]
-                located = {f: [e[f] for e in entries] for f in select_fields}
+                located = {f: [e[f] if type(e) is dict else (e[0][f], e[1]) for e in entries] for f in select_fields}
             except KeyError:
                 self._check(partition, keys, select_fields)  # raises, naming the key and field
                 raise
@@ -386,8 +403,8 @@ class StorageUnit:
         if every key has one. ``MissingKeyError`` for a key not held."""
         with self._lock:
             self._check(partition, keys, ())
-            fields = [f for f in self._rows[(partition, keys[0])]] if keys else []
-            fields = [f for f in fields if all(f in self._rows[(partition, k)] for k in keys)]
+            fields = list(_names(self._rows[(partition, keys[0])])) if keys else []
+            fields = [f for f in fields if all(f in _names(self._rows[(partition, k)]) for k in keys)]
             info = [self._info[(partition, k)] for k in keys]
             lens = [n for _, n in info]
             return BatchMeta(
