@@ -18,7 +18,9 @@ store's put read by ``ray numpy``'s readers (``parts_method``: the put's side al
 Rounds interleave the methods, each going first in turn; after each method its clear (refit: and the wait for
 the durable copy, ``settle``) and a pause of ``--gap-ms`` (Ray frees a released object in the background; a put
 that runs meanwhile on 2 cores is slower), both outside the timing; two warm-up rounds are not timed. Reports
-each method's median and p90 over the rounds and its ratio to ``ray numpy``'s median of the same run."""
+each method's median and p90 over the rounds, its ratio to ``ray numpy``'s median of the same run, and its paired
+ratio: the median over rounds of its time over ``ray numpy``'s in the same round (a round's methods run back to back,
+so the machine's drift over a run cancels in each pair; the rounds' spread of that ratio is reported as p10-p90)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,20 @@ def parts_method(ray, store, batch, consumers, shares, counter):
         return lambda: (store.clear(meta), store.settle())
 
     return run
+
+
+def row(t: list[float], ray_t: list[float], base: float) -> dict:
+    """One method's record: median and p90 of its times, its ratio to ``ray numpy``'s median (``base``),
+    and its paired ratio (the median, p10 and p90 over rounds of ``t[r] / ray_t[r]``)."""
+    paired = [a / b for a, b in zip(t, ray_t)]
+    return {
+        "median_ms": 1e3 * statistics.median(t),
+        "p90_ms": 1e3 * pct(t, 90),
+        "x_ray_numpy": statistics.median(t) / base,
+        "paired_x": statistics.median(paired),
+        "paired_p10_p90": [pct(paired, 10), pct(paired, 90)],
+        "times_ms": [round(1e3 * x, 3) for x in t],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,15 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             tq.close()
         ray.shutdown()
     base = statistics.median(times["ray numpy"])
-    rows = {
-        m: {
-            "median_ms": 1e3 * statistics.median(t),
-            "p90_ms": 1e3 * pct(t, 90),
-            "x_ray_numpy": statistics.median(t) / base,
-            "times_ms": [round(1e3 * x, 3) for x in t],
-        }
-        for m, t in times.items()
-    }
+    rows = {m: row(t, times["ray numpy"], base) for m, t in times.items()}
     meta = {
         "command": "python -m bench.dataplane_dp " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -161,10 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(
-        f"{'method':32s} {'median ms':>10s} {'p90 ms':>8s} {'x ray numpy':>12s}   (load {meta['load_avg_median']:.2f})"
+        f"{'method':32s} {'median ms':>10s} {'p90 ms':>8s} {'x ray numpy':>12s} {'paired x':>9s} {'p10-p90':>11s}"
+        f"   (load {meta['load_avg_median']:.2f})"
     )
     for name, r in rows.items():
-        print(f"{name:32s} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['x_ray_numpy']:12.2f}")
+        lo, hi = r["paired_p10_p90"]
+        print(
+            f"{name:32s} {r['median_ms']:10.2f} {r['p90_ms']:8.2f} {r['x_ray_numpy']:12.2f} {r['paired_x']:9.3f}"
+            f" {lo:5.2f}-{hi:5.2f}"
+        )
     print(f"records written to {args.out}")
 
 
