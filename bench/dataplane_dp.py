@@ -35,11 +35,8 @@ import uuid
 from bench.dataplane_compare import FIELDS, dp_methods, dp_shares, make_batch, make_dp_consumer, pct, rotated
 
 
-def floor_method(ray, batch, consumers, shares, counter):
-    """``ray numpy`` plus, per put, the one call a store whose keys live outside the writer makes: the
-    arguments ``RayStore``'s put call carries (partition, the keys, the object reference, fields, origin)
-    to an actor that records nothing, not waited for (as a ``trust_meta`` put). The readers are ``ray
-    numpy``'s. What no such store can go below."""
+def make_sink(ray):
+    """An actor whose ``put(call)`` records nothing, started and called once."""
 
     @ray.remote(num_cpus=0)
     class Sink:
@@ -48,6 +45,16 @@ def floor_method(ray, batch, consumers, shares, counter):
 
     sink = Sink.remote()
     ray.get(sink.put.remote(None))
+    return sink
+
+
+def floor_method(ray, batch, consumers, shares, counter):
+    """``ray numpy`` plus, per put, the one call a store whose keys live outside the writer makes: the
+    arguments ``RayStore``'s put call carries (partition, the keys, the object reference, fields, origin)
+    to an actor that records nothing, not waited for (as a ``trust_meta`` put). The readers are ``ray
+    numpy``'s. What no such store can go below."""
+
+    sink = make_sink(ray)
     samples = batch["ids"].shape[0]
     as_numpy = {k: v.numpy() for k, v in batch.items()}
     want = 2 * batch["ids"].numel()

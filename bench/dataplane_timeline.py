@@ -34,6 +34,7 @@ import uuid
 import torch
 
 from bench.dataplane_compare import FIELDS, dp_shares, make_batch, rotated
+from bench.dataplane_dp import make_sink
 
 PHASES = ("put", "submit", "start_lag", "work", "last_end", "reply", "total")
 
@@ -73,13 +74,7 @@ def make_methods(ray, store, batch, readers, shares, counter) -> dict:
     samples = batch["ids"].shape[0]
     as_numpy = {k: v.numpy() for k, v in batch.items()}
 
-    @ray.remote(num_cpus=0)
-    class Sink:
-        def put(self, call):
-            return None
-
-    sink = Sink.remote()
-    ray.get(sink.put.remote(None))
+    sink = make_sink(ray)
 
     def submit(calls_of):
         submits, calls = [], []
