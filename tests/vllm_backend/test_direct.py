@@ -81,8 +81,7 @@ def test_direct_writes_equal_vllm_loaders(model, tp, kv_heads):
 
 @pytest.mark.parametrize(
     "model,tp,ep",
-    [
-        ("tiny-qwen3-moe", 1, False),
+    [  # engine TP 1 (nothing split) is test_direct_writes_equal_vllm_loaders' tiny-llama case
         ("tiny-qwen3-moe", 2, False),
         ("tiny-qwen3-moe", 2, True),
         ("tiny-qwen2-moe", 2, False),
