@@ -191,6 +191,34 @@ def test_keys_of_one_put_and_keys_written_again_read_clear_and_release_alike():
     assert u.chunks() == 0 and len(dropped) == 4 and u.keys() == []
 
 
+def test_fields_written_back_row_for_row_then_overwritten_read_and_release_exactly():
+    """The README's flow on one unit: a rollout put, advantages written back to the same keys in the same
+    order, a field overwritten the same way, a key re-put alone; reads, refusals, metas, chunk counts and
+    drops stay exact."""
+    from refit.data.store import StorageUnit
+
+    dropped = []
+    u = StorageUnit(on_drop=dropped.append)
+    keys = ["a", "b", "c", "d"]
+    u.put("p", keys, {"x": torch.arange(8).reshape(4, 2), "y": torch.arange(4)}, [{}] * 4, [5, 6, 7, 8])
+    u.put("p", keys, {"adv": torch.tensor([0.5, 1.5, 2.5, 3.5])}, [{}] * 4, None)
+    with pytest.raises(ValueError, match="key 'a' in partition 'p' already has field 'adv'"):
+        u.put("p", ["e", "a"], {"adv": torch.zeros(2)}, [{}] * 2, None)
+    assert u.keys() == [("p", k) for k in keys]  # "e" was not written
+    u.put("p", keys, {"y": torch.tensor([40, 41, 42, 43])}, [{}] * 4, None, overwrite=True)
+    assert len(dropped) == 1 and dropped[0].tolist() == [0, 1, 2, 3]  # the first y, replaced in every key
+    u.put("p", ["c"], {"x": torch.tensor([[90, 91]])}, [{"t": 1}], None, overwrite=True)  # c: its own entry
+    got = u.get_stacked("p", ["d", "c", "b", "a"], ["x", "y", "adv"])
+    assert got["x"].tolist() == [[6, 7], [90, 91], [2, 3], [0, 1]] and got["y"].tolist() == [43, 42, 41, 40]
+    assert got["adv"].tolist() == [3.5, 2.5, 1.5, 0.5]
+    meta = u.meta("p", keys)
+    assert set(meta.fields) == {"x", "y", "adv"} and list(meta.seq_lens) == [5, 6, 7, 8]
+    assert list(meta.tags) == [{}, {}, {"t": 1}, {}]
+    assert u.chunks() == 4  # x, adv, the second y, c's x
+    assert u.clear("p", ["a", "c"]) == 2 and len(dropped) == 2 and dropped[1].tolist() == [[90, 91]]
+    assert u.clear("p", ["b", "d"]) == 2 and u.chunks() == 0 and len(dropped) == 5
+
+
 def test_meta_rebuilds_tags_and_lengths(store):
     store.put(["a", "b"], {"x": torch.zeros(2)}, tags=[{"version": 1}, {"version": 2}], seq_lens=[10, 20])
     m = store.meta(["b", "a"])

@@ -428,3 +428,38 @@ def test_the_writer_does_not_pin_a_put_whose_keys_were_taken_elsewhere(trusting)
         time.sleep(0.05)  # the storage actor's release reaches the owner asynchronously
     assert ref_id not in counts(), f"the writer still holds its put's object: {counts()[ref_id]}"
     trusting.confirm()
+
+
+def test_two_threads_confirming_at_once_report_a_refusal_once(trusting, monkeypatch):
+    """Two threads of one client read the same pending reply at once (held at a barrier after reading
+    it): the refusal is raised in one of them, not both."""
+    import threading
+
+    trusting.put(["c"], {"ids": torch.zeros(1, 4, dtype=torch.int32)}, partition="tm")
+    trusting.confirm()
+    trusting.put(["c"], {"ids": torch.ones(1, 4, dtype=torch.int32)}, partition="tm")  # refused later
+    real_get, barrier = ray.get, threading.Barrier(2, timeout=30)
+
+    def get(refs, *args, **kwargs):
+        out = real_get(refs, *args, **kwargs)
+        if threading.current_thread().name.startswith("confirm-"):
+            barrier.wait()  # both threads have read the reply before either reports it
+        return out
+
+    monkeypatch.setattr(ray, "get", get)
+    errors = []
+
+    def confirm():
+        try:
+            trusting.confirm()
+        except ValueError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=confirm, name=f"confirm-{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    monkeypatch.undo()
+    assert len(errors) == 1 and "'c'" in errors[0] and "already has field" in errors[0], errors
+    trusting.confirm()  # nothing left to report

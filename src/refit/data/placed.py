@@ -144,18 +144,22 @@ class PendingPuts:
 
         with self._lock:
             puts = {reply: what for reply, what, _, _ in self._items}
+        named = {}
         if isinstance(meta, BatchMeta) and meta.where is not None:
             where = [(meta.where.placed, 0)] if isinstance(meta.where, PutRows) else meta.where
-            puts.update((p.reply[0], p.what) for p, _ in where if isinstance(p, Placed) and p.reply is not None)
+            named = {p.reply[0]: p.what for p, _ in where if isinstance(p, Placed) and p.reply is not None}
+        puts.update(named)
         if not puts:
             return [], []
         refs = list(puts)
         done = refs if block else ray.wait(refs, num_returns=len(refs), timeout=0)[0]
         replies = ray.get(done)
-        ready = set(done)
-        with self._lock:
+        with self._lock:  # a pending put another thread read meanwhile was reported there
+            still = {e[0] for e in self._items}
+            ready = set(done)
             self._items = [e for e in self._items if e[0] not in ready]
-        return [puts[r] for r in done], replies
+        ours = [i for i, r in enumerate(done) if r in still or r in named]
+        return [puts[done[i]] for i in ours], [replies[i] for i in ours]
 
     def __len__(self) -> int:
         with self._lock:

@@ -208,13 +208,25 @@ class NotReady(Exception):
 
 def _names(entry: dict | tuple) -> dict:
     """A key's entry in ``StorageUnit._rows`` as a mapping whose keys are its field names: the entry
-    itself (``{field: (chunk, row)}``) or, for a key whose fields all come from one put, that put's
-    shared ``{field: chunk}``."""
+    itself (``{field: (chunk, row)}``) or, for a tuple entry, its shared ``{field: chunk}`` (read it,
+    never change it: other keys share it)."""
     return entry if type(entry) is dict else entry[0]
 
 
 def _chunk_ids(entry: dict | tuple) -> Iterable[int]:
     return [c for c, _ in entry.values()] if type(entry) is dict else entry[0].values()
+
+
+def _one_map(entries: list) -> dict | None:
+    """The field map every entry shares, where each is a tuple entry with the same map (the keys of one
+    put, or of one put and the fields written back to them row for row), else None."""
+    if not entries or type(entries[0]) is not tuple:
+        return None
+    m = entries[0][0]
+    for e in entries:
+        if type(e) is not tuple or e[0] is not m:
+            return None
+    return m
 
 
 class StorageUnit:
@@ -232,9 +244,9 @@ class StorageUnit:
         self._ids = itertools.count()
         self._on_drop = on_drop
         self._chunks: dict[int, list] = {}  # id -> [payload, live rows]
-        # (partition, key) -> {field: (chunk, row)}, or (shared {field: chunk}, row) for a key whose fields
-        # all come from one put: a put of new keys stores one tuple per key (no dict per key); the shared
-        # map is never changed (a key written again gets its own dict)
+        # (partition, key) -> (shared {field: chunk}, row) where all the key's fields sit at one row of their
+        # chunks (a put of new keys, and fields written back to them at the same rows: one tuple per key,
+        # one map per put, never changed once stored), else the key's own {field: (chunk, row)}
         self._rows: dict[tuple[str, str], dict[str, tuple[int, int]] | tuple[dict[str, int], int]] = {}
         self._info: dict[tuple[str, str], tuple[dict, int | None]] = {}  # tags, seq_len
 
@@ -252,6 +264,8 @@ class StorageUnit:
         """Record each field's payload as one chunk whose row ``rows[i]`` (default ``i``) belongs
         to ``keys[i]``; tags merge into a key's tags, a given seq_len replaces its own. Without
         ``overwrite`` a field a key already has refuses the whole put (``ValueError``) first."""
+        if not keys:
+            raise ValueError("put: no keys")
         rows = list(range(len(keys))) if rows is None else rows
         pks = [(partition, k) for k in keys]
         unique = set(pks)
@@ -274,17 +288,45 @@ class StorageUnit:
                 self._rows.update(zip(pks, zip(itertools.repeat(cids), rows)))
                 self._info.update(zip(pks, zip(tags, seq_lens or itertools.repeat(None))))
                 return
+            released = self._write_back(pks, cids, rows)
+            for cid, n in released.items():
+                self._release(cid, n)
+            if seq_lens is None and not any(tags):  # nothing to merge: held keys keep theirs
+                self._info.update((pk, ({}, None)) for pk in pks if pk not in self._info)
+                return
             for i, pk in enumerate(pks):
-                row = self._rows.get(pk, {})
-                if type(row) is not dict:  # one put's shared map: this key's own dict from now on
-                    row = {n: (c, row[1]) for n, c in row[0].items()}
-                self._rows[pk] = row
-                for name, cid in cids.items():
-                    if name in row:
-                        self._release(row[name][0], 1)
-                    row[name] = (cid, rows[i])
                 old_tags, old_len = self._info.get(pk, ({}, None))
                 self._info[pk] = ({**old_tags, **tags[i]}, seq_lens[i] if seq_lens is not None else old_len)
+
+    def _write_back(self, pks: list, cids: dict[str, int], rows: list[int]) -> Counter:
+        """Record a put (chunks ``cids``) over keys some of which are held (under the lock); returns the
+        rows of old chunks it replaced, per chunk. A new key gets the put's map; a tuple entry written at
+        its own row gets its map merged with this put's (one merged map per old map: the README's write
+        back of advantages stays one tuple per key); any other key gets (or keeps) its own dict."""
+        released: Counter = Counter()
+        merged: dict[int, list] = {}  # id(old map) -> [old map, merged map, keys]
+        for pk, r in zip(pks, rows):
+            row = self._rows.get(pk)
+            if row is None:
+                self._rows[pk] = (cids, r)
+            elif type(row) is tuple and row[1] == r:
+                m = merged.get(id(row[0]))
+                if m is None:  # the old map is kept alive in ``merged``: its id stays its own
+                    m = merged[id(row[0])] = [row[0], {**row[0], **cids}, 0]
+                m[2] += 1
+                self._rows[pk] = (m[1], r)
+            else:
+                if type(row) is tuple:  # written at another row: this key's own dict from now on
+                    row = {n: (c, row[1]) for n, c in row[0].items()}
+                    self._rows[pk] = row
+                for name, cid in cids.items():
+                    if name in row:
+                        released[row[name][0]] += 1
+                    row[name] = (cid, r)
+        for old, _, n in merged.values():  # the old map's chunks that this put replaced, once per key
+            for name in cids.keys() & old.keys():
+                released[old[name]] += n
+        return released
 
     def clash(self, partition: str, keys: Sequence[str], fields: Iterable[str]) -> str | None:
         """Why a put of ``fields`` without ``overwrite`` would be refused, or None."""
@@ -294,6 +336,9 @@ class StorageUnit:
 
     def _clash(self, partition: str, keys: Sequence[str], fields: Iterable[str], held: set) -> str | None:
         fields = list(fields)
+        m = _one_map([self._rows[pk] for pk in held])
+        if m is not None and not any(f in m for f in fields):  # the held keys share one map: checked once
+            return None
         for k in keys:
             if (partition, k) not in held:
                 continue
@@ -331,7 +376,19 @@ class StorageUnit:
         dropped = [r for r in map(self._rows.pop, pks, itertools.repeat(None)) if r is not None]
         for pk in pks:
             self._info.pop(pk, None)
-        released = Counter(cid for row in dropped for cid in _chunk_ids(row))
+        released: Counter = Counter()
+        shared: dict[int, list] = {}  # id(map) -> [map, keys dropped that share it]
+        for row in dropped:
+            if type(row) is dict:
+                released.update(c for c, _ in row.values())
+            else:
+                s = shared.get(id(row[0]))
+                if s is None:
+                    s = shared[id(row[0])] = [row[0], 0]
+                s[1] += 1
+        for m, n in shared.values():
+            for cid in m.values():
+                released[cid] += n
         for cid, n in released.items():
             self._release(cid, n)
         return len(dropped)
@@ -370,7 +427,14 @@ class StorageUnit:
         with self._lock:
             try:
                 entries = [self._rows[(partition, k)] for k in keys]
-                located = {f: [e[f] if type(e) is dict else (e[0][f], e[1]) for e in entries] for f in select_fields}
+                m = _one_map(entries)
+                if m is not None:  # one map: each field is one chunk, the rows in order of the keys
+                    rows = [e[1] for e in entries]
+                    located = {f: list(zip(itertools.repeat(m[f]), rows)) for f in select_fields}
+                else:
+                    located = {
+                        f: [e[f] if type(e) is dict else (e[0][f], e[1]) for e in entries] for f in select_fields
+                    }
             except KeyError:
                 self._check(partition, keys, select_fields)  # raises, naming the key and field
                 raise
@@ -403,8 +467,11 @@ class StorageUnit:
         if every key has one. ``MissingKeyError`` for a key not held."""
         with self._lock:
             self._check(partition, keys, ())
-            fields = list(_names(self._rows[(partition, keys[0])])) if keys else []
-            fields = [f for f in fields if all(f in _names(self._rows[(partition, k)]) for k in keys)]
+            entries = [self._rows[(partition, k)] for k in keys]
+            m = _one_map(entries)
+            fields = list(_names(entries[0])) if entries else []
+            if m is None:
+                fields = [f for f in fields if all(f in _names(e) for e in entries)]
             info = [self._info[(partition, k)] for k in keys]
             lens = [n for _, n in info]
             return BatchMeta(
