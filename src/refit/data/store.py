@@ -374,8 +374,13 @@ class StorageUnit:
     def _drop(self, partition: str, keys: Iterable[str]) -> int:
         pks = [(partition, str(k)) for k in keys]
         dropped = [r for r in map(self._rows.pop, pks, itertools.repeat(None)) if r is not None]
-        for pk in pks:
-            self._info.pop(pk, None)
+        for _ in map(self._info.pop, pks, itertools.repeat(None)):
+            pass
+        m = _one_map(dropped)
+        if m is not None:  # one shared map: each of its chunks loses one row per key
+            for cid in m.values():
+                self._release(cid, len(dropped))
+            return len(dropped)
         released: Counter = Counter()
         shared: dict[int, list] = {}  # id(map) -> [map, keys dropped that share it]
         for row in dropped:
@@ -428,17 +433,17 @@ class StorageUnit:
             try:
                 entries = [self._rows[(partition, k)] for k in keys]
                 m = _one_map(entries)
-                if m is not None:  # one map: each field is one chunk, the rows in order of the keys
+                if m is not None:  # one map: each field is one chunk, one group, the rows in order of the keys
                     rows = [e[1] for e in entries]
-                    located = {f: list(zip(itertools.repeat(m[f]), rows)) for f in select_fields}
+                    out = {f: [(self._chunks[m[f]][0], list(range(len(rows))), rows)] for f in select_fields}
                 else:
                     located = {
                         f: [e[f] if type(e) is dict else (e[0][f], e[1]) for e in entries] for f in select_fields
                     }
+                    out = {f: self._groups(locs) for f, locs in located.items()}
             except KeyError:
                 self._check(partition, keys, select_fields)  # raises, naming the key and field
                 raise
-            out = {f: self._groups(locs) for f, locs in located.items()}
             reason = accept(out) if accept is not None else None
             if reason:
                 raise MissingKeyError(reason)
