@@ -217,6 +217,9 @@ def test_fields_written_back_row_for_row_then_overwritten_read_and_release_exact
     assert u.chunks() == 4  # x, adv, the second y, c's x
     assert u.clear("p", ["a", "c"]) == 2 and len(dropped) == 2 and dropped[1].tolist() == [[90, 91]]
     assert u.clear("p", ["b", "d"]) == 2 and u.chunks() == 0 and len(dropped) == 5
+    with pytest.raises(ValueError, match="put: no keys"):
+        u.put("p", [], {"x": torch.zeros(0, 2)}, [], None)
+    assert u.chunks() == 0  # nothing left behind
 
 
 def test_meta_rebuilds_tags_and_lengths(store):
