@@ -374,8 +374,8 @@ class StorageUnit:
     def _drop(self, partition: str, keys: Iterable[str]) -> int:
         pks = [(partition, str(k)) for k in keys]
         dropped = [r for r in map(self._rows.pop, pks, itertools.repeat(None)) if r is not None]
-        for _ in map(self._info.pop, pks, itertools.repeat(None)):
-            pass
+        for pk in pks:
+            self._info.pop(pk, None)
         m = _one_map(dropped)
         if m is not None:  # one shared map: each of its chunks loses one row per key
             for cid in m.values():
@@ -385,7 +385,7 @@ class StorageUnit:
         shared: dict[int, list] = {}  # id(map) -> [map, keys dropped that share it]
         for row in dropped:
             if type(row) is dict:
-                released.update(c for c, _ in row.values())
+                released.update(_chunk_ids(row))
             else:
                 s = shared.get(id(row[0]))
                 if s is None:
