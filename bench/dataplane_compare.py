@@ -157,6 +157,13 @@ def refit_stores(RayStore, units: int) -> dict:
     }
 
 
+def round_keys(counter, n: int, prefix: str = "d") -> list[str]:
+    """One round's ``n`` keys under one fresh number from ``counter`` (no two rounds share a key), as a
+    user names a batch's samples: one list built once, not one counter step per key."""
+    b = next(counter)
+    return [f"{prefix}{b}/{i}" for i in range(n)]
+
+
 def put_get_methods(ray, tq, stores, batch, counter) -> dict:
     """name -> (put() -> handle, get(handle) -> rows, clear(handle))."""
     from tensordict import TensorDict
@@ -166,8 +173,7 @@ def put_get_methods(ray, tq, stores, batch, counter) -> dict:
     td = TensorDict(batch, batch_size=n)
 
     def keys():
-        b = next(counter)
-        return [f"b{b}/{i}" for i in range(n)]
+        return round_keys(counter, n, "b")
 
     def refit(s, copy):
         def clear(meta):  # and wait for the storage actor's background copy (durable): not the next method's cost
@@ -292,7 +298,7 @@ def dp_methods(ray, tq, stores, batch, consumers, shares, counter, suffix: str =
 
     def refit_run(name, s, passed):
         def run():
-            meta = s.put([f"d{next(counter)}/{i}" for i in range(samples)], batch, partition="bench")
+            meta = s.put(round_keys(counter, samples), batch, partition="bench")
             calls = [
                 c.refit_with.remote(s, meta.select(sh)) if passed else c.refit.remote(name, meta.select(sh))
                 for c, sh in zip(consumers, shares)
@@ -313,7 +319,7 @@ def dp_methods(ray, tq, stores, batch, consumers, shares, counter, suffix: str =
         td = TensorDict(batch, batch_size=samples)
 
     def tq_run():
-        keys = [f"d{next(counter)}/{i}" for i in range(samples)]
+        keys = round_keys(counter, samples)
         tq.kv_batch_put(keys=keys, partition_id="bench", fields=td)
         assert sum(ray.get([c.tq_get.remote([keys[i] for i in s]) for c, s in zip(consumers, shares)])) == want
         return lambda: tq.kv_clear(keys=keys, partition_id="bench")

@@ -32,7 +32,16 @@ import sys
 import time
 import uuid
 
-from bench.dataplane_compare import FIELDS, dp_methods, dp_shares, make_batch, make_dp_consumer, pct, rotated
+from bench.dataplane_compare import (
+    FIELDS,
+    dp_methods,
+    dp_shares,
+    make_batch,
+    make_dp_consumer,
+    pct,
+    rotated,
+    round_keys,
+)
 
 
 def make_sink(ray):
@@ -61,7 +70,7 @@ def floor_method(ray, batch, consumers, shares, counter):
 
     def run():
         ref = ray.put(as_numpy)
-        keys = [f"d{next(counter)}/{i}" for i in range(samples)]
+        keys = round_keys(counter, samples)
         sink.put.remote(("bench", keys, [ref], tuple(as_numpy), None, None, False, False, uuid.uuid4().hex))
         assert sum(ray.get([c.ray.remote([ref], s) for c, s in zip(consumers, shares)])) == want
         return lambda: None
@@ -78,7 +87,7 @@ def parts_method(ray, store, batch, consumers, shares, counter):
     want = 2 * batch["ids"].numel()
 
     def run():
-        meta = store.put([f"d{next(counter)}/{i}" for i in range(samples)], batch, partition="bench")
+        meta = store.put(round_keys(counter, samples), batch, partition="bench")
         holder = meta.where.placed.holder
         assert sum(ray.get([c.refit_raw.remote(holder, s) for c, s in zip(consumers, shares)])) == want
         return lambda: (store.clear(meta), store.settle())

@@ -33,7 +33,7 @@ import uuid
 
 import torch
 
-from bench.dataplane_compare import FIELDS, dp_shares, make_batch, rotated
+from bench.dataplane_compare import FIELDS, dp_shares, make_batch, rotated, round_keys
 from bench.dataplane_dp import make_sink
 
 PHASES = ("put", "submit", "start_lag", "work", "last_end", "reply", "total")
@@ -85,7 +85,7 @@ def make_methods(ray, store, batch, readers, shares, counter) -> dict:
 
     def ray_numpy(with_sink: bool):
         def run():
-            keys = [f"d{next(counter)}/{i}" for i in range(samples)]
+            keys = round_keys(counter, samples)
             ref = ray.put(as_numpy)
             if with_sink:
                 sink.put.remote(("bench", keys, [ref], tuple(as_numpy), None, None, False, False, uuid.uuid4().hex))
@@ -96,7 +96,7 @@ def make_methods(ray, store, batch, readers, shares, counter) -> dict:
 
     def refit(raw: bool):
         def run():
-            meta = store.put([f"d{next(counter)}/{i}" for i in range(samples)], batch, partition="bench")
+            meta = store.put(round_keys(counter, samples), batch, partition="bench")
             put_end = time.time()
             holder = meta.where.placed.holder
             if raw:

@@ -191,6 +191,32 @@ def test_keys_of_one_put_and_keys_written_again_read_clear_and_release_alike():
     assert u.chunks() == 0 and len(dropped) == 4 and u.keys() == []
 
 
+def test_a_uniform_clear_asks_once_per_shared_map_and_still_per_key_elsewhere():
+    """``clear(only=..., uniform=True)`` (a clear through one put's meta): ``only`` is asked once for the keys
+    that share one put's field map, once per key with its own entry, and each key gets its map's answer:
+    a key written again by another put is kept where that put is not the one asked for."""
+    from refit.data.store import StorageUnit
+
+    u = StorageUnit()
+    x = torch.arange(4)
+    u.put("p", ["a", "b", "c", "d"], {"x": x}, [{}] * 4, None)  # put 1: one shared map
+    u.put("p", ["e", "f"], {"x": torch.arange(2)}, [{}] * 2, None)  # put 2: another
+    u.put("p", ["c"], {"x": torch.tensor([9])}, [{}], None, overwrite=True)  # c: written again, its own entry
+    asked = []
+
+    def of_put_1(i, payloads):
+        asked.append(i)
+        return any(p is x for p in payloads)
+
+    assert u.clear("p", ["a", "b", "c", "d", "e", "f", "zz"], only=of_put_1, uniform=True) == 3  # a, b, d
+    assert sorted(asked) == [0, 2, 4]  # put 1's map (first asked at a), c's own entry, put 2's map
+    assert sorted(k for _, k in u.keys()) == ["c", "e", "f"]
+    asked.clear()
+    assert u.clear("p", ["e", "f"], only=lambda i, payloads: asked.append(i) or True, uniform=True) == 2
+    assert asked == [0]  # one put's keys: one question
+    assert u.clear("p", ["c"], only=lambda i, payloads: False, uniform=True) == 0 and u.chunks() == 1
+
+
 def test_fields_written_back_row_for_row_then_overwritten_read_and_release_exactly():
     """The README's flow on one unit: a rollout put, advantages written back to the same keys in the same
     order, a field overwritten the same way, a key re-put alone; reads, refusals, metas, chunk counts and

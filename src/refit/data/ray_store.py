@@ -423,10 +423,11 @@ class _StorageActor:
         if expect is None:
             return self.unit.clear(partition, keys)
         mine = lambda i, payloads: any(p.origin == _origin(expect, i) for p, _ in payloads)  # noqa: E731
+        one = isinstance(expect, str)  # one put's meta: one answer per field map, not per key
         before = self._known(expect)
-        n = self.unit.clear(partition, keys, mine)
+        n = self.unit.clear(partition, keys, mine, uniform=one)
         if n < len(keys) and self._awaited(expect, before, refusals=False):
-            n += self.unit.clear(partition, keys, mine)
+            n += self.unit.clear(partition, keys, mine, uniform=one)
         return n
 
     def clear_partition(self, partition) -> int:

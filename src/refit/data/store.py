@@ -358,18 +358,43 @@ class StorageUnit:
             if self._on_drop is not None:
                 self._on_drop(c[0])
 
-    def clear(self, partition: str, keys: Iterable[str], only: Callable[[int, list[Any]], bool] | None = None) -> int:
+    def clear(
+        self,
+        partition: str,
+        keys: Iterable[str],
+        only: Callable[[int, list[Any]], bool] | None = None,
+        uniform: bool = False,
+    ) -> int:
         """Drop keys; absent ones are skipped. Returns how many were dropped. ``only(i, payloads)``:
         drop ``keys[i]`` only where it says so, given the payloads of its fields (under the lock: a
-        backend drops only the rows a put of its own wrote)."""
+        backend drops only the rows a put of its own wrote). ``uniform``: ``only``'s answer depends on the
+        payloads alone, not on ``i``: it is asked once per field map the keys share (once for the keys of
+        one put), not once per key."""
         with self._lock:
             if only is not None:
-                keys = [k for i, k in enumerate(keys) if self._payloads(partition, k, only, i)]
+                keys = self._kept(partition, list(keys), only, uniform)
             return self._drop(partition, keys)
 
-    def _payloads(self, partition: str, key: str, only: Callable[[int, list[Any]], bool], i: int) -> bool:
-        row = self._rows.get((partition, str(key)))
-        return row is not None and only(i, [self._chunks[cid][0] for cid in _chunk_ids(row)])
+    def _kept(self, partition: str, keys: list[str], only: Callable[[int, list[Any]], bool], uniform: bool) -> list:
+        """The ``keys`` held whose payloads ``only`` accepts (``clear``; under the lock)."""
+        entries = [self._rows.get((partition, str(k))) for k in keys]
+        m = _one_map(entries) if uniform else None
+        if m is not None:  # one shared map: one answer for every key
+            return keys if only(0, [self._chunks[cid][0] for cid in m.values()]) else []
+        asked: dict[int, bool] = {}  # uniform: id(shared map) -> answer (each map is alive in ``_rows``)
+        kept = []
+        for i, (k, row) in enumerate(zip(keys, entries)):
+            if row is None:
+                continue
+            if uniform and type(row) is tuple:
+                ok = asked.get(id(row[0]))
+                if ok is None:
+                    ok = asked[id(row[0])] = only(i, [self._chunks[cid][0] for cid in row[0].values()])
+            else:
+                ok = only(i, [self._chunks[cid][0] for cid in _chunk_ids(row)])
+            if ok:
+                kept.append(k)
+        return kept
 
     def _drop(self, partition: str, keys: Iterable[str]) -> int:
         pks = [(partition, str(k)) for k in keys]
