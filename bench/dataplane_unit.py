@@ -4,7 +4,9 @@
 
 Each run, on a fresh unit: a put of ``--keys`` new keys with ``--fields`` batch fields (tiny payloads: the
 bytes are not the point), the advantages written back to the same keys in the same order (``adv``), then a
-take of every field (``locate(clear=True)``). Prints the median of each step over ``--runs`` runs, in ms.
+take of every field (``locate(clear=True)``); then, through the storage actor's own methods (``_StorageActor``,
+in-process), a ``trust_meta`` put of the same keys and a clear through its meta (``clear(..., expect=origin)``:
+only the rows of that put). Prints the median of each step over ``--runs`` runs, in ms.
 Run it with another checkout's ``src`` first on ``PYTHONPATH`` to compare two versions."""
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import uuid
 
 import torch
 
 from refit.data.store import StorageUnit
 
-STEPS = ("put", "write back", "take", "total")
+STEPS = ("put", "write back", "take", "total", "actor put", "clear (meta)")
 
 
 def one_run(keys: list[str], fields: dict, adv: dict) -> tuple[float, ...]:
@@ -30,7 +33,22 @@ def one_run(keys: list[str], fields: dict, adv: dict) -> tuple[float, ...]:
     u.locate("p", keys, [*fields, "adv"], clear=True)
     t3 = time.perf_counter()
     assert u.chunks() == 0
-    return t1 - t0, t2 - t1, t3 - t2, t3 - t0
+    return t1 - t0, t2 - t1, t3 - t2, t3 - t0, *actor_put_and_clear(keys, tuple(fields))
+
+
+def actor_put_and_clear(keys: list[str], names: tuple[str, ...]) -> tuple[float, float]:
+    """A ``trust_meta`` put's record on a fresh storage actor object (no Ray call: its methods run here),
+    then the clear through that put's meta."""
+    from refit.data.ray_store import _StorageActor
+
+    a, origin = _StorageActor(), f"{uuid.uuid4().hex}@{time.time():.3f}"
+    t0 = time.perf_counter()
+    assert a.put(("p", keys, [None], names, None, None, False, False, origin)) is None
+    t1 = time.perf_counter()
+    assert a.clear("p", keys, origin) == len(keys)
+    t2 = time.perf_counter()
+    a.adopter.shutdown()
+    return t1 - t0, t2 - t1
 
 
 def main(argv: list[str] | None = None) -> None:
