@@ -378,23 +378,26 @@ class StorageUnit:
     def _kept(self, partition: str, keys: list[str], only: Callable[[int, list[Any]], bool], uniform: bool) -> list:
         """The ``keys`` held whose payloads ``only`` accepts (``clear``; under the lock)."""
         entries = [self._rows.get((partition, str(k))) for k in keys]
-        m = _one_map(entries) if uniform else None
-        if m is not None:  # one shared map: one answer for every key
-            return keys if only(0, [self._chunks[cid][0] for cid in m.values()]) else []
+        if uniform and _one_map(entries) is not None:  # one shared map: one answer for every key
+            return keys if only(0, self._payloads(entries[0])) else []
         asked: dict[int, bool] = {}  # uniform: id(shared map) -> answer (each map is alive in ``_rows``)
         kept = []
         for i, (k, row) in enumerate(zip(keys, entries)):
             if row is None:
                 continue
-            if uniform and type(row) is tuple:
-                ok = asked.get(id(row[0]))
-                if ok is None:
-                    ok = asked[id(row[0])] = only(i, [self._chunks[cid][0] for cid in row[0].values()])
-            else:
-                ok = only(i, [self._chunks[cid][0] for cid in _chunk_ids(row)])
+            shared = uniform and type(row) is tuple
+            ok = asked.get(id(row[0])) if shared else None
+            if ok is None:
+                ok = only(i, self._payloads(row))
+                if shared:
+                    asked[id(row[0])] = ok
             if ok:
                 kept.append(k)
         return kept
+
+    def _payloads(self, entry: dict | tuple) -> list[Any]:
+        """The payloads of a key's fields (its entry in ``_rows``)."""
+        return [self._chunks[cid][0] for cid in _chunk_ids(entry)]
 
     def _drop(self, partition: str, keys: Iterable[str]) -> int:
         pks = [(partition, str(k)) for k in keys]
