@@ -278,6 +278,11 @@ def make_dp_consumer(ray, with_tq: bool = True):
             idx = torch.as_tensor(rows)
             return sum(decode(w, copy=False).index_select(0, idx).numel() for _, w in ray.get(holder[0]).values())
 
+        def refit_meta_raw(self, meta):
+            """``refit_raw`` on the object and rows a share's meta names (``PutRows``), without the store:
+            the share's meta travels as ``refit``'s does, the read is ``refit_raw``'s."""
+            return self.refit_raw(meta.where.placed.holder, meta.where.rows)
+
         def tq_get(self, keys):
             out = self.tq.kv_batch_get(keys=keys, partition_id="bench", select_fields=FIELDS)
             return sum(_as_dense(v, len(keys)).numel() for v in out.values())

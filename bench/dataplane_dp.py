@@ -13,7 +13,8 @@ and gets ``meta.select(share)`` through the meta); ``--all`` adds the two config
 ``--tq`` TransferQueue (``kv_batch_put`` / ``kv_batch_get``; needs it on ``PYTHONPATH``), ``--store-per-call``
 each refit store again with its client sent in every call (this bench before stop 43), ``--floor`` ``ray numpy``
 plus one put call to an actor that records nothing (``floor_method``), ``--parts`` the ``durable=False trust_meta``
-store's put read by ``ray numpy``'s readers (``parts_method``: the put's side alone).
+store's put read by ``ray numpy``'s readers (``parts_method``: the put's side alone) and the same with each reader
+sent its share's meta (``meta_raw_method``: the meta as a call argument, without the store's ``get``).
 
 Rounds interleave the methods, each going first in turn; after each method its clear (refit: and the wait for
 the durable copy, ``settle``) and a pause of ``--gap-ms`` (Ray frees a released object in the background; a put
@@ -95,6 +96,22 @@ def parts_method(ray, store, batch, consumers, shares, counter):
     return run
 
 
+def meta_raw_method(ray, store, batch, consumers, shares, counter):
+    """``parts_method``, but each reader is sent its share's meta (``meta.select(share)``, as the refit
+    method sends it) and reads the object and rows it names without the store (``refit_meta_raw``).
+    Between ``parts_method`` and the refit method of the same store, it splits the readers' side into the
+    share's meta as a call argument and the store's ``get``."""
+    samples = batch["ids"].shape[0]
+    want = 2 * batch["ids"].numel()
+
+    def run():
+        meta = store.put(round_keys(counter, samples), batch, partition="bench")
+        assert sum(ray.get([c.refit_meta_raw.remote(meta.select(s)) for c, s in zip(consumers, shares)])) == want
+        return lambda: (store.clear(meta), store.settle())
+
+    return run
+
+
 def row(t: list[float], ray_t: list[float], base: float) -> dict:
     """One method's record: median and p90 of its times, its ratio to ``ray numpy``'s median (``base``),
     and its paired ratio (the median, p10 and p90 over rounds of ``t[r] / ray_t[r]``)."""
@@ -121,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tq", action="store_true", help="also TransferQueue")
     ap.add_argument("--store-per-call", action="store_true", help="also each refit store passed with every call")
     ap.add_argument("--floor", action="store_true", help="also ray numpy + one put call to a sink (the floor)")
-    ap.add_argument("--parts", action="store_true", help="also refit's put read by ray numpy's readers")
+    ap.add_argument("--parts", action="store_true", help="also refit's put read by raw readers (sent ref or meta)")
     ap.add_argument("--out", default="bench/results/cpu-dataplane-dp.json")
     args = ap.parse_args(argv)
     import ray
@@ -151,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.parts:
         store = stores["refit durable=False trust_meta"]
         methods["refit put, raw readers (parts)"] = parts_method(ray, store, batch, consumers, shares, counter)
+        methods["refit put, meta to raw readers"] = meta_raw_method(ray, store, batch, consumers, shares, counter)
     times: dict[str, list[float]] = {m: [] for m in methods}
     loads = []
     try:
