@@ -14,7 +14,7 @@ and gets ``meta.select(share)`` through the meta); ``--all`` adds the two config
 each refit store again with its client sent in every call (this bench before stop 43), ``--floor`` ``ray numpy``
 plus one put call to an actor that records nothing (``floor_method``), ``--parts`` the ``durable=False trust_meta``
 store's put read by ``ray numpy``'s readers (``parts_method``: the put's side alone) and the same with each reader
-sent its share's meta (``meta_raw_method``: the meta as a call argument, without the store's ``get``).
+sent its share's meta (``send_meta``: the meta as a call argument, without the store's ``get``).
 
 Rounds interleave the methods, each going first in turn; after each method its clear (refit: and the wait for
 the durable copy, ``settle``) and a pause of ``--gap-ms`` (Ray frees a released object in the background; a put
@@ -79,34 +79,23 @@ def floor_method(ray, batch, consumers, shares, counter):
     return run
 
 
-def parts_method(ray, store, batch, consumers, shares, counter):
+def parts_method(ray, store, batch, consumers, shares, counter, send_meta: bool = False):
     """refit's put (``store``, ``trust_meta``), read by ``ray numpy``'s readers: each gets the put's object
-    reference and its rows, not the share's meta, and gathers them without the store. Between
-    ``floor_method`` and the refit method of the same store, it splits refit's time into the put's side and
-    the readers' side."""
+    reference and its rows and gathers them without the store (``refit_raw``). Between ``floor_method`` and
+    the refit method of the same store, it splits refit's time into the put's side and the readers' side.
+    ``send_meta``: each reader is sent its share's meta instead (``meta.select(share)``, as the refit method
+    sends it) and reads the object and rows it names the same way (``refit_meta_raw``), splitting the readers'
+    side into the meta as a call argument and the store's ``get``."""
     samples = batch["ids"].shape[0]
     want = 2 * batch["ids"].numel()
 
     def run():
         meta = store.put(round_keys(counter, samples), batch, partition="bench")
-        holder = meta.where.placed.holder
-        assert sum(ray.get([c.refit_raw.remote(holder, s) for c, s in zip(consumers, shares)])) == want
-        return lambda: (store.clear(meta), store.settle())
-
-    return run
-
-
-def meta_raw_method(ray, store, batch, consumers, shares, counter):
-    """``parts_method``, but each reader is sent its share's meta (``meta.select(share)``, as the refit
-    method sends it) and reads the object and rows it names without the store (``refit_meta_raw``).
-    Between ``parts_method`` and the refit method of the same store, it splits the readers' side into the
-    share's meta as a call argument and the store's ``get``."""
-    samples = batch["ids"].shape[0]
-    want = 2 * batch["ids"].numel()
-
-    def run():
-        meta = store.put(round_keys(counter, samples), batch, partition="bench")
-        assert sum(ray.get([c.refit_meta_raw.remote(meta.select(s)) for c, s in zip(consumers, shares)])) == want
+        if send_meta:
+            calls = [c.refit_meta_raw.remote(meta.select(s)) for c, s in zip(consumers, shares)]
+        else:
+            calls = [c.refit_raw.remote(meta.where.placed.holder, s) for c, s in zip(consumers, shares)]
+        assert sum(ray.get(calls)) == want
         return lambda: (store.clear(meta), store.settle())
 
     return run
@@ -168,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.parts:
         store = stores["refit durable=False trust_meta"]
         methods["refit put, raw readers (parts)"] = parts_method(ray, store, batch, consumers, shares, counter)
-        methods["refit put, meta to raw readers"] = meta_raw_method(ray, store, batch, consumers, shares, counter)
+        methods["refit put, meta to raw readers"] = parts_method(ray, store, batch, consumers, shares, counter, True)
     times: dict[str, list[float]] = {m: [] for m in methods}
     loads = []
     try:
