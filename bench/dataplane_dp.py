@@ -1,7 +1,8 @@
 """Only the DP-readers row of ``bench.dataplane_compare``, many alternating rounds, each after a pause.
 
     python -m bench.dataplane_dp [--samples 512 --seq 8192 --dp 4 --rounds 40 --gap-ms 50]
-        [--all] [--tq] [--floor] [--parts] [--store-per-call] [--out bench/results/cpu-dataplane-dp.json]
+        [--all] [--tq] [--floor] [--parts] [--store-per-call] [--aa] [--order shuffled|rotated --seed 0]
+        [--out bench/results/cpu-dataplane-dp.json]
 
 The batch (int64 ids + float32 logprobs, [samples, seq]) is put once by the driver, then ``--dp`` consumer
 actors fetch their balanced shares (``balanced_shards`` of long-tailed lengths: scattered rows) at once; the
@@ -16,18 +17,24 @@ plus one put call to an actor that records nothing (``floor_method``), ``--parts
 store's put read by ``ray numpy``'s readers (``parts_method``: the put's side alone) and the same with each reader
 sent its share's meta (``send_meta``: the meta as a call argument, without the store's ``get``).
 
-Rounds interleave the methods, each going first in turn; after each method its clear (refit: and the wait for
-the durable copy, ``settle``) and a pause of ``--gap-ms`` (Ray frees a released object in the background; a put
-that runs meanwhile on 2 cores is slower), both outside the timing; two warm-up rounds are not timed. Reports
-each method's median and p90 over the rounds, its ratio to ``ray numpy``'s median of the same run, and its paired
-ratio: the median over rounds of its time over ``ray numpy``'s in the same round (a round's methods run back to back,
-so the machine's drift over a run cancels in each pair; the rounds' spread of that ratio is reported as p10-p90)."""
+Rounds interleave the methods in a fresh random order each (``--order shuffled``, the default, seeded by
+``--seed``), so no method always follows the same neighbour: with ``--order rotated`` (each going first in turn,
+this bench before stop 48) every method keeps one predecessor, whose leftovers bias it (the ``floor``, which
+does more than ``ray numpy``, read 0.85x of it so). ``--aa`` times ``ray numpy`` twice, as two methods (``ray
+numpy (A/A)``): its paired ratio, 1.00 in an unbiased run, is the bench's own error. After each method its clear
+(refit: and the wait for the durable copy, ``settle``) and a pause of ``--gap-ms`` (Ray frees a released object
+in the background; a put that runs meanwhile on 2 cores is slower), both outside the timing; two warm-up rounds
+are not timed. Reports each method's median and p90 over the rounds, its ratio to ``ray numpy``'s median of the
+same run, and its paired ratio: the median over rounds of its time over ``ray numpy``'s in the same round (a
+round's methods run back to back, so the machine's drift over a run cancels in each pair; the rounds' spread of
+that ratio is reported as p10-p90)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -101,6 +108,12 @@ def parts_method(ray, store, batch, consumers, shares, counter, send_meta: bool 
     return run
 
 
+def round_order(names: list[str], r: int, order: str, rng: random.Random) -> list[str]:
+    """Round ``r``'s order of ``names``: ``rotated`` (each first in turn) or ``shuffled`` (a fresh sample of
+    ``rng``)."""
+    return rotated(names, r) if order == "rotated" else rng.sample(names, len(names))
+
+
 def row(t: list[float], ray_t: list[float], base: float) -> dict:
     """One method's record: median and p90 of its times, its ratio to ``ray numpy``'s median (``base``),
     and its paired ratio (the median, p10 and p90 over rounds of ``t[r] / ray_t[r]``)."""
@@ -128,6 +141,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--store-per-call", action="store_true", help="also each refit store passed with every call")
     ap.add_argument("--floor", action="store_true", help="also ray numpy + one put call to a sink (the floor)")
     ap.add_argument("--parts", action="store_true", help="also refit's put read by raw readers (sent ref or meta)")
+    ap.add_argument(
+        "--order",
+        choices=("rotated", "shuffled"),
+        default="shuffled",
+        help="each round's method order: shuffled (seeded) or rotated (each first in turn, fixed neighbours)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the shuffled orders' seed")
+    ap.add_argument("--aa", action="store_true", help="also ray numpy a second time (A/A: the bench's own bias)")
     ap.add_argument("--out", default="bench/results/cpu-dataplane-dp.json")
     args = ap.parse_args(argv)
     import ray
@@ -158,11 +179,14 @@ def main(argv: list[str] | None = None) -> None:
         store = stores["refit durable=False trust_meta"]
         methods["refit put, raw readers (parts)"] = parts_method(ray, store, batch, consumers, shares, counter)
         methods["refit put, meta to raw readers"] = parts_method(ray, store, batch, consumers, shares, counter, True)
+    if args.aa:
+        methods["ray numpy (A/A)"] = methods["ray numpy"]
     times: dict[str, list[float]] = {m: [] for m in methods}
     loads = []
+    rng = random.Random(args.seed)
     try:
         for r in range(-2, args.rounds):
-            for name in rotated(list(methods), r):
+            for name in round_order(list(methods), r, args.order, rng):
                 t0 = time.perf_counter()
                 done = methods[name]()
                 if r >= 0:

@@ -14,6 +14,8 @@ and end of their method (one host: one clock). Per method, the median over round
 - ``submit``: from the put's end until the last reader's call was submitted;
 - ``start_lag``: per reader, from its call's submission to its method's start (mean over readers);
 - ``work``: per reader, its method's own time (mean over readers);
+- ``work_cpu``: per reader, the CPU time its method's thread spent (mean over readers): ``work`` beyond it is
+  time the reader waited for a core;
 - ``last_end``: from the round's start until the last reader's method ended;
 - ``reply``: from the last reader's end until the driver held every reply;
 - ``total``: the round, as ``bench.dataplane_dp`` times it;
@@ -36,11 +38,11 @@ import torch
 from bench.dataplane_compare import FIELDS, dp_shares, make_batch, rotated, round_keys
 from bench.dataplane_dp import make_sink
 
-PHASES = ("put", "submit", "start_lag", "work", "last_end", "reply", "total")
+PHASES = ("put", "submit", "start_lag", "work", "work_cpu", "last_end", "reply", "total")
 
 
 def make_reader(ray):
-    """A DP reader whose methods return ``(start, end, elements read)``."""
+    """A DP reader whose methods return ``(start, end, elements read, CPU seconds of the method's thread)``."""
 
     @ray.remote(num_cpus=0)
     class Reader:
@@ -48,23 +50,23 @@ def make_reader(ray):
             self.store = store
 
         def refit(self, meta):
-            t0 = time.time()
+            t0, c0 = time.time(), time.thread_time()
             n = sum(t.numel() for t in self.store.get(meta, select_fields=FIELDS).values())
-            return t0, time.time(), n
+            return t0, time.time(), n, time.thread_time() - c0
 
         def ray(self, holder, rows):
-            t0 = time.time()
+            t0, c0 = time.time(), time.thread_time()
             idx = torch.as_tensor(rows)
             n = sum(torch.from_numpy(v).index_select(0, idx).numel() for v in ray.get(holder[0]).values())
-            return t0, time.time(), n
+            return t0, time.time(), n, time.thread_time() - c0
 
         def raw(self, holder, rows):
             from refit.data.ray_store import decode
 
-            t0 = time.time()
+            t0, c0 = time.time(), time.thread_time()
             idx = torch.as_tensor(rows)
             n = sum(decode(w, copy=False).index_select(0, idx).numel() for _, w in ray.get(holder[0]).values())
-            return t0, time.time(), n
+            return t0, time.time(), n, time.thread_time() - c0
 
     return Reader
 
@@ -116,13 +118,14 @@ def one_round(ray, run, want: int) -> dict:
     replies = ray.get(calls)
     t_end = time.time()
     done()
-    assert sum(n for _, _, n in replies) == want
-    starts, ends = [s for s, _, _ in replies], [e for _, e, _ in replies]
+    assert sum(r[2] for r in replies) == want
+    starts, ends = [r[0] for r in replies], [r[1] for r in replies]
     return {
         "put": put_end - t0,
         "submit": submits[-1] - put_end,
         "start_lag": statistics.mean(s - sub for s, sub in zip(starts, submits)),
         "work": statistics.mean(e - s for s, e in zip(starts, ends)),
+        "work_cpu": statistics.mean(r[3] for r in replies),
         "last_end": max(ends) - t0,
         "reply": t_end - max(ends),
         "total": t_end - t0,
