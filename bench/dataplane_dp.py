@@ -13,9 +13,11 @@ durable (each rank holds the store's client from setup, as TransferQueue's ranks
 and gets ``meta.select(share)`` through the meta); ``--all`` adds the two configurations without ``trust_meta``,
 ``--tq`` TransferQueue (``kv_batch_put`` / ``kv_batch_get``; needs it on ``PYTHONPATH``), ``--store-per-call``
 each refit store again with its client sent in every call (this bench before stop 43), ``--floor`` ``ray numpy``
-plus one put call to an actor that records nothing (``floor_method``), ``--parts`` the ``durable=False trust_meta``
-store's put read by ``ray numpy``'s readers (``parts_method``: the put's side alone) and the same with each reader
-sent its share's meta (``send_meta``: the meta as a call argument, without the store's ``get``).
+plus one put call to an actor that records nothing (``floor_method``) and the same with the actor keeping the
+object's reference until the clear (``keep``: what a store whose keys outlive the writer's meta must do),
+``--parts`` the ``durable=False trust_meta`` store's put read by ``ray numpy``'s readers (``parts_method``: the
+put's side alone) and the same with each reader sent its share's meta (``send_meta``: the meta as a call
+argument, without the store's ``get``).
 
 Rounds interleave the methods in a fresh random order each (``--order shuffled``, the default, seeded by
 ``--seed``), so no method always follows the same neighbour: with ``--order rotated`` (each going first in turn,
@@ -53,23 +55,33 @@ from bench.dataplane_compare import (
 
 
 def make_sink(ray):
-    """An actor whose ``put(call)`` records nothing, started and called once."""
+    """An actor whose ``put(call)`` records nothing (``put(call, keep=True)`` keeps only the call's object
+    reference, until ``drop(origin)``), started and called once."""
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, max_concurrency=16)
     class Sink:
-        def put(self, call):
-            return None
+        def __init__(self) -> None:
+            self.kept: dict = {}
+
+        def put(self, call, keep: bool = False):
+            if keep:
+                self.kept[call[-1]] = call[2]
+
+        def drop(self, origin) -> None:
+            self.kept.pop(origin, None)
 
     sink = Sink.remote()
     ray.get(sink.put.remote(None))
     return sink
 
 
-def floor_method(ray, batch, consumers, shares, counter):
+def floor_method(ray, batch, consumers, shares, counter, keep: bool = False):
     """``ray numpy`` plus, per put, the one call a store whose keys live outside the writer makes: the
     arguments ``RayStore``'s put call carries (partition, the keys, the object reference, fields, origin)
     to an actor that records nothing, not waited for (as a ``trust_meta`` put). The readers are ``ray
-    numpy``'s. What no such store can go below."""
+    numpy``'s. What no such store can go below. ``keep``: the actor keeps the object reference, as a
+    store must for its keys to stay readable once the writer drops the put's meta (Ray then counts the
+    actor as a borrower of the writer's object), until the round's clear (``drop``, outside the timing)."""
 
     sink = make_sink(ray)
     samples = batch["ids"].shape[0]
@@ -78,10 +90,10 @@ def floor_method(ray, batch, consumers, shares, counter):
 
     def run():
         ref = ray.put(as_numpy)
-        keys = round_keys(counter, samples)
-        sink.put.remote(("bench", keys, [ref], tuple(as_numpy), None, None, False, False, uuid.uuid4().hex))
+        keys, origin = round_keys(counter, samples), uuid.uuid4().hex
+        sink.put.remote(("bench", keys, [ref], tuple(as_numpy), None, None, False, False, origin), keep)
         assert sum(ray.get([c.ray.remote([ref], s) for c, s in zip(consumers, shares)])) == want
-        return lambda: None
+        return (lambda: ray.get(sink.drop.remote(origin))) if keep else (lambda: None)
 
     return run
 
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--all", action="store_true", help="also refit without trust_meta")
     ap.add_argument("--tq", action="store_true", help="also TransferQueue")
     ap.add_argument("--store-per-call", action="store_true", help="also each refit store passed with every call")
-    ap.add_argument("--floor", action="store_true", help="also ray numpy + one put call to a sink (the floor)")
+    ap.add_argument("--floor", action="store_true", help="also ray numpy + one put call to a sink (the floors)")
     ap.add_argument("--parts", action="store_true", help="also refit's put read by raw readers (sent ref or meta)")
     ap.add_argument(
         "--order",
@@ -175,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     methods = dp_methods(ray, tq, stores, batch, consumers, shares, counter, per_call=args.store_per_call)
     if args.floor:
         methods["ray numpy + put call (floor)"] = floor_method(ray, batch, consumers, shares, counter)
+        methods["floor, reference kept"] = floor_method(ray, batch, consumers, shares, counter, keep=True)
     if args.parts:
         store = stores["refit durable=False trust_meta"]
         methods["refit put, raw readers (parts)"] = parts_method(ray, store, batch, consumers, shares, counter)
