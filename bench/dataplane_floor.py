@@ -1,6 +1,7 @@
 """The floor of a data plane with one control round trip per put and per get, beside refit, in one run.
 
-    python -m bench.dataplane_floor [--samples 512 --seq 8192 --iters 15]
+    python -m bench.dataplane_floor [--samples 512 --seq 8192 --iters 15] [--aa] [--order shuffled|rotated --seed 0]
+        [--out FILE]
 
 The put+get row of ``bench.dataplane_compare`` (the driver puts one batch of int64 ids + float32 logprobs,
 [samples, seq], and reads every row back) asks refit to be within 1.2x of zero-copy numpy Ray. Any design that
@@ -12,18 +13,24 @@ with ``trust_meta`` (the get reads where the put's ``BatchMeta`` says: no call, 
 all), each put followed by a get of every row; clears and the durable copy's wait (``settle``) are outside the
 timing, and so is a pause of ``--gap-ms`` after each method: Ray frees a released object in the background,
 and a put that runs meanwhile on 2 cores took 2-3x as long (7 ms vs 18-24 ms for the same 48 MiB, in ad hoc
-timings). Rounds interleave the methods, each going first in turn; medians. The empty calls take the arguments
-refit's put call takes (512 keys, tags, lengths), so only refit's own work differs. Each round's key list is
-made before the timing (the caller's work; until stop 41 it was made inside refit's timed put)."""
+timings). Rounds interleave the methods in a fresh random order each (``--order shuffled``, the default; ``rotated``:
+each going first in turn, this bench before stop 48); ``--aa`` times ``ray numpy`` twice (the bench's own error).
+Reports medians, each method's ratio to ``ray numpy``'s median and its paired ratio (the median over rounds of its
+time over ``ray numpy``'s in the same round), as ``bench.dataplane_dp``. The empty calls take the arguments refit's
+put call takes (512 keys, tags, lengths), so only refit's own work differs. Each round's key list is made before
+the timing (the caller's work; until stop 41 it was made inside refit's timed put)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import statistics
 import time
 
 from bench.dataplane_compare import make_batch
+from bench.dataplane_dp import round_order, row
 
 
 def call_costs(ray, actor, ref, keys, fields, tags, lens, n: int = 300) -> dict[str, float]:
@@ -53,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--gap-ms", type=float, default=50.0)
+    ap.add_argument("--order", choices=("rotated", "shuffled"), default="shuffled", help="each round's method order")
+    ap.add_argument("--seed", type=int, default=0, help="the shuffled orders' seed")
+    ap.add_argument("--aa", action="store_true", help="also ray numpy a second time (A/A: the bench's own bias)")
+    ap.add_argument("--out", default=None, help="also write the record (the JSON line printed last) to this file")
     args = ap.parse_args(argv)
     import ray
 
@@ -107,11 +118,12 @@ def main(argv: list[str] | None = None) -> None:
         "+ 2 empty calls": (lambda i: ray_numpy(i, calls=2), None),
         **{name: refit(s) for name, s in stores.items()},
     }
+    if args.aa:
+        methods["ray numpy (A/A)"] = methods["ray numpy"]
     times: dict[str, list[float]] = {m: [] for m in methods}
-    names = list(methods)
+    rng = random.Random(args.seed)
     for i in range(-2, args.iters):  # two warm-up rounds
-        turn = i % len(names)
-        for name in names[turn:] + names[:turn]:
+        for name in round_order(list(methods), i, args.order, rng):
             op, after = methods[name]
             t0 = time.perf_counter()
             op(i)
@@ -123,15 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     calls = call_costs(ray, empty, ray.put(as_numpy), keys, list(as_numpy), tags, lens)
     ray.shutdown()
     base = statistics.median(times["ray numpy"])
-    rows = {
-        m: {"median_ms": statistics.median(t) * 1e3, "x_ray_numpy": statistics.median(t) / base}
-        for m, t in times.items()
-    }
-    print(f"{'method':32s} {'median ms':>10s} {'x ray numpy':>12s}")
+    rows = {m: row(t, times["ray numpy"], base) for m, t in times.items()}
+    print(f"{'method':32s} {'median ms':>10s} {'x ray numpy':>12s} {'paired x':>9s} {'p10-p90':>11s}")
     for name, r in rows.items():
-        print(f"{name:32s} {r['median_ms']:10.2f} {r['x_ray_numpy']:12.2f}")
+        lo, hi = r["paired_p10_p90"]
+        print(f"{name:32s} {r['median_ms']:10.2f} {r['x_ray_numpy']:12.2f} {r['paired_x']:9.3f} {lo:5.2f}-{hi:5.2f}")
     print("one empty call, median of 300, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in calls.items()))
-    print(json.dumps({"args": vars(args), "rows": rows, "empty_call_ms": calls}))
+    record = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows, "empty_call_ms": calls}
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    print(json.dumps(record))
 
 
 if __name__ == "__main__":
