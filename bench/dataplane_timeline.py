@@ -3,7 +3,8 @@
     python -m bench.dataplane_timeline [--samples 512 --seq 8192 --dp 4 --rounds 60 --gap-ms 50]
         [--out bench/results/cpu-dataplane-timeline.json]
 
-Each round runs every method once, back to back, each going first in turn (as ``bench.dataplane_dp``), on the
+Each round runs every method once, back to back, in a fresh random order (as ``bench.dataplane_dp``; ``--order
+rotated``: each going first in turn, this bench before stop 48), on the
 same batch and shares: ``ray numpy`` (``ray.put`` of numpy arrays; each reader ``ray.get``s the object and
 gathers its rows), ``floor`` (``ray numpy`` plus one put call to an actor that records nothing), ``parts``
 (refit's ``durable=False trust_meta`` put, read by raw readers given the object and the rows) and ``refit``
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -35,8 +37,8 @@ import uuid
 
 import torch
 
-from bench.dataplane_compare import FIELDS, dp_shares, make_batch, rotated, round_keys
-from bench.dataplane_dp import make_sink
+from bench.dataplane_compare import FIELDS, dp_shares, make_batch, round_keys
+from bench.dataplane_dp import make_sink, round_order
 
 PHASES = ("put", "submit", "start_lag", "work", "work_cpu", "last_end", "reply", "total")
 
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--gap-ms", type=float, default=50.0)
+    ap.add_argument("--order", choices=("rotated", "shuffled"), default="shuffled", help="each round's method order")
+    ap.add_argument("--seed", type=int, default=0, help="the shuffled orders' seed")
     ap.add_argument("--out", default="bench/results/cpu-dataplane-timeline.json")
     args = ap.parse_args(argv)
     import ray
@@ -155,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         methods = make_methods(ray, store, batch, readers, shares, iter(range(1 << 30)))
         want = 2 * batch["ids"].numel()
         stamps: dict[str, list[dict]] = {m: [] for m in methods}
+        rng = random.Random(args.seed)
         for r in range(-2, args.rounds):  # two warm-up rounds
-            for name in rotated(list(methods), r):
+            for name in round_order(list(methods), r, args.order, rng):
                 s = one_round(ray, methods[name], want)
                 if r >= 0:
                     stamps[name].append(s)
