@@ -1,14 +1,14 @@
 """Where the time of ``bench.dataplane_dp``'s round goes: stamps in the driver and inside each DP reader.
 
     python -m bench.dataplane_timeline [--samples 512 --seq 8192 --dp 4 --rounds 60 --gap-ms 50]
-        [--out bench/results/cpu-dataplane-timeline.json]
+        [--order shuffled|rotated --seed 0] [--out bench/results/cpu-dataplane-timeline.json]
 
 Each round runs every method once, back to back, in a fresh random order (as ``bench.dataplane_dp``; ``--order
-rotated``: each going first in turn, this bench before stop 48), on the
-same batch and shares: ``ray numpy`` (``ray.put`` of numpy arrays; each reader ``ray.get``s the object and
-gathers its rows), ``floor`` (``ray numpy`` plus one put call to an actor that records nothing), ``parts``
-(refit's ``durable=False trust_meta`` put, read by raw readers given the object and the rows) and ``refit``
-(the same put, each reader ``store.get`` of its share's meta). The readers stamp wall-clock time at the start
+rotated``: each going first in turn, this bench before stop 48), on the same batch and shares: ``ray numpy``
+(``ray.put`` of numpy arrays; each reader ``ray.get``s the object and gathers its rows), ``floor`` (``ray
+numpy`` plus one put call to an actor that records nothing), ``parts`` (refit's ``durable=False trust_meta``
+put, read by raw readers given the object and the rows) and ``refit`` (the same put, each reader ``store.get``
+of its share's meta). The readers stamp wall-clock time at the start
 and end of their method (one host: one clock). Per method, the median over rounds of:
 
 - ``put``: the driver's put (for ``floor``, with its put call), from the round's start;
