@@ -8,8 +8,8 @@ rotated``: each going first in turn, this bench before stop 48), on the same bat
 (``ray.put`` of numpy arrays; each reader ``ray.get``s the object and gathers its rows), ``floor`` (``ray
 numpy`` plus one put call to an actor that records nothing), ``parts`` (refit's ``durable=False trust_meta``
 put, read by raw readers given the object and the rows) and ``refit`` (the same put, each reader ``store.get``
-of its share's meta). The readers stamp wall-clock time at the start
-and end of their method (one host: one clock). Per method, the median over rounds of:
+of its share's meta). The readers stamp wall-clock time at the start and end of their method (one host: one
+clock). Per method, the median over rounds of:
 
 - ``put``: the driver's put (for ``floor``, with its put call), from the round's start;
 - ``submit``: from the put's end until the last reader's call was submitted;
