@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import statistics
 import sys
@@ -74,6 +75,21 @@ def rotated(names: list[str], r: int) -> list[str]:
     round before left behind, e.g. TransferQueue's clear and garbage collection)."""
     k = r % len(names)
     return names[k:] + names[:k]
+
+
+def round_order(names: list[str], r: int, order: str, rng: random.Random) -> list[str]:
+    """Round ``r``'s order of ``names``: ``rotated`` (each first in turn, always behind the same neighbour) or
+    ``shuffled`` (a fresh sample of ``rng``: no method always pays for the same neighbour's leftovers)."""
+    return rotated(names, r) if order == "rotated" else rng.sample(names, len(names))
+
+
+def add_order_args(ap: argparse.ArgumentParser, aa: bool = True) -> None:
+    """``--order`` (shuffled by default) and ``--seed`` for ``round_order``; ``aa``: also ``--aa`` (time ``ray
+    numpy`` twice: the bench's own error)."""
+    ap.add_argument("--order", choices=("rotated", "shuffled"), default="shuffled", help="each round's method order")
+    ap.add_argument("--seed", type=int, default=0, help="the shuffled orders' seed")
+    if aa:
+        ap.add_argument("--aa", action="store_true", help="also ray numpy a second time (A/A: the bench's own bias)")
 
 
 def make_batch(samples: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:

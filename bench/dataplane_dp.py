@@ -44,13 +44,14 @@ import uuid
 
 from bench.dataplane_compare import (
     FIELDS,
+    add_order_args,
     dp_methods,
     dp_shares,
     make_batch,
     make_dp_consumer,
     pct,
-    rotated,
     round_keys,
+    round_order,
 )
 
 
@@ -120,12 +121,6 @@ def parts_method(ray, store, batch, consumers, shares, counter, send_meta: bool 
     return run
 
 
-def round_order(names: list[str], r: int, order: str, rng: random.Random) -> list[str]:
-    """Round ``r``'s order of ``names``: ``rotated`` (each first in turn) or ``shuffled`` (a fresh sample of
-    ``rng``)."""
-    return rotated(names, r) if order == "rotated" else rng.sample(names, len(names))
-
-
 def row(t: list[float], ray_t: list[float], base: float) -> dict:
     """One method's record: median and p90 of its times, its ratio to ``ray numpy``'s median (``base``),
     and its paired ratio (the median, p10 and p90 over rounds of ``t[r] / ray_t[r]``)."""
@@ -153,14 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--store-per-call", action="store_true", help="also each refit store passed with every call")
     ap.add_argument("--floor", action="store_true", help="also ray numpy + one put call to a sink (the floors)")
     ap.add_argument("--parts", action="store_true", help="also refit's put read by raw readers (sent ref or meta)")
-    ap.add_argument(
-        "--order",
-        choices=("rotated", "shuffled"),
-        default="shuffled",
-        help="each round's method order: shuffled (seeded) or rotated (each first in turn, fixed neighbours)",
-    )
-    ap.add_argument("--seed", type=int, default=0, help="the shuffled orders' seed")
-    ap.add_argument("--aa", action="store_true", help="also ray numpy a second time (A/A: the bench's own bias)")
+    add_order_args(ap)
     ap.add_argument("--out", default="bench/results/cpu-dataplane-dp.json")
     args = ap.parse_args(argv)
     import ray

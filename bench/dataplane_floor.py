@@ -29,8 +29,8 @@ import random
 import statistics
 import time
 
-from bench.dataplane_compare import make_batch
-from bench.dataplane_dp import round_order, row
+from bench.dataplane_compare import add_order_args, make_batch, round_order
+from bench.dataplane_dp import row
 
 
 def call_costs(ray, actor, ref, keys, fields, tags, lens, n: int = 300) -> dict[str, float]:
@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--gap-ms", type=float, default=50.0)
-    ap.add_argument("--order", choices=("rotated", "shuffled"), default="shuffled", help="each round's method order")
-    ap.add_argument("--seed", type=int, default=0, help="the shuffled orders' seed")
-    ap.add_argument("--aa", action="store_true", help="also ray numpy a second time (A/A: the bench's own bias)")
+    add_order_args(ap)
     ap.add_argument("--out", default=None, help="also write the record (the JSON line printed last) to this file")
     args = ap.parse_args(argv)
     import ray

@@ -37,8 +37,8 @@ import uuid
 
 import torch
 
-from bench.dataplane_compare import FIELDS, dp_shares, make_batch, round_keys
-from bench.dataplane_dp import make_sink, round_order
+from bench.dataplane_compare import FIELDS, add_order_args, dp_shares, make_batch, round_keys, round_order
+from bench.dataplane_dp import make_sink
 
 PHASES = ("put", "submit", "start_lag", "work", "work_cpu", "last_end", "reply", "total")
 
@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--gap-ms", type=float, default=50.0)
-    ap.add_argument("--order", choices=("rotated", "shuffled"), default="shuffled", help="each round's method order")
-    ap.add_argument("--seed", type=int, default=0, help="the shuffled orders' seed")
+    add_order_args(ap, aa=False)
     ap.add_argument("--out", default="bench/results/cpu-dataplane-timeline.json")
     args = ap.parse_args(argv)
     import ray
