@@ -17,6 +17,8 @@ Contract
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import time
 from collections.abc import Callable, Mapping
 
@@ -80,13 +82,26 @@ def publish_failure(store: SignedStore | None, proc: int, error: BaseException, 
         store.put(f"{tag}/preflight/{proc}", {"error": f"{type(error).__name__}: {error}"})
 
 
-def publish_plan(plan: Plan, proc: int, store: SignedStore, tag: str = "refit", tag_base: int = 0) -> None:
+def publish_plan(plan: Plan, proc: int, store: SignedStore, tag: str = "refit", tag_base: int = 0) -> str:
     """Publish what the peers' pre-flight checks: ``{tag}/preflight/{proc}/plan`` holds ``plan.canonical()``
-    (read only on a mismatch, to name it), then ``{tag}/preflight/{proc}`` the digest and the settings
-    that must agree (``config.agreement()`` and ``tag_base``). Plain JSON, tagged with the job secret."""
+    (read only on a mismatch, to name it), then ``{tag}/preflight/{proc}`` the digest, the settings
+    that must agree (``config.agreement()`` and ``tag_base``) and a fresh random nonce (returned: the
+    session's scope is bound to every member's, ``session_scope``). Plain JSON, tagged with the job secret."""
     store.put(f"{tag}/preflight/{proc}/plan", plan.canonical())
     agreed = {**plan.config.agreement(), "tag_base": tag_base}
-    store.put(f"{tag}/preflight/{proc}", {"digest": plan.digest, "agreed": agreed})
+    nonce = secrets.token_hex(16)
+    store.put(f"{tag}/preflight/{proc}", {"digest": plan.digest, "agreed": agreed, "nonce": nonce})
+    return nonce
+
+
+def session_scope(nonces: Mapping[int, str]) -> str:
+    """The scope a session's aborts, votes and commit records are tagged in: a digest of every member's
+    pre-flight nonce. Each process takes its own nonce from memory, never from the store, so every
+    scope it uses is one no earlier job or session used: a recorded value replayed into it does not
+    verify. A nonce swapped in the store only splits the members' scopes (then nobody's votes verify
+    for the others and nobody commits: denial of service, as deleting keys is)."""
+    text = ",".join(f"{p}={nonces[p]}" for p in sorted(nonces))
+    return "session:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _record(store: SignedStore, tag: str, p: int, timeout_s: float) -> dict:
@@ -100,12 +115,14 @@ def _record(store: SignedStore, tag: str, p: int, timeout_s: float) -> dict:
     return theirs
 
 
-def check_peers(proc: int, peers: list[int], store: SignedStore, timeout_s: float, tag: str = "refit") -> None:
+def check_peers(
+    proc: int, peers: list[int], store: SignedStore, timeout_s: float, tag: str = "refit"
+) -> dict[int, str]:
     """Compare what ``proc`` published with what every peer published (waiting up to ``timeout_s`` for
     each); raise PlanError naming the first difference: a peer's setup error, an agreed setting with
     both values, else both digests and the first differing tensor, process or device. Only values
-    tagged with the job secret count: a forged error or plan is ignored."""
-    mine = _record(store, tag, proc, timeout_s)
+    tagged with the job secret count: a forged error or plan is ignored. Returns the peers' nonces."""
+    mine, nonces = _record(store, tag, proc, timeout_s), {}
     for p in peers:
         if p == proc:
             continue
@@ -125,6 +142,8 @@ def check_peers(proc: int, peers: list[int], store: SignedStore, timeout_s: floa
                 f"pre-flight: plan digest of process {proc} is {mine['digest']}, of process {p} is "
                 f"{theirs['digest']}; {_plan_difference(store, tag, proc, p, timeout_s)}"
             )
+        nonces[p] = str(theirs.get("nonce", ""))
+    return nonces
 
 
 def _plan_difference(store: SignedStore, tag: str, proc: int, p: int, timeout_s: float) -> str:
@@ -141,18 +160,20 @@ def _plan_difference(store: SignedStore, tag: str, proc: int, p: int, timeout_s:
 
 def preflight(
     plan: Plan, proc: int, store: SignedStore | None, timeout_s: float, tag: str = "refit", tag_base: int = 0
-) -> None:
-    """Publish this process's plan digest and agreed settings (``publish_plan``); check every peer's
-    against them (``check_peers``).
+) -> SignedStore | None:
+    """Publish this process's plan digest, agreed settings and nonce (``publish_plan``); check every
+    peer's against them (``check_peers``); return ``store`` scoped to the session (``session_scope``),
+    the store every later value of the session goes through.
 
     Runs through the rendezvous store only, so a mismatch can never become a
     hang inside a data collective; every process raises the same kind of error.
     """
     peers = sorted({*plan.procs.src, *plan.procs.dst})
     if store is None or len(peers) == 1:
-        return
-    publish_plan(plan, proc, store, tag, tag_base)
-    check_peers(proc, peers, store, timeout_s, tag)
+        return store
+    nonce = publish_plan(plan, proc, store, tag, tag_base)
+    nonces = check_peers(proc, peers, store, timeout_s, tag)
+    return store.scoped(session_scope({**nonces, proc: nonce}))
 
 
 class Peer:
@@ -251,7 +272,7 @@ class Peer:
         self.shadow = self.buffers.shadow if self.buffers is not None else {}
         self.private_dst = private_dst
         # the executor's setup may exchange IPC handles: only once the plans agree
-        preflight(self.plan, proc, store, config.preflight_timeout_s, config.name, tag_base=tag_base)
+        store = preflight(self.plan, proc, store, config.preflight_timeout_s, config.name, tag_base=tag_base)
         self.executor = Executor(
             self.plan,
             proc,

@@ -8,8 +8,8 @@ address the user chose (``REFIT_BIND_ADDRESS``, default loopback) and
 
 ``SignedStore`` wraps a store with the job's secret (``refit.transport.auth``).
 Every value is JSON, written as ``refit1.<hex tag>.<payload>``; a reader acts on a
-value only if its tag is valid for that key, and otherwise ignores it (counted in
-``rejected``, warned once per key) as if the key were absent. Nothing read is ever
+value only if its tag is valid for that key, and otherwise ignores it as if the key were
+absent (counted in ``rejected``; warnings rate-limited to one line per interval, with the count). Nothing read is ever
 unpickled or evaluated. ``put_sealed`` / ``get_sealed`` encrypt a payload that
 grants access (CUDA IPC handles). A stranger who can reach the store can still
 overwrite or delete keys (the store has no access control): that can make a
@@ -19,10 +19,12 @@ refit fail at its deadline (denial of service), never steer it or run code.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 import os
 import socket
+import threading
 import time
 import warnings
 from collections import Counter
@@ -40,6 +42,7 @@ JOB_ENV = "REFIT_JOB_ID"  # a per-job scope bound into every tag (replays betwee
 LOOPBACK = "127.0.0.1"
 _MAGIC = b"refit1."
 _POLL_S = 0.002
+WARN_INTERVAL_S = 60.0  # at most one warning about ignored values per interval per job store
 
 
 def _wait_span(seconds: float) -> timedelta:
@@ -134,6 +137,42 @@ def sock_port(fd: int) -> int:
         s.close()
 
 
+class Rejections:
+    """Invalid values seen under each key (``counts``: distinct values, forged, corrupt, replayed from
+    another job or session). Warnings are rate-limited per process and job secret, across every store
+    of it (one per Peer): at most one per ``WARN_INTERVAL_S``, naming how many values were ignored since
+    the last one, so one forged key per refit does not log a line per refit per process."""
+
+    _lock = threading.Lock()
+    _clock: dict[bytes, tuple[float, int]] = {}  # per job (the secret's digest): last warning, ignored since
+
+    def __init__(self, job: bytes = b"") -> None:
+        self.counts: Counter[str] = Counter()
+        self._last: dict[str, bytes] = {}
+        self._job = job
+
+    def add(self, key: str, raw: bytes) -> None:
+        """Count ``raw`` under ``key`` unless it is the value seen there last; warn if the interval passed."""
+        if self._last.get(key) == raw[:256]:
+            return
+        self._last[key] = raw[:256]
+        self.counts[key] += 1
+        now = time.monotonic()
+        with Rejections._lock:
+            at, pending = Rejections._clock.get(self._job, (-math.inf, 0))
+            if now - at < WARN_INTERVAL_S:
+                Rejections._clock[self._job] = (at, pending + 1)
+                return
+            Rejections._clock[self._job] = (now, 0)
+        warnings.warn(
+            f"refit: ignored {pending + 1} value(s) without a valid job-secret tag (the latest under {key!r}, "
+            f"{len(raw)} bytes): written by another process on the network, replayed from another job or "
+            f"session, or by a process holding another secret; next such warning in {WARN_INTERVAL_S:.0f}s "
+            "at the earliest",
+            stacklevel=4,
+        )
+
+
 class SignedStore:
     """A store whose values carry the job secret's tag; readers act only on values whose tag is valid.
 
@@ -141,18 +180,29 @@ class SignedStore:
     wrapped store (for torch's own rendezvous, e.g. a process group). Every process of a job wraps the
     same store with the same secret and ``scope``; the tag covers scope, key and payload, so a value
     cannot be replayed under another key, nor into another job whose scope differs (refit's launchers
-    give every job a fresh scope: ``REFIT_JOB_ID``). Reads that wait take an explicit timeout (never the
-    store's global one) and raise ``TimeoutError`` naming the key (and, if invalid values were seen
-    there, that the processes may hold different secrets). ``rejected`` counts, per key, the distinct
-    invalid values seen (forged, corrupt, or from another job).
+    give every job a fresh scope: ``REFIT_JOB_ID``). ``scoped(extra)`` narrows the scope further: a
+    ``Peer`` binds its aborts, votes and commit records to nonces every member drew at pre-flight
+    (``refit.transfer.preflight``), so even a job started by hand with a reused secret and no job id
+    gets a scope no earlier job used. Reads that wait take an explicit timeout (never the store's
+    global one) and raise ``TimeoutError`` naming the key (and how many invalid values were seen
+    there). ``rejected`` counts, per key, the distinct invalid values seen (shared with scoped stores).
     """
 
-    def __init__(self, store: dist.Store, secret: bytes, scope: str = "") -> None:
+    def __init__(self, store: dist.Store, secret: bytes, scope: str = "", seen: Rejections | None = None) -> None:
         self.raw = store
         self._secret = secret
         self.scope = scope
-        self.rejected: Counter[str] = Counter()
-        self._bad: dict[str, bytes] = {}
+        self.seen = seen if seen is not None else Rejections(hashlib.sha256(b"refit.warn\0" + secret).digest())
+
+    @property
+    def rejected(self) -> Counter[str]:
+        """Per key, the distinct invalid values seen (forged, corrupt, from another job or session)."""
+        return self.seen.counts
+
+    def scoped(self, extra: str) -> SignedStore:
+        """The same store with ``extra`` bound into every tag as well (a value tagged in the wider scope,
+        or in another ``extra``, does not verify here); counts and warnings shared with this one."""
+        return SignedStore(self.raw, self._secret, f"{self.scope}\0{extra}", self.seen)
 
     # -- encoding ---------------------------------------------------------------------------
     def _mac_key(self, key: str) -> str:
@@ -172,20 +222,8 @@ class SignedStore:
                 mac = b""
             if auth.verify(self._secret, self._mac_key(key), raw[head + 1 :], mac):
                 return True, json.loads(raw[head + 1 :])
-        self._reject(key, raw)
+        self.seen.add(key, raw)
         return False, None
-
-    def _reject(self, key: str, raw: bytes) -> None:
-        if self._bad.get(key) == raw[:256]:
-            return
-        self._bad[key] = raw[:256]
-        self.rejected[key] += 1
-        if self.rejected[key] == 1:
-            warnings.warn(
-                f"refit: ignored a value under {key!r} without a valid job-secret tag ({len(raw)} bytes): "
-                "another process on the network wrote it, or this job's processes hold different secrets",
-                stacklevel=3,
-            )
 
     def _read(self, key: str) -> bytes | None:
         """The raw value under ``key`` now, or None; one round trip, never blocking (a compare-and-set
@@ -194,10 +232,12 @@ class SignedStore:
         return None if got == _ABSENT else got
 
     def _timeout(self, key: str, timeout_s: float) -> TimeoutError:
-        hint = " (values with invalid tags were there: do all processes hold the same secret?)"
-        return TimeoutError(
-            f"no valid value under {key!r} within {timeout_s:.0f}s" + (hint if self.rejected[key] else "")
+        seen = self.rejected[key]
+        hint = (
+            f" ({seen} value(s) with invalid tags were there: forged by another process, replayed from another "
+            "job or session, or tagged by a process that does not hold the same secret)"
         )
+        return TimeoutError(f"no valid value under {key!r} within {timeout_s:.0f}s" + (hint if seen else ""))
 
     # -- plain values -----------------------------------------------------------------------
     def put(self, key: str, value: Any) -> None:
