@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import json
+import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from refit.errors import ModelError
+from refit.jsonio import read_json
 from refit.layout.hf_names import logical_shape
 from refit.layout.rules import ParamShape
 
@@ -206,16 +209,38 @@ def load_config(model: str):
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
         raise ModelError(f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) nor a config.json path")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read model config {path!r}: {e}") from e
+    raw = read_json(path, "model config", ModelError)
     _check_raw_config(path, raw)
-    try:
+    with _refusals(path):
         return AutoConfig.for_model(raw.pop("model_type"), **raw)
-    except (ValueError, KeyError) as e:
-        raise ModelError(f"cannot read model config {path!r}: {e}") from e
+
+
+MAX_TENSOR_ELEMENTS = 1 << 40
+"""The most elements one tensor of a model may have (about 10^12: 2 TB in bf16, beyond any GPU's memory)."""
+
+MAX_LAYERS = 100_000
+"""The most decoder layers a model config may name (today's largest models have about 100)."""
+
+
+@contextmanager
+def _refusals(path: str) -> Iterator[None]:
+    """transformers' refusal of a config (a field of the wrong type, heads that do not divide the hidden
+    size, ...) as one ``ModelError`` line naming the file and the field where transformers names one."""
+    from huggingface_hub.errors import StrictDataclassError, StrictDataclassFieldValidationError
+
+    try:
+        yield
+    except StrictDataclassFieldValidationError as e:
+        cause = e.__cause__ or e
+        field = getattr(e, "field", None) or str(e).partition("'")[2].partition("'")[0]
+        raise ModelError(f"model config {path!r}: field {field!r}: {_one_line(cause)}") from None
+    except (StrictDataclassError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelError(f"model config {path!r} is refused by transformers: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 _SIZE_FIELDS = (
@@ -265,15 +290,59 @@ def _check_raw_config(path: str, raw: Any) -> None:
 
 
 def _check_fields(path: str, raw: dict) -> None:
-    """Sizes are integers >= 1 and the dtype is one of ``MODEL_DTYPES``, where given."""
+    """Sizes are integers within [1, ``MAX_TENSOR_ELEMENTS``] (layers: ``MAX_LAYERS``), the largest
+    tensors they imply within ``MAX_TENSOR_ELEMENTS``, and the dtype is one of ``MODEL_DTYPES``, where
+    given: checked before transformers builds anything (a billion layers would take minutes)."""
     for name in _SIZE_FIELDS:
         value = raw.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ModelError(f"model config {path!r}: {name} must be an integer >= 1, got {value!r}")
+            raise ModelError(f"model config {path!r}: {name} must be an integer >= 1, got {_short(value)}")
+        limit = MAX_LAYERS if name == "num_hidden_layers" else MAX_TENSOR_ELEMENTS
+        if value is not None and value > limit:
+            raise ModelError(f"model config {path!r}: {name} is {_short(value)}, over the limit of {limit:,}")
+    _check_products(path, raw)
     for name in ("torch_dtype", "dtype"):
         value = raw.get(name)
         if value is not None and (not isinstance(value, str) or value not in MODEL_DTYPES):
             raise ModelError(f"model config {path!r}: {name} must be one of {', '.join(MODEL_DTYPES)}, got {value!r}")
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 40 characters (a 10^40 size or a long string stays one short line)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else f"about 10^{len(str(abs(value))) - 1}"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_PRODUCTS = (
+    ("vocab_size", "hidden_size"),
+    ("intermediate_size", "hidden_size"),
+    ("num_attention_heads", "head_dim", "hidden_size"),
+    ("num_experts", "moe_intermediate_size", "hidden_size"),
+    ("num_local_experts", "intermediate_size", "hidden_size"),
+    ("n_routed_experts", "moe_intermediate_size", "hidden_size"),
+)
+"""Fields whose product is the size of one tensor (the embedding, an MLP projection, an expert stack)."""
+
+
+def _check_products(path: str, raw: dict) -> None:
+    for names in _PRODUCTS:
+        values = [raw.get(n) for n in names]
+        if all(isinstance(v, int) for v in values) and math.prod(values) > MAX_TENSOR_ELEMENTS:
+            raise ModelError(
+                f"model config {path!r}: {' x '.join(names)} = {math.prod(values):,} elements in one tensor, "
+                f"over the limit of {MAX_TENSOR_ELEMENTS:,}"
+            )
+
+
+def check_tensor_sizes(model: str, shapes: list[ParamShape]) -> None:
+    """Every tensor of ``model`` within ``MAX_TENSOR_ELEMENTS`` (``ModelError`` naming the first that is not)."""
+    for name, shape, _ in shapes:
+        n = math.prod(shape)
+        if n > MAX_TENSOR_ELEMENTS:
+            raise ModelError(
+                f"model {model!r}: tensor {name!r} of shape {list(shape)} has {n:,} elements, "
+                f"over the limit of {MAX_TENSOR_ELEMENTS:,}"
+            )
 
 
 def model_dtype(model: str, config) -> torch.dtype:
@@ -311,5 +380,8 @@ def param_shapes(model: str, dtype: torch.dtype | None = None) -> list[ParamShap
     """
     config = load_config(model)
     dt = dtype or model_dtype(model, config)
-    meta = build_model(config, dt, device="meta", seed=None)
-    return [(n, logical_shape(n, tuple(p.shape)), p.dtype) for n, p in meta.named_parameters()]
+    with _refusals(model):
+        meta = build_model(config, dt, device="meta", seed=None)
+    shapes = [(n, logical_shape(n, tuple(p.shape)), p.dtype) for n, p in meta.named_parameters()]
+    check_tensor_sizes(model, shapes)
+    return shapes

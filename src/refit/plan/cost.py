@@ -28,7 +28,7 @@ Strategies (``predict``):
   ``gpu_nic_gbps`` of that mode ("stripe": every NIC of the node, capped by PCIe; "auto": the
   nearest one), whatever the topology's own ``nic_mode`` says (that one describes NCCL's choice).
 - ``delta`` (with ``changed_fraction``): refit's plan sending only the changed elements
-  (``refit.quant.delta``): per link the encoding ``delta="auto"`` picks for that fraction over that
+  (``refit.delta.cost``): per link the encoding ``delta="auto"`` picks for that fraction over that
   link (dense on a same-GPU link; per 64-bit word where ``prefer_words`` says words beat the element
   encodings, as on NVLink and NICs for bf16, each word then changed with probability
   ``1 - (1 - f)**(8 / itemsize)``); a sender's ``find`` resource reads base and current (2x the
@@ -47,27 +47,17 @@ Strategies (``predict``):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from refit.delta.cost import LINKS, LinkSpeed, choose_encoding, choose_words, may_pay, prefer_words, words_changed
+from refit.delta.wire import INDEX_BYTES, wire_bytes
 from refit.errors import TopologyError
 from refit.layout import ModelLayout
 from refit.plan.planner import ProcessMap, link_bytes
-from refit.quant.delta import (
-    INDEX_BYTES,
-    LINKS,
-    LinkSpeed,
-    choose_encoding,
-    choose_words,
-    may_pay,
-    prefer_words,
-    wire_bytes,
-    words_changed,
-)
 
 
 @dataclass(frozen=True)
@@ -124,11 +114,9 @@ class Topology:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> Topology:
         """A topology from a JSON file of its fields; ``TopologyError`` names an unreadable file."""
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except (OSError, ValueError) as e:
-            raise TopologyError(f"cannot read topology {path}: {e}") from e
+        from refit.jsonio import read_json
+
+        d = read_json(path, "topology", TopologyError)  # size and depth bounded: one line, never a RecursionError
         if not isinstance(d, dict):
             raise TopologyError(f"topology {path} must hold a JSON object of fields, got a {type(d).__name__}")
         return cls.from_dict({"name": os.path.basename(str(path)), **d})
