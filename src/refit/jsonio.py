@@ -38,11 +38,11 @@ def loads_bounded(text: str, what: str, error: type[Exception], max_depth: int =
     and for text that is not JSON."""
     depth = json_depth(text)
     if depth > max_depth:
-        raise error(f"{what} nests {depth} levels of arrays/objects; at most {max_depth} are read")
+        raise error(f"cannot read {what}: it nests {depth} levels of arrays/objects; at most {max_depth} are read")
     try:
         return json.loads(text)
     except ValueError as e:
-        raise error(f"{what} is not valid JSON: {e}") from None
+        raise error(f"cannot read {what}: not valid JSON: {e}") from None
 
 
 def read_json(path: str | os.PathLike, what: str, error: type[Exception], max_bytes: int = MAX_JSON_BYTES) -> Any:
@@ -57,14 +57,14 @@ def read_json(path: str | os.PathLike, what: str, error: type[Exception], max_by
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise error(f"{name} is not a regular file")
+            raise error(f"cannot read {name}: not a regular file")
         if st.st_size > max_bytes:
-            raise error(f"{name} has {st.st_size:,} bytes; at most {max_bytes:,} are read")
+            raise error(f"cannot read {name}: it has {st.st_size:,} bytes; at most {max_bytes:,} are read")
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise error(f"{name} has over {max_bytes:,} bytes; at most {max_bytes:,} are read")
+        raise error(f"cannot read {name}: it has over {max_bytes:,} bytes; at most {max_bytes:,} are read")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise error(f"{name} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+        raise error(f"cannot read {name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return loads_bounded(text, name, error)

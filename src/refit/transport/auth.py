@@ -17,6 +17,7 @@ ignored, never acted on.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -28,6 +29,7 @@ from refit.errors import ConfigError
 SECRET_ENV = "REFIT_SECRET"
 SECRET_FILE_ENV = "REFIT_SECRET_FILE"
 MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096  # a secret file larger than this is refused before it is read
 TAG_BYTES = 32  # HMAC-SHA256
 
 
@@ -37,26 +39,53 @@ def new_secret() -> bytes:
 
 
 def _checked(secret: bytes, source: str) -> bytes:
-    if len(secret) < MIN_SECRET_BYTES:
+    """``secret`` if it is usable as the job's: ``MIN_SECRET_BYTES`` to ``MAX_SECRET_BYTES`` of printable
+    text without surrounding whitespace (it travels as text to children and engines); ``ConfigError``
+    naming ``source`` (never the secret) otherwise. Checked where the job is created, before any child."""
+    if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise ConfigError(
-            f"the job secret from {source} has {len(secret)} bytes; at least {MIN_SECRET_BYTES} are required"
+            f"the job secret from {source} has {len(secret)} bytes; "
+            f"at least {MIN_SECRET_BYTES} (and at most {MAX_SECRET_BYTES}) are required"
         )
+    try:
+        text = secret.decode()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"the job secret from {source} is not UTF-8 text (byte {e.start})") from None
+    if text != text.strip():
+        raise ConfigError(f"the job secret from {source} has surrounding whitespace; remove it")
+    bad = next((i for i, c in enumerate(text) if not c.isprintable()), None)
+    if bad is not None:
+        raise ConfigError(f"the job secret from {source} has a control character at position {bad}; use printable text")
     return secret
 
 
 def _from_file(path: str) -> bytes:
+    """The secret in ``path``: opened without following a final symlink and without blocking (a FIFO),
+    then checked on the open file (``fstat``: the file read, not whatever the path names a moment later):
+    a regular file, private to its owner, at most ``MAX_SECRET_BYTES``; a bounded prefix is read. One
+    trailing newline (as editors write) is dropped."""
+    source = f"{SECRET_FILE_ENV}={path!r}"
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())  # the file read, not whatever the path names a moment later
-            data = f.read().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise ConfigError(f"{SECRET_FILE_ENV}={path!r} cannot be read: {e.strerror or e}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(
-            f"{SECRET_FILE_ENV}={path!r} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); "
-            "make it private first: chmod 600"
-        )
-    return _checked(data, f"{SECRET_FILE_ENV}={path!r}")
+        why = "it is a symbolic link; name the file itself" if e.errno == errno.ELOOP else (e.strerror or str(e))
+        raise ConfigError(f"{source} cannot be read: {why}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{source} is not a regular file (a FIFO, device or directory); name a private file")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(
+                f"{source} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); make it private first: chmod 600"
+            )
+        if st.st_size > MAX_SECRET_BYTES + 2:
+            raise ConfigError(f"{source} has {st.st_size:,} bytes; a secret file holds at most {MAX_SECRET_BYTES}")
+        data = os.read(fd, MAX_SECRET_BYTES + 3)
+    except OSError as e:
+        raise ConfigError(f"{source} cannot be read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    return _checked(data.removesuffix(b"\n").removesuffix(b"\r"), source)
 
 
 def secret_from_env() -> bytes | None:
