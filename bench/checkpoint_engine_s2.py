@@ -1,6 +1,6 @@
 """checkpoint-engine on scenario S2 (trainer and engine processes on one GPU), through its own IPC path.
 
-    python -m bench.checkpoint_engine_s2 --out bench/results/<kind>-checkpoint-engine.json
+    python -m bench.checkpoint_engine_s2 --out bench/results/h200x2-s2-checkpoint-engine.json
 
 Two processes on cuda:0, no vLLM:
 

@@ -2,9 +2,9 @@
 median of ``refit bench`` on the 2- and 4-GPU machines next to the model's prediction for the
 same layouts and GPU placement.
 
-    python -m bench.costcheck [--out bench/results/costcheck.json]
+    python -m bench.costcheck [--out bench/results/cost-model-check.json]
 
-No GPU needed: it reads bench/results/nvidia-h200-x{2,4}*.json (measured) and
+No GPU needed: it reads the ``refit bench`` records of ``RUNS`` (measured) and
 bench/topologies/<kind>.json (the link speeds measured on those machines, ../shared facts).
 """
 
@@ -22,9 +22,9 @@ from refit.plan.cost import Topology, broadcast_time, p2p_transfers, transfer_ti
 from refit.tools.bench.harness import scenarios
 
 RUNS = [
-    ("nvidia-h200-x2", "bench/results/nvidia-h200-x2.json"),
-    ("nvidia-h200-x2", "bench/results/nvidia-h200-x2-moe.json"),
-    ("nvidia-h200-x4", "bench/results/nvidia-h200-x4.json"),
+    ("nvidia-h200-x2", "bench/results/h200x2-s1-s3.json"),
+    ("nvidia-h200-x2", "bench/results/h200x2-moe-s1-s3.json"),
+    ("nvidia-h200-x4", "bench/results/h200x4-s4-s6.json"),
 ]
 
 
@@ -102,7 +102,7 @@ def rows() -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/costcheck.json")
+    ap.add_argument("--out", default="bench/results/cost-model-check.json")
     args = ap.parse_args(argv)
     rs = rows()
     with open(args.out, "w") as f:

@@ -444,7 +444,7 @@ def make_mpmc_actors(ray):
 def warm_queue(ray, queue) -> None:
     """Pass one handle of every method's kind (a Ray reference, a key list, a ``BatchMeta``) through a new
     queue before it is timed, alike for every method: unpickling a ``BatchMeta`` makes the queue's actor
-    import refit, and so torch (~2.7 s of CPU, once per process), which until stop 41 fell inside the
+    import refit, and so torch (~2.7 s of CPU, once per process), which would otherwise fall inside the
     timed run of the refit methods (~20 ms of CPU per batch of 128)."""
     from refit.data import BatchMeta
 

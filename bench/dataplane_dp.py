@@ -12,7 +12,7 @@ object, then its rows with one ``index_select``), refit ``RayStore(trust_meta=Tr
 durable (each rank holds the store's client from setup, as TransferQueue's ranks hold theirs from ``tq.init()``,
 and gets ``meta.select(share)`` through the meta); ``--all`` adds the two configurations without ``trust_meta``,
 ``--tq`` TransferQueue (``kv_batch_put`` / ``kv_batch_get``; needs it on ``PYTHONPATH``), ``--store-per-call``
-each refit store again with its client sent in every call (this bench before stop 43), ``--floor`` ``ray numpy``
+each refit store again with its client sent in every call, ``--floor`` ``ray numpy``
 plus one put call to an actor that records nothing (``floor_method``) and the same with the actor keeping the
 object's reference until the clear (``keep``: what a store whose keys outlive the writer's meta must do),
 ``--parts`` the ``durable=False trust_meta`` store's put read by ``ray numpy``'s readers (``parts_method``: the
@@ -20,8 +20,8 @@ put's side alone) and the same with each reader sent its share's meta (``send_me
 argument, without the store's ``get``).
 
 Rounds interleave the methods in a fresh random order each (``--order shuffled``, the default, seeded by
-``--seed``), so no method always follows the same neighbour: with ``--order rotated`` (each going first in turn,
-this bench before stop 48) every method keeps one predecessor, whose leftovers bias it (the ``floor``, which
+``--seed``), so no method always follows the same neighbour: with ``--order rotated`` (each going first in turn)
+every method keeps one predecessor, whose leftovers bias it (the ``floor``, which
 does more than ``ray numpy``, read 0.85x of it so). ``--aa`` times ``ray numpy`` twice, as two methods (``ray
 numpy (A/A)``): its paired ratio, 1.00 in an unbiased run, is the bench's own error. After each method its clear
 (refit: and the wait for the durable copy, ``settle``) and a pause of ``--gap-ms`` (Ray frees a released object

@@ -14,11 +14,11 @@ all), each put followed by a get of every row; clears and the durable copy's wai
 timing, and so is a pause of ``--gap-ms`` after each method: Ray frees a released object in the background,
 and a put that runs meanwhile on 2 cores took 2-3x as long (7 ms vs 18-24 ms for the same 48 MiB, in ad hoc
 timings). Rounds interleave the methods in a fresh random order each (``--order shuffled``, the default; ``rotated``:
-each going first in turn, this bench before stop 48); ``--aa`` times ``ray numpy`` twice (the bench's own error).
+each going first in turn); ``--aa`` times ``ray numpy`` twice (the bench's own error).
 Reports medians, each method's ratio to ``ray numpy``'s median and its paired ratio (the median over rounds of its
 time over ``ray numpy``'s in the same round), as ``bench.dataplane_dp``. The empty calls take the arguments refit's
 put call takes (512 keys, tags, lengths), so only refit's own work differs. Each round's key list is made before
-the timing (the caller's work; until stop 41 it was made inside refit's timed put)."""
+the timing (the caller's work, not refit's)."""
 
 from __future__ import annotations
 

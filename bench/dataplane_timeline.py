@@ -4,7 +4,7 @@
         [--order shuffled|rotated --seed 0] [--out bench/results/cpu-dataplane-timeline.json]
 
 Each round runs every method once, back to back, in a fresh random order (as ``bench.dataplane_dp``; ``--order
-rotated``: each going first in turn, this bench before stop 48), on the same batch and shares: ``ray numpy``
+rotated``: each going first in turn), on the same batch and shares: ``ray numpy``
 (``ray.put`` of numpy arrays; each reader ``ray.get``s the object and gathers its rows), ``floor`` (``ray
 numpy`` plus one put call to an actor that records nothing), ``parts`` (refit's ``durable=False trust_meta``
 put, read by raw readers given the object and the rows) and ``refit`` (the same put, each reader ``store.get``

@@ -1,4 +1,4 @@
-"""Refit while an engine runs forward passes (issue 21): the stall an overlapped refit costs, beside a
+"""Refit while an engine runs forward passes: the stall an overlapped refit costs, beside a
 stop-the-world refit of the same scenario, in one run.
 
     python -m bench.overlap_gpu --scenario S2 [--model llama-3.1-8b] [--iters 5] [--json out.json]

@@ -2,7 +2,7 @@
 (``plan.link_bytes``, what ``refit plan --cluster`` runs) and the full executable plan
 (``plan.build_plan``: pieces, messages, buffer schedule, for every rank of both sides).
 
-    taskset -c 0 python -m bench.planbuild [--repeats 3] [--out bench/results/planbuild.json]
+    taskset -c 0 python -m bench.planbuild [--repeats 3] [--out bench/results/cpu-plan-build.json]
 
 Shapes come from the meta model once per model (not timed); every timed build starts from
 fresh layouts, so per-rank boxes are computed inside the timed window. Prints the median of
@@ -49,7 +49,7 @@ def timed(fn) -> tuple[float, object]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="bench/results/planbuild.json")
+    ap.add_argument("--out", default="bench/results/cpu-plan-build.json")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     shapes_of: dict[str, list] = {}

@@ -1,14 +1,13 @@
-"""Render bench/results/<kind>.json into docs/benchmarks.md's generated section and a PNG chart.
+"""Render a ``refit bench`` record into docs/benchmarks.md's generated table and a PNG chart.
 
-    python -m bench.render bench/results/nvidia-h200-x2.json [bench/results/nvidia-h200-x2-checkpoint-engine.json ...]
+    python -m bench.render bench/results/h200x2-s1-s3.json [bench/results/h200x2-s2-checkpoint-engine.json ...]
 
-Rows of further files (other runs of the same device kind, e.g. checkpoint-engine's)
-are appended, without their own floor rows; their ratios stay against the floor
-measured in their own run.
+Rows of further files (other runs on the same device kind, e.g. checkpoint-engine's) are appended, without
+their own floor rows; their ratios stay against the floor measured in their own run. The table gives each
+method's median, its ratio to the floor and to ``refit`` of the same scenario (``x refit``: > 1 is slower).
 
-Needs matplotlib (``pip install -e '.[bench]'``). Rewrites the text between the
-``<!-- results:<kind> -->`` markers in docs/benchmarks.md and writes
-docs/bench_<kind>.png.
+Needs matplotlib (``pip install -e '.[bench]'``). For a record named NAME.json it rewrites the text between the
+``<!-- results:NAME -->`` markers in docs/benchmarks.md and writes docs/img/bench-NAME.png.
 """
 
 from __future__ import annotations
@@ -19,22 +18,20 @@ import sys
 
 
 def table(rows: list[dict]) -> str:
-    head = (
-        "| scenario | method | median ms | min ms | max ms | GB/s | x floor | peak extra MiB | growth (B) | correct |\n"
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
-    )
-    out = [head]
+    """One line per record: median (min-max) ms, GB/s, x the floor, x refit of the same scenario, memory, exact."""
+    out = [
+        "| scenario | method | median ms (min-max) | GB/s | x floor | x refit | peak extra MiB | exact |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    refit = {r["scenario"]: r["median_s"] for r in rows if r["method"] == "refit" and not r.get("variant")}
     for r in rows:
+        vs = f"{r['median_s'] / refit[r['scenario']]:.2f}" if r["scenario"] in refit else "-"
         name = r["method"] + (f" ({r['variant']})" if r.get("variant") else "")
         peak = "-" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.0f}"
-        out.append(
-            f"| {r['scenario']} | {name} | {r['median_s'] * 1e3:.2f} | {r['min_s'] * 1e3:.2f} | "
-            f"{r['max_s'] * 1e3:.2f} | "
-            f"{r['gbps']:.0f} | {r['ratio_to_floor']:.3f} | "
-            f"{peak} | "
-            f"{'-' if r['growth_bytes'] is None or r['method'] != 'refit' else r['growth_bytes']} | "
-            f"{'-' if r['correct'] is None else ('yes' if r['correct'] else 'NO')} |"
-        )
+        exact = "-" if r["correct"] is None else ("yes" if r["correct"] else "NO")
+        ms = f"{r['median_s'] * 1e3:.2f} ({r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f})"
+        cells = [r["scenario"], name, ms, f"{r['gbps']:.0f}", f"{r['ratio_to_floor']:.3f}", vs, peak, exact]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -75,15 +72,16 @@ def main(argv: list[str]) -> int:
         rows += [r for r in json.load(open(extra)) if r["method"] != "floor"]
     order = {s: i for i, s in enumerate(dict.fromkeys(r["scenario"] for r in rows))}
     rows.sort(key=lambda r: (order[r["scenario"]], r["method"] == "floor"))  # stable: runs keep their order
-    kind = os.path.splitext(os.path.basename(src))[0]
+    name = os.path.splitext(os.path.basename(src))[0]
     doc = "docs/benchmarks.md"
     text = open(doc).read()
-    start, end = f"<!-- results:{kind} -->", f"<!-- /results:{kind} -->"
+    start, end = f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
     if start not in text:
         raise SystemExit(f"{doc} has no {start} marker")
-    png = f"bench_{kind}.png"
-    chart(rows, os.path.join("docs", png), f"refit bench, {rows[0]['model']}, {kind}, {rows[0]['date']}")
-    body = f"{start}\n{table(rows)}\n\n![refit bench on {kind}]({png})\n{end}"
+    png = f"img/bench-{name}.png"
+    device = rows[0].get("device", name)
+    chart(rows, os.path.join("docs", png), f"refit bench, {rows[0]['model']}, {device}, {rows[0]['date']}")
+    body = f"{start}\n{table(rows)}\n\n![refit bench, {name}]({png})\n{end}"
     text = text[: text.index(start)] + body + text[text.index(end) + len(end) :]
     open(doc, "w").write(text)
     print(f"wrote {doc} and docs/{png}")
