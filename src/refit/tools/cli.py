@@ -26,6 +26,7 @@ from refit.layout.models import PRESETS, load_config, param_shapes
 from refit.layout.rules import check_spec_fits, layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import Plan, build_plan
+from refit.transport.auth import secret_from_env
 
 
 @contextmanager
@@ -112,6 +113,7 @@ def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama"
         help="trainer layout, keys pp,dp,fsdp,ep,etp,tp (default tp=2); prefix megatron: for Megatron-Core's storage",
     )
     p.add_argument("--dst", default="tp=1,dp=2", help="engine layout, keys dp,ep,tp (default tp=1,dp=2)")
+    _max_world_option(p)
     p.add_argument(
         "--src-ranks", type=positive_int, default=None, help="check the trainer spec against this many ranks"
     )
@@ -120,6 +122,26 @@ def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama"
     p.add_argument(
         "--buffer-mb", type=positive_float, default=64.0, help="size of one staging buffer in MiB (default 64)"
     )
+
+
+MAX_WORLD = 100_000
+"""``--max-world``'s default: the most ranks a trainer or engine layout may have (a typo such as
+``dp=1000000`` is refused at once instead of filling memory for a minute)."""
+
+
+def _max_world_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-world",
+        type=positive_int,
+        default=MAX_WORLD,
+        help=f"refuse a trainer or engine layout of more ranks than this (default {MAX_WORLD:,})",
+    )
+
+
+def _check_world(flag: str, world: int, max_world: int) -> None:
+    """``SpecError`` naming the flag, the world and the cap if ``world`` exceeds ``--max-world``."""
+    if world > max_world:
+        raise SpecError(f"{flag}: {world:,} ranks, over --max-world {max_world:,} (raise it to plan larger layouts)")
 
 
 def _fp8_option(p: argparse.ArgumentParser) -> None:
@@ -248,6 +270,7 @@ def _bench_parser(b: argparse.ArgumentParser) -> None:
         "methods refit, fp8_quantize, floor",
     )
     b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
+    _max_world_option(b)
 
 
 def cmd_bench(args, console) -> int:
@@ -291,6 +314,7 @@ def cmd_bench(args, console) -> int:
         opts = replace(opts, scenarios=tuple(harness.chosen_scenarios(opts)))
     with _flag("--methods"):
         harness.check_methods(opts)
+    _check_bench_memory(opts, args.max_world)
     rows = harness.run_bench(opts, console)
     harness.print_table(rows, console)
     console.print(f"records written to {out}")
@@ -301,12 +325,33 @@ def cmd_bench(args, console) -> int:
     return 0
 
 
+def _check_bench_memory(opts, max_world: int) -> None:
+    """Every chosen scenario's world within ``--max-world`` and the weights its processes hold within
+    what each of its devices has available: refused before any process allocates (``ConfigError``)."""
+    from refit.tools.bench import harness
+    from refit.tools.resources import check_devices, rank_bytes
+
+    shapes, every = param_shapes(opts.model), harness.scenarios(opts.device)
+    for scen in (every[name] for name in opts.scenarios):
+        src, dst = parse_spec(scen.src, "src"), parse_spec(scen.dst, "dst")
+        _check_world(f"scenario {scen.name} --src {src}", src.world_size, max_world)
+        _check_world(f"scenario {scen.name} --dst {dst}", dst.world_size, max_world)
+        layouts = [layout_from_spec(shapes, src)] * src.world_size + [layout_from_spec(shapes, dst)] * dst.world_size
+        ranks = [*range(src.world_size), *range(dst.world_size)]
+        need: dict[str, int] = {}
+        for device, layout, rank in zip(scen.devices, layouts, ranks):
+            need[device] = need.get(device, 0) + rank_bytes(layout, rank)
+        check_devices(need, f"refit bench scenario {scen.name} with --model {opts.model}")
+
+
 def _setup(args):
     """The two specs, the transfer settings and the model's shapes from the common flags."""
     with _flag("--src"):
         src = parse_spec(_src_family(args.src)[1], "src")
     with _flag("--dst"):
         dst = parse_spec(args.dst, "dst")
+    _check_world(f"--src {src}", src.world_size, args.max_world)  # before anything sized by the world
+    _check_world(f"--dst {dst}", dst.world_size, args.max_world)
     for flag, spec, ranks in (("--src-ranks", src, args.src_ranks), ("--dst-ranks", dst, args.dst_ranks)):
         if ranks is not None:
             with _flag(flag):
@@ -587,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False, highlight=False)
     try:
         args = _parser().parse_args(argv)
+        if args.cmd != "plan":  # a job's secret (REFIT_SECRET / _FILE) checked before any process starts
+            secret_from_env()
         command = {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}
         return command[args.cmd](args, console)
     except USER_ERRORS as e:

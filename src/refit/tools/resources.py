@@ -71,3 +71,32 @@ def _cgroup_headroom() -> int | None:
         return None if limit == "max" else max(int(limit) - used, 0)
     except (OSError, ValueError):
         return None
+
+
+def rank_bytes(layout: ModelLayout, rank: int) -> int:
+    """Bytes rank ``rank`` of ``layout`` holds."""
+    return sum(box_numel(box) * t.itemsize for t, box in layout.local_tensors(rank))
+
+
+def device_available(device: str) -> int | None:
+    """Bytes ``device`` can still give: this machine's (``available_memory``) for ``cpu``, the free
+    memory CUDA reports for ``cuda:<i>``; None if it cannot be read."""
+    if not device.startswith("cuda"):
+        return available_memory()
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r} does not exist here ({torch.cuda.device_count()} CUDA devices)")
+    return int(torch.cuda.mem_get_info(index)[0])
+
+
+def check_devices(need: dict[str, int], what: str) -> None:
+    """``ConfigError`` naming the device and both numbers if one of ``need`` (device -> bytes its
+    processes hold together) exceeds what that device has available. Called before anything is allocated."""
+    for device, n in need.items():
+        have = device_available(device)
+        if have is not None and n > have:
+            raise ConfigError(
+                f"{what} needs at least {n / GIB:.1f} GiB on {device}, which has {have / GIB:.1f} GiB available"
+            )
