@@ -420,9 +420,15 @@ def _stage_forward(model: GPTModel, tokens: torch.Tensor, grad: bool) -> tuple[t
     return out, received
 
 
+def hf_vocab_size(model: GPTModel) -> int:
+    """The HF vocabulary of ``model``: ``model.hf_vocab_size`` as ``build_gpt`` sets it (rows past it are padding),
+    else, for a ``GPTModel`` built elsewhere, Megatron's own ``vocab_size`` (every row a token)."""
+    return getattr(model, "hf_vocab_size", model.vocab_size)
+
+
 def _full_logits(model: GPTModel, out: torch.Tensor) -> torch.Tensor:
     """The last stage's logits gathered over TP, padding columns dropped (autograd passes through)."""
-    return gather_from_tensor_model_parallel_region(out)[..., : model.hf_vocab_size]
+    return gather_from_tensor_model_parallel_region(out)[..., : hf_vocab_size(model)]
 
 
 def _from_last_stage(t: torch.Tensor) -> torch.Tensor:
@@ -434,7 +440,7 @@ def _from_last_stage(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits ``[batch, seq, model.hf_vocab_size]`` of ``tokens`` (``[batch, seq]`` int64, the same on every rank),
+    """Logits ``[batch, seq, hf_vocab_size(model)]`` of ``tokens`` (``[batch, seq]`` int64, the same on every rank),
     returned on every rank: stages run in turn, the last one gathers its vocabulary shards over TP and broadcasts.
     Collective over the world."""
     model.eval()
@@ -442,7 +448,7 @@ def forward_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
     b, s = tokens.shape
     logits = _full_logits(model, out).contiguous() if ps.is_pipeline_last_stage() else None
     if logits is None:
-        logits = torch.empty(b, s, model.hf_vocab_size)
+        logits = torch.empty(b, s, hf_vocab_size(model))
     return _from_last_stage(logits)
 
 
@@ -533,12 +539,66 @@ def train_steps(model: GPTModel, tokens: torch.Tensor, steps: int = 2, lr: float
 # ---------------------------------------------------------------------------------------------- oracle
 
 
+def _unshard(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """The full tensor from every TP rank's shard (rank order), undoing ``_shard``: rank ``r``'s ``k``-th piece of
+    ``local / stride`` along ``dim`` is piece ``k * world + r`` of the full tensor."""
+    pieces = [torch.split(s, s.shape[dim] // stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
+
+
+@torch.no_grad()
+def gather_state(model: GPTModel) -> dict[str, torch.Tensor]:
+    """Every parameter of the whole model as the single-process model names and holds it (``global_param_name``,
+    full shapes), copied, on every rank. Collective over the world.
+
+    Each TP-split parameter (``tensor_model_parallel``) is all-gathered over its TP group (the expert-TP group for
+    experts) and joined along its ``partition_dim`` with its ``partition_stride``, as Megatron cuts its master
+    weights; then every tensor is broadcast from the lowest rank holding it (pipeline stages and expert ranks
+    hold different ones). Names, shapes and dtypes travel as JSON, tensors by ``broadcast``: nothing is
+    pickled. Built from Megatron's own parameter attributes alone: an oracle independent of refit's
+    ``MegatronSource``."""
+    from refit.layout.tensors import dtype_from_name, dtype_name
+    from refit.trainers.gather import all_gather_json
+
+    tp = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size())
+    etp = (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size())
+    mine: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        group, world = etp if _is_expert(name) else tp
+        full = p.detach().clone()
+        if getattr(p, "tensor_model_parallel", False) and world > 1:
+            shards = [torch.empty_like(full) for _ in range(world)]
+            dist.all_gather(shards, full.contiguous(), group=group)
+            full = _unshard(shards, p.partition_dim, getattr(p, "partition_stride", 1))
+        mine.setdefault(global_param_name(model, name), full)
+    held = all_gather_json({n: [list(t.shape), dtype_name(t.dtype)] for n, t in mine.items()})
+    out = {}
+    for name in sorted({n for h in held for n in h}):
+        owner = next(r for r, h in enumerate(held) if name in h)
+        shape, dtype = held[owner][name]
+        t = mine[name] if name in mine else torch.empty(shape, dtype=dtype_from_name(dtype))
+        dist.broadcast(t, src=owner)
+        out[name] = t
+    return out
+
+
+def gather_hf_state(model: GPTModel, hf_config) -> dict[str, torch.Tensor]:
+    """The whole model's weights under HF names (``hf_state`` of ``gather_state``), on every rank, from any
+    TP/PP/EP layout. Collective over the world. A test oracle, independent of refit's rules."""
+    return _to_hf(gather_state(model), hf_config)
+
+
 def hf_state(model: GPTModel, hf_config) -> dict[str, torch.Tensor]:
     """A single-process (tp=pp=ep=1) model's weights under HF names, by Megatron's layout written out by hand:
     ``linear_qkv`` is ``[q heads; k; v]`` per query group, ``linear_fc1`` ``[gate; up]``, the embedding padded past
     the HF vocabulary; experts stacked as transformers does (``gate_up_proj`` ``[E, 2, I, H]`` logical,
-    ``down_proj`` ``[E, H, I]``). A test oracle, independent of refit's rules."""
-    sd = {n: p.detach() for n, p in model.named_parameters()}
+    ``down_proj`` ``[E, H, I]``). A test oracle, independent of refit's rules; ``gather_hf_state`` for a parallel
+    model."""
+    return _to_hf({n: p.detach() for n, p in model.named_parameters()}, hf_config)
+
+
+def _to_hf(sd: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+    """``hf_state``'s conversion of single-process Megatron names and tensors ``sd``."""
     c, v = hf_config, hf_config.vocab_size
     heads, groups = c.num_attention_heads, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // heads
