@@ -1,6 +1,7 @@
 """Render a ``refit bench`` record into docs/benchmarks.md's generated table and a PNG chart.
 
     python -m bench.render bench/results/h200x2-s1-s3.json [bench/results/h200x2-s2-checkpoint-engine.json ...]
+        [--drop refit_checksums]
 
 Rows of further files (other runs on the same device kind, e.g. checkpoint-engine's) are appended, without
 their own floor rows; their ratios stay against the floor measured in their own run. The table gives each
@@ -12,6 +13,7 @@ Needs matplotlib (``pip install -e '.[bench]'``). For a record named NAME.json i
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -66,13 +68,19 @@ def chart(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    src = argv[0]
-    rows = json.load(open(src))
-    for extra in argv[1:]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("record", help="a refit bench record; its name names the markers and the plot")
+    ap.add_argument("more", nargs="*", help="records of other runs whose rows are appended (no floor rows)")
+    ap.add_argument("--drop", default="", help="methods left out of the table and plot, comma-separated")
+    args = ap.parse_args(argv)
+    drop = {m for m in args.drop.split(",") if m}
+    rows = json.load(open(args.record))
+    for extra in args.more:
         rows += [r for r in json.load(open(extra)) if r["method"] != "floor"]
+    rows = [r for r in rows if r["method"] not in drop]
     order = {s: i for i, s in enumerate(dict.fromkeys(r["scenario"] for r in rows))}
     rows.sort(key=lambda r: (order[r["scenario"]], r["method"] == "floor"))  # stable: runs keep their order
-    name = os.path.splitext(os.path.basename(src))[0]
+    name = os.path.splitext(os.path.basename(args.record))[0]
     doc = "docs/benchmarks.md"
     text = open(doc).read()
     start, end = f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
