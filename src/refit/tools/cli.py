@@ -170,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--refits", type=positive_int, default=200)
     k.add_argument("--warmup", type=positive_int, default=20, help="refits before the baseline is taken")
     _bench_parser(sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S7)"))
+    from refit.tools.cluster.command import add_cluster_parser  # here: it uses this module's flag types
+
+    add_cluster_parser(sub)
     return ap
 
 
@@ -632,9 +635,12 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False, highlight=False)
     try:
         args = _parser().parse_args(argv)
-        if args.cmd != "plan":  # a job's secret (REFIT_SECRET / _FILE) checked before any process starts
+        if args.cmd not in ("plan", "cluster"):  # a job's secret (REFIT_SECRET / _FILE) checked before any process
             secret_from_env()
+        from refit.tools.cluster.command import cmd_cluster
+
         command = {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}
+        command["cluster"] = cmd_cluster
         return command[args.cmd](args, console)
     except USER_ERRORS as e:
         print(f"refit: error: {_one_line(e)}", file=sys.stderr)

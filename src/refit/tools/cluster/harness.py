@@ -1,0 +1,327 @@
+"""A cluster of N hosts on one machine: Linux network namespaces joined by veth pairs to a bridge.
+
+Layout (``tag``: six random hex digits, in every name, so parallel clusters never collide)::
+
+    refit-<tag>-hub            a namespace holding the bridge rfb-<tag> and one port rfp-<tag>-<i> per host
+    refit-<tag>-<host>         one namespace per host: loopback, and rfn-<tag>-<i> = <address>/15 (its NIC)
+
+Addresses are 198.18.0.1, 198.18.0.2, ... (the benchmarking range 198.18.0.0/15), and exist only inside the
+namespaces made here: the machine's own namespace gets no address, route or link. Each host's link is shaped in
+both directions (``LinkShape``): on its NIC (what it sends) and on its bridge port (what it receives).
+
+Lifecycle: ``Cluster(...)`` only checks its arguments; ``up()`` (or ``with Cluster(...) as c``) writes the state
+file ``<state_dir>/<name>.json`` first, then makes everything; ``down()`` kills every process inside the
+namespaces, deletes them (the veths and the bridge go with them) and the state file. ``down()`` runs at exit
+(``atexit``), on SIGINT/SIGTERM (then the signal goes on to the previous handler) and when the ``with`` block
+ends, also by an exception; ``Cluster.load(name).down()`` cleans up after a process that died without it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from refit.errors import ConfigError
+from refit.tools.cluster import netns
+from refit.tools.cluster.netns import ClusterError
+
+STATE_ENV = "REFIT_CLUSTER_STATE"
+STATE_DIR = "/run/refit-cluster"
+NETWORK = ipaddress.ip_network("198.18.0.0/15")
+MAX_HOSTS = 64
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
+_HOST = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def parse_rate(text: str) -> int:
+    """``"400mbit"``, ``"1gbit"``, ``"2.5g"``, ``"100000"`` (bit/s) as bit/s; ``ConfigError`` naming the text."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(?:bit)?\s*", text.lower())
+    if not m:
+        raise ConfigError(f"rate {text!r} is not a rate such as 400mbit or 1gbit")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """How one host's link is shaped, the same both ways: ``rate_bit`` bit/s (None: unshaped), ``delay_ms``
+    and ``loss_pct`` (need the kernel's ``netem`` qdisc; ``ClusterError`` at ``up()`` where it is missing)."""
+
+    rate_bit: int | None = None
+    delay_ms: float = 0.0
+    loss_pct: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rate_bit is not None and self.rate_bit < 100_000:
+            raise ConfigError(f"rate_bit={self.rate_bit} is below 100 kbit/s")
+        if not 0 <= self.delay_ms <= 10_000:
+            raise ConfigError(f"delay_ms={self.delay_ms} is not within 0..10000")
+        if not 0 <= self.loss_pct < 100:
+            raise ConfigError(f"loss_pct={self.loss_pct} is not within 0..100 (exclusive)")
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        """The link's rate in bytes per second (None: unshaped)."""
+        return None if self.rate_bit is None else self.rate_bit / 8
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host: its name, namespace, address, NIC (inside its namespace) and bridge port (in the hub)."""
+
+    name: str
+    netns: str
+    address: str
+    nic: str
+    port: str
+    shape: LinkShape = field(default_factory=LinkShape)
+
+
+def host_names(n: int) -> list[str]:
+    """``a, b, c, ...`` for up to 26 hosts, then ``h26, h27, ...``."""
+    return [chr(ord("a") + i) if i < 26 else f"h{i}" for i in range(n)]
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get(STATE_ENV) or STATE_DIR)
+
+
+class Cluster:
+    """N hosts as network namespaces on one machine (see the module docstring for names and lifecycle).
+
+    ``hosts``: a count or the host names (lower-case, up to 8 characters); ``shape``: one ``LinkShape`` for
+    every host or one per host name (hosts not named are unshaped); ``name``: the state file's name (default
+    ``refit-<tag>``). ``spawn(host, argv)`` starts a process inside a host; ``env(host)`` is what it gets
+    on top of this process's environment (``REFIT_BIND_ADDRESS``: the host's address).
+    """
+
+    def __init__(
+        self,
+        hosts: int | Sequence[str] = 3,
+        shape: LinkShape | Mapping[str, LinkShape] | None = None,
+        name: str | None = None,
+        tag: str | None = None,
+    ) -> None:
+        names = host_names(hosts) if isinstance(hosts, int) else list(hosts)
+        if not 1 <= len(names) <= MAX_HOSTS:
+            raise ConfigError(f"hosts={len(names)} is not within 1..{MAX_HOSTS}")
+        bad = [h for h in names if not _HOST.match(h)] or sorted({h for h in names if names.count(h) > 1})
+        if bad:
+            raise ConfigError(f"host names {bad} are not unique lower-case names of up to 8 characters")
+        shapes = shape if isinstance(shape, Mapping) else dict.fromkeys(names, shape or LinkShape())
+        unknown = sorted(set(shapes) - set(names))
+        if unknown:
+            raise ConfigError(f"shape names hosts {unknown} that are not in hosts {names}")
+        self.tag = tag or secrets.token_hex(3)
+        self.name = name or f"refit-{self.tag}"
+        if not _NAME.match(self.name):
+            raise ConfigError(f"cluster name {self.name!r} is not 1-40 letters, digits, '.', '_' or '-'")
+        self.hub = f"refit-{self.tag}-hub"
+        self.bridge = f"rfb-{self.tag}"
+        self.hosts = {
+            h: Host(
+                h,
+                f"refit-{self.tag}-{h}",
+                str(NETWORK.network_address + i + 1),
+                f"rfn-{self.tag}-{i}",
+                f"rfp-{self.tag}-{i}",
+                shapes.get(h) or LinkShape(),
+            )
+            for i, h in enumerate(names)
+        }
+        self.procs: list[subprocess.Popen] = []
+        self._live = False
+        self._lock = threading.RLock()
+        self._previous: dict[int, object] = {}
+
+    # -- making and removing -------------------------------------------------------------------
+    @property
+    def state_file(self) -> Path:
+        return state_dir() / f"{self.name}.json"
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace this cluster makes: the hosts', then the hub."""
+        return [h.netns for h in self.hosts.values()] + [self.hub]
+
+    def up(self, keep: bool = False) -> Cluster:
+        """Make the cluster (state file first, so a crash half-way can be cleaned up by name); on any failure
+        what was made is removed and the error raised. ``ClusterError`` where namespaces cannot be made.
+        ``keep``: once made, it outlives this process (``refit cluster up``): no teardown at exit or on a
+        signal; ``Cluster.load(name).down()`` removes it."""
+        why = netns.unavailable()
+        if why:
+            raise ClusterError(f"cannot make cluster {self.name!r}: {why}")
+        if self.state_file.exists():
+            raise ConfigError(f"a cluster named {self.name!r} exists ({self.state_file}): `refit cluster down` it")
+        self._write_state()
+        self._live = True
+        atexit.register(self.down)
+        self._catch_signals()
+        try:
+            self._make()
+        except BaseException:
+            self.down()
+            raise
+        if keep:
+            atexit.unregister(self.down)
+            self._release_signals()
+        return self
+
+    def _make(self) -> None:
+        netns.add_namespace(self.hub)
+        netns.add_bridge(self.hub, self.bridge)
+        for h in self.hosts.values():
+            netns.add_namespace(h.netns)
+            netns.add_host_link(self.hub, self.bridge, h.netns, h.port, h.nic, h.address, NETWORK.prefixlen)
+            self.shape(h.name, h.shape)
+
+    def down(self) -> list[str]:
+        """Kill every process inside the cluster's namespaces, delete them and the state file; safe to call
+        again. Returns what was still there afterwards (``leftovers``), raising ``ClusterError`` if any."""
+        with self._lock:
+            if self._live:
+                self._live = False
+                atexit.unregister(self.down)
+                self._release_signals()
+                for ns in self.namespaces:
+                    netns.kill_inside(ns)
+                    netns.delete_namespace(ns)
+                for p in self.procs:
+                    p.poll()
+                self.state_file.unlink(missing_ok=True)
+        left = self.leftovers()
+        if left:
+            raise ClusterError(f"cluster {self.name!r} left behind: {', '.join(left)}")
+        return left
+
+    def leftovers(self) -> list[str]:
+        """Anything of this cluster still on the machine: namespaces, links in this namespace with the tag,
+        processes inside its namespaces, the state file."""
+        out = [f"namespace {ns}" for ns in sorted(set(self.namespaces) & netns.namespaces())]
+        out += [f"process {pid} in {ns}" for ns in self.namespaces for pid in netns.pids(ns)]
+        links = netns.sh(netns.IP, "-o", "link", "show").stdout
+        out += [f"link {line.split(':')[1].strip()}" for line in links.splitlines() if self.tag in line]
+        if self.state_file.exists():
+            out.append(f"state file {self.state_file}")
+        return out
+
+    def __enter__(self) -> Cluster:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- signals -------------------------------------------------------------------------------
+    def _catch_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers: atexit and ``with`` still clean up
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _release_signals(self) -> None:
+        for sig, old in self._previous.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, old)
+        self._previous.clear()
+
+    def _on_signal(self, sig: int, frame: object) -> None:
+        old = self._previous.get(sig, signal.SIG_DFL)
+        self.down()
+        if callable(old):
+            old(sig, frame)
+        elif old != signal.SIG_IGN:  # the default action: the signal again, with its default handler
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+
+    # -- state ---------------------------------------------------------------------------------
+    def _write_state(self) -> None:
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "name": self.name,
+            "tag": self.tag,
+            "hosts": [asdict(h) for h in self.hosts.values()],
+            "owner_pid": os.getpid(),
+        }
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.state_file)
+
+    @classmethod
+    def load(cls, name: str) -> Cluster:
+        """The cluster a state file names (made by this or another process), to ``down()`` or ``spawn`` in."""
+        path = state_dir() / f"{name}.json"
+        if not _NAME.match(name) or not path.exists():
+            raise ConfigError(f"no cluster named {name!r} (no {path}); `refit cluster list` shows them")
+        state = json.loads(path.read_text())
+        hosts = [Host(**{**h, "shape": LinkShape(**h["shape"])}) for h in state["hosts"]]
+        c = cls([h.name for h in hosts], {h.name: h.shape for h in hosts}, name=state["name"], tag=state["tag"])
+        c._live = True
+        return c
+
+    @staticmethod
+    def names() -> list[str]:
+        """The names of the clusters with a state file."""
+        return sorted(p.stem for p in state_dir().glob("*.json")) if state_dir().is_dir() else []
+
+    # -- using it ------------------------------------------------------------------------------
+    def host(self, name: str) -> Host:
+        if name not in self.hosts:
+            raise ConfigError(f"host {name!r} is not in cluster {self.name!r} (hosts: {', '.join(self.hosts)})")
+        return self.hosts[name]
+
+    def env(self, host: str) -> dict[str, str]:
+        """What a process on ``host`` gets on top of the caller's environment: its bind address, and UCX's TCP
+        transport only (the namespaces share one kernel and memory: UCX would otherwise move bytes between
+        "hosts" through shared memory or CMA, which separate machines cannot)."""
+        return {"REFIT_BIND_ADDRESS": self.host(host).address, "UCX_TLS": "tcp"}
+
+    def command(self, host: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` as run inside ``host``'s namespace."""
+        return [netns.IP, "netns", "exec", self.host(host).netns, *argv]
+
+    def spawn(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None, **popen) -> subprocess.Popen:
+        """Start ``argv`` inside ``host`` (environment: this process's, ``env(host)``, then ``env``); tracked,
+        and killed by ``down()`` with anything it started in the namespace."""
+        if not self._live:
+            raise ClusterError(f"cluster {self.name!r} is not up")
+        full = {**os.environ, **self.env(host), **(env or {})}
+        p = subprocess.Popen(self.command(host, argv), env=full, start_new_session=True, **popen)
+        self.procs.append(p)
+        return p
+
+    def listeners(self, host: str) -> list[tuple[str, int]]:
+        """Every listening TCP socket inside ``host``: ``(address, port)``."""
+        return netns.listeners(self.host(host).netns)
+
+    def counters(self, host: str) -> tuple[int, int]:
+        """Bytes ``host``'s NIC has received and sent so far."""
+        h = self.host(host)
+        return netns.counters(h.netns, h.nic)
+
+    def set_link(self, host: str, up: bool) -> None:
+        """Take ``host``'s link down (both ends: it is cut off) or bring it back up."""
+        h = self.host(host)
+        netns.set_link(self.hub, h.port, up)
+        netns.set_link(h.netns, h.nic, up)
+
+    def shape(self, host: str, shape: LinkShape) -> None:
+        """Shape ``host``'s link both ways (its NIC's sends, its bridge port's sends toward it)."""
+        h = self.host(host)
+        for ns, dev in ((h.netns, h.nic), (self.hub, h.port)):
+            netns.shape(ns, dev, shape.rate_bit, shape.delay_ms, shape.loss_pct)
+        self.hosts[host] = Host(h.name, h.netns, h.address, h.nic, h.port, shape)
+
+    def describe(self) -> dict:
+        """The cluster as plain data: name, tag and each host's namespace, address, NIC and shape."""
+        return {"name": self.name, "tag": self.tag, "hosts": [asdict(h) for h in self.hosts.values()]}

@@ -1,0 +1,107 @@
+"""Refits across hosts (network namespaces, 1 Gbit/s links): trainer fsdp=2 on host a, one engine replica on each
+of hosts b and c, bit-exact refit after refit over P2P (gloo) and NIXL (UCX over TCP), every listener on its host's
+address only, and a stranger on host d sending junk to every listener during the refits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from refit.tools.cluster.job import Job, python_argv
+
+from .helpers import STRANGER, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.multiproc]
+
+PLACEMENT = ["a", "a", "b", "c"]  # processes 0-1: trainer ranks (fsdp=2), 2-3: engine ranks (tp=1, dp=2)
+REFITS = 4
+
+
+def _rank_argv(transport: str, *extra: str) -> list[str]:
+    return python_argv(
+        "refit.tools.cluster.rank",
+        *("--src", "fsdp=2", "--dst", "tp=1,dp=2", "--refits", str(REFITS), "--transport", transport),
+        *("--hosts", ",".join(PLACEMENT), "--deadline-s", "60", *extra),
+    )
+
+
+def _engine_bytes_in(cluster) -> dict[str, int]:
+    return {h: cluster.counters(h)[0] for h in ("b", "c")}
+
+
+@pytest.fixture(scope="module")
+def p2p_run(cluster, tmp_path_factory):
+    """The P2P job, paused after setup (every listener open) while the listeners are read and the stranger
+    starts, then its refits with the stranger sending junk to every listener, then the listeners again."""
+    sync = tmp_path_factory.mktemp("sync")
+    before = _engine_bytes_in(cluster)
+    job = Job(cluster, PLACEMENT, _rank_argv("p2p", "--sync", str(sync)))
+    ranks = range(len(PLACEMENT))
+    wait_for([sync / f"ready.{r}" for r in ranks], 180, job.procs)
+    hosts = {h: cluster.host(h).address for h in ("a", "b", "c", "d")}
+    at_ready = {h: cluster.listeners(h) for h in hosts}
+    targets = sorted({lst for h in ("a", "b", "c") for lst in at_ready[h]})
+    stop = sync / "stop-stranger"
+    stranger = cluster.spawn(
+        "d",
+        [sys.executable, str(STRANGER), json.dumps(targets), str(stop)],
+        env={"REFIT_SECRET": ""},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert stranger.stdout.readline().strip() == "started"
+    (sync / "go").touch()
+    wait_for([sync / f"done.{r}" for r in ranks], 180, job.procs)
+    at_done = {h: cluster.listeners(h) for h in hosts}
+    (sync / "exit").touch()
+    try:
+        results = job.wait(120)
+    finally:
+        stop.touch()
+        stranger_report = json.loads(stranger.communicate(timeout=30)[0].strip().splitlines()[-1])
+    after = _engine_bytes_in(cluster)
+    return {
+        "results": results,
+        "hosts": hosts,
+        "listeners": [at_ready, at_done],
+        "stranger": stranger_report,
+        "bytes_in": {h: after[h] - before[h] for h in after},
+    }
+
+
+def test_p2p_across_hosts_is_bit_exact_refit_after_refit(p2p_run):
+    results = p2p_run["results"]
+    assert [r["exact"] for r in results] == [[True] * REFITS] * len(PLACEMENT)
+    assert [r["host"] for r in results] == [p2p_run["hosts"][h] for h in PLACEMENT]
+    assert all(r["transports"] == ["p2p"] for r in results)
+    for rank, host in ((2, "b"), (3, "c")):  # every version crossed the engine host's own link
+        assert p2p_run["bytes_in"][host] >= REFITS * results[rank]["bytes"], (host, p2p_run["bytes_in"])
+
+
+def test_every_listener_is_on_its_hosts_address_only(p2p_run):
+    hosts = p2p_run["hosts"]
+    for when, listeners in zip(("after setup", "after the refits"), p2p_run["listeners"]):
+        for h in ("a", "b", "c"):
+            assert listeners[h], f"no listener on host {h} {when}"
+            stray = [lst for lst in listeners[h] if lst[0] != hosts[h]]
+            assert not stray, f"host {h} ({hosts[h]}) {when} listens on {stray}"
+        assert listeners["d"] == [], listeners["d"]  # the stranger's host runs no refit process
+
+
+def test_a_stranger_sending_junk_to_every_listener_changes_nothing(p2p_run):
+    s = p2p_run["stranger"]
+    assert s["connects"] > 0 and s["sent"] == s["connects"], s  # it reached the listeners while the refits ran
+    assert all(r["exact"] == [True] * REFITS for r in p2p_run["results"])
+
+
+def test_nixl_over_ucx_tcp_across_hosts_is_bit_exact(cluster):
+    before = _engine_bytes_in(cluster)
+    results = Job(cluster, PLACEMENT, _rank_argv("auto")).wait(240)
+    after = _engine_bytes_in(cluster)
+    assert [r["exact"] for r in results] == [[True] * REFITS] * len(PLACEMENT)
+    assert all(r["transports"] == ["nixl"] for r in results)  # "auto" between hosts: NIXL
+    for rank, host in ((2, "b"), (3, "c")):
+        assert after[host] - before[host] >= REFITS * results[rank]["bytes"]
