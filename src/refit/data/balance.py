@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from .inputs import check_lengths
+
 Shards = list[list[list[int]]]  # rank -> microbatch -> sample indices
 
 
@@ -111,7 +113,11 @@ def sample_flops(
 
 
 def pack_microbatches(indices: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """First fit decreasing: bins of at most ``budget`` tokens (an oversized sample alone)."""
+    """First fit decreasing: bins of at most ``budget`` tokens; a sample over ``budget`` is refused
+    (``ValueError`` naming it and the budget), never put alone in an oversized bin."""
+    over = next((i for i in indices if lengths[i] > budget), None)
+    if over is not None:
+        raise ValueError(f"pack_microbatches: sample {over} has {lengths[over]} tokens, over the budget of {budget}")
     bins: list[list[int]] = []
     loads: list[int] = []
     for i in sorted(indices, key=lambda j: (-lengths[j], j)):
@@ -151,7 +157,7 @@ def _checked(
     cost: Sequence[float] | torch.Tensor | None,
 ) -> tuple[list[int], list[float]]:
     """``balanced_shards``'s arguments checked: the lengths and the per-sample costs."""
-    lens = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+    lens = check_lengths(lengths, "lengths", "balanced_shards")
     n = len(lens)
     if dp_world < 1:
         raise ValueError(f"balanced_shards: dp_world must be >= 1, got {dp_world}")
@@ -161,9 +167,12 @@ def _checked(
         raise ValueError(f"balanced_shards: group_size={group_size} must be >= 1 and divide the {n} samples")
     if min_microbatches < 1:
         raise ValueError(f"balanced_shards: min_microbatches must be >= 1, got {min_microbatches}")
-    neg = [i for i, x in enumerate(lens) if x < 0]
-    if neg:
-        raise ValueError(f"balanced_shards: negative length {lens[neg[0]]} at sample {neg[0]}")
+    over = next((i for i, x in enumerate(lens) if x > max_tokens_per_microbatch), None)
+    if over is not None:
+        raise ValueError(
+            f"balanced_shards: sample {over} has {lens[over]} tokens, over max_tokens_per_microbatch="
+            f"{max_tokens_per_microbatch}: no microbatch can hold it (truncate or drop it, or raise the cap)"
+        )
     if n // group_size < dp_world:
         raise ValueError(
             f"balanced_shards: {n // group_size} groups of {group_size} samples for dp_world={dp_world}: "

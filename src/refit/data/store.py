@@ -45,10 +45,10 @@ import torch
 
 from refit.errors import RefitError
 
+from .inputs import FieldData, check_keys, check_name, check_names, normalize_put
 from .meta import BatchMeta
 
 Rows = torch.Tensor | list[torch.Tensor]
-FieldData = torch.Tensor | Sequence[torch.Tensor]
 
 
 class MissingKeyError(RefitError, KeyError):
@@ -63,48 +63,6 @@ class MissingFieldError(RefitError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-def normalize_put(
-    keys: Sequence[str], fields: dict[str, FieldData], tags: Any, seq_lens: Sequence[int] | None
-) -> tuple[list[str], dict[str, FieldData], list[dict], list[int] | None]:
-    """Check a put before anything is written; errors name the field and the numbers."""
-    keys = list(map(str, keys))
-    if not keys:
-        raise ValueError("put: no keys")
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})[:3]
-        raise ValueError(f"put: duplicate keys {dup}")
-    if not fields:
-        raise ValueError("put: no fields")
-    for name, data in fields.items():
-        if isinstance(data, torch.Tensor):
-            if data.dim() == 0 or data.shape[0] != len(keys):
-                raise ValueError(
-                    f"put: field {name!r} has shape {list(data.shape)}; its first dimension must be "
-                    f"the number of keys ({len(keys)})"
-                )
-        else:
-            rows = list(data)
-            if len(rows) != len(keys):
-                raise ValueError(f"put: field {name!r} has {len(rows)} rows for {len(keys)} keys")
-            bad = [i for i, r in enumerate(rows) if not isinstance(r, torch.Tensor)]
-            if bad:
-                raise TypeError(f"put: field {name!r} row {bad[0]} is {type(rows[bad[0]]).__name__}, not a tensor")
-    if tags is None:
-        tag_list: list[dict] = [{} for _ in keys]
-    elif isinstance(tags, dict):
-        tag_list = [dict(tags) for _ in keys]
-    else:
-        tag_list = [dict(t) for t in tags]
-        if len(tag_list) != len(keys):
-            raise ValueError(f"put: {len(tag_list)} tags for {len(keys)} keys")
-    lens = None
-    if seq_lens is not None:
-        lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
-        if len(lens) != len(keys):
-            raise ValueError(f"put: {len(lens)} seq_lens for {len(keys)} keys")
-    return keys, fields, tag_list, lens
 
 
 def _in_order(n: int, pos: Sequence[int], rows: Sequence[int]) -> bool:
@@ -619,9 +577,8 @@ class Store(ABC):
             if partition is not None and partition != keys.partition:
                 raise ValueError(f"partition {partition!r} given with a BatchMeta of partition {keys.partition!r}")
             return list(keys.keys), keys.partition
-        if isinstance(keys, str):
-            raise TypeError("keys: pass a list of keys or a BatchMeta, not one string")
-        return [str(k) for k in keys], partition or "default"
+        keys = check_keys(keys, "store")
+        return keys, check_name(partition, "partition", "store") if partition is not None else "default"
 
     @classmethod
     def _request(
@@ -633,7 +590,7 @@ class Store(ABC):
         keys, partition = cls._resolve(keys, partition)
         if not keys:
             raise ValueError("get: no keys")
-        return keys, partition, list(dict.fromkeys(select_fields))
+        return keys, partition, list(dict.fromkeys(check_names(select_fields, "select_fields", "get")))
 
 
 class InProcessStore(Store):
@@ -646,7 +603,7 @@ class InProcessStore(Store):
         self.unit = StorageUnit()
 
     def put(self, keys, fields, *, partition="default", tags=None, seq_lens=None, overwrite=False) -> BatchMeta:
-        keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens)
+        keys, fields, tag_list, lens = normalize_put(keys, fields, tags, seq_lens, partition)
         # keep a private copy: the caller may reuse its buffers after put returns
         fields = {
             n: d.detach().clone() if isinstance(d, torch.Tensor) else [r.detach().clone() for r in d]
@@ -675,7 +632,7 @@ class InProcessStore(Store):
         return held if partition is None else [k for p, k in held if p == partition]
 
     def meta(self, keys, *, partition="default") -> BatchMeta:
-        return self.unit.meta(partition, [str(k) for k in keys])
+        return self.unit.meta(check_name(partition, "partition", "meta"), check_keys(keys, "meta"))
 
     def nbytes(self) -> int:
         """Bytes of the tensors held."""
