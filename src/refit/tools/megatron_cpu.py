@@ -11,6 +11,7 @@ imports without a GPU). Use, in every process of a gloo job::
     model = build_gpt(PRESETS["tiny-llama"].config, "llama", seed=0)
     logits = forward_logits(model, tokens)  # [batch, seq, hf_vocab] on every rank
     losses = train_steps(model, tokens, steps=3)
+    weights = gather_hf_state(model, hf_config)  # the whole model under HF names, on every rank (an oracle)
 
 Every call after ``init_parallel`` is collective over the world: every process makes it, in the same order,
 with the same arguments (the same ``tokens`` on every process: data-parallel replicas see the same batch).
