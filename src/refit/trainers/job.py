@@ -52,6 +52,10 @@ class TransferJob:
     pre-flight, aborts and votes go through it, and so may the user's own values, under keys of their
     own). ``group``: a standalone gloo group over all ``n_src + n_dst`` processes, outside any
     ``torch.distributed`` world (the trainer's default group stays the trainer's).
+
+    Lifecycle: ``join`` on every process at once; ``share_layout`` and ``peer`` in the same order on every
+    process; ``Peer.run(version)`` per refit; ``Peer.close()``. Process 0 hosts the store: it must not exit
+    while the others still use the job (their last ``run``, or their own values in the store).
     """
 
     proc: int
