@@ -1,12 +1,14 @@
 """Refits across hosts (network namespaces, 1 Gbit/s links): trainer fsdp=2 on host a, one engine replica on each
 of hosts b and c, bit-exact refit after refit over P2P (gloo) and NIXL (UCX over TCP), every listener on its host's
-address only, and a stranger on host d sending junk to every listener during the refits."""
+address only, a stranger on host d sending junk to every listener during the refits, and a gloo group made by
+hand (as under torchrun) that finds its host's interface once refit is imported."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +107,29 @@ def test_nixl_over_ucx_tcp_across_hosts_is_bit_exact(cluster):
     assert all(r["transports"] == ["nixl"] for r in results)  # "auto" between hosts: NIXL
     for rank, host in ((2, "b"), (3, "c")):
         assert after[host] - before[host] >= REFITS * results[rank]["bytes"]
+
+
+BY_HAND = Path(__file__).with_name("by_hand.py")
+
+
+def _by_hand(cluster, mode: str, port: int) -> list[subprocess.Popen]:
+    store = f"{cluster.host('a').address}:{port}"
+    return [
+        cluster.spawn(h, [sys.executable, str(BY_HAND), mode, store], env={"REFIT_RANK": str(r)}, **PIPES)
+        for r, h in enumerate(("a", "b"))
+    ]
+
+
+PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+
+
+def test_a_gloo_group_made_by_hand_connects_across_hosts_once_refit_is_imported(cluster):
+    with_refit, plain = _by_hand(cluster, "refit", 29611), _by_hand(cluster, "plain", 29612)
+    outs = [p.communicate(timeout=180)[0] for p in with_refit]
+    assert [p.returncode for p in with_refit] == [0, 0], outs
+    assert all(o.splitlines()[-1] == "REFIT-RESULT 3" for o in outs), outs
+    # the control: torch's own choice, the host name's address, is not reachable from the other host
+    first = plain[0].communicate(timeout=180)[0]
+    plain[1].kill()
+    plain[1].wait()
+    assert plain[0].returncode == 3 and "Gloo" in first, first

@@ -4,7 +4,10 @@
 listener bound to ``address`` only (torch's own listener takes every interface, so
 the socket is made and bound here and handed over); ``bind_address()`` is the
 address the user chose (``REFIT_BIND_ADDRESS``, default loopback) and
-``pin_interfaces(address)`` makes gloo and NCCL listen on that address's interface.
+``pin_interfaces(address)`` makes gloo and NCCL listen on that address's interface. When this
+module is imported (``import refit``) with ``REFIT_BIND_ADDRESS`` set to an address of this host,
+it pins them already (``pin_from_env``), so a default group made afterwards by hand or by torchrun
+connects across hosts (torch's gloo would otherwise take the host name's address, often 127.0.0.1).
 
 ``SignedStore`` wraps a store with the job's secret (``refit.transport.auth``).
 Every value is JSON, written as ``refit1.<hex tag>.<payload>``; a reader acts on a
@@ -92,6 +95,23 @@ def pin_interfaces(address: str) -> None:
     name = interface_of(address)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", f"={name}")  # "=": this interface exactly, not a prefix
+
+
+def pin_from_env() -> str | None:
+    """``pin_interfaces(REFIT_BIND_ADDRESS)`` where that is set to a non-loopback address of this host
+    (called when this module is imported); returns the interface pinned, or None. An address no interface
+    holds pins nothing and warns (refit's own listeners then fail on it, naming it)."""
+    address = os.environ.get(BIND_ENV)
+    if not address or address in ("0.0.0.0", "::"):
+        return None
+    try:
+        if interface_of(address) == "lo":
+            return None  # one host: nothing to find
+        pin_interfaces(address)
+    except ConfigError as e:
+        warnings.warn(f"refit: gloo and NCCL not pinned to an interface: {e}", stacklevel=2)
+        return None
+    return os.environ.get("GLOO_SOCKET_IFNAME")
 
 
 def _listener(address: str, port: int) -> socket.socket:
@@ -338,3 +358,6 @@ def signed(store: dist.Store | SignedStore | None, secret: bytes | None = None) 
     if store is None or isinstance(store, SignedStore):
         return store
     return SignedStore(store, secret if secret is not None else auth.job_secret(), os.environ.get(JOB_ENV, ""))
+
+
+pin_from_env()
