@@ -1,5 +1,5 @@
 """Run by tests/test_delta.py with TRITON_INTERPRET=1 (Triton's interpreter on CPU tensors): the one-pass
-delta kernel of ``refit.quant.delta_triton`` against ``find_changes``'s torch path. Prints ALL OK."""
+delta kernel of ``refit.delta.kernels`` against ``find_changes``'s torch path. Prints ALL OK."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from refit.quant.delta import bits, find_changes, find_changes_many
-from refit.quant.delta_triton import diff_compact
+from refit.delta.elements import bits, find_changes, find_changes_many
+from refit.delta.kernels import diff_compact
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
 G = torch.Generator().manual_seed(0)

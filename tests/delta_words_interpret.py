@@ -1,6 +1,6 @@
 """Run by tests/test_delta.py with TRITON_INTERPRET=1 (Triton's interpreter on CPU tensors): the word
-kernels of ``refit.quant.delta_triton`` (find, pack, check, scatter over many pieces in one
-launch) against the torch reference of ``refit.quant.delta_words``. Prints ALL OK."""
+kernels of ``refit.delta.kernels`` (find, pack, check, scatter over many pieces in one
+launch) against the torch reference of ``refit.delta.words``. Prints ALL OK."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from refit.quant.delta import bits
-from refit.quant.delta_words import (
+from refit.delta.elements import bits
+from refit.delta.words import (
     apply_words,
     check_words_many,
     find_words,
@@ -48,7 +48,8 @@ def main() -> None:
     # the wire format packed by one launch equals the pieces' bytes one after another (odd counts padded with 0)
     import numpy as np
 
-    from refit.quant.delta_words import find_words_table, pack_table, wire_sizes
+    from refit.delta.wire import wire_sizes
+    from refit.delta.words import find_words_table, pack_table
 
     ptrs = [np.array([t.data_ptr() for t in ts], dtype=np.int64) for ts in zip(*pairs)]
     nw = np.array([c.numel() * c.element_size() // 8 for _, c in pairs], dtype=np.int64)
@@ -75,7 +76,7 @@ def main() -> None:
     assert not check_words_many(bad, use_triton=True)
     # the check without a host sync, a flag per piece (``Scatter.check``), and a scatter it guards: the bad
     # index's piece flagged alone, and nothing stored anywhere while ``flags[0]`` is raised
-    from refit.quant.delta_words import Scatter
+    from refit.delta.words import Scatter
 
     kept = [(b, i, w) for (b, _), (i, w, _) in zip(pairs, found) if i is not None]
     before = [bits(b).clone() for b, _, _ in kept]
@@ -104,7 +105,7 @@ def main() -> None:
             assert torch.equal(bits(b), bits(c))
     # a sender's base updates from packed payloads (``SourceBase.defer_packed``): held within the budget, those
     # held applied first where the next buffer would pass it, the rest at ``flush(final=True)``
-    from refit.transport.delta import SourceBase
+    from refit.delta.base import SourceBase
 
     held = object.__new__(SourceBase)
     held.queued, held.packed, held.packed_bytes, held.budget, held.updating = [], [], 0, 100, None

@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from refit.delta.cost import LINKS, prefer_words
+from refit.delta.wire import wire_sizes
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
@@ -19,8 +21,6 @@ from refit.plan.cost import (
     predict,
     transfer_time,
 )
-from refit.quant.delta import LINKS, prefer_words
-from refit.quant.delta_words import wire_sizes
 
 GB = 10**9
 

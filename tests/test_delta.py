@@ -12,35 +12,31 @@ from hypothesis import strategies as st
 
 from interpreter import assert_all_ok_in_interpreter, needs_triton
 from refit.config import TransferConfig
+from refit.delta.chunks import plan_may_pay
+from refit.delta.cost import (
+    LINKS,
+    PAY_MARGIN,
+    choose_encoding,
+    choose_words,
+    choose_words_many,
+    may_pay,
+    predicted_seconds,
+    prefer_words,
+    words_changed,
+)
+from refit.delta.elements import apply_changes, check_indices, check_indices_many, find_changes
+from refit.delta.header import QUIET_MAX, announced, check_header, exchange_held
+from refit.delta.payload import word_parts
+from refit.delta.wire import DeltaError, decode, encode, wire_bytes
+from refit.delta.words import check_words_many, find_words, scatter_words_many, words_in
 from refit.errors import ConfigError, RefitAborted
 from refit.layout import box_slices
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap, build_plan
-from refit.quant.delta import (
-    LINKS,
-    PAY_MARGIN,
-    DeltaError,
-    apply_changes,
-    check_indices,
-    check_indices_many,
-    choose_encoding,
-    choose_words,
-    choose_words_many,
-    decode,
-    encode,
-    find_changes,
-    may_pay,
-    predicted_seconds,
-    prefer_words,
-    wire_bytes,
-    words_changed,
-)
-from refit.quant.delta_words import check_words_many, find_words, scatter_words_many, words_in
 from refit.tools.launch import WorkerError, run_local
 from refit.transfer import Receiver, Sender
-from refit.transport.delta import QUIET_MAX, _announced, _word_parts, check_header, exchange_held, plan_may_pay
 from refit.transport.p2p import _Op
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -108,7 +104,7 @@ def test_twenty_consecutive_deltas_are_exact(seed, dtype, encoding, rows, cols, 
     strided=st.booleans(),
 )
 def test_twenty_consecutive_word_deltas_are_exact(seed, dtype, rows, cols8, strided):
-    """Changed 64-bit words (``quant.delta_words``, the torch path) through the wire format, into a strided
+    """Changed 64-bit words (``refit.delta.words``, the torch path) through the wire format, into a strided
     destination and into the base, over 20 random steps: every step bit-exact."""
     gen = torch.Generator().manual_seed(seed)
     cols = cols8 * 8  # whole words for every dtype
@@ -125,7 +121,7 @@ def test_twenty_consecutive_word_deltas_are_exact(seed, dtype, rows, cols8, stri
         want = (base.contiguous().view(torch.int64) != cur.contiguous().view(torch.int64)).reshape(-1)
         assert torch.equal(idx.long(), want.nonzero().squeeze(1)) and nwords == n // per
         payload = torch.empty(wire_bytes("words", n, len(idx), dtype.itemsize), dtype=torch.uint8)
-        parts = _word_parts(idx, words)
+        parts = word_parts(idx, words)
         torch.cat(parts, out=payload)
         got_idx, got_words = decode("words", n, len(idx), payload, dtype)
         assert check_words_many([(got_idx, nwords)])
@@ -266,7 +262,7 @@ def test_out_of_range_indices_never_reach_the_scatter():
 
 
 def test_indices_are_checked_chunk_by_chunk_with_each_piece_against_its_bound(monkeypatch):
-    import refit.quant.delta as delta
+    import refit.delta.elements as delta
 
     monkeypatch.setattr(delta, "CHECK_CHUNK", 3)  # several chunks, one piece alone in a chunk
     monkeypatch.setattr(delta, "CHECK_ALONE", 4)  # the piece of 4 indices checked on its own
@@ -296,18 +292,19 @@ def test_a_delta_on_another_base_version_is_refused_naming_both_versions():
 
 
 def test_word_and_dense_headers_read_at_once_only_when_every_field_is_what_check_header_accepts():
-    """A receiver reads one peer's headers at once (``_headers_at_once``) only where each would pass
+    """A receiver reads one peer's headers at once (``headers_at_once``) only where each would pass
     ``check_header`` as words or as dense (counts 0, as senders write them); any other header leaves every op
     untouched, for ``check_header`` to name."""
-    from refit.quant.delta import ENCODINGS, LINKS
-    from refit.transport.delta import _DeltaOp, _headers_at_once
+    from refit.delta.ops import DeltaOp
+    from refit.delta.receive import headers_at_once
+    from refit.delta.wire import ENCODINGS
 
     group = []
     for pieces in ([16, 8], [4]):  # words per piece
         op = _Op(
             peer=3, tag=0, tensor=torch.empty(sum(pieces) * 4, dtype=torch.bfloat16), pack=[], names=("w",), step=0
         )
-        d = _DeltaOp(
+        d = DeltaOp(
             op, [torch.zeros(n * 4, dtype=torch.bfloat16) for n in pieces], [], LINKS["nvlink"], torch.empty(0)
         )
         d.nwords = pieces
@@ -325,22 +322,22 @@ def test_word_and_dense_headers_read_at_once_only_when_every_field_is_what_check
         "too short": good[:-1],
     }
     for what, header in bad.items():
-        assert not _headers_at_once(group, header, version=5, held=4), what
+        assert not headers_at_once(group, header, version=5, held=4), what
         assert [d.kind for d in group] == ["dense", "dense"] and all(d.wire == 0 for d in group), what
         assert all(d.payload is None for d in group), what
-    assert not _headers_at_once(group, good, version=5, held=None)  # no base held: no delta applies
-    assert _headers_at_once(group, good, version=5, held=4)
+    assert not headers_at_once(group, good, version=5, held=None)  # no base held: no delta applies
+    assert headers_at_once(group, good, version=5, held=4)
     assert [(d.kind, d.changes, d.wire) for d in group] == [("words", [3, 8], 16 + 24 + 32 + 64), ("words", [0], 0)]
     for d, n in zip(group, ([16, 8], [4])):  # the same as op by op
         assert check_header(good[:3] + d.changes, n, 5, 4, op, words=n) == ("words", d.changes)
     mixed = [dense, -1, 5, 0, 0, words, 4, 5, 2]  # a dense message (any base) beside one of words
     for held in (4, None):
         expect = held is not None
-        assert _headers_at_once(group, mixed, version=5, held=held) == expect
+        assert headers_at_once(group, mixed, version=5, held=held) == expect
     assert [(d.kind, d.changes) for d in group] == [("dense", [0, 0]), ("words", [2])]
     assert group[0].payload is group[0].op.tensor and group[1].payload is None and group[1].wire == 8 + 16
     assert check_header(mixed[:5], [64, 32], 5, 4, group[0].op, words=[16, 8]) == ("dense", [0, 0])
-    assert _headers_at_once(group, [dense, -1, 5, 0, 0, dense, 7, 5, 0], version=5, held=None)  # a first refit
+    assert headers_at_once(group, [dense, -1, 5, 0, 0, dense, 7, 5, 0], version=5, held=None)  # a first refit
     assert [d.kind for d in group] == ["dense", "dense"]
 
 
@@ -367,10 +364,10 @@ def test_held_records_and_quiet_trailers_are_checked_field_by_field():
         with pytest.raises(DeltaError, match="process 1 published"):
             exchange_held(Store(rec), "k", 0, None, False, [1], 1.0)
     op = _Op(peer=3, tag=0, tensor=torch.empty(0), pack=[], names=("w",), step=0)
-    assert _announced(QUIET_MAX, op) == QUIET_MAX
+    assert announced(QUIET_MAX, op) == QUIET_MAX
     for value in (-1, QUIET_MAX + 1):
         with pytest.raises(DeltaError, match=f"from process 3: {value} quiet refits announced"):
-            _announced(value, op)
+            announced(value, op)
 
 
 def test_config_refuses_unknown_delta_settings():
@@ -477,7 +474,7 @@ def _delta_worker(world, src, dst, config, mode):
 def _corrupt_an_index_at_version_3(at: list[int]) -> None:
     """An attacker on a sender's side: at version ``at[0] == 3`` the first piece it packs as words by address
     claims a word index past its piece (its own base update leaves that piece out: it would write past it)."""
-    import refit.transport.delta as td
+    import refit.delta.payload as td
 
     real = td._pack_spans
 
@@ -543,16 +540,16 @@ def _run(mode, commit="in_place", timeout=150, dst_spec="tp=2", link_gbps=None, 
 
 
 def test_each_step_is_cut_into_chunks_of_the_staging_budget_per_sender_the_same_on_every_process():
-    from refit.transport.delta import _chunks
+    from refit.delta.chunks import step_chunks
 
     src = layout_from_spec(SHAPES, parse_spec("fsdp=2", "src"))
     for dst_spec in ("tp=2", "tp=1,dp=2"):
         dst = layout_from_spec(SHAPES, parse_spec(dst_spec, "dst"))
         cfg = TransferConfig(num_buffers=2, buffer_bytes=16 << 10, delta="auto")  # the multi-process tests' budget
         plan = build_plan(src, dst, ProcessMap.disjoint(2, 2), cfg)
-        chunk = _chunks(plan, cfg)
+        chunk = step_chunks(plan, cfg)
         p2p = [i for i, m in enumerate(plan.messages) if m.transport == "p2p"]
-        assert sorted(chunk) == p2p and chunk == _chunks(plan, replace(cfg))  # every message, deterministic
+        assert sorted(chunk) == p2p and chunk == step_chunks(plan, replace(cfg))  # every message, deterministic
         for step in {plan.messages[i].step for i in p2p}:
             ids = [i for i in p2p if plan.messages[i].step == step]
             cuts = [chunk[i] for i in ids]
@@ -658,7 +655,7 @@ def test_word_deltas_by_address_are_exact_end_to_end_in_interpreter():
 @needs_triton
 def test_word_kernels_in_interpreter_equal_the_torch_path():
     """One launch over many pieces: find (with a piece over its slots), check (in range, out of range) and
-    scatter, against ``quant.delta_words``' torch reference."""
+    scatter, against ``refit.delta.words``' torch reference."""
     assert_all_ok_in_interpreter(Path(__file__).with_name("delta_words_interpret.py"), 280)
 
 
@@ -807,7 +804,7 @@ def _joined_worker(world):
     """tiny-llama, one sender and one receiver under ``auto``: the norms change wholly every version (dense), the
     other tensors 1% (deltas). Every ``P2PSchedule.post`` is recorded: per side, each message's peer and whether
     it is a header."""
-    from refit.transport.delta import HEADER_TAG
+    from refit.delta.header import HEADER_TAG
     from refit.transport.p2p import P2PSchedule
 
     posted = []
@@ -848,7 +845,7 @@ def test_small_dense_messages_travel_in_their_peers_joined_buffer_beside_the_del
 
 @pytest.mark.gpu
 def test_one_pass_kernel_on_cuda_equals_the_torch_path_and_deltas_apply():
-    from refit.quant.delta import find_changes_many
+    from refit.delta.elements import find_changes_many
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for dtype, n in ((torch.bfloat16, (1 << 22) + 5), (torch.float32, 1 << 20), (torch.float8_e4m3fn, 12345)):
@@ -872,7 +869,7 @@ def test_one_pass_kernel_on_cuda_equals_the_torch_path_and_deltas_apply():
 def test_word_kernels_on_cuda_equal_the_torch_path_in_one_launch_for_many_pieces():
     """``find_words_many`` (one launch over pieces of three dtypes, one overflowing its slots), the one-launch
     check and the scatter into an engine copy and the base: equal to the torch reference, bit for bit."""
-    from refit.quant.delta_words import find_words_many
+    from refit.delta.words import find_words_many
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     specs = [(torch.bfloat16, (1 << 22) + 4), (torch.float32, 1 << 20), (torch.float8_e4m3fn, 12344 * 8)]

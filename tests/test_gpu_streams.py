@@ -4,7 +4,7 @@ which an engine's ``torch.cuda.Stream()`` could be handed too. One GPU."""
 import pytest
 import torch
 
-from refit.quant.delta_words import side_stream
+from refit.delta.words import side_stream
 from refit.transport.ipc import IpcPuller
 
 pytestmark = [

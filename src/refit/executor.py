@@ -39,11 +39,11 @@ import torch.distributed as dist
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.cudart import free_stream, joined, private_stream
+from refit.delta.schedule import DeltaSchedule, DeltaStats
 from refit.errors import ConfigError
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
 from refit.transport.clock import RunClock
-from refit.transport.delta import DeltaSchedule, DeltaStats, plan_may_pay
 from refit.transport.ipc import IpcLink, IpcPuller
 from refit.transport.nixl import NixlLink
 from refit.transport.p2p import P2PSchedule, _Step, check_backend
@@ -134,8 +134,7 @@ class Executor:
         self.p2p = P2PSchedule(
             plan, proc, local, self.device, config, tag_base, group=comms.group, standalone=comms.standalone
         )
-        deltas = config.deltas and (config.delta != "auto" or plan_may_pay(plan, config))
-        self.delta = DeltaSchedule(self.p2p, plan, proc, local, config) if deltas else None
+        self.delta = DeltaSchedule(self.p2p, plan, proc, local, config) if DeltaSchedule.wanted(plan, config) else None
         self.local = [(local.dst_view(p.tensor, p.box), local.src_view(p.tensor, p.box)) for p in plan.local_of(proc)]
         uses_ipc = any(m.transport == "ipc" for m in plan.messages)
         self.ipc = IpcLink.open(plan, proc, local, comms.store, config, self.device) if uses_ipc else None

@@ -28,12 +28,12 @@ import torch.distributed as dist
 from refit.binding import bind_local
 from refit.commit import StagedCommit
 from refit.config import TransferConfig
+from refit.delta.header import exchange_held
 from refit.errors import PlanError, RefitError
 from refit.executor import Comms, Executor, FaultHook, RunStats
 from refit.layout import ModelLayout
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.transport.control import AbortChannel, RefitAborted
-from refit.transport.delta import exchange_held
 from refit.transport.ipc import check_pace
 from refit.transport.store import SignedStore, signed
 

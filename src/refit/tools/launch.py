@@ -111,7 +111,7 @@ def _join(
 def nccl_options():
     """Options of the launcher's default group (when NCCL) and its NCCL data group: streams of high priority,
     so that a P2P send or receive starts beside a large kernel already queued on another stream (a delta
-    refit's next find) instead of after its blocks (``refit.transport.delta``); None where this torch has no
+    refit's next find) instead of after its blocks (``refit.delta.payload``); None where this torch has no
     NCCL."""
     options = getattr(dist, "ProcessGroupNCCL", None)
     return None if options is None else options.Options(is_high_priority_stream=True)

@@ -4,16 +4,17 @@ Word ``w`` of a piece is its row-major elements ``[w * E, (w + 1) * E)`` with ``
 64-bit integer a contiguous copy of them reads as (so a piece has words when ``numel * itemsize`` is a
 multiple of 8). Finding changed words instead of changed elements reads the two versions at HBM speed
 (the element kernel scans and stores per element: 2.0-2.15 TB/s on an H200 against 3.0 TB/s per word,
-``bench/delta_find_variants.py``) and at 1% of bf16 elements changed sends 5.9% of the dense bytes (the
+a variants bench in git history) and at 1% of bf16 elements changed sends 5.9% of the dense bytes (the
 elements' own sparse encoding: 3%). On CUDA every step is one launch for many pieces, driven by a table
-built on the host (``refit.quant.delta_triton``: ``_find_words``, ``_scatter_words``, ``_pack_words``), so the
+built on the host (``refit.delta.kernels``: ``_find_words``, ``_scatter_words``, ``_pack_words``), so the
 host work per piece is a table row, not a dozen launches: ``find_words_many`` (one launch, one host sync for the
 counts), ``pack_table`` (one launch), ``check_words_many`` (one launch, one sync) and ``scatter_words_many`` /
 ``Scatter`` (one launch; a receiver's apply, and a sender's base update from its packed payload or per piece).
 Elsewhere (CPU, strided or unaligned pieces) the torch reference does the same per piece: ``find_words``,
 ``apply_words``.
 
-Wire format of one piece (``wire_sizes``): ``k`` int32 word indices, padded to 8 bytes, then ``k`` words.
+Wire format of one piece (``refit.delta.wire.wire_sizes``): ``k`` int32 word indices, padded to 8 bytes, then
+``k`` words.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ import numpy as np
 import torch
 
 from refit.cudart import private_stream
+from refit.delta.wire import INDEX_BYTES, WORD
 
-WORD = 8  # bytes per word
-INDEX_BYTES = 4  # a word index travels as int32 (a piece of 2**31 words or more has no word encoding)
 SLOT_FRACTION = 4  # the kernel's slots hold a quarter of a piece's words; more changes overflow (``None``)
 
 
@@ -41,16 +41,6 @@ def words_in(t: torch.Tensor) -> int | None:
 def whole_words(nbytes: int) -> bool:
     """A piece of ``nbytes`` has a word encoding: whole 64-bit words, fewer than 2**31 of them."""
     return nbytes % WORD == 0 and nbytes // WORD < 2**31
-
-
-def index_bytes(k):
-    """Bytes of ``k`` int32 word indices padded to 8 (an int or a numpy array): where the words start."""
-    return (k * INDEX_BYTES + 7) // 8 * 8
-
-
-def wire_sizes(k):
-    """Bytes on the wire of ``k`` changed words (an int or a numpy array of them): indices, padding, words."""
-    return index_bytes(k) + k * WORD
 
 
 def addressable(t: torch.Tensor) -> bool:
@@ -113,7 +103,7 @@ def _table(rows: list, per_piece: np.ndarray, device: torch.device) -> tuple[tor
 
 def _blocks(n) -> np.ndarray:
     """Programs per piece of ``n`` words or changes (an int or an array)."""
-    from refit.quant.delta_triton import WORD_BLOCK
+    from refit.delta.kernels import WORD_BLOCK
 
     return -(-np.asarray(n, dtype=np.int64) // WORD_BLOCK)
 
@@ -211,7 +201,7 @@ def launch_words_table(
     the chunk before, the base's update) does not wait for this find, nor this find for it, and the host can
     go on while the device finds. The slots are allocated on the find's stream (``PendingFind.result``
     hands them to the current one)."""
-    from refit.quant.delta_triton import launch_find_words
+    from refit.delta.kernels import launch_find_words
 
     table, pieces, slot, cap, made = _find_table(base, cur, nwords, device)
     if device.type != "cuda":
@@ -342,7 +332,7 @@ class Scatter:
         device): ``flags[0]`` is raised where some index is outside its piece, and ``flags[1 + r]`` for row ``r``
         (piece ``pieces[r]``) where it has room. No host sync: read them later (``apply(flag=flags)`` stores
         nothing where ``flags[0]`` is raised)."""
-        from refit.quant.delta_triton import launch_scatter_words
+        from refit.delta.kernels import launch_scatter_words
 
         if self.table is not None:
             launch_scatter_words(self.table, self.programs, flags, check=True, pieces=len(flags) > 1)
@@ -357,7 +347,7 @@ class Scatter:
         before: nothing is stored where it raised ``flag[0]``). With ``stream`` (CUDA): on that stream, behind
         all work queued so far on the current one, and the table, ``flag`` and ``keep`` (the tensors the table
         points into) are not freed before it is done; the caller makes its stream wait for ``stream``."""
-        from refit.quant.delta_triton import launch_scatter_words
+        from refit.delta.kernels import launch_scatter_words
 
         if self.table is None:
             return
@@ -387,7 +377,7 @@ def _never_raised(device: torch.device) -> torch.Tensor:
 def pack_table(found: Found, sel: np.ndarray, dst: np.ndarray, device) -> None:
     """Pieces ``sel`` of ``found`` (within their slots) into their wire format at byte addresses ``dst``
     (8-byte aligned): its indices, zero padding to 8 bytes, its words. One launch."""
-    from refit.quant.delta_triton import launch_pack_words
+    from refit.delta.kernels import launch_pack_words
 
     k = found.count[sel]
     keep = k > 0
@@ -403,9 +393,9 @@ def _ptrs(ts) -> np.ndarray:
 
 
 def _kernels() -> bool:
-    from refit.quant import delta_triton
+    from refit.delta import kernels
 
-    return delta_triton.AVAILABLE
+    return kernels.AVAILABLE
 
 
 def check_words_many(pieces: list[tuple[torch.Tensor, int]], use_triton: bool | None = None) -> bool:

@@ -1,5 +1,5 @@
 """One-pass delta find on CUDA (Triton): compare, compact and (optionally) update the base, reading each
-version once. ``refit.quant.delta.find_changes`` is its reference and calls it on contiguous CUDA tensors.
+version once. ``refit.delta.elements.find_changes`` is its reference and calls it on contiguous CUDA tensors.
 
 The torch reference makes several passes (compare into a bool tensor, ``nonzero``, gather the values).
 Here one program reads a block of ``BLOCK`` (2048) elements of the base and the current version as integers
@@ -25,7 +25,7 @@ except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch pat
     AVAILABLE = False
 
 # elements per program and its warps: 2048 x 4 found 2.02-2.15 TB/s on an H200 against 1.78-1.99 for 4096 x 8 and
-# 1.10-1.24 for 8192 or more (bench/delta_find_variants.py, bench/results/h200-x2-session33/find.txt)
+# 1.10-1.24 for 8192 or more (a variants bench on 2x H200, 2026-11-26, kept in git history)
 BLOCK = 2048
 NUM_WARPS = 4
 
