@@ -186,7 +186,7 @@ def test_layout_from_fully_sharded_module():
 def _barrier_worker(world, seg):
     import time
 
-    from refit.transport.ipc import HostBarrier
+    from refit.transport.host_barrier import HostBarrier
 
     b = HostBarrier(seg, world.rank, world.world_size, timeout_s=30)
     torch.distributed.barrier()  # every process attached
@@ -214,7 +214,7 @@ def test_host_barrier_in_shared_memory_waits_for_the_late_process():
 def _leave_worker(world, seg, fail_rank):
     import time
 
-    from refit.transport.ipc import BarrierLeft, HostBarrier
+    from refit.transport.host_barrier import BarrierLeft, HostBarrier
 
     b = HostBarrier(seg, world.rank, world.world_size, timeout_s=30)
     torch.distributed.barrier()  # every process attached
@@ -274,7 +274,7 @@ def test_host_barrier_attaches_to_a_segment_created_but_not_yet_sized():
     import time
     import uuid
 
-    from refit.transport.ipc import HostBarrier
+    from refit.transport.host_barrier import HostBarrier
 
     name = f"refit_test_{uuid.uuid4().hex[:8]}"
     path = f"/dev/shm/{name}"
@@ -314,7 +314,7 @@ def test_host_barrier_refuses_a_segment_others_can_open_or_a_symlink():
     import os
 
     from refit.errors import PlanError
-    from refit.transport.ipc import HostBarrier
+    from refit.transport.host_barrier import HostBarrier
 
     name, link = _shm_name(), _shm_name()
     path = f"/dev/shm/{name}"
@@ -357,7 +357,7 @@ def test_host_barrier_owner_creates_a_private_segment_before_publishing_its_name
     import os
     import stat
 
-    from refit.transport.ipc import HostBarrier
+    from refit.transport.host_barrier import HostBarrier
 
     seen = {}
 
@@ -379,7 +379,7 @@ def test_host_barrier_never_closed_is_unlinked_when_collected():
     import gc
     import os
 
-    from refit.transport.ipc import HostBarrier
+    from refit.transport.host_barrier import HostBarrier
 
     name = _shm_name()
     owner, other = HostBarrier(name, 0, 2, timeout_s=5), HostBarrier(name, 1, 2, timeout_s=5)

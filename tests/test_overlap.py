@@ -153,7 +153,7 @@ def test_commit_budget_and_rollback_contract():
 
 def test_a_pace_that_would_outlast_half_the_deadline_is_refused_naming_both():
     from refit.plan import build_plan
-    from refit.transport.ipc import check_pace
+    from refit.transport.ipc_pace import check_pace
 
     shapes = param_shapes("tiny-llama")
     src, dst = layout_from_spec(shapes, parse_spec("tp=1", "src")), layout_from_spec(shapes, parse_spec("tp=1", "dst"))

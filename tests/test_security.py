@@ -28,7 +28,7 @@ import torch.distributed as dist
 from refit.config import TransferConfig
 from refit.errors import ConfigError, PlanError
 from refit.transport import auth
-from refit.transport.ipc import check_handle_fields, import_handles
+from refit.transport.ipc_handles import check_handle_fields, import_handles
 from refit.transport.store import SignedStore
 
 SECRET = b"security-test-secret-0123456789"
@@ -423,7 +423,7 @@ def test_bind_address_defaults_to_loopback(monkeypatch):
 
 
 def _ipc_export_import(world):
-    from refit.transport.ipc import handle_fields, import_handles
+    from refit.transport.ipc_handles import handle_fields, import_handles
 
     store = world.store
     if world.rank == 0:

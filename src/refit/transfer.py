@@ -34,7 +34,7 @@ from refit.executor import Comms, Executor, FaultHook, RunStats
 from refit.layout import ModelLayout
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.transport.control import AbortChannel, RefitAborted
-from refit.transport.ipc import check_pace
+from refit.transport.ipc_pace import check_pace
 from refit.transport.store import SignedStore, signed
 
 

@@ -12,35 +12,30 @@ peer pieces that are not one contiguous run use 2-D strided copies
 ``IpcLink.open`` does one process's whole IPC setup for a plan: export and map the
 handles, build one ``IpcPuller`` per stage (``refit.plan.schedule.ipc_stages``),
 capture each into a CUDA graph, and, for a plan whose links are all IPC (one
-host), agree on a shared-memory ``HostBarrier`` through the store.
+host), agree on a shared-memory ``HostBarrier`` through the store. The handles' export and checked import
+live in ``ipc_handles``, the pacing of pulls (``TransferConfig.pull_gbps``) in ``ipc_pace``, the barrier in
+``host_barrier``.
 """
 
 from __future__ import annotations
 
-import base64
-import errno
-import json
-import os
-import re
-import stat
 import time
-import uuid
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
-from refit.cudart import OwnedStreams, cuda_runtime, free_stream, private_stream
-from refit.errors import ChecksumError, ConfigError, PlanError
+from refit.cudart import OwnedStreams, cuda_runtime
+from refit.errors import ChecksumError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages, part_key, source_part
 from refit.transport.checksum import Piece, PieceSums, fusable
-from refit.transport.clock import RunClock
+from refit.transport.host_barrier import HostBarrier
+from refit.transport.ipc_handles import export_per_receiver, import_handles
+from refit.transport.ipc_pace import pace_chunks, sleep_cycles_per_s, then_sleep
 from refit.transport.rows import row_copy
 from refit.transport.store import SignedStore
 
@@ -130,117 +125,6 @@ def _widen(view: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
-_HANDLE_FIELDS = {
-    "size": list, "stride": list, "offset": int, "dtype": str, "device": int, "handle": str,
-    "storage_bytes": int, "storage_offset": int, "ref_handle": str, "ref_offset": int,
-    "event_handle": (str, type(None)), "event_sync": bool,
-}  # fmt: skip
-_MAX_HANDLE_BYTES = 1024
-
-
-def handle_fields(t: torch.Tensor) -> dict:
-    """Plain data for another process to map CUDA tensor ``t`` (torch's own IPC export, field by field)."""
-    (device, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle, event_sync) = (
-        t.untyped_storage()._share_cuda_()
-    )
-    from torch.multiprocessing.reductions import StorageWeakRef, shared_cache
-
-    shared_cache[handle] = StorageWeakRef(t.untyped_storage())  # as torch's reduce_tensor: keep it exported
-    b64 = lambda b: None if b is None else base64.b64encode(b).decode()  # noqa: E731
-    return {
-        "size": list(t.shape), "stride": list(t.stride()), "offset": t.storage_offset(),
-        "dtype": str(t.dtype).removeprefix("torch."), "device": int(device), "handle": b64(handle),
-        "storage_bytes": int(storage_bytes), "storage_offset": int(storage_offset), "ref_handle": b64(ref_handle),
-        "ref_offset": int(ref_offset), "event_handle": b64(event_handle), "event_sync": bool(event_sync),
-    }  # fmt: skip
-
-
-def _bytes_field(name: str, value: str) -> bytes:
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except (ValueError, TypeError):
-        raise PlanError(f"CUDA IPC handle field {name!r} is not base64") from None
-    if not 0 < len(raw) <= _MAX_HANDLE_BYTES:
-        raise PlanError(f"CUDA IPC handle field {name!r} has {len(raw)} bytes (1..{_MAX_HANDLE_BYTES} allowed)")
-    return raw
-
-
-def check_handle_fields(f: object) -> dict:
-    """``f`` if it is a well-formed ``handle_fields`` record (known keys, types, ranges, the view inside
-    its storage), else ``PlanError`` naming the field."""
-    if not isinstance(f, dict) or set(f) != set(_HANDLE_FIELDS):
-        keys = sorted(f) if isinstance(f, dict) else type(f).__name__
-        raise PlanError(f"CUDA IPC handle record has keys {keys}, expected {sorted(_HANDLE_FIELDS)}")
-    for k, typ in _HANDLE_FIELDS.items():
-        if not isinstance(f[k], typ) or (typ is int and isinstance(f[k], bool)):
-            raise PlanError(f"CUDA IPC handle field {k!r} has type {type(f[k]).__name__}")
-    dims = f["size"] + f["stride"]
-    if len(f["size"]) != len(f["stride"]) or len(f["size"]) > 8 or not all(_nonneg_int(x) for x in dims):
-        raise PlanError(f"CUDA IPC handle has size {f['size']} and stride {f['stride']}")
-    if f["dtype"] not in _DTYPES:
-        raise PlanError(f"CUDA IPC handle dtype {f['dtype']!r} is not one of {sorted(_DTYPES)}")
-    if min(f["offset"], f["storage_bytes"], f["storage_offset"], f["ref_offset"], f["device"]) < 0:
-        raise PlanError("CUDA IPC handle has a negative offset, size or device")
-    item = _DTYPES[f["dtype"]].itemsize
-    last = f["offset"] + sum((n - 1) * st for n, st in zip(f["size"], f["stride"])) + 1
-    if all(f["size"]) and last * item > f["storage_bytes"]:
-        raise PlanError(f"CUDA IPC handle view ends at byte {last * item}, past its {f['storage_bytes']}-byte storage")
-    return f
-
-
-def _nonneg_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def rebuild_handle(f: dict) -> torch.Tensor:
-    """Map the tensor a validated ``handle_fields`` record describes, with torch's own rebuild function."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    f = check_handle_fields(f)
-    event = None if f["event_handle"] is None else _bytes_field("event_handle", f["event_handle"])
-    return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size(f["size"]), tuple(f["stride"]), f["offset"], torch.storage.TypedStorage,
-        _DTYPES[f["dtype"]], f["device"], _bytes_field("handle", f["handle"]), f["storage_bytes"],
-        f["storage_offset"], False, _bytes_field("ref_handle", f["ref_handle"]), f["ref_offset"], event,
-        f["event_sync"],
-    )  # fmt: skip
-
-
-def export_handles(store: SignedStore, key: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Publish IPC handles of ``tensors`` (CUDA) under ``key``: plain data, sealed with the job secret."""
-    handles = {}
-    for name, t in tensors.items():
-        if t.device.type != "cuda":
-            raise ValueError(f"CUDA IPC needs CUDA tensors; {name!r} is on {t.device}")
-        handles[name] = handle_fields(t)
-    store.put_sealed(key, json.dumps(handles).encode())
-
-
-def import_handles(store: SignedStore, key: str, timeout_s: float) -> dict[str, torch.Tensor]:
-    """Map the tensors another process published under ``key`` (each record validated before use)."""
-    handles = json.loads(store.get_sealed(key, timeout_s))
-    if not isinstance(handles, dict) or not all(isinstance(n, str) for n in handles):
-        raise PlanError(f"the CUDA IPC handles under {key!r} are not a mapping of tensor names")
-    return {name: rebuild_handle(f) for name, f in handles.items()}
-
-
 class IpcPuller:
     """The receiver's pulls of one plan, precomputed.
 
@@ -289,7 +173,7 @@ class IpcPuller:
             if src_dev != device:
                 enable_peer_access(src_dev, device)
             label = "same" if src_dev == device else f"peer{src_dev.index}"
-            pieces = [c for d, s in pairs for c in _pace_chunks(d, s, self.PACE_CHUNK if pace_gbps else None)]
+            pieces = [c for d, s in pairs for c in pace_chunks(d, s, self.PACE_CHUNK if pace_gbps else None)]
             copies = [(kind, d.numel() * d.element_size(), fn) for d, s in pieces for kind, fn in [make_copy(d, s)]]
             small = [c for c in copies if c[1] < self.SMALL]
             large = [c for c in copies if c[1] >= self.SMALL]
@@ -343,7 +227,7 @@ class IpcPuller:
             paced, cycles = [], 0
             for kind, nbytes, fn in copies:
                 c = int(nbytes / rate * rates[stream.device])
-                paced.append((kind, nbytes, _then_sleep(fn, c)))
+                paced.append((kind, nbytes, then_sleep(fn, c)))
                 cycles += c
             self.lanes[i] = (label, stream, paced)
             self.paced_s = max(self.paced_s, cycles / rates[stream.device])  # what the recorded sleeps add up to
@@ -412,265 +296,10 @@ class IpcPuller:
         return out
 
 
-def check_pace(plan: Plan, proc: int, config: TransferConfig) -> None:
-    """``ConfigError`` when ``config.pull_gbps`` would make this process's IPC pulls take more than half of
-    ``config.deadline_s`` (every refit would abort, and the sleeps already queued would still hold its
-    stream): called before pre-flight, naming both numbers."""
-    if not config.pull_gbps:
-        return
-    pulled = sum(
-        p.nbytes for m in plan.messages if m.transport == "ipc" and plan.procs.dst[m.dst] == proc for p in m.pieces
-    )
-    seconds = pulled / (config.pull_gbps * 1e9)
-    if seconds > config.deadline_s / 2:
-        raise ConfigError(
-            f"TransferConfig.pull_gbps={config.pull_gbps:g} paces process {proc}'s {pulled / 1e9:.2f} GB of IPC "
-            f"pulls to at least {seconds:.1f} s, more than half of deadline_s={config.deadline_s:g}; raise "
-            "pull_gbps (or deadline_s)"
-        )
-
-
-def _pace_chunks(d: torch.Tensor, s: torch.Tensor, chunk: int | None):
-    """``(dst, src)`` cut into flat runs of at most ``chunk`` bytes where both are contiguous (else whole)."""
-    nbytes = d.numel() * d.element_size()
-    if chunk is None or nbytes <= chunk or not (d.is_contiguous() and s.is_contiguous()):
-        return [(d, s)]
-    step = max(1, chunk // d.element_size())
-    fd, fs = d.view(-1), s.view(-1)
-    return [(fd[i : i + step], fs[i : i + step]) for i in range(0, fd.numel(), step)]
-
-
-def _then_sleep(fn: Callable[[torch.cuda.Stream], None], cycles: int) -> Callable[[torch.cuda.Stream], None]:
-    def paced(stream: torch.cuda.Stream) -> None:
-        fn(stream)
-        if cycles > 0:
-            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-                torch.cuda._sleep(cycles)
-
-    return paced
-
-
-_SLEEP_RATES: dict[torch.device, float] = {}
-
-
-def sleep_cycles_per_s(device: torch.device) -> float:
-    """How many ``torch.cuda._sleep`` cycles make one second on ``device``, measured once per device and
-    process on a private stream (no other work queued between the events): a 20 ms spin first (the clocks
-    ramp up), then the fastest of three 10 ms spins, so a slow reading never makes the sleeps too short.
-    The sleeps count SM cycles: under a lower clock later they last longer (the pace is then slower)."""
-    if device not in _SLEEP_RATES:
-        cycles, best = 20_000_000, 0.0
-        stream = private_stream(device)
-        try:
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                torch.cuda._sleep(cycles)  # loaded, and the clocks up
-                for _ in range(3):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record(stream)
-                    torch.cuda._sleep(cycles // 2)
-                    end.record(stream)
-                    end.synchronize()
-                    best = max(best, (cycles // 2) / (start.elapsed_time(end) / 1e3))
-        finally:
-            free_stream(stream)
-        _SLEEP_RATES[device] = best
-    return _SLEEP_RATES[device]
-
-
-class BarrierLeft(RuntimeError):
-    """A participant of a ``HostBarrier`` closed it while others still waited in a refit (its refit failed)."""
-
-
-class HostBarrier:
-    """A barrier for processes of one host through shared memory (tens of microseconds, no sockets).
-
-    Slot i of a shared int64 array holds participant i's generation. ``wait()``
-    bumps this process's generation and spins until every slot has reached it.
-    ``leave()`` marks this process's slot as gone (negative): a ``wait()`` elsewhere then raises
-    ``BarrierLeft`` instead of passing, so a process that failed and closed can never be mistaken
-    for one that arrived; ``leave()`` itself returns once every participant has left (or at its timeout).
-    The lowest participant creates the segment (``O_EXCL``, mode 0600, tracked by its resource
-    tracker, so a crash still frees it) and alone unlinks it; the others map ``/dev/shm/<name>``
-    directly (no symlink; refused unless it belongs to this user and grants nobody else access), so
-    no other process's resource tracker ever registers, warns about or unlinks a segment it does not own.
-    ``close()`` (idempotent) unmaps and, in the owner, unlinks; a barrier never closed does the same
-    when it is collected or at interpreter exit.
-    """
-
-    def __init__(self, name: str, index: int, size: int, timeout_s: float = 120.0) -> None:
-        self.index, self.size, self.timeout_s, self.gen = index, size, timeout_s, 0
-        self.owner = index == 0
-        self.name = name
-        self.shm = self._create(name, size) if self.owner else None
-        self._map = None if self.owner else self._attach(name, size, timeout_s)
-        # holds the segment, never ``self``: runs once, from close(), on collection or at exit
-        self._finalizer = weakref.finalize(self, HostBarrier._release, self.shm, self._map)
-        buf = self.shm.buf if self.shm is not None else self._map
-        # a new segment is zero-filled by the OS; zeroing it here could erase a slot another
-        # process already bumped after attaching
-        self.slots = np.ndarray((size,), dtype=np.int64, buffer=buf)
-
-    @staticmethod
-    def _create(name: str, size: int):
-        """A new segment ``name`` of ``size`` slots, created exclusively with mode 0600 (a stale file of
-        ours, from a crashed earlier run, is removed first; anyone else's is an error)."""
-        from multiprocessing import shared_memory
-
-        path = f"/dev/shm/{name}"
-        try:
-            st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        try:  # shm_open(O_CREAT | O_EXCL, 0o600): never opens an existing file
-            return shared_memory.SharedMemory(name=name, create=True, size=8 * size)
-        except FileExistsError:
-            raise PlanError(
-                f"barrier segment {path} already exists (not a stale segment of this user's); not using it"
-            ) from None
-
-    @staticmethod
-    def _attach(name: str, size: int, timeout_s: float):
-        """Map the owner's segment once it exists and is sized, after ``_check_private``."""
-        import mmap
-
-        path = f"/dev/shm/{name}"
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-                try:
-                    st = os.fstat(fd)
-                    HostBarrier._check_private(path, st)
-                    if st.st_size >= 8 * size:
-                        return mmap.mmap(fd, 8 * size)
-                finally:
-                    os.close(fd)
-            except FileNotFoundError:  # not there yet (or created but not sized yet: checked above)
-                pass
-            except PermissionError:
-                raise PlanError(f"barrier segment {path} is not this user's; not using it") from None
-            except OSError as e:
-                if e.errno != errno.ELOOP:
-                    raise
-                raise PlanError(f"barrier segment {path} is a symbolic link; not using it") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"barrier segment {name!r} did not appear within {timeout_s:.0f}s")
-            time.sleep(0.001)
-
-    @classmethod
-    def agree(cls, store: SignedStore, key: str, index: int, size: int, timeout_s: float) -> HostBarrier:
-        """Participant ``index`` of ``size`` joins the barrier whose segment name participant 0
-        publishes under ``key``: a fresh random name, published only once participant 0 has created
-        the segment, checked against its pattern by the others."""
-        if index == 0:
-            barrier = cls(f"refit_{uuid.uuid4().hex[:16]}", 0, size, timeout_s)
-            try:
-                store.put(key, {"segment": barrier.name})
-            except BaseException:
-                barrier.close()
-                raise
-            return barrier
-        seg = store.get(key, timeout_s).get("segment", "")
-        if not re.fullmatch(r"refit_[0-9a-f]{16}", seg):
-            raise PlanError(f"barrier segment name {seg!r} under {key!r} is not one refit makes")
-        return cls(seg, index, size, timeout_s)
-
-    def wait(self, timeout_s: float | None = None, check: Callable[[], None] | None = None) -> None:
-        """Return once every participant has called ``wait()`` as often as this one. ``DeadlineExceeded`` (a
-        ``TimeoutError``) after ``timeout_s``; ``BarrierLeft`` if a participant left instead; ``check()`` (an
-        abort check) is called every 20 ms while waiting and may raise. Polls through ``RunClock.watch``
-        (the same spin, GIL yield and sleeps as every other host wait of a refit)."""
-        self.gen += 1
-        self.slots[self.index] = self.gen
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        RunClock(time.monotonic() + timeout_s, check).watch(
-            self._arrived,
-            lambda: (
-                "barrier: participants "
-                f"{[i for i in range(self.size) if self.slots[i] < self.gen]} (waited {timeout_s:g} s for them)"
-            ),
-        )
-
-    def _arrived(self) -> bool:
-        """Whether every participant has reached this generation; ``BarrierLeft`` if one left instead."""
-        if int(self.slots.min()) >= self.gen or self._reached() >= self.gen:
-            return True
-        gone = [i for i in range(self.size) if -1 - int(self.slots[i]) in range(self.gen)]
-        if gone:
-            raise BarrierLeft(f"barrier: participants {gone} left (closed) instead of arriving")
-        return False
-
-    def _reached(self) -> int:
-        """The lowest generation every participant has reached (one that left counts what it had reached)."""
-        v = self.slots
-        return int(np.where(v < 0, -1 - v, v).min())
-
-    def leave(self, timeout_s: float) -> bool:
-        """Mark this participant as gone and wait until every participant has left (True) or ``timeout_s``
-        passed (False: a peer died or is still inside a refit)."""
-        self.slots[self.index] = -1 - self.gen  # "left, having reached generation gen"
-        deadline = time.monotonic() + timeout_s
-        while int(self.slots.max()) >= 0:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.0001)
-        return True
-
-    def close(self) -> None:
-        """Unmap the segment; the owner also unlinks it. Idempotent."""
-        self.slots = None  # the view on the mapping goes first, so the mapping can close
-        self.shm = self._map = None
-        self._finalizer()
-
-    @staticmethod
-    def _check_private(path: str, st: os.stat_result) -> None:
-        """``PlanError`` unless ``st`` (of ``path``) is a regular file of this user that grants nobody else access
-        (what ``HostBarrier._create`` makes): another local user cannot plant or read a barrier segment."""
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise PlanError(
-                f"barrier segment {path} has owner uid {st.st_uid} and mode {stat.filemode(st.st_mode)}; "
-                f"refit only maps a regular file of its own user (uid {os.geteuid()}) with mode 0600"
-            )
-
-    @staticmethod
-    def _release(shm, mapping) -> None:
-        """A ``HostBarrier``'s finalizer: unlink the owner's segment (``shm``), then unmap. Unlinking needs no
-        mapping, so it happens even when the barrier is being collected with its slot view still holding the
-        buffer; that mapping then goes with the view."""
-        if shm is not None:
-            try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
-        for m in (shm, mapping):
-            if m is not None:
-                try:
-                    m.close()
-                except BufferError:  # the slot view is still alive (collection, exit): it unmaps when freed
-                    pass
-
-
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, mapped source view)
 
 
 Checked = tuple[str, int, bool, Pair]  # (tensor name, stage, same GPU, pair) of one pull
-
-
-def _export_per_receiver(plan: Plan, proc: int, local: LocalTensors, store: SignedStore, name: str, ipc: list) -> None:
-    """Publish, for each receiver that pulls from this process, the handles of exactly the tensors it
-    pulls (``<name>/ipc/<proc>/<receiver>``). One export per receiver: torch counts one release per
-    export, so a handle mapped by two receivers would leave its count wrong (and the producer warning
-    at exit that its memory is still shared); and no receiver learns handles it does not need."""
-    wanted: dict[int, dict[str, torch.Tensor]] = {}
-    for m in ipc:
-        if plan.procs.src[m.src] == proc:
-            for p in m.pieces:
-                i, (_, t) = local.src_part(p.tensor, p.box)
-                wanted.setdefault(plan.procs.dst[m.dst], {})[part_key(p.tensor, i)] = t
-    for receiver, tensors in sorted(wanted.items()):
-        export_handles(store, f"{name}/ipc/{proc}/{receiver}", dict(sorted(tensors.items())))
 
 
 def _map_pulls(
@@ -682,7 +311,7 @@ def _map_pulls(
     every pull in order as ``Checked`` when checksums are on)."""
     ipc = [m for m in plan.messages if m.transport == "ipc"]
     name, timeout_s = config.name, config.preflight_timeout_s
-    _export_per_receiver(plan, proc, local, store, name, ipc)
+    export_per_receiver(plan, proc, local, store, name, ipc)
     stage_of = {n: i for i, names in enumerate(stages) for n in names}
     mapped: dict[int, dict[str, torch.Tensor]] = {}
     pairs: list[tuple[list[Pair], list[Pair]]] = [([], []) for _ in stages]  # per stage: (same GPU, peer GPU)

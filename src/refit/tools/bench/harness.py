@@ -38,7 +38,7 @@ from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap, build_plan
 from refit.quant import Fp8Quantizer, fp8_layout, quantize_fp8_block, quantized_names, scale_name
 from refit.tools.launch import World, run_local
-from refit.transport.ipc import HostBarrier
+from refit.transport.host_barrier import HostBarrier
 
 from . import methods as M
 from .weights import make_weight, poison

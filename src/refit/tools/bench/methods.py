@@ -217,7 +217,7 @@ def packed_broadcast(num_buffers: int, total_bytes: int) -> Callable[[Ctx], Call
 def gather_then_slice(ctx: Ctx) -> Callable[[], None]:
     """S3: each trainer rank all-gathers every full tensor (FSDP ``full_tensor()``), then writes
     its colocated engine's TP slice into the engine's tensors (mapped through CUDA IPC)."""
-    from refit.transport.ipc import export_handles, import_handles
+    from refit.transport.ipc_handles import export_handles, import_handles
 
     plan = ctx.plan
     key = f"gts/{ctx.rank}"
