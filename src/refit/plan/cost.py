@@ -57,7 +57,8 @@ from refit.delta.cost import LINKS, LinkSpeed, choose_encoding, choose_words, ma
 from refit.delta.wire import INDEX_BYTES, wire_bytes
 from refit.errors import TopologyError
 from refit.layout import ModelLayout
-from refit.plan.planner import ProcessMap, link_bytes
+from refit.plan.procs import ProcessMap
+from refit.plan.sources import link_bytes
 
 
 @dataclass(frozen=True)

@@ -1,36 +1,23 @@
 """The transfer plan: which source rank sends which box of which tensor to which destination rank.
 
-Built once from the two sides' ModelLayouts and a process map; a refit step
-only executes it. Both sides derive it independently and compare ``digest``.
+Built once from the two sides' ModelLayouts and a process map (``refit.plan.procs``); a refit step only
+executes it. Both sides derive it independently and compare ``digest``. Which replica serves each piece is
+``refit.plan.sources``; this module groups the chosen pieces into messages and steps.
 
-Source choice among replicas (several source ranks holding the same box), in order:
-  1. a holder in the receiver's own process (a local copy, no link bytes), else
-     one on the receiver's device (an on-device copy through CUDA IPC);
-  2. for a tensor laid out identically on both sides (same box on every rank),
-     the receiver's counterpart: the source rank with the same number;
-  3. otherwise, largest pieces first, the least-loaded holder by bytes sent so
-     far, ties broken by a rotation that starts at the receiver's index among
-     that box's receivers. The load of every forced piece (a box with a single
-     holder, or one chosen by 1. or 2.) is counted before this choice starts.
-
-Pieces on a link are grouped into messages: a piece that is one contiguous run
-in both the source's and the destination's local tensor travels alone and
-unpacked ("direct"); the others are packed into buckets of at most
-``buffer_bytes``. Messages are scheduled into steps so that no process has
-more than half of its ``num_buffers`` ring in flight in one step (the other
-half is being packed or unpacked), never more than ``num_buffers`` at once.
-Links between CUDA processes of one host may use IPC (``transport``): the
-receiver pulls each piece from the source's mapped memory, no staging. Links
-may use NIXL (``transport`` "nixl", or "auto" between hosts): the receiver reads
-each piece from the source's registered memory, one message per piece, no staging.
+Pieces on a link are grouped into messages: a piece that is one contiguous run in both the source's and the
+destination's local tensor travels alone and unpacked ("direct"); the others are packed into buckets of at
+most ``buffer_bytes``. Messages are scheduled into steps so that no process has more than half of its
+``num_buffers`` ring in flight in one step (the other half is being packed or unpacked), never more than
+``num_buffers`` at once. Links between CUDA processes of one host may use IPC (``transport``): the receiver
+pulls each piece from the source's mapped memory, no staging. Links may use NIXL (``transport`` "nixl", or
+"auto" between hosts): the receiver reads each piece from the source's registered memory, one message per
+piece, no staging.
 
 This module knows nothing of devices or transports.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import json
 import sys
@@ -47,62 +34,12 @@ from refit.errors import PlanError
 from refit.layout.tensors import (
     Box,
     ModelLayout,
-    TensorLayout,
     box_intersect,
     box_numel,
-    box_runs_whole,
     split_box,
 )
-
-
-@dataclass(frozen=True)
-class ProcessMap:
-    """Which global process hosts each side-local rank, and (optionally) each process's device.
-
-    ``devices[p]`` is ``"cuda:0"``, ``"cpu"`` or ``"host/cuda:1"``; without a host
-    prefix every process is on one host. Without ``devices`` every process is
-    taken to have a device of its own.
-    """
-
-    src: tuple[int, ...]
-    dst: tuple[int, ...]
-    devices: tuple[str, ...] | None = None
-
-    def device_of(self, proc: int) -> str:
-        return self.devices[proc] if self.devices is not None else f"proc{proc}"
-
-    def host_of(self, proc: int) -> str:
-        d = self.device_of(proc)
-        return d.split("/", 1)[0] if "/" in d else "localhost"
-
-    def same_device(self, a: int, b: int) -> bool:
-        return a == b or (self.devices is not None and self.device_of(a) == self.device_of(b))
-
-    def ipc_capable(self, a: int, b: int) -> bool:
-        """Both processes on one host, both on CUDA devices."""
-        return (
-            self.devices is not None
-            and self.host_of(a) == self.host_of(b)
-            and "cuda" in self.device_of(a)
-            and "cuda" in self.device_of(b)
-        )
-
-    def with_devices(self, devices) -> ProcessMap:
-        return ProcessMap(self.src, self.dst, tuple(devices))
-
-    @classmethod
-    def disjoint(cls, n_src: int, n_dst: int) -> ProcessMap:
-        """Trainer ranks are processes ``0..n_src-1``, engine ranks follow."""
-        return cls(tuple(range(n_src)), tuple(range(n_src, n_src + n_dst)))
-
-    @classmethod
-    def colocated(cls, n_src: int, n_dst: int) -> ProcessMap:
-        """Source rank i and destination rank i share process i."""
-        return cls(tuple(range(n_src)), tuple(range(n_dst)))
-
-    @property
-    def world_size(self) -> int:
-        return len(set(self.src) | set(self.dst))
+from refit.plan.procs import ProcessMap
+from refit.plan.sources import Choice, canonical_tensor, check_compatible, choose_sources, gc_paused
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +162,7 @@ class Plan:
         described (mesh names etc.): both sides' tensors with every rank's box, the process map, the
         devices and ``config.agreement()``. Plain JSON data; pre-flight compares it part by part to name
         the first difference."""
-        with _gc_paused():  # its lists are few per tensor, but no collection should walk the plan meanwhile
+        with gc_paused():  # its lists are few per tensor, but no collection should walk the plan meanwhile
             return {
                 "src": [canonical_tensor(t) for t in self.src_layout],
                 "dst": [canonical_tensor(t) for t in self.dst_layout],
@@ -241,7 +178,7 @@ class Plan:
         Equal on two processes exactly when they would run the same plan: it changes with any layout
         box, the process map, a device, an agreed config field, and any message's link, step, transport,
         offsets or piece (tensor, ranks, box), or any local copy."""
-        with _gc_paused():  # nothing it allocates outlives it: no collection needs to walk the plan meanwhile
+        with gc_paused():  # nothing it allocates outlives it: no collection needs to walk the plan meanwhile
             h = hashlib.sha256(json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode())
             index = {t.name: i for i, t in enumerate(self.dst_layout)}  # the order canonical() hashed
             h.update(_packed([self.num_steps, len(self.messages), len(self.local)]))
@@ -256,21 +193,6 @@ class Plan:
     # ---------------------------------------------------------------- per process
     def local_of(self, proc: int) -> list[Piece]:
         return [p for p in self.local if self.procs.dst[p.dst] == proc]
-
-
-def canonical_tensor(t: TensorLayout) -> list:
-    """``[name, shape, dtype, ranks, boxes]`` (and ``row_block`` where set): every rank holding a part
-    (sorted) and its box, as JSON lists; equal for equivalent layouts however described (mesh names,
-    explicit boxes)."""
-    lists: dict[int, list] = {}  # id(box) -> its JSON form: the ranks of one shard share a box object
-    boxes = []
-    for b in t._all_boxes.values():
-        j = lists.get(id(b))
-        if j is None:
-            j = lists[id(b)] = [list(x) for x in b]
-        boxes.append(j)
-    out = [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), list(t._all_boxes), boxes]
-    return out if t.row_block is None else [*out, t.row_block]
 
 
 # ---------------------------------------------------------------------------- digest
@@ -323,52 +245,11 @@ def _piece_columns(pieces: Sequence[Piece], index: dict[str, int]) -> Iterator[I
 # ---------------------------------------------------------------------------- building
 
 
-def check_compatible(src: ModelLayout, dst: ModelLayout) -> None:
-    """Names, shapes and dtypes must agree; raises PlanError naming the first difference."""
-    src_names, dst_names = set(src.names), set(dst.names)
-    missing = [n for n in dst.names if n not in src_names]
-    if missing:
-        raise PlanError(
-            f"{len(missing)} destination tensor(s) have no source, first: {missing[0]!r}"
-            + (f" (others: {', '.join(missing[1:4])}{', ...' if len(missing) > 4 else ''})" if len(missing) > 1 else "")
-        )
-    extra = [n for n in src.names if n not in dst_names]
-    if extra:
-        raise PlanError(f"{len(extra)} source tensor(s) are not wanted by the destination, first: {extra[0]!r}")
-    for d in dst:
-        s = src[d.name]
-        if s.shape != d.shape:
-            raise PlanError(f"tensor {d.name!r}: source shape {list(s.shape)} != destination shape {list(d.shape)}")
-        if s.dtype != d.dtype:
-            raise PlanError(f"tensor {d.name!r}: source dtype {s.dtype} != destination dtype {d.dtype}")
-
-
-def _source_tiles(t: TensorLayout) -> list[tuple[Box, list[int]]]:
-    """Distinct source boxes with their holders, cut into the parts the holders store separately
-    (``row_block``); they must tile the tensor exactly."""
-    tiles = sorted(t.holders().items())
-    if t.row_block is not None:
-        tiles = [(part, holders) for box, holders in tiles for part in t.parts(holders[0])]
-    if t.boxes is not None:  # boxes from a mesh and placements are disjoint by construction
-        for i, (a, _) in enumerate(tiles):
-            for b, _ in tiles[i + 1 :]:
-                if box_intersect(a, b) is not None:
-                    raise PlanError(
-                        f"tensor {t.name!r}: source boxes {list(a)} and {list(b)} overlap without being replicas"
-                    )
-    covered = sum(box_numel(b) for b, _ in tiles)
-    if covered != t.numel:
-        raise PlanError(
-            f"tensor {t.name!r} {list(t.shape)}: source ranks hold {covered} of {t.numel} elements (coverage gap)"
-        )
-    return tiles
-
-
 def check_coverage(dst: ModelLayout, pieces: list[Piece]) -> None:
     """Every destination element is written exactly once (pieces inside the box, pairwise
     disjoint, their sizes summing to the box's). The planner guarantees it by construction
     (disjoint source tiles covering each tensor, each destination box cut by every tile,
-    sizes summed in ``_choose_sources``); this independent check is for tests and callers
+    sizes summed in ``choose_sources``); this independent check is for tests and callers
     who assemble pieces themselves."""
     by_target: dict[tuple[str, int], list[Box]] = defaultdict(list)
     for p in pieces:
@@ -401,148 +282,6 @@ def check_coverage(dst: ModelLayout, pieces: list[Piece]) -> None:
                 )
 
 
-# (tensor, source rank, destination rank, global box, itemsize, bytes, direct): one piece before it is a
-# Piece; direct: one contiguous run in both the source's and the destination's local tensor
-_Choice = tuple[str, int, int, Box, int, int, bool]
-# a piece whose source LPT still has to choose: (its index in the choices, tensor, destination rank, box,
-# holders, the receiver's index among the tile's receivers, itemsize, bytes, direct)
-_Open = tuple[int, str, int, Box, list[int], int, int, int, bool]
-
-
-def _choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> list[_Choice]:
-    """Every piece every destination rank needs, with its source rank, in a stable order.
-
-    Pieces whose source is forced (a single holder, one in the receiver's process or on its
-    device, or the counterpart of an identically laid-out tensor) are fixed first and
-    count as load before the others are chosen by LPT. Plain tuples, not Pieces: at
-    cluster scale (~10^6 pieces) object creation is most of the cost.
-    """
-    out: list[_Choice | None] = []  # in receiver order; None where LPT still has to choose
-    open_: list[_Open] = []
-    for d in dst:
-        _tensor_choices(src[d.name], d, procs, out, open_)
-    if open_:
-        _choose_least_loaded(out, open_, procs)
-    return out  # type: ignore[return-value]  (every None was filled)
-
-
-def _receivers(d: TensorLayout) -> tuple[list[Box], list[tuple[int, int]]]:
-    """The distinct non-empty boxes of ``d`` (replicas share one), and every rank holding one, in rank
-    order, with the index of its box."""
-    distinct: dict[Box, int] = {}  # box -> index in dboxes, -1 for an empty box
-    dboxes: list[Box] = []
-    ranks_in_order: list[tuple[int, int]] = []
-    for r, b in d._all_boxes.items():
-        i = distinct.get(b)
-        if i is None:
-            i = distinct[b] = len(dboxes) if box_numel(b) > 0 else -1
-            if i >= 0:
-                dboxes.append(b)
-        if i >= 0:
-            ranks_in_order.append((r, i))
-    return dboxes, ranks_in_order
-
-
-def _tensor_choices(
-    s: TensorLayout, d: TensorLayout, procs: ProcessMap, out: list[_Choice | None], open_: list[_Open]
-) -> None:
-    """Append the pieces of destination tensor ``d`` to ``out``, tile by tile, receivers in rank order:
-    forced sources fixed, the others ``None`` with their entry in ``open_``. Raises PlanError if a
-    destination box would not be covered exactly."""
-    item = d.itemsize
-    dboxes, ranks_in_order = _receivers(d)
-    got = [0] * len(dboxes)  # bytes each distinct box receives, summed over the tiles
-    identical: bool | None = None  # same boxes on both sides: computed only when it matters
-    for tile, holders in _source_tiles(s):
-        cut = [box_intersect(tile, b) for b in dboxes]  # once per distinct box, not per rank
-        nbytes = [box_numel(c) * item if c is not None else 0 for c in cut]
-        got = [a + b for a, b in zip(got, nbytes)]
-        # holders hold exactly ``tile``: contiguity on both sides is a property of the cut
-        direct = [c is not None and box_runs_whole(c, tile) and box_runs_whole(c, b) for c, b in zip(cut, dboxes)]
-        if len(holders) == 1:
-            h = holders[0]
-            out += [(d.name, h, r, cut[i], item, nbytes[i], direct[i]) for r, i in ranks_in_order if nbytes[i]]
-            continue
-        by_proc, by_dev = _nearest_holders(holders, procs)
-        k = 0  # the receiver's index among this tile's receivers
-        for r, i in ranks_in_order:
-            nb = nbytes[i]
-            if not nb:
-                continue
-            near = by_proc.get(procs.dst[r])
-            if near is None and by_dev:
-                near = by_dev.get(procs.device_of(procs.dst[r]))
-            if near is not None:
-                out.append((d.name, near, r, cut[i], item, nb, direct[i]))
-            elif r in holders and (
-                identical if identical is not None else (identical := canonical_tensor(s) == canonical_tensor(d))
-            ):
-                out.append((d.name, r, r, cut[i], item, nb, direct[i]))
-            else:
-                open_.append((len(out), d.name, r, cut[i], holders, k, item, nb, direct[i]))
-                out.append(None)
-            k += 1
-    for b, n in zip(dboxes, got):  # disjoint tiles covering the tensor cut every box exactly once
-        if n != box_numel(b) * item:
-            r = next(r for r, i in ranks_in_order if dboxes[i] == b)
-            raise PlanError(
-                f"tensor {d.name!r}: destination rank {r} would receive {n // item} of "
-                f"{box_numel(b)} elements of box {list(b)} (coverage gap)"
-            )
-
-
-def _nearest_holders(holders: list[int], procs: ProcessMap) -> tuple[dict[int, int], dict[str, int]]:
-    """The first holder in each process, and (with devices) on each device: looked up, not scanned."""
-    by_proc: dict[int, int] = {}
-    by_dev: dict[str, int] = {}
-    for h in holders:
-        by_proc.setdefault(procs.src[h], h)
-        if procs.devices is not None:
-            by_dev.setdefault(procs.device_of(procs.src[h]), h)
-    return by_proc, by_dev
-
-
-def _choose_least_loaded(out: list[_Choice | None], open_: list[_Open], procs: ProcessMap) -> None:
-    """Fill every open choice: largest pieces first (LPT), each to the least-loaded holder by bytes sent
-    over links so far (forced pieces counted first); ties go to the rotation that starts at the
-    receiver's index among the tile's receivers."""
-    load: dict[int, int] = defaultdict(int)
-    for c in out:
-        if c is not None and not procs.same_device(procs.src[c[1]], procs.dst[c[2]]):
-            load[c[1]] += c[5]
-    for at, name, r, piece, holders, k, item, nb, dr in sorted(open_, key=lambda x: (-x[7], x[0])):
-        start = k % len(holders)
-        h = min(holders[start:] + holders[:start], key=load.__getitem__)  # first of equals (defaultdict: 0 if unseen)
-        load[h] += nb
-        out[at] = (name, h, r, piece, item, nb, dr)
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """The cyclic garbage collector off while the planner allocates millions of tuples that
-    stay alive (at cluster scale its repeated full passes were most of the build time)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def link_bytes(src: ModelLayout, dst: ModelLayout, procs: ProcessMap | None = None) -> dict[tuple[int, int], int]:
-    """Bytes per (source rank, destination rank) that ``build_plan`` would move, local copies
-    included (same process: the key's two ranks share a process) — the source choice alone,
-    without messages or schedule (what a cost model needs at cluster scale)."""
-    procs = procs or ProcessMap.disjoint(src.world_size, dst.world_size)
-    check_compatible(src, dst)
-    out: dict[tuple[int, int], int] = defaultdict(int)
-    with _gc_paused():
-        for _, h, r, _, _, nb, _ in _choose_sources(src, dst, procs):
-            out[(h, r)] += nb
-    return dict(out)
-
-
 def build_plan(
     src: ModelLayout,
     dst: ModelLayout,
@@ -565,14 +304,14 @@ def build_plan(
             f"layouts have {src.world_size} / {dst.world_size}"
         )
     check_compatible(src, dst)
-    with _gc_paused():
+    with gc_paused():
         return _build(src, dst, procs, config)
 
 
 def _build(src: ModelLayout, dst: ModelLayout, procs: ProcessMap, config: TransferConfig) -> Plan:
     """Sources chosen, each link's pieces grouped into messages (IPC and NIXL links: one per piece), the
     packed ones scheduled into steps."""
-    local, per_link = _by_link(_choose_sources(src, dst, procs), procs)
+    local, per_link = _by_link(choose_sources(src, dst, procs), procs)
     raw: list[_Raw] = []
     ipc_messages: list[Message] = []
     for (s, r), plist in sorted(per_link.items()):
@@ -589,7 +328,7 @@ def _build(src: ModelLayout, dst: ModelLayout, procs: ProcessMap, config: Transf
 
 
 def _by_link(
-    choices: list[_Choice], procs: ProcessMap
+    choices: list[Choice], procs: ProcessMap
 ) -> tuple[tuple[Piece, ...], dict[tuple[int, int], list[tuple[Piece, bool]]]]:
     """The chosen pieces as Pieces: the same-process copies, and per link (source rank, destination
     rank) the others, in choice order, each with its direct flag."""
