@@ -111,7 +111,7 @@ def test_refit_cluster_down_cleans_up_after_a_killed_maker(capsys):
 @pytest.mark.parametrize(
     "argv,error",
     [
-        (["up", "--hosts", "0"], "--hosts: must be an integer >= 1"),
+        (["up", "--hosts", "0"], "hosts=0 is not within 1..64"),
         (["up", "--hosts", "65"], "hosts=65 is not within 1..64"),
         (["up", "--rate", "fast"], "rate 'fast' is not a rate"),
         (["up", "--host-names", "a,a"], "are not unique"),

@@ -26,6 +26,7 @@ from refit.layout.models import PRESETS, load_config, param_shapes
 from refit.layout.rules import check_spec_fits, layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import Plan, build_plan
+from refit.tools.cluster.command import add_cluster_parser, cmd_cluster
 from refit.transport.auth import secret_from_env
 
 
@@ -170,8 +171,6 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--refits", type=positive_int, default=200)
     k.add_argument("--warmup", type=positive_int, default=20, help="refits before the baseline is taken")
     _bench_parser(sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S7)"))
-    from refit.tools.cluster.command import add_cluster_parser  # here: it uses this module's flag types
-
     add_cluster_parser(sub)
     return ap
 
@@ -637,8 +636,6 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.cmd not in ("plan", "cluster"):  # a job's secret (REFIT_SECRET / _FILE) checked before any process
             secret_from_env()
-        from refit.tools.cluster.command import cmd_cluster
-
         command = {"plan": cmd_plan, "verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "soak": cmd_soak}
         command["cluster"] = cmd_cluster
         return command[args.cmd](args, console)

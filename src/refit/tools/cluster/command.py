@@ -8,8 +8,9 @@ plan on one machine (root and iproute2 needed).
   TCP; exits with CMD's status.
 * ``list``: the clusters with a state file, and whether their namespaces are still there.
 
-Bad input (a count, rate, name or host that does not fit) exits 2 with one line before anything is made; a
-command of ``ip`` or ``tc`` that fails exits 1 naming it.
+Bad input (a count, rate, name or host that does not fit) exits 2 with one line before anything is made
+(``Cluster`` and ``LinkShape`` check the values; the flags are only parsed here); a command of ``ip`` or ``tc``
+that fails exits 1 naming it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import subprocess
 import sys
 
 from refit.errors import ConfigError
-from refit.tools.cli import positive_float, positive_int
 from refit.tools.cluster import netns
 from refit.tools.cluster.harness import Cluster, LinkShape, parse_rate
 from refit.tools.cluster.netns import ClusterError
@@ -32,11 +32,11 @@ def add_cluster_parser(sub) -> None:
     p = sub.add_parser("cluster", help="hosts as network namespaces on this machine (root): up, down, run, list")
     cs = p.add_subparsers(dest="cluster_cmd", required=True)
     up = cs.add_parser("up", help="make a cluster that stays until `refit cluster down`")
-    up.add_argument("--hosts", type=positive_int, default=3, help="how many hosts (named a, b, c, ...)")
+    up.add_argument("--hosts", type=int, default=3, help="how many hosts (named a, b, c, ...)")
     up.add_argument("--host-names", default=None, help="the hosts' names, comma-separated (instead of --hosts)")
     up.add_argument("--rate", default=None, help="each host's link rate, both ways (e.g. 400mbit, 1gbit)")
-    up.add_argument("--delay-ms", type=positive_float, default=None, help="added delay (needs tc's netem)")
-    up.add_argument("--loss-pct", type=positive_float, default=None, help="random loss (needs tc's netem)")
+    up.add_argument("--delay-ms", type=float, default=None, help="added delay (needs tc's netem)")
+    up.add_argument("--loss-pct", type=float, default=None, help="random loss (needs tc's netem)")
     up.add_argument("--name", default=None, help="the cluster's name (default refit-<tag>)")
     up.add_argument("--json", action="store_true", help="print the cluster as one JSON object")
     down = cs.add_parser("down", help="remove clusters: their processes, namespaces, links")

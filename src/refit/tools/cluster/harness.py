@@ -321,6 +321,7 @@ class Cluster:
         for ns, dev in ((h.netns, h.nic), (self.hub, h.port)):
             netns.shape(ns, dev, shape.rate_bit, shape.delay_ms, shape.loss_pct)
         self.hosts[host] = Host(h.name, h.netns, h.address, h.nic, h.port, shape)
+        self._write_state()  # ``load`` sees the link as it is now
 
     def describe(self) -> dict:
         """The cluster as plain data: name, tag and each host's namespace, address, NIC and shape."""
