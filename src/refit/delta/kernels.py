@@ -1,5 +1,6 @@
-"""One-pass delta find on CUDA (Triton): compare, compact and (optionally) update the base, reading each
-version once. ``refit.delta.elements.find_changes`` is its reference and calls it on contiguous CUDA tensors.
+"""The delta kernels on CUDA (Triton). The one-pass element find: compare, compact and (optionally) update the
+base, reading each version once; ``refit.delta.elements.find_changes`` is its reference and calls it on
+contiguous CUDA tensors.
 
 The torch reference makes several passes (compare into a bool tensor, ``nonzero``, gather the values).
 Here one program reads a block of ``BLOCK`` (2048) elements of the base and the current version as integers
@@ -9,7 +10,9 @@ prefix sum of its changes; with ``update`` it also writes the new values into th
 of a sender, fused). Blocks reserve in the order they run, so the indices come out grouped by block in no
 particular order across blocks (every consumer is order-free: ``encode``, ``apply_changes``). At most
 ``cap`` changes are written; the returned count says how many there were, so a caller sees an overflow.
-Imports nothing of refit (tested in Triton's interpreter on CPU: ``tests/delta_interpret.py``).
+The word kernels (``_find_words``, ``_scatter_words``, ``_pack_words``, launched by ``refit.delta.words``) take a
+table with a row per piece, so one launch serves many pieces. Imports nothing of refit (tested in Triton's
+interpreter on CPU: ``tests/delta_interpret.py``, ``tests/delta_words_interpret.py``).
 """
 
 from __future__ import annotations
