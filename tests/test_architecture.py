@@ -1,4 +1,4 @@
-"""The shape of the package (issue 17): what a newcomer may rely on when reading or changing refit.
+"""The shape of the package: what a newcomer may rely on when reading or changing refit.
 
 Checked on the source text (ast), so they hold without importing optional dependencies.
 """
@@ -14,6 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "refit"
 MAX_FUNCTION_LINES = 80
 MAX_EXECUTOR_LINES = 300
+MAX_FILE_LINES = 700
 
 
 def _modules() -> dict[str, Path]:
@@ -105,6 +106,26 @@ def test_no_function_longer_than_80_lines():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{p.relative_to(SRC)}:{node.lineno} {node.name}() is {n} lines")
     assert long == []
+
+
+def _long_files(paths: list[Path], limit: int, root: Path) -> list[str]:
+    """``"<path under root> has <n> lines"`` for each of ``paths`` longer than ``limit`` lines."""
+    counts = {p: len(p.read_text().splitlines()) for p in paths}
+    return [f"{p.relative_to(root)} has {n} lines" for p, n in counts.items() if n > limit]
+
+
+def test_no_file_in_the_package_is_over_700_lines():
+    """A file a reader can hold: past 700 lines a module holds more than one idea (split it by idea)."""
+    long = _long_files(list(MODULES.values()), MAX_FILE_LINES, SRC.parent)
+    assert long == [], f"files over {MAX_FILE_LINES} lines: " + "; ".join(long)
+
+
+def test_the_file_length_check_names_a_long_file(tmp_path):
+    """The check above sees a file over the limit, with its path and count, and passes one at the limit."""
+    at, over = tmp_path / "at_limit.py", tmp_path / "over_limit.py"
+    at.write_text("x = 1\n" * MAX_FILE_LINES)
+    over.write_text("x = 1\n" * (MAX_FILE_LINES + 1))
+    assert _long_files([at, over], MAX_FILE_LINES, tmp_path) == [f"over_limit.py has {MAX_FILE_LINES + 1} lines"]
 
 
 def test_the_executor_runs_steps_and_nothing_else():
