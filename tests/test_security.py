@@ -243,6 +243,105 @@ def test_a_secret_file_readable_by_others_is_refused(tmp_path, monkeypatch):
         auth.job_secret()
 
 
+def _secret_file(tmp_path: Path, monkeypatch, data: bytes = b"x" * 40, mode: int = 0o600) -> Path:
+    f = tmp_path / "secret"
+    f.write_bytes(data)
+    f.chmod(mode)
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.setenv(auth.SECRET_FILE_ENV, str(f))
+    return f
+
+
+@pytest.mark.timeout(60)
+def test_a_secret_file_that_is_a_fifo_a_symlink_a_folder_or_huge_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    f = _secret_file(tmp_path, monkeypatch)
+    assert auth.job_secret() == b"x" * 40
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # private, but nobody writes: reading it would block forever
+    monkeypatch.setenv(auth.SECRET_FILE_ENV, str(fifo))
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        auth.job_secret()
+    link = tmp_path / "link"
+    link.symlink_to(f)  # a link planted where the secret should be
+    monkeypatch.setenv(auth.SECRET_FILE_ENV, str(link))
+    with pytest.raises(ConfigError, match="symbolic link"):
+        auth.job_secret()
+    monkeypatch.setenv(auth.SECRET_FILE_ENV, str(tmp_path))
+    with pytest.raises(ConfigError, match="not a regular file"):
+        auth.job_secret()
+    _secret_file(tmp_path, monkeypatch, b"y" * (64 << 20))  # 64 MiB: refused from its size, not read
+    with pytest.raises(ConfigError, match=f"67,108,864 bytes; a secret file holds at most {auth.MAX_SECRET_BYTES}"):
+        auth.job_secret()
+
+
+@pytest.mark.parametrize(
+    "secret, match",
+    [
+        (" padded-secret-0123456789", "surrounding whitespace"),
+        ("padded-secret-0123456789\t", "surrounding whitespace"),
+        ("a-secret-with\x1b[2Ja-control-character", "control character at position 13"),
+        ("a-secret-with\na-newline-inside", "control character at position 13"),
+    ],
+)
+def test_a_secret_with_surrounding_whitespace_or_a_control_character_is_refused(secret, match, monkeypatch):
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    monkeypatch.setenv(auth.SECRET_ENV, secret)
+    with pytest.raises(ConfigError, match=match):
+        auth.job_secret()
+
+
+def test_a_secret_file_with_a_control_character_is_refused_and_one_trailing_newline_is_not(tmp_path, monkeypatch):
+    _secret_file(tmp_path, monkeypatch, b"a-secret-with\x00-a-nul-0123456789")
+    with pytest.raises(ConfigError, match="control character at position 13"):
+        auth.job_secret()
+    _secret_file(tmp_path, monkeypatch, b"a-secret-from-an-editor-0123456789\n")
+    assert auth.job_secret() == b"a-secret-from-an-editor-0123456789"
+
+
+def _never_runs(world):
+    raise AssertionError("a process started with a bad secret")
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_secret_is_refused_before_any_process_starts(monkeypatch):
+    from refit.tools.launch import run_local
+
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    monkeypatch.setenv(auth.SECRET_ENV, "a-secret-0123456789 ")
+    with pytest.raises(ConfigError, match="surrounding whitespace"):  # not a WorkerError from the children
+        run_local(_never_runs, 1, 1, timeout_s=60)
+
+
+def test_warnings_about_ignored_values_are_rate_limited_across_stores():
+    """One forged key per refit: each refit's store (a Peer's) sees it once; the process warns once."""
+    import warnings
+
+    secret = b"rate-limit-test-secret-0123456789"
+    raw = dist.HashStore()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for v in range(50):  # 50 refits, a store each, a forged vote each
+            raw.set(f"run/v{v}.0/ok/1", b"refit1." + b"ab" * 32 + b'.{"version": 1}')
+            s = SignedStore(raw, secret)
+            assert s.peek(f"run/v{v}.0/ok/1") is None and s.rejected[f"run/v{v}.0/ok/1"] == 1
+    lines = [w for w in seen if "without a valid job-secret tag" in str(w.message)]
+    assert len(lines) == 1, [str(w.message) for w in lines]
+    assert "ignored 1 value(s)" in str(lines[0].message)
+
+
+def test_a_forged_preflight_record_times_out_naming_what_was_seen():
+    from refit.layout import Mesh, ModelLayout, TensorLayout
+    from refit.plan import ProcessMap, build_plan
+    from refit.transfer import preflight
+
+    one = TensorLayout("w", (4,), torch.float32, Mesh((1,), ("tp",), (0,)), (torch.distributed.tensor.Replicate(),))
+    plan = build_plan(ModelLayout((one,), 1), ModelLayout((one,), 1), ProcessMap.disjoint(1, 1))
+    s = _store()
+    s.raw.set("refit/preflight/1", b"refit1." + b"ab" * 32 + b'.{"error": "forged"}')
+    with pytest.raises(PlanError, match=r"process 1 did not publish .*1 value\(s\) with invalid tags .*forged"):
+        preflight(plan, 0, s, 0.3)
+
+
 # -- a live refit under attack ---------------------------------------------------------------------
 
 NAME = "sec"
@@ -458,3 +557,136 @@ def test_cuda_ipc_handles_map_with_the_secret_and_not_without():
     out = run_local(_ipc_export_import, 1, 1, backend="gloo", devices=["cuda:0", "cuda:0"], timeout_s=120)
     assert out[0] is True  # the store holds no raw handle bytes
     assert out[1] == {"stolen": False, "ok": True}
+
+
+# -- a replay from an earlier job, started by hand with a reused secret and no job id -----------------
+
+REPLAY = "replay"
+REPLAY_SECRET = "a-secret-reused-across-jobs-0123456789"
+
+
+def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.01)
+
+
+def _hand_started_worker(world, workdir: str, job: str):
+    """A job as torchrun would start it: the same REFIT_SECRET as the job before, no REFIT_JOB_ID.
+    Job "a" commits versions 1 and 2; job "b" commits 1, waits while the stranger replays job a's
+    version-2 votes and commit record into its store, then its process 2 fails version 2 before voting."""
+    from refit import layout_from_spec, parse_spec
+    from refit.errors import RefitAborted
+    from refit.layout.models import param_shapes
+    from refit.plan import ProcessMap
+    from refit.tools.verify import holds, reference_shards
+    from refit.transfer import Peer
+
+    os.environ.pop("REFIT_JOB_ID", None)
+    work = Path(workdir)
+    store = world.store
+    if world.rank == 0:
+        store.raw.set("probe", "x")
+        (work / f"{job}-port").write_text(str(dist.distributed_c10d._get_default_store().underlying_store.port))
+    shapes = param_shapes("tiny-llama")
+    src, dst = layout_from_spec(shapes, parse_spec("tp=1", "src")), layout_from_spec(shapes, parse_spec("tp=2", "dst"))
+    is_src = world.src_rank is not None
+    rank = world.src_rank if is_src else world.dst_rank
+    tensors = reference_shards(src if is_src else dst, rank, seed=1)
+    config = TransferConfig(name=REPLAY, commit="staged", deadline_s=60, preflight_timeout_s=60)
+    peer = Peer(
+        src,
+        dst,
+        world.rank,
+        src_tensors=tensors if is_src else None,
+        dst_tensors=None if is_src else {n: torch.zeros_like(t) for n, t in tensors.items()},
+        procs=ProcessMap.disjoint(1, 2),
+        config=config,
+        store=store,
+    )
+    error = None
+    for v in (1, 2):
+        if is_src:
+            for n, t in reference_shards(src, rank, seed=v).items():
+                tensors[n].copy_(t)
+        if job == "b" and v == 2:
+            _wait_for(work / "replayed")
+
+        def fail(where: str, info: dict) -> None:
+            if where == "received":
+                raise RuntimeError("injected: process 2 fails version 2 after its bytes arrived, before voting")
+
+        try:
+            peer.run(v, fault_hook=fail if job == "b" and v == 2 and world.rank == 2 else None)
+        except RefitAborted as e:
+            error = str(e)
+    if job == "a":
+        (work / f"a-done{world.rank}").write_text("1")
+        _wait_for(work / "recorded")  # the store (hosted by process 0) stays up while the stranger reads it
+    held = None if is_src else [s for s in (1, 2) if holds(peer.live, dst, rank, seed=s)]
+    return {"version": peer.version, "held": held, "rejected": sum(peer.store.rejected.values()), "error": error}
+
+
+class _Recorder(threading.Thread):
+    """A stranger who reads job a's store (values are not secret, only tagged), keeps every value of
+    its version 2, and writes them into job b's store (on the same port) before job b votes."""
+
+    def __init__(self, work: Path) -> None:
+        super().__init__(daemon=True)
+        self.work, self.error, self.copied = work, None, 0
+
+    def _connect(self, job: str):
+        _wait_for(self.work / f"{job}-port", 180)
+        port = int((self.work / f"{job}-port").read_text())
+        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
+        return store, next(k for k in store.list_keys() if k.endswith("probe"))[: -len("probe")], port
+
+    def run(self) -> None:
+        try:
+            store, prefix, port_a = self._connect("a")
+            for r in range(3):
+                _wait_for(self.work / f"a-done{r}")
+            recorded = {
+                k[len(prefix) :]: store.get(k) for k in store.list_keys() if k.startswith(f"{prefix}{REPLAY}/run/v2.")
+            }
+            (self.work / "recorded").write_text("1")
+            del store
+            store, prefix, port_b = self._connect("b")
+            assert port_a == port_b, (port_a, port_b)
+            for key, raw in recorded.items():
+                store.set(prefix + key, raw)
+            self.copied = len(recorded)
+            (self.work / "replayed").write_text("1")
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+            (self.work / "recorded").write_text("1")
+            (self.work / "replayed").write_text("1")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+def test_an_earlier_jobs_votes_replayed_into_a_hand_started_job_are_rejected(tmp_path, monkeypatch):
+    """Two jobs on one store port, the same secret, no job id: job a's signed version-2 votes and commit
+    record, copied into job b's store, must not commit version 2 anywhere in job b (whose process 2
+    fails before voting); they are rejected and counted."""
+    from refit.tools import launch
+    from refit.transport.control import free_port
+
+    monkeypatch.setenv(auth.SECRET_ENV, REPLAY_SECRET)
+    monkeypatch.delenv("REFIT_JOB_ID", raising=False)
+    port = free_port()
+    monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": port)  # job b's store after job a's
+    stranger = _Recorder(tmp_path)
+    stranger.start()
+    a = launch.run_local(_hand_started_worker, 1, 2, str(tmp_path), "a", backend="gloo", timeout_s=200)
+    b = launch.run_local(_hand_started_worker, 1, 2, str(tmp_path), "b", backend="gloo", timeout_s=200)
+    stranger.join(timeout=30)
+    assert stranger.error is None, stranger.error
+    assert stranger.copied >= 4  # three votes and the commit record of job a's version 2
+    assert [row["version"] for row in a] == [2, 2, 2] and [row["held"] for row in a[1:]] == [[2], [2]]
+    assert all(row["error"] is not None for row in b)  # every process of job b saw the abort
+    assert [row["version"] for row in b] == [1, 1, 1]  # version 2 committed nowhere ...
+    assert [row["held"] for row in b[1:]] == [[1], [1]]  # ... the live weights are version 1, bit for bit
+    assert sum(row["rejected"] for row in b) > 0  # the replayed values were seen and refused

@@ -101,7 +101,7 @@ def test_a_client_of_a_store_shut_down_fails_loudly(ray_session):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
 def test_the_durable_copy_thread_runs_at_a_lower_priority(ray_store):
-    from refit.data.ray_store import ADOPT_NICE
+    from refit.data.ray_actor import ADOPT_NICE
 
     def priorities(actor):
         mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

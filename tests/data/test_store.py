@@ -420,7 +420,7 @@ def test_gather_of_ranges_is_the_view_lists_give():
 def test_zero_copy_decode_of_read_only_bytes_is_exact_and_silent():
     import warnings
 
-    from refit.data.ray_store import decode, encode
+    from refit.data.ray_actor import decode, encode
 
     t = torch.randn(3, 5).to(torch.bfloat16)
     arr, dtype, shape = encode(t)

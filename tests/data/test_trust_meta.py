@@ -290,7 +290,7 @@ def test_a_take_or_clear_through_a_shipped_meta_waits_for_its_put_to_arrive(monk
     import threading
     import time
 
-    from refit.data import ray_store as rs
+    from refit.data import ray_actor as rs
 
     actor = rs._StorageActor()
     late = f"{'1' * 32}@{time.time():.3f}"
@@ -333,7 +333,7 @@ def test_a_put_that_arrives_between_a_take_and_its_wait_is_not_missed(monkeypatc
     arrived: it must still try again (the put is new since it first looked), not fail or leave keys."""
     import time
 
-    from refit.data import ray_store as rs
+    from refit.data import ray_actor as rs
 
     actor = rs._StorageActor()
     for op, token in (("clear", "8"), ("take", "9")):
@@ -363,7 +363,7 @@ def test_a_clear_through_two_puts_clears_the_one_that_arrived(monkeypatch):
     import threading
     import time
 
-    from refit.data import ray_store as rs
+    from refit.data import ray_actor as rs
 
     monkeypatch.setattr(rs, "ARRIVAL_WINDOW_S", 0.5)
     actor = rs._StorageActor()
@@ -378,7 +378,7 @@ def test_a_clear_through_two_puts_clears_the_one_that_arrived(monkeypatch):
 @ray.remote(num_cpus=0)
 def _direct(store, method, *args):
     """A call to the partition's storage actor as the client makes it (takes and clears on their own threads)."""
-    from refit.data.ray_store import AWAITS
+    from refit.data.ray_actor import AWAITS
 
     actor = store._unit("arr")
     call = getattr(actor, method)
@@ -389,7 +389,7 @@ def test_takes_waiting_for_their_puts_do_not_hold_up_the_puts(ray_store):
     """More takes waiting than the storage actor has threads for them: the puts they wait for still run."""
     import time
 
-    from refit.data.ray_store import AWAIT_THREADS
+    from refit.data.ray_actor import AWAIT_THREADS
 
     soon = time.time() - 60.0 + 10.0  # made 50 s ago: each waits up to 10 s for a put that never comes
     waits = [

@@ -85,7 +85,7 @@ not keep them alive. Nothing refit reads is unpickled outside Ray's own transpor
 
 from __future__ import annotations
 
-__all__ = ["RayStore", "encode", "decode", "ADOPT_NICE", "AWAITS", "AWAIT_THREADS", "SETTLE_TIMEOUT_S"]
+__all__ = ["RayStore", "encode", "decode"]  # encode/decode: the storage actor's (ray_actor), re-exported
 
 import contextlib
 import threading
@@ -98,7 +98,6 @@ from .inputs import FieldData, check_keys, check_name, normalize_put
 from .meta import BatchMeta
 from .placed import PendingPuts, Placed, PutRows, origins, placed_of
 from .ray_actor import (
-    ADOPT_NICE,
     AWAIT_THREADS,
     AWAITS,
     SETTLE_TIMEOUT_S,

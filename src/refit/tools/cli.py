@@ -407,15 +407,13 @@ def _plan_json(plan: Plan, bandwidth: float) -> dict:
     }
 
 
-def _cluster(args, console, src, dst, shapes, src_l, dst_l, t0: float) -> int:
+def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> int:
     import time
 
     from rich.table import Table
 
-    from refit.plan.cost import Topology, predict
+    from refit.plan.cost import predict
 
-    with _flag("--cluster"):
-        topo = Topology.from_json(args.cluster)
     replicas = dst.degree("dp")
     one = None
     if replicas > 1:
@@ -472,11 +470,17 @@ def cmd_plan(args, console) -> int:
 
     if args.changed_fraction is not None and not args.cluster:
         raise ConfigError(f"--changed-fraction {args.changed_fraction:g} needs --cluster (it adds a delta prediction)")
+    topo = None
+    if args.cluster:  # read first: a bad file is refused before the model's shapes are built
+        from refit.plan.cost import Topology
+
+        with _flag("--cluster"):
+            topo = Topology.from_json(args.cluster)
     src, dst, cfg, shapes = _setup(args)
     t0 = time.perf_counter()  # plan building starts here: shapes are given
     src_l, dst_l = _src_layout(args, shapes, src), layout_from_spec(shapes, dst)
     if args.cluster:
-        return _cluster(args, console, src, dst, shapes, src_l, dst_l, t0)
+        return _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0)
 
     if args.fp8:
         src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
