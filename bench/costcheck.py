@@ -19,7 +19,7 @@ from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan.cost import Topology, broadcast_time, p2p_transfers, transfer_time
-from refit.tools.bench.harness import scenarios
+from refit.tools.bench.scenarios import scenarios
 
 RUNS = [
     ("nvidia-h200-x2", "bench/results/h200x2-s1-s3.json"),

@@ -164,7 +164,7 @@ def test_bench_methods_are_checked_and_keep_the_floor(capsys):
     assert main(["bench", "--device", "cpu", "--scenarios", "S1", "--methods", "refit,gather"]) == 2
     err = capsys.readouterr().err
     assert "--methods: unknown method(s) ['gather'] for scenarios ['S1']" in err and "'refit_checksums'" in err
-    from refit.tools.bench.harness import only_methods, scenarios
+    from refit.tools.bench.scenarios import only_methods, scenarios
 
     s1 = scenarios("cpu")["S1"]
     assert only_methods(s1, ("refit",)).methods == ("refit", "floor")

@@ -1,4 +1,4 @@
-"""``refit bench``: scenarios S1-S3, every method timed in the same processes, JSON records.
+"""``refit bench``: every method of a scenario timed in the same processes, JSON records.
 
 Per method: setup (not timed), then ``warmup`` + ``iters`` refits; before each
 the engine's tensors are poisoned (NaN), after each they are compared bit for
@@ -9,7 +9,8 @@ shards before every refit (timed as part of it, overlapped with the pulls of
 earlier stages when ``--stages`` > 1; ``refit_1stage`` quantizes everything
 first; ``fp8_quantize`` times the quantization alone) and the check quantizes each whole reference
 tensor. Time per refit: the slowest process's time from a shared-memory barrier (all processes released
-within microseconds) to its device being synchronized.
+within microseconds) to its device being synchronized. The scenarios are ``scenarios``'s; the floor each
+time is divided by is ``floor``'s.
 Peak extra memory: ``torch.cuda.max_memory_allocated`` over the memory held
 before the method's setup, the largest over the processes. Memory growth: the
 allocated memory after the last refit minus after the first.
@@ -29,9 +30,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from refit.config import TransferConfig, nixl_installed
+from refit.config import TransferConfig
 from refit.errors import ConfigError
-from refit.layout import box_numel, box_slices
+from refit.layout import box_slices
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
@@ -41,232 +42,11 @@ from refit.tools.launch import World, run_local
 from refit.transport.host_barrier import HostBarrier
 
 from . import methods as M
+from .floor import engine_floor, floor_setup
+from .scenarios import Scenario, fp8_scenario, installed, only_methods, scenarios
 from .weights import make_weight, poison
 
 GiB = 1 << 30
-FLOOR_CHUNK = 8 * GiB  # the floor's copies go through buffers of at most this size
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """One benchmark setting: the two layouts, which device each process runs on, the methods timed."""
-
-    name: str
-    what: str
-    src: str
-    dst: str
-    devices: tuple[str, ...]  # process -> device (trainer ranks first)
-    methods: tuple[str, ...]
-    # "links": every link's bytes as one copy, all at once; "one_link": one engine's bytes over one link
-    floor: str = "links"
-
-    @property
-    def gpus(self) -> int:
-        return len({d for d in self.devices if d.startswith("cuda")})
-
-
-def _gpus(n: int) -> tuple[str, ...]:
-    return tuple(f"cuda:{i}" for i in range(n))
-
-
-CPU_SCENARIOS = (
-    Scenario(
-        "S1",
-        "non-colocated 1 -> 1 (CPU, gloo)",
-        "tp=1",
-        "tp=1",
-        ("cpu", "cpu"),
-        ("refit", "refit_checksums", "refit_nixl", "per_tensor_broadcast", "floor"),
-    ),
-    Scenario(
-        "S3",
-        "reshard fsdp=2 -> tp=2 (CPU, gloo)",
-        "fsdp=2",
-        "tp=2",
-        ("cpu",) * 4,
-        ("refit", "refit_checksums", "refit_nixl", "floor"),
-    ),
-    Scenario(
-        "S6",
-        "one trainer -> 3 engine replicas (CPU, gloo)",
-        "tp=1",
-        "tp=1,dp=3",
-        ("cpu",) * 4,
-        ("refit", "refit_fanout", "floor"),
-    ),
-)
-
-CUDA_SCENARIOS = (
-    Scenario(
-        "S1",
-        "non-colocated 1 -> 1: trainer GPU0, engine tp=1 GPU1",
-        "tp=1",
-        "tp=1",
-        ("cuda:0", "cuda:1"),
-        (
-            "refit",
-            "refit_checksums",
-            "refit_nccl",
-            "refit_nixl",
-            "per_tensor_broadcast",
-            "packed_broadcast_1buf",
-            "packed_broadcast_2buf",
-            "floor",
-        ),
-    ),
-    Scenario(
-        "S2",
-        "colocated on one GPU: trainer and engine processes on GPU0",
-        "tp=1",
-        "tp=1",
-        ("cuda:0", "cuda:0"),
-        ("refit", "refit_checksums", "refit_nixl", "floor"),
-    ),
-    Scenario(
-        "S3",
-        "colocated reshard: trainer fsdp=2 on GPU0-1 -> engine tp=2 on GPU0-1",
-        "fsdp=2",
-        "tp=2",
-        _gpus(2) * 2,
-        ("refit", "refit_checksums", "refit_nixl", "gather_then_slice", "floor"),
-    ),
-    Scenario(
-        "S4",
-        "non-colocated reshard: trainer tp=2 on GPU0-1 -> engine tp=2 on GPU2-3",
-        "tp=2",
-        "tp=2",
-        _gpus(4),
-        ("refit", "refit_nccl", "floor"),
-    ),
-    Scenario(
-        "S5",
-        "colocated reshard: trainer fsdp=4 -> engine tp=1,dp=4 on GPU0-3",
-        "fsdp=4",
-        "tp=1,dp=4",
-        _gpus(4) * 2,
-        ("refit", "floor"),
-    ),
-    Scenario(
-        "S6",
-        "one trainer GPU -> 3 engine replicas: trainer GPU0 -> engine tp=1,dp=3 on GPU1-3",
-        "tp=1",
-        "tp=1,dp=3",
-        _gpus(4),
-        ("refit", "refit_fanout", "per_tensor_broadcast", "floor"),
-        floor="one_link",
-    ),
-    Scenario(
-        "S6x7",
-        "one trainer GPU -> 7 engine replicas: trainer GPU0 -> engine tp=1,dp=7 on GPU1-7",
-        "tp=1",
-        "tp=1,dp=7",
-        _gpus(8),
-        ("refit", "refit_fanout", "per_tensor_broadcast", "floor"),
-        floor="one_link",
-    ),
-    Scenario(
-        "S7",
-        "MoE colocated reshard (run with --model qwen3-30b-a3b): trainer ep=4,tp=2 -> engine tp=4,dp=2 on GPU0-7",
-        "ep=4,tp=2",
-        "tp=4,dp=2",
-        _gpus(8) * 2,
-        ("refit", "floor"),
-    ),
-)
-
-
-def scenarios(device: str) -> dict[str, Scenario]:
-    """The scenarios of ``device`` ("cpu" or "cuda") by name, in table order."""
-    return {s.name: s for s in (CPU_SCENARIOS if device == "cpu" else CUDA_SCENARIOS)}
-
-
-def _floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
-    """Single large copies of the plan's per-link byte counts; returns named variants."""
-    plan = ctx.plan
-    dev = ctx.device
-    if ctx.src is None:  # engines idle; the trainer processes make the copies
-        return {}
-    if dev.type == "cpu":
-        n = plan.bytes_moved // max(1, len(plan.procs.src))
-        a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
-        return {"memcpy": lambda: b.copy_(a)}
-    same = 0
-    peer: dict[torch.device, int] = {}  # destination GPU -> bytes this process sends there
-    for m in plan.messages:
-        if plan.procs.src[m.src] != ctx.rank:
-            continue
-        nbytes = sum(p.nbytes for p in m.pieces)
-        if plan.procs.same_device(ctx.rank, plan.procs.dst[m.dst]):
-            same += nbytes
-        else:
-            other = torch.device(plan.procs.device_of(plan.procs.dst[m.dst]))
-            peer[other] = peer.get(other, 0) + nbytes
-    if scen.floor == "one_link":
-        # the largest per-link byte count of an ideal fan-out (every engine's bytes cross one link
-        # once): one engine's share over one link
-        biggest = max(
-            sum(box_numel(b) * t.itemsize for t in plan.dst_layout if (b := t.box(r)) is not None)
-            for r in range(len(plan.procs.dst))
-        )
-        first = torch.device(plan.procs.device_of(plan.procs.dst[0]))
-        peer, same = ({first: biggest} if ctx.rank == plan.procs.src[0] else {}), 0
-    out = {}
-    # n bytes as copies of at most FLOOR_CHUNK bytes through one buffer pair (the same bytes cross the
-    # link; a 60 GB model's floor then needs no second and third copy of the model)
-    peer_bufs = [
-        (
-            n,
-            torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=dev),
-            torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=d),
-        )
-        for d, n in sorted(peer.items(), key=str)
-    ]
-    if same:
-        ls = torch.empty(min(same, FLOOR_CHUNK), dtype=torch.uint8, device=dev)
-        ld = torch.empty(min(same, FLOOR_CHUNK), dtype=torch.uint8, device=dev)
-    streams = [torch.cuda.Stream(dev) for _ in range(len(peer_bufs) + 1)]
-    main = torch.cuda.current_stream(dev)
-
-    def chunked(n: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        for off in range(0, n, FLOOR_CHUNK):
-            m = min(FLOOR_CHUNK, n - off)
-            b[:m].copy_(a[:m], non_blocking=True)
-
-    def copies() -> None:
-        for st in streams:
-            st.wait_stream(main)
-        for st, (n, src_buf, dst_buf) in zip(streams, peer_bufs):
-            with torch.cuda.stream(st):
-                chunked(n, src_buf, dst_buf)
-        if same:
-            with torch.cuda.stream(streams[-1]):
-                chunked(same, ls, ld)
-        for st in streams:
-            main.wait_stream(st)
-
-    out["copy"] = copies
-    if scen.name == "S1" and ctx.nccl is not None:
-        n, buf = peer_bufs[0][0], peer_bufs[0][1]
-
-        def nccl_send() -> None:
-            for off in range(0, n, FLOOR_CHUNK):
-                dist.send(buf[: min(FLOOR_CHUNK, n - off)], dst=1, group=ctx.nccl)
-
-        out["nccl_send"] = nccl_send
-    return out
-
-
-def _engine_peer_for_floor(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
-    if ctx.dst is None or scen.name != "S1" or ctx.nccl is None or ctx.device.type != "cuda":
-        return {}
-    n = ctx.plan.bytes_moved
-    buf = torch.empty(min(n, FLOOR_CHUNK), dtype=torch.uint8, device=ctx.device)
-
-    def nccl_recv() -> None:
-        for off in range(0, n, FLOOR_CHUNK):
-            dist.recv(buf[: min(FLOOR_CHUNK, n - off)], src=0, group=ctx.nccl)
-
-    return {"copy": lambda: None, "nccl_send": nccl_recv}
 
 
 def _sync(dev: torch.device) -> None:
@@ -441,7 +221,7 @@ def _settle(dev: torch.device) -> int:
 def _time_floor(proc: _Process, scen: Scenario, opts: BenchOptions) -> dict:
     """Every floor variant any process has, timed; the record of the fastest (by median)."""
     ctx = proc.ctx
-    variants = _floor_setup(ctx, scen) if ctx.src is not None else _engine_peer_for_floor(ctx, scen)
+    variants = floor_setup(ctx, scen) if ctx.src is not None else engine_floor(ctx, scen)
     names = sorted(set(dist_all(variants.keys())))
     best = None
     for v in names:
@@ -553,9 +333,6 @@ def device_kind() -> str:
     return f"nvidia-{chip}" + (f"-x{n}" if n > 1 else "")
 
 
-FP8_METHODS = ("refit", "refit_1stage", "fp8_quantize", "floor")
-
-
 @dataclass(frozen=True)
 class BenchOptions:
     """One ``refit bench`` run: where, which model and scenarios, how many refits, with which settings.
@@ -600,16 +377,6 @@ def chosen_scenarios(opts: BenchOptions) -> list[str]:
     return which
 
 
-NIXL_METHODS = ("refit_nixl",)
-
-
-def only_methods(scen: Scenario, methods: tuple[str, ...]) -> Scenario:
-    """``scen`` with only ``methods`` and ``floor`` (the ratios' base); all of them when ``methods`` is empty."""
-    if not methods:
-        return scen
-    return replace(scen, methods=tuple(m for m in scen.methods if m in methods or m == "floor"))
-
-
 def check_methods(opts: BenchOptions) -> None:
     """``ConfigError`` if ``opts.methods`` names a method that none of ``opts.scenarios`` has."""
     all_s = scenarios(opts.device)
@@ -617,24 +384,6 @@ def check_methods(opts: BenchOptions) -> None:
     odd = [m for m in opts.methods if m not in known]
     if odd:
         raise ConfigError(f"unknown method(s) {odd} for scenarios {list(opts.scenarios)}; available: {sorted(known)}")
-
-
-def _installed(scen: Scenario) -> Scenario:
-    """``scen`` without the methods whose optional package is missing here (``refit_nixl``: nixl). On GPUs
-    ``refit_nixl`` runs only when asked for (``REFIT_BENCH_NIXL=1``): its first GPU run (one H100, S2)
-    printed nothing within 250 s, so it must not hold up the default bench (docs/benchmarks.md)."""
-    if nixl_installed() and (scen.gpus == 0 or os.environ.get("REFIT_BENCH_NIXL") == "1"):
-        return scen
-    return replace(scen, methods=tuple(m for m in scen.methods if m not in NIXL_METHODS))
-
-
-def _fp8_scenario(scen: Scenario) -> Scenario:
-    return replace(
-        scen,
-        name=f"{scen.name}-fp8",
-        what=scen.what + ", FP8 engine (128x128 blocks, quantized by the trainer)",
-        methods=FP8_METHODS,
-    )
 
 
 def _row(scen: Scenario, res: dict, r: dict, floor_s: float | None, opts: BenchOptions, kind: str, date: str) -> dict:
@@ -687,7 +436,7 @@ def run_bench(opts: BenchOptions, console) -> list[dict]:
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     rows = []
     for name in which:
-        scen = only_methods(_fp8_scenario(all_s[name]) if opts.fp8 else _installed(all_s[name]), opts.methods)
+        scen = only_methods(fp8_scenario(all_s[name]) if opts.fp8 else installed(all_s[name]), opts.methods)
         console.print(
             f"[{scen.name}] {scen.what}: {opts.model}, trainer {scen.src} -> engine {scen.dst}, "
             f"methods {', '.join(scen.methods)} ..."
