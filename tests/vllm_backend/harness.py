@@ -280,38 +280,50 @@ def run(
     load_path: str = "auto",
     transport: str = "p2p",
     delta: str = "off",
+    llm=None,
 ) -> dict:
-    """Refit a fresh engine ``steps`` times; returns the trainer history, the engine's greedy tokens/logprobs
-    and HF's on the last weights, the workers' ``refit_stats``, the version vLLM reports, and what refit
-    left behind after shutdown on trainer rank 0 (``trainer_leftovers``) and in each worker
-    (``worker_leftovers``, after ``llm.shutdown_weight_transfer_engine()``)."""
-    from refit.engines.vllm.client import LLMClient
-
+    """Refit an engine ``steps`` times: ``llm`` (a pooled engine of ``model_name``, which is then its model
+    directory) or a fresh one. Returns the trainer history, the engine's greedy tokens/logprobs and HF's on the
+    last weights, the workers' ``refit_stats`` before (``worker_stats_before``) and after, the version vLLM
+    reports, and what refit left behind after shutdown on trainer rank 0 (``trainer_leftovers``) and in each
+    worker (``worker_leftovers``, after ``llm.shutdown_weight_transfer_engine()``)."""
+    if llm is not None:
+        return _refit(llm, model_name, spec, engine_tp, steps, load_path, transport, delta)
     with tempfile.TemporaryDirectory() as workdir:
         llm = make_llm(model_name, engine_tp, workdir)
-        workers_before = llm.collective_rpc("refit_test_snapshot")
+        result = _refit(llm, model_name, spec, engine_tp, steps, load_path, transport, delta)
+        del llm
+        return result
+
+
+def _refit(llm, model_name, spec, engine_tp, steps, load_path, transport, delta) -> dict:
+    from refit.engines.vllm.client import LLMClient
+
+    stats_before = llm.collective_rpc("refit_stats")
+    workers_before = llm.collective_rpc("refit_test_snapshot")
+    try:
         history, trainer_left = train_and_refit(
             LLMClient(llm), model_name, spec, engine_tp, steps, load_path, transport=transport, delta=delta
         )
-        stats = llm.collective_rpc("refit_stats")
+    finally:  # a refused init leaves the workers' side to release too: the engine may serve the next test
         llm.shutdown_weight_transfer_engine()
-        workers_after = llm.collective_rpc("refit_test_snapshot")
-        # the last step's weights are what the engine holds now
-        tokens, lps = greedy(llm)
-        ref_tokens, ref_lps = hf_reference(model_name, history[-1]["weights"], tokens)
-        result = {
-            "history": history,
-            "tokens": tokens,
-            "logprobs": lps,
-            "ref_tokens": ref_tokens,
-            "ref_logprobs": ref_lps,
-            "worker_stats": stats,
-            "version": llm.get_weight_version(),
-            "trainer_leftovers": trainer_left,
-            "worker_leftovers": [leftovers(b, a) for b, a in zip(workers_before, workers_after)],
-        }
-        del llm
-        return result
+    stats = llm.collective_rpc("refit_stats")
+    workers_after = llm.collective_rpc("refit_test_snapshot")
+    # the last step's weights are what the engine holds now
+    tokens, lps = greedy(llm)
+    ref_tokens, ref_lps = hf_reference(model_name, history[-1]["weights"], tokens)
+    return {
+        "history": history,
+        "tokens": tokens,
+        "logprobs": lps,
+        "ref_tokens": ref_tokens,
+        "ref_logprobs": ref_lps,
+        "worker_stats_before": stats_before,
+        "worker_stats": stats,
+        "version": llm.get_weight_version(),
+        "trainer_leftovers": trainer_left,
+        "worker_leftovers": [leftovers(b, a) for b, a in zip(workers_before, workers_after)],
+    }
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 def _compare(cfg, tp: int, **llm_kw) -> list[dict]:
     """Every worker's comparison (``WorkerTestExtension.refit_test_compare_loaders``, called by name) for an
-    engine of ``cfg`` with ``tp`` workers. With ``tp > 1`` the engine core runs in the test's process (its
+    engine of ``cfg`` with ``tp`` workers (the MoE engines, which no other test shares; the dense ones are the
+    pooled engines ``test_vllm_backend`` refits). With ``tp > 1`` the engine core runs in the test's process (its
     workers are still processes): one vLLM import less per engine, ~20 s on the 2-core CI machine. The
     comparison runs inside the workers; the engine core's msgpack link with vLLM's pickle switch off is what
     ``test_vllm_backend`` crosses. With one worker vLLM would run it in the test's process too (and its
@@ -64,15 +65,17 @@ def _save_checkpoint(config_dir):
     build_model(load_config(config_dir), torch.float32, seed=7).save_pretrained(os.path.join(config_dir, "ckpt"))
 
 
+@pytest.mark.vllm_engine
 @pytest.mark.parametrize(
     "model,tp,kv_heads",
     [("tiny-qwen3", 2, None), ("tiny-qwen2", 2, None), ("tiny-llama", 2, 1), ("tiny-llama", 1, None)],
 )
-def test_direct_writes_equal_vllm_loaders(model, tp, kv_heads):
-    cfg = load_config(model)
-    if kv_heads is not None:
-        cfg.num_key_value_heads = kv_heads  # fewer KV heads than tp: vLLM replicates them
-    out = _compare(cfg, tp)
+def test_direct_writes_equal_vllm_loaders(model, tp, kv_heads, pooled):
+    llm, model_dir = pooled  # the engine test_vllm_backend refits too; its directory holds ckpt/
+    cfg = load_config(model_dir)
+    assert cfg.num_key_value_heads == (kv_heads or load_config(model).num_key_value_heads)
+    out = llm.collective_rpc("refit_test_compare_loaders", args=(model_dir,))
+    assert len(out) == tp
     for r in out:
         assert r["differ"] == [], r["differ"][:5]
         bias = 2 if getattr(cfg, "attention_bias", False) or model == "tiny-qwen2" else 1  # weight (+ bias) per layer
@@ -106,12 +109,14 @@ def test_moe_writes_equal_vllm_loaders(model, tp, ep):
             assert r["written"] < 0.75 * r["model_numel"]
 
 
-def test_direct_asked_where_vllm_repacked_fails_at_init_naming_the_parameter():
+@pytest.mark.vllm_engine("tiny-llama", 1)
+def test_direct_asked_where_vllm_repacked_fails_at_init_naming_the_parameter(pooled):
     from .harness import run
 
+    llm, model_dir = pooled
     with pytest.raises(
         RuntimeError,
         match=r"refused the transfer at init.*load_path='direct'.*"
         r"model\.layers\.\d+\.\S+ has shape \[0\], not as loaded",
     ):
-        run("tiny-llama", "tp=2", 1, 1, load_path="direct")
+        run(model_dir, "tp=2", 1, 1, load_path="direct", llm=llm)

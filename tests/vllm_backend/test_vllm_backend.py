@@ -26,21 +26,28 @@ def _model_bytes(name):
     return sum(math.prod(s) * 4 for _, s, _ in param_shapes(name))
 
 
+def _refits(r) -> list[int]:
+    """Refits each worker completed during this run (a pooled engine's counters carry earlier tests' refits)."""
+    return [a["refits"] - b.get("refits", 0) for a, b in zip(r["worker_stats"], r["worker_stats_before"])]
+
+
+@pytest.mark.vllm_engine
 @pytest.mark.parametrize(
     "model,spec,engine_tp",
-    [  # each model family, each trainer layout and each engine TP once (an engine start is ~40 s on CI's CPUs)
+    [  # each model family, each trainer layout and each engine TP once (pooled engines, shared with test_direct)
         ("tiny-llama", "tp=2", 1),
         ("tiny-qwen3", "fsdp=2", 2),
         ("tiny-qwen2", "tp=2", 2),  # q/k/v biases
     ],
 )
-def test_refit_into_vllm_matches_hf(model, spec, engine_tp):
+def test_refit_into_vllm_matches_hf(model, spec, engine_tp, pooled):
     steps = 2
-    r = run(model, spec, engine_tp, steps)
+    llm, model_dir = pooled
+    r = run(model_dir, spec, engine_tp, steps, llm=llm)
     assert r["tokens"] == r["ref_tokens"]
     assert max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])) <= 1e-4
     assert r["version"] == str(steps)  # finish_weight_update(weight_version=...) made it visible
-    assert all(s["version"] == steps and s["refits"] == steps for s in r["worker_stats"])
+    assert all(s["version"] == steps for s in r["worker_stats"]) and _refits(r) == [steps] * engine_tp
     # shutdown leaks nothing: no refit thread, no store listener or connection, no gloo socket
     nothing = {"threads": [], "sockets": []}
     assert r["trainer_leftovers"] == nothing
@@ -61,11 +68,13 @@ def test_refit_into_vllm_matches_hf(model, spec, engine_tp):
         assert per_worker == [total]
 
 
+@pytest.mark.vllm_engine("tiny-llama", 2)
 @pytest.mark.skipif(not nixl_agent.available(), reason="nixl is not installed (pip install 'refit-rl[nixl]')")
-def test_refit_into_vllm_over_nixl_matches_hf():
+def test_refit_into_vllm_over_nixl_matches_hf(pooled):
     # two engine workers read their TP shares from the two FSDP trainer ranks' registered memory
     steps = 2
-    r = run("tiny-llama", "fsdp=2", 2, steps, transport="nixl")
+    llm, model_dir = pooled
+    r = run(model_dir, "fsdp=2", 2, steps, transport="nixl", llm=llm)
     assert r["tokens"] == r["ref_tokens"]
     assert max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])) <= 1e-4
     assert r["version"] == str(steps)
@@ -75,15 +84,17 @@ def test_refit_into_vllm_over_nixl_matches_hf():
     assert r["history"][0]["loss"] != r["history"][1]["loss"]
 
 
-def test_deltas_into_vllm_match_hf():
+@pytest.mark.vllm_engine("tiny-llama", 2)
+def test_deltas_into_vllm_match_hf(pooled):
     """Forced sparse deltas (the harness's SGD changes every float32 element, so ``"auto"`` would send
     dense): every refit after the first carries indices and values, applied into the worker's loader
     buffers, which vLLM's loaders then read whole; greedy tokens equal HF's on the trainer's weights."""
     steps = 3
-    r = run("tiny-llama", "tp=2", 2, steps, delta="sparse")
+    llm, model_dir = pooled
+    r = run(model_dir, "tp=2", 2, steps, delta="sparse", llm=llm)
     assert r["tokens"] == r["ref_tokens"]
     assert max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])) <= 1e-4
-    assert all(s["version"] == steps and s["refits"] == steps for s in r["worker_stats"])
+    assert all(s["version"] == steps for s in r["worker_stats"]) and _refits(r) == [steps] * 2
     sent = [h["bytes_sent"] for h in r["history"]]
     assert sent[1] > 1.5 * sent[0] and sent[2] > 1.5 * sent[0], sent  # index + value per changed float32
 
@@ -130,14 +141,15 @@ def _token_list(text: str) -> list[int]:
     return [int(x) for x in text.strip("[] ").split(",")]
 
 
-def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path):
+@pytest.mark.vllm_engine("tiny-llama", 2, kv_heads=1)
+def test_kv_heads_replicated_when_tp_exceeds_them(pooled):
     # one KV head, engine tp=2: both workers need the same k/v rows (vLLM replicates them)
     from refit.layout.models import load_config
 
-    cfg = load_config("tiny-llama")
-    cfg.num_key_value_heads = 1
-    cfg.save_pretrained(tmp_path)
-    r = run(str(tmp_path), "fsdp=2", 2, 2)  # a TP trainer cannot split one KV head; FSDP2 can
+    llm, model_dir = pooled
+    cfg = load_config(model_dir)
+    assert cfg.num_key_value_heads == 1
+    r = run(model_dir, "fsdp=2", 2, 2, llm=llm)  # a TP trainer cannot split one KV head; FSDP2 can
     assert r["tokens"] == r["ref_tokens"]
     assert max(abs(a - b) for a, b in zip(r["logprobs"], r["ref_logprobs"])) <= 1e-4
     assert all(s["rules"]["qkv:k"] == cfg.num_hidden_layers for s in r["worker_stats"])
