@@ -40,7 +40,7 @@ from refit.config import TransferConfig
 from refit.errors import FanoutError, RefitAborted
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.plan import Plan, ProcessMap, build_plan
-from refit.transfer import Peer
+from refit.transfer import Peer, agree_scope
 from refit.transport.store import SignedStore, signed
 
 
@@ -252,6 +252,8 @@ class Fanout:
         self.devices, self.device, self.group = (tuple(devices) if devices is not None else None), device, group
         self.trainer, self.replica, self.proc = trainer, replica, proc
         self.trainer_procs, self.replica_procs = list(trainer_procs), [list(p) for p in replica_procs]
+        if store is not None:  # fleet decisions in a scope of every process's fresh nonce: no replay commits
+            store = agree_scope(store, f"{config.name}/fleet", proc, sorted(everyone), config.preflight_timeout_s)
         self.store, self.config, self.max_attempts = store, config, max_attempts
         # fleet commit (config "staged"): replicas receive into a shadow (waves move it, replica
         # sources serve from it); every replica makes it live in one commit step, or none does

@@ -4,8 +4,9 @@ Contract
 --------
 * Both sides are constructed with the same two ModelLayouts (source and
   destination), process map and ``TransferConfig``; each derives the Plan on its
-  own, then pre-flight exchanges ``{digest, agreed settings}`` through the
-  rendezvous store (no data collective): a mismatch raises ``PlanError`` on
+  own, then pre-flight exchanges ``{digest, agreed settings, nonce}`` through the
+  rendezvous store (no data collective; every later value of the session is
+  tagged in a scope bound to all members' nonces: ``session_scope``): a mismatch raises ``PlanError`` on
   every process, naming the differing setting (``stages``, ``checksums``,
   ``tag_base``, ...) with both values, or both digests and the first differing
   tensor.
@@ -113,6 +114,23 @@ def _record(store: SignedStore, tag: str, p: int, timeout_s: float) -> dict:
     if not isinstance(theirs, dict):
         raise PlanError(f"pre-flight: process {p} published {type(theirs).__name__}, not a plan record")
     return theirs
+
+
+def agree_scope(store: SignedStore, tag: str, proc: int, members: list[int], timeout_s: float) -> SignedStore:
+    """``store`` scoped to a fresh nonce of every process of ``members`` (``session_scope``), for values
+    outside a ``Peer`` (a ``Fanout``'s fleet decisions): each process publishes its own nonce under
+    ``{tag}/nonce/{proc}`` and waits up to ``timeout_s`` for the others' (``PlanError`` naming the silent)."""
+    nonce = secrets.token_hex(16)
+    store.put(f"{tag}/nonce/{proc}", nonce)
+    keys = {p: f"{tag}/nonce/{p}" for p in members if p != proc}
+    got = store.wait_all(keys.values(), timeout_s)
+    silent = [p for p, k in keys.items() if not isinstance(got.get(k), str)]
+    if silent:
+        raise PlanError(
+            f"{tag}: processes {silent} did not publish their nonce within {timeout_s:.0f}s "
+            f"({sum(store.rejected[keys[p]] for p in silent)} value(s) with invalid tags seen there)"
+        )
+    return store.scoped(session_scope({**{p: got[k] for p, k in keys.items()}, proc: nonce}))
 
 
 def check_peers(
