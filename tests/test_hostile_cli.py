@@ -34,7 +34,7 @@ MAX_RSS = 3 << 30  # and must stay below this resident
 _DRIVER = r"""
 import json, os, resource, select, signal, sys, time, traceback
 import refit.tools.cli as cli
-import refit.plan.cost, refit.tools.bench.harness, refit.tools.resources  # what the commands import lazily
+import refit.cost, refit.tools.bench.harness, refit.tools.resources  # what the commands import lazily
 from refit.layout.models import param_shapes
 param_shapes("tiny-llama")  # transformers' config and model modules, imported once here, not in every child
 
@@ -136,7 +136,7 @@ def _files(tmp: Path) -> dict[str, str]:
 
 
 def _cases(tmp: Path) -> list[tuple[str, list[str], dict]]:
-    """(what it tries, argv, environment changes): every subcommand, 50 inputs."""
+    """(what it tries, argv, environment changes): every subcommand, over 50 inputs."""
     f = _files(tmp)
     bad_secret = {
         "/dev/zero": {"REFIT_SECRET": None, "REFIT_SECRET_FILE": "/dev/zero"},
