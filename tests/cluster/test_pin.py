@@ -16,8 +16,9 @@ IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 @pytest.fixture
 def env(monkeypatch):
-    for k in IFNAMES:
-        monkeypatch.delenv(k, raising=False)
+    for k in IFNAMES:  # set, then deleted: undone at the end whatever pin_from_env writes in between
+        monkeypatch.setenv(k, "unset")
+        monkeypatch.delenv(k)
     return monkeypatch
 
 

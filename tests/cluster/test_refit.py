@@ -18,7 +18,7 @@ from refit.tools.cluster.job import Job, python_argv
 
 from .helpers import STRANGER, wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.multiproc]
+pytestmark = [pytest.mark.cluster, pytest.mark.multiproc, pytest.mark.timeout(600)]  # a loaded CI machine
 
 PLACEMENT = ["a", "a", "b", "c"]  # processes 0-1: trainer ranks (fsdp=2), 2-3: engine ranks (tp=1, dp=2)
 REFITS = 4
@@ -28,7 +28,7 @@ def _rank_argv(transport: str, *extra: str) -> list[str]:
     return python_argv(
         "refit.tools.cluster.rank",
         *("--src", "fsdp=2", "--dst", "tp=1,dp=2", "--refits", str(REFITS), "--transport", transport),
-        *("--hosts", ",".join(PLACEMENT), "--deadline-s", "60", *extra),
+        *("--hosts", ",".join(PLACEMENT), "--deadline-s", "180", *extra),
     )
 
 
@@ -53,13 +53,13 @@ def run(request, cluster, tmp_path_factory):
     before = _engine_bytes_in(cluster)
     job = Job(cluster, PLACEMENT, _rank_argv(request.param, "--sync", str(sync)))
     ranks = range(len(PLACEMENT))
-    wait_for([sync / f"ready.{r}" for r in ranks], 180, job.procs)
+    wait_for([sync / f"ready.{r}" for r in ranks], 300, job.procs)
     hosts = {h: cluster.host(h).address for h in ("a", "b", "c", "d")}
     at_ready = {h: cluster.listeners(h) for h in hosts}
     stop = sync / "stop-stranger"
     stranger = _stranger(cluster, at_ready, stop)
     (sync / "go").touch()
-    wait_for([sync / f"done.{r}" for r in ranks], 180, job.procs)
+    wait_for([sync / f"done.{r}" for r in ranks], 300, job.procs)
     at_done = {h: cluster.listeners(h) for h in hosts}
     (sync / "exit").touch()
     try:

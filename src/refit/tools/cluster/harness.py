@@ -39,6 +39,8 @@ STATE_ENV = "REFIT_CLUSTER_STATE"
 STATE_DIR = "/run/refit-cluster"
 NETWORK = ipaddress.ip_network("198.18.0.0/15")
 MAX_HOSTS = 64
+MACHINE_ONLY = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "REFIT_UCX_SET")
+"""Variables naming this machine's interfaces: not passed on to a host's processes (its interfaces differ)."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
 _HOST = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
@@ -291,11 +293,13 @@ class Cluster:
         return [netns.IP, "netns", "exec", self.host(host).netns, *argv]
 
     def spawn(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None, **popen) -> subprocess.Popen:
-        """Start ``argv`` inside ``host`` (environment: this process's, ``env(host)``, then ``env``); tracked,
-        and killed by ``down()`` with anything it started in the namespace."""
+        """Start ``argv`` inside ``host`` (environment: this process's without ``MACHINE_ONLY``, then
+        ``env(host)``, then ``env``); tracked, and killed by ``down()`` with anything it started in the
+        namespace."""
         if not self._live:
             raise ClusterError(f"cluster {self.name!r} is not up")
-        full = {**os.environ, **self.env(host), **(env or {})}
+        mine = {k: v for k, v in os.environ.items() if k not in MACHINE_ONLY}
+        full = {**mine, **self.env(host), **(env or {})}
         p = subprocess.Popen(self.command(host, argv), env=full, start_new_session=True, **popen)
         self.procs.append(p)
         return p

@@ -111,7 +111,7 @@ def report(value: Any) -> None:
     print(RESULT + json.dumps(value), flush=True)
 
 
-def join_from_env(timeout_s: float = 120.0):
+def join_from_env(timeout_s: float = 300.0):
     """Inside a job's process: pin gloo to the bind address's interface, host (process 0) or join the store,
     and make the default gloo group. Returns ``(rank, world_size, store)``."""
     import torch.distributed as dist

@@ -28,7 +28,7 @@ from refit.tools.verify import holds, reference_shards
 from refit.transfer import Peer
 from refit.transport.store import bind_address
 
-SYNC_WAIT_S = 120.0
+SYNC_WAIT_S = 300.0
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
