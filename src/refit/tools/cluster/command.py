@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
@@ -97,11 +96,7 @@ def _run(args: argparse.Namespace, console) -> int:
         raise ConfigError("cluster run: give the command after --, e.g. refit cluster run NAME a -- python x.py")
     cluster = Cluster.load(args.name)
     cluster.host(args.host)
-    return subprocess.run(cluster.command(args.host, argv), env=_env(cluster, args.host)).returncode
-
-
-def _env(cluster: Cluster, host: str) -> dict[str, str]:
-    return {**os.environ, **cluster.env(host)}
+    return subprocess.run(cluster.command(args.host, argv), env=cluster.process_env(args.host)).returncode
 
 
 def _list(args: argparse.Namespace, console) -> int:

@@ -288,19 +288,22 @@ class Cluster:
         "hosts" through shared memory or CMA, which separate machines cannot)."""
         return {"REFIT_BIND_ADDRESS": self.host(host).address, "UCX_TLS": "tcp"}
 
+    def process_env(self, host: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The whole environment of a process on ``host``: this process's without ``MACHINE_ONLY``, then
+        ``env(host)``, then ``env``."""
+        mine = {k: v for k, v in os.environ.items() if k not in MACHINE_ONLY}
+        return {**mine, **self.env(host), **(env or {})}
+
     def command(self, host: str, argv: Sequence[str]) -> list[str]:
         """``argv`` as run inside ``host``'s namespace."""
         return [netns.IP, "netns", "exec", self.host(host).netns, *argv]
 
     def spawn(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None, **popen) -> subprocess.Popen:
-        """Start ``argv`` inside ``host`` (environment: this process's without ``MACHINE_ONLY``, then
-        ``env(host)``, then ``env``); tracked, and killed by ``down()`` with anything it started in the
-        namespace."""
+        """Start ``argv`` inside ``host`` (environment: ``process_env(host, env)``); tracked, and killed by
+        ``down()`` with anything it started in the namespace."""
         if not self._live:
             raise ClusterError(f"cluster {self.name!r} is not up")
-        mine = {k: v for k, v in os.environ.items() if k not in MACHINE_ONLY}
-        full = {**mine, **self.env(host), **(env or {})}
-        p = subprocess.Popen(self.command(host, argv), env=full, start_new_session=True, **popen)
+        p = subprocess.Popen(self.command(host, argv), env=self.process_env(host, env), start_new_session=True, **popen)
         self.procs.append(p)
         return p
 
