@@ -1,4 +1,4 @@
-"""The cost model (``refit.plan.cost``) against measured runs: every recorded ``refit`` and floor
+"""The cost model (``refit.cost``) against measured runs: every recorded ``refit`` and floor
 median of ``refit bench`` on the 2- and 4-GPU machines next to the model's prediction for the
 same layouts and GPU placement.
 
@@ -14,11 +14,11 @@ import argparse
 import json
 import sys
 
+from refit.cost import Topology, broadcast_time, p2p_transfers, transfer_time
 from refit.fanout import wave_schedule
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
-from refit.plan.cost import Topology, broadcast_time, p2p_transfers, transfer_time
 from refit.tools.bench.scenarios import scenarios
 
 RUNS = [

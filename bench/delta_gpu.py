@@ -12,7 +12,7 @@
    copy (apply), and the base update; each phase timed over the whole model (tensors in groups of
    ``--group-gb``, synchronized per phase), against a dense on-device copy of every tensor. The engine
    copy is checked bit for bit after every fraction.
-2. The rule (``refit.delta.cost.choose_encoding``) per link kind at each fraction, with the measured
+2. The rule (``refit.delta.rule.choose_encoding``) per link kind at each fraction, with the measured
    cost on one GPU: S2 (the engine on the trainer's GPU) must pick dense, since find + pack + apply
    reads more than the dense copy moves.
 3. S1 (2 GPUs, or 2 CPU processes with ``--device cpu``): a Sender on GPU 0 and a Receiver on GPU 1 over
@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from refit.config import TransferConfig
-from refit.delta.cost import LINKS, choose_encoding
 from refit.delta.elements import apply_changes, find_changes, find_changes_many, launch_many
+from refit.delta.rule import LINKS, choose_encoding
 from refit.delta.wire import decode, encode, wire_bytes
 from refit.delta.words import addressable, find_words_many, launch_words_table, words_in
 from refit.layout import box_slices
@@ -211,7 +211,7 @@ ALL_PEERS = dict(DELTA_PEERS)
 def _select(modes: list[str], word_piece_us: float | None) -> None:
     """This process's delta Peers (``--modes``; ``delta`` always, the run reads its base size) and, for an
     A/B of the rule, its per-piece word cost (``--word-piece-us``: ``LinkSpeed.word_piece_s`` of the CUDA
-    links replaced in this process's ``refit.delta.cost.LINKS``; every process of the run calls this alike)."""
+    links replaced in this process's ``refit.delta.rule.LINKS``; every process of the run calls this alike)."""
     global DELTA_PEERS
     DELTA_PEERS = {k: ALL_PEERS[k] for k in ALL_PEERS if k == "delta" or k in modes}
     if word_piece_us is not None:

@@ -5,13 +5,7 @@ import math
 
 import pytest
 
-from refit.delta.cost import LINKS, prefer_words
-from refit.delta.wire import wire_sizes
-from refit.layout.models import param_shapes
-from refit.layout.rules import layout_from_spec
-from refit.layout.spec import parse_spec
-from refit.plan import build_plan, link_bytes
-from refit.plan.cost import (
+from refit.cost import (
     Topology,
     TopologyError,
     broadcast_time,
@@ -21,6 +15,12 @@ from refit.plan.cost import (
     predict,
     transfer_time,
 )
+from refit.delta.rule import LINKS, prefer_words
+from refit.delta.wire import wire_sizes
+from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
+from refit.plan import build_plan, link_bytes
 
 GB = 10**9
 

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 from interpreter import assert_all_ok_in_interpreter, needs_triton
 from refit.config import TransferConfig
 from refit.delta.chunks import plan_may_pay
-from refit.delta.cost import (
+from refit.delta.elements import apply_changes, check_indices, check_indices_many, find_changes
+from refit.delta.header import QUIET_MAX, announced, check_header, exchange_held
+from refit.delta.payload import word_parts
+from refit.delta.rule import (
     LINKS,
     PAY_MARGIN,
     choose_encoding,
@@ -24,9 +27,6 @@ from refit.delta.cost import (
     prefer_words,
     words_changed,
 )
-from refit.delta.elements import apply_changes, check_indices, check_indices_many, find_changes
-from refit.delta.header import QUIET_MAX, announced, check_header, exchange_held
-from refit.delta.payload import word_parts
 from refit.delta.wire import DeltaError, decode, encode, wire_bytes
 from refit.delta.words import check_words_many, find_words, scatter_words_many, words_in
 from refit.errors import ConfigError, RefitAborted
@@ -304,9 +304,7 @@ def test_word_and_dense_headers_read_at_once_only_when_every_field_is_what_check
         op = _Op(
             peer=3, tag=0, tensor=torch.empty(sum(pieces) * 4, dtype=torch.bfloat16), pack=[], names=("w",), step=0
         )
-        d = DeltaOp(
-            op, [torch.zeros(n * 4, dtype=torch.bfloat16) for n in pieces], [], LINKS["nvlink"], torch.empty(0)
-        )
+        d = DeltaOp(op, [torch.zeros(n * 4, dtype=torch.bfloat16) for n in pieces], [], LINKS["nvlink"], torch.empty(0))
         d.nwords = pieces
         group.append(d)
     words, dense = ENCODINGS.index("words"), ENCODINGS.index("dense")

@@ -687,7 +687,7 @@ def test_nic_settings_are_in_the_ucx_configuration_of_a_running_transfer(tmp_pat
 
 
 def test_the_cost_model_prices_nixl_plans_with_the_selected_nics():
-    from refit.plan.cost import Topology, predict
+    from refit.cost import Topology, predict
 
     src, dst = _layouts("tiny-llama", "tp=4", "tp=4")  # trainer on node 0, engine on node 1
     topo = Topology(nodes=2, gpus_per_node=4, nics_per_node=8, nic_gbps=50.0, pcie_gbps=55.0)

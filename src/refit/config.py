@@ -58,15 +58,15 @@ class TransferConfig:
       shadow, plus the previous version with ``keep_previous``); ``None``: no bound. A share that does
       not fit is refused when the Peer is built (``ConfigError`` naming both numbers).
     * ``delta``: P2P messages carry only the elements changed since the version the receiver holds
-      (``"auto"``: dense, sparse, bitmask or words per message by the cost rule of ``refit.delta.cost``;
+      (``"auto"``: dense, sparse, bitmask or words per message by the cost rule of ``refit.delta.rule``;
       ``"sparse"`` / ``"bitmask"``: that encoding whenever the receiver holds the base; ``"words"``: changed
       64-bit words (``refit.delta.words``) where a message's pieces have words, else sparse; under
-      ``"auto"`` words where they have and the rule prefers them over the link, ``refit.delta.cost.prefer_words``;
+      ``"auto"`` words where they have and the rule prefers them over the link, ``refit.delta.rule.prefer_words``;
       ``"off"``).
       ``delta_base``: where a source keeps the last version it sent (``"device"`` or pinned ``"host"``
       memory; extra memory: its P2P-sent shards). ``delta_link_gbps``: the link speed the rule weighs
-      (default: by the link's kind, ``refit.delta.cost.LINKS``). Not with ``checksums``. Under
-      ``"auto"`` a plan where no P2P message can pay as a delta (``refit.delta.cost.may_pay``: its best case
+      (default: by the link's kind, ``refit.delta.rule.LINKS``). Not with ``checksums``. Under
+      ``"auto"`` a plan where no P2P message can pay as a delta (``refit.delta.rule.may_pay``: its best case
       must beat dense by ``PAY_MARGIN``; NVLink at the measured rates, one device) runs the plain P2P path:
       no base copy, no header exchange. Deltas travel on P2P links only: ``transport`` ``"ipc"`` and
       ``"nixl"`` are refused with a delta, and under ``"auto"`` links between hosts use P2P, not NIXL.

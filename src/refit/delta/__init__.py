@@ -3,7 +3,7 @@
 One module per idea, from the bytes up to the run (import each from its module):
 
 * ``wire``: the encodings (dense, sparse, bitmask, words) and the byte layout of a piece in each.
-* ``cost``: the cost rule, when a delta pays and which encoding a message takes, on measured link rates.
+* ``rule``: the cost rule, when a delta pays and which encoding a message takes, on measured link rates.
 * ``elements``: per-element find, apply and index check (torch; the one-pass Triton find where it runs).
 * ``words``: per 64-bit word find, pack, check and scatter, many pieces per launch (and the torch reference).
 * ``kernels``: the Triton kernels both call.

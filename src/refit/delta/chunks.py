@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from refit.config import TransferConfig
-from refit.delta.cost import LINKS, PAY_MARGIN, LinkSpeed, best_case, predicted_seconds, prefer_words
+from refit.delta.rule import LINKS, PAY_MARGIN, LinkSpeed, best_case, predicted_seconds, prefer_words
 from refit.delta.words import whole_words
 from refit.plan import Plan
 
@@ -33,7 +33,7 @@ def link_speed(plan: Plan, a: int, b: int, config: TransferConfig) -> LinkSpeed:
 
 def plan_may_pay(plan: Plan, config: TransferConfig) -> bool:
     """Whether the delta protocol can pay for ``plan``'s P2P messages as a whole: with nothing changed, each
-    message at the cheaper of dense and its best delta (``cost.best_case`` over its link), plus the
+    message at the cheaper of dense and its best delta (``rule.best_case`` over its link), plus the
     fixed cost of every chunk (``LinkSpeed.chunk_s``: its header exchange and host syncs, paid even where
     every message goes dense), at most ``PAY_MARGIN`` of sending everything dense. Under ``delta="auto"`` a
     plan where this fails runs the plain P2P path: no base copy, no header exchange. The same answer on
@@ -90,5 +90,5 @@ def chunk_shares(plan: Plan, config: TransferConfig) -> dict[int, float]:
 
 def words_for(config: TransferConfig, pieces: list[tuple[int, int]], link: LinkSpeed) -> bool:
     """Whether a message of whole-word pieces ``(n, itemsize)`` is found per word: always under
-    ``delta="words"``, under ``"auto"`` where ``cost.prefer_words`` says so for its link."""
+    ``delta="words"``, under ``"auto"`` where ``rule.prefer_words`` says so for its link."""
     return config.delta == "words" or (config.delta == "auto" and prefer_words(pieces, link))

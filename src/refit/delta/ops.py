@@ -11,7 +11,7 @@ from itertools import groupby
 import numpy as np
 import torch
 
-from refit.delta.cost import LinkSpeed
+from refit.delta.rule import LinkSpeed
 from refit.delta.wire import ENCODINGS
 from refit.transport.p2p import _Op
 

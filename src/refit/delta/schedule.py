@@ -62,11 +62,11 @@ from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.delta.base import SourceBase
 from refit.delta.chunks import chunk_shares, link_speed, plan_may_pay, step_chunks, words_for
-from refit.delta.cost import LinkSpeed
 from refit.delta.header import HEADER_TAG, announced
 from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats, by_peer, pieces_of
 from refit.delta.payload import payload_msgs
 from refit.delta.receive import apply_received, headers_at_once, host_checked, receive_into, verify_checks
+from refit.delta.rule import LinkSpeed
 from refit.delta.send import (
     batches_of,
     encode_found,

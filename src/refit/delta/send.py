@@ -11,11 +11,11 @@ import torch
 
 from refit.delta.base import SourceBase
 from refit.delta.chunks import FIND_BATCH_BYTES, WORD_BATCH_BYTES
-from refit.delta.cost import choose_encoding, choose_words, choose_words_many, may_pay
 from refit.delta.elements import find_changes_many
 from refit.delta.header import QUIET_MAX
 from refit.delta.ops import DeltaOp, DeltaStats, Pieces, memoized, pieces_of
 from refit.delta.payload import one_run, word_parts
+from refit.delta.rule import choose_encoding, choose_words, choose_words_many, may_pay
 from refit.delta.wire import ENCODINGS, encode, piece_wire, wire_sizes
 from refit.delta.words import Found, PendingFind, find_words, find_words_many, launch_words_table
 
@@ -115,7 +115,7 @@ def plan_of(d: DeltaOp, base_ok: bool, mode: str) -> str:
 
 
 def op_may_pay(d: DeltaOp) -> bool:
-    """Whether a delta of ``d`` could beat dense at all (``refit.delta.cost.may_pay``: its best case by a
+    """Whether a delta of ``d`` could beat dense at all (``refit.delta.rule.may_pay``: its best case by a
     margin), else finding the changes costs about what sending everything does (NVLink with the
     measured find rate) and ``auto`` never diffs ``d``, not even to probe."""
     return may_pay([(v.numel(), v.element_size()) for v in d.views], d.link, d.words, d.share)

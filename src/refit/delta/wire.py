@@ -8,7 +8,7 @@
   (``refit.delta.words`` finds and scatters them).
 
 ``wire_bytes`` and ``wire_sizes`` size a piece, ``encode`` and ``decode`` write and read one. Pure torch and
-numpy: the cost rule (``refit.delta.cost``) and the cluster cost model size messages with it.
+numpy: the cost rule (``refit.delta.rule``) and the cluster cost model size messages with it.
 """
 
 from __future__ import annotations

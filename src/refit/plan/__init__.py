@@ -1,6 +1,6 @@
 """Which bytes go where: the process map (``procs``), the source choice among replicas (``sources``), the
-planner (``planner``: messages, buckets, steps, digest), the per-process schedule facts (``schedule``) and the
-cost model that predicts a plan's time on a cluster (``cost``, imported from its module).
+planner (``planner``: messages, buckets, steps, digest) and the per-process schedule facts (``schedule``).
+What a plan costs on a cluster is ``refit.cost``.
 """
 
 from refit.plan.planner import Message, Piece, Plan, PlanError, build_plan, check_coverage

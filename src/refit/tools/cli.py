@@ -412,7 +412,7 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
 
     from rich.table import Table
 
-    from refit.plan.cost import predict
+    from refit.cost import predict
 
     replicas = dst.degree("dp")
     one = None
@@ -453,7 +453,7 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
         f"{' (FP8 weights + scales)' if args.fp8 else ''}"
     )
     console.print(f"topology {topo.name}: {topo.describe()}")
-    table = Table(title="predicted refit time (bottleneck model, refit.plan.cost)")
+    table = Table(title="predicted refit time (bottleneck model, refit.cost)")
     for col in ("strategy", "seconds", "busiest resource", "its GB", "how"):
         table.add_column(col)
     for p in preds:
@@ -472,7 +472,7 @@ def cmd_plan(args, console) -> int:
         raise ConfigError(f"--changed-fraction {args.changed_fraction:g} needs --cluster (it adds a delta prediction)")
     topo = None
     if args.cluster:  # read first: a bad file is refused before the model's shapes are built
-        from refit.plan.cost import Topology
+        from refit.cost import Topology
 
         with _flag("--cluster"):
             topo = Topology.from_json(args.cluster)

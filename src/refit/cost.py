@@ -28,7 +28,7 @@ Strategies (``predict``):
   ``gpu_nic_gbps`` of that mode ("stripe": every NIC of the node, capped by PCIe; "auto": the
   nearest one), whatever the topology's own ``nic_mode`` says (that one describes NCCL's choice).
 - ``delta`` (with ``changed_fraction``): refit's plan sending only the changed elements
-  (``refit.delta.cost``): per link the encoding ``delta="auto"`` picks for that fraction over that
+  (``refit.delta.rule``): per link the encoding ``delta="auto"`` picks for that fraction over that
   link (dense on a same-GPU link; per 64-bit word where ``prefer_words`` says words beat the element
   encodings, as on NVLink and NICs for bf16, each word then changed with probability
   ``1 - (1 - f)**(8 / itemsize)``); a sender's ``find`` resource reads base and current (2x the
@@ -53,7 +53,7 @@ from collections import defaultdict
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from refit.delta.cost import LINKS, LinkSpeed, choose_encoding, choose_words, may_pay, prefer_words, words_changed
+from refit.delta.rule import LINKS, LinkSpeed, choose_encoding, choose_words, may_pay, prefer_words, words_changed
 from refit.delta.wire import INDEX_BYTES, wire_bytes
 from refit.errors import TopologyError
 from refit.layout import ModelLayout
