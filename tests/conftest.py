@@ -13,10 +13,19 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+# Tests that share something one process owns run in one pytest-xdist worker, one after the other: the pooled vLLM
+# engines (and the cores their workers are bound to), Ray's local cluster, the network namespaces of the cluster
+# harness (one 198.18.0.0/15 range on this machine).
+_XDIST_GROUPS = {"vllm_backend": "vllm", "sglang_backend": "sglang", "data": "ray", "cluster": "cluster"}
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA GPUs")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA GPUs")
     for item in items:
-        if "gpu" in item.keywords:
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        parts = item.nodeid.split("/")
+        group = _XDIST_GROUPS.get(parts[1]) if len(parts) > 2 else None
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
