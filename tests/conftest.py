@@ -28,4 +28,3 @@ def pytest_collection_modifyitems(config, items):
         group = _XDIST_GROUPS.get(parts[1]) if len(parts) > 2 else None
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-
