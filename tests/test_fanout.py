@@ -1,4 +1,4 @@
-"""Fan-out waves on CPU gloo: 1 trainer -> 7 replicas (8 processes)."""
+"""Fan-out on CPU gloo: waves from 1 trainer to 7 replicas (8 processes); a pipelined relay down a chain of 3."""
 
 import json
 import os
@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from refit.config import TransferConfig
-from refit.fanout import Fanout, wave_plans, wave_schedule, waves_for
+from refit.errors import ConfigError
+from refit.fanout import Fanout, relay_waves, wave_plans, wave_schedule, waves_for
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
+from refit.layout.tensors import box_intersect
+from refit.plan import check_coverage
 from refit.tools.launch import run_local
 from refit.tools.verify import holds, reference_shards
 
@@ -123,3 +126,89 @@ def test_a_source_killed_mid_wave_does_not_fail_the_refit():
         if last is not None:  # the attempt that completed wave 2 did not use the dead source
             assert last >= 1 and all(p != 2 for w, a, p, _ in v2["sources_seen"] if w == 2 and a == last)
     assert res[0][1]["dead"] == [2] and res[0][1]["attempts"] == 4  # waves 0, 1, then wave 2 twice
+
+
+# ---------------------------------------------------------------------------- the pipelined relay
+
+
+def test_relay_plan_sends_one_copy_from_the_trainer_and_forwards_only_what_arrived():
+    trainer, replica = _layouts("fsdp=2", "tp=1")
+    cfg = TransferConfig(buffer_bytes=128 << 10)
+    (wave,) = relay_waves(trainer, replica, [0, 1], [[2], [3], [4]], cfg)
+    plan = wave.plan
+    check_coverage(plan.dst_layout, [p for m in plan.messages for p in m.pieces] + list(plan.local))
+    sent: dict[int, int] = {}
+    arrived: dict[tuple[int, str], list] = {}
+    for m in sorted(plan.messages, key=lambda m: m.step):
+        sent[plan.procs.src[m.src]] = sent.get(plan.procs.src[m.src], 0) + sum(p.nbytes for p in m.pieces)
+        for p in m.pieces:
+            if plan.procs.src[m.src] >= 2:  # a relay forwards bytes that arrived in an earlier step
+                got = [s for b, s in arrived[plan.procs.src[m.src], p.tensor] if box_intersect(b, p.box)]
+                assert got and max(got) < m.step, (m, got)
+            arrived.setdefault((plan.procs.dst[m.dst], p.tensor), []).append((p.box, m.step))
+    model = replica.nbytes
+    assert sent == {0: model // 2, 1: model // 2, 2: model, 3: model}  # a chain: the trainer's ranks send one copy
+    chunks = -(-model // cfg.buffer_bytes)
+    assert plan.num_steps <= chunks + 3  # pipelined: the last replica ends about two steps after the first
+    # a dead relay is planned around: the chain skips it
+    (wave,) = relay_waves(trainer, replica, [0, 1], [[2], [3], [4]], cfg, dead=frozenset({3}))
+    assert wave.receivers == (0, 2) and 3 not in wave.members
+
+
+def test_relay_refuses_what_it_cannot_do():
+    trainer, replica = _layouts()
+    for cfg, why in (
+        (TransferConfig(transport="nixl"), "transport='p2p'"),
+        (TransferConfig(delta="auto"), "deltas"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            Fanout(trainer, replica, 0, [0], [[1]], {}, config=cfg, relay=1)
+    with pytest.raises(ConfigError, match="CPU processes only"):
+        Fanout(trainer, replica, 0, [0], [[1]], {}, devices=["cuda:0", "cuda:1"], relay=1)
+
+
+def _die_in_step(n: int):
+    """A fault hook that ends this process as its ``n``-th P2P step (from 0) is about to be posted."""
+    steps = iter(range(10**6))
+    return lambda where, info: os._exit(3) if where == "step" and next(steps) == n else None
+
+
+def _relay_worker(world, kill_at):
+    trainer, replica = _layouts("fsdp=2", "tp=1")
+    proc, tprocs, rprocs = world.rank, [0, 1], [[2], [3], [4]]
+    out = {}
+    for mode in ("staged", "in_place"):
+        if proc < 2:
+            tensors = reference_shards(trainer, proc)
+        else:
+            tensors = {t.name: torch.full(t.shape, float("nan"), dtype=t.dtype) for t in replica}
+        cfg = TransferConfig(name=f"relay-{mode}", commit=mode, deadline_s=20.0, preflight_timeout_s=120.0)
+        f = Fanout(trainer, replica, proc, tprocs, rprocs, tensors, config=cfg, relay=1, relay_chunk_bytes=64 << 10)
+        runs = []
+        for v in (1, 2):
+            if proc < 2 and v == 2:
+                for t in tensors.values():
+                    t.mul_(2)
+            if mode == "in_place" and v == 2 and proc == kill_at:
+                f.fault_hook = _die_in_step(5)
+            s = f.run(v)
+            exact = proc < 2 or holds(tensors, replica, 0, scale=2.0 ** (v - 1))
+            runs.append({"exact": exact, "dead": s.dead, "attempts": s.attempts, "version": f.version})
+        out[mode] = runs
+        f.close()
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_a_chain_of_three_replicas_relays_bit_exact_and_plans_around_a_relay_killed_mid_refit():
+    # replica 0 (process 2) relays to replica 1, which relays to replica 2; in the in-place fan-out's second
+    # version process 2 dies in its sixth step, mid-stream: the chain is rebuilt without it and the version sent again
+    res = run_local(_relay_worker, 2, 3, 2, timeout_s=360, expect_dead={2})
+    assert res[2] is None
+    for proc in (0, 1, 3, 4):
+        staged, in_place = res[proc]["staged"], res[proc]["in_place"]
+        assert all(r["exact"] and r["dead"] == [] for r in staged), (proc, staged)
+        assert [r["version"] for r in in_place] == [1, 2] and all(r["exact"] for r in in_place), (proc, in_place)
+        assert in_place[1]["dead"] == [2], (proc, in_place)
+    assert res[0]["in_place"][1]["attempts"] == 2  # the relay wave, then again without the dead relay

@@ -38,8 +38,10 @@ from torch.distributed.tensor import Replicate
 from refit.commit import StagedCommit
 from refit.config import TransferConfig
 from refit.errors import FanoutError, RefitAborted
+from refit.fanout_relay import check_relay_config, chunk_bytes_for, relay_plan
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.plan import Plan, ProcessMap, build_plan
+from refit.plan.holders import stack_holder_sets
 from refit.transfer import Peer, agree_scope
 from refit.transport.store import SignedStore, signed
 
@@ -58,8 +60,8 @@ def wave_schedule(replicas: int) -> list[list[int]]:
 
 
 def _stack(parts: list[tuple[ModelLayout, int]]) -> ModelLayout:
-    """One layout whose side-local ranks are the parts' ranks one after another, each part's
-    rank r holding what it holds there (explicit boxes)."""
+    """One destination layout whose side-local ranks are the parts' ranks one after another, each
+    part's rank r holding what it holds there (explicit boxes)."""
     out = []
     for t in parts[0][0]:
         boxes, base = {}, 0
@@ -93,6 +95,7 @@ class Wave:
     src_layout: ModelLayout
     dst_layout: ModelLayout
     procs: ProcessMap
+    plan: Plan | None = None  # a relay's plan (``refit.fanout_relay``); None: the planner's over the two sides
 
     @property
     def members(self) -> list[int]:
@@ -112,8 +115,8 @@ def build_wave(
     """Wave ``index``: replicas ``receivers`` pull from the trainer and replicas ``sources``.
     ``trainer_procs[r]`` is the process of trainer rank ``r``, ``replica_procs[j][r]`` that of
     rank ``r`` of replica ``j``; ``devices``: every global process's device, or None."""
-    nt, nr = trainer.world_size, replica.world_size
-    src = _stack([(trainer, nt)] + [(replica, nr) for _ in sources])
+    nr = replica.world_size
+    src = stack_holder_sets([trainer] + [replica for _ in sources])
     dst = _stack([(replica, nr) for _ in receivers])
     procs = ProcessMap(
         tuple(trainer_procs) + tuple(p for j in sources for p in replica_procs[j]),
@@ -144,13 +147,33 @@ def waves_for(
     return out
 
 
+def relay_waves(
+    trainer: ModelLayout,
+    replica: ModelLayout,
+    trainer_procs: list[int],
+    replica_procs: list[list[int]],
+    config: TransferConfig,
+    degree: int = 1,
+    dead: frozenset[int] = frozenset(),
+    devices: Sequence[str] | None = None,
+) -> list[Wave]:
+    """A relay (``refit.fanout_relay``) as one wave to every replica without a dead process, in a tree of
+    ``degree`` (1: a chain); ``config.buffer_bytes`` is its chunk. Its relays are not ``sources`` (they
+    receive the version in the same wave); empty when every replica is dead."""
+    alive = [j for j in range(len(replica_procs)) if not set(replica_procs[j]) & dead]
+    if not alive:
+        return []
+    plan = relay_plan(trainer, replica, trainer_procs, replica_procs, alive, config, degree, devices)
+    return [Wave(0, tuple(alive), (), plan.src_layout, plan.dst_layout, plan.procs, plan)]
+
+
 def wave_plans(
     waves: list[Wave], plans: Mapping[int, Plan] | None = None, config: TransferConfig | None = None
 ) -> list[dict[str, Any]]:
     """JSON-serializable: per wave, receiver process -> source process -> tensor boxes."""
     out = []
     for w in waves:
-        plan = (plans or {}).get(w.index) or build_plan(w.src_layout, w.dst_layout, w.procs, config)
+        plan = (plans or {}).get(w.index) or w.plan or build_plan(w.src_layout, w.dst_layout, w.procs, config)
         links: dict[str, dict[str, list]] = {}
         for m in plan.messages:
             row = links.setdefault(str(w.procs.dst[m.dst]), {})
@@ -236,7 +259,11 @@ class Fanout:
         devices: Sequence[str] | None = None,
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
+        relay: int = 0,
+        relay_chunk_bytes: int | None = None,
     ) -> None:
+        if relay:
+            check_relay_config(config, devices)
         if store is None:
             store = dist.distributed_c10d._get_default_store()
         store = signed(store)  # every value tagged with the job secret; forged ones are ignored
@@ -268,6 +295,10 @@ class Fanout:
         self.wave_config = (
             replace(config, commit="in_place", keep_previous=False, commit_budget_bytes=None) if self.fleet else config
         )
+        self.relay = relay
+        if relay:  # the chunk is the relay's message size; a step holds one send and one receive
+            chunk = relay_chunk_bytes or chunk_bytes_for(replica.nbytes, config)
+            self.wave_config = replace(self.wave_config, buffer_bytes=chunk, num_buffers=max(2, config.num_buffers))
         self.staged_version: int | None = None
         self._got: int | None = None  # the last version this process received in a wave
         self.coordinator = self.trainer_procs[0]
@@ -275,8 +306,9 @@ class Fanout:
         self.version: int | None = None
         self.hook = None  # tests: called with (wave index, attempt) before this process runs a wave
         self.fault_hook = None  # tests: the executor's fault hook (``Peer.run``) for every wave attempt here
-        self.schedule = wave_schedule(len(self.replica_procs))
-        self.waves = waves_for(trainer, replica, self.trainer_procs, self.replica_procs, devices=self.devices)
+        n = len(self.replica_procs)
+        self.schedule = [list(range(n))] if relay else wave_schedule(n)
+        self.waves = self._plan_waves()
         # topology work once: a Peer (and its process group) per wave this process is in
         self.failures: dict[int, int] = {}  # wave -> failed attempts so far (every member counts the same)
         self.peers: dict[int, tuple[tuple, Peer]] = {}
@@ -304,6 +336,7 @@ class Fanout:
             wave.src_layout,
             wave.dst_layout,
             self.proc,
+            plan=wave.plan,
             src_tensors=src_t,
             dst_tensors=dst_t,
             procs=wave.procs,
@@ -539,9 +572,14 @@ class Fanout:
                 f"fan-out: trainer process(es) {sorted(new & set(self.trainer_procs))} died; the refit cannot complete"
             )
         self.dead |= new
-        self.waves = waves_for(
-            self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead, devices=self.devices
-        )
+        self.waves = self._plan_waves()
+
+    def _plan_waves(self) -> list[Wave]:
+        """The waves without the processes known dead: doubling waves, or one relay wave (``relay``)."""
+        if self.relay:
+            args = (self.wave_config, self.relay, self.dead, self.devices)
+            return relay_waves(self.trainer, self.replica, self.trainer_procs, self.replica_procs, *args)
+        return waves_for(self.trainer, self.replica, self.trainer_procs, self.replica_procs, self.dead, self.devices)
 
 
 def _first_why(why: Any) -> str:

@@ -22,6 +22,7 @@ from collections import defaultdict
 
 from refit.errors import PlanError
 from refit.layout.tensors import Box, ModelLayout, TensorLayout, box_intersect, box_numel, box_runs_whole
+from refit.plan.holders import HolderSets, merge_choices, refined_tiles
 from refit.plan.procs import ProcessMap
 
 
@@ -37,6 +38,8 @@ def canonical_tensor(t: TensorLayout) -> list:
             j = lists[id(b)] = [list(x) for x in b]
         boxes.append(j)
     out = [t.name, list(t.shape), str(t.dtype).removeprefix("torch."), list(t._all_boxes), boxes]
+    if isinstance(t, HolderSets):  # several holder sets: where each starts and how it stores its rows
+        return [*out, ["sets", list(t.set_starts), list(t.set_blocks)]]
     return out if t.row_block is None else [*out, t.row_block]
 
 
@@ -62,7 +65,10 @@ def check_compatible(src: ModelLayout, dst: ModelLayout) -> None:
 
 def _source_tiles(t: TensorLayout) -> list[tuple[Box, list[int]]]:
     """Distinct source boxes with their holders, cut into the parts the holders store separately
-    (``row_block``); they must tile the tensor exactly."""
+    (``row_block``); they must tile the tensor exactly. Several holder sets: their common refinement
+    (``refit.plan.holders``)."""
+    if isinstance(t, HolderSets):
+        return refined_tiles(t)
     tiles = sorted(t.holders().items())
     if t.row_block is not None:
         tiles = [(part, holders) for box, holders in tiles for part in t.parts(holders[0])]
@@ -105,7 +111,8 @@ def choose_sources(src: ModelLayout, dst: ModelLayout, procs: ProcessMap) -> lis
         _tensor_choices(src[d.name], d, procs, out, open_)
     if open_:
         _choose_least_loaded(out, open_, procs)
-    return out  # type: ignore[return-value]  (every None was filled)
+    sets = {t.name for t in src if isinstance(t, HolderSets)}
+    return merge_choices(out, src, dst, sets) if sets else out  # type: ignore[arg-type,return-value]
 
 
 def _receivers(d: TensorLayout) -> tuple[list[Box], list[tuple[int, int]]]:
