@@ -208,8 +208,10 @@ def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
     check_vllm_secure()
     hf = build_model(load_config(model_name), torch.float32, seed=1000)
     hf.save_pretrained(workdir)
-    if engine_tp > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(engine_tp)))
+    if engine_tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").count("|") != engine_tp - 1:
+        # one entry per worker; more workers than cores share them ("0|1|0|1": tp=4 on 2 cores)
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(engine_tp))
     with importable_by_workers(WorkerTestExtension) as extension:
         return LLM(**engine_args(workdir, engine_tp, extension), **kw)
 

@@ -96,6 +96,14 @@ PRESETS: dict[str, Preset] = {
             "norm_topk_prob": False,
         },
     ),
+    # the sizes engines pad or replicate, in one model (one engine start covers them all): a vocabulary of 1003
+    # (engines pad it to 1024 and split the padded size), an intermediate size of 136 (SGLang on CPU pads it to a
+    # multiple of 32 x tp: 192 at tp=2), 2 KV heads (replicated at tp=4)
+    "tiny-llama-odd": Preset(
+        "llama",
+        torch.float32,
+        {**_TINY, "vocab_size": 1003, "intermediate_size": 136, "num_hidden_layers": 2},
+    ),
     "tiny-mixtral": Preset(
         "mixtral",
         torch.float32,

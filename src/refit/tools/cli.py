@@ -5,7 +5,8 @@ line ``refit: error: <message>`` on stderr and exits with status 2; the message 
 where one flag is to blame. Numeric flags are typed at parsing (``positive_int``, ``natural_int``,
 ``positive_float``: finite and in range), argparse's own errors are the same one line; flags that are
 ``TransferConfig`` fields are then checked by ``TransferConfig``, specs against the model by
-``rules.check_spec_fits``, all before any process starts.
+``rules.check_spec_fits`` (the engine spec of ``plan`` and ``verify`` by ``engines.check_engine_fits`` for the
+``--engine`` given), all before any process starts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import replace
 from refit.config import TransferConfig
 from refit.errors import USER_ERRORS, ConfigError, SpecError
 from refit.layout import megatron as megatron_rules
+from refit.layout.engines import ENGINES, check_engine_fits, engine_layout, engine_rules
 from refit.layout.hf_names import num_layers
 from refit.layout.models import PRESETS, load_config, param_shapes
 from refit.layout.rules import check_spec_fits, layout_from_spec
@@ -175,8 +177,27 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def engine_name(text: str) -> str:
+    """argparse type: a name of ``engines.ENGINES``."""
+    try:
+        return engine_rules(text).name
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _engine_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engine",
+        type=engine_name,
+        default="vllm",
+        help=f"the engine whose padding and KV-head replication the engine layout follows ({', '.join(ENGINES)}; "
+        "default vllm)",
+    )
+
+
 def _plan_parser(p: argparse.ArgumentParser) -> None:
     _common(p)
+    _engine_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _fp8_option(p)
     p.add_argument(
@@ -202,6 +223,7 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
 
 def _verify_parser(v: argparse.ArgumentParser) -> None:
     _common(v)
+    _engine_option(v)
     _fp8_option(v)
     v.add_argument(
         "--dump", default=None, metavar="DIR", help="write full.safetensors, dst_rank{r}.safetensors, layout.json"
@@ -366,10 +388,20 @@ def _setup(args):
     if src.degree("pp") > max(n_layers, 1):
         raise SpecError(f"--src {src}: pp={src.degree('pp')} exceeds the model's {n_layers} decoder layers")
     megatron = _src_family(args.src)[0] == megatron_rules.FAMILY
-    for flag, spec in (("--src", src), ("--dst", dst)):
-        with _flag(f"{flag} {spec}"):
-            check_spec_fits(shapes, spec, config, kv_replicas=megatron and spec is src)
+    with _flag(f"--src {src}"):
+        check_spec_fits(shapes, src, config, kv_replicas=megatron)
+    with _flag(f"--dst {dst}"):
+        engine = getattr(args, "engine", None)
+        if engine is None:
+            check_spec_fits(shapes, dst, config)
+        else:
+            check_engine_fits(shapes, dst, config, engine)
     return src, dst, cfg, shapes
+
+
+def _dst_layout(args, shapes, dst):
+    """The engine's layout: as ``--engine`` allocates it (padding, replicated KV heads)."""
+    return engine_layout(shapes, dst, load_config(args.model), args.engine)
 
 
 def _src_family(text: str) -> tuple[str | None, str]:
@@ -417,7 +449,7 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
     replicas = dst.degree("dp")
     one = None
     if replicas > 1:
-        one = layout_from_spec(shapes, dst.replica())
+        one = _dst_layout(args, shapes, dst.replica())
         if args.fp8:
             _, one = _fp8(src_l, one, args.fp8)
     if args.fp8:
@@ -478,7 +510,7 @@ def cmd_plan(args, console) -> int:
             topo = Topology.from_json(args.cluster)
     src, dst, cfg, shapes = _setup(args)
     t0 = time.perf_counter()  # plan building starts here: shapes are given
-    src_l, dst_l = _src_layout(args, shapes, src), layout_from_spec(shapes, dst)
+    src_l, dst_l = _src_layout(args, shapes, src), _dst_layout(args, shapes, dst)
     if args.cluster:
         return _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0)
 
@@ -488,13 +520,13 @@ def cmd_plan(args, console) -> int:
     info = _plan_json(plan, args.bandwidth)
     fp8 = f"; FP8 {args.fp8}x{args.fp8} blocks" if args.fp8 else ""
     if args.json:
-        head = {"model": args.model, "src": str(src), "dst": str(dst), "fp8_block": args.fp8}
+        head = {"model": args.model, "src": str(src), "dst": str(dst), "engine": args.engine, "fp8_block": args.fp8}
         layouts = {"src_layout": plan.src_layout.to_json(), "dst_layout": plan.dst_layout.to_json()}  # refit.layout/1
         print(json.dumps({**head, **info, **layouts}))
         return 0
     console.print(
         f"model {args.model}: {info['tensors']} tensors; trainer {src} ({src.world_size} ranks) "
-        f"-> engine {dst} ({dst.world_size} ranks){fp8}"
+        f"-> engine {dst} ({dst.world_size} ranks, {args.engine}){fp8}"
     )
     console.print(f"bytes destinations need : {plan.bytes_needed:>16,}")
     console.print(f"bytes moved over links  : {plan.bytes_moved:>16,}")
@@ -526,7 +558,7 @@ def cmd_verify(args, console) -> int:
     from refit.tools.verify import check_dump, verify
 
     src, dst, cfg, shapes = _setup(args)
-    src_l, dst_l = _src_layout(args, shapes, src), layout_from_spec(shapes, dst)
+    src_l, dst_l = _src_layout(args, shapes, src), _dst_layout(args, shapes, dst)
     if args.inject is not None:
         for flag, given in (("--fp8", args.fp8), ("--dump", args.dump)):
             if given is not None:

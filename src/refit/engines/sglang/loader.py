@@ -15,7 +15,9 @@ finds no validly signed document and fails). ``refit.run`` moves the version the
 Lifecycle per TP rank (``RankSide``): init (read the source layout, learn this rank's share of every
 tensor from SGLang's live modules, publish it, join the transfer group, build the plan, pre-flight);
 run (receive this rank's boxes into shadow copies, vote, commit into the live parameters: ``commit=
-"staged"``, so a failed refit leaves SGLang on its last version); close.
+"staged"``, so a failed refit leaves SGLang on its last version); close. A share whose live home is strided (the
+real columns of a padded row-parallel or expert share, ``regions``) is received into a dense copy of it and copied
+into the live parameter after each commit: padding is never written.
 
 ``load`` never raises: an exception in a custom loader kills SGLang's scheduler (measured), so a failure
 is logged and published in the store instead (``error/{rank}`` at init, the abort channel and
@@ -134,6 +136,9 @@ class RankSide:
             store.put(f"error/{rank}", f"{type(e).__name__}: {e}")
             raise
         store.put(f"dst/{rank}", {n: [list(x) for x in s.box] for n, s in shares.items()})
+        # padded shares whose real part is strided in the live parameter: received densely, copied in after commits
+        self.strided = {n: s.view for n, s in shares.items() if not s.view.is_contiguous()}
+        self.dense = {n: v.contiguous() for n, v in self.strided.items()}
         wait_workers(store, info.n_workers, info.timeout_s, engine="SGLang")
         self.pg = join_group(info, store, info.n_trainer + rank)
         dst = gather_dst_layout(store, src, info.n_workers, info.timeout_s)
@@ -141,7 +146,7 @@ class RankSide:
             src,
             dst,
             info.n_trainer + rank,
-            dst_tensors={n: s.view for n, s in shares.items()},
+            dst_tensors={n: self.dense.get(n, s.view) for n, s in shares.items()},
             procs=process_map(info, store, info.n_trainer + rank, next(model.parameters()).device),
             group=self.pg,
             config=transfer_config(info),
@@ -152,7 +157,7 @@ class RankSide:
         rules: dict[str, int] = {}
         for s in shares.values():
             rules[s.rule] = rules.get(s.rule, 0) + 1
-        self.stats.update(rules=rules, bytes_per_refit=self.peer.executor.bytes_received)
+        self.stats.update(rules=rules, bytes_per_refit=self.peer.executor.bytes_received, strided=sorted(self.strided))
         self.publish()
 
     def publish(self) -> None:
@@ -166,6 +171,8 @@ class RankSide:
             if isinstance(version, bool) or not isinstance(version, int):
                 raise ConfigError(f"refit: the signed run version must be an integer, got {version!r}")
             stats = self.peer.run(version)
+            for n, live in self.strided.items():
+                live.copy_(self.dense[n])
         except Exception as e:
             self.stats["error"] = f"{type(e).__name__}: {e}"
             self.publish()

@@ -16,8 +16,18 @@ of the module the loader belongs to, read here from the module itself (never fro
   ``w13_weight`` ``[E_local, 2s, H]`` (gate, then up) and ``w2_weight`` ``[E_local, H, s]``.
 * anything else (norms, qk-norms, the router): the whole tensor, in the parameter of the same name.
 
-``share`` returns the box and a view of the live parameter the loader would have written; it refuses
-(``RegionError`` naming the tensor, the module and both shapes) where SGLang padded, repacked or
+Padding (SGLang on CPU, ``sglang/srt/configs/update_config.py`` ``adjust_config_with_unaligned_cpu_tp``: intermediate
+sizes padded to a multiple of 32 x tp, heads to a multiple of tp where tp does not divide them; the rules as data in
+``refit.layout.engines``): a rank's share above is then partly or wholly beyond the HF tensor. SGLang's CPU loaders
+narrow the checkpoint to the real part and zero the rest (``narrow_padded_param_and_loaded_weight``,
+``sglang/srt/model_loader/weight_utils.py``, called where ``_is_cpu`` in ``sglang/srt/layers/linear.py``); refit does
+the same: the box is the real part (possibly empty), the view its rows or columns at the share's start, and padding
+is never written (it keeps the zeros SGLang's load put there). On other devices SGLang does not pad, and a share
+beyond the tensor is refused.
+
+``share`` returns the box and a view of the live parameter the loader would have written (strided where the real
+columns of a padded row-parallel share or a padded expert share are a part of each row: the caller receives into a
+dense copy); it refuses (``RegionError`` naming the tensor, the module and both shapes) where SGLang repacked or
 replaced a parameter, so that refit never writes bytes where SGLang does not read them.
 """
 
@@ -81,6 +91,21 @@ def _rows(shape: Sequence[int], lo: int, hi: int) -> Box:
     return ((lo, hi),) + full_box(shape[1:])
 
 
+def _real(lo: int, n: int, size: int, name: str, shape: Sequence[int], what: str, pads: bool) -> tuple[int, int]:
+    """The real part ``[lo, hi)`` of a share ``[lo, lo + n)`` of a dim of ``size``: clipped where SGLang pads
+    (``pads``: its CPU loaders zero what lies beyond the tensor), else ``RegionError`` if it does not fit."""
+    if lo + n <= size:
+        return lo, lo + n
+    if not pads:
+        raise RegionError(f"{name} {list(shape)}: SGLang's {what} wants [{lo}, {lo + n}) beyond the tensor")
+    return min(lo, size), size
+
+
+def _pads(param: torch.Tensor) -> bool:
+    """SGLang pads (and its loaders zero the padding) only on CPU (``_is_cpu`` in ``sglang/srt/layers/linear.py``)."""
+    return param.device.type == "cpu"
+
+
 def _view(param: torch.Tensor, where: str, name: str, off: int, box: Box, rule: str) -> Share:
     """The rows ``[off, off + rows)`` of ``param`` as the live home of ``box``; checked to fit exactly."""
     want = tuple(hi - lo for lo, hi in box)
@@ -125,18 +150,17 @@ def _fused(model: torch.nn.Module, name: str, shape: Sequence[int]) -> Share | N
     if mod is None:
         raise RegionError(f"{name}: SGLang's model has no module {t.module!r}")
     lo, n, off = _qkv(mod, name, shape, t.shard) if t.shard in QKV_SHARDS else _merged(mod, t.shard)
-    if lo + n > shape[0]:
-        raise RegionError(f"{name} {list(shape)}: SGLang's {type(mod).__name__} wants rows [{lo}, {lo + n})")
     rule = f"qkv:{t.shard}" if t.shard in QKV_SHARDS else f"merged:{t.shard}"
     where = f"{t.module}.{t.param}"
     param = _param(model, where)
+    lo, hi = _real(lo, n, shape[0], name, shape, f"{type(mod).__name__} rows", _pads(param))
     whole = _fused_rows(mod, t.shard in QKV_SHARDS)
     if param.dim() == 0 or param.shape[0] != whole:
         raise RegionError(
             f"{name}: SGLang's {where} has shape {list(param.shape)}, not the {whole} rows of this rank's "
             f"{type(mod).__name__} shards: padded or repacked weights are not supported"
         )
-    return _view(param, where, name, off, _rows(shape, lo, lo + n), rule)
+    return _view(param, where, name, off, _rows(shape, lo, hi), rule)
 
 
 def _fused_rows(mod: torch.nn.Module, qkv: bool) -> int:
@@ -157,23 +181,25 @@ def _experts(model: torch.nn.Module, name: str, shape: Sequence[int]) -> Share:
     e_local, s = mod.num_local_experts, mod.intermediate_size_per_partition
     e0, i0 = mod.moe_ep_rank * e_local, mod.moe_tp_rank * s
     gate_up = param_role(name) is Role.EXPERTS_GATE_UP
+    where = f"{stem}.{'w13_weight' if gate_up else 'w2_weight'}"
+    param = _param(model, where)
     i_dim = shape[2]
-    if e0 + e_local > shape[0] or i0 + s > i_dim or i_dim // mod.moe_tp_size != s:
+    i0, i1 = _real(i0, s, i_dim, name, shape, f"FusedMoE rows of I (tp {mod.moe_tp_size})", _pads(param))
+    if e0 + e_local > shape[0] or (i_dim // mod.moe_tp_size != s and not _pads(param)):
         raise RegionError(
             f"{name} {list(shape)}: SGLang's FusedMoE holds experts [{e0}, {e0 + e_local}) and rows "
-            f"[{i0}, {i0 + s}) of I (tp {mod.moe_tp_size}): padded or uneven expert shares are not supported"
+            f"[{i0}, {i0 + s}) of I (tp {mod.moe_tp_size}): uneven expert shares are not supported"
         )
-    where = f"{stem}.{'w13_weight' if gate_up else 'w2_weight'}"
-    data = _param(model, where).data
+    data, real = param.data, i1 - i0
     if gate_up:
-        box = ((e0, e0 + e_local), (0, 2), (i0, i0 + s), (0, shape[3]))
+        box = ((e0, e0 + e_local), (0, 2), (i0, i1), (0, shape[3]))
         want = (e_local, 2 * s, shape[3])
-        view = data.view(e_local, 2, s, shape[3]) if tuple(data.shape) == want else None
+        view = data.view(e_local, 2, s, shape[3])[:, :, :real] if tuple(data.shape) == want else None
     else:
-        box = ((e0, e0 + e_local), (0, shape[1]), (i0, i0 + s))
+        box = ((e0, e0 + e_local), (0, shape[1]), (i0, i1))
         want = (e_local, shape[1], s)
-        view = data if tuple(data.shape) == want else None
-    if view is None or not view.is_contiguous():
+        view = data[:, :, :real] if tuple(data.shape) == want else None
+    if view is None:
         raise RegionError(f"{name}: SGLang's {where} has shape {list(data.shape)}, not as loaded ({list(want)})")
     return Share(box, view, "moe:w13" if gate_up else "moe:w2", where)
 
@@ -189,18 +215,28 @@ def share(model: torch.nn.Module, name: str, shape: Sequence[int]) -> Share:
         return fused
     mod = _module(model, stem)
     if role in ROW_PARALLEL and leaf == "weight" and hasattr(mod, "input_size_per_partition"):
-        rank, _ = _rank_size(mod.tp_group)
-        n = mod.input_size_per_partition
-        if len(shape) != 2 or (rank + 1) * n > shape[1]:
-            raise RegionError(f"{name} {list(shape)}: SGLang's RowParallelLinear wants columns [{rank * n}, +{n})")
-        box = ((0, shape[0]), (rank * n, (rank + 1) * n))
-        return Share(box, _whole(model, name, box), "row", name)
+        return _row(model, mod, name, shape)
     if role in VOCAB_PARALLEL and is_weight(name) and getattr(mod, "shard_indices", None) is not None:
         idx = mod.shard_indices
         lo, hi = idx.org_vocab_start_index, min(idx.org_vocab_end_index, shape[0])
         return _view(_param(model, name), name, name, 0, _rows(shape, lo, hi), "vocab")
     box = full_box(shape)
     return Share(box, _whole(model, name, box), "full", name)
+
+
+def _row(model: torch.nn.Module, mod: torch.nn.Module, name: str, shape: Sequence[int]) -> Share:
+    """A row-parallel weight: columns ``[r*n, (r+1)*n)`` of the (padded) input, the real ones at the live
+    parameter's first columns."""
+    rank, _ = _rank_size(mod.tp_group)
+    n = mod.input_size_per_partition
+    param = _param(model, name)
+    if len(shape) != 2:
+        raise RegionError(f"{name} {list(shape)}: SGLang's RowParallelLinear wants a 2-d weight")
+    lo, hi = _real(rank * n, n, shape[1], name, shape, "RowParallelLinear columns", _pads(param))
+    data = param.data
+    if tuple(data.shape) != (shape[0], n):
+        raise RegionError(f"{name}: SGLang's parameter has shape {list(data.shape)}, not as loaded ({[shape[0], n]})")
+    return Share(((0, shape[0]), (lo, hi)), data[:, : hi - lo], "row", name)
 
 
 def _whole(model: torch.nn.Module, name: str, box: Box) -> torch.Tensor:
