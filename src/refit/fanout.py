@@ -14,6 +14,9 @@ wave has finished everywhere; before a wave runs, every participant checks that 
 sources holds exactly the version being sent (``FanoutError`` otherwise, naming the process and
 both versions). No replica pulls from a replica on another version.
 
+Relay (``Fanout(relay=d)``): one wave instead, a pipelined relay down a chain or tree of replicas
+(``refit.fanout_relay``): the trainer host's uplink carries one copy however many replicas follow.
+
 Failures: every wave ends with a status from each participant; the coordinator (the first
 trainer process) waits for them up to ``deadline_s`` and publishes the outcome. A participant
 that posted nothing is dead; if anyone died or failed, the survivors re-plan the wave without
@@ -238,6 +241,10 @@ class Fanout:
 
     Between calls: a trainer updates its tensors in place. ``hook`` (tests, fault injection):
     None, or ``hook(wave index, attempt)``, called on this process before each wave attempt.
+
+    Relay (``relay=d`` >= 1): one wave to every replica, a pipelined relay down a tree where replica ``i``
+    receives from replica ``(i - 1) // d`` (1: a chain), in chunks of ``relay_chunk_bytes`` (default: the
+    model / 32); ``refit.fanout_relay``. P2P on CPU only, no delta (``ConfigError`` otherwise).
 
     On GPUs: ``devices`` (every global process's device), ``device`` (this process's),
     ``group`` (the NCCL group P2P links use; default: the default group) and
