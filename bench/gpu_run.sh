@@ -3,6 +3,7 @@
 # default "tests bench"), results under $OUT (default /tmp/out) and a summary printed last.
 #   tests    the GPU tests: pytest -m gpu $TESTS (default tests/test_gpu.py tests/test_gpu_checksum.py) [-k $TEST_K]
 #   bench    refit bench $BENCH_ARGS (e.g. "--scenarios S1,S2,S3 --iters 10 --growth-iters 3") -> bench.json
+#   fp8      refit bench --fp8 $FP8_ARGS (default "--scenarios S2 --iters 10 --growth-iters 10") -> fp8.json
 #   ce       checkpoint-engine on S2 (bench.checkpoint_engine_s2) -> checkpoint-engine.json; needs .wheels/ce
 #   overlap  bench.overlap_gpu per $OVERLAP_RUNS ("S2:600 S1:-": scenario:pull GB/s, "-" full speed)
 #   delta    bench.delta_gpu $DELTA_ARGS (default "--no-kernels --iters 10 --buffer-mb 2048 --modes words")
@@ -36,6 +37,10 @@ for part in ${PARTS:-tests bench}; do
   bench)
     timeout "$T" python3 -m refit.tools.cli bench ${BENCH_ARGS:-} --out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
     echo "bench rc=$?" >> "$SUM"; grep -E "^\s+[a-z_0-9]+ +median" "$OUT/bench.txt" >> "$SUM";;
+  fp8)
+    timeout "$T" python3 -m refit.tools.cli bench --fp8 ${FP8_ARGS:---scenarios S2 --iters 10 --growth-iters 10} \
+      --out "$OUT/fp8.json" > "$OUT/fp8.txt" 2>&1
+    echo "fp8 rc=$?" >> "$SUM"; grep -E "^\s+[a-z_0-9]+ +median" "$OUT/fp8.txt" >> "$SUM";;
   ce)
     python3 -m pip install -q --no-index --no-deps --target /tmp/ce_site .wheels/ce/*.whl 2>&1 | grep -v WARN
     PYTHONPATH=/tmp/ce_site:$PYTHONPATH timeout "$T" python3 -m bench.checkpoint_engine_s2 \
@@ -61,7 +66,7 @@ for part in ${PARTS:-tests bench}; do
       ${NIXL_ARGS:---scenarios S1,S2,S3 --methods refit,refit_nccl,refit_nixl --iters 7 --growth-iters 3} \
       --out "$OUT/nixl.json" > "$OUT/nixl.txt" 2>&1
     echo "nixl rc=$?" >> "$SUM"; grep -E "^\s+[a-z_0-9]+ +median" "$OUT/nixl.txt" >> "$SUM";;
-  *) echo "unknown part $part (tests bench ce overlap delta lora nixl)" >> "$SUM";;
+  *) echo "unknown part $part (tests bench fp8 ce overlap delta lora nixl)" >> "$SUM";;
   esac
   echo "[$part: ${SECONDS}s]" >> "$SUM"
 done

@@ -193,21 +193,21 @@ def test_triton_fp8_quantizer_bytes_equal_the_torch_expression(shape, block, dty
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-def _fp8_staged_worker(world, stages):
+def _fp8_staged_worker(world, stages, src="fsdp=2", dst="tp=2", n=2):
     from refit.quant import Fp8Quantizer, fp8_layout, quantize_fp8_block, quantized_names, scale_name
 
     dev = world.device
-    plain_src, plain_dst = _layouts("qwen3-30b-a3b", "fsdp=2", "tp=2", torch.bfloat16)
+    plain_src, plain_dst = _layouts("qwen3-30b-a3b", src, dst, torch.bfloat16)
 
     def keep(lay):  # layer 0 and the tensors outside the layers
         return type(lay)(tuple(t for t in lay if ".layers." not in t.name or ".layers.0." in t.name), lay.world_size)
 
     plain_src, plain_dst = keep(plain_src), keep(plain_dst)
     src_l, dst_l = fp8_layout(plain_src), fp8_layout(plain_dst, side="destination")
-    devices = _two_gpus_or_one()
-    procs = ProcessMap.disjoint(2, 2).with_devices(devices)
-    srank = world.rank if world.rank < 2 else None
-    drank = world.rank - 2 if world.rank >= 2 else None
+    devices = _two_gpus_or_one() if n == 2 else ["cuda:0"] * 2
+    procs = ProcessMap.disjoint(n, n).with_devices(devices)
+    srank = world.rank if world.rank < n else None
+    drank = world.rank - n if world.rank >= n else None
     quantizer = live = dst = None
     if srank is not None:
         live = {
@@ -250,8 +250,12 @@ def _fp8_staged_worker(world, stages):
                 good &= torch.equal(dst[scale_name(name)], s[box_slices(boxes[scale_name(name)])])
             ok.append(bool(good))
     stages = len(peer.executor.stage_names)
+    ipc = peer.executor.ipc
+    on_pull = len(ipc.skipped) + sum(
+        1 for pl in ipc.pullers if pl is not None for _, _, copies in pl.lanes for c in copies if c[0] == "quantize"
+    )
     peer.close()  # every process (collective: all-IPC plan)
-    return ok, stages
+    return ok, stages, on_pull
 
 
 @pytest.mark.timeout(300)
@@ -259,7 +263,25 @@ def _fp8_staged_worker(world, stages):
 def test_fp8_quantized_by_the_trainer_over_ipc_in_stages(stages):
     devices = _two_gpus_or_one()
     out = run_local(_fp8_staged_worker, 2, 2, stages, devices=devices, timeout_s=240)
-    assert all(o == ([True, True], stages) for o in out[2:]), out
+    assert all(o[:2] == ([True, True], stages) for o in out[2:]), out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("on_pull", ["1", "0"])
+def test_fp8_colocated_engine_quantizes_on_its_pull(on_pull, monkeypatch):
+    """S2 with an FP8 engine: the engine quantizes the trainer's bf16 weights into its own FP8 weights and
+    scales in its pull (every quantized weight: none left to the trainer), bytes equal to quantizing the
+    whole tensor; with REFIT_FP8_ON_PULL=0 the trainer quantizes and the engine copies, the same bytes."""
+    from refit.quant import fp8_layout, quantized_names
+
+    monkeypatch.setenv("REFIT_FP8_ON_PULL", on_pull)
+    out = run_local(_fp8_staged_worker, 1, 1, 1, "tp=1", "tp=1", 1, devices=["cuda:0"] * 2, timeout_s=240)
+    src_l, _ = _layouts("qwen3-30b-a3b", "tp=1", "tp=1", torch.bfloat16)
+    keep = tuple(t for t in src_l if ".layers." not in t.name or ".layers.0." in t.name)
+    n = len(quantized_names(fp8_layout(type(src_l)(keep, src_l.world_size))))
+    want = n if on_pull == "1" else 0
+    assert out[1][:2] == ([True, True], 1), out
+    assert (out[0][2], out[1][2]) == (want, want), out  # the trainer skipped them, the engine quantizes them
 
 
 def _fanout_worker(world, devices):

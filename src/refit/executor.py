@@ -9,8 +9,8 @@ for a plan with CUDA IPC links, exchange handles and capture the pulls
 exchange sealed records and prepare the reads (``refit.transport.nixl.NixlLink``).
 
 Run (each refit):
-  1. prepare: the source's tensors are made final (e.g. FP8 quantization); for an
-     all-IPC plan in ``config.stages`` stages, each just before its stage's pull;
+  1. prepare: the source's tensors are made final (e.g. FP8 quantization, except what receivers quantize on
+     their pulls: ``ipc_quant``); all-IPC plans in ``config.stages`` stages, each just before its pull;
   2. NIXL sources announce that their tensors are final (through the store); IPC
      pulls (receiver side), one per stage, each after a barrier saying every
      source's tensors of that stage are final; they run on the GPU meanwhile;
@@ -18,11 +18,9 @@ Run (each refit):
   4. P2P steps: per step, pack outgoing buckets into ring buffers, post all of the
      step's sends and receives in one ``batch_isend_irecv``, unpack; on CUDA,
      pipelined over pack and unpack streams (``refit.transport.p2p``);
-  5. on CUDA, enqueue the IPC checksums' last sums, wait for the device (within the
-     deadline), then read the checksum verdicts;
-     NIXL receivers read their pieces, NIXL sources wait until their receivers are done;
-  6. with IPC links, a last barrier: every pull is done, sources may change their
-     weights again.
+  5. on CUDA, enqueue the IPC checksums' last sums, wait for the device (within the deadline), then read
+     the checksum verdicts; NIXL receivers read their pieces, NIXL sources wait until their receivers are done;
+  6. with IPC links, a last barrier: every pull is done, sources may change their weights again.
 Works with gloo (CPU) and NCCL (GPU).
 """
 
@@ -137,20 +135,20 @@ class Executor:
         self.delta = DeltaSchedule(self.p2p, plan, proc, local, config) if DeltaSchedule.wanted(plan, config) else None
         self.local = [(local.dst_view(p.tensor, p.box), local.src_view(p.tensor, p.box)) for p in plan.local_of(proc)]
         uses_ipc = any(m.transport == "ipc" for m in plan.messages)
-        self.ipc = IpcLink.open(plan, proc, local, comms.store, config, self.device) if uses_ipc else None
+        self.ipc = IpcLink.open(plan, proc, local, comms.store, config, self.device, prepare) if uses_ipc else None
         uses_nixl = any(
             m.transport == "nixl" and proc in (plan.procs.src[m.src], plan.procs.dst[m.dst]) for m in plan.messages
         )
         self.nixl = NixlLink.open(plan, proc, local, comms.store, config) if uses_nixl else None
-        self.bytes_sent = sum(sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.src[m.src] == proc)
-        self.bytes_received = sum(
-            sum(p.nbytes for p in m.pieces) for m in plan.messages if plan.procs.dst[m.dst] == proc
-        )
+        moved = [(plan.procs.src[m.src], plan.procs.dst[m.dst], sum(p.nbytes for p in m.pieces)) for m in plan.messages]
+        self.bytes_sent = sum(n for s, _, n in moved if s == proc)
+        self.bytes_received = sum(n for _, d, n in moved if d == proc)
         self.bytes_local = sum(p.nbytes for p in plan.local_of(proc))
-        # every refit's device work runs on this stream, never on the caller's: an engine that keeps
-        # generating on its own (often the default) stream while a version is staged is not queued behind
-        # the pulls, and its passes are not waited for by the refit beyond the one in flight at the start
+        # every refit's device work runs on this stream, never on the caller's: an engine generating on its own
+        # stream while a version is staged is not queued behind the pulls, nor waited for beyond the pass in flight
         self.stream = private_stream(self.device) if self.cuda else None
+        # a process that only serves IPC pulls queues nothing after its last stage barrier: no events, no sync
+        self.works_on_device = bool(self.p2p.steps or self.local or (self.ipc is not None and self.ipc.pulls_here))
 
     # ------------------------------------------------------------ what setup built
     @property
@@ -233,7 +231,7 @@ class Executor:
         if delta is not None:
             if self.cuda:
                 self._sync_device(clock)
-        elif self.cuda:
+        elif self.cuda and self.works_on_device:
             self.p2p.run_cuda(fault)
             if self.ipc is not None:
                 self.ipc.enqueue_sums()  # behind the pulls, before the wait: no idle gap
@@ -270,7 +268,10 @@ class Executor:
             self.ipc.pull(i)  # runs on the GPU while the sources prepare the next stage
 
     def _prepare(self, names: set[str] | None) -> None:
-        if self.prepare is not None and self.is_source:
+        skipped = self.ipc.skipped if self.ipc is not None else set()  # its receivers quantize them on their pulls
+        if skipped:
+            names = (names if names is not None else {t.name for t in self.plan.src_layout}) - skipped
+        if self.prepare is not None and self.is_source and names != set():
             with torch.no_grad():
                 self.prepare(names)
 

@@ -16,6 +16,8 @@ checked on every refit of ``refit bench --fp8``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -107,5 +109,17 @@ def quantize_into_triton(
         BK=bk,
         AMAX_FLOOR=amax_floor,
         FP8_MAX=float(fp8_max),
-        num_warps=8,
+        num_warps=num_warps(),
     )
+
+
+def num_warps() -> int:
+    """Warps per block program: 4 (on an H200 the quantization of Llama-3.1-8B's linear weights took 6.42 ms
+    beside the copy of the rest, against 6.62 ms with 8 and 6.73 ms with 16: ``bench/s2_parts.py``), or
+    ``REFIT_FP8_KERNEL`` (a power of two) to measure another shape."""
+    env = os.environ.get("REFIT_FP8_KERNEL")
+    if not env:
+        return 4
+    if not env.isdigit() or int(env) < 1 or int(env) & (int(env) - 1):
+        raise ValueError(f"REFIT_FP8_KERNEL must be a power of two (warps per program), got {env!r}")
+    return int(env)

@@ -40,9 +40,9 @@ except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch pat
     AVAILABLE = False
 
 DENSE = 1 << 62  # row_words / pitch of a 1-D run: one row longer than any piece
-BLOCK = 2048  # words a program handles per step
-STEPS = 8  # steps per program (a chunk: 128 KiB)
-NUM_WARPS = 8
+BLOCK = 1024  # words a program handles per step
+STEPS = 16  # steps per program (a chunk: 128 KiB)
+NUM_WARPS = 4
 LOOP = True  # the steps are a loop (not unrolled)
 
 

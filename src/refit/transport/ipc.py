@@ -32,10 +32,13 @@ from refit.errors import ChecksumError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages, part_key, source_part
+from refit.quant import scale_name
+from refit.transport import ipc_quant
 from refit.transport.checksum import Piece, PieceSums, fusable
 from refit.transport.host_barrier import HostBarrier
 from refit.transport.ipc_handles import export_per_receiver, import_handles
 from refit.transport.ipc_pace import pace_chunks, sleep_cycles_per_s, then_sleep
+from refit.transport.ipc_quant import OnPull
 from refit.transport.rows import row_copy
 from refit.transport.store import SignedStore
 
@@ -133,7 +136,9 @@ class IpcPuller:
 
     ``fused`` (checksum mode): the same-GPU pieces' checksum work (``IpcSums.fused_work``: one Triton
     kernel that copies and sums them, then the re-read of their sources); ``pull()`` runs it in order
-    on a stream of its own beside the graph.
+    on a stream of its own beside the graph. ``kernels``: ``(cost, fn)`` work of the receiver's GPU recorded
+    with its copies (FP8 on pull: ``ipc_quant.OnPull``), spread over its streams by ``cost`` (bytes in a
+    copy's units).
 
     Same-GPU copies run on a stream of the receiver's GPU. Copies from another
     GPU run on a stream of that source GPU, in this process, with peer access
@@ -153,6 +158,7 @@ class IpcPuller:
         streams_per_lane: int = 2,
         fused: Sequence[PieceSums] = (),
         pace_gbps: float | None = None,
+        kernels: Sequence[tuple[int, Callable[[torch.cuda.Stream], None]]] = (),
     ) -> None:
         if streams_per_lane < 1:
             raise ValueError(f"streams_per_lane must be >= 1, got {streams_per_lane}")
@@ -161,7 +167,7 @@ class IpcPuller:
         self.fused = list(fused)
         self.owned = OwnedStreams()  # every stream of this puller is its own (``close`` frees them)
         self.fused_stream = self.owned.new(device) if self.fused else None
-        groups: dict[torch.device, list] = {device: list(same_device)} if same_device else {}
+        groups: dict[torch.device, list] = {device: list(same_device)} if same_device or kernels else {}
         for d, s in peer:
             groups.setdefault(s.device, []).append((d, s))
         # one lane per source GPU: its large copies spread over ``streams_per_lane`` streams (on one
@@ -175,6 +181,8 @@ class IpcPuller:
             label = "same" if src_dev == device else f"peer{src_dev.index}"
             pieces = [c for d, s in pairs for c in pace_chunks(d, s, self.PACE_CHUNK if pace_gbps else None)]
             copies = [(kind, d.numel() * d.element_size(), fn) for d, s in pieces for kind, fn in [make_copy(d, s)]]
+            if src_dev == device:  # work of this GPU's own (FP8 on pull), spread like the large copies
+                copies += [("quantize", cost, fn) for cost, fn in kernels]
             small = [c for c in copies if c[1] < self.SMALL]
             large = [c for c in copies if c[1] >= self.SMALL]
             if small:
@@ -278,7 +286,7 @@ class IpcPuller:
         """Seconds per lane and copy kind ("same/memcpy", "peer0/memcpy2d", ...), each run alone."""
         out = {}
         for label, stream, copies in self.lanes:
-            for kind in ("memcpy", "memcpy2d", "kernel"):
+            for kind in ("memcpy", "memcpy2d", "kernel", "quantize"):
                 sel = [c for c in copies if c[0] == kind]
                 if not sel:
                     continue
@@ -304,11 +312,12 @@ Checked = tuple[str, int, bool, Pair]  # (tensor name, stage, same GPU, pair) of
 
 def _map_pulls(
     plan: Plan, proc: int, local: LocalTensors, store: SignedStore, config: TransferConfig, stages: list[set[str]]
-) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[list[Pair], list[Pair]]], list[Checked]]:
+) -> tuple[dict[int, dict[str, torch.Tensor]], list[tuple[list[Pair], list[Pair]]], list[Checked], dict]:
     """Publish this process's handles, map its sources' (once each), and pair every pull's views.
 
     Returns (mapped tensors per source process, per stage (same-GPU pairs, peer-GPU pairs),
-    every pull in order as ``Checked`` when checksums are on)."""
+    every pull in order as ``Checked`` when checksums are on, ``(source process, tensor) -> (stage, pair)``
+    of the same-GPU pulls of one piece each)."""
     ipc = [m for m in plan.messages if m.transport == "ipc"]
     name, timeout_s = config.name, config.preflight_timeout_s
     export_per_receiver(plan, proc, local, store, name, ipc)
@@ -316,6 +325,7 @@ def _map_pulls(
     mapped: dict[int, dict[str, torch.Tensor]] = {}
     pairs: list[tuple[list[Pair], list[Pair]]] = [([], []) for _ in stages]  # per stage: (same GPU, peer GPU)
     checked: list[Checked] = []
+    named: dict[tuple[int, str], tuple[int, Pair] | None] = {}
     for m in (m for m in ipc if plan.procs.dst[m.dst] == proc):
         sp = plan.procs.src[m.src]
         if sp not in mapped:
@@ -327,9 +337,32 @@ def _map_pulls(
         same, peer = pairs[stage_of[p.tensor]]
         on_gpu = plan.procs.same_device(sp, proc)
         (same if on_gpu else peer).append(pair)
+        if on_gpu:  # a tensor pulled in several pieces is None: not quantized on the pull
+            named[sp, p.tensor] = None if (sp, p.tensor) in named else (stage_of[p.tensor], pair)
         if config.checksums:
             checked.append((p.tensor, stage_of[p.tensor], on_gpu, pair))
-    return mapped, pairs, checked
+    return mapped, pairs, checked, named
+
+
+def _on_pull_jobs(
+    plan: Plan, proc: int, store: SignedStore, config: TransferConfig, named: dict
+) -> dict[int, list[tuple[OnPull, Pair, Pair]]]:
+    """The weights this receiver quantizes on its pull (``ipc_quant``), per stage, with the two pulls
+    (weight, scales) each replaces."""
+    out: dict[int, list[tuple[OnPull, Pair, Pair]]] = {}
+    sources = sorted({sp for sp, _ in named})
+    for sp in sources:
+
+        def views(n: str, sp: int = sp) -> tuple[torch.Tensor, torch.Tensor]:
+            w, s = named.get((sp, n)), named.get((sp, scale_name(n)))
+            if w is None or s is None:
+                raise PlanError(f"FP8 on pull: process {sp} published weight {n!r}, which is not pulled whole here")
+            return w[1][0], s[1][0]
+
+        for job in ipc_quant.import_jobs(store, config.name, sp, proc, config.preflight_timeout_s, views):
+            w, s = named[sp, job.name], named[sp, scale_name(job.name)]
+            out.setdefault(w[0], []).append((job, w[1], s[1]))
+    return out
 
 
 def _captured_puller(
@@ -339,16 +372,27 @@ def _captured_puller(
     config: TransferConfig,
     proc: int,
     fused: Sequence[PieceSums] = (),
+    on_pull: Sequence[OnPull] = (),
 ) -> IpcPuller | None:
     """The puller of one stage (None without pulls), its copies recorded into a CUDA graph if
     ``config.cuda_graph``; a failed capture warns and leaves the copies to be issued one by one.
     ``fused``: the stage's checksum work on its same-GPU pieces (``IpcSums.fused_work``; those pieces
-    are not in ``same``)."""
-    if not (same or peer or fused):
+    are not in ``same``). ``on_pull``: the stage's weights quantized on the pull (``ipc_quant``; their pulls
+    are not in ``same``), compiled here before the graph records them."""
+    if not (same or peer or fused or on_pull):
         return None
+    kernels = [(job.cost, job.fn) for job in on_pull]
     puller = IpcPuller(
-        device, same, peer, streams_per_lane=config.copy_streams, fused=fused, pace_gbps=config.pull_gbps
+        device,
+        same,
+        peer,
+        streams_per_lane=config.copy_streams,
+        fused=fused,
+        pace_gbps=config.pull_gbps,
+        kernels=kernels,
     )
+    for job in on_pull:
+        job.warm()
     if puller.lanes and config.cuda_graph:
         try:
             puller.capture()
@@ -494,6 +538,12 @@ class IpcLink:
         self.sums = sums  # checksum mode
         self.host_barrier = host_barrier
         self._mapped = mapped  # keep the mappings alive
+        self.skipped: set[str] = set()  # a source's weights its receivers quantize on their pulls (ipc_quant)
+
+    @property
+    def pulls_here(self) -> bool:
+        """Whether this process pulls anything (or checks sums) over IPC."""
+        return any(pl is not None for pl in self.pullers) or (self.sums is not None and bool(self.sums.names))
 
     @classmethod
     def open(
@@ -504,32 +554,36 @@ class IpcLink:
         store: SignedStore | None,
         config: TransferConfig,
         device: torch.device,
+        prepare: object = None,
     ) -> IpcLink:
-        """Exchange handles, build and capture the pullers, agree on the barrier (see the class)."""
+        """Exchange handles, build and capture the pullers, agree on the barrier (see the class).
+        ``prepare``: the source's (``Executor``'s), offering live weights to quantize on the pull (``ipc_quant``)."""
         if store is None:
             raise PlanError("the plan has CUDA IPC links but no rendezvous store was given")
         all_ipc = all(m.transport == "ipc" for m in plan.messages)
         stages = ipc_stages(plan, config.stages if all_ipc else 1)
-        mapped, pairs, checked = _map_pulls(plan, proc, local, store, config, stages)
+        mapped, pairs, checked, named = _map_pulls(plan, proc, local, store, config, stages)
+        skipped, jobs = set(), {}
+        if ipc_quant.wanted(plan):
+            if proc in plan.procs.src:
+                skipped = ipc_quant.publish(plan, proc, store, config.name, prepare, config.checksums)
+            jobs = _on_pull_jobs(plan, proc, store, config, named)
         sums = IpcSums(checked, device, len(stages)) if config.checksums else None
-        pullers = [
-            _captured_puller(
-                device,
-                [q for q in same if sums is None or not sums.fuses(q)],
-                peer,
-                config,
-                proc,
-                () if sums is None else sums.fused_work(i),
-            )
-            for i, (same, peer) in enumerate(pairs)
-        ]
+        pullers = []
+        replaced = {id(p) for stage in jobs.values() for _, *ps in stage for p in ps}  # a scale's stage may differ
+        for i, (same, peer) in enumerate(pairs):
+            same = [q for q in same if id(q) not in replaced and (sums is None or not sums.fuses(q))]
+            fused = () if sums is None else sums.fused_work(i)
+            pullers.append(_captured_puller(device, same, peer, config, proc, fused, [j for j, *_ in jobs.get(i, [])]))
         barrier = None
         if all_ipc:  # a plan whose links are all IPC (one host) synchronizes through shared memory
             members = sorted({*plan.procs.src, *plan.procs.dst})
             barrier = HostBarrier.agree(
                 store, f"{config.name}/barrier", members.index(proc), len(members), config.preflight_timeout_s
             )
-        return cls(stages, pullers, sums, mapped, barrier)
+        link = cls(stages, pullers, sums, mapped, barrier)
+        link.skipped = skipped
+        return link
 
     def pull(self, stage: int) -> None:
         """Enqueue stage ``stage``'s copies on the GPU (the host does not wait)."""
