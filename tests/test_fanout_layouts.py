@@ -11,7 +11,8 @@ from refit.config import TransferConfig
 from refit.errors import PlanError
 from refit.fanout import Fanout, wave_plans, waves_for
 from refit.layout import Mesh, ModelLayout, TensorLayout, box_contains, box_slices
-from refit.layout.models import param_shapes
+from refit.layout.megatron import megatron_layout
+from refit.layout.models import load_config, param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.layout.tensors import box_runs_whole
@@ -28,6 +29,7 @@ PAIRS = [  # (model, trainer spec, replica spec)
     ("tiny-llama", "tp=2,pp=2", "tp=1"),
     ("tiny-mixtral", "ep=2", "tp=1"),
     ("tiny-llama", "tp=1", "tp=2"),
+    ("tiny-llama", "megatron:tp=2", "tp=1"),  # q, k, v rows stored per query group (row_block), padded vocab
 ]
 MODES = {
     "in_place": {},
@@ -39,7 +41,10 @@ MODES = {
 
 def _layouts(model: str, src: str, dst: str) -> tuple[ModelLayout, ModelLayout]:
     shapes = param_shapes(model)
-    return layout_from_spec(shapes, parse_spec(src, "src")), layout_from_spec(shapes, parse_spec(dst, "dst"))
+    dst_layout = layout_from_spec(shapes, parse_spec(dst, "dst"))
+    if src.startswith("megatron:"):
+        return megatron_layout(shapes, parse_spec(src.removeprefix("megatron:"), "src"), load_config(model)), dst_layout
+    return layout_from_spec(shapes, parse_spec(src, "src")), dst_layout
 
 
 def _procs(trainer: ModelLayout, replica: ModelLayout) -> tuple[list[int], list[list[int]]]:
@@ -124,20 +129,35 @@ def _value(t: TensorLayout, version: int) -> torch.Tensor:
     return x
 
 
+def _nan(box) -> torch.Tensor:
+    return torch.full(tuple(b - a for a, b in box), float("nan"))
+
+
+def _update(tensors: dict, layout: ModelLayout, rank: int, version: int) -> None:
+    """A trainer rank's new weights, in place; a tensor stored in blocks (``row_block``) part by part."""
+    for t, box in layout.local_tensors(rank):
+        x, parts = tensors[t.name], t.parts(rank)
+        for part, dst in zip(parts, x) if isinstance(x, list) else [(box, x)]:
+            dst.copy_(_value(t, version)[box_slices(part)])
+
+
 def _one_mode(world, trainer, replica, tprocs, rprocs, mode: str, tag: str) -> dict:
     proc = world.rank
     layout, rank = (trainer, proc) if proc in tprocs else (replica, next(r.index(proc) for r in rprocs if proc in r))
-    tensors = {t.name: torch.full(tuple(b - a for a, b in box), float("nan")) for t, box in layout.local_tensors(rank)}
+    tensors = {  # a trainer's tensor stored in blocks is a list of one tensor per block, as Megatron keeps it
+        t.name: [_nan(p) for p in t.parts(rank)] if proc in tprocs and t.row_block else _nan(box)
+        for t, box in layout.local_tensors(rank)
+    }
     cfg = TransferConfig(name=f"{tag}/{mode}", deadline_s=30.0, preflight_timeout_s=120.0, **MODES[mode])
     f = Fanout(trainer, replica, proc, tprocs, rprocs, tensors, config=cfg)
     out = {"exact": [], "delta": False}
     for v in (1, 2):
-        for t, box in layout.local_tensors(rank):
-            if proc in tprocs:  # the trainer's new weights, in place
-                tensors[t.name].copy_(_value(t, v)[box_slices(box)])
+        if proc in tprocs:
+            _update(tensors, layout, rank, v)
         f.run(v)
         out["exact"].append(
-            all(same_bits(tensors[t.name], _value(t, v)[box_slices(box)]) for t, box in layout.local_tensors(rank))
+            proc in tprocs
+            or all(same_bits(tensors[t.name], _value(t, v)[box_slices(box)]) for t, box in layout.local_tensors(rank))
         )
         out["delta"] |= any(p.executor.delta is not None for _, p in f.peers.values())
     out["version"] = f.version
