@@ -65,7 +65,7 @@ BAD = [
     (["bench", "--copy-streams", "0"], ["--copy-streams", "'0'"]),
     (["plan", "--fp8", "0"], ["--fp8", "'0'"]),
     (["plan", "--model", "llama-3.1-8b", "--dst", "tp=3"], ["--dst tp=3:", "num_attention_heads=32", "tp=3"]),
-    (["verify", "--model", "llama-3.1-8b", "--dst", "tp=16"], ["--dst tp=16:", "num_key_value_heads=8"]),
+    (["verify", "--model", "llama-3.1-8b", "--dst", "tp=64"], ["--dst tp=64:", "num_attention_heads=32"]),
     (["demo", "--src", "tp=3"], ["--src tp=3:", "num_attention_heads=4"]),
     (["soak", "--model", "tiny-qwen3-moe", "--src", "ep=3"], ["--src ep=3:", "num_experts=8"]),
     (["plan", "--model", "qwen3-30b-a3b", "--src", "etp=5"], ["--src etp=5:", "etp=5 must divide", "768"]),
