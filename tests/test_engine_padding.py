@@ -228,3 +228,41 @@ def test_padding_is_never_counted():
     total = sum(math.prod(s) for _, s, _ in param_shapes(ODD))
     replicated = 2 * cfg.num_hidden_layers * cfg.hidden_size + cfg.hidden_size  # the norms, on both ranks
     assert sum(per_rank) == total + replicated
+
+
+def _moe_model(rank: int, experts: int, padded: int, hidden: int) -> torch.nn.Module:
+    """One SGLang-like ``FusedMoE`` (TP=2, no EP) as SGLang on CPU allocates it for a padded expert size."""
+    per = padded // 2
+    moe = torch.nn.Module()
+    moe.num_local_experts, moe.intermediate_size_per_partition = experts, per
+    moe.moe_ep_rank, moe.moe_tp_rank, moe.moe_tp_size, moe.num_fused_shared_experts = 0, rank, 2, 0
+    moe.w13_weight = torch.nn.Parameter(torch.zeros(experts, 2 * per, hidden), requires_grad=False)
+    moe.w2_weight = torch.nn.Parameter(torch.zeros(experts, hidden, per), requires_grad=False)
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    layer.mlp.experts = moe
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([layer])
+    return model
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sglang_cpu_padded_expert_shares_match_the_layout(tmp_path, rank):
+    cfg = load_config("tiny-qwen3-moe")
+    cfg.moe_intermediate_size = 48  # SGLang on CPU at tp=2: 64, rank 1 holds rows 32-47 then 16 of padding
+    cfg.save_pretrained(tmp_path)
+    lay = engine_layout(param_shapes(str(tmp_path)), parse_spec("tp=2", "dst"), cfg, "sglang-cpu")
+    e, hidden = cfg.num_experts, cfg.hidden_size
+    model = _moe_model(rank, e, 64, hidden)
+    gate_up = share(model, "model.layers.0.mlp.experts.gate_up_proj", (e, 2, 48, hidden))
+    down = share(model, "model.layers.0.mlp.experts.down_proj", (e, hidden, 48))
+    want = [(0, 32), (32, 48)][rank]
+    assert gate_up.box[2] == down.box[2] == want
+    assert lay["model.layers.0.mlp.experts.gate_up_proj"].box(rank)[2] == want
+    assert lay["model.layers.0.mlp.experts.down_proj"].box(rank)[2] == want
+    n = want[1] - want[0]
+    assert gate_up.view.shape == (e, 2, n, hidden) and down.view.shape == (e, hidden, n)
+    # the up rows start after this rank's 32 (padded) gate rows, whatever the real count
+    gate_up.view[0, 1, 0, 0] = 1.0
+    assert model.model.layers[0].mlp.experts.w13_weight[0, 32, 0] == 1.0

@@ -20,8 +20,9 @@ MoE (experts stacked per layer: ``mlp.experts.gate_up_proj`` ``[E, 2, I, H]``,
 ``etp``.
 
 ``layout_from_spec`` places any degree (a split may be uneven, chunked as ``torch.chunk`` does), as the
-planner's tests use; ``check_spec_fits`` says whether a model can run under a spec as trainers and engines
-run it (whole heads and experts on each rank, even splits): a user's spec is checked with it.
+planner's tests use (an engine's own splits, padded or replicated, are ``engines.engine_layout``'s);
+``check_spec_fits`` says whether a model can run under a spec as trainers run it (whole heads and experts on each
+rank, even splits): a user's trainer spec is checked with it.
 """
 
 from __future__ import annotations
@@ -143,9 +144,10 @@ def check_spec_fits(
 ) -> None:
     """``SpecError`` unless every rank of ``spec`` holds whole units of the model (``config``: its HF config):
 
-    * ``tp`` divides ``num_attention_heads`` and ``num_key_value_heads`` (spec layouts split KV heads; they
-      cannot replicate them, as vLLM does when tp exceeds their number); with ``kv_replicas`` (Megatron's
-      layout, which cuts the interleaved query groups) ``tp`` may instead be a multiple of them;
+    * ``tp`` divides ``num_attention_heads`` and ``num_key_value_heads`` (spec layouts split KV heads; an
+      engine's replicated KV heads and padding are ``engines.engine_layout``'s, checked by
+      ``engines.check_engine_fits``); with ``kv_replicas`` (Megatron's layout, which cuts the interleaved query
+      groups) ``tp`` may instead be a multiple of them;
     * ``ep`` divides the routed experts (``EXPERT_COUNTS``);
     * every ``tp``, ``ep`` or ``etp`` split of a tensor is even (MLP and expert intermediate sizes), but for
       the vocab, which may end in a shorter chunk (DTensor's vocab-parallel embedding does the same).
