@@ -27,8 +27,11 @@ travels, receivers never write it, moved/needed count real bytes). The rules, re
     (``get_num_heads_padding_size``: tp, unquantized) and query heads to ``padded_kv * heads / kv``: the padding
     heads come last, so the last ranks may hold no real head at all. SGLang on CPU never replicates KV heads.
 
-vLLM pads none of the dense sizes (its ``divide`` asserts that tp divides heads and intermediate sizes); its CPU
-fused-MoE padding of expert intermediate sizes is not modelled (``engines.vllm.regions.moe_share`` refuses it).
+vLLM pads none of the dense sizes (its ``divide`` asserts that tp divides heads and intermediate sizes). Its CPU
+fused-MoE kernels pad each rank's expert intermediate share after loading (``_pad_moe_intermediate``,
+``vllm/model_executor/layers/fused_moe/experts/cpu_moe.py``): the share itself stays ``I / tp`` rows of the HF
+tensor, so the layout is unchanged (the padding lies inside the rank's repacked parameter, which refit reaches
+through vLLM's loaders there).
 
 ``engine_layout`` is ``rules.layout_from_spec`` with these splits as explicit boxes where they differ from
 ``torch.chunk``'s; ``check_engine_fits`` says whether the engine can run the model at the spec at all.
@@ -159,7 +162,12 @@ def engine_sizes(rules: EngineRules, config: Any, tp: int, vocab: int | None) ->
 Split = Callable[[int], tuple[int, int]]  # TP coordinate -> [lo, hi) along the sharded dim
 
 
-def _unit_split(real: int, padded: int, unit: int, tp: int) -> Split:
+def _unit_split(real: int, padded: int, unit: int, tp: int) -> Split | None:
+    """``padded_share`` in elements of ``unit``; None where tp does not divide ``padded`` (the engine refuses it:
+    ``check_engine_fits`` says so)."""
+    if padded % tp:
+        return None
+
     def split(c: int) -> tuple[int, int]:
         lo, hi = padded_share(real, padded, tp, c)
         return lo * unit, hi * unit
