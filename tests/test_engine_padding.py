@@ -18,6 +18,7 @@ import torch
 
 from refit.engines.sglang.regions import RegionError, share
 from refit.errors import SpecError
+from refit.layout import ModelLayout
 from refit.layout.engines import ENGINES, check_engine_fits, engine_layout, engine_rules, engine_sizes, tp_split
 from refit.layout.models import load_config, param_shapes
 from refit.layout.spec import parse_spec
@@ -72,6 +73,7 @@ def test_vllm_tp4_replicates_each_kv_head_on_two_ranks():
     assert _dim(lay, Q, 0, 4) == [(0, 32), (32, 64), (64, 96), (96, 128)]
     assert _dim(lay, EMBED, 0, 4) == [(0, 256), (256, 512), (512, 768), (768, 1003)]
     assert sorted(lay[K].holders().values()) == [[0, 1], [2, 3]]
+    assert ModelLayout.from_json(json.loads(json.dumps(lay.to_json()))) == lay  # explicit boxes travel in JSON
     two = _layout("vllm", "tp=4,dp=2")  # each replica the same
     assert [two[K].box(r)[0] for r in range(8)] == _dim(lay, K, 0, 4) * 2
 
