@@ -88,8 +88,9 @@ run_pytest() {
 }
 wait_setup browser "$browser_pid"
 rc=0
-# the SGLang tests skip in this venv (no sglang); they run below with .venv-sglang
-run_pytest .venv/bin/python -m pytest -q --durations=25 "$@" || rc=$?
+# the SGLang tests skip in this venv (no sglang); they run below with .venv-sglang. Two pytest-xdist workers:
+# tests that share an engine pool, Ray or the namespace range stay in one worker (tests/conftest.py)
+run_pytest .venv/bin/python -m pytest -q --durations=25 -n 2 --dist loadgroup "$@" || rc=$?
 # with no arguments the SGLang suite runs too; with arguments, only if one of them names it
 sglang_args=()
 if [ "$#" -eq 0 ]; then

@@ -4,8 +4,11 @@
 (processes ``0..n_src-1`` are trainer ranks, the rest engine ranks), joins them
 with a TCP rendezvous on the bind address, creates the trainer group and the engine
 group, calls ``fn(world, *args)`` in each and returns the results by process
-rank. The job's secret (``REFIT_SECRET`` if set, else a fresh one) and bind address
-(``REFIT_BIND_ADDRESS``, default loopback) reach each child through spawn's pipe; the store,
+rank. Processes fork from a ``forkserver`` that imported torch and refit once (``PRELOAD``), so a rank
+starts in a fraction of a second where a fresh interpreter spends seconds importing; each gets this
+process's environment as it is at the call (a forkserver's children would otherwise inherit the server's).
+The job's secret (``REFIT_SECRET`` if set, else a fresh one) and bind address
+(``REFIT_BIND_ADDRESS``, default loopback) reach each child through a pipe; the store,
 gloo and NCCL listen on that address only. A worker's exception is re-raised in the caller with its rank; a worker
 that dies or overruns ``timeout_s`` fails the call instead of hanging it.
 ``devices`` pins each process to a device (several may share a GPU, as in
@@ -36,6 +39,9 @@ from refit.errors import ConfigError
 from refit.transport import auth
 from refit.transport.control import free_port
 from refit.transport.store import BIND_ENV, JOB_ENV, SignedStore, bind_address, open_store, pin_interfaces, signed
+
+PRELOAD = ["torch", "torch.distributed", "refit.transfer", "refit.tools.launch"]
+"""What the forkserver imports before it forks a rank (never CUDA: importing torch does not initialize it)."""
 
 MAX_LOCAL_PROCESSES = 256
 """The most processes ``run_local`` starts on one machine (one per rank): a typo such as ``tp=100000`` is an
@@ -91,6 +97,10 @@ class World:
         return r if 0 <= r < self.n_dst else None
 
 
+_HOSTED: list = []
+"""The store process 0 hosts, held until the caller of ``run_local`` has every result."""
+
+
 def _join(
     rank: int, world_size: int, backend: str, port: int, secret: bytes, address: str, job_id: str, timeout_s: float
 ) -> None:
@@ -102,6 +112,8 @@ def _join(
     os.environ[BIND_ENV] = address
     pin_interfaces(address)
     store = open_store(address, port, world_size, rank == 0, timeout_s)
+    if rank == 0:
+        _HOSTED.append(store)  # outlives the default group: the others may still use it (``_worker``)
     options = nccl_options() if backend == "nccl" else None
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), pg_options=options
@@ -119,6 +131,17 @@ def nccl_options():
 
 def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices, job):
     try:
+        shape = (rank, world_size, n_src, n_dst, colocated, backend, port)
+        _run_worker(*shape, fn, args, results, timeout_s, devices, job)
+    finally:
+        if rank == 0:  # the store's host: it stays until the caller has every result or gave up on them
+            job[4].wait(timeout_s + 60)
+
+
+def _run_worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, results, timeout_s, devices, job):
+    try:
+        os.environ.clear()  # the caller's environment at run_local, not the forkserver's
+        os.environ.update(job[3])
         torch.set_num_threads(1)
         if devices:
             device = torch.device(devices[rank])
@@ -128,7 +151,7 @@ def _worker(rank, world_size, n_src, n_dst, colocated, backend, port, fn, args, 
             device = torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        _join(rank, world_size, backend, port, *job, timeout_s)
+        _join(rank, world_size, backend, port, *job[:3], timeout_s)
         trainer = dist.new_group(list(range(n_src))) if n_src else None
         engine_ranks = list(range(n_dst)) if colocated else list(range(n_src, n_src + n_dst))
         engine = dist.new_group(engine_ranks) if n_dst else None
@@ -235,11 +258,13 @@ def run_local(
     if devices is not None and len(devices) != world_size:
         raise ValueError(f"devices names {len(devices)} devices for {world_size} processes")
     backend = _backend(backend, devices, world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     address = bind_address()
     port = free_port(address)
-    job = (auth.secret_or_new(), address, uuid.uuid4().hex)  # through spawn's pipe to the children, never a socket
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    released = ctx.Event()  # set once this call has every result (or failed): then process 0 may take the store down
+    job = (auth.secret_or_new(), address, uuid.uuid4().hex, env, released)  # a pipe to the children, never a socket
     procs = [
         ctx.Process(
             target=_worker,
@@ -248,7 +273,8 @@ def run_local(
         )
         for r in range(world_size)
     ]
-    _start_single_threaded(procs)
+    for p in procs:
+        p.start()
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
@@ -258,6 +284,7 @@ def run_local(
             raise WorkerError(_describe_failure(procs, out, errors))
         return [out[r] for r in range(world_size)]
     finally:
+        released.set()
         _stop(procs, failed=bool(errors))
 
 
@@ -269,18 +296,11 @@ def _backend(backend: str | None, devices: list[str] | None, world_size: int) ->
     return backend
 
 
-def _start_single_threaded(procs: list) -> None:
-    """Start the processes with ``OMP_NUM_THREADS=1`` in their environment; ours is restored after."""
-    env_before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if env_before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_before
+def _context():
+    """The forkserver context with ``PRELOAD`` (one server per calling process, started by the first call)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _collect(procs: list, results, out: dict, errors: dict, timeout_s: float, expect_dead) -> None:
