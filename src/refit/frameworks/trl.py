@@ -1,0 +1,215 @@
+"""refit as TRL's weight sync: a GRPO ``rollout_func`` that generates with vLLM and refits vLLM with refit.
+
+TRL's GRPO syncs vLLM one parameter at a time (``VLLMClient.update_named_params`` over vLLM's NCCL engine in
+server mode, ``model.load_weights`` per parameter in colocate mode), gathering every FSDP parameter on the way.
+``RefitRollout`` replaces that through GRPO's public ``rollout_func`` argument: before it generates for a new
+optimizer step, every trainer rank sends the boxes it holds of the policy (plain, FSDP2 or TP) through refit's
+vLLM backend, and each vLLM worker receives only its tensor-parallel share::
+
+    rollout = RefitRollout.colocate(llm)  # vllm.LLM(..., weight_transfer_config={"backend": "refit"})
+    rollout = RefitRollout.server("http://host:8000")  # trl vllm-serve ... --weight-transfer-config ...
+    GRPOTrainer(model, reward_funcs, args=GRPOConfig(use_vllm=False, ...), rollout_func=rollout, ...)
+
+``use_vllm`` stays False: that switch makes TRL start its own vLLM client and sync (NCCL, CUDA only), which
+refit replaces. The two modes differ only in who holds the engine. *Colocate*: the one trainer process owns a
+``vllm.LLM`` (several trainer processes use a server: each would otherwise hold an engine of its own).
+*Server*: a ``vllm serve`` (TRL's ``trl vllm-serve``) with the ``refit`` backend; generation goes through TRL's
+own ``VLLMClient`` (its OpenAI route, no NCCL), the sync through vLLM's ``HTTPVLLMWeightSyncClient``.
+
+Lifecycle: the first call joins refit's job (``RefitTrainerEngine.trainer_init``, collective over the trainer
+ranks and the engine's workers) with the trainer's model; every call whose ``trainer.state.global_step``
+differs from the last sync sends version ``global_step + 1`` first; ``close()`` releases refit's side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from refit.engines.vllm.client import LLMClient
+from refit.engines.vllm.trainer import RefitTrainerEngine, RefitTrainerInitInfo, ShardedModuleSource
+from refit.errors import ConfigError
+from refit.transport.control import free_port
+
+AfterSync = Callable[["RefitRollout", Any], None]
+
+
+@dataclass
+class Sampling:
+    """How completions are sampled (TRL's ``GRPOConfig`` fields of the same meaning): ``max_tokens``
+    (``max_completion_length``), ``temperature``, ``top_p``, ``top_k`` (0: off), ``seed`` (None: vLLM's)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class RefitRollout:
+    """GRPO's ``rollout_func``: sync the policy into vLLM with refit when the step changed, then generate one
+    completion per prompt it is given (GRPO already repeats each prompt ``num_generations`` times).
+
+    Build it with ``colocate(llm)`` or ``server(base_url)``. ``n_workers``: the engine's workers (TP x DP; the
+    colocated ``LLM``'s are read from it). ``master_address`` / ``master_port``: where trainer rank 0 hosts
+    refit's store (a server's workers must reach it: trainer rank 0's address on their network; port 0 picks
+    a free one on a single trainer process). ``after_sync(rollout, trainer)``: called on every trainer rank
+    after each sync (checks, logging). ``stats``: the last sync's ``RunStats`` on this rank; ``syncs``: how
+    many ran."""
+
+    def __init__(
+        self,
+        client: Any,
+        generate: Callable[[list[list[int]], Sampling], tuple[list[list[int]], list[list[float]]]],
+        n_workers: int,
+        *,
+        sampling: Sampling | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        after_sync: AfterSync | None = None,
+        **init_info: Any,
+    ) -> None:
+        self.client = client
+        self._generate = generate
+        self.n_workers = n_workers
+        self.sampling = sampling or Sampling()
+        self.master_address = master_address
+        self.master_port = master_port
+        self.after_sync = after_sync
+        self.init_info = init_info
+        self.engine: RefitTrainerEngine | None = None
+        self.last_step: int | None = None
+        self.syncs = 0
+        self.stats: Any = None
+        self.colocated = False
+
+    @classmethod
+    def colocate(cls, llm: Any, **kw: Any) -> RefitRollout:
+        """A rollout over ``llm`` (a ``vllm.LLM`` in this process, started with
+        ``weight_transfer_config={"backend": "refit"}``): prompts go in as token ids."""
+        n_workers = llm.llm_engine.vllm_config.parallel_config.world_size
+
+        def generate(prompt_ids: list[list[int]], s: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+            from vllm import SamplingParams
+
+            params = SamplingParams(
+                n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, seed=s.seed,
+                logprobs=0, **s.extra,
+            )  # fmt: skip
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+            completions = [list(o.outputs[0].token_ids) for o in outs]
+            logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+            return completions, logprobs
+
+        rollout = cls(LLMClient(llm), generate, n_workers, **kw)
+        rollout.colocated = True
+        return rollout
+
+    @classmethod
+    def server(cls, base_url: str, n_workers: int | None = None, **kw: Any) -> RefitRollout:
+        """A rollout over a ``vllm serve`` at ``base_url`` (``trl vllm-serve`` with
+        ``--weight-transfer-config '{"backend":"refit"}'``, ``VLLM_SERVER_DEV_MODE=1``): TRL's ``VLLMClient``
+        generates, vLLM's ``HTTPVLLMWeightSyncClient`` drives the sync. ``n_workers``: the server's TP x DP
+        (default: what it reports at ``/get_world_size``)."""
+        from trl.generation.vllm_client import VLLMClient
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        trl_client = VLLMClient(base_url=base_url, connection_timeout=kw.pop("connection_timeout", 60.0))
+        workers = n_workers if n_workers is not None else trl_client.get_world_size()
+
+        def generate(prompt_ids: list[list[int]], s: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+            extra = {**s.extra, **({"seed": s.seed} if s.seed is not None else {})}
+            out = trl_client.generate(
+                prompt_ids, n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+                logprobs=0, generation_kwargs=extra,
+            )  # fmt: skip
+            return out["completion_ids"], [[lp[0] for lp in seq] for seq in out["logprobs"]]
+
+        return cls(HTTPVLLMWeightSyncClient(base_url), generate, workers, **kw)
+
+    # -- GRPO's rollout_func -------------------------------------------------------------------------------------
+
+    def __call__(self, prompts: Sequence[Any], trainer: Any) -> dict[str, Any]:
+        """``rollout_func(prompts, trainer)``: ``prompt_ids``, ``completion_ids`` and ``logprobs`` (the sampled
+        token's, per completion token), one completion per prompt."""
+        step = int(trainer.state.global_step)
+        if step != self.last_step:
+            self.sync(trainer, step + 1)
+            self.last_step = step
+        prompt_ids = tokenize(trainer, prompts)
+        completion_ids, logprobs = self._generate(prompt_ids, self.sampling)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    def sync(self, trainer: Any, version: int) -> Any:
+        """Send the trainer's current weights as ``version`` (every trainer rank; the first call joins)."""
+        if self.engine is None:
+            self.engine = self._join(trainer)
+        self.stats = self.engine.send_weights(version)
+        self.syncs += 1
+        if self.after_sync is not None:
+            self.after_sync(self, trainer)
+        return self.stats
+
+    def close(self) -> None:
+        """Release refit's trainer side on this rank (the engine's side: ``llm.shutdown_weight_transfer_engine``
+        or the server's exit). Idempotent."""
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine = None
+
+    def _join(self, trainer: Any) -> RefitTrainerEngine:
+        acc = trainer.accelerator
+        rank, world = acc.process_index, acc.num_processes
+        if self.colocated and world > 1:
+            raise ConfigError(
+                f"RefitRollout.colocate: {world} trainer processes would each hold an engine of their own; with "
+                "several trainer processes serve one engine (RefitRollout.server) that every rank syncs and uses"
+            )
+        port = self.master_port
+        if port == 0:
+            if world > 1:
+                raise ConfigError(
+                    f"RefitRollout: {world} trainer processes need master_port set to the same free port on every "
+                    "rank (trainer rank 0 hosts refit's store there)"
+                )
+            port = free_port(self.master_address)
+        info = RefitTrainerInitInfo(
+            rank=rank,
+            master_address=self.master_address,
+            master_port=port,
+            n_trainer=world,
+            n_workers=self.n_workers,
+            **self.init_info,
+        )
+        model = acc.unwrap_model(trainer.model) if world == 1 else trainer.model
+        source = ShardedModuleSource(model, world)
+        return RefitTrainerEngine.trainer_init(info, client=self.client if rank == 0 else None, source=source)
+
+
+def tokenize(trainer: Any, prompts: Sequence[Any]) -> list[list[int]]:
+    """Token ids of GRPO's prompts with the trainer's tokenizer: plain text as it is, conversations through the
+    tokenizer's chat template (as GRPO tokenizes them for its own generation)."""
+    tok = trainer.processing_class
+    tok = getattr(tok, "tokenizer", tok)  # a processor: its tokenizer
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append(list(tok(p, add_special_tokens=False)["input_ids"]))
+        else:
+            out.append(list(tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True)))
+    return out
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer for a tiny random model, made in place (nothing downloaded): ``"w<i>"`` is token
+    ``i`` for ``2 <= i < vocab_size``, ``<pad>`` is 0 and ``<eos>`` is 1. For CPU demos and tests of GRPO, which
+    needs a tokenizer to decode completions; a real model brings its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
