@@ -27,6 +27,11 @@ def greedy_hf(model, n: int) -> list[int]:
     return ids[len(PROBE) :]
 
 
+def low_tokens(completion_ids, **_) -> list[float]:
+    """A toy reward: the fraction of a completion's tokens in the lower half of the vocabulary."""
+    return [sum(t < 256 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
@@ -67,7 +72,7 @@ def main() -> int:
         prompts = [" ".join(f"w{int(i)}" for i in torch.randint(2, 512, (6,), generator=g)) for _ in range(8)]
         trainer = GRPOTrainer(
             model=build_model(config, torch.float32, seed=0),
-            reward_funcs=lambda completions, **_: [float(len(c) % 5) for c in completions],  # a toy reward
+            reward_funcs=low_tokens,
             args=GRPOConfig(
                 output_dir=os.path.join(path, "out"),
                 use_vllm=False,

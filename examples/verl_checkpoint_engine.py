@@ -67,6 +67,7 @@ def job(world, steps: int) -> str:
                 f"rollout worker {world.dst_rank} step {step}: {engine.stats.bytes_per_refit:,} B, exact {exact}"
             )
         engine.finalize()
+    torch.distributed.barrier()  # every process done with the store trainer rank 0 hosts
     engine.close()
     return "\n".join(lines)
 

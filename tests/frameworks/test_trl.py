@@ -86,17 +86,18 @@ def _share_bytes(path: str) -> list[int]:
     return [sum(box_numel(b) * 4 for _, b in lay.local_tensors(r)) for r in range(TP)]
 
 
-def length_reward(completions, **_) -> list[float]:
-    """A toy reward that varies between completions (GRPO needs advantages that are not all zero)."""
-    return [float(len(c) % 5) for c in completions]
+def low_token_reward(completion_ids, **_) -> list[float]:
+    """A toy reward: the fraction of a completion's tokens in the lower half of the vocabulary (it varies between
+    sampled completions, so GRPO's advantages are not all zero and every step changes the weights)."""
+    return [sum(t < 256 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def test_grpo_trains_with_vllm_synced_by_refit(tmp_path):
+def _train(llm, path: str, out: str):
+    """GRPO for ``STEPS`` steps with ``RefitRollout.colocate(llm)``: the trainer, what each sync saw, and every
+    vLLM worker's refit statistics."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    path = _model_dir(str(tmp_path / "model"))
-    llm = _llm(path)
     checks: list[dict] = []
 
     def after_sync(rollout, trainer):  # every sync: vLLM's greedy tokens against HF's with the trainer's weights
@@ -110,11 +111,11 @@ def test_grpo_trains_with_vllm_synced_by_refit(tmp_path):
             }
         )
 
-    rollout = RefitRollout.colocate(llm, sampling=Sampling(max_tokens=8, seed=0), after_sync=after_sync)
+    rollout = RefitRollout.colocate(llm, sampling=Sampling(max_tokens=8), after_sync=after_sync)
     g = torch.Generator().manual_seed(3)
     prompts = [" ".join(f"w{int(i)}" for i in torch.randint(2, 512, (6,), generator=g)) for _ in range(8)]
     args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
+        output_dir=out,
         use_vllm=False,  # refit syncs and vLLM generates through rollout_func, not through TRL's own vLLM sync
         use_cpu=True,
         bf16=False,
@@ -131,7 +132,7 @@ def test_grpo_trains_with_vllm_synced_by_refit(tmp_path):
     )
     trainer = GRPOTrainer(
         model=build_model(load_config(path), torch.float32, seed=0),
-        reward_funcs=length_reward,
+        reward_funcs=low_token_reward,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=word_tokenizer(512),
@@ -139,10 +140,19 @@ def test_grpo_trains_with_vllm_synced_by_refit(tmp_path):
     )
     try:
         trainer.train()
-        stats = llm.collective_rpc("refit_stats")
+        return trainer, checks, llm.collective_rpc("refit_stats")
     finally:
         rollout.close()
+
+
+def test_grpo_trains_with_vllm_synced_by_refit(tmp_path):
+    path = _model_dir(str(tmp_path / "model"))
+    llm = _llm(path)
+    try:
+        trainer, checks, stats = _train(llm, path, str(tmp_path / "out"))
+    finally:
         llm.shutdown_weight_transfer_engine()
+        llm.llm_engine.engine_core.shutdown()  # its workers hold cores the next tests need
     assert trainer.state.global_step == STEPS and not hasattr(trainer, "vllm_generation")
     assert [c["step"] for c in checks] == list(range(STEPS))  # one sync before each step's generation
     for c in checks:

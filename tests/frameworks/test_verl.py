@@ -160,6 +160,7 @@ def _verl_job(world, folder: str) -> dict:
         engine.finalize()
     out["stats"] = vars(engine.stats)
     out["peers"] = len(out["peers"])
+    torch.distributed.barrier()  # every process done with the store trainer rank 0 hosts
     engine.close()
     return out
 

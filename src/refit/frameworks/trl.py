@@ -7,14 +7,14 @@ optimizer step, every trainer rank sends the boxes it holds of the policy (plain
 vLLM backend, and each vLLM worker receives only its tensor-parallel share::
 
     rollout = RefitRollout.colocate(llm)  # vllm.LLM(..., weight_transfer_config={"backend": "refit"})
-    rollout = RefitRollout.server("http://host:8000")  # trl vllm-serve ... --weight-transfer-config ...
+    rollout = RefitRollout.server("http://host:8000")  # vllm serve ... --weight-transfer-config (refit)
     GRPOTrainer(model, reward_funcs, args=GRPOConfig(use_vllm=False, ...), rollout_func=rollout, ...)
 
 ``use_vllm`` stays False: that switch makes TRL start its own vLLM client and sync (NCCL, CUDA only), which
 refit replaces. The two modes differ only in who holds the engine. *Colocate*: the one trainer process owns a
 ``vllm.LLM`` (several trainer processes use a server: each would otherwise hold an engine of its own).
-*Server*: a ``vllm serve`` (TRL's ``trl vllm-serve``) with the ``refit`` backend; generation goes through TRL's
-own ``VLLMClient`` (its OpenAI route, no NCCL), the sync through vLLM's ``HTTPVLLMWeightSyncClient``.
+*Server*: a ``vllm serve`` (what TRL's ``trl vllm-serve`` runs) with the ``refit`` backend; generation goes
+through TRL's own ``VLLMClient`` (its OpenAI route, no NCCL), the sync through vLLM's ``HTTPVLLMWeightSyncClient``.
 
 Lifecycle: the first call joins refit's job (``RefitTrainerEngine.trainer_init``, collective over the trainer
 ranks and the engine's workers) with the trainer's model; every call whose ``trainer.state.global_step``
@@ -109,10 +109,9 @@ class RefitRollout:
 
     @classmethod
     def server(cls, base_url: str, n_workers: int | None = None, **kw: Any) -> RefitRollout:
-        """A rollout over a ``vllm serve`` at ``base_url`` (``trl vllm-serve`` with
-        ``--weight-transfer-config '{"backend":"refit"}'``, ``VLLM_SERVER_DEV_MODE=1``): TRL's ``VLLMClient``
-        generates, vLLM's ``HTTPVLLMWeightSyncClient`` drives the sync. ``n_workers``: the server's TP x DP
-        (default: what it reports at ``/get_world_size``)."""
+        """A rollout over a ``vllm serve`` at ``base_url`` (``--weight-transfer-config '{"backend":"refit"}'``,
+        ``VLLM_SERVER_DEV_MODE=1``): TRL's ``VLLMClient`` generates, vLLM's ``HTTPVLLMWeightSyncClient`` drives
+        the sync. ``n_workers``: the server's TP x PP x DP (default: what it reports at ``/get_world_size``)."""
         from trl.generation.vllm_client import VLLMClient
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 

@@ -215,7 +215,7 @@ class RefitCheckpointEngine(CheckpointEngine):
         self._joined = joined
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None, **_):
-        """A trainer rank: send the bound module's local shards as version ``global_steps`` (else the next).
+        """A trainer rank: send the bound module's local shards as version ``global_steps`` (see ``_version``).
         ``weights`` (verl's full-tensor generator) is closed unread: reading it would gather every parameter."""
         close = getattr(weights, "close", None)
         if callable(close):
@@ -233,7 +233,7 @@ class RefitCheckpointEngine(CheckpointEngine):
         self._record(self.peer.run(version), version, sent=True)
 
     async def receive_weights(self, global_steps: int | None = None, **_) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """A rollout worker: receive version ``global_steps`` (else the next), then yield each of its tensors.
+        """A rollout worker: receive version ``global_steps`` (see ``_version``), then yield each of its tensors.
         With ``rollout_tp`` 1 they are whole HF tensors (what verl's server adapters load); with more, each is
         this worker's TP share (the box ``self.dst.local_tensors`` names), for a shard-aware adapter."""
         joined = self._require("rollout")
@@ -265,11 +265,10 @@ class RefitCheckpointEngine(CheckpointEngine):
         return self._joined
 
     def _version(self, global_steps: int | None) -> int:
+        """The refit version of this update: verl's ``global_steps``, or the next after the last when it is None
+        or not above it (verl may sync twice at one step); every process of the job computes the same."""
         last = self.stats.version if self.stats.version is not None else -1
-        version = last + 1 if global_steps is None else int(global_steps)
-        if version <= last:
-            raise ConfigError(f"refit: version {version} is not after the last one sent here ({last})")
-        return version
+        return last + 1 if global_steps is None else max(int(global_steps), last + 1)
 
     def _record(self, run: Any, version: int, sent: bool) -> None:
         moved = run.bytes_sent if sent else run.bytes_received
