@@ -68,8 +68,9 @@ class TransferConfig:
       (default: by the link's kind, ``refit.delta.rule.LINKS``). Not with ``checksums``. Under
       ``"auto"`` a plan where no P2P message can pay as a delta (``refit.delta.rule.may_pay``: its best case
       must beat dense by ``PAY_MARGIN``; NVLink at the measured rates, one device) runs the plain P2P path:
-      no base copy, no header exchange. Deltas travel on P2P links only: ``transport`` ``"ipc"`` and
-      ``"nixl"`` are refused with a delta, and under ``"auto"`` links between hosts use P2P, not NIXL.
+      no base copy, no header exchange. Deltas travel on P2P and NIXL links (``transport="nixl"``:
+      ``refit.transport.nixl_delta``), not over CUDA IPC: ``transport="ipc"`` is refused with a delta, and
+      under ``"auto"`` links between hosts use P2P, not NIXL.
 
     Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,
     stages, delta and, with deltas, ``delta_link_gbps``; plus the Peer's ``tag_base``). Pre-flight
@@ -148,10 +149,10 @@ class TransferConfig:
             raise ConfigError(f"TransferConfig.delta_link_gbps must be a finite number of GB/s > 0, got {g!r}")
         if self.delta != "off" and self.checksums:
             raise ConfigError(f"TransferConfig.delta={self.delta!r} does not work with checksums=True yet")
-        if self.delta != "off" and self.transport in ("ipc", "nixl"):
+        if self.delta != "off" and self.transport == "ipc":
             raise ConfigError(
-                f"TransferConfig.delta={self.delta!r} works on P2P links only, and transport={self.transport!r} "
-                "makes none; use transport='auto' (IPC on one host, P2P between hosts) or 'p2p'"
+                f"TransferConfig.delta={self.delta!r} works on P2P and NIXL links only, and transport='ipc' "
+                "makes none; use transport='auto' (IPC on one host, P2P between hosts), 'p2p' or 'nixl'"
             )
 
     @property

@@ -39,6 +39,9 @@ Strategies (``predict``):
   same fraction; FP8 engines: the same
   fraction of FP8 elements (the blocks whose inputs changed are re-quantised; an element whose FP8
   value did not change is not sent).
+- ``nixl-delta`` (with both ``nixl_nic_mode`` and ``changed_fraction``): ``delta`` over the NIXL NICs: the source
+  finds and stages the changed words into registered staging (``find``), the receiver reads them (the NICs) and
+  scatters them (``scatter``, plus ``NIXL_PAIR_S`` per pair that pulls a delta: the sealed record, one READ).
 - ``fanout``: waves — the engine replicas that hold the version become sources; with the
   trainer as one more source group, the number of holders doubles per wave, so
   ceil(log2(R + 1)) waves each about the time of refit's plan into one replica (an estimate:
@@ -53,7 +56,16 @@ from collections import defaultdict
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from refit.delta.rule import LINKS, LinkSpeed, choose_encoding, choose_words, may_pay, prefer_words, words_changed
+from refit.delta.rule import (
+    LINKS,
+    NIXL_PAIR_S,
+    LinkSpeed,
+    choose_encoding,
+    choose_words,
+    may_pay,
+    prefer_words,
+    words_changed,
+)
 from refit.delta.wire import INDEX_BYTES, wire_bytes
 from refit.errors import TopologyError
 from refit.layout import ModelLayout
@@ -205,17 +217,19 @@ def transfer_time(transfers: dict[tuple[int, int], int], topo: Topology) -> tupl
 
 
 def delta_time(
-    transfers: dict[tuple[int, int], int], topo: Topology, fraction: float, itemsize: int
+    transfers: dict[tuple[int, int], int], topo: Topology, fraction: float, itemsize: int, pair_s: float = 0.0
 ) -> tuple[float, str, int, int]:
     """The bottleneck bound of ``transfers`` sent as deltas with ``fraction`` of the elements (of
     ``itemsize`` bytes) changed (the module docstring's ``delta``): (seconds, busiest resource, its
-    bytes, bytes on the wire in all)."""
+    bytes, bytes on the wire in all). ``pair_s``: a fixed time per (source, destination) pair that sends a
+    delta, on the receiver's ``scatter`` (NIXL: ``refit.delta.rule.NIXL_PAIR_S``, its record and one more READ)."""
     if not 0 <= fraction <= 1:
         raise TopologyError(f"changed fraction must be within [0, 1], got {fraction!r}")
     wire: dict[tuple[int, int], int] = {}
     work: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])  # bytes, seconds
     for (s, d), n in transfers.items():
         wire[(s, d)], find, apply = _delta_link(n, itemsize, fraction, _link_speed(s, d, topo))
+        apply = (apply[0], apply[1] + (pair_s if wire[(s, d)] < n else 0.0))
         for key, (b, t) in ((("find", s), find), (("scatter", d), apply)):
             work[key][0] += b
             work[key][1] += t
@@ -357,6 +371,14 @@ def predict(
         t, where, n = transfer_time(p2p_transfers(src, dst, nic_topo, colocated), nic_topo)
         note = f"refit's plan pulled through NIXL, NICs {nixl_nic_mode} ({nic_topo.gpu_nic_gbps:g} GB/s per GPU)"
         out.append(Prediction("nixl", t, where, n, note))
+        if changed_fraction is not None:  # the same pulls as deltas: find, stage, read (the NICs), scatter
+            item = _weight_itemsize(dst)
+            transfers = p2p_transfers(src, dst, nic_topo, colocated)
+            td, where, n, wire = delta_time(transfers, nic_topo, changed_fraction, item, NIXL_PAIR_S)
+            note = (
+                f"refit's plan pulled through NIXL as deltas, {changed_fraction:.2%} changed: {wire / 1e9:.2f} GB read"
+            )
+            out.append(Prediction("nixl-delta", td, where, n, note))
     if replicas > 1 and replica_dst is not None:
         t1, where1, n1 = transfer_time(p2p_transfers(src, replica_dst, topo, colocated), topo)
         waves = math.ceil(math.log2(replicas + 1))

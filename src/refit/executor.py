@@ -221,7 +221,7 @@ class Executor:
         if self.nixl is not None:
             if self.cuda:  # a source's tensors are final, a receiver's free of pending writes (UCX's own streams)
                 self._sync_device(clock)
-            self.nixl.start(clock, self._nixl_fault(fault_hook))
+            self.nixl.start(clock, self._nixl_fault(fault_hook), version, held)
         if self.ipc is not None:
             self._pull_ipc(clock, staged)
         for dst, src in self.local:
@@ -242,7 +242,7 @@ class Executor:
         else:
             self.p2p.run_cpu(clock, fault)
         if self.nixl is not None:
-            self.nixl.finish(clock)
+            delta = self.nixl.finish(clock, delta)
         if self.ipc is not None:
             self._barrier(clock)  # every pull is done: sources may change their weights again
         sent, received = (delta.wire_bytes, delta.received_bytes) if delta else (self.bytes_sent, self.bytes_received)

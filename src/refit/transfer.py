@@ -357,6 +357,8 @@ class Peer:
         if delta is not None and delta.base is not None:
             with self.executor.on_stream():  # the run's changes are on its stream
                 delta.base.commit(version)  # the base is what was sent only once every process holds it
+        if self.executor.nixl is not None:
+            self.executor.nixl.commit(version)
         self.staged_version, self.last = version, stats
         return stats
 
@@ -393,9 +395,9 @@ class Peer:
         """Delta mode: the version this process holds (``None`` if stale) and, for a source, the version
         each of its P2P receivers holds, through the signed store (``exchange_held``)."""
         delta = self.executor.delta
-        if delta is None:
-            return None
         held = None if self.stale or self.torn else self.version
+        if delta is None:  # NIXL deltas exchange what their receivers hold themselves (``NixlLink.start``)
+            return {self.proc: held} if self.config.deltas else None
         if self.store is None:
             delta.told = None  # no exchange: no quiet refits either
             return {self.proc: held}
@@ -413,6 +415,8 @@ class Peer:
         self.broken = msg
         if self.executor.delta is not None:
             self.executor.delta.fail()
+        if self.executor.nixl is not None:
+            self.executor.nixl.fail()
         if self.live and not self.shadow and not self.private_dst:
             self.torn = True
 

@@ -15,10 +15,11 @@ from refit.plan import Plan
 
 
 class SourceBase:
-    """A source process's copy of the bytes it last sent over P2P: every source tensor some P2P message
-    of this process reads, whole (``where``: ``"device"``, beside the tensor, or ``"host"``, pinned when
-    CUDA is present). ``version`` is the version it holds (``None``: nothing sent yet, or a refit failed
-    after part of it was updated). ``nbytes``: the extra memory.
+    """A source process's copy of the bytes it last sent over P2P (or, ``transport="nixl"``, that its NIXL
+    receivers last read): every source tensor some such message of this process reads, whole (``where``:
+    ``"device"``, beside the tensor, or ``"host"``, pinned when CUDA is present). ``version`` is the version it
+    holds (``None``: nothing sent yet, or a refit failed after part of it was updated). ``nbytes``: the extra
+    memory.
 
     Per run, each message's base is brought to what it sent (``update``): when no other message of this
     process reads any of its elements (the common case), dense copies at once, word changes found per piece
@@ -28,8 +29,10 @@ class SourceBase:
     ``commit(v)`` after the run succeeded; ``fail()`` after it failed (the base is part old, part new:
     ``None``, so the next refit is dense and rebuilds it)."""
 
-    def __init__(self, plan: Plan, proc: int, local: LocalTensors, where: str, budget: int) -> None:
-        sent = _sent(plan, proc)
+    def __init__(
+        self, plan: Plan, proc: int, local: LocalTensors, where: str, budget: int, transport: str = "p2p"
+    ) -> None:
+        sent = _sent(plan, proc, transport)
         names = {p.tensor for i in sent for p in plan.messages[i].pieces}
         parts = {n: tuple((box, _copy_of(t, where)) for box, t in local.src[n]) for n in names}
         self.local = replace(local, src=parts)
@@ -149,5 +152,5 @@ def _copy_of(t: torch.Tensor, where: str) -> torch.Tensor:
     return t.detach().clone()
 
 
-def _sent(plan: Plan, proc: int) -> list[int]:
-    return [i for i, m in enumerate(plan.messages) if m.transport == "p2p" and plan.procs.src[m.src] == proc]
+def _sent(plan: Plan, proc: int, transport: str = "p2p") -> list[int]:
+    return [i for i, m in enumerate(plan.messages) if m.transport == transport and plan.procs.src[m.src] == proc]

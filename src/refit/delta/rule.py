@@ -21,7 +21,7 @@ rule, but only the sender decides; the message header carries its choice.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -83,6 +83,20 @@ LINKS = {
     "cpu": LinkSpeed(2.0, 10.0, 10.0),  # gloo over loopback on a CPU host (rough; no per-piece time measured)
 }
 """Speeds per kind of link (``TransferConfig.delta_link_gbps`` overrides the link's)."""
+
+
+NIXL_PAIR_S = 1e-3
+"""The fixed time a NIXL delta adds per source and receiver pair and refit: the held version and the sealed
+delta record through the store and one more READ request (the delta's runs). Charged like ``chunk_s``, by each
+message's part of the pair's bytes (``nixl_link``). Rough: a few store round trips on one host."""
+
+
+def nixl_link(link: LinkSpeed) -> LinkSpeed:
+    """A NIXL pull's view of ``link``: the source finds (``find_gbps``), stages the changed words or elements
+    and their indices into its registered staging and updates its base (the per-change work, ``apply_gbps``),
+    the receiver reads them (``link_gbps``) and scatters them (``apply_gbps``); its fixed cost is
+    ``NIXL_PAIR_S`` per pair (``chunk_s``), not a P2P chunk's."""
+    return replace(link, chunk_s=NIXL_PAIR_S)
 
 
 def predicted_seconds(encoding: str, n: int, k: int, itemsize: int, link: LinkSpeed) -> float:

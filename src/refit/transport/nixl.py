@@ -39,6 +39,9 @@ round into the slot of the round ``num_buffers`` before, once every receiver has
 read a staged piece as one descriptor. Other pieces are read in place, one descriptor per run common to
 both sides (one request gathers many): one copy each for UCX, so strided ones are slow.
 
+Deltas (``config.delta`` not "off", ``refit.transport.nixl_delta``): a source stages what changed since the
+version each receiver holds and names it in a sealed record; receivers read only that and scatter it.
+
 Checksums (``config.checksums``; ``NixlSums``): a source sums every piece it sends
 (``transport.checksum``'s definition: the torch reference on the CPU, the Triton kernel on CUDA)
 once its tensors are final, before it packs its staging buffer, and publishes, per receiver, the
@@ -61,6 +64,7 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
+from refit.delta.ops import DeltaStats
 from refit.errors import ChecksumError, ConfigError, PlanError, TransferError
 from refit.layout import box_relative
 from refit.plan import Plan
@@ -68,6 +72,7 @@ from refit.plan.schedule import part_key, source_part
 from refit.transport.checksum import Piece, PieceSums
 from refit.transport.clock import RunClock
 from refit.transport.nixl_agent import PROGRESS_EVERY_S, SharedAgent, Trace, available, peers_on_this_host
+from refit.transport.nixl_delta import NixlDelta, read_handles, with_stats
 from refit.transport.nixl_memory import SourceStaging, dense_strides, memory_of, runs, span, storage_regions
 from refit.transport.nixl_record import MEM_TYPES, check_record, inside, is_int, record_for
 from refit.transport.store import SignedStore
@@ -184,6 +189,7 @@ class _Request:
     nbytes: int
     descriptors: int
     round: int = -1
+    message: int = -1  # delta mode: the one message it reads (``_prepare_reads``)
 
 
 def _piece_runs(
@@ -226,17 +232,20 @@ def _chunks(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
     return out
 
 
-def _prepare_reads(agent, plan: Plan, proc: int, local: LocalTensors, rec: dict, sp: int, limit: int) -> list:
+def _prepare_reads(
+    agent, plan: Plan, proc: int, local: LocalTensors, rec: dict, sp: int, limit: int, per_message: bool = False
+) -> list:
     """The READ requests of ``proc`` from source process ``sp`` (validated ``rec``), each of at most
-    ``limit`` bytes, prepared once (``initialize_xfer``) and posted again every refit."""
+    ``limit`` bytes, prepared once (``initialize_xfer``) and posted again every refit; ``per_message`` (delta
+    mode): each reads one message's runs, so a refit reads only its dense messages this way."""
     groups: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     for k, m in enumerate(plan.messages):
         if m.transport == "nixl" and plan.procs.dst[m.dst] == proc and plan.procs.src[m.src] == sp:
             kind, s_addr, d_addr, run = _piece_runs(plan, k, local, rec, f"process {sp}")
-            key = (rec["rounds"]["of"].get(k, -1), *kind)
+            key = (rec["rounds"]["of"].get(k, -1), *kind, k if per_message else -1)
             groups.setdefault(key, []).append((s_addr, d_addr, np.full(len(s_addr), run, np.int64)))
     out = []
-    for (rnd, mem, dev, dmem, ddev), arrays in sorted(groups.items()):
+    for (rnd, mem, dev, dmem, ddev, k), arrays in sorted(groups.items()):
         s_addr, d_addr, lens = (np.concatenate(a) for a in zip(*arrays))
         for a, b in _chunks(lens, limit):
             n = b - a
@@ -245,7 +254,7 @@ def _prepare_reads(agent, plan: Plan, proc: int, local: LocalTensors, rec: dict,
             handle = agent.initialize_xfer(
                 "READ", agent.get_xfer_descs(mine, dmem), agent.get_xfer_descs(remote, mem), rec["agent"], b""
             )
-            out.append(_Request(sp, rec["agent"], handle, int(lens[a:b].sum()), n, rnd))
+            out.append(_Request(sp, rec["agent"], handle, int(lens[a:b].sum()), n, rnd, k))
     return out
 
 
@@ -257,14 +266,14 @@ class _Reads:
     rounds r < rounds - slots, the ones whose slot is packed again. Values count up over refits:
     (run - 1) x rounds + r + 1."""
 
-    def __init__(self, link: NixlLink, rounds: dict[int, tuple[int, int]]) -> None:
-        self.link, self.rounds = link, rounds
-        self.pending = [q for q in link.requests if q.round < rounds[q.peer][1]]
+    def __init__(self, link: NixlLink, rounds: dict[int, tuple[int, int]], requests: list[_Request]) -> None:
+        self.link, self.rounds, self.requests = link, rounds, requests
+        self.pending = [q for q in requests if q.round < rounds[q.peer][1]]
         self.held: dict[tuple[int, int], list[_Request]] = {}  # (source, round) -> requests not yet packed
-        for q in link.requests:
+        for q in requests:
             if q.round >= rounds[q.peer][1]:
                 self.held.setdefault((q.peer, q.round), []).append(q)
-        self.left = Counter((q.peer, q.round) for q in link.requests if q.round >= 0)
+        self.left = Counter((q.peer, q.round) for q in requests if q.round >= 0)
         self.reported = {sp: 0 for sp, (count, slots) in rounds.items() if count > slots and sp in link.sources}
         self.flying: list[_Request] = []
         self.done = 0
@@ -363,6 +372,8 @@ class NixlLink:
         self.source_rounds: dict[int, tuple[int, int]] = {}  # receiver: source process -> (rounds, slots)
         self.packed = 0  # source: staging rounds packed in this run
         self.consumed: dict[int, int] = {}  # source: the last ``consumed`` value seen per receiver
+        self.delta: NixlDelta | None = None  # delta mode (``refit.transport.nixl_delta``)
+        self.remote_regions: dict[int, list[list]] = {}  # receiver: each source's registered regions
         self.bytes_read = 0
         self.trace = Trace(proc)  # REFIT_NIXL_DEBUG=1: a line per phase
         self.shared: SharedAgent | None = None  # the process's agent (``agent`` is its NIXL object)
@@ -382,6 +393,8 @@ class NixlLink:
         device = tensors[0].device if tensors else torch.device("cpu")
         staging = SourceStaging(plan, proc, local, config.buffer_bytes, config.num_buffers, device)
         tensors += [staging.buffer] if staging.offsets else []
+        delta = NixlDelta(plan, proc, local, config, device) if config.deltas else None
+        tensors += delta.buffers() if delta is not None else []
         trace = Trace(proc)
         trace("setup on %s: %d pieces to send, %d to read, staging %d bytes", device, len(sends), len(recvs),
               staging.buffer.numel())  # fmt: skip
@@ -392,6 +405,7 @@ class NixlLink:
         link.shared, link.trace = shared, trace
         trace("agent %s (UCX backend; one host: %s) used by %d link(s) here", name, one_host, shared.users)
         link.tensors, link.staging = tensors, staging  # registered memory stays allocated while the link lives
+        link.delta = delta
         link.sums = NixlSums(plan, proc, local, device) if config.checksums else None
         try:
             link._register(storage_regions(tensors))
@@ -449,18 +463,24 @@ class NixlLink:
             raise PlanError(f"NIXL record of process {sp}: metadata is of agent {got!r}, not {rec['agent']!r}")
         self.trace("agent of process %d added", sp)
         self.source_rounds[sp] = (rec["rounds"]["count"], rec["rounds"]["slots"])
-        reqs = _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes)
+        self.remote_regions[sp] = rec["regions"]
+        reqs = _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes, bool(self.delta))
         self.requests += reqs
         self.trace("%d READ requests from process %d prepared: %d descriptors, %d bytes", len(reqs), sp,
                    sum(r.descriptors for r in reqs), sum(r.nbytes for r in reqs))  # fmt: skip
 
     # ------------------------------------------------------------------ run
-    def start(self, clock: RunClock, fault=None) -> None:
+    def start(self, clock: RunClock, fault=None, version: int = 0, held: dict[int, int | None] | None = None) -> None:
         """Begin this process's part of a refit: a source (its tensors final) takes its checksums
         (checksum mode), calls ``fault("nixl-announce")`` (tests: a change now is what a receiver
-        must catch), packs its first ``num_buffers`` staging rounds, publishes its sums and announces
-        that its tensors are final."""
+        must catch), packs its first ``num_buffers`` staging rounds, stages its deltas (delta mode:
+        ``_stage_deltas``), publishes its sums and announces that its tensors are final. Delta mode:
+        ``version`` is the one being sent, ``held[proc]`` the version this process holds (a receiver
+        publishes it for its sources first)."""
         self.runs += 1
+        if self.delta is not None:
+            self.delta.begin(version, (held or {}).get(self.proc))
+            self.delta.publish_held(self.store, self._key(f"held/{self.proc}"), self.runs)
         if not self.receivers:
             return
         self.trace("run %d: source, tensors final", self.runs)
@@ -472,6 +492,8 @@ class NixlLink:
             for r in range(self.packed):
                 self.staging.pack(r)
             device_wait(self.staging.buffer.device, clock, "packing the NIXL staging buffer")
+        if self.delta is not None:
+            self._stage_deltas(clock)
         if sent is not None:
             for r in self.receivers:
                 rec = json.dumps(self.sums.record(r, self.runs, sent)).encode()
@@ -479,19 +501,28 @@ class NixlLink:
         self.store.put(self._key(f"{self.name}/ready"), self.runs)
         self.trace("run %d: announced to processes %s", self.runs, self.receivers)
 
-    def finish(self, clock: RunClock) -> None:
+    def finish(self, clock: RunClock, stats: DeltaStats | None = None) -> DeltaStats | None:
         """A receiver: wait for each source's announcement, read every piece (at most
         ``config.num_buffers`` requests in flight), announce it is done. A source: wait until every
         receiver of it is done. Every wait under ``clock``. A source this receiver could not connect to at
-        setup (it died meanwhile) fails the refit here, naming it, so a fan-out re-plans around it."""
+        setup (it died meanwhile) fails the refit here, naming it, so a fan-out re-plans around it.
+        Returns ``stats`` (a P2P delta run's) with this refit's NIXL delta statistics added (``with_stats``)."""
         if self.unreachable:
             sp, why = min(self.unreachable.items())
             raise TransferError(f"NIXL: process {sp} could not be reached when the reads were set up ({why})")
         for sp, agent in sorted(self.sources.items()):
             self._wait_for(self._key(f"{agent}/ready"), clock, lambda sp=sp: f"process {sp} announcing its tensors")
-        if self.requests or self._rounds_to_pack() or any(c > n for c, n in self.source_rounds.values()):
-            self.trace("run %d: every source announced; reading %d requests", self.runs, len(self.requests))
-            self._pump(clock)
+        self.bytes_read = 0
+        requests, made = self._delta_reads() if self.delta is not None and self.sources else (self.requests, [])
+        try:
+            if requests or self._rounds_to_pack() or any(c > n for c, n in self.source_rounds.values()):
+                self.trace("run %d: every source announced; reading %d requests", self.runs, len(requests))
+                self._pump(clock, requests)
+        finally:
+            _release(made)
+        if self.delta is not None:
+            self.delta.stats.received_bytes += self.bytes_read
+            self.delta.apply()
         if self.sums is not None and self.sources:
             self._check_sums(clock)
             self.trace("run %d: checksums equal", self.runs)
@@ -501,6 +532,7 @@ class NixlLink:
             key = self._key(f"{self.name}/done/{r}")
             self._wait_for(key, clock, lambda r=r: f"process {r} reading from process {self.proc} over NIXL")
         self.trace("run %d: finished", self.runs)
+        return with_stats(stats, self)
 
     def _check_sums(self, clock: RunClock) -> None:
         """Compare what was read with every source's sums of this run (``NixlSums.check``)."""
@@ -536,24 +568,56 @@ class NixlLink:
 
         clock.watch(reached, lambda: f"{what()} (NIXL, store key {key!r})")
 
+    def _stage_deltas(self, clock: RunClock) -> None:
+        """Delta mode, a source: its receivers' held versions, then its deltas staged and each receiver's sealed
+        record published (``NixlDelta.stage``), the staging written before the announcement."""
+        held = self.delta.held_of(self.store, lambda r: self._key(f"held/{r}"), self.runs, clock)
+        for r, rec in self.delta.stage(held, self.runs).items():
+            self.store.put_sealed(self._key(f"{self.name}/delta/{r}"), rec)
+        device_wait(self.delta.staging.device, clock, "staging the NIXL deltas")
+
+    def _delta_reads(self) -> tuple[list[_Request], list[_Request]]:
+        """Delta mode, a receiver, every source announced: its records checked (``NixlDelta.plan_reads``); this
+        refit's requests (the dense messages' prepared ones, one READ per source of its deltas) and those made."""
+
+        def raw_of(sp: int) -> bytes:
+            raw = self.store.peek_sealed(self._key(f"{self.sources[sp]}/delta/{self.proc}"))
+            if raw is None:
+                raise TransferError(f"NIXL: process {sp} announced refit {self.runs} without its delta record")
+            return raw
+
+        dense, reads = self.delta.plan_reads(raw_of, self.runs)
+        made = [_Request(sp, self.sources[sp], h, n, 1) for sp, h, n in read_handles(self.agent, reads, self)]
+        return [q for q in self.requests if q.message in dense] + made, made
+
+    def commit(self, version: int) -> None:
+        """Delta mode: the refit of ``version`` succeeded on every process (``NixlDelta.commit``)."""
+        if self.delta is not None:
+            self.delta.commit(version)
+
+    def fail(self) -> None:
+        """Delta mode: the refit failed (``NixlDelta.fail``: the next refit is dense)."""
+        if self.delta is not None:
+            self.delta.fail()
+
     def _rounds_to_pack(self) -> bool:
         return self.staging is not None and bool(self.receivers) and self.packed < len(self.staging.rounds)
 
-    def _pump(self, clock: RunClock) -> None:
-        """Read every prepared READ (``_Reads``) and, as a source, pack each later staging round once its
+    def _pump(self, clock: RunClock, requests: list[_Request]) -> None:
+        """Read every one of ``requests`` (``_Reads``) and, as a source, pack each later staging round once its
         receivers are done with the slot; both under ``clock`` until nothing is left."""
-        reads = _Reads(self, self.source_rounds)
+        reads = _Reads(self, self.source_rounds, requests)
         t0 = time.monotonic()
 
         def step() -> bool:
             self._pack_next(clock)
             done = reads.step()
             if self.trace.every("read", PROGRESS_EVERY_S):
-                self.trace("run %d: %d of %d requests read", self.runs, reads.done, len(self.requests))
+                self.trace("run %d: %d of %d requests read", self.runs, reads.done, len(requests))
             return done and not self._rounds_to_pack()
 
         clock.watch(step, lambda: reads.what() or self._packing())
-        self.bytes_read = sum(r.nbytes for r in self.requests)
+        self.bytes_read = sum(r.nbytes for r in requests)
         dt = time.monotonic() - t0
         rate = self.bytes_read / max(dt, 1e-9) / 1e9  # run 1 includes UCX mapping the sources' memory
         self.trace("run %d: read %d bytes in %.3f s (%.2f GB/s)", self.runs, self.bytes_read, dt, rate)
@@ -613,11 +677,7 @@ class NixlLink:
 
     def close(self) -> None:
         """Release the requests, forget the remote agents, deregister memory and drop the agent. Idempotent."""
-        for req in self.requests:
-            try:
-                req.handle.release()
-            except Exception:  # noqa: BLE001, S110 - a request left mid-flight by an aborted refit
-                pass
+        _release(self.requests)
         self.requests = []
         if self.agent is None or self.shared is None:
             return
@@ -627,3 +687,12 @@ class NixlLink:
             self.agent.deregister_memory(reg)
         self.shared.release()
         self.registered, self.sources, self.agent, self.shared, self.tensors = [], {}, None, None, []
+
+
+def _release(requests: list[_Request]) -> None:
+    """Release the handles of ``requests`` (one left mid-flight by an aborted refit too)."""
+    for req in requests:
+        try:
+            req.handle.release()
+        except Exception:  # noqa: BLE001, S110 - a request left mid-flight by an aborted refit
+            pass

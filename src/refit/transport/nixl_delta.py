@@ -1,0 +1,335 @@
+"""Delta refits over NIXL pulls: a source finds what changed since the version a receiver holds, stages the changed
+words (or elements) and their indices in a registered buffer and announces them in a sealed record; the receiver
+reads only those bytes (one READ per source) and scatters them.
+
+Per refit (``NixlDelta``, inside ``refit.transport.nixl.NixlLink``'s ``start`` and ``finish``):
+
+1. every receiver publishes the version it holds (``<name>/nixl/held/<proc>`` = ``{"run", "held"}``, signed);
+2. a source reads its receivers' (``held_of``), then per receiver plans, finds and encodes each message as the P2P
+   path does (``refit.delta.send``: ``plan_of``, ``batches_of``, ``find_batch``, ``encode_op`` against its
+   ``SourceBase``; under ``delta="auto"`` the cost rule over the link as a NIXL pull sees it, ``rule.nixl_link``;
+   the CUDA find kernels where the tensors are on CUDA, the torch path on host memory), copies each delta's payload
+   into that receiver's region of its delta staging (``delta_caps``: within ``num_buffers x buffer_bytes``; a
+   delta that does not fit goes dense this refit, its base brought up to date all the same) and publishes, sealed,
+   ``{"run", "addr", "bytes", "heads", "offsets"}`` before it announces the refit (``<name>/nixl/<agent>/delta/
+   <proc>``: where the payload lies, its bytes, each message's header ``[encoding, base version, version, k]``
+   and each delta's offset in the payload);
+3. a receiver, once its source announced, checks the record field by field before it reads anything
+   (``plan_reads``: each header by ``check_header``, so a delta on a base other than the version it holds is
+   refused naming both; the offsets in order inside the payload; the payload inside its share of the landing
+   buffer and inside a region its source registered), reads its dense messages as before (one prepared request
+   per message) and the deltas in one READ into its registered landing buffer, then scatters them
+   (``refit.delta.receive.apply_received``: every index checked before anything is written);
+4. the source's base holds the version once the refit succeeded (``commit``) and nothing after a failure
+   (``fail``: the next refit is dense).
+
+Versions and bases behave as over P2P: a receiver that does not hold the source's base version (its first refit,
+``Peer.invalidate``, a torn in-place refit) gets every message dense. Extra memory: the source's base (its
+NIXL-sent tensors) and two registered buffers, a source's delta staging and a receiver's landing buffer, each at
+most the staging budget.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+
+from refit.binding import LocalTensors
+from refit.config import TransferConfig
+from refit.delta.base import SourceBase
+from refit.delta.chunks import link_speed, words_for
+from refit.delta.ops import DeltaOp, DeltaStats
+from refit.delta.receive import apply_received, receive_into
+from refit.delta.rule import nixl_link
+from refit.delta.send import batches_of, encode_op, find_batch, op_may_pay, plan_of
+from refit.delta.wire import ENCODINGS, DeltaError
+from refit.delta.words import words_in
+from refit.errors import PlanError
+from refit.plan import Plan
+from refit.transport.clock import RunClock
+from refit.transport.nixl_memory import memory_of
+from refit.transport.nixl_record import is_int
+from refit.transport.p2p import _Op
+
+HELD_KEYS = {"run", "held"}
+RECORD_KEYS = {"run", "addr", "bytes", "heads", "offsets"}
+_POLL_S = 0.001
+
+
+def delta_caps(plan: Plan, config: TransferConfig) -> dict[tuple[int, int], int]:
+    """(source process, receiver process) -> the most delta payload bytes the source stages for that receiver in
+    one refit: the pair's dense NIXL bytes, at most the staging budget (``num_buffers x buffer_bytes``) shared
+    evenly among the source's receivers and among the receiver's sources (a source's delta staging and a
+    receiver's landing buffer each stay within the budget), in whole words. The same on every process."""
+    dense: Counter = Counter()
+    for m in plan.messages:
+        if m.transport == "nixl":
+            dense[(plan.procs.src[m.src], plan.procs.dst[m.dst])] += m.nbytes
+    budget = config.num_buffers * config.buffer_bytes
+    outs, ins = Counter(s for s, _ in dense), Counter(r for _, r in dense)
+    return {(s, r): min(n, budget // outs[s], budget // ins[r]) // 8 * 8 for (s, r), n in dense.items()}
+
+
+class NixlDelta:
+    """One process's NIXL messages in delta mode (``TransferConfig.delta`` not ``"off"``): a source's base, its
+    delta staging and its messages per receiver; a receiver's landing buffer and its messages per source (each a
+    ``DeltaOp`` of the message's one piece, as the P2P path's). Built at the link's setup (``buffers`` are
+    registered with the link's memory); per refit ``begin``, ``publish_held`` (receiver), ``stage`` (source,
+    before it announces), ``plan_reads`` and ``apply`` (receiver), then ``commit`` or ``fail``."""
+
+    def __init__(self, plan: Plan, proc: int, local: LocalTensors, config: TransferConfig, device) -> None:
+        self.plan, self.proc, self.config = plan, proc, config
+        caps = delta_caps(plan, config)
+        budget = config.num_buffers * config.buffer_bytes
+        sending = any(s == proc for s, _ in caps)
+        self.base = SourceBase(plan, proc, local, config.delta_base, budget, "nixl") if sending else None
+        pair: Counter = Counter()
+        for m in plan.messages:
+            if m.transport == "nixl":
+                pair[(plan.procs.src[m.src], plan.procs.dst[m.dst])] += m.nbytes
+        self.sends: dict[int, list[DeltaOp]] = {}  # receiver -> this source's messages to it, in plan order
+        self.recvs: dict[int, list[DeltaOp]] = {}  # source -> this receiver's messages from it, in plan order
+        for k, m in enumerate(plan.messages):
+            s, r = plan.procs.src[m.src], plan.procs.dst[m.dst]
+            if m.transport == "nixl" and s == proc:
+                self.sends.setdefault(r, []).append(self._op(k, r, local, True, pair[(s, r)]))
+            if m.transport == "nixl" and r == proc:
+                self.recvs.setdefault(s, []).append(self._op(k, s, local, False, pair[(s, r)]))
+        self.out_at = _regions({r: caps[(proc, r)] for r in sorted(self.sends)})  # receiver -> (offset, cap)
+        self.in_at = _regions({s: caps[(s, proc)] for s in sorted(self.recvs)})  # source -> (offset, cap)
+        self.staging = torch.empty(sum(c for _, c in self.out_at.values()), dtype=torch.uint8, device=device)
+        self.landing = torch.empty(sum(c for _, c in self.in_at.values()), dtype=torch.uint8, device=device)
+        self.stats = DeltaStats()
+        self.version, self.held = 0, None  # this refit's version and the version this process holds
+
+    def _op(self, k: int, peer: int, local: LocalTensors, outgoing: bool, pair_bytes: int) -> DeltaOp:
+        """Message ``k`` (one piece) to or from ``peer`` as a ``DeltaOp``: its view, (source) its base view, the
+        link as a NIXL pull sees it, its part of the pair's bytes (what it pays of ``NIXL_PAIR_S``)."""
+        p = self.plan.messages[k].pieces[0]
+        view = (local.src_view if outgoing else local.dst_view)(p.tensor, p.box)
+        bases = [self.base.local.src_view(p.tensor, p.box)] if outgoing else []
+        ends = (self.proc, peer) if outgoing else (peer, self.proc)
+        link = nixl_link(link_speed(self.plan, *ends, self.config))
+        d = DeltaOp(_Op(peer, 0, view, [], (p.tensor,), message=k), [view], bases, link, torch.empty(0))
+        d.numels, d.nwords, d.nbytes = [view.numel()], [words_in(view)], p.nbytes
+        pieces = [(view.numel(), view.element_size())]
+        d.words = outgoing and words_in(view) is not None and words_for(self.config, pieces, link)
+        d.share = p.nbytes / max(1, pair_bytes)
+        d.may_pay = op_may_pay(d)
+        d.shared = outgoing and k in self.base.shared
+        return d
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers the link registers: the delta staging (source) and the landing buffer (receiver)."""
+        return [t for t in (self.staging, self.landing) if t.numel()]
+
+    def begin(self, version: int, held: int | None) -> None:
+        """A refit of ``version`` starts; this process holds ``held`` (None: no version, or a stale one)."""
+        self.version, self.held, self.stats = version, held, DeltaStats()
+
+    # ------------------------------------------------------------------ source
+    def publish_held(self, store, key: str, run: int) -> None:
+        """A receiver: the version it holds, for refit number ``run`` (read by its sources, ``held_of``)."""
+        if self.recvs:
+            store.put(key, {"run": run, "held": self.held})
+
+    def held_of(self, store, key_of, run: int, clock: RunClock) -> dict[int, int | None]:
+        """A source: the version each of its receivers published for refit ``run`` (``key_of(receiver)``), each
+        waited for under ``clock``; ``DeltaError`` naming the receiver for a record that is not ``{"run": run,
+        "held": version >= 0 or null}``."""
+        out: dict[int, int | None] = {}
+        for r in sorted(self.sends):
+
+            def arrived(r=r) -> bool:
+                rec = store.peek(key_of(r))
+                ok = isinstance(rec, dict) and set(rec) == HELD_KEYS and is_int(rec["run"], 0)
+                ok = ok and (rec["held"] is None or is_int(rec["held"], 0))
+                if rec is not None and (not ok or rec["run"] > run):
+                    raise DeltaError(
+                        f"process {r} published {str(rec)[:80]} as the version it holds for NIXL refit {run}, not "
+                        "{'run': refit, 'held': version or null}"
+                    )
+                if rec is None or rec["run"] < run:
+                    time.sleep(_POLL_S)
+                    return False
+                out[r] = rec["held"]
+                return True
+
+            clock.watch(arrived, lambda r=r: f"process {r} publishing the version it holds (NIXL delta)")
+        return out
+
+    def stage(self, held: dict[int, int | None], run: int) -> dict[int, bytes]:
+        """A source, its tensors final: per receiver (``held``: the version each holds) its messages planned,
+        found, encoded and their deltas copied into its region of the staging; returns the sealed record to
+        publish per receiver (see the module docstring). Base updates of what was sent follow ``encode_op``."""
+        out = {}
+        for r, ops in sorted(self.sends.items()):
+            ok = self.base.version is not None and held.get(r) == self.base.version
+            plans = [plan_of(d, ok, self.config.delta) for d in ops]
+            heads: list[list[int]] = [[] for _ in ops]
+            at, used, offsets = self.out_at[r][0], 0, {}
+            for j, d in enumerate(ops):
+                if plans[j] != "diff":
+                    heads[j], used = self._encode(d, plans[j], r, used, offsets)
+            for batch in batches_of(ops, plans):
+                find_batch([ops[j] for j in batch], None)
+                for j in batch:
+                    heads[j], used = self._encode(ops[j], "diff", r, used, offsets)
+                self.base.flush()
+            heads_of = {str(d.op.message): h for d, h in zip(ops, heads)}
+            rec = {"run": run, "addr": self.staging.data_ptr() + at, "bytes": used, "heads": heads_of}
+            out[r] = json.dumps({**rec, "offsets": offsets}).encode()
+            self.stats.wire_bytes += _header_bytes(ops)
+        return out
+
+    def _encode(self, d: DeltaOp, plan: str, r: int, used: int, offsets: dict) -> tuple[list[int], int]:
+        """``encode_op`` of one message to receiver ``r``; a delta's payload copied into ``r``'s staging region at
+        ``used`` (its offset noted in ``offsets``) or, where it does not fit, the message sent dense (its base is
+        up to date either way: ``encode_op`` applied the changes). Returns its header and the bytes used."""
+        head = encode_op(d, plan, self.version, self.stats, self.base, self.config.delta)
+        if d.kind == "dense":
+            return head, used
+        at, cap = self.out_at[r]
+        n = d.payload.numel()
+        if used + n > cap:  # over this refit's staging: dense
+            self.stats.wire_bytes += d.nbytes - n
+            self.stats.encodings[d.kind] -= 1
+            self.stats.encodings["dense"] += 1
+            d.kind, d.parts, d.payload = "dense", [], None
+            return [ENCODINGS.index("dense"), head[1], self.version, 0], used
+        part = self.staging[at + used : at + used + n]
+        if d.parts:
+            torch.cat(d.parts, out=part)
+        else:
+            part.copy_(d.payload)
+        offsets[str(d.op.message)] = used
+        d.parts, d.payload = [], None
+        return head, used + n
+
+    # ------------------------------------------------------------------ receiver
+    def plan_reads(self, raw_of, run: int) -> tuple[set[int], list[tuple[int, int, int, int]]]:
+        """A receiver, every source announced refit ``run``: each source's sealed record (``raw_of(source)``) of
+        that refit checked field by
+        field and every message's header (``receive_into``) before anything is read. Returns the messages to read
+        dense and the delta READs: ``(source, remote address, bytes, landing address)`` (none for an empty
+        payload). ``DeltaError`` names the source and what is wrong."""
+        dense: set[int] = set()
+        reads = []
+        me = f"process {self.proc}"
+        for sp, ops in sorted(self.recvs.items()):
+            self.stats.received_bytes += _header_bytes(ops)
+            rec = _record(json.loads(raw_of(sp)), sp, {str(d.op.message) for d in ops}, self.in_at[sp][1], run)
+            end = 0
+            for d in ops:
+                receive_into(d, rec["heads"][str(d.op.message)], self.version, self.held, me)
+                if d.kind == "dense":
+                    dense.add(d.op.message)
+                    continue
+                off, n = rec["offsets"].get(str(d.op.message)), d.payload.numel()
+                if not is_int(off) or off < end or off + n > rec["bytes"]:
+                    raise DeltaError(
+                        f"NIXL delta record of process {sp}: message {d.op.message} ({n} bytes) at offset {off}, "
+                        f"not after the previous one (byte {end}) inside the payload of {rec['bytes']} bytes"
+                    )
+                at = self.in_at[sp][0] + off
+                d.payload, end = self.landing[at : at + n], off + n
+            if len(rec["offsets"]) != sum(d.kind != "dense" for d in ops):
+                raise DeltaError(f"NIXL delta record of process {sp}: offsets for messages it sends dense")
+            if rec["bytes"]:
+                reads.append((sp, rec["addr"], rec["bytes"], self.landing.data_ptr() + self.in_at[sp][0]))
+        return dense, reads
+
+    def apply(self) -> None:
+        """A receiver, every READ done: the deltas' indices checked, then scattered (``apply_received``)."""
+        deltas = [d for ops in self.recvs.values() for d in ops if d.kind != "dense"]
+        try:
+            if deltas:
+                apply_received(deltas)
+        finally:
+            for d in deltas:
+                d.payload = None
+
+    # ------------------------------------------------------------------ after the refit
+    def commit(self, version: int) -> None:
+        """The refit of ``version`` succeeded on every process: the source's base holds it."""
+        if self.base is not None:
+            self.base.commit(version)
+
+    def fail(self) -> None:
+        """The refit failed: what it held is dropped and the base holds no version (the next refit is dense)."""
+        for d in (d for side in (self.sends, self.recvs) for ops in side.values() for d in ops):
+            d.payload, d.parts, d.changes, d.found = None, [], [], None
+        if self.base is not None:
+            self.base.fail()
+
+
+def with_stats(stats: DeltaStats | None, link) -> DeltaStats | None:
+    """``stats`` (the P2P delta run's, or None) with ``link``'s NIXL delta stats of this refit added (where it runs
+    deltas, ``link.delta``), so a refit's ``RunStats.delta`` counts both."""
+    mine = link.delta.stats if link is not None and link.delta is not None else None
+    if mine is None or stats is None:
+        return stats if mine is None else mine
+    enc = {k: stats.encodings[k] + mine.encodings[k] for k in stats.encodings}
+    sums = [a + b for a, b in zip(_numbers(stats), _numbers(mine))]
+    return DeltaStats(*sums, encodings=enc)
+
+
+def _numbers(s: DeltaStats) -> tuple[int, int, int, int]:
+    return s.diffed, s.wire_bytes, s.dense_bytes, s.received_bytes
+
+
+def read_handles(agent, reads: list[tuple[int, int, int, int]], link) -> list[tuple[int, object, int]]:
+    """``(source, READ handle, bytes)`` of each delta read ``(source, remote address, bytes, landing address)``
+    (``NixlDelta.plan_reads``), made for one refit (release them after it); ``PlanError`` for a payload outside
+    every region its source registered (``link.remote_regions``), before any is made."""
+    where = []
+    for sp, addr, n, _ in reads:
+        reg = next((r for r in link.remote_regions[sp] if r[0] <= addr and addr + n <= r[0] + r[1]), None)
+        if reg is None:
+            raise PlanError(
+                f"NIXL delta record of process {sp}: its payload, bytes [{addr:#x}, {addr + n:#x}), lies outside "
+                "every region it registered"
+            )
+        where.append(reg)
+    dmem, ddev = memory_of(link.delta.landing)
+    out = []
+    for (sp, addr, n, local), reg in zip(reads, where):
+        remote = agent.get_xfer_descs(np.array([[addr, n, reg[2]]], dtype=np.uint64), reg[3])
+        mine = agent.get_xfer_descs(np.array([[local, n, ddev]], dtype=np.uint64), dmem)
+        out.append((sp, agent.initialize_xfer("READ", mine, remote, link.sources[sp], b""), n))
+    return out
+
+
+def _header_bytes(ops: list[DeltaOp]) -> int:
+    """The statistics' bytes of ``ops``' headers: 8 per field, as the P2P path's int64 headers (the record itself
+    travels through the store, the control plane, as the P2P path's held versions do)."""
+    return 8 * sum(3 + len(d.views) for d in ops)
+
+
+def _regions(caps: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """Per peer (in order) its ``(offset, bytes)`` region of one buffer, one after another."""
+    out, at = {}, 0
+    for peer, cap in caps.items():
+        out[peer], at = (at, cap), at + cap
+    return out
+
+
+def _record(rec: object, sp: int, messages: set[str], cap: int, run: int) -> dict:
+    """Source process ``sp``'s delta record of refit ``run``, checked: the known keys, a header (a list of ints)
+    for exactly the ``messages`` read from it, the payload's ``bytes`` within this receiver's share ``cap`` of its
+    landing buffer, an address and int offsets (the headers' fields themselves: ``check_header``)."""
+    ok = isinstance(rec, dict) and set(rec) == RECORD_KEYS and is_int(rec["addr"]) and is_int(rec["bytes"], 0, cap + 1)
+    ok = ok and is_int(rec["run"]) and rec["run"] == run
+    heads, offsets = (rec["heads"], rec["offsets"]) if ok else (None, None)
+    ok = ok and isinstance(heads, dict) and set(heads) == messages and isinstance(offsets, dict)
+    ok = ok and all(isinstance(h, list) and all(is_int(x, -1, 1 << 62) for x in h) for h in heads.values())
+    if not ok or not set(offsets) <= messages:
+        raise DeltaError(
+            f"NIXL delta record of process {sp} is not {{run: {run}, addr, bytes <= {cap}, heads, offsets}} for the "
+            f"{len(messages)} messages read from it: {str(rec)[:120]}"
+        )
+    return rec
