@@ -358,7 +358,8 @@ class Peer:
             with self.executor.on_stream():  # the run's changes are on its stream
                 delta.base.commit(version)  # the base is what was sent only once every process holds it
         if self.executor.nixl is not None:
-            self.executor.nixl.commit(version)
+            with self.executor.on_stream():  # a NIXL source's deferred base updates, on the run's stream
+                self.executor.nixl.commit(version)
         self.staged_version, self.last = version, stats
         return stats
 
