@@ -36,7 +36,7 @@ from refit.tools.launch import run_local  # noqa: E402
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
 MODEL = "tiny-llama"
-STEPS = 3
+STEPS = 2
 
 
 def test_verl_registry_finds_refit_and_builds_it_as_its_workers_do():
@@ -146,8 +146,9 @@ def _verl_job(world, folder: str) -> dict:
                 torch.save(full, os.path.join(folder, f"step{step}.tmp"))
                 os.replace(os.path.join(folder, f"step{step}.tmp"), os.path.join(folder, f"step{step}.pt"))
             weights = FullTensors(model)
-            asyncio.run(engine.send_weights(iter(weights), global_steps=step))
+            metrics = asyncio.run(engine.send_weights(iter(weights), global_steps=step))
             out["unread"].append(not weights.read)
+            out["metrics"] = metrics
         else:
             got = asyncio.run(_collect(engine.receive_weights(global_steps=step)))
             want = torch.load(os.path.join(folder, f"step{step}.pt"), weights_only=True)
@@ -172,6 +173,7 @@ def test_fsdp2_trainer_refits_a_tp2_rollout_replica_through_the_verl_contract(tm
         assert r["peers"] == 1  # one plan for every step: finalize keeps it, init_process_group re-joins nothing
         assert r["stats"]["refits"] == STEPS and r["stats"]["version"] == STEPS
     assert all(all(t["unread"]) for t in trainers)  # verl's gathering generator was never read
+    assert [t["metrics"]["refit/bytes_sent"] for t in trainers] == [t["bytes"][-1] for t in trainers]
     for w in workers:
         assert all(w["exact"]), w["exact"]  # each step's weights, bit for bit, in this worker's share
         assert w["bytes"] == [w["share"]] * STEPS  # exactly its share each step

@@ -215,8 +215,12 @@ class RefitCheckpointEngine(CheckpointEngine):
         self._joined = joined
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None, **_):
-        """A trainer rank: send the bound module's local shards as version ``global_steps`` (see ``_version``).
-        ``weights`` (verl's full-tensor generator) is closed unread: reading it would gather every parameter."""
+        """A trainer rank: send the bound module's local shards as version ``global_steps`` (see ``_version``);
+        returns this rank's metrics (verl merges them into its sync metrics). ``weights`` (verl's full-tensor
+        generator) is closed unread: reading it would gather every parameter. ``weights`` may also be verl's
+        training engine (its ``module`` is then bound)."""
+        if self.module is None and isinstance(getattr(weights, "module", None), nn.Module):
+            self.bind_module(weights.module)  # verl's training engine itself (what verl hands its delta backend)
         close = getattr(weights, "close", None)
         if callable(close):
             close()
@@ -230,7 +234,9 @@ class RefitCheckpointEngine(CheckpointEngine):
         if self.peer is None:
             self.peer = self._trainer_peer(joined)
         version = self._version(global_steps)
-        self._record(self.peer.run(version), version, sent=True)
+        run = self.peer.run(version)
+        self._record(run, version, sent=True)
+        return {"refit/bytes_sent": run.bytes_sent, "refit/seconds": run.seconds, "refit/version": version}
 
     async def receive_weights(self, global_steps: int | None = None, **_) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """A rollout worker: receive version ``global_steps`` (see ``_version``), then yield each of its tensors.
