@@ -40,8 +40,9 @@ from refit.transport import auth
 from refit.transport.control import free_port
 from refit.transport.store import BIND_ENV, JOB_ENV, SignedStore, bind_address, open_store, pin_interfaces, signed
 
-PRELOAD = ["torch", "torch.distributed", "refit.transfer", "refit.tools.launch"]
-"""What the forkserver imports before it forks a rank (never CUDA: importing torch does not initialize it)."""
+PRELOAD = ["torch", "torch.distributed", "refit.transfer", "refit.tools.launch", "refit.tools.warm"]
+"""What the forkserver imports before it forks a rank (never CUDA: importing torch does not initialize it;
+``refit.tools.warm`` brings in transformers with the preset architectures and triton, which ranks import late)."""
 
 MAX_LOCAL_PROCESSES = 256
 """The most processes ``run_local`` starts on one machine (one per rank): a typo such as ``tp=100000`` is an
