@@ -64,8 +64,9 @@ def test_a_block_that_raises_still_tears_the_cluster_down():
 
 
 HOLDER = """
-import json, sys, time
+import json, signal, sys, time
 from refit.tools.cluster import Cluster, netns
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal: a run started in the background ignores it
 c = Cluster(2, name=sys.argv[1] or None).up()
 c.spawn("a", ["sh", "-c", "sleep 300 & sleep 300"])
 time.sleep(0.3)
