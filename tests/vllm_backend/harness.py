@@ -1,7 +1,7 @@
 """Real vLLM (CPU) receiving refits from a 2-rank trainer; used by the vLLM tests and the example.
 
 The driver process is trainer rank 0 and owns the ``vllm.LLM``; trainer rank 1
-is a spawned process. The trainer runs the HF model tensor-parallel
+is a process forked from refit's launcher. The trainer runs the HF model tensor-parallel
 (``parallelize_module``) or FSDP2 (``fully_shard``) over gloo.
 
 vLLM runs with its insecure serialization switch off (``secure_env``): the driver calls worker
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from refit.layout.models import build_model, load_config
+from refit.tools.launch import start_process
 from refit.transport.control import free_port
 
 from .leaks import leftovers, snapshot
@@ -253,15 +253,13 @@ def train_and_refit(
     delta: str = "off",
 ):
     """Trainer rank 0 here (driving the engine through ``client``: ``LLMClient(llm)``, vLLM's HTTP client, ...),
-    rank 1 spawned; both refit the engine after each step, then shut refit down. The store listens on
-    ``master_address`` (the engine's workers connect there). Returns rank 0's history and leftovers (rank 1
+    rank 1 forked (launch.start_process); both refit the engine after each step, then shut refit down. The store listens
+    on ``master_address`` (the engine's workers connect there). Returns rank 0's history and leftovers (rank 1
     checks its own: a failure there is its exit code)."""
     port, xfer_port = free_port(), free_port(master_address)
-    p = mp.get_context("spawn").Process(
-        target=_rank1,
-        args=(port, xfer_port, model_name, spec, engine_tp, steps, load_path, master_address, transport, delta),
+    p = start_process(  # forked with torch and refit imported, this process's environment
+        _rank1, (port, xfer_port, model_name, spec, engine_tp, steps, load_path, master_address, transport, delta)
     )
-    p.start()
     try:
         out = trainer_loop(
             0, port, xfer_port, model_name, spec, engine_tp, steps, client, load_path, master_address, transport, delta

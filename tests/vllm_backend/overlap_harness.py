@@ -1,5 +1,5 @@
 """Refit a real ``AsyncLLM`` (CPU) while it generates: trainer rank 0 and the engine's driver in this process
-(one event loop), trainer rank 1 spawned; both trainer ranks take a step, stage the new version, and gather
+(one event loop), rank 1 forked (launch.start_process); both trainer ranks take a step, stage the new version and gather
 the full weights (for the HF check) per version.
 
 Versions: 1 before generation starts, then one per policy while requests stream: every request's tokens,
@@ -19,9 +19,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from refit.layout.models import build_model, load_config
+from refit.tools.launch import start_process
 from refit.transport.control import free_port
 
 from .harness import _train_step, _trainer_model, check_vllm_secure, engine_args
@@ -147,8 +147,7 @@ async def _run(workdir, engine_tp):
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(workdir, engine_tp, QUALNAME)))
     versions = [1, *range(2, 2 + len(POLICIES))]
     port, xfer_port = free_port(), free_port()
-    p = mp.get_context("spawn").Process(target=_rank1, args=(port, xfer_port, workdir, engine_tp, versions))
-    p.start()
+    p = start_process(_rank1, (port, xfer_port, workdir, engine_tp, versions))
     out = {"weights": {}, "commits": [], "results": [], "refits": []}
     try:
         model, trainer = await asyncio.to_thread(
