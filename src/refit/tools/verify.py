@@ -15,6 +15,8 @@ from refit.errors import ConfigError
 from refit.layout import ModelLayout, box_slices
 from refit.plan import Plan, ProcessMap, build_plan
 from refit.quant import FP8, Fp8Quantizer, expected_fp8, fp8_layout, quantized_names, scale_name
+from refit.quant.mx_layout import mx_format, mx_layout
+from refit.quant.mx_quantizer import MxQuantizer, expected_mx_shards
 from refit.tools.launch import World, run_local
 from refit.tools.resources import check_memory, held_bytes
 from refit.transfer import Receiver, Sender
@@ -77,14 +79,18 @@ class VerifyResult:
 
 def _poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A destination tensor that cannot pass for received data: NaN (FP8: 0xFF, its NaN) or -1."""
-    if dtype == FP8:
-        return torch.full(shape, 0xFF, dtype=torch.uint8).view(FP8)
+    if dtype in (FP8, torch.uint8):
+        return torch.full(shape, 0xFF, dtype=torch.uint8).view(dtype)
     return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype)
 
 
-def _expected(plain: ModelLayout, dst: ModelLayout, rank: int, seed: int, block) -> dict[str, torch.Tensor]:
-    """What destination ``rank`` must hold: reference boxes, FP8 ones quantized from the whole tensor."""
+def _expected(plain: ModelLayout, dst: ModelLayout, rank: int, seed: int, block, quant=None) -> dict[str, torch.Tensor]:
+    """What destination ``rank`` must hold: reference boxes, FP8 (MXFP8, NVFP4) ones quantized from the whole
+    tensor."""
     want = {}
+    if quant:
+        full = {t.name: reference_tensor(t.name, t.shape, t.dtype, seed) for t in plain}
+        want = expected_mx_shards(full, dst, rank, mx_format(quant))
     boxes = {t.name: b for t, b in dst.local_tensors(rank)}
     fp8 = set(quantized_names(dst)) if block else set()
     for t, box in dst.local_tensors(rank):
@@ -109,10 +115,15 @@ def _verify_worker(
     dump: str | None,
     plain_src: ModelLayout | None = None,
     block: tuple[int, int] | None = None,
+    quant: str | None = None,
 ):
     procs = ProcessMap.disjoint(src.world_size, dst.world_size)
     if world.src_rank is not None:
-        if block:  # the trainer holds bf16/fp32 shards; its quantizer sends FP8 ones
+        if quant:  # MXFP8 / NVFP4: the trainer ranks quantize their shards (and agree on NVFP4's global scales)
+            shards = reference_shards(plain_src, world.src_rank, seed)
+            quantizer = MxQuantizer(src, world.src_rank, shards, mx_format(quant), group=world.trainer_group)
+            Sender(src, dst, world.rank, quantizer.tensors, procs=procs, config=config, prepare=quantizer).push(1)
+        elif block:  # the trainer holds bf16/fp32 shards; its quantizer sends FP8 ones
             quantizer = Fp8Quantizer(src, world.src_rank, reference_shards(plain_src, world.src_rank, seed), block)
             Sender(src, dst, world.rank, quantizer.tensors, procs=procs, config=config, prepare=quantizer).push(1)
         else:
@@ -124,7 +135,7 @@ def _verify_worker(
     local = {t.name: _poisoned(tuple(b - a for a, b in box), t.dtype) for t, box in dst.local_tensors(r)}
     Receiver(src, dst, world.rank, local, procs=procs, config=config).pull(1)
     mismatches, nbytes = [], 0
-    expected = _expected(plain_src or src, dst, r, seed, block)
+    expected = _expected(plain_src or src, dst, r, seed, block, quant)
     for t, box in dst.local_tensors(r):
         want = expected[t.name]
         got = local[t.name]
@@ -178,9 +189,11 @@ def verify(
     dump: str | None = None,
     timeout_s: float = 600.0,
     fp8_block: tuple[int, int] | None = None,
+    quant: str | None = None,
 ) -> VerifyResult:
     """``fp8_block``: the engine holds FP8 weights (and their scales) blockwise-quantized with
     this block; the trainer's ranks quantize their shards before sending (``Fp8Quantizer``).
+    ``quant``: ``"mxfp8"`` or ``"nvfp4"`` instead (``MxQuantizer``; ModelOpt's names and shapes).
 
     Refused with ``ConfigError`` before any process starts: a ``dump`` that would overwrite a file
     (``check_dump``), more memory than this machine has (``verify_bytes``), too many processes."""
@@ -188,6 +201,10 @@ def verify(
     if dump:
         check_dump(dump, dst.world_size)
     plain_src = src
+    if quant and fp8_block:
+        raise ConfigError(f"fp8_block {fp8_block} and quant {quant!r} together: an engine holds one format")
+    if quant:
+        src, dst = mx_layout(src, quant), mx_layout(dst, quant, side="destination")
     if fp8_block:
         src, dst = fp8_layout(src, block=fp8_block), fp8_layout(dst, block=fp8_block, side="destination")
     plan = build_plan(src, dst, config=config)  # fails fast
@@ -217,6 +234,7 @@ def verify(
         dump,
         plain_src,
         fp8_block,
+        quant,
         backend="gloo",
         timeout_s=timeout_s,
     )

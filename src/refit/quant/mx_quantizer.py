@@ -1,0 +1,224 @@
+"""A trainer rank's MXFP8 / NVFP4 copies of its shards, refreshed before every push (``MxQuantizer``).
+
+Each rank quantizes only its own shards: blocks run along the last dim and layouts are refused where a
+column cut splits a block (``mx_layout``), so every block lies on one rank and the bytes are those of
+quantizing the whole tensor. NVFP4's ``weight_scale_2`` depends on the whole tensor's ``max |x|``: before
+quantizing, the trainer ranks agree on it (``agree``: one all-reduce MAX over ``group`` of a float32 vector,
+one entry per leading index of every NVFP4 tensor, the entries of tensors a rank does not hold at 0), then
+share it within the groups vLLM fuses (``mx_layout.global_key``). On CUDA the Triton kernels of ``mx_triton``
+write the same bytes in one pass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from refit.layout.tensors import Box, LayoutError, ModelLayout, TensorLayout, box_shape, box_slices
+from refit.quant.mx import nvfp4_scale_2, quantize_mxfp8, quantize_nvfp4
+from refit.quant.mx_layout import MxFormat, block_scale_name, global_key, global_scale_name, mx_names, shares_dim1
+
+CHUNK_BYTES = 256 << 20
+
+Job = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, Box]  # name, live part, its q rows, s rows, its box
+
+
+def use_triton(w: torch.Tensor) -> bool:
+    """CUDA tensors go through ``mx_triton`` (one pass) unless ``REFIT_MX_TRITON=0`` or Triton is missing."""
+    if not w.is_cuda or os.environ.get("REFIT_MX_TRITON", "1") == "0":
+        return False
+    from refit.quant import mx_triton
+
+    return mx_triton.AVAILABLE
+
+
+def quantize_into(
+    w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: MxFormat, scale_2: torch.Tensor | None = None
+) -> None:
+    """``w`` [..., N, K] quantized in ``fmt`` into ``q`` and ``s`` (contiguous), ``scale_2``: NVFP4's agreed
+    global scale (the shape of ``w``'s leading dims). Rows are independent: the work runs on [rows, K]."""
+    k = w.shape[-1]
+    x = w.reshape(-1, k)
+    rows = x.shape[0]
+    s2 = None if scale_2 is None else scale_2.float().reshape(*scale_2.shape, 1).expand(*w.shape[:-1]).reshape(-1)
+    if use_triton(w):
+        from refit.quant.mx_triton import quantize_rows_triton
+
+        quantize_rows_triton(x, q.view(rows, -1), s.view(rows, -1), fmt.name, s2)
+        return
+    qx, sx = q.view(rows, -1), s.view(rows, -1)
+    step = max(1, CHUNK_BYTES // max(1, 8 * k))  # float32 temporaries of about CHUNK_BYTES
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        if s2 is not None:
+            qq, ss = quantize_nvfp4(x[r0:r1].unsqueeze(1), s2[r0:r1])
+        else:
+            qq, ss = quantize_mxfp8(x[r0:r1])
+        qx[r0:r1].copy_(qq.reshape(r1 - r0, -1))
+        sx[r0:r1].copy_(ss.reshape(r1 - r0, -1))
+
+
+def shared_scale_2(amax: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """NVFP4 ``weight_scale_2`` per tensor from each whole tensor's ``max |x|`` per leading index (float32),
+    shared where vLLM fuses: gate and up of a stacked expert, tensors of one ``global_key``."""
+    amax = {n: a.amax(dim=1, keepdim=True).expand_as(a) if shares_dim1(n) else a for n, a in amax.items()}
+    shared: dict[tuple[str, int | None], torch.Tensor] = {}
+    for n, a in amax.items():
+        key = global_key(n)
+        shared[key] = a if key not in shared else torch.maximum(shared[key], a)
+    return {n: nvfp4_scale_2(shared[global_key(n)]) for n in amax}
+
+
+def _lead(box: Box, ndim: int) -> tuple[slice, ...]:
+    return box_slices(box[: ndim - 2])
+
+
+class MxQuantizer:
+    """A sender's ``fmt`` copies of its shards of the quantized tensors.
+
+    ``tensors`` is what to give the Sender (quantized weights, block scales, NVFP4 global scales; every other
+    tensor the live one); pass the quantizer as its ``prepare``. ``group``: the trainer ranks' process group,
+    over which NVFP4's global scales are agreed (required for NVFP4 when the trainer has more than one rank).
+    A refit that prepares all names at once agrees first by itself; a staged one (``TransferConfig.stages``)
+    needs ``agree()`` called on every trainer rank after each optimizer step: a weight prepared twice since the
+    last agreement is refused.
+    """
+
+    def __init__(
+        self,
+        qlayout: ModelLayout,
+        rank: int,
+        live: Mapping[str, torch.Tensor],
+        fmt: MxFormat,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.fmt, self.rank, self.group, self.layout = fmt, rank, group, qlayout
+        self.quantized = mx_names(qlayout, fmt)
+        if fmt.global_scale and group is None and qlayout.world_size > 1 and self.quantized:
+            raise LayoutError(
+                f"NVFP4 source rank {rank}: {qlayout.world_size} trainer ranks must agree on weight_scale_2 of "
+                f"{self.quantized[0]!r} and the others; pass group= (the trainer ranks' process group)"
+            )
+        self.jobs: list[Job] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.scale_2: dict[str, torch.Tensor] = {}  # the agreed global scales, whole (leading-dims shape)
+        self._pending: set[str] = set()
+        boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
+        qset = set(self.quantized)
+        companions = {block_scale_name(n) for n in qset} | {global_scale_name(n) for n in qset}
+        for name, box in boxes.items():
+            if name in companions:
+                continue
+            if name not in live:
+                raise LayoutError(f"{fmt.name.upper()} source rank {rank}: local tensor {name!r} is missing")
+            if name not in qset:
+                self.tensors[name] = live[name]
+                continue
+            self._add(qlayout[name], live[name], box, boxes)
+
+    def _add(self, t: TensorLayout, w, box: Box, boxes: dict[str, Box]) -> None:
+        parts = list(w) if isinstance(w, (list, tuple)) else [w]
+        dev = parts[0].device
+        q = torch.empty(box_shape(box), dtype=self.fmt.dtype, device=dev)
+        s = torch.empty(box_shape(boxes[block_scale_name(t.name)]), dtype=self.fmt.scale_dtype, device=dev)
+        self.tensors[t.name], self.tensors[block_scale_name(t.name)] = q, s
+        if self.fmt.global_scale:
+            self.tensors[global_scale_name(t.name)] = torch.ones(box_shape(box[:-2]), device=dev)
+        spans = t.parts(self.rank) if len(parts) > 1 else [box]
+        lo = box[0][0]
+        for part, p in zip(spans, parts):
+            a, b = part[0][0] - lo, part[0][1] - lo  # rows (dim 0) are never cut by a block
+            self.jobs.append((t.name, p, q[a:b], s[a:b], part))
+
+    def _local_amax(self) -> dict[str, torch.Tensor]:
+        """Per NVFP4 tensor, float32 ``max |x|`` per leading index of the whole tensor (0 where not held)."""
+        out = {n: torch.zeros(self.layout[n].shape[:-2], dtype=torch.float32) for n in self.quantized}
+        for name, w, _, _, part in self.jobs:
+            if w.numel():
+                a = w.detach().abs().float().amax(dim=(-2, -1)).cpu()
+                sl = _lead(part, len(part))
+                out[name][sl] = torch.maximum(out[name][sl], a)
+        return out
+
+    def agree(self) -> None:
+        """NVFP4: agree with the other trainer ranks (collective over ``group``) on every tensor's
+        ``weight_scale_2`` and write this rank's boxes of them. MXFP8: nothing to agree."""
+        if not self.fmt.global_scale:
+            return
+        amax = self._local_amax()
+        flat = torch.cat([a.reshape(-1) for a in amax.values()]) if amax else torch.zeros(0)
+        if self.group is not None:
+            backend = dist.get_backend(self.group)
+            dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            buf = flat.to(dev)
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+            flat = buf.cpu()
+        i = 0
+        for a in amax.values():
+            a.copy_(flat[i : i + a.numel()].view(a.shape))
+            i += a.numel()
+        self.scale_2 = shared_scale_2(amax)
+        own = {t.name: b for t, b in self.layout.local_tensors(self.rank)}
+        for n in self.quantized:
+            g = global_scale_name(n)
+            if g in self.tensors:
+                self.tensors[g].copy_(self.scale_2[n][box_slices(own[g])])
+        self._pending = set(self.quantized)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.numel() * q.element_size() + s.numel() * s.element_size() for _, _, q, s, _ in self.jobs)
+
+    def __call__(self, names: set[str] | None = None) -> None:
+        """Quantize the shards of ``names`` (``None``: all, after agreeing on NVFP4's global scales)."""
+        with torch.no_grad():
+            if names is None:
+                self.agree()
+            elif self.fmt.global_scale:
+                want = {n for n in names if n in self.scale_2 or n in self.quantized}
+                stale = sorted(want - self._pending)
+                if stale:
+                    raise LayoutError(
+                        f"NVFP4 source rank {self.rank}: weight {stale[0]!r} is quantized again without a new "
+                        "weight_scale_2 agreement; in a staged refit call agree() on every trainer rank after each "
+                        "optimizer step, before the push"
+                    )
+                self._pending -= want
+            for name, w, q, s, part in self.jobs:
+                if w.numel() and (names is None or name in names):
+                    s2 = self.scale_2[name][_lead(part, len(part))] if self.fmt.global_scale else None
+                    quantize_into(w, q, s, self.fmt, s2)
+
+
+def expected_mx(
+    full: torch.Tensor, fmt: MxFormat, boxes: Mapping[str, Box], name: str, s2: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """What a destination rank holding ``boxes`` of ``name``'s weight, scales (and global scale) must hold:
+    the whole tensor ``full`` quantized at once with NVFP4's ``s2`` (from ``shared_scale_2``; for checks)."""
+    if fmt.global_scale:
+        q, s = quantize_nvfp4(full, s2)
+    else:
+        q, s, s2 = *quantize_mxfp8(full), None
+    out = {}
+    for key, val in ((name, q), (block_scale_name(name), s), (global_scale_name(name), s2)):
+        if key in boxes and val is not None:
+            out[key] = val[box_slices(boxes[key])]
+    return out
+
+
+def expected_mx_shards(
+    full: Mapping[str, torch.Tensor], dst: ModelLayout, rank: int, fmt: MxFormat
+) -> dict[str, torch.Tensor]:
+    """Every quantized tensor (weights, block and global scales) destination ``rank`` of ``dst`` (from
+    ``mx_layout``) must hold, from the whole unquantized tensors ``full`` (for checks)."""
+    names = mx_names(dst, fmt)
+    s2 = shared_scale_2({n: full[n].abs().float().amax(dim=(-2, -1)) for n in names}) if fmt.global_scale else {}
+    boxes = {t.name: b for t, b in dst.local_tensors(rank)}
+    out: dict[str, torch.Tensor] = {}
+    for n in names:
+        if n in boxes:
+            out.update(expected_mx(full[n], fmt, boxes, n, s2.get(n)))
+    return out
