@@ -3,6 +3,7 @@ three layout pairs over versions with 0%, 0.1%, 1%, 30% and 100% of the elements
 them changed (refit's own statistics), a receiver without the base version healed dense, a delta onto another
 version refused naming both. One spawned job per layout pair. Skipped where nixl is not installed."""
 
+import json
 import zlib
 
 import pytest
@@ -235,12 +236,21 @@ def test_the_rule_keeps_nixl_dense_on_fast_links_and_the_staging_within_the_budg
             assert sum(c for (s, r), c in caps.items() if p in (s, r)) <= budget
 
 
-def test_the_cost_model_prices_nixl_pulls_as_deltas():
-    from refit.cost import Topology, predict
+def test_refit_plan_names_nixl_delta_the_path_with_nixl_and_a_changed_fraction(tmp_path, capsys):
+    from refit.tools.cli import main
 
-    src, dst = _layouts(_shapes("llama-3.1-8b"), "tp=2", "tp=2")
-    topo = Topology(nodes=2, gpus_per_node=2)  # the engine on the other node: over NICs
-    preds = {p.strategy: p for p in predict(src, dst, topo, nixl_nic_mode="auto", changed_fraction=0.01)}
-    assert preds["nixl-delta"].seconds < 0.2 * preds["nixl"].seconds
-    assert "pulled through NIXL as deltas" in preds["nixl-delta"].note
-    assert "nixl-delta" not in {p.strategy for p in predict(src, dst, topo, nixl_nic_mode="auto")}
+    topo = tmp_path / "topo.json"
+    topo.write_text('{"nodes": 2, "gpus_per_node": 2}')  # the engine on the other node: over NICs
+    argv = ["plan", "--model", "llama-3.1-8b", "--src", "tp=2", "--dst", "tp=2", "--cluster", str(topo), "--json"]
+    runs = {}
+    for extra in (["--nixl", "auto", "--changed-fraction", "0.01"], ["--changed-fraction", "0.01"], ["--nixl", "auto"]):
+        assert main([*argv, *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        runs[tuple(extra)] = (out["path"], {p["strategy"]: p for p in out["predictions"]})
+    path, preds = runs[("--nixl", "auto", "--changed-fraction", "0.01")]
+    assert path == "nixl-delta" and preds["nixl-delta"]["seconds"] < 0.2 * preds["nixl"]["seconds"]
+    assert "pulled through NIXL as deltas" in preds["nixl-delta"]["note"]
+    assert runs[("--changed-fraction", "0.01")][0] == "delta" and "nixl" not in runs[("--changed-fraction", "0.01")][1]
+    path, preds = runs[("--nixl", "auto")]
+    assert path == "nixl" and "nixl-delta" not in preds
+    assert main(["plan", "--nixl", "auto"]) == 2 and "--nixl auto needs --cluster" in capsys.readouterr().err
