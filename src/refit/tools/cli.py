@@ -29,6 +29,7 @@ from refit.layout.rules import check_spec_fits, layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import Plan, build_plan
 from refit.tools.cluster.command import add_cluster_parser, cmd_cluster
+from refit.tools.quant_cli import add_quant_option, quant_fields, quant_label, quantized_layouts
 from refit.transport.auth import secret_from_env
 
 
@@ -158,6 +159,7 @@ def _fp8_option(p: argparse.ArgumentParser) -> None:
         help="the engine holds FP8 weights blockwise-quantized in BLOCK x BLOCK blocks (default 128), "
         "quantized by the trainer ranks before the wire",
     )
+    add_quant_option(p)  # --quant mxfp8|nvfp4
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -218,14 +220,6 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="F",
         help="with --cluster: also predict a delta refit where this fraction of the elements changed (0.01 = 1%%)",
-    )
-    p.add_argument(
-        "--nixl",
-        choices=("auto", "stripe"),
-        default=None,
-        metavar="NIC_MODE",
-        help="with --cluster: refit pulls through NIXL, its NICs picked as REFIT_NIC_MODE=NIC_MODE picks them "
-        "(auto: the nearest, stripe: all); adds the nixl (with --changed-fraction also nixl-delta) rows, the path",
     )
 
 
@@ -458,10 +452,8 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
     one = None
     if replicas > 1:
         one = _dst_layout(args, shapes, dst.replica())
-        if args.fp8:
-            _, one = _fp8(src_l, one, args.fp8)
-    if args.fp8:
-        src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
+        _, one = _fp8(src_l, one, args)
+    src_l, dst_l = _fp8(src_l, dst_l, args)
     preds = predict(
         src_l,
         dst_l,
@@ -470,11 +462,8 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
         replica_dst=one,
         colocated=args.colocated,
         changed_fraction=args.changed_fraction,
-        nixl_nic_mode=args.nixl,
     )
     build_s = time.perf_counter() - t0
-    path = ("nixl" if args.nixl else "p2p") + ("-delta" if args.changed_fraction is not None else "")
-    path = {"p2p-delta": "delta"}.get(path, path)  # the row refit runs with these flags
     if args.json:
         print(
             json.dumps(
@@ -485,7 +474,6 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
                     "topology": topo.describe(),
                     "bytes_needed": dst_l.nbytes,
                     "plan_seconds": build_s,
-                    "path": path,
                     "predictions": [p.__dict__ for p in preds],
                 }
             )
@@ -501,8 +489,7 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
     for col in ("strategy", "seconds", "busiest resource", "its GB", "how"):
         table.add_column(col)
     for p in preds:
-        name = f"{p.strategy} (path)" if p.strategy == path else p.strategy
-        table.add_row(name, f"{p.seconds:.3f}", p.busiest, f"{p.busiest_bytes / 1e9:.1f}", p.note)
+        table.add_row(p.strategy, f"{p.seconds:.3f}", p.busiest, f"{p.busiest_bytes / 1e9:.1f}", p.note)
     console.print(table)
     console.print(f"plans built in {build_s:.1f} s")
     return 0
@@ -515,8 +502,6 @@ def cmd_plan(args, console) -> int:
 
     if args.changed_fraction is not None and not args.cluster:
         raise ConfigError(f"--changed-fraction {args.changed_fraction:g} needs --cluster (it adds a delta prediction)")
-    if args.nixl is not None and not args.cluster:
-        raise ConfigError(f"--nixl {args.nixl} needs --cluster (it adds the NIXL predictions)")
     topo = None
     if args.cluster:  # read first: a bad file is refused before the model's shapes are built
         from refit.cost import Topology
@@ -529,13 +514,12 @@ def cmd_plan(args, console) -> int:
     if args.cluster:
         return _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0)
 
-    if args.fp8:
-        src_l, dst_l = _fp8(src_l, dst_l, args.fp8)
+    src_l, dst_l = _fp8(src_l, dst_l, args)
     plan = build_plan(src_l, dst_l, config=cfg)
     info = _plan_json(plan, args.bandwidth)
-    fp8 = f"; FP8 {args.fp8}x{args.fp8} blocks" if args.fp8 else ""
+    fp8 = quant_label(args, "; ")
     if args.json:
-        head = {"model": args.model, "src": str(src), "dst": str(dst), "engine": args.engine, "fp8_block": args.fp8}
+        head = {"model": args.model, "src": str(src), "dst": str(dst), "engine": args.engine, **quant_fields(args)}
         layouts = {"src_layout": plan.src_layout.to_json(), "dst_layout": plan.dst_layout.to_json()}  # refit.layout/1
         print(json.dumps({**head, **info, **layouts}))
         return 0
@@ -563,10 +547,8 @@ def cmd_plan(args, console) -> int:
     return 0
 
 
-def _fp8(src_l, dst_l, block: int):
-    from refit.quant import fp8_layout
-
-    return fp8_layout(src_l, block=(block, block)), fp8_layout(dst_l, block=(block, block), side="destination")
+def _fp8(src_l, dst_l, args):
+    return quantized_layouts(src_l, dst_l, args)  # --fp8 or --quant (tools/quant_cli.py)
 
 
 def cmd_verify(args, console) -> int:
@@ -575,23 +557,20 @@ def cmd_verify(args, console) -> int:
     src, dst, cfg, shapes = _setup(args)
     src_l, dst_l = _src_layout(args, shapes, src), _dst_layout(args, shapes, dst)
     if args.inject is not None:
-        for flag, given in (("--fp8", args.fp8), ("--dump", args.dump)):
+        for flag, given in (("--fp8", args.fp8), ("--quant", args.quant), ("--dump", args.dump)):
             if given is not None:
                 raise ConfigError(f"--inject and {flag} together are not supported (inject faults into a plain refit)")
         return _verify_inject(args, src, dst, src_l, dst_l, cfg, console)
     if args.dump is not None:
         with _flag("--dump"):
             check_dump(args.dump, dst.world_size)
-    if args.fp8:
-        _fp8(src_l, dst_l, args.fp8)  # block alignment errors as usage errors, before any process starts
-    fp8 = f", engine FP8 in {args.fp8}x{args.fp8} blocks quantized by the trainer ranks" if args.fp8 else ""
+    _fp8(src_l, dst_l, args)  # block alignment errors as usage errors, before any process starts
+    fp8 = quant_label(args, ", engine ")
     console.print(
         f"verify {args.model}: trainer {src} ({src.world_size} ranks) -> engine {dst} ({dst.world_size} ranks)"
         f"{fp8} on CPU gloo ..."
     )
-    res = verify(
-        src_l, dst_l, config=cfg, seed=args.seed, dump=args.dump, fp8_block=(args.fp8, args.fp8) if args.fp8 else None
-    )
+    res = verify(src_l, dst_l, config=cfg, seed=args.seed, dump=args.dump, **quant_fields(args, verify=True))
     for m in res.mismatches[:20]:
         console.print(f"MISMATCH {m}")
     if args.dump:

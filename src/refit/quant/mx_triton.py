@@ -1,0 +1,98 @@
+"""One-pass MXFP8 and NVFP4 quantization on CUDA (Triton), byte-identical to ``refit.quant.mx``.
+
+A program reads one block of ``BR`` rows x one scale block of columns (32 for MXFP8, 16 for NVFP4) once and
+writes its elements and scales: one read of the weight, one write of the quantized bytes. The arithmetic is
+that of ``mx.py`` in the same IEEE operations: ``max |x|`` in float32 (exact); MXFP8's ``amax / 448`` with
+``div_rn`` (Triton's ``/`` is approximate), the E8M0 exponent from its bits, ``x / 2**(e-127)`` with
+``div_rn``, round-to-nearest-even to E4M3; NVFP4's ``6 * weight_scale_2`` (one multiply),
+``amax / that`` and ``x / (scale * weight_scale_2)`` with ``div_rn``, the E2M1 code by the same thresholds,
+two codes a byte (low nibble first). Columns past ``K`` read zeros, as the torch path's zero padding.
+Checked against the torch path on a GPU by ``tests/test_gpu_quant_mx.py`` (not on CPU: Triton's
+interpreter converts to float8 differently from the GPU, so it cannot stand in).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    AVAILABLE = True
+except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch path is used
+    AVAILABLE = False
+
+ROWS = 32  # rows a program quantizes
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _div_rn(a, b):
+        return libdevice.div_rn(a, b)
+
+    @triton.jit
+    def _load(x_ptr, rows, cols, r_n, k, sxr, sxk):
+        mask = (rows[:, None] < r_n) & (cols[None, :] < k)
+        ptr = x_ptr + rows.to(tl.int64)[:, None] * sxr + cols.to(tl.int64)[None, :] * sxk
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32), mask
+
+    @triton.jit
+    def _mxfp8_rows(x_ptr, q_ptr, s_ptr, r_n, k, sxr, sxk, sqr, sqk, ssr, ssk, BR: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        j = tl.program_id(1)
+        cols = j * 32 + tl.arange(0, 32)
+        x, mask = _load(x_ptr, rows, cols, r_n, k, sxr, sxk)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1.1754943508222875e-38)
+        bits = _div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+        ex, man = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        e = tl.where(ex == 0, (man > 4194304).to(tl.int32), ex + (man != 0).to(tl.int32))
+        e = tl.minimum(tl.maximum(e, 0), 254)
+        scale = tl.where(e == 0, 4194304, e << 23).to(tl.float32, bitcast=True)
+        q = _div_rn(x, scale[:, None]).to(tl.float8e4nv)
+        r64 = rows.to(tl.int64)
+        tl.store(q_ptr + r64[:, None] * sqr + cols.to(tl.int64)[None, :] * sqk, q, mask=mask)
+        tl.store(s_ptr + r64 * ssr + j * ssk, e.to(tl.uint8), mask=rows < r_n)
+
+    @triton.jit
+    def _nvfp4_rows(x_ptr, q_ptr, s_ptr, s2_ptr, r_n, k, sxr, sxk, sqr, sqk, ssr, ssk, BR: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        j = tl.program_id(1)
+        x, _ = _load(x_ptr, rows, j * 16 + tl.arange(0, 16), r_n, k, sxr, sxk)
+        s2 = tl.load(s2_ptr + rows, mask=rows < r_n, other=1.0)
+        amax = tl.max(tl.abs(x), axis=1)
+        bs = tl.minimum(_div_rn(amax, s2 * 6.0), 448.0).to(tl.float8e4nv)
+        denom = bs.to(tl.float32) * s2
+        y = _div_rn(x, denom[:, None])
+        a = tl.abs(tl.where(denom[:, None] == 0, 0.0, y))
+        code = (a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
+        code += (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8) + (a > 5.0).to(tl.uint8)
+        code = code | ((x < 0).to(tl.uint8) << 3)
+        lo, hi = tl.split(tl.reshape(code, (BR, 8, 2)))
+        byte_cols = j * 8 + tl.arange(0, 8)
+        r64 = rows.to(tl.int64)
+        bmask = (rows[:, None] < r_n) & (byte_cols[None, :] < (k + 1) // 2)
+        tl.store(q_ptr + r64[:, None] * sqr + byte_cols.to(tl.int64)[None, :] * sqk, lo | (hi << 4), mask=bmask)
+        tl.store(s_ptr + r64 * ssr + j * ssk, bs, mask=rows < r_n)
+
+
+def quantize_rows_triton(
+    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: str, scale_2: torch.Tensor | None = None
+) -> None:
+    """``x`` [R, K] on CUDA quantized in ``fmt`` (``"mxfp8"``, ``"nvfp4"``) into ``q`` [R, K | ceil(K/2)] and
+    ``s`` [R, ceil(K/B)]; NVFP4's ``scale_2``: float32 [R], each row's ``weight_scale_2``."""
+    r_n, k = x.shape
+    if r_n == 0 or k == 0:
+        return
+    block = 32 if fmt == "mxfp8" else 16
+    grid = (triton.cdiv(r_n, ROWS), triton.cdiv(k, block))
+    strides = (*x.stride(), *q.stride(), *s.stride())
+    if fmt == "mxfp8":
+        _mxfp8_rows[grid](x, q, s, r_n, k, *strides, BR=ROWS)
+        return
+    if scale_2 is None or scale_2.shape != (r_n,):
+        raise ValueError(f"NVFP4 on CUDA: weight_scale_2 per row must be [{r_n}], got {scale_2}")
+    s2 = scale_2.to(device=x.device, dtype=torch.float32).contiguous()
+    _nvfp4_rows[grid](x, q, s, s2, r_n, k, *strides, BR=ROWS)
