@@ -221,6 +221,14 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="with --cluster: also predict a delta refit where this fraction of the elements changed (0.01 = 1%%)",
     )
+    p.add_argument(
+        "--nixl",
+        choices=("auto", "stripe"),
+        default=None,
+        metavar="NIC_MODE",
+        help="with --cluster: refit pulls through NIXL, its NICs picked as REFIT_NIC_MODE=NIC_MODE picks them "
+        "(auto: the nearest, stripe: all); adds the nixl (with --changed-fraction also nixl-delta) rows, the path",
+    )
 
 
 def _verify_parser(v: argparse.ArgumentParser) -> None:
@@ -462,8 +470,11 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
         replica_dst=one,
         colocated=args.colocated,
         changed_fraction=args.changed_fraction,
+        nixl_nic_mode=args.nixl,
     )
     build_s = time.perf_counter() - t0
+    path = ("nixl" if args.nixl else "p2p") + ("-delta" if args.changed_fraction is not None else "")
+    path = {"p2p-delta": "delta"}.get(path, path)  # the row refit runs with these flags
     if args.json:
         print(
             json.dumps(
@@ -474,6 +485,7 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
                     "topology": topo.describe(),
                     "bytes_needed": dst_l.nbytes,
                     "plan_seconds": build_s,
+                    "path": path,
                     "predictions": [p.__dict__ for p in preds],
                 }
             )
@@ -489,7 +501,8 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
     for col in ("strategy", "seconds", "busiest resource", "its GB", "how"):
         table.add_column(col)
     for p in preds:
-        table.add_row(p.strategy, f"{p.seconds:.3f}", p.busiest, f"{p.busiest_bytes / 1e9:.1f}", p.note)
+        name = f"{p.strategy} (path)" if p.strategy == path else p.strategy
+        table.add_row(name, f"{p.seconds:.3f}", p.busiest, f"{p.busiest_bytes / 1e9:.1f}", p.note)
     console.print(table)
     console.print(f"plans built in {build_s:.1f} s")
     return 0
@@ -502,6 +515,8 @@ def cmd_plan(args, console) -> int:
 
     if args.changed_fraction is not None and not args.cluster:
         raise ConfigError(f"--changed-fraction {args.changed_fraction:g} needs --cluster (it adds a delta prediction)")
+    if args.nixl is not None and not args.cluster:
+        raise ConfigError(f"--nixl {args.nixl} needs --cluster (it adds the NIXL predictions)")
     topo = None
     if args.cluster:  # read first: a bad file is refused before the model's shapes are built
         from refit.cost import Topology
