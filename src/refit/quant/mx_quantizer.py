@@ -136,11 +136,15 @@ class MxQuantizer:
     def _local_amax(self) -> dict[str, torch.Tensor]:
         """Per NVFP4 tensor, float32 ``max |x|`` per leading index of the whole tensor (0 where not held)."""
         out = {n: torch.zeros(self.layout[n].shape[:-2], dtype=torch.float32) for n in self.quantized}
-        for name, w, _, _, part in self.jobs:
-            if w.numel():
-                a = w.detach().abs().float().amax(dim=(-2, -1)).cpu()
+        held = [
+            (name, part, w.detach().abs().amax(dim=(-2, -1)).float()) for name, w, _, _, part in self.jobs if w.numel()
+        ]
+        if held:  # one copy to the host, not one per tensor
+            flat = torch.cat([a.reshape(-1).to(held[0][2].device) for _, _, a in held]).cpu()
+            for name, part, a in held:
                 sl = _lead(part, len(part))
-                out[name][sl] = torch.maximum(out[name][sl], a)
+                out[name][sl] = torch.maximum(out[name][sl], flat[: a.numel()].view(a.shape))
+                flat = flat[a.numel() :]
         return out
 
     def agree(self) -> None:
