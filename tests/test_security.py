@@ -131,6 +131,39 @@ def test_a_deleted_commit_vote_comes_back():
     assert not done.is_alive() and s.peek("j/v1.0/commit") == {"version": 1}
 
 
+def test_an_abort_wakes_a_voter_blocked_on_the_store_and_a_timeout_decides_for_every_voter():
+    """A voter blocks on the store until the late votes' keys exist: an abort writes its message under every
+    key that holds no vote, so the voter returns with the abort long before its deadline. A voter whose
+    deadline passes records a timeout as the version's one outcome: a process that votes afterwards and finds
+    every vote raises too, it never commits alone."""
+    from refit.errors import RefitAborted
+    from refit.transport.control import AbortChannel
+
+    s = _store()
+    a, b, c = (AbortChannel(SignedStore(s.raw, SECRET), "j", p, 3) for p in range(3))
+    raised: list[BaseException] = []
+
+    def vote() -> None:
+        try:
+            a.vote(1, 0, time.monotonic() + 60, [0, 1, 2])
+        except BaseException as e:  # noqa: BLE001 - checked below
+            raised.append(e)
+
+    voter = threading.Thread(target=vote)
+    voter.start()
+    s.put("j/v1.0/ok/1", {"version": 1})  # process 1 voted, process 2 fails:
+    assert c.abort(1, 0, "process 2 failed") == "process 2 failed"
+    voter.join(timeout=30)  # the deadline is 60 s away: only the abort's wake-up ends the wait this early
+    assert not voter.is_alive() and isinstance(raised[0], RefitAborted) and "process 2 failed" in str(raised[0])
+    assert s.peek("j/v1.0/ok/1") == {"version": 1}  # a vote is never replaced by the wake-up
+
+    with pytest.raises(TimeoutError, match="version 2 was not finished before the deadline by process 1"):
+        a.vote(2, 0, time.monotonic() + 0.05, [0, 1])
+    with pytest.raises(TimeoutError, match="by process 1"):  # every vote is there, but the timeout stands
+        b.vote(2, 0, time.monotonic() + 5, [0, 1])
+    assert s.peek("j/v2.0/commit") == {"timeout": "version 2 was not finished before the deadline by process 1"}
+
+
 def test_get_waits_past_a_forgery_for_the_real_value():
     s = _store()
     s.raw.set("k", b"junk")
@@ -639,7 +672,9 @@ class _Recorder(threading.Thread):
 
     def _connect(self, job: str):
         _wait_for(self.work / f"{job}-port", 180)
-        port = int((self.work / f"{job}-port").read_text())
+        while not (text := (self.work / f"{job}-port").read_text()):  # created, not yet written
+            time.sleep(0.01)
+        port = int(text)
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
         return store, next(k for k in store.list_keys() if k.endswith("probe"))[: -len("probe")], port
 

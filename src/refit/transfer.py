@@ -303,7 +303,8 @@ class Peer:
         )
         self.store = store
         self.members = sorted({*self.plan.procs.src, *self.plan.procs.dst})
-        self.channel = AbortChannel(store, f"{config.name}/run", proc, len(self.members)) if store is not None else None
+        name, world = f"{config.name}/run", len(self.members)
+        self.channel = AbortChannel(store, name, proc, world, self.members) if store is not None else None
         self.version: int | None = None  # the last version committed here
         self.torn = False  # in_place: an aborted refit left the destination part new, part old
         self.stale = False  # the destination no longer holds ``version`` (``invalidate``): no delta onto it

@@ -18,6 +18,7 @@ ignored, never acted on.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import hmac
 import os
@@ -131,9 +132,18 @@ def child_env(secret: bytes) -> dict[str, str]:
     return {SECRET_ENV: as_text(secret)}
 
 
+@functools.lru_cache(maxsize=8)
+def _mac_base(secret: bytes) -> hmac.HMAC:
+    """HMAC-SHA256 keyed with ``secret`` after the domain prefix: made once per secret, copied per tag (the
+    key's pads and the prefix are not hashed again for every value)."""
+    return hmac.new(secret, b"refit.v1\0", hashlib.sha256)
+
+
 def tag(secret: bytes, key: str, payload: bytes) -> bytes:
     """HMAC-SHA256 over ``key`` and ``payload`` (domain-separated), 32 bytes."""
-    return hmac.new(secret, b"refit.v1\0" + key.encode() + b"\0" + payload, hashlib.sha256).digest()
+    mac = _mac_base(secret).copy()
+    mac.update(key.encode() + b"\0" + payload)
+    return mac.digest()
 
 
 def verify(secret: bytes, key: str, payload: bytes, mac: bytes) -> bool:
@@ -141,7 +151,9 @@ def verify(secret: bytes, key: str, payload: bytes, mac: bytes) -> bool:
     return hmac.compare_digest(tag(secret, key, payload), mac)
 
 
+@functools.lru_cache(maxsize=8)
 def _aead(secret: bytes):
+    """AES-GCM keyed from ``secret`` (derived once per secret; the cipher object holds no per-call state)."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     return AESGCM(hashlib.sha256(b"refit.seal.v1\0" + secret).digest())

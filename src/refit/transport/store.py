@@ -277,20 +277,32 @@ class SignedStore:
         return self.peek(key) is not None
 
     def get(self, key: str, timeout_s: float) -> Any:
-        """The valid value under ``key``, waiting up to ``timeout_s`` for one; ``TimeoutError`` naming the key."""
+        """The valid value under ``key``, waiting up to ``timeout_s`` for one; ``TimeoutError`` naming the key.
+        One round trip when the value is there already; otherwise the store wakes the wait when it is written."""
+        value = self.peek(key)
+        if value is not None:
+            return value
         deadline = time.monotonic() + timeout_s
+        present = False
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._timeout(key, timeout_s)
-            try:
-                self.raw.wait([key], _wait_span(left))
-            except dist.DistStoreError:  # the store's wait timed out: the loop's deadline decides
-                continue
-            value = self.peek(key)
+            if present:  # the key holds an invalid value: poll until a valid one replaces it
+                time.sleep(_POLL_S)
+            present = self.wait_keys([key], left)
+            value = self.peek(key) if present else None
             if value is not None:
                 return value
-            time.sleep(_POLL_S)
+
+    def wait_keys(self, keys: list[str], timeout_s: float) -> bool:
+        """Block (on the store's side, no polling) until every key of ``keys`` exists, at most ``timeout_s``;
+        whether they all do. A key that exists may hold an invalid value: callers read and check it."""
+        try:
+            self.raw.wait(keys, _wait_span(timeout_s))
+        except dist.DistStoreError:  # the store's wait timed out (a lost store raises another error)
+            return False
+        return True
 
     def get_all(self, keys: Iterable[str]) -> dict[str, Any]:
         """The keys of ``keys`` that hold a valid value now, with their values."""
@@ -303,13 +315,19 @@ class SignedStore:
 
     def wait_all(self, keys: Iterable[str], timeout_s: float) -> dict[str, Any]:
         """``get_all`` once every key holds a valid value, or when ``timeout_s`` has passed (then the
-        valid ones so far). A key that merely exists (a forgery) does not end the wait."""
+        valid ones so far). A key that merely exists (a forgery) does not end the wait. Between reads the
+        store wakes the wait when the missing keys are written (``wait_keys``)."""
         keys, deadline = list(keys), time.monotonic() + timeout_s
+        present = False
         while True:
             got = self.get_all(keys)
-            if len(got) == len(keys) or time.monotonic() > deadline:
+            missing = [k for k in keys if k not in got]
+            left = deadline - time.monotonic()
+            if not missing or left <= 0:
                 return got
-            time.sleep(_POLL_S)
+            if present:  # they exist but hold invalid values: poll until valid ones replace them
+                time.sleep(_POLL_S)
+            present = self.wait_keys(missing, left)
 
     def first(self, key: str, value: Any, timeout_s: float = 60.0) -> Any:
         """Write ``value`` under ``key`` unless a valid value is there already; return the one that stands.
@@ -329,6 +347,11 @@ class SignedStore:
                 return theirs
             expected = cur
         raise self._timeout(key, timeout_s)
+
+    def put_absent(self, key: str, value: Any) -> None:
+        """Write ``value`` under ``key`` only if the key holds nothing (one compare-and-set; never replaces
+        a value, valid or not)."""
+        self.raw.compare_set(key, b"", self._encode(key, value))
 
     # -- sealed values (grant access: IPC handles) -------------------------------------------
     def put_sealed(self, key: str, plaintext: bytes) -> None:
