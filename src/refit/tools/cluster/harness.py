@@ -322,6 +322,23 @@ class Cluster:
         netns.set_link(self.hub, h.port, up)
         netns.set_link(h.netns, h.nic, up)
 
+    def drop(self, host: str, loss_pct: float) -> None:
+        """Drop ``loss_pct`` % of the packets crossing ``host``'s link each way, each at random, without the
+        ``netem`` qdisc (a classic-BPF filter on each end's ``clsact`` ingress; both ends send unbatched
+        packets meanwhile). 100: the host is partitioned, its link up and nothing crossing it; 0: undone."""
+        if not 0 <= loss_pct <= 100:
+            raise ConfigError(f"loss_pct={loss_pct} is not within 0..100")
+        h = self.host(host)
+        for ns, dev in ((h.netns, h.nic), (self.hub, h.port)):
+            netns.set_gso_segs(ns, dev, 1 if loss_pct else netns.GSO_MAX_SEGS)
+            netns.drop_inbound(ns, dev, loss_pct)
+
+    def dropped(self, host: str) -> tuple[int, int]:
+        """``(packets seen, packets dropped)`` by ``drop``'s filters on ``host``'s link so far, both ways."""
+        h = self.host(host)
+        both = [netns.inbound_drops(ns, dev) for ns, dev in ((h.netns, h.nic), (self.hub, h.port))]
+        return sum(b[0] for b in both), sum(b[1] for b in both)
+
     def shape(self, host: str, shape: LinkShape) -> None:
         """Shape ``host``'s link both ways (its NIC's sends, its bridge port's sends toward it)."""
         h = self.host(host)

@@ -6,6 +6,7 @@ processes inside a namespace. Each function is one command (or a few), run as ro
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -104,6 +105,42 @@ def shape(ns: str, dev: str, rate_bit: int | None, delay_ms: float, loss_pct: fl
         burst = max(128 << 10, rate_bit // 8 // 1000)  # at least 1 ms of bytes, and a few GSO segments
         tbf = ["tbf", "rate", f"{rate_bit}bit", "burst", str(burst), "latency", "100ms"]
         sh(TC, "-n", ns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", *tbf)
+
+
+GSO_MAX_SEGS = 65535  # the kernel's default: a veth sends TCP segments in batches of up to this many
+_RANDOM = 0xFFFFF038  # classic BPF's ancillary load of a random 32-bit number (SKF_AD_OFF + SKF_AD_RANDOM)
+
+
+def drop_bytecode(pct: float) -> str:
+    """A classic-BPF program for ``tc``'s ``bpf da`` filter that drops ``pct`` % of packets at random
+    (``TC_ACT_SHOT``) and passes the rest (``TC_ACT_OK``): loss without the ``netem`` qdisc."""
+    if pct >= 100:
+        return "1,6 0 0 2"  # drop everything
+    threshold = round(pct / 100 * 2**32)  # drop when the random word is below it
+    return f"4,32 0 0 {_RANDOM},53 0 1 {threshold},6 0 0 0,6 0 0 2"
+
+
+def drop_inbound(ns: str, dev: str, pct: float) -> None:
+    """Drop ``pct`` % of the packets ``dev`` in ``ns`` receives, each at random (100: all; 0: none, the
+    filter removed), on ``tc``'s ``clsact`` ingress hook. The sender should send unbatched packets
+    (``set_gso_segs(..., 1)``) so that a drop is one packet, not a batch of them."""
+    sh(TC, "-n", ns, "qdisc", "del", "dev", dev, "clsact", check=False)
+    if pct <= 0:
+        return
+    sh(TC, "-n", ns, "qdisc", "add", "dev", dev, "clsact")
+    sh(TC, "-n", ns, "filter", "add", "dev", dev, "ingress", "bpf", "bytecode", drop_bytecode(pct), "da")
+
+
+def inbound_drops(ns: str, dev: str) -> tuple[int, int]:
+    """``(packets seen, packets dropped)`` by ``drop_inbound``'s filter on ``dev`` in ``ns`` so far."""
+    out = sh(TC, "-s", "-n", ns, "qdisc", "show", "dev", dev).stdout
+    m = re.search(r"qdisc clsact .*?\n\s*Sent \d+ bytes (\d+) pkt \(dropped (\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def set_gso_segs(ns: str, dev: str, segs: int) -> None:
+    """How many TCP segments ``dev`` in ``ns`` may send as one batch (1: every packet on its own)."""
+    sh(IP, "-n", ns, "link", "set", "dev", dev, "gso_max_segs", str(segs))
 
 
 def listeners(ns: str) -> list[tuple[str, int]]:

@@ -1,0 +1,218 @@
+"""Faults and strangers across hosts (network namespaces, 1 Gbit/s links), in one job whose processes live
+through all of them: trainer fsdp=2 on host a (processes 0-1, the store on a), one tp=1 engine on each of hosts
+b (process 2) and c (process 3), staged commit, a few seconds' deadline. Round by round (``fault_rank.py``):
+
+1. version 1; then host b's link goes down while version 2 is half way (trainer process 1 paused at its middle
+   step), and comes back: the next refit, on a new Peer in the same processes, moves versions 2 and 3;
+2. host c partitioned (its link up, nothing crossing it) before version 4; healed, version 4 again;
+3. 5% of packets lost each way on host b's link during versions 5 and 6;
+4. a stranger on host d without the secret forges, replays (this job's earlier versions; another job's values,
+   the same secret and another job id) and deletes refit's store keys during versions 7-9; then version 10;
+5. every process of host c SIGKILLed while version 11 is half way.
+
+Each fault: every live process ends within the deadline (plus a margin for a loaded machine) with one error
+naming the process that failed, and the engines hold their last version bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refit.tools.cluster import netns
+from refit.tools.cluster.job import Job
+
+from .helpers import wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.multiproc, pytest.mark.timeout(600)]
+
+PLACEMENT = ["a", "a", "b", "c"]  # processes 0-1: trainer ranks (fsdp=2), 2: engine on b, 3: engine on c
+RANK = Path(__file__).with_name("fault_rank.py")
+STRANGER = Path(__file__).with_name("store_stranger.py")
+DEADLINE_S = 3.0
+MARGIN_S = 20.0  # the loaded 2-core machine: a generous bound that still catches a hang
+
+
+class Rounds:
+    """Writes round specs for the job's processes and collects their results."""
+
+    def __init__(self, cluster, sync: Path) -> None:
+        self.cluster, self.sync, self.k = cluster, sync, 0
+        self.job = Job(cluster, PLACEMENT, [sys.executable, str(RANK), str(sync)])
+        self.live = list(range(len(PLACEMENT)))
+        self.out: dict[str, dict[int, list[dict]]] = {}
+
+    def start(self, spec: dict) -> int:
+        k, self.k = self.k, self.k + 1
+        (self.sync / f"round.{k}").write_text(json.dumps({"deadline_s": DEADLINE_S, **spec}))
+        return k
+
+    def finish(self, label: str, k: int, ranks: list[int] | None = None) -> dict[int, list[dict]]:
+        """The results of round ``k`` of ``ranks`` (default: every live process), once all are written."""
+        ranks = self.live if ranks is None else ranks
+        wait_for([self.sync / f"result.{k}.{r}" for r in ranks], 300, [self.job.procs[r] for r in ranks])
+        got = {r: json.loads((self.sync / f"result.{k}.{r}").read_text()) for r in ranks}
+        self.out.setdefault(label, {}).update(got)
+        return got
+
+    def run(self, label: str, spec: dict) -> dict[int, list[dict]]:
+        return self.finish(label, self.start(spec))
+
+    def held(self, k: int) -> None:
+        wait_for([self.sync / f"held.{k}"], 300, [])
+
+    def go(self, k: int) -> None:
+        (self.sync / f"go.{k}").touch()
+
+
+def _other_job(cluster, secret: str, sync: Path) -> Job:
+    """Another job with the same secret (and its own job id): one process on host a that refits versions 1-12
+    under the session names used here, then waits (its store open) for the stranger to record its values."""
+    return Job(cluster, ["a"], [sys.executable, str(RANK), str(sync), "--other"], secret=secret)
+
+
+def _kill_host(cluster, host: str) -> list[int]:
+    """SIGKILL every process inside ``host`` (no SIGTERM first: a machine that lost power)."""
+    victims = netns.pids(cluster.host(host).netns)
+    for pid in victims:
+        netns._signal(pid, signal.SIGKILL)
+    return victims
+
+
+@pytest.fixture(scope="module")
+def scenario(cluster, tmp_path_factory):
+    sync = tmp_path_factory.mktemp("faults")
+    rounds = Rounds(cluster, sync)
+    other = _other_job(cluster, rounds.job.secret, sync)
+    stranger = cluster.spawn(
+        "d",
+        [
+            sys.executable,
+            str(STRANGER),
+            *(f"{cluster.host('a').address}:{j.port}" for j in (other, rounds.job)),
+            str(sync),
+        ],
+        env={"REFIT_SECRET": "", "REFIT_SECRET_FILE": ""},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield _play(cluster, rounds, other, stranger)
+    finally:
+        (sync / "stop").touch()
+        stranger.kill()
+        for j in (rounds.job, other):
+            j.kill()
+
+
+def _play(cluster, rounds: Rounds, other: Job, stranger) -> dict:
+    out = {"rounds": rounds.out}
+    rounds.run("v1", {"name": "r0", "versions": [1]})
+    # 1. a link taken down half way through version 2, brought back; the next refit in the same processes
+    k = rounds.start({"name": "r0", "versions": [2], "hold": [1, 2]})
+    rounds.held(k)
+    cluster.set_link("b", False)
+    rounds.go(k)
+    rounds.finish("link down", k, [0, 1, 3])  # process 2, cut off from the store, waits for the link
+    cluster.set_link("b", True)
+    rounds.finish("link down", k, [2])
+    rounds.run("after link", {"name": "r1", "versions": [2, 3]})
+    # 2. an engine host partitioned before version 4; healed
+    cluster.drop("c", 100)
+    k = rounds.start({"name": "r1", "versions": [4]})
+    rounds.finish("partition", k, [0, 1, 2])
+    cluster.drop("c", 0)
+    rounds.finish("partition", k, [3])
+    rounds.run("after partition", {"name": "r2", "versions": [4]})
+    # 3. 5% loss each way on an engine host's link
+    cluster.drop("b", 5)
+    before = cluster.dropped("b")
+    rounds.run("loss", {"name": "r3", "versions": [5, 6], "deadline_s": 60.0})
+    out["loss"] = [n - m for n, m in zip(cluster.dropped("b"), before)]
+    cluster.drop("b", 0)
+    # 4. a stranger's forged, replayed and deleted store keys
+    wait_for([rounds.sync / "other.done"], 300, other.procs)
+    out["other"] = json.loads((rounds.sync / "other.done").read_text())
+    (rounds.sync / "record").touch()
+    wait_for([rounds.sync / "recorded"], 60, [stranger])
+    (rounds.sync / "other.exit").touch()
+    (rounds.sync / "attack").touch()
+    wait_for([rounds.sync / "attacking"], 60, [stranger])
+    rounds.run("stranger", {"name": "r4", "versions": [7, 8, 9]})
+    (rounds.sync / "stop").touch()
+    out["stranger"] = json.loads(stranger.communicate(timeout=60)[0].strip().splitlines()[-1])
+    rounds.run("after stranger", {"name": "r5", "versions": [10]})
+    # 5. every process of host c SIGKILLed half way through version 11
+    k = rounds.start({"name": "r5", "versions": [11], "hold": [1, 11]})
+    rounds.held(k)
+    out["killed"] = _kill_host(cluster, "c")
+    rounds.live = [0, 1, 2]
+    rounds.go(k)
+    rounds.finish("host killed", k)
+    rounds.start({"exit": True})
+    return out
+
+
+FAULTS = [  # the round, the process that failed, the version every engine must still hold, a process cut off
+    ("link down", 2, 1, 2),
+    ("partition", 3, 3, 3),
+    ("host killed", 3, 10, None),
+]
+
+
+def _engines(rows: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    return {r: vs for r, vs in rows.items() if int(r) >= 2}
+
+
+@pytest.mark.parametrize("label,failed,last,cut_off", FAULTS, ids=[f[0].replace(" ", "-") for f in FAULTS])
+def test_a_fault_ends_every_process_with_one_error_naming_the_failed_rank_engines_keep_their_version(
+    scenario, label, failed, last, cut_off
+):
+    rows = scenario["rounds"][label]
+    assert all(len(vs) == 1 and vs[0]["error"] for vs in rows.values()), rows
+    errors = {vs[0]["error"] for vs in rows.values()}
+    assert len(errors) == 1, errors  # one error, the same on every process
+    assert f"process {failed}" in errors.pop(), rows
+    for r, vs in rows.items():  # a process cut off from the store's host ends once its link is back
+        if int(r) != cut_off:
+            assert vs[0]["seconds"] < DEADLINE_S + MARGIN_S, (r, vs)
+    for r, vs in _engines(rows).items():
+        assert vs[0]["committed"] == last and vs[0]["holds"] == last, (r, vs)
+
+
+@pytest.mark.parametrize("label", ["after link", "after partition", "after stranger"])
+def test_once_the_fault_is_gone_the_same_processes_refit_again_bit_exact(scenario, label):
+    rows = scenario["rounds"][label]
+    assert len(rows) == len(PLACEMENT)  # no process was restarted: the job's processes, still running
+    for r, vs in rows.items():
+        assert all(v["error"] is None and v["committed"] == v["version"] for v in vs), (r, vs)
+    for r, vs in _engines(rows).items():
+        assert [v["holds"] for v in vs] == [v["version"] for v in vs], (r, vs)
+
+
+def test_five_percent_of_packets_lost_each_way_still_refits_bit_exact(scenario):
+    rows = scenario["rounds"]["loss"]
+    for r, vs in rows.items():
+        assert [(v["error"], v["committed"]) for v in vs] == [(None, 5), (None, 6)], (r, vs)
+    for r, vs in _engines(rows).items():
+        assert [v["holds"] for v in vs] == [5, 6], (r, vs)
+    seen, dropped = scenario["loss"]
+    assert dropped >= 20 and 0.02 <= dropped / seen <= 0.10, scenario["loss"]  # each packet at random
+
+
+def test_a_stranger_forging_replaying_and_deleting_store_keys_is_never_acted_on(scenario):
+    s, rows = scenario["stranger"], scenario["rounds"]["stranger"]
+    assert s["recorded"] >= 2 and s["replayed"] and s["forged"] and s["deleted"], s  # votes, commit records
+    assert scenario["other"] is True  # the job it recorded them from ran its refits
+    assert sum(v["rejected"] for vs in rows.values() for v in vs) > 0  # its values were read and refused
+    for r, vs in rows.items():
+        for v in vs:  # at worst a clean failure at the deadline; never its forged abort
+            assert v["error"] is None or "deadline" in v["error"], (r, v)
+            assert v["committed"] == (v["version"] if v["error"] is None else v["version"] - 1), (r, v)
+    for r, vs in _engines(rows).items():  # live tensors: exactly the version committed, never a mix
+        assert all(v["holds"] == v["committed"] for v in vs), (r, vs)
