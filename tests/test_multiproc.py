@@ -60,8 +60,11 @@ def _bf16_worker(world, src, dst):
         t.name: torch.zeros(tuple(y - x for x, y in b), dtype=t.dtype) for t, b in dst.local_tensors(world.dst_rank)
     }
     r = Receiver(src, dst, world.rank, local, procs=procs, config=BUDGET)
-    for v in (1, 2):
-        r.pull(v)
+    r.pull(1)
+    r.executor.stamps = []  # profiling: the run's phases, in order (``Executor.stamps``)
+    r.pull(2)
+    stamps = r.executor.stamps
+    assert [w for w, _ in stamps] == ["start", "moved"] and stamps[0][1] <= stamps[1][1], stamps
     same = all(
         torch.equal(
             local[t.name].view(torch.int16), reference_tensor(t.name, t.shape, t.dtype)[box_slices(b)].view(torch.int16)

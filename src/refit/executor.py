@@ -110,6 +110,9 @@ class Executor:
     preparation overlaps the transfer except for the first stage. Other plans prepare everything first.
     ``tag_base``: added to every P2P tag (an executor replacing a failed one on the same group uses a
     fresh range, so a receive left posted by the failed one never matches).
+    ``stamps``: None, or a list each run appends ``(phase, time.perf_counter())`` to as it reaches its phases
+    ("start", each IPC stage's "final", "barrier", "pulled", "enqueued", "device done", "moved", "last
+    barrier"; profiling: ``refit bench`` prints their gaps under ``REFIT_BENCH_PROFILE=1``).
     """
 
     def __init__(
@@ -149,6 +152,10 @@ class Executor:
         self.stream = private_stream(self.device) if self.cuda else None
         # a process that only serves IPC pulls queues nothing after its last stage barrier: no events, no sync
         self.works_on_device = bool(self.p2p.steps or self.local or (self.ipc is not None and self.ipc.pulls_here))
+        # what every refit reads, fixed at setup: the stages, and the event a bounded wait for the device polls
+        self._stage_names = self.ipc.stage_names if self.ipc is not None else ipc_stages(plan, 1)
+        self._done = torch.cuda.Event() if self.cuda else None
+        self.stamps: list[tuple[str, float]] | None = None  # a list: each run's phases are stamped into it
 
     # ------------------------------------------------------------ what setup built
     @property
@@ -169,7 +176,7 @@ class Executor:
     @property
     def stage_names(self) -> list[set[str]]:
         """The source tensors of each IPC pull stage (one stage, all names, without IPC)."""
-        return self.ipc.stage_names if self.ipc is not None else ipc_stages(self.plan, 1)
+        return self._stage_names
 
     @property
     def puller(self) -> IpcPuller | None:
@@ -214,8 +221,9 @@ class Executor:
         held: dict[int, int | None] | None,
     ) -> RunStats:
         t0 = time.perf_counter()
+        self._stamp("start", t0)
         clock = RunClock(deadline, check_abort)
-        staged = len(self.stage_names) > 1
+        staged = len(self._stage_names) > 1
         if not staged:
             self._prepare(None)
         if self.nixl is not None:
@@ -232,19 +240,24 @@ class Executor:
             if self.cuda:
                 self._sync_device(clock)
         elif self.cuda and self.works_on_device:
-            self.p2p.run_cuda(fault)
+            if self.p2p.steps:  # nothing to order otherwise (an IPC receiver): no stream joins
+                self.p2p.run_cuda(fault)
             if self.ipc is not None:
                 self.ipc.enqueue_sums()  # behind the pulls, before the wait: no idle gap
+            self._stamp("enqueued")
             self._sync_device(clock)
+            self._stamp("device done")
             self.p2p.check_sums()
             if self.ipc is not None:
                 self.ipc.check_sums()
         else:
             self.p2p.run_cpu(clock, fault)
+        self._stamp("moved")
         if self.nixl is not None:
             delta = self.nixl.finish(clock, delta)
         if self.ipc is not None:
             self._barrier(clock)  # every pull is done: sources may change their weights again
+            self._stamp("last barrier")
         sent, received = (delta.wire_bytes, delta.received_bytes) if delta else (self.bytes_sent, self.bytes_received)
         return RunStats(sent, received, self.bytes_local, time.perf_counter() - t0, delta)
 
@@ -258,14 +271,20 @@ class Executor:
         self.stream = None
 
     def _pull_ipc(self, clock: RunClock, staged: bool) -> None:
-        """Each stage: (prepare it,) every source's tensors of the stage are final, then pull."""
-        for i, names in enumerate(self.ipc.stage_names):
+        """Each stage: (prepare it,) every source's tensors of the stage are final, then pull. Only a
+        source waits for its device before the barrier (others read its tensors once it is passed); a
+        receiver's pull is ordered after its own earlier work by its stream, so it does not wait: its
+        next stage's pull queues behind the one in flight."""
+        for i, names in enumerate(self._stage_names):
             if staged:
                 self._prepare(names)
-            if self.cuda:
+            if self.cuda and self.is_source:
                 self._sync_device(clock)
+            self._stamp(f"stage {i} final")
             self._barrier(clock)  # every source's tensors of this stage are final
+            self._stamp(f"stage {i} barrier")
             self.ipc.pull(i)  # runs on the GPU while the sources prepare the next stage
+            self._stamp(f"stage {i} pulled")
 
     def _prepare(self, names: set[str] | None) -> None:
         skipped = self.ipc.skipped if self.ipc is not None else set()  # its receivers quantize them on their pulls
@@ -287,9 +306,13 @@ class Executor:
         if not clock.bounded:  # this refit's stream only: an engine's passes on other streams are not waited for
             torch.cuda.current_stream(self.device).synchronize()
             return
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        clock.watch(ev.query, lambda: "GPU work of the refit (NCCL transfers or IPC pulls)")
+        self._done.record(torch.cuda.current_stream(self.device))
+        clock.watch(self._done.query, lambda: "GPU work of the refit (NCCL transfers or IPC pulls)")
+
+    def _stamp(self, what: str, at: float | None = None) -> None:
+        """Profiling (``stamps`` set to a list): note when this run reached ``what`` (``time.perf_counter``)."""
+        if self.stamps is not None:
+            self.stamps.append((what, time.perf_counter() if at is None else at))
 
     def _nixl_fault(self, hook: FaultHook | None) -> Callable[[str], None] | None:
         return None if hook is None else lambda where: hook(where, {"executor": self})

@@ -254,6 +254,27 @@ def _print_ipc_profile(scen: Scenario, rank: int, run) -> None:
         )
 
 
+def _print_phases(scen: Scenario, rank: int, run, warmup: int) -> None:
+    """The median host time from one stamped phase of a refit to the next (``Executor.stamps``), after warm-up."""
+    stamps = run.peer.executor.stamps if isinstance(run, M.RefitRun) else None
+    if not stamps:
+        return
+    runs = [[]]
+    for what, at in stamps:
+        if what == "start" and runs[-1]:
+            runs.append([])
+        runs[-1].append((what, at))
+    gaps: dict[str, list[float]] = {}
+    for r in runs[warmup:]:
+        for (_, a), (what, b) in zip(r, r[1:]):
+            gaps.setdefault(what, []).append(b - a)
+    print(
+        f"[{scen.name} rank {rank}] phases (median ms from the previous stamp): "
+        + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in gaps.items()),
+        flush=True,
+    )
+
+
 def _time_method(proc: _Process, scen: Scenario, method: str, setup, base: int, opts: BenchOptions) -> dict:
     """``method``'s refits timed (refit itself runs ``growth_iters``), checked bit for bit (except
     ``fp8_quantize``), with the peak extra and the grown memory over every process."""
@@ -261,10 +282,14 @@ def _time_method(proc: _Process, scen: Scenario, method: str, setup, base: int, 
     run = setup(ctx)
     n = opts.warmup + (opts.growth_iters if method == "refit" else opts.iters)
     checked = method != "fp8_quantize"
+    profiled = method == "refit" and dev.type == "cuda" and bool(os.environ.get("REFIT_BENCH_PROFILE"))
+    if profiled and isinstance(run, M.RefitRun):
+        run.peer.executor.stamps = []  # each refit's phases (``Executor.stamps``)
     times, oks, mems, peak = _time_runs(
         proc.barrier, dev, run, n, proc.poison if checked else None, proc.check if checked else None, base
     )
-    if method == "refit" and dev.type == "cuda" and os.environ.get("REFIT_BENCH_PROFILE"):
+    if profiled:
+        _print_phases(scen, ctx.rank, run, opts.warmup)
         _print_ipc_profile(scen, ctx.rank, run)
     times = gather_max(times[opts.warmup :])
     all_ok = dist_all([all(oks)])
