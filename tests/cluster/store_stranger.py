@@ -25,6 +25,7 @@ import torch.distributed as dist
 RUN_KEY = re.compile(r"^(?P<name>[^/]+)/run/v(?P<version>\d+)\.(?P<attempt>\d+)/(?P<what>.+)$")
 FORGED = b"refit1." + b"5a" * 32 + b'.{"version": %d}'
 FORGED_ABORT = b"refit1." + b"a5" * 32 + b'.{"abort": "forged by a stranger"}'
+OWN = (FORGED[:71], FORGED_ABORT[:71])  # its own forgeries, told apart from the job's values by their tags
 
 
 def _wait(path: Path) -> None:
@@ -37,16 +38,20 @@ def _client(address: str) -> dist.TCPStore:
     return dist.TCPStore(host, int(port), None, False, timedelta(seconds=30))
 
 
-def run_values(store: dist.TCPStore) -> list[tuple[re.Match, bytes]]:
-    """Every refit run key in ``store`` (parsed) with its raw value."""
+def run_values(store: dist.TCPStore, known: dict[str, bytes] | None = None) -> list[tuple[re.Match, bytes]]:
+    """Every refit run key in ``store`` (parsed) with its raw value; values already in ``known`` (key: raw) are
+    not fetched again, and new ones are added to it (a version's values do not change once written)."""
+    known = {} if known is None else known
     out = []
     for key in store.list_keys():
         m = RUN_KEY.match(key)
-        if m:
+        if m and key not in known:
             try:
-                out.append((m, bytes(store.get(key))))
+                known[key] = bytes(store.get(key))
             except RuntimeError:  # deleted under us
-                pass
+                continue
+        if m:
+            out.append((m, known[key]))
     return out
 
 
@@ -62,10 +67,12 @@ def attack(store: dist.TCPStore, recorded: list[tuple[str, bytes]], sync: Path) 
     """Replay, forge and delete until ``sync/stop`` appears; ``sync/attacking`` once it has done all three."""
     counts = {"replayed": 0, "forged": 0, "deleted": 0, "rounds": 0, "versions": []}
     mine: dict[tuple[int, str], bytes] = {}  # this job's values, by version and key
+    known: dict[str, bytes] = {}
+    planted = {raw for _, raw in recorded}  # values it writes under other keys: not the job's news
     best = None
     while not (sync / "stop").exists():
-        seen = run_values(store)
-        mine.update({(int(m["version"]), m["what"]): raw for m, raw in seen})
+        seen = [(m, raw) for m, raw in run_values(store, known) if not raw.startswith(OWN) and raw not in planted]
+        mine.update({(int(m["version"]), m["what"]): raw for m, raw in seen})  # the job's own values only
         best = _newest(seen, best)
         if best is None:
             time.sleep(0.005)
@@ -75,8 +82,10 @@ def attack(store: dist.TCPStore, recorded: list[tuple[str, bytes]], sync: Path) 
             prefix = f"{name}/run/v{target}.0/"
             for key in [k for k in store.list_keys() if k.startswith(prefix)]:
                 store.delete_key(key)
+                known.pop(key, None)
                 counts["deleted"] += 1
             earlier = {w: raw for (v, w), raw in sorted(mine.items()) if v < target}  # the latest of each key
+            planted.update(earlier.values())
             for what, raw in [*recorded, *earlier.items()]:  # the other job's values, this job's earlier ones
                 store.set(prefix + what, raw)
                 counts["replayed"] += 1
@@ -86,6 +95,7 @@ def attack(store: dist.TCPStore, recorded: list[tuple[str, bytes]], sync: Path) 
             store.set(prefix + "abort", FORGED_ABORT)
             counts["forged"] += 6
         counts["rounds"] += 1
+        time.sleep(0.001)
         if version not in counts["versions"]:
             counts["versions"].append(version)
         if counts["rounds"] == 1:
@@ -101,10 +111,7 @@ def main() -> None:
     (sync / "recorded").write_text(json.dumps(sorted({w for w, _ in recorded})))
     _wait(sync / "attack")
     counts = attack(_client(target), recorded, sync)
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({**counts, "recorded": len(recorded), "cpu": [ru.ru_utime, ru.ru_stime]}), flush=True)
+    print(json.dumps({**counts, "recorded": len(recorded)}), flush=True)
 
 
 if __name__ == "__main__":
