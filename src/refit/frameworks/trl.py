@@ -201,6 +201,37 @@ def tokenize(trainer: Any, prompts: Sequence[Any]) -> list[list[int]]:
     return out
 
 
+def cpu_llm(model_dir: str, tp: int = 1, **overrides: Any) -> Any:
+    """A ``vllm.LLM`` for a tiny model on a CPU machine, with refit's backend, for demos and tests of the colocated
+    rollout: float32 (bfloat16 kills CPU workers with SIGILL), token ids in (``skip_tokenizer_init``), eager, 10 %
+    of RAM per worker (``gpu_memory_utilization`` on CPU), ``RefitWorkerExtension`` (``refit_stats``). With
+    ``tp`` > 1 it sets ``VLLM_CPU_OMP_THREADS_BIND`` to one core per worker unless it already names ``tp`` of them
+    (vLLM's CPU backend refuses TP without it). ``overrides``: any other ``LLM`` argument. On a GPU host build
+    the ``LLM`` with your own arguments and ``weight_transfer_config={"backend": "refit"}``."""
+    import os
+
+    from vllm import LLM
+
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"cpu_llm: tp must be an integer >= 1, got {tp!r}")
+    if tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").count("|") != tp - 1:
+        cores = sorted(os.sched_getaffinity(0))  # more workers than cores share them ("0|1|0|1": tp=4 on 2 cores)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tp))
+    args = {
+        "model": model_dir,
+        "dtype": "float32",
+        "tensor_parallel_size": tp,
+        "skip_tokenizer_init": True,
+        "gpu_memory_utilization": 0.1,
+        "max_model_len": 128,
+        "enforce_eager": True,
+        "seed": 0,
+        "weight_transfer_config": {"backend": "refit"},
+        "worker_extension_cls": "refit.engines.vllm.extension.RefitWorkerExtension",
+    }
+    return LLM(**{**args, **overrides})
+
+
 def word_tokenizer(vocab_size: int) -> Any:
     """A word-level tokenizer for a tiny random model, made in place (nothing downloaded): ``"w<i>"`` is token
     ``i`` for ``2 <= i < vocab_size``, ``<pad>`` is 0 and ``<eos>`` is 1. For CPU demos and tests of GRPO, which
