@@ -99,6 +99,7 @@ def scenario(cluster, tmp_path_factory):
         ],
         env={"REFIT_SECRET": "", "REFIT_SECRET_FILE": ""},
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     try:
@@ -145,7 +146,9 @@ def _play(cluster, rounds: Rounds, other: Job, stranger) -> dict:
     wait_for([rounds.sync / "attacking"], 60, [stranger])
     rounds.run("stranger", {"name": "r4", "versions": [7, 8, 9]})
     (rounds.sync / "stop").touch()
-    out["stranger"] = json.loads(stranger.communicate(timeout=60)[0].strip().splitlines()[-1])
+    said, why = stranger.communicate(timeout=60)
+    assert stranger.returncode == 0 and said.strip(), f"the stranger exited with {stranger.returncode}: {why[-2000:]}"
+    out["stranger"] = json.loads(said.strip().splitlines()[-1])
     rounds.run("after stranger", {"name": "r5", "versions": [10]})
     # 5. every process of host c SIGKILLed half way through version 11
     k = rounds.start({"name": "r5", "versions": [11], "hold": [1, 11]})
