@@ -254,7 +254,7 @@ def _print_ipc_profile(scen: Scenario, rank: int, run) -> None:
         )
 
 
-def _print_phases(scen: Scenario, rank: int, run, warmup: int) -> None:
+def _print_phases(label: str, rank: int, run, warmup: int) -> None:
     """The median host time from one stamped phase of a refit to the next (``Executor.stamps``), after warm-up."""
     stamps = run.peer.executor.stamps if isinstance(run, M.RefitRun) else None
     if not stamps:
@@ -269,7 +269,7 @@ def _print_phases(scen: Scenario, rank: int, run, warmup: int) -> None:
         for (_, a), (what, b) in zip(r, r[1:]):
             gaps.setdefault(what, []).append(b - a)
     print(
-        f"[{scen.name} rank {rank}] phases (median ms from the previous stamp): "
+        f"[{label} rank {rank}] phases (median ms from the previous stamp): "
         + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in gaps.items()),
         flush=True,
     )
@@ -282,14 +282,14 @@ def _time_method(proc: _Process, scen: Scenario, method: str, setup, base: int, 
     run = setup(ctx)
     n = opts.warmup + (opts.growth_iters if method == "refit" else opts.iters)
     checked = method != "fp8_quantize"
-    profiled = method == "refit" and dev.type == "cuda" and bool(os.environ.get("REFIT_BENCH_PROFILE"))
+    profiled = method.startswith("refit") and dev.type == "cuda" and bool(os.environ.get("REFIT_BENCH_PROFILE"))
     if profiled and isinstance(run, M.RefitRun):
         run.peer.executor.stamps = []  # each refit's phases (``Executor.stamps``)
     times, oks, mems, peak = _time_runs(
         proc.barrier, dev, run, n, proc.poison if checked else None, proc.check if checked else None, base
     )
     if profiled:
-        _print_phases(scen, ctx.rank, run, opts.warmup)
+        _print_phases(f"{scen.name} {method}", ctx.rank, run, opts.warmup)
         _print_ipc_profile(scen, ctx.rank, run)
     times = gather_max(times[opts.warmup :])
     all_ok = dist_all([all(oks)])
