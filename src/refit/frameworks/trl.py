@@ -203,8 +203,8 @@ def tokenize(trainer: Any, prompts: Sequence[Any]) -> list[list[int]]:
 
 def cpu_llm(model_dir: str, tp: int = 1, **overrides: Any) -> Any:
     """A ``vllm.LLM`` for a tiny model on a CPU machine, with refit's backend, for demos and tests of the colocated
-    rollout: float32 (bfloat16 kills CPU workers with SIGILL), token ids in (``skip_tokenizer_init``), eager, 10 %
-    of RAM per worker (``gpu_memory_utilization`` on CPU), ``RefitWorkerExtension`` (``refit_stats``). With
+    rollout: float32 (bfloat16 kills CPU workers with SIGILL), token ids in (``skip_tokenizer_init``), eager, a
+    64 MiB KV cache per worker, ``RefitWorkerExtension`` (``refit_stats``). With
     ``tp`` > 1 it sets ``VLLM_CPU_OMP_THREADS_BIND`` to one core per worker unless it already names ``tp`` of them
     (vLLM's CPU backend refuses TP without it). ``overrides``: any other ``LLM`` argument. On a GPU host build
     the ``LLM`` with your own arguments and ``weight_transfer_config={"backend": "refit"}``."""
@@ -222,7 +222,7 @@ def cpu_llm(model_dir: str, tp: int = 1, **overrides: Any) -> Any:
         "dtype": "float32",
         "tensor_parallel_size": tp,
         "skip_tokenizer_init": True,
-        "gpu_memory_utilization": 0.1,
+        "kv_cache_memory_bytes": 64 << 20,  # a tiny model's cache (vLLM's CPU default: a share of the host's RAM)
         "max_model_len": 128,
         "enforce_eager": True,
         "seed": 0,
