@@ -11,9 +11,18 @@ from refit.tools.cli import main
 
 
 def _run(*args, timeout=300, cwd=None):
+    """The installed command in a fresh interpreter (``bench``: the harness it imports ships in the package)."""
     return subprocess.run(
         [sys.executable, "-m", "refit.tools.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
+
+
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """``refit ARGS`` in this process (its ranks fork from the launcher's warm forkserver): exit code, stdout,
+    stderr. The installed command's own start is checked by ``test_inputs`` and ``_run``."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 @pytest.mark.parametrize(
@@ -66,10 +75,12 @@ def test_demo_bad_tp_degree_exit_2(capsys):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_verify_dump_can_be_rechecked_independently(tmp_path):
-    r = _run("verify", "--model", "tiny-qwen3", "--src", "tp=2,pp=2", "--dst", "tp=2,dp=2", "--dump", str(tmp_path))
-    assert r.returncode == 0, r.stdout + r.stderr
-    last = r.stdout.strip().splitlines()[-1]
+def test_verify_dump_can_be_rechecked_independently(tmp_path, capsys):
+    code, out, err = _main(
+        capsys, "verify", "--model", "tiny-qwen3", "--src", "tp=2,pp=2", "--dst", "tp=2,dp=2", "--dump", str(tmp_path)
+    )
+    assert code == 0, out + err
+    last = out.strip().splitlines()[-1]
     assert last.startswith("verified 47 tensors on 4 ranks,") and last.endswith("moved/needed=1.00")
     full = load_file(tmp_path / "full.safetensors")
     layouts = json.loads((tmp_path / "layout.json").read_text())  # refit.layout/1, docs/layout-json.md
@@ -87,10 +98,10 @@ def test_verify_dump_can_be_rechecked_independently(tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_demo_passes_with_zero_delta():
-    r = _run("demo")
-    assert r.returncode == 0, r.stdout + r.stderr
-    lines = r.stdout.strip().splitlines()
+def test_demo_passes_with_zero_delta(capsys):
+    code, out, err = _main(capsys, "demo")
+    assert code == 0, out + err
+    lines = out.strip().splitlines()
     assert lines[-1].startswith("PASS")
     rows = [ln for ln in lines if ln.startswith("│")]
     assert len(rows) == 3
@@ -100,10 +111,10 @@ def test_demo_passes_with_zero_delta():
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model,src,dst", [("tiny-qwen3", "tp=2", "tp=2"), ("tiny-llama", "pp=2", "tp=2,dp=2")])
-def test_demo_other_layouts(model, src, dst):
-    r = _run("demo", "--model", model, "--src", src, "--dst", dst, "--steps", "2")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip().splitlines()[-1].startswith("PASS")
+def test_demo_other_layouts(model, src, dst, capsys):
+    code, out, err = _main(capsys, "demo", "--model", model, "--src", src, "--dst", dst, "--steps", "2")
+    assert code == 0, out + err
+    assert out.strip().splitlines()[-1].startswith("PASS")
 
 
 @pytest.mark.multiproc

@@ -1,7 +1,9 @@
 """Every ```python block in README.md and docs/**/*.md runs as written, as a script on CPU.
 
-A block runs in a fresh temp directory with this interpreter (PYTHONPATH as it is, the job secret that
-conftest sets removed: a snippet sets up what it needs, as a new user would) and must exit 0.
+A block runs as a script (``__main__``) in a fresh temp directory and must exit 0: in a process forked from
+refit's launcher, whose server imported torch and refit once (a fresh interpreter per block would spend most of
+its time importing them), with this process's environment less the job secret that conftest sets (a snippet
+sets up what it needs, as a new user would).
 The line before a block (blank lines aside) may say why it does not run here:
 
 * ``<!-- snippet: not run on CPU: REASON -->``: skipped, with REASON (which must not be empty) shown;
@@ -13,14 +15,17 @@ Identical blocks (the README and a page sharing one example) run once.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
-import subprocess
+import runpy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from refit.tools.launch import start_process
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
@@ -126,21 +131,37 @@ def _env() -> dict[str, str]:
 @pytest.mark.parametrize("snippet", _runnable())
 def test_snippet_runs(snippet: Snippet, tmp_path: Path):
     """Run the block as a script in a temp directory; it must exit 0 within the time limit."""
-    script = tmp_path / "snippet.py"
+    script, log = tmp_path / "snippet.py", tmp_path / "output.txt"
     script.write_text(snippet.code)
+    p = start_process(run_script, (str(script), _env(), str(log)))
+    p.join(TIMEOUT_S)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        raise AssertionError(f"{snippet.where}: still running after {TIMEOUT_S} s; output:\n{_tail(log)}")
+    assert p.exitcode == 0, f"{snippet.where} exited with {p.exitcode}:\n{_tail(log)}"
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-4000:] if log.exists() else "(no output)"
+
+
+def run_script(script: str, env: dict[str, str], log: str) -> None:
+    """``python SCRIPT`` in this (forked) process: ``env`` as its environment, the script's directory as its
+    working directory and ``sys.path[0]``, stdout and stderr into ``log``; run as ``__main__`` (processes it spawns
+    import it by path, as from a script); the exit code is the script's, 1 on an exception; atexit handlers run."""
+    os.environ.clear()
+    os.environ.update(env)
+    folder = os.path.dirname(script)
+    os.chdir(folder)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout.reconfigure(line_buffering=True)  # what a timed-out script printed is kept
+    sys.argv, sys.path[0] = [script], folder
     try:
-        done = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
-        raise AssertionError(
-            f"{snippet.where}: still running after {TIMEOUT_S} s; output:\n{''.join(out)[-4000:]}"
-        ) from None
-    tail = (done.stdout + done.stderr)[-4000:]
-    assert done.returncode == 0, f"{snippet.where} exited with {done.returncode}:\n{tail}"
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()

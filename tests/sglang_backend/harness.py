@@ -1,8 +1,8 @@
 """Real SGLang (CPU, float32) refit by a 2-rank trainer; used by the SGLang tests.
 
-The driver process is trainer rank 0 and owns the ``sgl.Engine`` (TP=2); trainer rank 1 is a spawned
-process. The trainer is the HF model sharded by FSDP2 or tensor parallel over gloo, built and trained by
-the vLLM harness's helpers (``vllm_backend.harness``: the same tiny models, steps and HF reference).
+The driver process is trainer rank 0 and owns the ``sgl.Engine`` (TP=2); trainer rank 1 is a process forked
+from refit's launcher. The trainer is the HF model sharded by FSDP2 or tensor parallel over gloo, built and
+trained by the vLLM harness's helpers (``vllm_backend.harness``: the same tiny models, steps and HF reference).
 SGLang runs with two test-only shims (``shims/``: a stand-in ``sgl_kernel`` and the torchvision op
 schemas), on ``PYTHONPATH`` of the engine's processes only. The job secret reaches SGLang's processes
 through their environment (``REFIT_SECRET``, set by ``tests/conftest.py``), never through SGLang.
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from refit.layout.models import build_model, load_config
+from refit.tools.launch import start_process
 from refit.transport.control import free_port
 from vllm_backend.harness import PROMPT, _train_step, _trainer_model, hf_reference
 from vllm_backend.leaks import leftovers, snapshot
@@ -87,8 +87,10 @@ def greedy(engine, n: int = 8) -> tuple[list[int], list[float], str]:
 
 def shard_bytes(model: str, tp: int, rank: int) -> int:
     """Bytes of SGLang TP rank ``rank``'s share of the HF model, counted from the config alone (an oracle
-    independent of refit's regions): q/k/v, gate/up and vocab rows and o/down columns split ``tp`` ways
-    (KV heads replicated where fewer than ``tp``), everything else whole."""
+    independent of refit's regions): q/k/v and o split by heads ``tp`` ways (KV heads replicated where fewer than
+    ``tp``); gate/up rows and down columns split on the intermediate size padded to a multiple of 32 x tp (SGLang
+    on CPU), vocabulary rows on the vocabulary padded to a multiple of 64: a rank holds the real rows of its share
+    of the padded size only; everything else whole."""
     from refit.layout.models import param_shapes
 
     cfg = load_config(model)
@@ -99,12 +101,22 @@ def shard_bytes(model: str, tp: int, rank: int) -> int:
         leaf = name.rsplit(".", 2)[-2]
         if leaf in ("k_proj", "v_proj") and kv_heads < tp:
             n = n // kv_heads
-        elif leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_proj", "gate_up_proj"):
+        elif leaf in ("q_proj", "k_proj", "v_proj", "o_proj"):
             n //= tp
-        elif leaf in ("embed_tokens", "lm_head") or name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        elif leaf in ("gate_proj", "up_proj", "down_proj"):
+            n = n // cfg.intermediate_size * _real_rows(cfg.intermediate_size, 32 * tp, tp, rank)
+        elif leaf in ("embed_tokens", "lm_head"):
+            n = n // cfg.vocab_size * _real_rows(cfg.vocab_size, 64, tp, rank)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj", "gate_up_proj")):
             n //= tp
         total += n * 4
     return total
+
+
+def _real_rows(size: int, multiple: int, tp: int, rank: int) -> int:
+    """Real rows of rank ``rank``'s share when ``size`` is padded to a multiple of ``multiple`` and split evenly."""
+    share = -(-size // multiple) * multiple // tp
+    return max(0, min(share, size - rank * share))
 
 
 def kill_midway(trainer) -> Callable:
@@ -204,8 +216,7 @@ def refit_session(check: Checker, spec: str, steps: int = 3, first: int = 1, kil
     times (rank 1 killed half way through version ``kill_at``, if given). Returns rank 0's check results and
     rank 1's exit code."""
     port, xfer_port, model = free_port(), free_port(), check.model
-    p = mp.get_context("spawn").Process(target=_rank1, args=(port, xfer_port, model, spec, steps, first, kill_at))
-    p.start()
+    p = start_process(_rank1, (port, xfer_port, model, spec, steps, first, kill_at))  # forked with torch imported
     try:
         out = trainer_loop(0, port, xfer_port, model, spec, steps, first, check, kill_at)
     finally:
