@@ -20,6 +20,7 @@ from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from refit.layout.models import build_model, load_config
 from refit.tools.launch import start_process
 from refit.transport.control import free_port
 
+from . import engine_procs
 from .leaks import leftovers, snapshot
 from .worker_ext import WorkerTestExtension
 
@@ -203,16 +205,26 @@ def engine_args(workdir: str, engine_tp: int, extension: str) -> dict:
 def make_llm(model_name: str, engine_tp: int, workdir: str, **kw):
     """An LLM over a tiny model saved with different (seed 1000) weights; vLLM's pickle switch off, the
     workers extended with ``WorkerTestExtension``."""
+    hf = build_model(load_config(model_name), torch.float32, seed=1000)
+    hf.save_pretrained(workdir)
+    return start_llm(workdir, engine_tp, **kw)
+
+
+def start_llm(workdir: str, engine_tp: int, **kw):
+    """An ``LLM`` over the model saved in ``workdir`` (``engine_args``, vLLM's pickle switch off), its engine core
+    and workers forked from ``engine_procs``' server rather than spawned."""
     from vllm import LLM
 
     check_vllm_secure()
-    hf = build_model(load_config(model_name), torch.float32, seed=1000)
-    hf.save_pretrained(workdir)
     if engine_tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").count("|") != engine_tp - 1:
         # one entry per worker; more workers than cores share them ("0|1|0|1": tp=4 on 2 cores)
         cores = sorted(os.sched_getaffinity(0))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(engine_tp))
-    with importable_by_workers(WorkerTestExtension) as extension:
+    engine_procs.use()
+    # with more than one worker the engine core runs in this process (its workers are still processes): one
+    # process less to start per engine; with one, vLLM would run the worker here too, beside trainer rank 0
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if engine_tp > 1 else {}
+    with importable_by_workers(WorkerTestExtension) as extension, mock.patch.dict(os.environ, in_process):
         return LLM(**engine_args(workdir, engine_tp, extension), **kw)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import tempfile
 
 import pytest
@@ -24,8 +23,7 @@ import torch  # noqa: E402
 
 from refit.layout.models import build_model, load_config, param_shapes  # noqa: E402
 
-from .harness import PROMPT, check_vllm_secure, engine_args, importable_by_workers  # noqa: E402
-from .worker_ext import WorkerTestExtension  # noqa: E402
+from .harness import PROMPT, start_llm  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -60,7 +58,6 @@ def _train_step(model, opt, step: int) -> None:
 
 def _run(mode: str, engine_tp: int = 1) -> dict:
     from peft import LoraConfig, get_peft_model
-    from vllm import LLM
 
     from refit.engines.vllm.client import LLMClient
     from refit.engines.vllm.lora import adapter_id, lora_request
@@ -73,12 +70,8 @@ def _run(mode: str, engine_tp: int = 1) -> dict:
     out = {"vllm": [], "hf": [], "ids": [], "stats": None}
     with tempfile.TemporaryDirectory() as workdir:
         build_model(config, torch.float32, seed=0).save_pretrained(workdir)  # the frozen base, as the trainer's
-        check_vllm_secure()
         lora_args = dict(enable_lora=True, max_lora_rank=8, max_loras=1) if mode == "adapter" else {}
-        if engine_tp > 1:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(engine_tp)))
-        with importable_by_workers(WorkerTestExtension) as extension:
-            llm = LLM(**engine_args(workdir, engine_tp, extension), **lora_args)
+        llm = start_llm(workdir, engine_tp, **lora_args)
         out["base_vllm"] = _vllm_greedy(llm)
         lcfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
         model = get_peft_model(build_model(config, torch.float32, seed=0), lcfg)
@@ -102,6 +95,7 @@ def _run(mode: str, engine_tp: int = 1) -> dict:
         out["layout_bytes"] = source.layout().nbytes
         engine.shutdown()
         llm.shutdown_weight_transfer_engine()
+        llm.llm_engine.engine_core.shutdown()
         del llm
     return out
 

@@ -1,0 +1,86 @@
+"""vLLM's engine and worker processes forked from a server that imported vLLM once, instead of spawned.
+
+vLLM on CPU starts every engine core and every worker with ``spawn`` (``CpuPlatform`` forces it: libgomp is
+not fork-safe once a process ran a parallel region), so each process imports torch and vLLM afresh: ~17 s of
+CPU per process on the 2-core CI machine, 3-5 processes per engine, ~18 engines in the suite. ``use()`` hands
+vLLM a ``forkserver`` context instead whose server imported vLLM's engine and worker modules (``PRELOAD``) and
+never ran a parallel region, so a forked child is as safe as a spawned one and starts without the imports.
+
+What a child sees is what ``spawn`` would have given it: the caller's ``sys.path`` and working directory
+(multiprocessing's preparation data, as for spawn) and the caller's environment at the call (``_in_env``; a
+forkserver's children would otherwise inherit the server's). The server is this module's own, not the one
+``refit.tools.launch`` forks trainer ranks from, so refit's ranks never carry vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing.context as mp_context
+import os
+import types
+from collections.abc import Callable
+from multiprocessing import forkserver, popen_forkserver
+from typing import Any
+
+PRELOAD = [
+    "torch",
+    "vllm",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.worker.cpu_worker",
+    f"{__package__}.worker_ext",  # the tests' worker extension, by the name the tests import it under
+]
+"""What the server imports before it forks an engine core or worker (no parallel region runs in it)."""
+
+# the modules that bound ``get_mp_context`` by name when they were imported
+_USERS = ("vllm.v1.engine.utils", "vllm.v1.engine.coordinator", "vllm.v1.executor.multiproc_executor")
+
+_SERVER = forkserver.ForkServer()
+_SERVER.set_forkserver_preload(PRELOAD)
+
+
+def _in_env(env: dict[str, str], target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``target`` with the environment the caller had when it started the process."""
+    os.environ.clear()
+    os.environ.update(env)
+    return target(*args, **kwargs)
+
+
+class _Popen(popen_forkserver.Popen):
+    """multiprocessing's forkserver launch, through ``_SERVER``, the target wrapped in ``_in_env``."""
+
+    def _launch(self, process_obj) -> None:
+        process_obj._target = functools.partial(_in_env, dict(os.environ), process_obj._target)
+        via = types.SimpleNamespace(
+            connect_to_new_process=_SERVER.connect_to_new_process, read_signed=forkserver.read_signed
+        )
+        real, popen_forkserver.forkserver = popen_forkserver.forkserver, via
+        try:
+            super()._launch(process_obj)
+        finally:
+            popen_forkserver.forkserver = real
+
+
+class _Process(mp_context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
+
+
+class _Context(mp_context.ForkServerContext):
+    Process = _Process
+
+
+CONTEXT = _Context()
+
+
+def _get_mp_context() -> _Context:
+    return CONTEXT
+
+
+def use() -> None:
+    """From now on, vLLM engines started in this process fork their engine core and workers from ``_SERVER``."""
+    import importlib
+
+    for name in _USERS:
+        importlib.import_module(name).get_mp_context = _get_mp_context
