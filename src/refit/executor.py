@@ -35,17 +35,16 @@ import torch
 import torch.distributed as dist
 
 from refit.binding import LocalTensors
+from refit.comms import Comms
 from refit.config import TransferConfig
 from refit.cudart import free_stream, joined, private_stream
 from refit.delta.schedule import DeltaSchedule, DeltaStats
-from refit.errors import ConfigError
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
 from refit.transport.clock import RunClock
 from refit.transport.ipc import IpcLink, IpcPuller
 from refit.transport.nixl import NixlLink
 from refit.transport.p2p import P2PSchedule, _Step, check_backend
-from refit.transport.store import SignedStore
 
 __all__ = ["Comms", "Executor", "FaultHook", "RunStats"]
 
@@ -69,27 +68,6 @@ class RunStats:
     delta: DeltaStats | None = None  # delta mode: P2P bytes actually on the wire and encodings chosen
 
 
-@dataclass(frozen=True)
-class Comms:
-    """How the processes of one plan reach each other.
-
-    ``group``: P2P ops (default: the default group). ``sync_group``: the barriers of a plan with IPC
-    links that are not all IPC. ``store``: the rendezvous store (IPC handles, the host barrier's
-    name). ``standalone``: ``group`` is a ProcessGroup object made outside torch.distributed's world
-    (e.g. ``ProcessGroupGloo(store, rank, size)`` inside a vLLM worker, whose world is vLLM's); peers
-    are its ranks and ops go straight to it.
-    """
-
-    group: dist.ProcessGroup | None = None
-    sync_group: dist.ProcessGroup | None = None
-    store: SignedStore | None = None
-    standalone: bool = False
-
-    def __post_init__(self) -> None:
-        if self.standalone and self.group is None:
-            raise ConfigError("Comms(standalone=True) needs the ProcessGroup object as group, got group=None")
-
-
 class Executor:
     """Moves one process's share of a plan's bytes, once per refit.
 
@@ -110,9 +88,8 @@ class Executor:
     preparation overlaps the transfer except for the first stage. Other plans prepare everything first.
     ``tag_base``: added to every P2P tag (an executor replacing a failed one on the same group uses a
     fresh range, so a receive left posted by the failed one never matches).
-    ``stamps``: None, or a list each run appends ``(phase, time.perf_counter())`` to as it reaches its phases
-    ("start", each IPC stage's "final", "barrier", "pulled", "enqueued", "device done", "moved", "last
-    barrier"; profiling: ``refit bench`` prints their gaps under ``REFIT_BENCH_PROFILE=1``).
+    ``stamps``: None, or a list each run appends ``(phase, time.perf_counter())`` to at each phase (profiling:
+    ``refit bench`` prints their gaps under ``REFIT_BENCH_PROFILE=1``).
     """
 
     def __init__(
