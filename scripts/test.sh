@@ -12,6 +12,9 @@ mkdir -p .setup-logs
 # Packages are installed with uv (several times faster than pip here: parallel downloads and unpacking). uv reads no
 # pip configuration, so the wheel folders pip is told to look in (this machine keeps the CPU build of torch in one)
 # are handed to it.
+# Python may write .pyc files for refit and the tests (a machine that sets PYTHONDONTWRITEBYTECODE=1 would have
+# every test process compile them from source again; __pycache__/ is git-ignored)
+unset PYTHONDONTWRITEBYTECODE
 python3 -m venv .venv
 .venv/bin/pip install -q uv==0.13.9
 uv_args=()
