@@ -3,8 +3,8 @@
 A program reads one block of ``BR`` rows x one scale block of columns (32 for MXFP8, 16 for NVFP4) once and
 writes its elements and scales: one read of the weight, one write of the quantized bytes. The arithmetic is
 that of ``mx.py`` in the same IEEE operations: ``max |x|`` in float32 (exact); MXFP8's ``amax / 448`` with
-``div_rn`` (Triton's ``/`` is approximate), the E8M0 exponent from its bits, ``x / 2**(e-127)`` with
-``div_rn``, round-to-nearest-even to E4M3; NVFP4's ``6 * weight_scale_2`` (one multiply),
+``div_rn`` (Triton's ``/`` is approximate), the E8M0 exponent from its bits, ``x * 2**(127-e)`` (exactly
+``x / 2**(e-127)``), round-to-nearest-even to E4M3; NVFP4's ``6 * weight_scale_2`` (one multiply),
 ``amax / that`` and ``x / (scale * weight_scale_2)`` with ``div_rn``, the E2M1 code by the same thresholds,
 two codes a byte (low nibble first). Columns past ``K`` read zeros, as the torch path's zero padding.
 Checked against the torch path on a GPU by ``tests/test_gpu_quant_mx.py`` (not on CPU: Triton's
@@ -28,6 +28,7 @@ ROWS = 32  # rows a program quantizes
 
 
 if AVAILABLE:
+    SUB_E1 = tl.constexpr(7340033 * 2.0**-141)  # the least float32 above 448 * (2**-127 + 2**-150) (normal, exact)
 
     @triton.jit
     def _div_rn(a, b):
@@ -48,10 +49,14 @@ if AVAILABLE:
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1.1754943508222875e-38)
         bits = _div_rn(amax, 448.0).to(tl.int32, bitcast=True)
         ex, man = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-        e = tl.where(ex == 0, (man > 4194304).to(tl.int32), ex + (man != 0).to(tl.int32))
+        # a subnormal amax / 448 (flushed to zero here): its exponent is 1 iff it rounds above 2**-127, i.e. iff
+        # amax > 448 * (2**-127 + 2**-150), i.e. iff amax >= SUB_E1 (the next float32 above that bound)
+        e = tl.where(ex == 0, (amax >= SUB_E1).to(tl.int32), ex + (man != 0).to(tl.int32))
         e = tl.minimum(tl.maximum(e, 0), 254)
-        scale = tl.where(e == 0, 4194304, e << 23).to(tl.float32, bitcast=True)
-        q = _div_rn(x, scale[:, None]).to(tl.float8e4nv)
+        # x / 2**(e - 127) as x * 2**(127 - e): exact either way, and 2**(127 - e) is a normal float for every e a
+        # finite amax gives, where 2**-127 (e == 0) as a divisor is subnormal and the GPU flushes it to zero
+        inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+        q = (x * inv[:, None]).to(tl.float8e4nv)
         r64 = rows.to(tl.int64)
         tl.store(q_ptr + r64[:, None] * sqr + cols.to(tl.int64)[None, :] * sqk, q, mask=mask)
         tl.store(s_ptr + r64 * ssr + j * ssk, e.to(tl.uint8), mask=rows < r_n)
