@@ -37,7 +37,7 @@ import torch.distributed as dist
 from refit.binding import LocalTensors
 from refit.comms import Comms
 from refit.config import TransferConfig
-from refit.cudart import free_stream, joined, private_stream
+from refit.cudart import free_stream, join_events, joined, private_stream
 from refit.delta.schedule import DeltaSchedule, DeltaStats
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
@@ -131,7 +131,7 @@ class Executor:
         self.works_on_device = bool(self.p2p.steps or self.local or (self.ipc is not None and self.ipc.pulls_here))
         # what every refit reads, fixed at setup: the stages, and the event a bounded wait for the device polls
         self._stage_names = self.ipc.stage_names if self.ipc is not None else ipc_stages(plan, 1)
-        self._done = torch.cuda.Event() if self.cuda else None
+        self._done, self._join = (torch.cuda.Event(), join_events()) if self.cuda else (None, None)
         self.stamps: list[tuple[str, float]] | None = None  # a list: each run's phases are stamped into it
 
     # ------------------------------------------------------------ what setup built
@@ -187,7 +187,7 @@ class Executor:
         caller's stream and before what the caller queues next (on CPU: nothing). ``run`` uses it, and so
         does work on what a run left behind (the delta base's deferred updates read the live source
         tensors: the trainer's next step must come after them)."""
-        return joined(self.stream, self.device) if self.stream is not None else contextlib.nullcontext()
+        return joined(self.stream, self.device, self._join) if self.stream is not None else contextlib.nullcontext()
 
     def _run(
         self,

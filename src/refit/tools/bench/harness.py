@@ -55,10 +55,11 @@ def _sync(dev: torch.device) -> None:
 
 
 def _time_runs(
-    barrier, dev, run, iters, before=None, after=None, base=0
+    barrier, dev, run, iters, before=None, after=None, base=0, stamps=None
 ) -> tuple[list[float], list[bool], list[int], int]:
     """Times, checks, allocated memory after each refit, and the peak over ``base`` during the refits
-    (the checker's temporaries excluded)."""
+    (the checker's temporaries excluded). ``stamps`` (profiling): a refit's ``Executor.stamps``, to which the
+    timed span's ends are added ("t0", "synced")."""
     times, oks, mems, peak = [], [], [], 0
     cuda = dev.type == "cuda"
     for _ in range(iters):
@@ -69,9 +70,13 @@ def _time_runs(
             torch.cuda.reset_peak_memory_stats(dev)
         barrier.wait()  # shared memory: every process starts within microseconds
         t0 = time.perf_counter()
+        if stamps is not None:
+            stamps.append(("t0", t0))
         run()
         _sync(dev)
         dt = time.perf_counter() - t0
+        if stamps is not None:
+            stamps.append(("synced", t0 + dt))
         if cuda:
             peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
         barrier.wait()  # every writer is done (some write into other processes' memory)
@@ -260,8 +265,9 @@ def _print_phases(label: str, rank: int, run, warmup: int) -> None:
     if not stamps:
         return
     runs = [[]]
+    first = stamps[0][0]  # "t0" (the bench's timed span) or the executor's "start"
     for what, at in stamps:
-        if what == "start" and runs[-1]:
+        if what == first and runs[-1]:
             runs.append([])
         runs[-1].append((what, at))
     gaps: dict[str, list[float]] = {}
@@ -285,8 +291,9 @@ def _time_method(proc: _Process, scen: Scenario, method: str, setup, base: int, 
     profiled = method.startswith("refit") and dev.type == "cuda" and bool(os.environ.get("REFIT_BENCH_PROFILE"))
     if profiled and isinstance(run, M.RefitRun):
         run.peer.executor.stamps = []  # each refit's phases (``Executor.stamps``)
+    stamps = run.peer.executor.stamps if profiled and isinstance(run, M.RefitRun) else None
     times, oks, mems, peak = _time_runs(
-        proc.barrier, dev, run, n, proc.poison if checked else None, proc.check if checked else None, base
+        proc.barrier, dev, run, n, proc.poison if checked else None, proc.check if checked else None, base, stamps
     )
     if profiled:
         _print_phases(f"{scen.name} {method}", ctx.rank, run, opts.warmup)
