@@ -720,7 +720,12 @@ def _secure_worker(world, workdir):
     work = Path(workdir)
     if world.rank == 0:  # where the store is (a stranger would scan for it)
         world.store.raw.set("probe", "x")
-        (work / "port").write_text(str(dist.distributed_c10d._get_default_store().underlying_store.port))
+        from refit.transport import auth
+        from refit.transport.authstore import access_key  # the store's access key, not the job secret
+
+        store = dist.distributed_c10d._get_default_store().underlying_store
+        key = access_key(auth.job_secret(), os.environ.get("REFIT_JOB_ID", "")).hex()
+        (work / "port").write_text(f"{store.port} {key}")
     src, dst = _layouts("tiny-llama", "tp=1", "tp=1")
     cfg = TransferConfig(name=NAME, transport="nixl", preflight_timeout_s=120.0, deadline_s=60.0)
     tensors = (
@@ -740,9 +745,6 @@ def _secure_worker(world, workdir):
 
 def _stranger(work, result):
     """No job secret: reads the NIXL record from the live store and tries to use it."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
 
     from refit.errors import ConfigError
     from refit.transport.store import SignedStore
@@ -750,7 +752,10 @@ def _stranger(work, result):
     try:
         while not ((work / "ran0").exists() and (work / "ran1").exists()):
             time.sleep(0.05)
-        store = dist.TCPStore("127.0.0.1", int((work / "port").read_text()), None, False, timedelta(seconds=30))
+        from refit.transport.authstore import AuthStore  # on the store (its access key), without the job secret
+
+        port, key = (work / "port").read_text().split()
+        store = AuthStore("127.0.0.1", int(port), bytes.fromhex(key), 30.0)
         prefix = next(k for k in store.list_keys() if k.endswith("probe"))[: -len("probe")]
         keys = [k for k in store.list_keys() if "/nixl/record/" in k]
         raw = bytes(store.get(keys[0]))

@@ -51,6 +51,28 @@ def _store() -> SignedStore:
 # -- the signed store -----------------------------------------------------------------------------
 
 
+def _store_ref() -> str:
+    """What a worker of the job hosting the store writes for the test's strangers: its port and the store's
+    access key (``authstore.access_key``: it proves a connection to the store, and does not yield the job
+    secret that tags and seals values). The strangers below forge, replay and read values *on* the store:
+    they test the value tags that stand behind the store's handshake."""
+    store = dist.distributed_c10d._get_default_store().underlying_store
+    return f"{store.port} {store._key.hex()}"
+
+
+def _store_access(path: Path, timeout_s: float = 60.0):
+    """A client of the store ``_store_ref`` wrote to ``path``, after checking that a connection without its
+    access key is refused."""
+    from refit.transport.authstore import AuthStore, StoreLost
+
+    while len(text := path.read_text().split()) != 2:  # created, not yet written
+        time.sleep(0.01)
+    port, key = int(text[0]), bytes.fromhex(text[1])
+    with pytest.raises(StoreLost, match="refused this process"):
+        AuthStore("127.0.0.1", port, os.urandom(32), timeout_s)
+    return AuthStore("127.0.0.1", port, key, timeout_s)
+
+
 def test_a_value_without_a_valid_tag_is_ignored_and_counted():
     s = _store()
     s.raw.set("k", pickle.dumps({"x": 1}))
@@ -404,7 +426,7 @@ def _attacked_worker(world, workdir: str):
     (work / f"pid{world.rank}").write_text(str(os.getpid()))
     if world.rank == 0:  # tell the stranger where the store is (a stranger would scan for it)
         world.store.raw.set("probe", "x")
-        (work / "port").write_text(str(dist.distributed_c10d._get_default_store().underlying_store.port))
+        (work / "port").write_text(_store_ref())
     while not (work / "ready").exists():  # the stranger has planted its values
         time.sleep(0.01)
     shapes = param_shapes("tiny-llama")
@@ -462,7 +484,7 @@ class _Stranger(threading.Thread):
         while not (self.work / "port").exists():
             if self.stop.wait(0.01):
                 return
-        store = dist.TCPStore("127.0.0.1", int((self.work / "port").read_text()), None, False, timedelta(seconds=30))
+        store = _store_access(self.work / "port")
         prefix = next(k for k in store.list_keys() if k.endswith("probe"))[: -len("probe")]
         pickled = pickle.dumps(_Sentinel(str(self.work / "pwned")))
         for key in _keys_refit_reads(self.n_procs):
@@ -622,7 +644,7 @@ def _hand_started_worker(world, workdir: str, job: str):
     store = world.store
     if world.rank == 0:
         store.raw.set("probe", "x")
-        (work / f"{job}-port").write_text(str(dist.distributed_c10d._get_default_store().underlying_store.port))
+        (work / f"{job}-port").write_text(_store_ref())
     shapes = param_shapes("tiny-llama")
     src, dst = layout_from_spec(shapes, parse_spec("tp=1", "src")), layout_from_spec(shapes, parse_spec("tp=2", "dst"))
     is_src = world.src_rank is not None
@@ -672,10 +694,8 @@ class _Recorder(threading.Thread):
 
     def _connect(self, job: str):
         _wait_for(self.work / f"{job}-port", 180)
-        while not (text := (self.work / f"{job}-port").read_text()):  # created, not yet written
-            time.sleep(0.01)
-        port = int(text)
-        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
+        store = _store_access(self.work / f"{job}-port")
+        port = store.port
         return store, next(k for k in store.list_keys() if k.endswith("probe"))[: -len("probe")], port
 
     def run(self) -> None:

@@ -113,7 +113,7 @@ def _join(
     os.environ[JOB_ENV] = job_id  # this run's scope in every tag: values of another run do not verify
     os.environ[BIND_ENV] = address
     pin_interfaces(address)
-    store = open_store(address, port, world_size, rank == 0, timeout_s)
+    store = open_store(address, port, world_size, rank == 0, timeout_s, secret=secret, scope=job_id)
     if rank == 0:
         _HOSTED.append(store)  # outlives the default group: the others may still use it (``_worker``)
     options = nccl_options() if backend == "nccl" else None

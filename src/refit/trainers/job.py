@@ -87,7 +87,7 @@ class TransferJob:
         if timeout_s <= 0:
             raise ConfigError(f"TransferJob: timeout_s must be > 0, got {timeout_s!r}")
         secret = auth.job_secret()  # ConfigError without one, before anything listens
-        raw = open_store(address, port, world, proc == 0, timeout_s)
+        raw = open_store(address, port, world, proc == 0, timeout_s, secret=secret)
         store = SignedStore(dist.PrefixStore(_PREFIX, raw), secret, os.environ.get(JOB_ENV, ""))
         listen = os.environ.get(BIND_ENV) or local_address_for(address, port)
         group = gloo_group(dist.PrefixStore(f"{_PREFIX}/pg", raw), proc, world, timeout_s, listen)

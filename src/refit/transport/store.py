@@ -1,9 +1,10 @@
 """The rendezvous store, bound where told, and the signed plain-data values refit keeps in it.
 
-``open_store(address, port, ...)`` hosts (or joins) torch's ``TCPStore`` with its
-listener bound to ``address`` only (torch's own listener takes every interface, so
-the socket is made and bound here and handed over); ``bind_address()`` is the
-address the user chose (``REFIT_BIND_ADDRESS``, default loopback) and
+``open_store(address, port, ..., secret=, scope=)`` hosts (or joins) the job's store
+(``refit.transport.authstore``): a key-value server that serves only connections proving the job's
+secret for the job's scope (a challenge-response handshake, then a MAC on every frame), its listener
+bound to ``address`` only, every call bounded in time (an error naming the key, the address and the
+seconds). ``bind_address()`` is the address the user chose (``REFIT_BIND_ADDRESS``, default loopback) and
 ``pin_interfaces(address)`` makes gloo and NCCL listen on that address's interface. When this
 module is imported (``import refit``) with ``REFIT_BIND_ADDRESS`` set to an address of this host,
 it pins them already (``pin_from_env``), so a default group made afterwards by hand or by torchrun
@@ -14,9 +15,9 @@ Every value is JSON, written as ``refit1.<hex tag>.<payload>``; a reader acts on
 value only if its tag is valid for that key, and otherwise ignores it as if the key were
 absent (counted in ``rejected``; warnings rate-limited to one line per interval, with the count). Nothing read is ever
 unpickled or evaluated. ``put_sealed`` / ``get_sealed`` encrypt a payload that
-grants access (CUDA IPC handles). A stranger who can reach the store can still
-overwrite or delete keys (the store has no access control): that can make a
-refit fail at its deadline (denial of service), never steer it or run code.
+grants access (CUDA IPC handles). The tags are a second line behind the store's handshake: they keep a
+process that can write into the store (one holding the secret in another job or session) from steering
+this one.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from typing import Any
 import torch.distributed as dist
 
 from refit.errors import ConfigError
-from refit.transport import auth
+from refit.transport import auth, authstore
+from refit.transport.authstore import AuthStore
 
 BIND_ENV = "REFIT_BIND_ADDRESS"
 JOB_ENV = "REFIT_JOB_ID"  # a per-job scope bound into every tag (replays between jobs fail)
@@ -127,17 +129,28 @@ def _listener(address: str, port: int) -> socket.socket:
     return sock
 
 
-def open_store(address: str, port: int, world_size: int | None, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """Host (``is_master``) or join the TCP store at ``address:port``; the host's listener is bound to
-    ``address`` alone (``port`` 0: any free port, read back from ``store.port``)."""
-    timeout = _wait_span(timeout_s)  # never 0 ms: c10d reads that as no timeout
+def open_store(
+    address: str,
+    port: int,
+    world_size: int | None,
+    is_master: bool,
+    timeout_s: float,
+    *,
+    secret: bytes | None = None,
+    scope: str | None = None,
+) -> AuthStore:
+    """Host (``is_master``) or join the job's store at ``address:port``: ``refit.transport.authstore``, which
+    serves only connections that prove the job's ``secret`` (default ``auth.job_secret()``) for ``scope``
+    (default ``REFIT_JOB_ID``). The host's listener is bound to ``address`` alone (``port`` 0: any free port,
+    read back from ``store.port``). ``timeout_s`` bounds every store call without a timeout of its own;
+    ``world_size`` is not needed (any process holding the secret may join)."""
+    del world_size
+    secret = auth.job_secret() if secret is None else secret
+    scope = os.environ.get(JOB_ENV, "") if scope is None else scope
+    key = authstore.access_key(secret, scope)
     if not is_master:
-        return dist.TCPStore(address, port, world_size, False, timeout=timeout)
-    sock = _listener(address, port)
-    fd = sock.detach()  # the store owns the listening socket from here on
-    return dist.TCPStore(
-        address, sock_port(fd), world_size, True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
-    )
+        return AuthStore(address, port, key, timeout_s)
+    return authstore.host(_listener(address, port), key, timeout_s)
 
 
 def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float, address: str) -> dist.ProcessGroup:
@@ -146,15 +159,6 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float, addres
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     opts._timeout = _wait_span(timeout_s)
     return dist.ProcessGroupGloo(store, rank, size, opts)
-
-
-def sock_port(fd: int) -> int:
-    """The port of a bound socket given by its file descriptor."""
-    s = socket.socket(fileno=os.dup(fd))
-    try:
-        return s.getsockname()[1]
-    finally:
-        s.close()
 
 
 class Rejections:

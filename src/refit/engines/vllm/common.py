@@ -145,7 +145,15 @@ def open_store(info: RefitInitInfo, is_master: bool) -> SignedStore:
         raise ConfigError(
             "no job secret: RefitInitInfo.secret is empty and REFIT_SECRET / REFIT_SECRET_FILE are unset here"
         )
-    raw = open_store_at(info.master_address, info.master_port, info.world_size, is_master, info.timeout_s)
+    raw = open_store_at(
+        info.master_address,
+        info.master_port,
+        info.world_size,
+        is_master,
+        info.timeout_s,
+        secret=secret,
+        scope=info.job_id,
+    )
     return SignedStore(dist.PrefixStore(info.session, raw), secret, f"{info.session}:{info.job_id}")
 
 
