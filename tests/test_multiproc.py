@@ -253,6 +253,29 @@ def test_host_barrier_a_process_that_leaves_is_never_counted_as_arrived(fail_ran
             assert outcome == f"barrier: participants [{fail_rank}] left (closed) instead of arriving"
 
 
+def test_host_barrier_arrive_counts_without_waiting():
+    # an IPC receiver at a refit's last barrier only arrives: its sources pass, it does not wait for them, and its
+    # next wait is for the generation after
+    import uuid
+
+    from refit.errors import DeadlineExceeded
+    from refit.transport.host_barrier import HostBarrier
+
+    name = f"refit_test_{uuid.uuid4().hex[:8]}"
+    src = HostBarrier(name, 0, 2, timeout_s=10)
+    rcv = HostBarrier(name, 1, 2, timeout_s=10)
+    try:
+        rcv.arrive()  # returns although the source has not arrived
+        src.wait(5.0)  # the receiver counts as arrived
+        with pytest.raises(DeadlineExceeded):
+            src.wait(0.05)  # the next generation: the receiver is not there yet
+        rcv.wait(5.0)  # generation 2 for both
+        assert (src.gen, rcv.gen) == (2, 2)
+    finally:
+        rcv.close()
+        src.close()
+
+
 def _one_dies(world):
     import os
     import signal

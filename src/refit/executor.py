@@ -1,28 +1,23 @@
 """Runs one process's share of a Plan.
 
-Setup (once, named steps): bind this process's local tensors to the plan's pieces
-(``refit.binding.bind_local``, checked before pre-flight); build its P2P steps
-(``refit.transport.p2p.P2PSchedule``: the staging ring of at most ``num_buffers``
-buffers, each no larger than the largest packed message, and every step's ops);
-for a plan with CUDA IPC links, exchange handles and capture the pulls
-(``refit.transport.ipc.IpcLink``); for a plan with NIXL links, register memory,
-exchange sealed records and prepare the reads (``refit.transport.nixl.NixlLink``).
+Setup (once, named steps): bind this process's local tensors to the plan's pieces (``refit.binding.bind_local``,
+checked before pre-flight); build its P2P steps (``refit.transport.p2p.P2PSchedule``: the staging ring of at most
+``num_buffers`` buffers, each no larger than the largest packed message, and every step's ops); for a plan with CUDA
+IPC links, exchange handles and capture the pulls (``refit.transport.ipc.IpcLink``); for a plan with NIXL links,
+register memory, exchange sealed records and prepare the reads (``refit.transport.nixl.NixlLink``).
 
 Run (each refit):
   1. prepare: the source's tensors are made final (e.g. FP8 quantization, except what receivers quantize on
      their pulls: ``ipc_quant``); all-IPC plans in ``config.stages`` stages, each just before its pull;
-  2. NIXL sources announce that their tensors are final (through the store); IPC
-     pulls (receiver side), one per stage, each after a barrier saying every
-     source's tensors of that stage are final; they run on the GPU meanwhile;
+  2. NIXL sources announce that their tensors are final (through the store); IPC pulls (receiver side), one per
+     stage, each after a barrier saying every source's tensors of that stage are final; they run on the GPU meanwhile;
   3. local copies (source and destination in this process);
-  4. P2P steps: per step, pack outgoing buckets into ring buffers, post all of the
-     step's sends and receives in one ``batch_isend_irecv``, unpack; on CUDA,
-     pipelined over pack and unpack streams (``refit.transport.p2p``);
+  4. P2P steps: per step, pack outgoing buckets into ring buffers, post all of the step's sends and receives in one
+     ``batch_isend_irecv``, unpack; on CUDA, pipelined over pack and unpack streams (``refit.transport.p2p``);
   5. on CUDA, enqueue the IPC checksums' last sums, wait for the device (within the deadline), then read
      the checksum verdicts; NIXL receivers read their pieces, NIXL sources wait until their receivers are done;
-  6. with IPC links, a last barrier: every pull is done, sources may change their weights again.
-Works with gloo (CPU) and NCCL (GPU).
-"""
+  6. with IPC links, a last barrier: every pull is done, sources (who alone wait there) may change their weights.
+Works with gloo (CPU) and NCCL (GPU)."""
 
 from __future__ import annotations
 
@@ -71,14 +66,13 @@ class RunStats:
 class Executor:
     """Moves one process's share of a plan's bytes, once per refit.
 
-    Lifecycle: built on every process of the plan, after pre-flight (collective: IPC handles go
-    through the store); ``run(deadline, check_abort)`` once per refit, in the same order on every
-    process; ``close()`` stops the waiter thread and the shared-memory barrier.
-    Must agree on every process: the plan (digest), ``tag_base``, ``config.stages`` and
-    ``config.checksums`` (``Peer``'s pre-flight checks them; a direct user who skips it sees a mismatch as
-    a wait until the deadline, not an error).
-    Between calls: the local tensors are changed in place only (the views bound at setup stay
-    valid); a source's tensors must be final when ``run`` begins (or made so by ``prepare``).
+    Lifecycle: built on every process of the plan, after pre-flight (collective: IPC handles go through the store);
+    ``run(deadline, check_abort)`` once per refit, in the same order on every process; ``close()`` stops the waiter
+    thread and the shared-memory barrier. Must agree on every process: the plan (digest), ``tag_base``,
+    ``config.stages`` and ``config.checksums`` (``Peer``'s pre-flight checks them; a direct user who skips it sees a
+    mismatch as a wait until the deadline, not an error). Between calls: the local tensors are changed in place only
+    (the views bound at setup stay valid); a source's tensors must be final when ``run`` begins (or made so by
+    ``prepare``).
 
     ``local``: this process's tensors, checked and bound (``bind_local``). ``config``: the refit's
     ``TransferConfig`` (copy streams, CUDA graph, checksums, stages, store namespace, setup timeout).
@@ -129,6 +123,8 @@ class Executor:
         self.stream = private_stream(self.device) if self.cuda else None
         # a process that only serves IPC pulls queues nothing after its last stage barrier: no events, no sync
         self.works_on_device = bool(self.p2p.steps or self.local or (self.ipc is not None and self.ipc.pulls_here))
+        # no device work (an IPC source without ``prepare``): no join (20-100 us of host), one wait on the caller
+        self.joins = self.works_on_device or prepare is not None or self.nixl is not None or self.delta is not None
         # what every refit reads, fixed at setup: the stages, and the event a bounded wait for the device polls
         self._stage_names = self.ipc.stage_names if self.ipc is not None else ipc_stages(plan, 1)
         self._done, self._join = (torch.cuda.Event(), join_events()) if self.cuda else (None, None)
@@ -179,7 +175,7 @@ class Executor:
         On CUDA the work runs on the executor's own stream (``self.stream``): it first waits for what the
         caller's current stream has queued (the source's final weights, the last writes to a destination),
         and when it returns the caller's stream is ordered after it."""
-        with self.on_stream():
+        with self.on_stream() if self.joins else contextlib.nullcontext():
             return self._run(deadline, check_abort, fault_hook, version, held)
 
     def on_stream(self):
@@ -232,8 +228,8 @@ class Executor:
         self._stamp("moved")
         if self.nixl is not None:
             delta = self.nixl.finish(clock, delta)
-        if self.ipc is not None:
-            self._barrier(clock)  # every pull is done: sources may change their weights again
+        if self.ipc is not None:  # every pull is done: sources may change their weights again (only they wait)
+            self._barrier(clock, wait=self.is_source)
             self._stamp("last barrier")
         sent, received = (delta.wire_bytes, delta.received_bytes) if delta else (self.bytes_sent, self.bytes_received)
         return RunStats(sent, received, self.bytes_local, time.perf_counter() - t0, delta)
@@ -260,7 +256,7 @@ class Executor:
             self._stamp(f"stage {i} final")
             self._barrier(clock)  # every source's tensors of this stage are final
             self._stamp(f"stage {i} barrier")
-            self.ipc.pull(i)  # runs on the GPU while the sources prepare the next stage
+            self.ipc.pull(i, self.stream)  # runs on the GPU while the sources prepare the next stage
             self._stamp(f"stage {i} pulled")
 
     def _prepare(self, names: set[str] | None) -> None:
@@ -271,19 +267,20 @@ class Executor:
             with torch.no_grad():
                 self.prepare(names)
 
-    def _barrier(self, clock: RunClock) -> None:
+    def _barrier(self, clock: RunClock, wait: bool = True) -> None:
         barrier = self.ipc.host_barrier if self.ipc is not None else None
         if barrier is not None:
-            barrier.wait(clock.left(), clock.check_abort)
+            barrier.wait(clock.left(), clock.check_abort) if wait else barrier.arrive()
         else:
             dist.barrier(group=self.comms.sync_group)
 
     def _sync_device(self, clock: RunClock) -> None:
-        """Wait for this GPU's work until the deadline (the host never blocks inside CUDA past it)."""
-        if not clock.bounded:  # this refit's stream only: an engine's passes on other streams are not waited for
-            torch.cuda.current_stream(self.device).synchronize()
-            return
-        self._done.record(torch.cuda.current_stream(self.device))
+        """Wait for this GPU's work until the deadline (the host never blocks inside CUDA past it); the current
+        stream only (an engine's passes on other streams are not waited for). Nothing pending: no GPU round trip."""
+        stream = torch.cuda.current_stream(self.device)
+        if (done := stream.query()) or not clock.bounded:
+            return None if done else stream.synchronize()
+        self._done.record(stream)
         clock.watch(self._done.query, lambda: "GPU work of the refit (NCCL transfers or IPC pulls)")
 
     def _stamp(self, what: str, at: float | None = None) -> None:

@@ -135,6 +135,13 @@ class HostBarrier:
             ),
         )
 
+    def arrive(self) -> None:
+        """Count as arrived at the next generation without waiting for the others (a participant that only needs
+        the others to know it got here: an IPC receiver at a refit's last barrier, which only its sources wait at).
+        Its next ``wait()`` is for the generation after."""
+        self.gen += 1
+        self.slots[self.index] = self.gen
+
     def _arrived(self) -> bool:
         """Whether every participant has reached this generation; ``BarrierLeft`` if one left instead."""
         if int(self.slots.min()) >= self.gen or self._reached() >= self.gen:

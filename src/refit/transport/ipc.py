@@ -27,7 +27,7 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
-from refit.cudart import OwnedStreams, cuda_runtime
+from refit.cudart import OwnedStreams, cuda_runtime, launch
 from refit.errors import ChecksumError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
@@ -262,16 +262,18 @@ class IpcPuller:
                 self._issue()
         self.graph = graph
 
-    def pull(self) -> None:
-        current = torch.cuda.current_stream(self.device)
+    def pull(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue the copies on ``stream`` (default: the current stream of the device)."""
+        current = stream if stream is not None else torch.cuda.current_stream(self.device)
         if self.fused:  # beside the copies: it waits for what the current stream has queued
             self.fused_stream.wait_stream(current)
             with torch.cuda.stream(self.fused_stream):
                 for work in self.fused:
                     work.run()
-        if self.graph is not None:
-            with torch.cuda.device(self.device):
-                self.graph.replay()
+        if self.graph is not None:  # one runtime call (the replay's device guard and bookkeeping: 10-15 us more)
+            if not launch(self.graph, current.cuda_stream):
+                with torch.cuda.device(self.device):
+                    self.graph.replay()
         elif self.lanes:
             self._issue()
         if self.fused:
@@ -585,12 +587,12 @@ class IpcLink:
         link.skipped = skipped
         return link
 
-    def pull(self, stage: int) -> None:
-        """Enqueue stage ``stage``'s copies on the GPU (the host does not wait)."""
+    def pull(self, stage: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue stage ``stage``'s copies on ``stream`` (default: the current one; the host does not wait)."""
         if stage == 0 and self.sums is not None:  # a new refit: no verdict of an earlier, failed one is read
             self.sums.verdict = None
         if self.pullers[stage] is not None:
-            self.pullers[stage].pull()
+            self.pullers[stage].pull(stream)
 
     def enqueue_sums(self) -> None:
         """Checksum mode, after the last ``pull``: enqueue the rest of the check (``IpcSums.enqueue``)."""
