@@ -196,3 +196,16 @@ def test_a_gloo_group_forms_over_the_store_and_a_lost_store_is_an_error_naming_i
     lone.close()
     with pytest.raises(StoreLost, match=rf"127\.0\.0\.1:{lone.port}.*'gone'"):
         joined.set("gone", b"1")
+
+
+def test_calls_inside_a_refits_deadline_end_by_it_not_by_the_stores_timeout(hosted, monkeypatch):
+    monkeypatch.setattr(authstore, "AFTER_DEADLINE_S", 0.05)
+    c = _client(hosted)  # the store's own bound: 30 s
+    with authstore.calls_within(time.monotonic() - 1.0):  # past the deadline: publishing an abort, say
+        with pytest.raises(StoreTimeout, match=r"'never' within 0\.1s"):
+            c.wait(["never"], timedelta(seconds=20))
+        with pytest.raises(StoreTimeout, match="'never-either'"):
+            c.get("never-either")
+        c.set("still", b"answered")  # a live store answers well inside the bound
+    with pytest.raises(StoreTimeout, match=r"within 0\.1s"):  # outside the block: the wait's own timeout
+        c.wait(["never"], timedelta(milliseconds=60))

@@ -34,6 +34,7 @@ from refit.errors import PlanError, RefitError
 from refit.executor import Comms, Executor, FaultHook, RunStats
 from refit.layout import ModelLayout
 from refit.plan import Plan, ProcessMap, build_plan
+from refit.transport.authstore import calls_within
 from refit.transport.control import AbortChannel, RefitAborted
 from refit.transport.ipc_pace import check_pace
 from refit.transport.store import SignedStore, signed
@@ -340,20 +341,21 @@ class Peer:
         ch = self.channel
         check_abort = (lambda: ch.raise_if_aborted(version, attempt)) if ch is not None else None
         self.staged_version = None
-        try:
-            held = self._held(version, attempt, deadline)
-            stats = self.executor.run(deadline, check_abort, fault_hook, version=version, held=held)
-            if self.config.staged and ch is not None:
-                ch.vote(version, attempt, deadline, self.members)  # every process holds all of this version
-        except RefitAborted as e:
-            self._fail(str(e))
-            raise
-        except Exception as e:  # noqa: BLE001 - every process raises the same message
-            msg = f"refit of version {version} aborted: process {self.proc}: {type(e).__name__}: {e}"
-            if ch is not None:
-                msg = ch.abort(version, attempt, msg)
-            self._fail(msg)
-            raise RefitAborted(msg) from e
+        with calls_within(deadline):  # store calls end by the deadline, also when its host is cut off
+            try:
+                held = self._held(version, attempt, deadline)
+                stats = self.executor.run(deadline, check_abort, fault_hook, version=version, held=held)
+                if self.config.staged and ch is not None:
+                    ch.vote(version, attempt, deadline, self.members)  # every process holds all of this version
+            except RefitAborted as e:
+                self._fail(str(e))
+                raise
+            except Exception as e:  # noqa: BLE001 - every process raises the same message
+                msg = f"refit of version {version} aborted: process {self.proc}: {type(e).__name__}: {e}"
+                if ch is not None:
+                    msg = ch.abort(version, attempt, msg)
+                self._fail(msg)
+                raise RefitAborted(msg) from e
         delta = self.executor.delta
         if delta is not None and delta.base is not None:
             with self.executor.on_stream():  # the run's changes are on its stream

@@ -1,20 +1,22 @@
-"""A host with no job secret that reaches a job's rendezvous store and forges, replays and deletes refit's keys.
+"""A host with no job secret that reaches a job's rendezvous store and tries to delete and overwrite refit's keys.
 
-``python store_stranger.py OTHER_STORE STORE SYNC_DIR`` (``address:port`` each). It imports torch (for the
-store's client) and nothing of refit, and holds no secret. Steps, each begun by a file in SYNC_DIR:
+``python store_stranger.py STORE SYNC_DIR`` (``address:port``). It holds no secret. Once ``SYNC_DIR/attack``
+appears, until ``stop`` does, round after round it tries every way in a stranger has:
 
-* ``record``: read every value of refit's run keys (``<name>/run/v<version>.<attempt>/<what>``: votes, commit
-  records, aborts) from OTHER_STORE, another job's store (the same secret, another job id); writes ``recorded``.
-* ``attack``: on STORE, the job under attack, until ``stop`` appears: for the newest version whose keys it sees
-  and the one after it (keys are predictable), write every value recorded from the other job and from this
-  job's earlier versions under that version's keys (a replay), after deleting every key of those versions,
-  then forged values (``refit1.<made-up tag>.<json>``), over and over; writes ``attacking`` after its first
-  round. Prints one JSON line of counts.
+* torch's own store client (``TCPStore``), as an attacker would try first: it never gets to an op;
+* refit's store client with a made-up access key: the handshake is refused;
+* a raw connection that answers the server's hello with a made-up proof, then sends frames that would delete
+  and overwrite refit's commit keys (``SET`` / ``DELETE`` with made-up MACs): the server closes it;
+* junk bytes at the port.
+
+It writes ``attacking`` after its first round and prints one JSON line of counts: ``tries`` per way, and
+``served``: how many of its requests got an answer (every one should be refused, so 0).
 """
 
 import json
 import os
-import re
+import socket
+import struct
 import sys
 import time
 from datetime import timedelta
@@ -22,10 +24,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-RUN_KEY = re.compile(r"^(?P<name>[^/]+)/run/v(?P<version>\d+)\.(?P<attempt>\d+)/(?P<what>.+)$")
-FORGED = b"refit1." + b"5a" * 32 + b'.{"version": %d}'
-FORGED_ABORT = b"refit1." + b"a5" * 32 + b'.{"abort": "forged by a stranger"}'
-OWN = (FORGED[:71], FORGED_ABORT[:71])  # its own forgeries, told apart from the job's values by their tags
+from refit.transport import authstore
+
+_LEN = struct.Struct("!I")
 
 
 def _wait(path: Path) -> None:
@@ -33,85 +34,72 @@ def _wait(path: Path) -> None:
         time.sleep(0.01)
 
 
-def _client(address: str) -> dist.TCPStore:
-    host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), None, False, timedelta(seconds=30))
+def _answered(sock: socket.socket) -> bool:
+    """Whether the server sent anything back after our bytes (it should close the connection instead)."""
+    sock.settimeout(10)
+    try:
+        return bool(sock.recv(4096))
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
-def run_values(store: dist.TCPStore, known: dict[str, bytes] | None = None) -> list[tuple[re.Match, bytes]]:
-    """Every refit run key in ``store`` (parsed) with its raw value; values already in ``known`` (key: raw) are
-    not fetched again, and new ones are added to it (a version's values do not change once written)."""
-    known = {} if known is None else known
-    out = []
-    for key in store.list_keys():
-        m = RUN_KEY.match(key)
-        if m and key not in known:
+def torch_client(host: str, port: int) -> bool:
+    try:
+        dist.TCPStore(host, port, None, False, timedelta(seconds=1)).set("x/run/v1.0/commit", b"overwritten")
+    except RuntimeError:
+        return False
+    return True
+
+
+def made_up_key(host: str, port: int) -> bool:
+    try:
+        authstore.AuthStore(host, port, os.urandom(32), 5.0).delete_key("x/run/v1.0/commit")
+    except RuntimeError:
+        return False
+    return True
+
+
+def forged_frames(host: str, port: int) -> bool:
+    """A made-up proof, then DELETE and SET frames with made-up MACs for the keys refit commits under."""
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.recv(len(authstore._HELLO) + authstore._NONCE)
+        sock.sendall(os.urandom(2 * authstore._NONCE))
+        for op, items in ((authstore.DELETE, [b"r4/run/v8.0/commit"]), (authstore.SET, [b"r4/run/v8.0/ok/2", b"x"])):
+            body = bytes((op,)) + authstore.pack(items)
             try:
-                known[key] = bytes(store.get(key))
-            except RuntimeError:  # deleted under us
-                continue
-        if m:
-            out.append((m, known[key]))
-    return out
+                sock.sendall(_LEN.pack(len(body)) + body + os.urandom(authstore._MAC))
+            except OSError:
+                return False
+        return _answered(sock)
 
 
-def _newest(seen: list[tuple[re.Match, bytes]], best: tuple[str, int] | None) -> tuple[str, int] | None:
-    """The newest (session name, version) seen so far: versions only grow (keys it deleted do not count)."""
-    for m, _ in seen:
-        if best is None or int(m["version"]) > best[1]:
-            best = (m["name"], int(m["version"]))
-    return best
+def junk(host: str, port: int) -> bool:
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.recv(len(authstore._HELLO) + authstore._NONCE)  # the server's greeting: what every port-scan sees
+        sock.sendall(os.urandom(4096))
+        return _answered(sock)
 
 
-def attack(store: dist.TCPStore, recorded: list[tuple[str, bytes]], sync: Path) -> dict:
-    """Replay, forge and delete until ``sync/stop`` appears; ``sync/attacking`` once it has done all three."""
-    counts = {"replayed": 0, "forged": 0, "deleted": 0, "rounds": 0, "versions": []}
-    mine: dict[tuple[int, str], bytes] = {}  # this job's values, by version and key
-    known: dict[str, bytes] = {}
-    planted = {raw for _, raw in recorded}  # values it writes under other keys: not the job's news
-    best = None
-    while not (sync / "stop").exists():
-        seen = [(m, raw) for m, raw in run_values(store, known) if not raw.startswith(OWN) and raw not in planted]
-        mine.update({(int(m["version"]), m["what"]): raw for m, raw in seen})  # the job's own values only
-        best = _newest(seen, best)
-        if best is None:
-            time.sleep(0.005)
-            continue
-        name, version = best
-        for target in (version, version + 1):
-            prefix = f"{name}/run/v{target}.0/"
-            for key in [k for k in store.list_keys() if k.startswith(prefix)]:
-                store.delete_key(key)
-                known.pop(key, None)
-                counts["deleted"] += 1
-            earlier = {w: raw for (v, w), raw in sorted(mine.items()) if v < target}  # the latest of each key
-            planted.update(earlier.values())
-            for what, raw in [*recorded, *earlier.items()]:  # the other job's values, this job's earlier ones
-                store.set(prefix + what, raw)
-                counts["replayed"] += 1
-            for p in range(4):  # forgeries last: they stand until the next round deletes them
-                store.set(f"{prefix}ok/{p}", FORGED % target)
-            store.set(prefix + "commit", FORGED % target)
-            store.set(prefix + "abort", FORGED_ABORT)
-            counts["forged"] += 6
-        counts["rounds"] += 1
-        time.sleep(0.001)
-        if version not in counts["versions"]:
-            counts["versions"].append(version)
-        if counts["rounds"] == 1:
-            (sync / "attacking").touch()
-    return counts
+WAYS = {"torch client": torch_client, "made-up key": made_up_key, "forged frames": forged_frames, "junk": junk}
 
 
 def main() -> None:
-    other, target, sync = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    target, sync = sys.argv[1], Path(sys.argv[2])
     assert not os.environ.get("REFIT_SECRET") and not os.environ.get("REFIT_SECRET_FILE")  # a stranger
-    _wait(sync / "record")
-    recorded = sorted({m["what"]: raw for m, raw in run_values(_client(other))}.items())  # one value per key
-    (sync / "recorded").write_text(json.dumps(sorted({w for w, _ in recorded})))
+    host, port = target.rsplit(":", 1)
+    tries = dict.fromkeys(WAYS, 0)
+    served = rounds = 0
     _wait(sync / "attack")
-    counts = attack(_client(target), recorded, sync)
-    print(json.dumps({**counts, "recorded": len(recorded)}), flush=True)
+    while not (sync / "stop").exists():
+        for name, way in WAYS.items():
+            tries[name] += 1
+            served += way(host, int(port))
+        rounds += 1
+        if rounds == 1:
+            (sync / "attacking").touch()
+    print(json.dumps({"tries": tries, "served": served, "rounds": rounds}), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ b (process 2) and c (process 3), staged commit, a few seconds' deadline. Round b
    step), and comes back: the next refit, on a new Peer in the same processes, moves versions 2 and 3;
 2. host c partitioned (its link up, nothing crossing it) before version 4; healed, version 4 again;
 3. 5% of packets lost each way on host b's link during versions 5 and 6;
-4. a stranger on host d without the secret forges, replays (this job's earlier versions; another job's values,
-   the same secret and another job id) and deletes refit's store keys during versions 7-9; then version 10;
+4. a stranger on host d without the secret tries to connect to the store and delete and overwrite refit's keys
+   (torch's store client, a made-up access key, forged frames, junk) during versions 7-9; then version 10;
 5. every process of host c SIGKILLed while version 11 is half way.
 
-Each fault: every live process ends within the deadline (plus a margin for a loaded machine) with one error
-naming the process that failed, and the engines hold their last version bit for bit.
+Each fault: every live process ends within the deadline (plus a margin for a loaded machine), also one cut off
+from the store's host (its store calls are bounded by the refit's deadline); those that reach the store end
+with one error naming the process that failed, the one cut off with the store's timeout; the engines hold
+their last version bit for bit.
 """
 
 from __future__ import annotations
@@ -70,12 +72,6 @@ class Rounds:
         (self.sync / f"go.{k}").touch()
 
 
-def _other_job(cluster, secret: str, sync: Path) -> Job:
-    """Another job with the same secret (and its own job id): one process on host a that refits versions 1-12
-    under the session names used here, then waits (its store open) for the stranger to record its values."""
-    return Job(cluster, ["a"], [sys.executable, str(RANK), str(sync), "--other"], secret=secret)
-
-
 def _kill_host(cluster, host: str) -> list[int]:
     """SIGKILL every process inside ``host`` (no SIGTERM first: a machine that lost power)."""
     victims = netns.pids(cluster.host(host).netns)
@@ -88,30 +84,23 @@ def _kill_host(cluster, host: str) -> list[int]:
 def scenario(cluster, tmp_path_factory):
     sync = tmp_path_factory.mktemp("faults")
     rounds = Rounds(cluster, sync)
-    other = _other_job(cluster, rounds.job.secret, sync)
     stranger = cluster.spawn(
         "d",
-        [
-            sys.executable,
-            str(STRANGER),
-            *(f"{cluster.host('a').address}:{j.port}" for j in (other, rounds.job)),
-            str(sync),
-        ],
+        [sys.executable, str(STRANGER), f"{cluster.host('a').address}:{rounds.job.port}", str(sync)],
         env={"REFIT_SECRET": "", "REFIT_SECRET_FILE": ""},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        yield _play(cluster, rounds, other, stranger)
+        yield _play(cluster, rounds, stranger)
     finally:
         (sync / "stop").touch()
         stranger.kill()
-        for j in (rounds.job, other):
-            j.kill()
+        rounds.job.kill()
 
 
-def _play(cluster, rounds: Rounds, other: Job, stranger) -> dict:
+def _play(cluster, rounds: Rounds, stranger) -> dict:
     out = {"rounds": rounds.out}
     rounds.run("v1", {"name": "r0", "versions": [1]})
     # 1. a link taken down half way through version 2, brought back; the next refit in the same processes
@@ -119,16 +108,14 @@ def _play(cluster, rounds: Rounds, other: Job, stranger) -> dict:
     rounds.held(k)
     cluster.set_link("b", False)
     rounds.go(k)
-    rounds.finish("link down", k, [0, 1, 3])  # process 2, cut off from the store, waits for the link
+    rounds.finish("link down", k)  # process 2, cut off from the store, too: its calls end at its deadline
     cluster.set_link("b", True)
-    rounds.finish("link down", k, [2])
     rounds.run("after link", {"name": "r1", "versions": [2, 3]})
     # 2. an engine host partitioned before version 4; healed
     cluster.drop("c", 100)
     k = rounds.start({"name": "r1", "versions": [4]})
-    rounds.finish("partition", k, [0, 1, 2])
+    rounds.finish("partition", k)  # process 3 as well, by its deadline
     cluster.drop("c", 0)
-    rounds.finish("partition", k, [3])
     rounds.run("after partition", {"name": "r2", "versions": [4]})
     # 3. 5% loss each way on an engine host's link
     cluster.drop("b", 5)
@@ -136,12 +123,7 @@ def _play(cluster, rounds: Rounds, other: Job, stranger) -> dict:
     rounds.run("loss", {"name": "r3", "versions": [5, 6], "deadline_s": 60.0})
     out["loss"] = [n - m for n, m in zip(cluster.dropped("b"), before)]
     cluster.drop("b", 0)
-    # 4. a stranger's forged, replayed and deleted store keys
-    wait_for([rounds.sync / "other.done"], 300, other.procs)
-    out["other"] = json.loads((rounds.sync / "other.done").read_text())
-    (rounds.sync / "record").touch()
-    wait_for([rounds.sync / "recorded"], 60, [stranger])
-    (rounds.sync / "other.exit").touch()
+    # 4. a stranger trying to delete and overwrite store keys
     (rounds.sync / "attack").touch()
     wait_for([rounds.sync / "attacking"], 60, [stranger])
     rounds.run("stranger", {"name": "r4", "versions": [7, 8, 9]})
@@ -178,12 +160,13 @@ def test_a_fault_ends_every_process_with_one_error_naming_the_failed_rank_engine
 ):
     rows = scenario["rounds"][label]
     assert all(len(vs) == 1 and vs[0]["error"] for vs in rows.values()), rows
-    errors = {vs[0]["error"] for vs in rows.values()}
-    assert len(errors) == 1, errors  # one error, the same on every process
+    for r, vs in rows.items():  # every process by its deadline, also one cut off from the store's host
+        assert vs[0]["seconds"] < DEADLINE_S + MARGIN_S, (r, vs)
+    errors = {vs[0]["error"] for r, vs in rows.items() if int(r) != cut_off}
+    assert len(errors) == 1, errors  # one error, the same on every process that reaches the store
     assert f"process {failed}" in errors.pop(), rows
-    for r, vs in rows.items():  # a process cut off from the store's host ends once its link is back
-        if int(r) != cut_off:
-            assert vs[0]["seconds"] < DEADLINE_S + MARGIN_S, (r, vs)
+    if cut_off is not None:  # it cannot read that error: it says the store did not answer by the deadline
+        assert "store is unreachable (StoreTimeout)" in rows[cut_off][0]["error"], rows[cut_off]
     for r, vs in _engines(rows).items():
         assert vs[0]["committed"] == last and vs[0]["holds"] == last, (r, vs)
 
@@ -208,14 +191,12 @@ def test_five_percent_of_packets_lost_each_way_still_refits_bit_exact(scenario):
     assert dropped >= 20 and 0.02 <= dropped / seen <= 0.10, scenario["loss"]  # each packet at random
 
 
-def test_a_stranger_forging_replaying_and_deleting_store_keys_is_never_acted_on(scenario):
+def test_a_stranger_without_the_secret_cannot_touch_the_store_and_every_refit_commits_everywhere(scenario):
     s, rows = scenario["stranger"], scenario["rounds"]["stranger"]
-    assert s["recorded"] >= 2 and s["replayed"] and s["forged"] and s["deleted"], s  # votes, commit records
-    assert scenario["other"] is True  # the job it recorded them from ran its refits
-    assert sum(v["rejected"] for vs in rows.values() for v in vs) > 0  # its values were read and refused
-    for r, vs in rows.items():
-        for v in vs:  # at worst a clean failure at the deadline; never its forged abort
-            assert v["error"] is None or "deadline" in v["error"], (r, v)
-            assert v["committed"] == (v["version"] if v["error"] is None else v["version"] - 1), (r, v)
-    for r, vs in _engines(rows).items():  # live tensors: exactly the version committed, never a mix
-        assert all(v["holds"] == v["committed"] for v in vs), (r, vs)
+    assert s["rounds"] >= 1 and all(n >= 1 for n in s["tries"].values()), s  # every way, during the refits
+    assert s["served"] == 0, s  # not one of its requests was answered
+    for r, vs in rows.items():  # nothing it did reached refit: every version commits on every process
+        assert [(v["error"], v["committed"]) for v in vs] == [(None, 7), (None, 8), (None, 9)], (r, vs)
+        assert all(v["rejected"] == 0 for v in vs), (r, vs)  # no forged value ever reached a reader
+    for r, vs in _engines(rows).items():  # both engines on the same version, bit for bit, after every refit
+        assert [v["holds"] for v in vs] == [7, 8, 9], (r, vs)

@@ -23,6 +23,7 @@ longer than its bound.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -31,7 +32,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -427,11 +428,11 @@ class AuthStore(dist.Store):
         return self.multi_get([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        seconds = self.timeout.total_seconds()
+        seconds = _within(self.timeout.total_seconds())
         return self._call(GET, [_ms(seconds), *map(_b, keys)], ", ".join(keys), seconds)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        seconds = (timeout or self.timeout).total_seconds()
+        seconds = _within((timeout or self.timeout).total_seconds())
         self._call(WAIT, [_ms(seconds), *map(_b, keys)], ", ".join(keys), seconds)
 
     def check(self, keys: list[str]) -> bool:
@@ -476,7 +477,7 @@ class AuthStore(dist.Store):
         """One request and its reply within the bound: ``wait_s`` for a wait (the server answers by then),
         else the store's timeout. ``StoreTimeout`` / ``StoreLost`` name the key, the address, the seconds.
         The process that hosts the store calls its server directly (no socket, no thread hop)."""
-        bound = wait_s if op in (GET, WAIT) else self.timeout.total_seconds()
+        bound = wait_s if op in (GET, WAIT) else _within(self.timeout.total_seconds())
         if self.server is not None:
             try:
                 code, reply = _HANDLERS[op](self.server, items)
@@ -541,6 +542,32 @@ class AuthStore(dist.Store):
                     f"refit store {self.where}: the store refused this process ({e}): it holds another job "
                     "secret or job id (REFIT_SECRET / REFIT_JOB_ID), or is not a refit store"
                 ) from None
+
+
+_BOUND = threading.local()
+AFTER_DEADLINE_S = 1.0  # a call made at or after the deadline (publishing an abort) still gets this long
+
+
+@contextlib.contextmanager
+def calls_within(deadline: float) -> Iterator[None]:
+    """Bound every store call this thread makes inside the block by ``deadline`` (``time.monotonic()``), and
+    one made after it by ``AFTER_DEADLINE_S``: a process cut off from the store's host ends with
+    ``StoreTimeout`` at its refit's deadline instead of at the store's timeout. Blocks nest (the inner
+    deadline holds inside it)."""
+    outer = getattr(_BOUND, "deadline", None)
+    _BOUND.deadline = deadline
+    try:
+        yield
+    finally:
+        _BOUND.deadline = outer
+
+
+def _within(seconds: float) -> float:
+    """``seconds``, cut to what ``calls_within`` leaves this thread (at least ``AFTER_DEADLINE_S``)."""
+    deadline = getattr(_BOUND, "deadline", None)
+    if deadline is None:
+        return seconds
+    return min(seconds, max(deadline - time.monotonic(), AFTER_DEADLINE_S))
 
 
 def _ms(seconds: float) -> bytes:
