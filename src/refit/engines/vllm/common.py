@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -154,7 +155,9 @@ def open_store(info: RefitInitInfo, is_master: bool) -> SignedStore:
         secret=secret,
         scope=info.job_id,
     )
-    return SignedStore(dist.PrefixStore(info.session, raw), secret, f"{info.session}:{info.job_id}")
+    store = SignedStore(dist.PrefixStore(info.session, raw), secret, f"{info.session}:{info.job_id}")
+    weakref.finalize(store, raw.close)  # its connections (rank 0: its server) close with the last reference
+    return store
 
 
 def join_group(info: RefitInitInfo, store: SignedStore, rank: int) -> dist.ProcessGroup:
