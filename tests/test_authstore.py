@@ -64,6 +64,8 @@ def test_ops_through_a_prefix_store_match_torchs_store_semantics(hosted):
     c.multi_set(["m1", "m2"], [b"v1", b""])
     assert c.get("m2") == b"" and c.delete_key("m1") and not c.delete_key("m1")
     assert hosted.num_keys() >= 4
+    twin = hosted.clone()  # torch clones a store for some groups: a client of the same data, not hosting
+    assert twin.server is None and twin.get("ops/new") == b"x" and "ops/new" in twin.list_keys()
     big = os.urandom(1 << 20)
     c.set("big", big)
     assert c.get("big") == big
