@@ -24,5 +24,5 @@ def test_200_refits_do_not_grow_memory_threads_or_groups(commit):
     assert res.worst_rss_growth <= 0.05, [(r["rss_warm"], r["rss_end"]) for r in res.rows]
     assert all(r["threads_end"] == r["threads_warm"] and r["groups_end"] == r["groups_warm"] for r in res.rows)
     assert all(r["exact"] for r in res.rows if r["role"] == "engine")  # the 200th refit's weights, bit for bit
-    assert all(r["refit_threads_closed"] == [] for r in res.rows)  # close() joined the waiter thread
+    assert all(r["refit_threads_closed"] == [] for r in res.rows), res.rows  # close() joined the waiter thread
     assert res.ok

@@ -211,10 +211,13 @@ class StoreServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
-        threading.Thread(target=self._accept, name=f"refit-store:{self.address[1]}", daemon=True).start()
+        self._servers: set[threading.Thread] = set()  # one per connection, until it ends
+        self._acceptor = threading.Thread(target=self._accept, name=f"refit-store:{self.address[1]}", daemon=True)
+        self._acceptor.start()
 
     def close(self) -> None:
-        """Stop listening and close every connection (their clients see the store lost)."""
+        """Stop listening (the accepting thread joined) and close every connection (their clients see the store
+        lost)."""
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns), set()
@@ -224,6 +227,11 @@ class StoreServer:
             except OSError:
                 pass
             s.close()
+        with self._lock:
+            threads = [self._acceptor, *self._servers]
+        for t in threads:  # each ends once its socket is closed
+            if t is not threading.current_thread():
+                t.join(timeout=5.0)
 
     def _accept(self) -> None:
         while True:
@@ -241,7 +249,9 @@ class StoreServer:
                     continue
                 self._pending += 1
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                server = threading.Thread(target=self._serve, args=(conn,), name="refit-store-conn", daemon=True)
+                self._servers.add(server)
+            server.start()
 
     def _serve(self, conn: socket.socket) -> None:
         chan = None
@@ -265,6 +275,7 @@ class StoreServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._servers.discard(threading.current_thread())
             (chan.close if chan is not None else conn.close)()
 
     def _loop(self, chan: Channel) -> None:
