@@ -127,38 +127,10 @@ class Rank:
         }
 
 
-def other_job(sync: Path, store) -> None:
-    """Another job (one process, trainer and engine both; the same secret, its own job id) whose signed votes
-    and commit records the stranger records: versions 1-12 under the session names the job steered here uses."""
-    shapes = [(n, s, torch.float32) for n, s, _ in param_shapes("tiny-llama")]
-    layout = layout_from_spec(shapes, parse_spec("tp=1", "src"))
-    src, dst = reference_shards(layout, 0), {n: torch.zeros_like(t) for n, t in reference_shards(layout, 0).items()}
-    for name in ("r3", "r4"):
-        config = TransferConfig(name=name, commit="staged", deadline_s=60.0)
-        peer = Peer(
-            layout,
-            layout,
-            0,
-            src_tensors=src,
-            dst_tensors=dst,
-            procs=ProcessMap((0,), (0,)),
-            config=config,
-            store=store,
-        )
-        for v in range(1, 13):
-            peer.run(v)
-        peer.close()
-    _write(sync / "other.done", holds(dst, layout, 0, seed=0))
-    _await(sync / "other.exit")
-
-
 def main() -> None:
     sync = Path(sys.argv[1])
     torch.set_num_threads(1)
     rank, world, store = join_from_env(timeout_s=120.0)
-    if sys.argv[2:] == ["--other"]:
-        other_job(sync, store)
-        os._exit(0)
     faulthandler.register(signal.SIGUSR1, file=open(sync / f"stacks.{rank}", "w"), all_threads=True)  # noqa: SIM115
     me = Rank(rank, store)
     k = 0
