@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         }
     )
     peer.close()
+    # no process leaves before every other has closed its Peer: process 0 hosts the store the others still use
+    dist.barrier()
     dist.destroy_process_group()
 
 
