@@ -19,16 +19,24 @@ timeout where it has one (``wait``), else by the store's (``set_timeout``); past
 ``StoreTimeout`` (a ``DistStoreError``) naming the key, the store's address and the seconds, and a lost
 store raises ``StoreLost`` (a ``DistNetworkError``). A call never waits on a link that has gone quiet for
 longer than its bound.
+
+The process that hosts the store leaves last: at its exit (``atexit``) it first closes its own clients, then
+serves on until every other client has said goodbye (closed its connections: ``AuthStore.close``, or its
+process ended), at most ``REFIT_STORE_LINGER_S`` (default ``LINGER_S``). So a program whose process 0 finishes
+first does not take the store from a process still using it (an engine reading the last refit's outcome);
+a client that never closes delays that exit by the bound, and is then named on stderr.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import hmac
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from collections import Counter
@@ -50,6 +58,9 @@ _MAC = 16  # a frame's MAC: HMAC-SHA256 truncated
 _LEN = struct.Struct("!I")
 _I64 = struct.Struct("!q")
 _CONNECT_RETRY_S = 0.02
+LINGER_ENV = "REFIT_STORE_LINGER_S"
+LINGER_S = 30.0  # how long the store's host waits at exit, at most, for its clients to say goodbye
+LINGER_NOTE_S = 1.0  # a wait longer than this is said on stderr
 
 # op codes (requests) and statuses (replies)
 SET, GET, WAIT, CHECK, CAS, ADD, APPEND, DELETE, NUM, LIST = range(1, 11)
@@ -59,6 +70,9 @@ OK, TIMEOUT, REFUSED = 0, 1, 2
 _LIVE: dict[int, AuthStore] = {}
 """Every open client, until ``close``: torch holds a store (in a ``PrefixStore``, a process group) by its C++
 part alone, and a Python store whose object was collected would lose its methods there."""
+
+_SERVING: set[StoreServer] = set()
+"""Every server this process hosts, until ``close``: served on at exit until their clients leave (``leave``)."""
 
 
 class StoreTimeout(dist.DistStoreError):
@@ -210,14 +224,31 @@ class StoreServer:
         self._pending = 0
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._gone = threading.Condition(self._lock)  # notified whenever a connection ends
         self._closed = False
         self._servers: set[threading.Thread] = set()  # one per connection, until it ends
         self._acceptor = threading.Thread(target=self._accept, name=f"refit-store:{self.address[1]}", daemon=True)
         self._acceptor.start()
+        _SERVING.add(self)
+
+    def connected(self) -> int:
+        """How many connections are open now (clients that have not said goodbye, and handshakes)."""
+        with self._lock:
+            return len(self._conns)
+
+    def linger(self, seconds: float) -> int:
+        """Serve on until every connection has closed (each client closed it, or its process ended) or
+        ``seconds`` pass; the number still open. New connections are served meanwhile."""
+        end = time.monotonic() + seconds
+        with self._gone:
+            while self._conns and end - time.monotonic() > 0:
+                self._gone.wait(end - time.monotonic())
+            return len(self._conns)
 
     def close(self) -> None:
         """Stop listening (the accepting thread joined) and close every connection (their clients see the store
         lost)."""
+        _SERVING.discard(self)
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns), set()
@@ -276,6 +307,7 @@ class StoreServer:
             with self._lock:
                 self._conns.discard(conn)
                 self._servers.discard(threading.current_thread())
+                self._gone.notify_all()
             (chan.close if chan is not None else conn.close)()
 
     def _loop(self, chan: Channel) -> None:
@@ -585,6 +617,54 @@ def _ms(seconds: float) -> bytes:
     """A wait of ``seconds`` as the server's timeout: a little shorter (a tenth, at most 10 ms), so that its
     answer arrives within the client's bound on a live link."""
     return _I64.pack(max(1, int(seconds * 1000 - min(10.0, seconds * 100))))
+
+
+def linger_seconds() -> float:
+    """``REFIT_STORE_LINGER_S`` (seconds, >= 0), else ``LINGER_S``; ``ValueError`` naming it if malformed."""
+    raw = os.environ.get(LINGER_ENV, "").strip()
+    if not raw:
+        return LINGER_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{LINGER_ENV} must be a number of seconds >= 0, got {raw!r}")
+    return seconds
+
+
+def leave() -> None:
+    """What this process does at exit (``atexit``; call it before ``os._exit``): its own clients close (it is
+    leaving), then each server it hosts serves on until its other clients have said goodbye, at most
+    ``linger_seconds()``; a wait past ``LINGER_NOTE_S`` and the clients left behind are said on stderr."""
+    for client in list(_LIVE.values()):
+        if client.server is None:
+            client.close()
+    servers = list(_SERVING)
+    if not servers:
+        return
+    bound = linger_seconds()
+    for server in servers:
+        where = f"{server.address[0]}:{server.address[1]}"
+        left = server.linger(min(LINGER_NOTE_S, bound))
+        if left and bound > LINGER_NOTE_S:
+            print(
+                f"refit: this process hosts the job's store ({where}) and is leaving: waiting for {left} client(s)"
+                f" still connected, at most {bound - LINGER_NOTE_S:.0f}s more ({LINGER_ENV})",
+                file=sys.stderr,
+                flush=True,
+            )
+            left = server.linger(bound - LINGER_NOTE_S)
+        if left:
+            print(
+                f"refit: the job's store ({where}) leaves with its host with {left} client(s) still connected after"
+                f" {bound:.0f}s ({LINGER_ENV}): their next call fails (StoreLost)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+atexit.register(leave)
 
 
 def host(sock: socket.socket, key: bytes, timeout_s: float) -> AuthStore:

@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--src {a.src} and --replicas {a.replicas} need {trainer.world_size + a.replicas} processes")
     modes = {m: _run_mode(m, a, rank, trainer, replica, store) for m in a.modes.split(",")}
     report({"rank": rank, "host": bind_address(), "modes": modes})
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # process 0, the store's host, serves on at exit until the others leave
 
 
 if __name__ == "__main__":
