@@ -1,18 +1,20 @@
 """One process of a refit across cluster hosts that the test steers round by round, for faults and strangers.
 
-``python fault_rank.py SYNC_DIR``, started by ``Job`` (trainer fsdp=2 as processes 0-1, engine tp=1,dp=2 as
-processes 2-3; tiny-llama, float32, staged commit). Round ``k`` begins when the test writes
+``python fault_rank.py SYNC_DIR [FIRST_ROUND]``, started by ``Job`` (trainer fsdp=2 as processes 0-1, engine
+tp=1,dp=2 as processes 2-3; tiny-llama, float32, staged commit). Round ``k`` begins when the test writes
 ``SYNC_DIR/round.<k>`` (JSON):
 
-* ``name``, ``deadline_s``: the Peer's ``config.name`` and deadline; a Peer is built (on a fresh gloo group) for
-  the first round, after an aborted refit, and whenever ``name`` changes;
+* ``name``, ``deadline_s``: the Peer's ``config.name`` and deadline; a Peer is built for the first round, after
+  an aborted refit, and whenever ``name`` changes, on a fresh gloo group of its own made through the job's store
+  (``store.gloo_group``, not the default group): a process started later in a dead one's place (with its rank and
+  ``FIRST_ROUND``, joining the store only) joins the next Peer beside the survivors;
 * ``versions``: the versions to refit, in turn (a failure ends the round);
 * ``hold``: ``[process, version]`` or null: that process stops half way through that version's steps, writes
   ``held.<k>`` and goes on once ``go.<k>`` appears (the test cuts a link, or kills a host, meanwhile);
 * ``exit``: true ends the process.
 
 After each round every process writes ``result.<k>.<rank>`` (JSON): per version its error (None: committed),
-seconds, the version committed here and, on an engine, which seed its live tensors hold bit for bit. SIGUSR1
+seconds, the version committed here, its pid and, on an engine, which seed its live tensors hold bit for bit. SIGUSR1
 writes every thread's stack to ``stacks.<rank>`` (where a process hangs).
 """
 
@@ -24,7 +26,6 @@ import os
 import signal
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -35,9 +36,11 @@ from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap
-from refit.tools.cluster.job import join_from_env
+from refit.tools.cluster.job import RANK_ENV, STORE_ENV, WORLD_ENV, join_from_env
 from refit.tools.verify import holds, reference_shards
 from refit.transfer import Peer
+from refit.transport import authstore
+from refit.transport.store import bind_address, gloo_group, open_store, pin_interfaces
 
 N_SRC, N_DST = 2, 2
 GROUP_TIMEOUT_S = 60.0  # a gloo wait the deadline abandoned ends by then
@@ -65,6 +68,7 @@ class Rank:
         self.src = layout_from_spec(shapes, parse_spec("fsdp=2", "src"))
         self.dst = layout_from_spec(shapes, parse_spec("tp=1,dp=2", "dst"))
         self.rank, self.store, self.peer = rank, store, None
+        self.groups: list = []  # every group made, kept: one an aborted refit left operations on is never freed
         self.last: int | None = None  # the last version committed here, by any of this process's Peers
         self.is_src = rank < N_SRC
         if self.is_src:
@@ -74,16 +78,29 @@ class Rank:
             self.tensors = {n: torch.full_like(t, float("nan")) for n, t in shards.items()}
 
     def build(self, name: str, deadline_s: float) -> None:
-        """A new Peer on a fresh gloo group (a failed refit may have left operations on the old one)."""
+        """A new Peer on a fresh gloo group (a failed refit may have left operations on the old one), made
+        through the store under ``name``: every process of the round joins it, a replacement included."""
         if self.peer is not None:
             self.peer.close()
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        where = dist.PrefixStore(f"fault/{name}", self.store)
+        group = gloo_group(where, self.rank, N_SRC + N_DST, GROUP_TIMEOUT_S, bind_address())
+        self.groups.append(group)
         procs = ProcessMap.disjoint(N_SRC, N_DST)
         config = TransferConfig(
             name=name, commit="staged", deadline_s=deadline_s, buffer_bytes=64 << 10, preflight_timeout_s=60.0
         )
         kw = {"src_tensors": self.tensors} if self.is_src else {"dst_tensors": self.tensors}
-        self.peer = Peer(self.src, self.dst, self.rank, procs=procs, group=group, config=config, store=self.store, **kw)
+        self.peer = Peer(
+            self.src,
+            self.dst,
+            self.rank,
+            procs=procs,
+            group=group,
+            config=config,
+            store=self.store,
+            standalone=True,
+            **kw,
+        )
 
     def held_seed(self) -> int | None:
         """The seed (= version) the live engine tensors hold bit for bit, or None (mixed / none)."""
@@ -124,16 +141,25 @@ class Rank:
             "committed": self.last,
             "holds": self.held_seed(),
             "rejected": rejected,
+            "pid": os.getpid(),
         }
+
+
+def _replacement_join() -> tuple[int, object]:
+    """A process started in a dead one's place: the job's store only (the default group's world is gone)."""
+    rank = int(os.environ[RANK_ENV])
+    host, port = os.environ[STORE_ENV].rsplit(":", 1)
+    pin_interfaces(bind_address())
+    return rank, open_store(host, int(port), int(os.environ[WORLD_ENV]), False, 120.0)
 
 
 def main() -> None:
     sync = Path(sys.argv[1])
+    k = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     torch.set_num_threads(1)
-    rank, world, store = join_from_env(timeout_s=120.0)
+    rank, store = _replacement_join() if k else join_from_env(timeout_s=120.0)[::2]
     faulthandler.register(signal.SIGUSR1, file=open(sync / f"stacks.{rank}", "w"), all_threads=True)  # noqa: SIM115
     me = Rank(rank, store)
-    k = 0
     while True:
         _await(sync / f"round.{k}", 600.0)
         spec = json.loads((sync / f"round.{k}").read_text())
@@ -153,6 +179,7 @@ def main() -> None:
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
     _write(sync / f"exited.{rank}", [ru.ru_utime, ru.ru_stime])
+    authstore.leave()  # what exit does (os._exit skips it): process 0 serves the store until the others left
     os._exit(0)  # the default group's teardown waits on peers a fault may have removed
 
 

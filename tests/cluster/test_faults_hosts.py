@@ -8,7 +8,8 @@ b (process 2) and c (process 3), staged commit, a few seconds' deadline. Round b
 3. 5% of packets lost each way on host b's link during versions 5 and 6;
 4. a stranger on host d without the secret tries to connect to the store and delete and overwrite refit's keys
    (torch's store client, a made-up access key, forged frames, junk) during versions 7-9; then version 10;
-5. every process of host c SIGKILLed while version 11 is half way.
+5. every process of host c SIGKILLed while version 11 is half way; then a new process in process 3's place on
+   host c (joining the job's store, not the default group), and version 12 on the survivors and it.
 
 Each fault: every live process ends within the deadline (plus a margin for a loaded machine), also one cut off
 from the store's host (its store calls are bounded by the refit's deadline); those that reach the store end
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from refit.tools.cluster import netns
-from refit.tools.cluster.job import Job
+from refit.tools.cluster.job import Job, job_env
 
 from .helpers import wait_for
 
@@ -70,6 +71,16 @@ class Rounds:
 
     def go(self, k: int) -> None:
         (self.sync / f"go.{k}").touch()
+
+    def replace(self, rank: int) -> None:
+        """A new process in process ``rank``'s place, on its host, from the next round on."""
+        job, host = self.job, PLACEMENT[rank]
+        env = job_env(self.cluster, PLACEMENT, rank, job.port, job.secret, job.job_id)
+        argv = [sys.executable, str(RANK), str(self.sync), str(self.k)]
+        job.procs[rank] = self.cluster.spawn(
+            host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.live = sorted({*self.live, rank})
 
 
 def _kill_host(cluster, host: str) -> list[int]:
@@ -139,6 +150,9 @@ def _play(cluster, rounds: Rounds, stranger) -> dict:
     rounds.live = [0, 1, 2]
     rounds.go(k)
     rounds.finish("host killed", k)
+    out["survivors"] = {r: rounds.out["host killed"][r][0]["pid"] for r in rounds.live}
+    rounds.replace(3)  # the survivors keep running; process 3 is new
+    rounds.run("replaced", {"name": "r6", "versions": [12]})
     rounds.start({"exit": True})
     return out
 
@@ -179,6 +193,17 @@ def test_once_the_fault_is_gone_the_same_processes_refit_again_bit_exact(scenari
         assert all(v["error"] is None and v["committed"] == v["version"] for v in vs), (r, vs)
     for r, vs in _engines(rows).items():
         assert [v["holds"] for v in vs] == [v["version"] for v in vs], (r, vs)
+
+
+def test_after_a_host_died_the_survivors_refit_with_a_new_process_in_its_place_bit_exact(scenario):
+    rows = scenario["rounds"]["replaced"]
+    assert sorted(rows) == [0, 1, 2, 3], rows
+    assert {r: rows[r][0]["pid"] for r in scenario["survivors"]} == scenario["survivors"]  # not restarted
+    assert rows[3][0]["pid"] not in scenario["survivors"].values()
+    for r, vs in rows.items():
+        assert [(v["error"], v["committed"]) for v in vs] == [(None, 12)], (r, vs)
+    for r, vs in _engines(rows).items():  # the survivor from version 10, the new one from nothing
+        assert [v["holds"] for v in vs] == [12], (r, vs)
 
 
 def test_five_percent_of_packets_lost_each_way_still_refits_bit_exact(scenario):
