@@ -24,6 +24,9 @@
    on GPUs 0-1), ``transport="auto"``: a dense Peer and a ``delta="auto"`` one refit after every step. On CUDA
    every link is CUDA IPC, which ``auto`` keeps dense (on one GPU reading two versions costs more than
    copying one), so auto must match dense; the rows say whether a delta schedule was built at all.
+5. S2 over NIXL (``--s2-nixl``; one GPU, or 2 CPU processes): trainer and engine on one device, Peers over
+   CUDA IPC (dense), NIXL dense, NIXL with ``delta="auto"`` and forced words (``refit.transport.nixl_delta``),
+   each refit after every step at 0.1%, 1% and 100% changed, the engine checked bit for bit after each.
 """
 
 from __future__ import annotations
@@ -70,6 +73,11 @@ def optimizer_step(tensors: dict[str, torch.Tensor], fraction: float, seed: int,
         for s in range(0, flat.numel(), chunk):
             c = flat[s : s + chunk]
             c ^= (torch.rand(c.shape, device=c.device, generator=gen) < fraction).to(torch.int16)
+
+
+def _same(tensors: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> bool:
+    """Every tensor of ``ref`` equal bit for bit in ``tensors`` (bf16 as int16)."""
+    return all(torch.equal(tensors[n].view(torch.int16), ref[n].view(torch.int16)) for n in ref)
 
 
 def _groups(tensors: dict[str, torch.Tensor], group_bytes: int) -> list[list[str]]:
@@ -328,9 +336,7 @@ def _s1_worker(
                 if st.delta is not None and world.src_rank is not None:
                     enc[k] = dict(st.delta.encodings)
                 if ref is not None:  # bit for bit after every refit, dense and delta alike
-                    exact = exact and all(
-                        torch.equal(tensors[n].view(torch.int16), ref[n].view(torch.int16)) for n in ref
-                    )
+                    exact = exact and _same(tensors, ref)
         warm = slice(1, None) if iters > 1 else slice(None)
         rows.append(
             {
@@ -453,6 +459,86 @@ def s3(model: str, device: str, iters: int) -> list[dict]:
     return rows
 
 
+S2_NIXL_PEERS = {  # name -> TransferConfig fields: CUDA IPC dense, NIXL dense, NIXL deltas (the rule's, forced words)
+    "ipc": {"transport": "auto"},
+    "nixl": {"transport": "nixl"},
+    "nixl_auto": {"transport": "nixl", "delta": "auto"},
+    "nixl_words": {"transport": "nixl", "delta": "words"},
+}
+S2_FRACTIONS = (0.001, 0.01, 1.0)
+
+
+def _s2_nixl_worker(world, model: str, iters: int, buffer_mb: int) -> list[dict]:
+    """S2 over NIXL: process 0 (trainer) and 1 (engine) on one device; per fraction, after every step, each
+    Peer of ``S2_NIXL_PEERS`` refits in turn (each first in turn); the engine checks every refit bit for bit."""
+    shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes(model)]
+    lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
+    dev = world.device
+    procs = ProcessMap((0,), (1,), (str(dev), str(dev)))
+    is_src = world.src_rank is not None
+    tensors = {n: make_weight(n, s, torch.bfloat16, dev) if is_src else torch.zeros(s, dtype=torch.bfloat16, device=dev)
+               for n, s, _ in shapes}  # fmt: skip
+    ref = None if is_src else {n: make_weight(n, s, torch.bfloat16, dev) for n, s, _ in shapes}
+    kw = {"src_tensors": tensors} if is_src else {"dst_tensors": tensors}
+    base = {"num_buffers": 2, "buffer_bytes": buffer_mb << 20, "deadline_s": 600}
+    peers = {
+        k: Peer(
+            lay,
+            lay,
+            world.rank,
+            procs=procs,
+            config=TransferConfig(**base, **c, name=f"s2-{k}"),
+            device=dev,
+            tag_base=100_000 * i,
+            **kw,
+        )  # fmt: skip
+        for i, (k, c) in enumerate(S2_NIXL_PEERS.items())
+    }
+    version, rows, names = 1, [], list(peers)
+    for p in peers.values():
+        p.run(version)  # dense for all: nothing to diff against
+    for fi, f in enumerate(S2_FRACTIONS):
+        times, exact, enc = {k: [] for k in peers}, True, {}
+        for it in range(iters):
+            version += 1
+            optimizer_step(tensors if ref is None else ref, f, seed=1000 * fi + it)
+            for k in names[it % len(names) :] + names[: it % len(names)]:
+                _sync(dev)
+                dist.barrier()
+                t0 = time.perf_counter()
+                st = peers[k].run(version)
+                _sync(dev)
+                times[k].append(time.perf_counter() - t0)
+                if st.delta is not None and is_src:
+                    enc[k] = dict(st.delta.encodings)
+                if ref is not None:
+                    exact = exact and _same(tensors, ref)
+        warm = slice(1, None) if iters > 1 else slice(None)
+        rows.append({"fraction": f, **{f"{k}_ms": statistics.median(v[warm]) * 1e3 for k, v in times.items()},
+                     "exact": exact, "encodings": enc})  # fmt: skip
+    for p in peers.values():
+        p.close()
+    return rows
+
+
+def s2_nixl(model: str, device: str, iters: int, buffer_mb: int) -> list[dict]:
+    """``_s2_nixl_worker`` on 2 processes of one device: per fraction the slower process's medians, the
+    engine's exactness and the trainer's delta encodings."""
+    devices = ["cuda:0", "cuda:0"] if device == "cuda" else ["cpu", "cpu"]
+    src, dst = run_local(_s2_nixl_worker, 1, 1, model, iters, buffer_mb, devices=devices, timeout_s=1200)
+    return [
+        {**a, **{f"{k}_ms": max(a[f"{k}_ms"], b[f"{k}_ms"]) for k in S2_NIXL_PEERS}, "exact": b["exact"]}
+        for a, b in zip(src, dst)
+    ]
+
+
+def _print_s2_nixl(rows: list[dict]) -> None:
+    print("S2 one device, CUDA IPC vs NIXL dense vs NIXL deltas (slower process, median ms; x NIXL dense):")
+    for r in rows:
+        cols = " | ".join(f"{k} {r[f'{k}_ms']:8.2f} ({r[f'{k}_ms'] / r['nixl_ms']:.2f}x)" for k in S2_NIXL_PEERS)
+        print(f"  {r['fraction']:>6.1%} | {cols} | exact {r['exact']} {r['encodings']}")
+
+
 def _print(res: dict) -> None:
     print(f"device {res['device']}, model {res['model']} ({res['model_bytes'] / 1e9:.2f} GB bf16)")
     print(
@@ -526,6 +612,9 @@ def main() -> None:
     ap.add_argument("--no-s1", action="store_true", help="kernel timings and the rule only")
     ap.add_argument("--no-kernels", action="store_true", help="S1 only")
     ap.add_argument("--s3", action="store_true", help="also S3 (colocated fsdp=2 -> tp=2, 4 processes), dense vs auto")
+    ap.add_argument(
+        "--s2-nixl", action="store_true", help="also S2 (one device): CUDA IPC, NIXL dense and NIXL deltas (needs nixl)"
+    )
     ap.add_argument("--profile", default=None, help="a directory: cProfile of 3 forced-words S1 refits at 1%%")
     ap.add_argument("--trace", default=None, help="a directory: torch profiler timelines of S1 refits at 1%%")
     ap.add_argument("--modes", default=",".join(ALL_PEERS), help="S1's delta Peers (delta = auto, always run)")
@@ -562,6 +651,9 @@ def main() -> None:
     if args.s3 and (device == "cpu" or torch.cuda.device_count() >= 2):
         res["s3"] = s3(model, device, args.iters)
         _print_s3(res["s3"])
+    if args.s2_nixl:
+        res["s2_nixl"] = s2_nixl(model, device, args.iters, args.buffer_mb)
+        _print_s2_nixl(res["s2_nixl"])
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -29,7 +29,7 @@ from refit.layout.rules import check_spec_fits, layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import Plan, build_plan
 from refit.tools.cluster.command import add_cluster_parser, cmd_cluster
-from refit.tools.quant_cli import add_quant_option, quant_fields, quant_label, quantized_layouts
+from refit.tools.quant_cli import add_quant_option, quant_fields, quant_flags, quant_label, quantized_layouts
 from refit.transport.auth import secret_from_env
 
 
@@ -303,6 +303,13 @@ def _bench_parser(b: argparse.ArgumentParser) -> None:
         help="FP8 engine (128x128 blocks): trainer ranks quantize before every refit; "
         "methods refit, fp8_quantize, floor",
     )
+    b.add_argument(
+        "--quant",
+        default=None,
+        metavar="FMT[,FMT]",
+        help="MXFP8 / NVFP4 engines (mxfp8,nvfp4; beside --fp8 in the same run): trainer ranks quantize before "
+        "every refit; methods refit, quantize, floor, floor_read_copy (one read of the bf16 weights + the copy)",
+    )
     b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
     _max_world_option(b)
 
@@ -314,6 +321,7 @@ def cmd_bench(args, console) -> int:
     import torch
 
     from refit.tools.bench import harness
+    from refit.tools.bench.scenarios import parse_formats
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -339,15 +347,18 @@ def cmd_bench(args, console) -> int:
         iters=args.iters,
         growth_iters=args.growth_iters,
         config=cfg,
-        fp8=args.fp8,
         out_path=out,
         command=command,
         methods=tuple(args.methods.split(",")) if args.methods else (),
     )
+    with _flag("--quant"):
+        opts = replace(opts, formats=parse_formats(args.fp8, args.quant))
     with _flag("--scenarios"):
         opts = replace(opts, scenarios=tuple(harness.chosen_scenarios(opts)))
     with _flag("--methods"):
         harness.check_methods(opts)
+    with _flag("--quant" if args.quant else "--fp8"):
+        harness.check_formats(opts)
     _check_bench_memory(opts, args.max_world)
     rows = harness.run_bench(opts, console)
     harness.print_table(rows, console)
@@ -567,12 +578,13 @@ def _fp8(src_l, dst_l, args):
 
 
 def cmd_verify(args, console) -> int:
-    from refit.tools.verify import check_dump, verify
+    from refit.tools.eplb_cli import verify_with_map as verify  # tools.verify's, or --expert-map's
+    from refit.tools.verify import check_dump
 
     src, dst, cfg, shapes = _setup(args)
     src_l, dst_l = _src_layout(args, shapes, src), _dst_layout(args, shapes, dst)
     if args.inject is not None:
-        for flag, given in (("--fp8", args.fp8), ("--quant", args.quant), ("--dump", args.dump)):
+        for flag, given in (*quant_flags(args), ("--dump", args.dump)):  # --fp8, --quant, --expert-map
             if given is not None:
                 raise ConfigError(f"--inject and {flag} together are not supported (inject faults into a plain refit)")
         return _verify_inject(args, src, dst, src_l, dst_l, cfg, console)

@@ -3,14 +3,20 @@
 Per method: setup (not timed), then ``warmup`` + ``iters`` refits; before each
 the engine's tensors are poisoned (NaN), after each they are compared bit for
 bit with the reference weights, regenerated tensor by tensor on the device
-(no second copy of the model is held, so 60 GB models fit). With ``fp8`` the
-engine holds FP8 weights and scales: the trainer ranks quantize their bf16
-shards before every refit (timed as part of it, overlapped with the pulls of
-earlier stages when ``--stages`` > 1; ``refit_1stage`` quantizes everything
-first; ``fp8_quantize`` times the quantization alone) and the check quantizes each whole reference
-tensor. Time per refit: the slowest process's time from a shared-memory barrier (all processes released
-within microseconds) to its device being synchronized. The scenarios are ``scenarios``'s; the floor each
-time is divided by is ``floor``'s.
+(no second copy of the model is held, so 60 GB models fit). With an engine
+format (``BenchOptions.formats``: ``fp8``, ``mxfp8``, ``nvfp4``; a scenario
+per format, rows ``<S>-<format>``) the engine holds quantized weights and
+scales: the trainer ranks quantize their bf16 shards before every refit (timed
+as part of it, overlapped with the pulls of earlier stages when ``--stages`` >
+1; ``refit_1stage`` quantizes everything first; ``fp8_quantize`` /
+``quantize`` time the quantization alone) and the check quantizes each whole
+reference tensor with the torch path (``refit.quant.fp8`` / ``refit.quant.mx``),
+not the trainer's Triton kernels. Such a scenario has a second floor,
+``floor_read_copy``: one read of the quantized tensors' bf16 shards on the
+trainer, then the copy of the plan's bytes. Time per refit: the slowest
+process's time from a shared-memory barrier (all processes released within
+microseconds) to its device being synchronized. The scenarios are
+``scenarios``'s; the floor each time is divided by is ``floor``'s.
 Peak extra memory: ``torch.cuda.max_memory_allocated`` over the memory held
 before the method's setup, the largest over the processes. Memory growth: the
 allocated memory after the last refit minus after the first.
@@ -32,18 +38,20 @@ import torch.distributed as dist
 
 from refit.config import TransferConfig
 from refit.errors import ConfigError
-from refit.layout import box_slices
+from refit.layout import LayoutError, box_slices
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap, build_plan
 from refit.quant import Fp8Quantizer, fp8_layout, quantize_fp8_block, quantized_names, scale_name
+from refit.quant.mx_layout import block_scale_name, global_scale_name, mx_format, mx_layout, mx_names
+from refit.quant.mx_quantizer import MxQuantizer, expected_mx, shared_scale_2
 from refit.tools.launch import World, run_local
 from refit.transport.host_barrier import HostBarrier
 
 from . import methods as M
-from .floor import engine_floor, floor_setup
-from .scenarios import Scenario, fp8_scenario, installed, only_methods, scenarios
+from .floor import READ_COPY, engine_floor, floor_setup
+from .scenarios import Scenario, installed, only_methods, quant_scenario, scenarios
 from .weights import make_weight, poison
 
 GiB = 1 << 30
@@ -95,11 +103,43 @@ def _plain_reference(t, box, dev) -> tuple[torch.Tensor]:
     return (make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)],)
 
 
-def _expected(plain, dst_l, rank: int, dev, fp8: bool):
+def _mx_reference(t, fmt, boxes, s2, names, dev) -> tuple[torch.Tensor, ...]:
+    got = expected_mx(make_weight(t.name, t.shape, t.dtype, dev), fmt, boxes, t.name, s2)
+    return tuple(got[n] for n in names)
+
+
+def _mx_scale_2(plain, names: list[str], dev) -> dict[str, torch.Tensor]:
+    """NVFP4's agreed ``weight_scale_2`` of each of ``names`` from the whole reference tensors (one at a time)."""
+    amax = {n: make_weight(n, plain[n].shape, plain[n].dtype, dev).abs().float().amax(dim=(-2, -1)) for n in names}
+    return shared_scale_2(amax)
+
+
+def _expected_mx(plain, dst_l, rank: int, dev, fmt_name: str) -> dict:
+    """``_expected`` of an MXFP8 / NVFP4 engine (``expected_mx``: the torch path on the device)."""
+    fmt = mx_format(fmt_name)
+    boxes = {t.name: b for t, b in dst_l.local_tensors(rank)}
+    quantized = mx_names(dst_l, fmt)
+    s2 = _mx_scale_2(plain, quantized, dev) if fmt.global_scale else {}
+    out = {}
+    for name in quantized:
+        if name not in boxes:
+            continue
+        parts = [n for n in (name, block_scale_name(name), global_scale_name(name)) if n in boxes]
+        make = partial(_mx_reference, plain[name], fmt, boxes, s2.get(name), parts, dev)
+        out.update({n: (make, i) for i, n in enumerate(parts)})
+    for name, box in boxes.items():
+        if name not in out:
+            out[name] = (partial(_plain_reference, dst_l[name], box, dev), 0)
+    return out
+
+
+def _expected(plain, dst_l, rank: int, dev, quant: str | None):
     """name -> (make, i): ``make()[i]`` is what engine ``rank`` must hold there (made on demand, freed after;
     a quantized weight and its scales share one ``make``)."""
+    if quant not in (None, "fp8"):
+        return _expected_mx(plain, dst_l, rank, dev, quant)
     boxes = {t.name: b for t, b in dst_l.local_tensors(rank)}
-    quantized = set(quantized_names(dst_l)) if fp8 else set()
+    quantized = set(quantized_names(dst_l)) if quant else set()
     out = {}
     for name, box in boxes.items():
         if name in quantized:
@@ -130,14 +170,21 @@ class _Process:
 
     ctx: M.Ctx
     barrier: HostBarrier
-    quantizer: Fp8Quantizer | None
+    quantizer: Fp8Quantizer | MxQuantizer | None
     poison: Callable[[], None] | None
     check: Callable[[], bool] | None
 
 
-def _local_tensors(world: World, n_src: int, plain_src, src_l, dst_l, fp8: bool):
-    """A trainer's shards (FP8: the quantizer's copies, which travel) or an engine's empty tensors and what
-    they must hold. Returns (src, dst, expected, quantizer), None where the role has none."""
+def _quantizer(quant: str, src_l, rank: int, src: dict, group) -> Fp8Quantizer | MxQuantizer:
+    if quant == "fp8":
+        return Fp8Quantizer(src_l, rank, src)
+    return MxQuantizer(src_l, rank, src, mx_format(quant), group=group)
+
+
+def _local_tensors(world: World, n_src: int, plain_src, src_l, dst_l, quant: str | None, group=None):
+    """A trainer's shards (a quantized engine: the quantizer's copies, which travel; ``group``: the trainer
+    ranks', where NVFP4 agrees on its global scales) or an engine's empty tensors and what they must hold.
+    Returns (src, dst, expected, quantizer), None where the role has none."""
     dev = world.device
     src = dst = expected = quantizer = None
     if world.rank < n_src:
@@ -145,8 +192,8 @@ def _local_tensors(world: World, n_src: int, plain_src, src_l, dst_l, fp8: bool)
         src = {}
         for t, box in plain_src.local_tensors(r):
             src[t.name] = make_weight(t.name, t.shape, t.dtype, dev)[box_slices(box)].clone()
-        if fp8:  # the trainer keeps its bf16 shards; the quantizer's FP8 copies are what travels
-            quantizer = Fp8Quantizer(src_l, r, src)
+        if quant:  # the trainer keeps its bf16 shards; the quantizer's copies are what travels
+            quantizer = _quantizer(quant, src_l, r, src, group)
             src = quantizer.tensors
     else:
         r = world.rank - n_src
@@ -154,7 +201,7 @@ def _local_tensors(world: World, n_src: int, plain_src, src_l, dst_l, fp8: bool)
             t.name: torch.empty(tuple(b - a for a, b in box), dtype=t.dtype, device=dev)
             for t, box in dst_l.local_tensors(r)
         }
-        expected = _expected(plain_src, dst_l, r, dev, fp8)
+        expected = _expected(plain_src, dst_l, r, dev, quant)
     return src, dst, expected, quantizer
 
 
@@ -165,8 +212,10 @@ def _setup_process(world: World, scen: Scenario, opts: BenchOptions) -> _Process
     src_spec, dst_spec = parse_spec(scen.src, "src"), parse_spec(scen.dst, "dst")
     plain_src, plain_dst = layout_from_spec(shapes, src_spec), layout_from_spec(shapes, dst_spec)
     src_l, dst_l = plain_src, plain_dst
-    if opts.fp8:
+    if scen.quant == "fp8":
         src_l, dst_l = fp8_layout(plain_src), fp8_layout(plain_dst, side="destination")
+    elif scen.quant:
+        src_l, dst_l = mx_layout(plain_src, scen.quant), mx_layout(plain_dst, scen.quant, side="destination")
     procs = ProcessMap.disjoint(src_spec.world_size, dst_spec.world_size).with_devices(scen.devices)
     plan = build_plan(src_l, dst_l, procs, replace(cfg, transport="auto"))
     store = world.store
@@ -175,7 +224,9 @@ def _setup_process(world: World, scen: Scenario, opts: BenchOptions) -> _Process
     if dev.type == "cuda" and len(set(scen.devices[: src_spec.world_size])) == src_spec.world_size > 1:
         trainer_nccl = dist.new_group(list(range(src_spec.world_size)), backend="nccl")
     nccl = world.data_group if dev.type == "cuda" else dist.group.WORLD
-    src, dst, expected, quantizer = _local_tensors(world, src_spec.world_size, plain_src, src_l, dst_l, opts.fp8)
+    n_src = src_spec.world_size
+    agree = dist.new_group(list(range(n_src))) if scen.quant == "nvfp4" and n_src > 1 else None  # every process
+    src, dst, expected, quantizer = _local_tensors(world, n_src, plain_src, src_l, dst_l, scen.quant, agree)
     _sync(dev)
     ctx = M.Ctx(world.rank, dev, plan, src, dst, nccl, list(range(world.world_size)), trainer_nccl, store, cfg)
     ctx.extra["prepare"] = quantizer
@@ -196,7 +247,7 @@ def _setup_process(world: World, scen: Scenario, opts: BenchOptions) -> _Process
     )
 
 
-def _method_setups(quantizer: Fp8Quantizer | None) -> dict[str, Callable[[M.Ctx], Callable[[], None]]]:
+def _method_setups(quantizer: Fp8Quantizer | MxQuantizer | None) -> dict[str, Callable[[M.Ctx], Callable[[], None]]]:
     """Method name -> ``setup(ctx) -> run``."""
     return {
         "refit": M.refit_method("auto"),
@@ -210,7 +261,11 @@ def _method_setups(quantizer: Fp8Quantizer | None) -> dict[str, Callable[[M.Ctx]
         "packed_broadcast_2buf": M.packed_broadcast(2, 1 * GiB),
         "gather_then_slice": M.gather_then_slice,
         "fp8_quantize": lambda c: quantizer or (lambda: None),
+        "quantize": lambda c: quantizer or (lambda: None),
     }
+
+
+QUANTIZE_ONLY = ("fp8_quantize", "quantize")  # the quantization alone: nothing reaches the engine to check
 
 
 def _settle(dev: torch.device) -> int:
@@ -223,23 +278,29 @@ def _settle(dev: torch.device) -> int:
     return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
 
 
-def _time_floor(proc: _Process, scen: Scenario, opts: BenchOptions) -> dict:
-    """Every floor variant any process has, timed; the record of the fastest (by median)."""
+def _time_floor(proc: _Process, scen: Scenario, opts: BenchOptions) -> list[dict]:
+    """Every floor variant any process has, timed; the record of the fastest (by median), ``floor``, and
+    for a quantized engine the ``read_copy`` variant's as ``floor_read_copy``."""
     ctx = proc.ctx
     variants = floor_setup(ctx, scen) if ctx.src is not None else engine_floor(ctx, scen)
     names = sorted(set(dist_all(variants.keys())))
-    best = None
+    best, read_copy = None, None
     for v in names:
         run = variants.get(v, lambda: None)
         times, _, _, _ = _time_runs(proc.barrier, ctx.device, run, opts.warmup + opts.iters)
-        t = gather_max(times[opts.warmup :])
-        rec = {"variant": v, "times": t}
-        if best is None or statistics.median(t) < statistics.median(best["times"]):
+        rec = {"variant": v, "times": gather_max(times[opts.warmup :])}
+        if v == READ_COPY:
+            read_copy = rec
+        elif best is None or statistics.median(rec["times"]) < statistics.median(best["times"]):
             best = rec
+    return [_floor_record("floor", best)] + ([_floor_record("floor_read_copy", read_copy)] if read_copy else [])
+
+
+def _floor_record(method: str, rec: dict | None) -> dict:
     return {
-        "method": "floor",
-        "times": best["times"] if best else [],
-        "variant": best["variant"] if best else "",
+        "method": method,
+        "times": rec["times"] if rec else [],
+        "variant": rec["variant"] if rec else "",
         "correct": None,
         "peak_extra_bytes": None,
         "growth_bytes": None,
@@ -283,11 +344,11 @@ def _print_phases(label: str, rank: int, run, warmup: int) -> None:
 
 def _time_method(proc: _Process, scen: Scenario, method: str, setup, base: int, opts: BenchOptions) -> dict:
     """``method``'s refits timed (refit itself runs ``growth_iters``), checked bit for bit (except
-    ``fp8_quantize``), with the peak extra and the grown memory over every process."""
+    ``QUANTIZE_ONLY``), with the peak extra and the grown memory over every process."""
     ctx, dev = proc.ctx, proc.ctx.device
     run = setup(ctx)
     n = opts.warmup + (opts.growth_iters if method == "refit" else opts.iters)
-    checked = method != "fp8_quantize"
+    checked = method not in QUANTIZE_ONLY
     profiled = method.startswith("refit") and dev.type == "cuda" and bool(os.environ.get("REFIT_BENCH_PROFILE"))
     if profiled and isinstance(run, M.RefitRun):
         run.peer.executor.stamps = []  # each refit's phases (``Executor.stamps``)
@@ -325,7 +386,7 @@ def _bench_worker(world: World, scen: Scenario, opts: BenchOptions):
         proc.ctx.extra["round"] = round_
         base = _settle(world.device)
         if method == "floor":
-            records.append(_time_floor(proc, scen, opts))
+            records += _time_floor(proc, scen, opts)
         else:
             records.append(_time_method(proc, scen, method, setups[method], base, opts))
     dist.barrier()
@@ -370,8 +431,9 @@ class BenchOptions:
     """One ``refit bench`` run: where, which model and scenarios, how many refits, with which settings.
 
     ``scenarios`` empty: every scenario this machine can run. Each method runs ``warmup`` untimed refits,
-    then ``iters`` timed ones (refit itself ``growth_iters``, to see its memory stay flat). ``fp8``: every
-    scenario runs with an FP8 engine (methods ``FP8_METHODS``), rows named ``<S>-fp8``. ``out_path``: the
+    then ``iters`` timed ones (refit itself ``growth_iters``, to see its memory stay flat). ``formats``: every
+    scenario runs once per engine format (``scenarios.QUANT_FORMATS``; methods ``FP8_METHODS`` /
+    ``MX_METHODS``), rows named ``<S>-<format>``; empty: the engine holds the trainer's dtype. ``out_path``: the
     JSON records (None: not written); ``command`` is recorded in each. ``methods``: run only these (and
     ``floor``, the ratios' base) in every scenario that has them; empty: all.
     """
@@ -383,7 +445,7 @@ class BenchOptions:
     iters: int = 5
     growth_iters: int = 20
     config: TransferConfig = field(default_factory=TransferConfig)
-    fp8: bool = False
+    formats: tuple[str, ...] = ()
     out_path: str | None = None
     command: str = "refit bench"
     methods: tuple[str, ...] = ()  # (): every method of each scenario; else these (and "floor") only
@@ -409,10 +471,40 @@ def chosen_scenarios(opts: BenchOptions) -> list[str]:
     return which
 
 
+def run_scenarios(opts: BenchOptions) -> list[Scenario]:
+    """The scenarios ``opts`` runs, in order: each of ``opts.scenarios`` once per engine format (or as it is,
+    without the optional methods not installed here), with only ``opts.methods`` (and the floor)."""
+    all_s = scenarios(opts.device)
+    out = []
+    for name in opts.scenarios:
+        variants = [quant_scenario(all_s[name], f) for f in opts.formats] or [installed(all_s[name])]
+        out += [only_methods(v, opts.methods) for v in variants]
+    return out
+
+
+def check_formats(opts: BenchOptions) -> None:
+    """``ConfigError`` naming the scenario where an engine format of ``opts.formats`` cannot hold its layouts (a
+    shard boundary cutting a block), before any process starts."""
+    shapes = param_shapes(opts.model)
+    for scen in run_scenarios(opts):
+        if scen.quant is None:
+            continue
+        src = layout_from_spec(shapes, parse_spec(scen.src, "src"))
+        dst = layout_from_spec(shapes, parse_spec(scen.dst, "dst"))
+        try:
+            if scen.quant == "fp8":
+                fp8_layout(src), fp8_layout(dst, side="destination")
+            else:
+                mx_layout(src, scen.quant), mx_layout(dst, scen.quant, side="destination")
+        except LayoutError as e:
+            raise ConfigError(f"scenario {scen.name} with --model {opts.model}: {e}") from None
+
+
 def check_methods(opts: BenchOptions) -> None:
     """``ConfigError`` if ``opts.methods`` names a method that none of ``opts.scenarios`` has."""
     all_s = scenarios(opts.device)
-    known = {m for n in opts.scenarios for m in all_s[n].methods}
+    variants = [[quant_scenario(all_s[n], f) for f in opts.formats] or [all_s[n]] for n in opts.scenarios]
+    known = {m for vs in variants for v in vs for m in v.methods}
     odd = [m for m in opts.methods if m not in known]
     if odd:
         raise ConfigError(f"unknown method(s) {odd} for scenarios {list(opts.scenarios)}; available: {sorted(known)}")
@@ -460,24 +552,28 @@ def _run_scenario(scen: Scenario, opts: BenchOptions) -> dict:
     )[0]
 
 
+def _median_of(records: list[dict], method: str) -> float | None:
+    rec = next((r for r in records if r["method"] == method), None)
+    return statistics.median(rec["times"]) if rec and rec["times"] else None
+
+
 def run_bench(opts: BenchOptions, console) -> list[dict]:
     """Run the scenarios of ``opts``, print a line per method as it finishes, write and return the records."""
-    all_s = scenarios(opts.device)
-    which = chosen_scenarios(opts)
+    opts = replace(opts, scenarios=tuple(chosen_scenarios(opts)))
     kind = device_kind() if opts.device == "cuda" else "cpu"
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     rows = []
-    for name in which:
-        scen = only_methods(fp8_scenario(all_s[name]) if opts.fp8 else installed(all_s[name]), opts.methods)
+    for scen in run_scenarios(opts):
         console.print(
             f"[{scen.name}] {scen.what}: {opts.model}, trainer {scen.src} -> engine {scen.dst}, "
             f"methods {', '.join(scen.methods)} ..."
         )
         res = _run_scenario(scen, opts)
-        floor = next((r for r in res["records"] if r["method"] == "floor"), None)
-        floor_s = statistics.median(floor["times"]) if floor and floor["times"] else None
+        floor_s, read_copy_s = (_median_of(res["records"], m) for m in ("floor", "floor_read_copy"))
         for r in res["records"]:
             rows.append(_row(scen, res, r, floor_s, opts, kind, date))
+            if read_copy_s:
+                rows[-1]["ratio_to_read_copy_floor"] = rows[-1]["median_s"] / read_copy_s
             console.print(
                 f"  {r['method']:<22} median {rows[-1]['median_s'] * 1e3:9.2f} ms  "
                 f"ratio {rows[-1]['ratio_to_floor'] or 0:5.2f}  ok={r['correct']}"

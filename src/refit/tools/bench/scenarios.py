@@ -22,6 +22,7 @@ class Scenario:
     methods: tuple[str, ...]
     # "links": every link's bytes as one copy, all at once; "one_link": one engine's bytes over one link
     floor: str = "links"
+    quant: str | None = None  # the engine's format (``QUANT_FORMATS``), quantized by the trainer; None: as trained
 
     @property
     def gpus(self) -> int:
@@ -145,6 +146,8 @@ def scenarios(device: str) -> dict[str, Scenario]:
 
 
 FP8_METHODS = ("refit", "refit_1stage", "fp8_quantize", "floor")
+MX_METHODS = ("refit", "refit_1stage", "quantize", "floor")
+QUANT_FORMATS = ("fp8", "mxfp8", "nvfp4")  # vLLM's 128x128 block FP8, ModelOpt's MXFP8 and NVFP4
 NIXL_METHODS = ("refit_nixl",)
 
 
@@ -164,10 +167,37 @@ def installed(scen: Scenario) -> Scenario:
     return replace(scen, methods=tuple(m for m in scen.methods if m not in NIXL_METHODS))
 
 
-def fp8_scenario(scen: Scenario) -> Scenario:
+def parse_formats(fp8: bool, quant: str | None) -> tuple[str, ...]:
+    """The engine formats of one ``refit bench`` run, in ``QUANT_FORMATS`` order: ``fp8`` (``--fp8``) and the
+    comma-separated ``quant`` (``--quant``); ``ConfigError`` naming an unknown or repeated one."""
+    from refit.errors import ConfigError
+
+    asked = [f for f in (quant or "").split(",") if f] if quant is not None else []
+    if quant is not None and not asked:
+        raise ConfigError(f"no format in {quant!r}; choose from {', '.join(QUANT_FORMATS[1:])}")
+    odd = [f for f in asked if f not in QUANT_FORMATS[1:]]
+    if odd:
+        raise ConfigError(f"unknown format(s) {odd}; choose from {', '.join(QUANT_FORMATS[1:])} (FP8 blocks: --fp8)")
+    twice = sorted({f for f in asked if asked.count(f) > 1})
+    if twice:
+        raise ConfigError(f"format(s) {twice} named twice in {quant!r}")
+    chosen = set(asked) | ({"fp8"} if fp8 else set())
+    return tuple(f for f in QUANT_FORMATS if f in chosen)
+
+
+_WHAT = {
+    "fp8": "FP8 engine (128x128 blocks, quantized by the trainer)",
+    "mxfp8": "MXFP8 engine (E4M3, E8M0 scales per 32 columns, quantized by the trainer)",
+    "nvfp4": "NVFP4 engine (E2M1, E4M3 scales per 16 columns, one FP32 scale per tensor, quantized by the trainer)",
+}
+
+
+def quant_scenario(scen: Scenario, fmt: str) -> Scenario:
+    """``scen`` with an engine in ``fmt`` (``QUANT_FORMATS``): rows ``<S>-<fmt>``, the quantizing methods."""
     return replace(
         scen,
-        name=f"{scen.name}-fp8",
-        what=scen.what + ", FP8 engine (128x128 blocks, quantized by the trainer)",
-        methods=FP8_METHODS,
+        name=f"{scen.name}-{fmt}",
+        what=f"{scen.what}, {_WHAT[fmt]}",
+        methods=FP8_METHODS if fmt == "fp8" else MX_METHODS,
+        quant=fmt,
     )

@@ -17,7 +17,7 @@ def make_weight(
 
 def poison(tensors: dict[str, torch.Tensor]) -> None:
     for t in tensors.values():
-        if t.element_size() == 1 and t.dtype.is_floating_point:  # FP8: 0xFF is its NaN
+        if t.element_size() == 1:  # FP8 (0xFF is its NaN), NVFP4's packed bytes, E8M0 scales: all ones
             t.view(torch.uint8).fill_(0xFF)
         else:
             t.fill_(float("nan") if t.dtype.is_floating_point else -1)
