@@ -84,13 +84,16 @@ def publish_failure(store: SignedStore | None, proc: int, error: BaseException, 
         store.put(f"{tag}/preflight/{proc}", {"error": f"{type(error).__name__}: {error}"})
 
 
-def publish_plan(plan: Plan, proc: int, store: SignedStore, tag: str = "refit", tag_base: int = 0) -> str:
+def publish_plan(
+    plan: Plan, proc: int, store: SignedStore, tag: str = "refit", tag_base: int = 0, agree: Mapping | None = None
+) -> str:
     """Publish what the peers' pre-flight checks: ``{tag}/preflight/{proc}/plan`` holds ``plan.canonical()``
     (read only on a mismatch, to name it), then ``{tag}/preflight/{proc}`` the digest, the settings
-    that must agree (``config.agreement()`` and ``tag_base``) and a fresh random nonce (returned: the
-    session's scope is bound to every member's, ``session_scope``). Plain JSON, tagged with the job secret."""
+    that must agree (``config.agreement()``, ``tag_base`` and the caller's ``agree``, e.g. an expert map's digest)
+    and a fresh random nonce (returned: the session's scope is bound to every member's, ``session_scope``). Plain
+    JSON, tagged with the job secret."""
     store.put(f"{tag}/preflight/{proc}/plan", plan.canonical())
-    agreed = {**plan.config.agreement(), "tag_base": tag_base}
+    agreed = {**plan.config.agreement(), "tag_base": tag_base, **(agree or {})}
     nonce = secrets.token_hex(16)
     store.put(f"{tag}/preflight/{proc}", {"digest": plan.digest, "agreed": agreed, "nonce": nonce})
     return nonce
@@ -178,7 +181,13 @@ def _plan_difference(store: SignedStore, tag: str, proc: int, p: int, timeout_s:
 
 
 def preflight(
-    plan: Plan, proc: int, store: SignedStore | None, timeout_s: float, tag: str = "refit", tag_base: int = 0
+    plan: Plan,
+    proc: int,
+    store: SignedStore | None,
+    timeout_s: float,
+    tag: str = "refit",
+    tag_base: int = 0,
+    agree: Mapping | None = None,
 ) -> SignedStore | None:
     """Publish this process's plan digest, agreed settings and nonce (``publish_plan``); check every
     peer's against them (``check_peers``); return ``store`` scoped to the session (``session_scope``),
@@ -190,7 +199,7 @@ def preflight(
     peers = sorted({*plan.procs.src, *plan.procs.dst})
     if store is None or len(peers) == 1:
         return store
-    nonce = publish_plan(plan, proc, store, tag, tag_base)
+    nonce = publish_plan(plan, proc, store, tag, tag_base, agree)
     nonces = check_peers(proc, peers, store, timeout_s, tag)
     return store.scoped(session_scope({**nonces, proc: nonce}))
 
@@ -258,8 +267,10 @@ class Peer:
         prepare: Callable[[set[str] | None], None] | None = None,
         tag_base: int = 0,
         private_dst: bool = False,
+        agree: Mapping[str, str] | None = None,
     ) -> None:
         """``config``: default ``TransferConfig()``. ``tag_base``: P2P tags start there (see ``Executor``).
+        ``agree``: more values pre-flight compares (``refit.eplb``: the expert map's digest).
         ``private_dst``: the destination tensors are receive buffers nothing reads before the commit (a
         loader's, as the vLLM loader path's): a staged refit writes them directly, without a shadow.
         ``prepare(names)``: called on a source process in every ``run`` before its tensors
@@ -291,7 +302,7 @@ class Peer:
         self.shadow = self.buffers.shadow if self.buffers is not None else {}
         self.private_dst = private_dst
         # the executor's setup may exchange IPC handles: only once the plans agree
-        store = preflight(self.plan, proc, store, config.preflight_timeout_s, config.name, tag_base=tag_base)
+        store = preflight(self.plan, proc, store, config.preflight_timeout_s, config.name, tag_base, agree)
         self.executor = Executor(
             self.plan,
             proc,
