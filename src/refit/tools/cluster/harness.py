@@ -19,6 +19,7 @@ ends, also by an exception; ``Cluster.load(name).down()`` cleans up after a proc
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import json
 import os
@@ -27,7 +28,7 @@ import secrets
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -306,6 +307,24 @@ class Cluster:
         p = subprocess.Popen(self.command(host, argv), env=self.process_env(host, env), start_new_session=True, **popen)
         self.procs.append(p)
         return p
+
+    @contextlib.contextmanager
+    def inside(self, host: str) -> Iterator[Host]:
+        """The calling thread inside ``host``'s namespace for the block, then back where it was: what it
+        connects to, listens on and starts (``subprocess``, threads) meanwhile is that host's, as if this
+        code ran there. Leave the block before ``down()`` (which kills every process inside a host)."""
+        where = self.host(host)
+        if not self._live:
+            raise ClusterError(f"cluster {self.name!r} is not up")
+        back = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            netns.enter(where.netns)
+            try:
+                yield where
+            finally:
+                netns.enter(back)
+        finally:
+            os.close(back)
 
     def listeners(self, host: str) -> list[tuple[str, int]]:
         """Every listening TCP socket inside ``host``: ``(address, port)``."""

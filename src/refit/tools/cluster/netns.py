@@ -199,3 +199,31 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = "/run/netns"  # where ``ip netns add`` pins each namespace
+
+
+def enter(ns: str | int) -> None:
+    """Move the calling thread into network namespace ``ns`` (a name ``ip netns`` knows, or an open fd of one):
+    the sockets it opens and the processes it starts from then on are that namespace's. ``ClusterError`` naming
+    ``ns`` and the kernel's reason when it cannot (not root, no such namespace)."""
+    import ctypes
+
+    fd = ns if isinstance(ns, int) else os.open(f"{NETNS_DIR}/{ns}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise ClusterError(f"setns into network namespace {ns!r} failed: {os.strerror(err)}")
+    finally:
+        if not isinstance(ns, int):
+            os.close(fd)
+
+
+def run_inside(ns: str, target, args: tuple = ()):
+    """``target(*args)`` in a fresh (single-threaded) process, inside namespace ``ns``: for a forked or
+    forkserver child whose parent is elsewhere (``multiprocessing`` pickles ``target`` and ``args``)."""
+    enter(ns)
+    return target(*args)
