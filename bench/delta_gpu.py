@@ -468,9 +468,10 @@ S2_NIXL_PEERS = {  # name -> TransferConfig fields: CUDA IPC dense, NIXL dense, 
 S2_FRACTIONS = (0.001, 0.01, 1.0)
 
 
-def _s2_nixl_worker(world, model: str, iters: int, buffer_mb: int) -> list[dict]:
+def _s2_nixl_worker(world, model: str, iters: int, buffer_mb: int, names: tuple[str, ...]) -> list[dict]:
     """S2 over NIXL: process 0 (trainer) and 1 (engine) on one device; per fraction, after every step, each
-    Peer of ``S2_NIXL_PEERS`` refits in turn (each first in turn); the engine checks every refit bit for bit."""
+    Peer of ``names`` (``S2_NIXL_PEERS``) refits in turn (each first in turn); the engine checks every refit bit
+    for bit."""
     shapes = [(n, s, torch.bfloat16) for n, s, _ in param_shapes(model)]
     lay = layout_from_spec(shapes, parse_spec("tp=1", "src"))
     dev = world.device
@@ -487,14 +488,14 @@ def _s2_nixl_worker(world, model: str, iters: int, buffer_mb: int) -> list[dict]
             lay,
             world.rank,
             procs=procs,
-            config=TransferConfig(**base, **c, name=f"s2-{k}"),
+            config=TransferConfig(**base, **S2_NIXL_PEERS[k], name=f"s2-{k}"),
             device=dev,
             tag_base=100_000 * i,
             **kw,
         )  # fmt: skip
-        for i, (k, c) in enumerate(S2_NIXL_PEERS.items())
+        for i, k in enumerate(names)
     }
-    version, rows, names = 1, [], list(peers)
+    version, rows = 1, []
     for p in peers.values():
         p.run(version)  # dense for all: nothing to diff against
     for fi, f in enumerate(S2_FRACTIONS):
@@ -522,14 +523,23 @@ def _s2_nixl_worker(world, model: str, iters: int, buffer_mb: int) -> list[dict]
 
 
 def s2_nixl(model: str, device: str, iters: int, buffer_mb: int) -> list[dict]:
-    """``_s2_nixl_worker`` on 2 processes of one device: per fraction the slower process's medians, the
-    engine's exactness and the trainer's delta encodings."""
+    """``_s2_nixl_worker`` on 2 processes of one device, once per NIXL Peer (a process holds one NIXL link: a
+    second one's registrations invalidate the first's prepared reads on GPUs), each beside the IPC Peer and
+    after the same steps: per fraction the slower process's medians (IPC: the first run's), the engine's
+    exactness over every run and the trainer's delta encodings."""
     devices = ["cuda:0", "cuda:0"] if device == "cuda" else ["cpu", "cpu"]
-    src, dst = run_local(_s2_nixl_worker, 1, 1, model, iters, buffer_mb, devices=devices, timeout_s=1200)
-    return [
-        {**a, **{f"{k}_ms": max(a[f"{k}_ms"], b[f"{k}_ms"]) for k in S2_NIXL_PEERS}, "exact": b["exact"]}
-        for a, b in zip(src, dst)
-    ]
+    rows: list[dict] = []
+    for k in (k for k in S2_NIXL_PEERS if k != "ipc"):
+        src, dst = run_local(_s2_nixl_worker, 1, 1, model, iters, buffer_mb, ("ipc", k), devices=devices,
+                             timeout_s=1200)  # fmt: skip
+        for i, (a, b) in enumerate(zip(src, dst)):
+            got = {f"{n}_ms": max(a[f"{n}_ms"], b[f"{n}_ms"]) for n in ("ipc", k)}
+            if i == len(rows):
+                rows.append({"fraction": a["fraction"], **got, "exact": b["exact"], "encodings": a["encodings"]})
+                continue
+            rows[i] |= {f"{k}_ms": got[f"{k}_ms"], "exact": rows[i]["exact"] and b["exact"]}
+            rows[i]["encodings"] |= a["encodings"]
+    return rows
 
 
 def _print_s2_nixl(rows: list[dict]) -> None:
