@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -28,6 +29,7 @@ ROW_EP4 = [3, 3, 0, 1, 2, 4, 5, 3, 6, 7, 3, 0, 1, 2, 5, 6]
 ROW_EP2 = [3, 3, 0, 1, 2, 4, 5, 6, 7, 3, 0, 1]
 
 
+@functools.cache
 def _shapes():
     return param_shapes(MODEL)
 
@@ -73,6 +75,22 @@ def test_slots_are_tensors_held_where_the_map_puts_them_and_counted_once_per_slo
     assert plan.digest != build_plan(*_pair(src, dst, _map(ROW_EP4, 2))).digest
     assert plan.digest == build_plan(*_pair(src, dst, _map(ROW_EP4, 1))).digest
     assert m.logical_to_physical(0)[3] == [0, 1, 7, 10]
+
+
+@pytest.mark.parametrize("dst_spec,copies", [("ep=2,tp=2", 1), ("dp=2,ep=2", 2)])
+def test_expert_tp_shares_a_slot_and_dp_replicas_each_receive_it(dst_spec, copies):
+    from refit.plan.planner import check_coverage
+
+    src, dst = _src("tp=2"), _dst(dst_spec)
+    lay = eplb_layouts(src, dst, _map(ROW_EP2, 7))
+    slot = lay.dst[slot_name("model.layers.0.mlp.experts.down_proj", 11, 1)]  # EP rank 1's last slot
+    if copies == 1:  # expert TP: ranks 2 and 3 hold half of I each
+        assert {r: slot.box(r) for r in slot.ranks} == {2: ((0, 1), (0, 128), (0, 32)), 3: ((0, 1), (0, 128), (32, 64))}
+    else:  # two engine replicas: each holds the whole slot
+        assert len(slot.ranks) == 2 and all(slot.box(r) == ((0, 1), (0, 128), (0, 64)) for r in slot.ranks)
+    plan = build_plan(lay.src, lay.dst)
+    check_coverage(lay.dst, [p for m in plan.messages for p in m.pieces] + list(plan.local))
+    assert plan.bytes_needed == plan.bytes_moved == _needed(src, dst, 4 * copies)
 
 
 def _pair(src, dst, m):
@@ -146,7 +164,7 @@ def _sessions():
     all6, first4 = ProcessMap.disjoint(2, 4), ProcessMap((0, 1), (2, 3))
     return [
         Session(_src("ep=2"), _dst("ep=4"), all6, (m1, m2, m1)),  # back to m1: its plan is re-used
-        Session(_src("tp=2"), _dst("ep=2"), first4, (n1, n2, n1)),
+        Session(_src("tp=2"), _dst("ep=2"), first4, (n1, n2, n1), commit="staged"),
         Session(_src("fsdp=2"), _dst("ep=4"), all6, (m2, m3)),
         Session(_src("ep=2"), _dst("ep=2"), first4, (n2,), src_maps=(n1,)),  # the trainer's map is another
     ]

@@ -1,6 +1,7 @@
 """What each side holds: meshes, tensor and model layouts, boxes (``tensors``); parallelism specs (``spec``);
 HF parameter naming (``hf_names``); sharding rules from a spec (``rules``); engine layouts with the engines' padding
-and replicated KV heads (``engines``); model presets and configs (``models``).
+and replicated KV heads (``engines``); EPLB engines' physical expert slots (``eplb``); model presets and configs
+(``models``).
 
 Only ``tensors`` is re-exported here; import the others from their modules.
 """

@@ -68,19 +68,21 @@ def expert_map_label(args: argparse.Namespace, sep: str) -> str:
 @dataclass(frozen=True)
 class Session:
     """Refits of versions 1, 2, ... from ``src`` into ``dst`` (logical layouts) on processes ``procs``, version ``v``
-    under ``maps[v - 1]``; the trainer ranks use ``src_maps`` instead where given (a mismatch to be refused)."""
+    under ``maps[v - 1]``; the trainer ranks use ``src_maps`` instead where given (a mismatch to be refused);
+    ``commit``: ``TransferConfig.commit``."""
 
     src: ModelLayout
     dst: ModelLayout
     procs: ProcessMap
     maps: tuple[ExpertMap, ...]
     src_maps: tuple[ExpertMap, ...] | None = None
+    commit: str = "in_place"
 
 
 def eplb_worker(world: World, sessions: Sequence[Session], seed: int, config: TransferConfig) -> list[dict | None]:
     """Each session in turn on the processes it names (None for the others): ``_session``'s record."""
     return [
-        _session(world.rank, i, s, seed, replace(config, name=f"{config.name}/eplb{i}"))
+        _session(world.rank, i, s, seed, replace(config, name=f"{config.name}/eplb{i}", commit=s.commit))
         if world.rank in (*s.procs.src, *s.procs.dst)
         else None
         for i, s in enumerate(sessions)
