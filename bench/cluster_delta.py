@@ -8,7 +8,8 @@ Peers over the same tensors of the trainer, both ``transport="nixl"``: one dense
 ``delta="auto"`` weighing the link at ``--rate`` (``delta_link_gbps``). Version 1 warms both up (dense); then per
 fraction ``--refits`` versions, each changing that fraction of every tensor's elements (the lowest bit flipped),
 each moved by the dense Peer and then by the delta Peer. A refit's time is the slowest process's (every process
-starts it after a barrier); its bytes on the wire are what host b's NIC received during it (``/sys/class/net``
+starts it after a barrier), its CPU time the sum of every process's (``time.process_time``: what a loaded machine
+inflates least); its bytes on the wire are what host b's NIC received during it (``/sys/class/net``
 inside the namespace: payload, TCP/IP headers, the store's records); each engine copy is checked bit for bit
 against the version after every refit. Prints one JSON object: per fraction the medians and ratios delta / dense
 (``--out`` also writes it).
@@ -17,6 +18,7 @@ against the version after every refit. Prints one JSON object: per fraction the 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import math
 import os
@@ -44,6 +46,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-buffers", type=int, default=2, help="requests in flight per receiver (and staging rounds)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="a folder: each process's cProfile of its delta refits")
     ap.add_argument("--rank", action="store_true", help="(internal) run as one process of the job")
     ap.add_argument("--model", default=None, help="(internal) the model's config.json")
     return ap.parse_args(argv)
@@ -107,13 +110,17 @@ def _peers(a: argparse.Namespace, rank: int, store, model: Versions, src, dst, r
     return out
 
 
-def _refit(peers: dict, mode: str, v: int, rank: int, n_src: int, model: Versions, dst) -> dict:
+def _refit(peers: dict, mode: str, v: int, rank: int, n_src: int, model: Versions, dst, prof=None) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
-    rx, t0 = _rx_bytes(), time.perf_counter()
+    rx, t0, c0 = _rx_bytes(), time.perf_counter(), time.process_time()
+    if prof is not None:
+        prof.enable()
     st = peers[mode].run(v)
-    row = {"s": time.perf_counter() - t0}
+    row = {"s": time.perf_counter() - t0, "cpu": time.process_time() - c0}
+    if prof is not None:
+        prof.disable()
     if rank == 0:  # the encodings trainer rank 0 chose
         row["encodings"] = dict(st.delta.encodings) if st.delta is not None else {}
     if rank >= n_src:
@@ -146,6 +153,7 @@ def rank_main(a: argparse.Namespace) -> None:
     peers = _peers(a, rank, store, model, src, dst, parse_rate(a.rate) / 8e9)
     rows: dict[str, list] = {}
     fractions = [None] + [float(f) for f in a.fractions.split(",") for _ in range(a.refits)]
+    profs: dict = {}
     for v, f in enumerate(fractions, 1):
         if f is not None:
             model.step(f)
@@ -153,7 +161,10 @@ def rank_main(a: argparse.Namespace) -> None:
                 for n, t in model.shards(src, rank).items():
                     peers["tensors"][n].copy_(t)
         for mode in MODES:
-            rows.setdefault(f"{f}/{mode}", []).append(_refit(peers, mode, v, rank, n_src, model, dst))
+            prof = profs.setdefault(f, cProfile.Profile()) if a.profile and mode == "delta" and f else None
+            rows.setdefault(f"{f}/{mode}", []).append(_refit(peers, mode, v, rank, n_src, model, dst, prof))
+    for f, prof in profs.items():
+        prof.dump_stats(str(Path(a.profile) / f"rank{rank}-{f}.prof"))
     for mode in MODES:
         peers[mode].close()
     report({"rank": rank, "rows": rows})
@@ -173,6 +184,7 @@ def run(a: argparse.Namespace, config: str) -> dict:
     argv = [sys.executable, "-m", "bench.cluster_delta", "--rank", "--model", config]
     argv += ["--rate", a.rate, "--fractions", a.fractions, "--src", a.src, "--refits", str(a.refits)]
     argv += ["--dtype", a.dtype, "--num-buffers", str(a.num_buffers)]
+    argv += ["--profile", str(Path(a.profile).resolve())] if a.profile else []
     rate_bit = parse_rate(a.rate)
     with Cluster(["a", "b"], LinkShape(rate_bit)) as cluster:
         results = Job(cluster, placement, argv).wait(3600)
@@ -189,9 +201,11 @@ def run(a: argparse.Namespace, config: str) -> dict:
             if not all(exact):
                 raise SystemExit(f"{name}: a refit was not exact: {exact}")
             secs = [max(r[name][i]["s"] for r in (x["rows"] for x in results)) for i in range(a.refits)]
+            cpu = [sum(r[name][i]["cpu"] for r in (x["rows"] for x in results)) for i in range(a.refits)]
             row[mode] = {
                 "refit_s": [round(t, 4) for t in secs],
                 "median_s": round(statistics.median(secs), 4),
+                "median_cpu_s": round(statistics.median(cpu), 4),
                 "wire_bytes": int(statistics.median(r["wire"] for r in engine[name])),
                 "read_bytes": int(statistics.median(r["read"] for r in engine[name])),
                 "encodings": results[0]["rows"][name][-1]["encodings"],

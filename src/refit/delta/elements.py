@@ -20,6 +20,7 @@ changes travel is ``refit.delta.wire``; 64-bit words instead of elements, ``refi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from refit.delta.wire import DeltaError
@@ -49,20 +50,27 @@ def _row_chunks(t: torch.Tensor, chunk_bytes: int):
 
 
 def find_changes(
-    base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int = CHUNK_BYTES, use_triton: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    base: torch.Tensor,
+    cur: torch.Tensor,
+    chunk_bytes: int = CHUNK_BYTES,
+    use_triton: bool | None = None,
+    most: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Flat indices (int64, row-major over the shape) of the elements of ``cur`` whose bits differ from
     ``base``, and ``cur``'s values there. Same shape and dtype; any strides; ``base`` may live on another
     device (a pinned host copy: each chunk is copied to ``cur``'s device first). The torch path returns
     the indices sorted; the one-pass kernel (``use_triton``; default: both contiguous on one CUDA device
     with Triton installed) sorted by chunk, in no particular order inside one (every consumer here is
-    order-free)."""
+    order-free). ``most``: on the CPU's word path (``_find_host``), more than this many changed 64-bit words
+    return ``(None, None)`` before any element is looked at (the caller sends the piece dense)."""
     if base.shape != cur.shape or base.dtype != cur.dtype:
         raise ValueError(f"find_changes: base {list(base.shape)} {base.dtype} vs current {list(cur.shape)} {cur.dtype}")
     if use_triton is None:
         use_triton = _kernel_fits(base, cur)
     if use_triton:
         return _find_kernel(base, cur, chunk_bytes)
+    if _by_words_on_host(base, cur):
+        return _find_host(base, cur, chunk_bytes, most)
     idx, vals = [], []
     for (start, b), (_, c) in zip(_row_chunks(base, chunk_bytes), _row_chunks(cur, chunk_bytes)):
         b = b.to(c.device, non_blocking=True)
@@ -75,7 +83,55 @@ def find_changes(
     return torch.cat(idx), torch.cat(vals)
 
 
+def _by_words_on_host(base: torch.Tensor, cur: torch.Tensor) -> bool:
+    """Both on the CPU, contiguous, 8-byte aligned, whole 64-bit words: ``_find_host`` reads them."""
+    return all(
+        t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % 8 == 0 and t.numel() * t.element_size() % 8 == 0
+        for t in (base, cur)
+    )
+
+
+def _find_host(
+    base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int, most: int | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``find_changes`` on the CPU in one pass over both versions as 64-bit words (numpy's vectorized compare and
+    ``flatnonzero``: ~10x the torch path's element-wise compare and ``nonzero``), ``chunk_bytes`` at a time; only
+    the changed words are then compared element by element. The same result as the torch path (sorted);
+    ``(None, None)`` where more than ``most`` words changed (none compared element by element)."""
+    per = 8 // cur.element_size()
+    bw, cw = (t.reshape(-1).view(torch.int64).numpy() for t in (base, cur))
+    ce = bits(cur).reshape(-1).numpy()
+    step = max(1, chunk_bytes // 8)
+    changed = np.empty(min(step, len(cw)), dtype=bool)
+    found = []
+    for s in range(0, len(cw), step):
+        n = min(step, len(cw) - s)
+        np.not_equal(bw[s : s + n], cw[s : s + n], out=changed[:n])
+        found.append(np.flatnonzero(changed[:n]) + s)
+    if most is not None and sum(len(w) for w in found) > most:
+        return None, None
+    idx = []
+    for words in found:
+        if per == 1 or not len(words):
+            idx.append(words)
+            continue
+        diff = (np.take(bw, words) ^ np.take(cw, words)).view(ce.dtype).reshape(-1, per)
+        rows, cols = np.nonzero(diff)
+        idx.append(words[rows] * per + cols)
+    i = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
+    return from_numpy(i), from_numpy(np.take(ce, i)).view(cur.dtype)
+
+
+def from_numpy(a: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy(a)``, an empty ``a`` as a fresh empty tensor (numpy's empty arrays come out with stride
+    0, which byte views refuse)."""
+    t = torch.from_numpy(a)
+    return t if a.size else torch.empty(0, dtype=t.dtype)
+
+
 def _kernel_fits(base: torch.Tensor, cur: torch.Tensor) -> bool:
+    if not cur.is_cuda:  # (importing the kernels imports Triton: not on a CPU path)
+        return False
     from refit.delta import kernels
 
     return (
@@ -104,14 +160,16 @@ def find_changes_many(
     chunk_bytes: int = CHUNK_BYTES,
     use_triton: bool | None = None,
     copy: bool = True,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    most: list[int | None] | None = None,
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
     """``find_changes`` of every ``(base, cur)`` pair (the pieces of one message). Pairs the one-pass
     kernel takes (contiguous, one CUDA device, at most ``chunk_bytes``) are launched together with one
     host sync for all of them, into slots for a quarter of their elements (a pair with more changes is
     found again by ``find_changes``, with every slot); the rest go through ``find_changes``. ``use_triton``: as
     ``find_changes``' (True: every pair that fits the chunk, e.g. in Triton's interpreter). ``copy=False``:
     the kernel's pairs come back as views of their slots (no copy, two launches less per pair; the slots,
-    a quarter of the pair's elements each, stay allocated while a view is held: drop them soon)."""
+    a quarter of the pair's elements each, stay allocated while a view is held: drop them soon). ``most``: per
+    pair, ``find_changes``' (``(None, None)`` over it on the CPU's word path)."""
     out: list = [None] * len(pairs)
     fits = [
         i
@@ -124,7 +182,10 @@ def find_changes_many(
             if k <= len(idx):  # copied out (``copy``), so the slots are freed now
                 idx, vals = idx[:k], vals[:k].view(pairs[i][1].dtype)
                 out[i] = (idx.clone(), vals.clone()) if copy else (idx, vals)
-    return [o if o is not None else find_changes(b, c, chunk_bytes, use_triton) for o, (b, c) in zip(out, pairs)]
+    most = most or [None] * len(pairs)
+    return [
+        o if o is not None else find_changes(b, c, chunk_bytes, use_triton, m) for o, (b, c), m in zip(out, pairs, most)
+    ]
 
 
 def launch_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list]:

@@ -11,7 +11,7 @@ import torch
 
 from refit.delta.base import SourceBase
 from refit.delta.chunks import FIND_BATCH_BYTES, WORD_BATCH_BYTES
-from refit.delta.elements import find_changes_many
+from refit.delta.elements import find_changes, find_changes_many
 from refit.delta.header import QUIET_MAX
 from refit.delta.ops import DeltaOp, DeltaStats, Pieces, memoized, pieces_of
 from refit.delta.payload import one_run, word_parts
@@ -71,25 +71,59 @@ def batches_of(sends: list[DeltaOp], plans: list[str]) -> list[list[int]]:
     return memoized(sends, ("batches", *plans), lambda ops: _batches(ops, plans)) if sends else []
 
 
-def find_batch(ops: list[DeltaOp], pending: PendingFind | None) -> Found | None:
+def find_batch(ops: list[DeltaOp], pending: PendingFind | None, mode: str = "") -> Found | None:
     """The changes of every piece of ``ops`` (one batch of a step's sends): words by address from ``pending``
     (``launch_fast`` of this batch, queued by the caller or ``_prefetch``; each op's ``found``: its pieces'
     range there), other word-found ops per piece
     (``find_words_many``: ``changes`` = ``(indices, words, count)`` per piece), the rest per element
     (``find_changes_many``: ``(indices, values)`` per piece). All views of the finds' slots, encoded and
-    dropped soon. Returns the find by address (None: none)."""
+    dropped soon. Returns the find by address (None: none). ``mode`` ``"auto"``: a one-piece element op on the CPU
+    whose changed words already say dense (``dense_words``) comes back as ``(None, None)``, its elements unread."""
     fast, found = [d for d in ops if d.words and d.fast], None
     if fast:
         found = pending.result()  # ``launch_fast`` returns None only where no op is fast
         for d, (a, b) in zip(fast, pieces_of(fast).spans):
             d.found = (found, a, b)
     rest = [d for d in ops if not (d.words and d.fast)] if len(fast) < len(ops) else []
-    for by_words, find in ((True, find_words_many), (False, lambda pairs: find_changes_many(pairs, copy=False))):
+    for by_words in (True, False):
         chosen = [d for d in rest if d.words == by_words]
-        got = find([(b, v) for d in chosen for b, v in zip(d.bases, d.views)]) if chosen else []
+        pairs = [(b, v) for d in chosen for b, v in zip(d.bases, d.views)]
+        if by_words:
+            got = find_words_many(pairs) if chosen else []
+        else:
+            most = [dense_words(d) if mode == "auto" else None for d in chosen for _ in d.views]
+            got = find_changes_many(pairs, copy=False, most=most) if chosen else []
         for d in chosen:
             d.changes, got = got[: len(d.views)], got[len(d.views) :]
     return found
+
+
+def dense_words(d: DeltaOp) -> int | None:
+    """For a one-piece element op on the CPU with whole 64-bit words: the changed words above which the rule sends
+    it dense, its changed elements estimated from them (each word of ``E`` elements changes with probability
+    ``1 - (1 - f)**E`` where ``f`` of the elements change independently); None where there is no such count.
+    Computed once per op (the rule is monotone in the changes: a binary search)."""
+    if "dense_words" not in d.memo:
+        d.memo["dense_words"] = _dense_words(d)
+    return d.memo["dense_words"]
+
+
+def _dense_words(d: DeltaOp) -> int | None:
+    if len(d.views) != 1 or d.nwords[0] is None or d.views[0].device.type != "cpu" or not d.nwords[0]:
+        return None
+    n, size, words = d.numels[0], d.views[0].element_size(), d.nwords[0]
+
+    def dense(kw: int) -> bool:
+        f = 1 - (1 - kw / words) ** (size / 8)
+        return choose_encoding([(n, round(f * n), size)], d.link, d.share) == "dense"
+
+    if not dense(words):
+        return None
+    lo, hi = 0, words  # dense(hi); the least such
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if dense(mid) else (mid + 1, hi)
+    return max(0, lo - 1)
 
 
 def plan_of(d: DeltaOp, base_ok: bool, mode: str) -> str:
@@ -128,6 +162,11 @@ def choose(d: DeltaOp, mode: str) -> str:
     forced = mode if mode in ENCODINGS else None
     if not d.words:
         forced = "sparse" if forced == "words" else forced  # a piece without whole words: per element
+        if any(i is None for i, _ in d.changes):  # over ``dense_words``: dense, its elements not read
+            if not forced:
+                d.fraction, d.dense_next = 1.0, True
+                return "dense"
+            d.changes = [find_changes(b, v) for b, v in zip(d.bases, d.views)]
         pieces = [(v.numel(), len(i), v.element_size()) for v, (i, _) in zip(d.views, d.changes)]
         d.fraction = sum(k for _, k, _ in pieces) / max(1, sum(n for n, _, _ in pieces))
         kind = forced or choose_encoding(pieces, d.link, d.share)

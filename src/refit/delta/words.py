@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from refit.cudart import private_stream
+from refit.delta.elements import from_numpy
 from refit.delta.wire import INDEX_BYTES, WORD
 
 SLOT_FRACTION = 4  # the kernel's slots hold a quarter of a piece's words; more changes overflow (``None``)
@@ -48,8 +49,8 @@ def addressable(t: torch.Tensor) -> bool:
     Triton installed (or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``)."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     return (
-        _kernels()
-        and (t.is_cuda or interpret)
+        (t.is_cuda or interpret)
+        and _kernels()
         and t.is_contiguous()
         and t.data_ptr() % WORD == 0
         and words_in(t) is not None
@@ -71,6 +72,9 @@ def find_words(base: torch.Tensor, cur: torch.Tensor) -> tuple[torch.Tensor, tor
     if base.shape != cur.shape or base.dtype != cur.dtype or words_in(cur) is None:
         raise ValueError(f"find_words: base {list(base.shape)} {base.dtype} vs current {list(cur.shape)} {cur.dtype}")
     b, c = _flat_words(base.to(cur.device)), _flat_words(cur)
+    if c.device.type == "cpu":  # numpy's vectorized compare and ``flatnonzero``: ~10x torch's ``!=`` and ``nonzero``
+        idx = np.flatnonzero(b.numpy() != c.numpy())
+        return from_numpy(idx.astype(np.int32)), from_numpy(np.take(c.numpy(), idx))
     idx = (b != c).nonzero().squeeze(1)
     return idx.to(torch.int32), c[idx]
 

@@ -242,8 +242,9 @@ def _prepare_reads(
     for k, m in enumerate(plan.messages):
         if m.transport == "nixl" and plan.procs.dst[m.dst] == proc and plan.procs.src[m.src] == sp:
             kind, s_addr, d_addr, run = _piece_runs(plan, k, local, rec, f"process {sp}")
-            key = (rec["rounds"]["of"].get(k, -1), *kind, k if per_message else -1)
-            groups.setdefault(key, []).append((s_addr, d_addr, np.full(len(s_addr), run, np.int64)))
+            key = (rec["rounds"]["of"].get(k, -1), *kind)
+            for tag in {-1, k if per_message else -1}:  # delta mode: grouped too (``NixlDelta.dense_requests``)
+                groups.setdefault((*key, tag), []).append((s_addr, d_addr, np.full(len(s_addr), run, np.int64)))
     out = []
     for (rnd, mem, dev, dmem, ddev, k), arrays in sorted(groups.items()):
         s_addr, d_addr, lens = (np.concatenate(a) for a in zip(*arrays))
@@ -475,12 +476,11 @@ class NixlLink:
         (checksum mode), calls ``fault("nixl-announce")`` (tests: a change now is what a receiver
         must catch), packs its first ``num_buffers`` staging rounds, stages its deltas (delta mode:
         ``_stage_deltas``), publishes its sums and announces that its tensors are final. Delta mode:
-        ``version`` is the one being sent, ``held[proc]`` the version this process holds (a receiver
-        publishes it for its sources first)."""
+        ``version`` is the one being sent, ``held[proc]`` the version this process holds (a receiver reads a
+        delta on another base dense)."""
         self.runs += 1
         if self.delta is not None:
             self.delta.begin(version, (held or {}).get(self.proc))
-            self.delta.publish_held(self.store, self._key(f"held/{self.proc}"), self.runs)
         if not self.receivers:
             return
         self.trace("run %d: source, tensors final", self.runs)
@@ -569,10 +569,9 @@ class NixlLink:
         clock.watch(reached, lambda: f"{what()} (NIXL, store key {key!r})")
 
     def _stage_deltas(self, clock: RunClock) -> None:
-        """Delta mode, a source: its receivers' held versions, then its deltas staged and each receiver's sealed
-        record published (``NixlDelta.stage``), the staging written before the announcement."""
-        held = self.delta.held_of(self.store, lambda r: self._key(f"held/{r}"), self.runs, clock)
-        for r, rec in self.delta.stage(held, self.runs).items():
+        """Delta mode, a source: its deltas staged and each receiver's sealed record published
+        (``NixlDelta.stage``), the staging written before the announcement."""
+        for r, rec in self.delta.stage(self.runs).items():
             self.store.put_sealed(self._key(f"{self.name}/delta/{r}"), rec)
         device_wait(self.delta.staging.device, clock, "staging the NIXL deltas")
 
@@ -588,7 +587,7 @@ class NixlLink:
 
         dense, reads = self.delta.plan_reads(raw_of, self.runs)
         made = [_Request(sp, self.sources[sp], h, n, 1) for sp, h, n in read_handles(self.agent, reads, self)]
-        return [q for q in self.requests if q.message in dense] + made, made
+        return self.delta.dense_requests(self.requests, dense) + made, made
 
     def commit(self, version: int) -> None:
         """Delta mode: the refit of ``version`` succeeded on every process (``NixlDelta.commit``)."""

@@ -4,35 +4,35 @@ reads only those bytes (one READ per source) and scatters them.
 
 Per refit (``NixlDelta``, inside ``refit.transport.nixl.NixlLink``'s ``start`` and ``finish``):
 
-1. every receiver publishes the version it holds (``<name>/nixl/held/<proc>`` = ``{"run", "held"}``, signed);
-2. a source reads its receivers' (``held_of``), then per receiver plans, finds and encodes each message as the P2P
-   path does (``refit.delta.send``: ``plan_of``, ``batches_of``, ``find_batch``, ``encode_op`` against its
-   ``SourceBase``; under ``delta="auto"`` the cost rule over the link as a NIXL pull sees it, ``rule.nixl_link``;
-   the CUDA find kernels where the tensors are on CUDA, the torch path on host memory), copies each delta's payload
-   into that receiver's region of its delta staging (``delta_caps``: within ``num_buffers x buffer_bytes``; a
-   delta that does not fit goes dense this refit, its base brought up to date all the same) and publishes, sealed,
-   ``{"run", "addr", "bytes", "heads", "offsets"}`` before it announces the refit (``<name>/nixl/<agent>/delta/
-   <proc>``: where the payload lies, its bytes, each message's header ``[encoding, base version, version, k]``
-   and each delta's offset in the payload);
-3. a receiver, once its source announced, checks the record field by field before it reads anything
-   (``plan_reads``: each header by ``check_header``, so a delta on a base other than the version it holds is
-   refused naming both; the offsets in order inside the payload; the payload inside its share of the landing
-   buffer and inside a region its source registered), reads its dense messages as before (one prepared request
-   per message) and the deltas in one READ into its registered landing buffer, then scatters them
-   (``refit.delta.receive.apply_received``: every index checked before anything is written);
-4. the source's base holds the version once the refit succeeded (``commit``) and nothing after a failure
+1. a source plans, finds and encodes each message against its base (the version its receivers last read from it)
+   as the P2P path does (``refit.delta.send``: ``plan_of``, ``batches_of``, ``find_batch``, ``encode_op`` against
+   its ``SourceBase``; under ``delta="auto"`` the cost rule over the link as a NIXL pull sees it,
+   ``rule.nixl_link``; the CUDA find kernels where the tensors are on CUDA, one vectorized pass over 64-bit words on
+   host memory), copies each delta's payload into that receiver's region of its delta staging (``delta_caps``:
+   within ``num_buffers x buffer_bytes``; a delta that does not fit goes dense this refit, its base brought up to
+   date all the same) and publishes, sealed, ``{"run", "addr", "bytes", "heads", "offsets"}`` before it announces
+   the refit (``<name>/nixl/<agent>/delta/<proc>``: where the payload lies, its bytes, each message's header
+   ``[encoding, base version, version, k]`` and each delta's offset in the payload). It does not wait to hear what
+   its receivers hold: a pull lets each receiver choose;
+2. a receiver, once its source announced, checks the record field by field before it reads anything
+   (``plan_reads``: each header by ``check_header``; the offsets in order inside the payload; the payload inside
+   its share of the landing buffer and inside a region its source registered). Deltas on the version it holds it
+   reads in one READ into its registered landing buffer and scatters (``refit.delta.receive.apply_received``:
+   every index checked before anything is written); a message sent dense, or a delta on a base it does not hold
+   (its first refit, ``Peer.invalidate``, a torn in-place refit), it reads dense from the source's tensors (few
+   large READs where every message from that source is dense, ``dense_requests``);
+3. the source's base holds the version once the refit succeeded (``commit``) and nothing after a failure
    (``fail``: the next refit is dense).
 
-Versions and bases behave as over P2P: a receiver that does not hold the source's base version (its first refit,
-``Peer.invalidate``, a torn in-place refit) gets every message dense. Extra memory: the source's base (its
-NIXL-sent tensors) and two registered buffers, a source's delta staging and a receiver's landing buffer, each at
-most the staging budget.
+Versions and bases behave as over P2P but for one thing a pull allows: a receiver that does not hold the base of
+a delta is not refused, it reads those messages dense (over P2P the source pushes, so it must know first). Extra
+memory: the source's base (its NIXL-sent tensors) and two registered buffers, a source's delta staging and a
+receiver's landing buffer, each at most the staging budget.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 
 import numpy as np
@@ -50,12 +50,10 @@ from refit.delta.wire import ENCODINGS, DeltaError
 from refit.delta.words import words_in
 from refit.errors import PlanError
 from refit.plan import Plan
-from refit.transport.clock import RunClock
 from refit.transport.nixl_memory import memory_of
 from refit.transport.nixl_record import is_int
 from refit.transport.p2p import _Op
 
-HELD_KEYS = {"run", "held"}
 RECORD_KEYS = {"run", "addr", "bytes", "heads", "offsets"}
 _POLL_S = 0.001
 
@@ -78,8 +76,8 @@ class NixlDelta:
     """One process's NIXL messages in delta mode (``TransferConfig.delta`` not ``"off"``): a source's base, its
     delta staging and its messages per receiver; a receiver's landing buffer and its messages per source (each a
     ``DeltaOp`` of the message's one piece, as the P2P path's). Built at the link's setup (``buffers`` are
-    registered with the link's memory); per refit ``begin``, ``publish_held`` (receiver), ``stage`` (source,
-    before it announces), ``plan_reads`` and ``apply`` (receiver), then ``commit`` or ``fail``."""
+    registered with the link's memory); per refit ``begin``, ``stage`` (source, before it announces),
+    ``plan_reads``, ``dense_requests`` and ``apply`` (receiver), then ``commit`` or ``fail``."""
 
     def __init__(self, plan: Plan, proc: int, local: LocalTensors, config: TransferConfig, device) -> None:
         self.plan, self.proc, self.config = plan, proc, config
@@ -132,43 +130,13 @@ class NixlDelta:
         self.version, self.held, self.stats = version, held, DeltaStats()
 
     # ------------------------------------------------------------------ source
-    def publish_held(self, store, key: str, run: int) -> None:
-        """A receiver: the version it holds, for refit number ``run`` (read by its sources, ``held_of``)."""
-        if self.recvs:
-            store.put(key, {"run": run, "held": self.held})
-
-    def held_of(self, store, key_of, run: int, clock: RunClock) -> dict[int, int | None]:
-        """A source: the version each of its receivers published for refit ``run`` (``key_of(receiver)``), each
-        waited for under ``clock``; ``DeltaError`` naming the receiver for a record that is not ``{"run": run,
-        "held": version >= 0 or null}``."""
-        out: dict[int, int | None] = {}
-        for r in sorted(self.sends):
-
-            def arrived(r=r) -> bool:
-                rec = store.peek(key_of(r))
-                ok = isinstance(rec, dict) and set(rec) == HELD_KEYS and is_int(rec["run"], 0)
-                ok = ok and (rec["held"] is None or is_int(rec["held"], 0))
-                if rec is not None and (not ok or rec["run"] > run):
-                    raise DeltaError(
-                        f"process {r} published {str(rec)[:80]} as the version it holds for NIXL refit {run}, not "
-                        "{'run': refit, 'held': version or null}"
-                    )
-                if rec is None or rec["run"] < run:
-                    time.sleep(_POLL_S)
-                    return False
-                out[r] = rec["held"]
-                return True
-
-            clock.watch(arrived, lambda r=r: f"process {r} publishing the version it holds (NIXL delta)")
-        return out
-
-    def stage(self, held: dict[int, int | None], run: int) -> dict[int, bytes]:
-        """A source, its tensors final: per receiver (``held``: the version each holds) its messages planned,
-        found, encoded and their deltas copied into its region of the staging; returns the sealed record to
-        publish per receiver (see the module docstring). Base updates of what was sent follow ``encode_op``."""
+    def stage(self, run: int) -> dict[int, bytes]:
+        """A source, its tensors final: per receiver its messages planned, found, encoded against the base and
+        their deltas copied into its region of the staging; returns the sealed record to publish per receiver
+        (see the module docstring). Base updates of what was sent follow ``encode_op``."""
         out = {}
+        ok = self.base.version is not None
         for r, ops in sorted(self.sends.items()):
-            ok = self.base.version is not None and held.get(r) == self.base.version
             plans = [plan_of(d, ok, self.config.delta) for d in ops]
             heads: list[list[int]] = [[] for _ in ops]
             at, used, offsets = self.out_at[r][0], 0, {}
@@ -176,7 +144,7 @@ class NixlDelta:
                 if plans[j] != "diff":
                     heads[j], used = self._encode(d, plans[j], r, used, offsets)
             for batch in batches_of(ops, plans):
-                find_batch([ops[j] for j in batch], None)
+                find_batch([ops[j] for j in batch], None, self.config.delta)
                 for j in batch:
                     heads[j], used = self._encode(ops[j], "diff", r, used, offsets)
                 self.base.flush()
@@ -223,9 +191,14 @@ class NixlDelta:
         for sp, ops in sorted(self.recvs.items()):
             self.stats.received_bytes += _header_bytes(ops)
             rec = _record(json.loads(raw_of(sp)), sp, {str(d.op.message) for d in ops}, self.in_at[sp][1], run)
-            end = 0
+            end, staged = 0, 0
             for d in ops:
-                receive_into(d, rec["heads"][str(d.op.message)], self.version, self.held, me)
+                head = rec["heads"][str(d.op.message)]
+                other = len(head) > 1 and head[0] != ENCODINGS.index("dense") and head[1] != self.held
+                receive_into(d, head, self.version, head[1] if other else self.held, me)
+                staged += d.kind != "dense"
+                if other:  # a delta on a base this receiver does not hold: read dense from the source's tensors
+                    d.kind, d.payload = "dense", d.op.tensor
                 if d.kind == "dense":
                     dense.add(d.op.message)
                     continue
@@ -237,11 +210,19 @@ class NixlDelta:
                     )
                 at = self.in_at[sp][0] + off
                 d.payload, end = self.landing[at : at + n], off + n
-            if len(rec["offsets"]) != sum(d.kind != "dense" for d in ops):
+            if len(rec["offsets"]) != staged:
                 raise DeltaError(f"NIXL delta record of process {sp}: offsets for messages it sends dense")
-            if rec["bytes"]:
+            if rec["bytes"] and any(d.kind != "dense" for d in ops):
                 reads.append((sp, rec["addr"], rec["bytes"], self.landing.data_ptr() + self.in_at[sp][0]))
         return dense, reads
+
+    def dense_requests(self, requests: list, dense: set[int]) -> list:
+        """A receiver: of its prepared ``requests`` (``nixl._prepare_reads``: per message, and grouped with
+        ``message == -1``), those reading this refit's ``dense`` messages: a source's grouped ones where every
+        message from it is dense (a few large READs: one per message costs a round trip each), else the dense
+        messages' own."""
+        whole = {sp for sp, ops in self.recvs.items() if all(d.op.message in dense for d in ops)}
+        return [q for q in requests if ((q.message < 0) if q.peer in whole else (q.message in dense))]
 
     def apply(self) -> None:
         """A receiver, every READ done: the deltas' indices checked, then scattered (``apply_received``)."""
