@@ -13,8 +13,9 @@ vLLM backend, and each vLLM worker receives only its tensor-parallel share::
 ``use_vllm`` stays False: that switch makes TRL start its own vLLM client and sync (NCCL, CUDA only), which
 refit replaces. The two modes differ only in who holds the engine. *Colocate*: the one trainer process owns a
 ``vllm.LLM`` (several trainer processes use a server: each would otherwise hold an engine of its own).
-*Server*: a ``vllm serve`` (what TRL's ``trl vllm-serve`` runs) with the ``refit`` backend; generation goes
-through TRL's own ``VLLMClient`` (its OpenAI route, no NCCL), the sync through vLLM's ``HTTPVLLMWeightSyncClient``.
+*Server*: TRL's own ``trl vllm-serve`` (which runs ``vllm serve`` and forwards the flags it does not know to it)
+with refit's backend and worker extension (``serve_command``); generation goes through TRL's own ``VLLMClient``
+(its OpenAI route, no NCCL), the sync through vLLM's ``HTTPVLLMWeightSyncClient``.
 
 Lifecycle: the first call joins refit's job (``RefitTrainerEngine.trainer_init``, collective over the trainer
 ranks and the engine's workers) with the trainer's model; every call whose ``trainer.state.global_step``
@@ -23,6 +24,9 @@ differs from the last sync sends version ``global_step + 1`` first; ``close()`` 
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +36,7 @@ from refit.engines.vllm.trainer import RefitTrainerEngine, RefitTrainerInitInfo,
 from refit.errors import ConfigError
 from refit.transport.control import free_port
 
+EXTENSION = "refit.engines.vllm.extension.RefitWorkerExtension"  # refit_stats, read through collective_rpc
 AfterSync = Callable[["RefitRollout", Any], None]
 
 
@@ -84,6 +89,7 @@ class RefitRollout:
         self.syncs = 0
         self.stats: Any = None
         self.colocated = False
+        self.trl_client: Any = None  # server mode: TRL's VLLMClient on the server (probes, its other routes)
 
     @classmethod
     def colocate(cls, llm: Any, **kw: Any) -> RefitRollout:
@@ -126,7 +132,9 @@ class RefitRollout:
             )  # fmt: skip
             return out["completion_ids"], [[lp[0] for lp in seq] for seq in out["logprobs"]]
 
-        return cls(HTTPVLLMWeightSyncClient(base_url), generate, workers, **kw)
+        rollout = cls(HTTPVLLMWeightSyncClient(base_url), generate, workers, **kw)
+        rollout.trl_client = trl_client
+        return rollout
 
     # -- GRPO's rollout_func -------------------------------------------------------------------------------------
 
@@ -205,18 +213,12 @@ def cpu_llm(model_dir: str, tp: int = 1, **overrides: Any) -> Any:
     """A ``vllm.LLM`` for a tiny model on a CPU machine, with refit's backend, for demos and tests of the colocated
     rollout: float32 (bfloat16 kills CPU workers with SIGILL), token ids in (``skip_tokenizer_init``), eager, a
     64 MiB KV cache per worker, ``RefitWorkerExtension`` (``refit_stats``). With
-    ``tp`` > 1 it sets ``VLLM_CPU_OMP_THREADS_BIND`` to one core per worker unless it already names ``tp`` of them
-    (vLLM's CPU backend refuses TP without it). ``overrides``: any other ``LLM`` argument. On a GPU host build
-    the ``LLM`` with your own arguments and ``weight_transfer_config={"backend": "refit"}``."""
-    import os
-
+    ``tp`` > 1 it sets ``VLLM_CPU_OMP_THREADS_BIND`` (``cpu_threads_bind``). ``overrides``: any other ``LLM``
+    argument. On a GPU host build the ``LLM`` with your own arguments and
+    ``weight_transfer_config={"backend": "refit"}``."""
     from vllm import LLM
 
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"cpu_llm: tp must be an integer >= 1, got {tp!r}")
-    if tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").count("|") != tp - 1:
-        cores = sorted(os.sched_getaffinity(0))  # more workers than cores share them ("0|1|0|1": tp=4 on 2 cores)
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tp))
+    cpu_threads_bind(tp, "cpu_llm")
     args = {
         "model": model_dir,
         "dtype": "float32",
@@ -227,9 +229,41 @@ def cpu_llm(model_dir: str, tp: int = 1, **overrides: Any) -> Any:
         "enforce_eager": True,
         "seed": 0,
         "weight_transfer_config": {"backend": "refit"},
-        "worker_extension_cls": "refit.engines.vllm.extension.RefitWorkerExtension",
+        "worker_extension_cls": EXTENSION,
     }
     return LLM(**{**args, **overrides})
+
+
+def cpu_threads_bind(tp: int, who: str = "cpu_threads_bind") -> None:
+    """With ``tp`` > 1 set ``VLLM_CPU_OMP_THREADS_BIND`` to one core per worker unless it already names ``tp`` of
+    them (vLLM's CPU backend refuses TP without it); engines and servers started from here inherit it."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"{who}: tp must be an integer >= 1, got {tp!r}")
+    if tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").count("|") != tp - 1:
+        cores = sorted(os.sched_getaffinity(0))  # more workers than cores share them ("0|1|0|1": tp=4 on 2 cores)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tp))
+
+
+def serve_command(
+    model: str, tp: int = 1, *, host: str = "0.0.0.0", port: int = 8000, cpu: bool = False, extra: Sequence[str] = ()
+) -> list[str]:
+    """The command line of TRL's ``trl vllm-serve`` serving ``model`` (tensor parallel ``tp``) for
+    ``RefitRollout.server``: TRL's own server command, which runs ``vllm serve`` with the flags TRL's trainers
+    need (``VLLM_SERVER_DEV_MODE=1``, processed log-probabilities) and forwards the flags it does not know to it:
+    refit's weight-transfer backend (vLLM keeps the last ``--weight-transfer-config``, so refit's replaces TRL's
+    NCCL one) and refit's worker extension (``refit_stats`` through ``/collective_rpc``). ``cpu``: the CPU engine
+    arguments of ``cpu_llm`` (float32, eager, token ids in, a 64 MiB KV cache); on CPU with ``tp`` > 1 call
+    ``cpu_threads_bind(tp)`` first (the server inherits the environment). ``extra``: more ``vllm serve`` flags.
+    The server's environment needs the job's secret (``REFIT_SECRET`` or ``REFIT_SECRET_FILE``), as the trainer's."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"serve_command: tp must be an integer >= 1, got {tp!r}")
+    cmd = [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", model, "--tensor_parallel_size", str(tp)]
+    cmd += ["--host", host, "--port", str(port)]
+    if cpu:  # TRL's own arguments, then vLLM's (forwarded)
+        cmd += ["--dtype", "float32", "--max_model_len", "128", "--enforce_eager", "true"]
+        cmd += ["--gpu_memory_utilization", "0.1", "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(64 << 20)]
+    cmd += ["--weight-transfer-config", json.dumps({"backend": "refit"}), "--worker-extension-cls", EXTENSION]
+    return cmd + list(extra)
 
 
 def word_tokenizer(vocab_size: int) -> Any:
