@@ -1,7 +1,8 @@
 """One-pass MXFP8 and NVFP4 quantization on CUDA (Triton), byte-identical to ``refit.quant.mx``.
 
-A program reads one block of ``BR`` rows x one scale block of columns (32 for MXFP8, 16 for NVFP4) once and
-writes its elements and scales: one read of the weight, one write of the quantized bytes. The arithmetic is
+A program reads ``ROWS`` rows x ``TILE`` columns (``TILE / B`` scale blocks of B = 32 columns for MXFP8, 16 for
+NVFP4: long rows of contiguous bytes) once and writes its elements and scales: one read of the weight, one write
+of the quantized bytes. The arithmetic is
 that of ``mx.py`` in the same IEEE operations: ``max |x|`` in float32 (exact); MXFP8's ``amax / 448`` with
 ``div_rn`` (Triton's ``/`` is approximate), the E8M0 exponent from its bits, ``x * 2**(127-e)`` (exactly
 ``x / 2**(e-127)``), round-to-nearest-even to E4M3; NVFP4's ``6 * weight_scale_2`` (one multiply),
@@ -24,7 +25,10 @@ try:
 except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch path is used
     AVAILABLE = False
 
-ROWS = 32  # rows a program quantizes
+# a program's tile: ROWS rows x TILE columns (powers of two; on one H200, a 14336 x 4096 bf16 weight: MXFP8 in
+# 50.8 us, 3.5 TB/s of its bytes, NVFP4 in 134 us, against 80.8 / 160 us for 32 rows x one scale block)
+ROWS = 16
+TILE = 256
 
 
 if AVAILABLE:
@@ -41,12 +45,13 @@ if AVAILABLE:
         return tl.load(ptr, mask=mask, other=0.0).to(tl.float32), mask
 
     @triton.jit
-    def _mxfp8_rows(x_ptr, q_ptr, s_ptr, r_n, k, sxr, sxk, sqr, sqk, ssr, ssk, BR: tl.constexpr):
+    def _mxfp8_rows(x_ptr, q_ptr, s_ptr, r_n, k, sxr, sxk, sqr, sqk, ssr, ssk, BR: tl.constexpr, NB: tl.constexpr):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        j = tl.program_id(1)
-        cols = j * 32 + tl.arange(0, 32)
+        j = tl.program_id(1) * NB + tl.arange(0, NB)  # this program's scale blocks
+        cols = tl.program_id(1) * NB * 32 + tl.arange(0, NB * 32)
         x, mask = _load(x_ptr, rows, cols, r_n, k, sxr, sxk)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1.1754943508222875e-38)
+        xb = tl.reshape(x, (BR, NB, 32))
+        amax = tl.maximum(tl.max(tl.abs(xb), axis=2), 1.1754943508222875e-38)
         bits = _div_rn(amax, 448.0).to(tl.int32, bitcast=True)
         ex, man = (bits >> 23) & 0xFF, bits & 0x7FFFFF
         # a subnormal amax / 448 (flushed to zero here): its exponent is 1 iff it rounds above 2**-127, i.e. iff
@@ -56,31 +61,36 @@ if AVAILABLE:
         # x / 2**(e - 127) as x * 2**(127 - e): exact either way, and 2**(127 - e) is a normal float for every e a
         # finite amax gives, where 2**-127 (e == 0) as a divisor is subnormal and the GPU flushes it to zero
         inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-        q = (x * inv[:, None]).to(tl.float8e4nv)
+        q = tl.reshape((xb * inv[:, :, None]).to(tl.float8e4nv), (BR, NB * 32))
         r64 = rows.to(tl.int64)
         tl.store(q_ptr + r64[:, None] * sqr + cols.to(tl.int64)[None, :] * sqk, q, mask=mask)
-        tl.store(s_ptr + r64 * ssr + j * ssk, e.to(tl.uint8), mask=rows < r_n)
+        smask = (rows[:, None] < r_n) & (j[None, :] * 32 < k)
+        tl.store(s_ptr + r64[:, None] * ssr + j.to(tl.int64)[None, :] * ssk, e.to(tl.uint8), mask=smask)
 
     @triton.jit
-    def _nvfp4_rows(x_ptr, q_ptr, s_ptr, s2_ptr, r_n, k, sxr, sxk, sqr, sqk, ssr, ssk, BR: tl.constexpr):
+    def _nvfp4_rows(
+        x_ptr, q_ptr, s_ptr, s2_ptr, r_n, k, sxr, sxk, sqr, sqk, ssr, ssk, BR: tl.constexpr, NB: tl.constexpr
+    ):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        j = tl.program_id(1)
-        x, _ = _load(x_ptr, rows, j * 16 + tl.arange(0, 16), r_n, k, sxr, sxk)
-        s2 = tl.load(s2_ptr + rows, mask=rows < r_n, other=1.0)
-        amax = tl.max(tl.abs(x), axis=1)
+        j = tl.program_id(1) * NB + tl.arange(0, NB)  # this program's scale blocks
+        x, _ = _load(x_ptr, rows, tl.program_id(1) * NB * 16 + tl.arange(0, NB * 16), r_n, k, sxr, sxk)
+        xb = tl.reshape(x, (BR, NB, 16))
+        s2 = tl.load(s2_ptr + rows, mask=rows < r_n, other=1.0)[:, None]
+        amax = tl.max(tl.abs(xb), axis=2)
         bs = tl.minimum(_div_rn(amax, s2 * 6.0), 448.0).to(tl.float8e4nv)
-        denom = bs.to(tl.float32) * s2
-        y = _div_rn(x, denom[:, None])
-        a = tl.abs(tl.where(denom[:, None] == 0, 0.0, y))
+        denom = (bs.to(tl.float32) * s2)[:, :, None]
+        y = _div_rn(xb, denom)
+        a = tl.abs(tl.where(denom == 0, 0.0, y))
         code = (a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
         code += (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8) + (a > 5.0).to(tl.uint8)
-        code = code | ((x < 0).to(tl.uint8) << 3)
-        lo, hi = tl.split(tl.reshape(code, (BR, 8, 2)))
-        byte_cols = j * 8 + tl.arange(0, 8)
+        code = code | ((xb < 0).to(tl.uint8) << 3)
+        lo, hi = tl.split(tl.reshape(code, (BR, NB * 8, 2)))
+        byte_cols = tl.program_id(1) * NB * 8 + tl.arange(0, NB * 8)
         r64 = rows.to(tl.int64)
         bmask = (rows[:, None] < r_n) & (byte_cols[None, :] < (k + 1) // 2)
         tl.store(q_ptr + r64[:, None] * sqr + byte_cols.to(tl.int64)[None, :] * sqk, lo | (hi << 4), mask=bmask)
-        tl.store(s_ptr + r64 * ssr + j * ssk, bs, mask=rows < r_n)
+        smask = (rows[:, None] < r_n) & (j[None, :] * 16 < k)
+        tl.store(s_ptr + r64[:, None] * ssr + j.to(tl.int64)[None, :] * ssk, bs, mask=smask)
 
 
 def quantize_rows_triton(
@@ -92,12 +102,13 @@ def quantize_rows_triton(
     if r_n == 0 or k == 0:
         return
     block = 32 if fmt == "mxfp8" else 16
-    grid = (triton.cdiv(r_n, ROWS), triton.cdiv(k, block))
+    nb = min(TILE // block, triton.next_power_of_2(triton.cdiv(k, block)))  # scale blocks a program quantizes
+    grid = (triton.cdiv(r_n, ROWS), triton.cdiv(k, block * nb))
     strides = (*x.stride(), *q.stride(), *s.stride())
     if fmt == "mxfp8":
-        _mxfp8_rows[grid](x, q, s, r_n, k, *strides, BR=ROWS)
+        _mxfp8_rows[grid](x, q, s, r_n, k, *strides, BR=ROWS, NB=nb)
         return
     if scale_2 is None or scale_2.shape != (r_n,):
         raise ValueError(f"NVFP4 on CUDA: weight_scale_2 per row must be [{r_n}], got {scale_2}")
     s2 = scale_2.to(device=x.device, dtype=torch.float32).contiguous()
-    _nvfp4_rows[grid](x, q, s, s2, r_n, k, *strides, BR=ROWS)
+    _nvfp4_rows[grid](x, q, s, s2, r_n, k, *strides, BR=ROWS, NB=nb)
