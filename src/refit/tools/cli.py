@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 
-from refit.config import TransferConfig
 from refit.errors import USER_ERRORS, ConfigError, SpecError
 from refit.layout import megatron as megatron_rules
 from refit.layout.engines import ENGINES, check_engine_fits, engine_layout, engine_rules
@@ -28,80 +24,22 @@ from refit.layout.models import PRESETS, load_config, param_shapes
 from refit.layout.rules import check_spec_fits, layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import Plan, build_plan
+from refit.tools.args import (
+    CliParser,
+    about_flag,
+    buffer_flags,
+    check_world,
+    fraction,
+    max_world_option,
+    natural_int,
+    positive_float,
+    positive_int,
+    transfer_config,
+)
+from refit.tools.bench_cli import add_bench_parser, cmd_bench
 from refit.tools.cluster.command import add_cluster_parser, cmd_cluster
 from refit.tools.quant_cli import add_quant_option, quant_fields, quant_flags, quant_label, quantized_layouts
 from refit.transport.auth import secret_from_env
-
-
-@contextmanager
-def _flag(flag: str) -> Iterator[None]:
-    """A ``ConfigError`` raised inside is about ``flag``: its message is prefixed with the flag."""
-    try:
-        yield
-    except ConfigError as e:
-        raise type(e)(f"{flag}: {e}") from None
-
-
-def _number(text: str, kind: type, least: float, above: bool = False) -> float:
-    """``text`` as a finite ``kind`` >= ``least`` (> with ``above``); argparse names the flag in the error."""
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not math.isfinite(value) or value < least or (above and value == least):
-        what = "an integer" if kind is int else "a finite number"
-        raise argparse.ArgumentTypeError(f"must be {what} {'>' if above else '>='} {least:g}, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (counts, sizes, degrees)."""
-    return _number(text, int, 1)
-
-
-def natural_int(text: str) -> int:
-    """argparse type: an integer >= 0 (warm-up rounds, seeds)."""
-    return _number(text, int, 0)
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (MiB, GB/s, seconds); nan and infinity are refused."""
-    return _number(text, float, 0, above=True)
-
-
-def fraction(text: str) -> float:
-    """argparse type: a finite number within [0, 1] (a changed fraction)."""
-    value = _number(text, float, 0)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction within [0, 1], got {text!r}")
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are the CLI's one line: ``ConfigError``, not usage text and exit."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
-
-
-def _transfer_config(base: TransferConfig | None = None, **flags: tuple[str, object, object]) -> TransferConfig:
-    """``base`` (default ``TransferConfig()``) with fields set from flags: ``field=(flag, as given, value)``.
-
-    ``TransferConfig`` validates each value; its error is reported as the flag's, with the value as given."""
-    base = base or TransferConfig()
-    for field, (flag, given, value) in flags.items():
-        try:
-            replace(base, **{field: value})
-        except ConfigError as e:
-            raise ConfigError(f"{flag} {given}: {e}") from None
-    return replace(base, **{field: value for field, (_, _, value) in flags.items()})
-
-
-def _buffer_flags(args) -> dict[str, tuple[str, object, object]]:
-    return {
-        "num_buffers": ("--num-buffers", args.num_buffers, args.num_buffers),
-        "buffer_bytes": ("--buffer-mb", f"{args.buffer_mb:g}", int(args.buffer_mb * (1 << 20))),
-    }
 
 
 def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama") -> None:
@@ -117,7 +55,7 @@ def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama"
         help="trainer layout, keys pp,dp,fsdp,ep,etp,tp (default tp=2); prefix megatron: for Megatron-Core's storage",
     )
     p.add_argument("--dst", default="tp=1,dp=2", help="engine layout, keys dp,ep,tp (default tp=1,dp=2)")
-    _max_world_option(p)
+    max_world_option(p)
     p.add_argument(
         "--src-ranks", type=positive_int, default=None, help="check the trainer spec against this many ranks"
     )
@@ -126,26 +64,6 @@ def _common(p: argparse.ArgumentParser, model_default: str | None = "tiny-llama"
     p.add_argument(
         "--buffer-mb", type=positive_float, default=64.0, help="size of one staging buffer in MiB (default 64)"
     )
-
-
-MAX_WORLD = 100_000
-"""``--max-world``'s default: the most ranks a trainer or engine layout may have (a typo such as
-``dp=1000000`` is refused at once instead of filling memory for a minute)."""
-
-
-def _max_world_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--max-world",
-        type=positive_int,
-        default=MAX_WORLD,
-        help=f"refuse a trainer or engine layout of more ranks than this (default {MAX_WORLD:,})",
-    )
-
-
-def _check_world(flag: str, world: int, max_world: int) -> None:
-    """``SpecError`` naming the flag, the world and the cap if ``world`` exceeds ``--max-world``."""
-    if world > max_world:
-        raise SpecError(f"{flag}: {world:,} ranks, over --max-world {max_world:,} (raise it to plan larger layouts)")
 
 
 def _fp8_option(p: argparse.ArgumentParser) -> None:
@@ -163,7 +81,7 @@ def _fp8_option(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="refit", description="Weight refit between trainer and engine layouts.")
+    ap = CliParser(prog="refit", description="Weight refit between trainer and engine layouts.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train a tiny model, refit after each step, compare logits")
     _common(d)
@@ -174,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     _common(k)
     k.add_argument("--refits", type=positive_int, default=200)
     k.add_argument("--warmup", type=positive_int, default=20, help="refits before the baseline is taken")
-    _bench_parser(sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S7)"))
+    add_bench_parser(sub.add_parser("bench", help="time refit against today's methods (scenarios S1-S7)"))
     add_cluster_parser(sub)
     return ap
 
@@ -251,167 +169,29 @@ def _verify_parser(v: argparse.ArgumentParser) -> None:
     )
 
 
-def _bench_parser(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if GPUs are present")
-    b.add_argument("--model", default=None, help="default: llama-3.1-8b on cuda, tiny-llama on cpu")
-    b.add_argument(
-        "--scenarios",
-        default=None,
-        help="comma-separated (S1-S3 need 2 GPUs, S4-S6 4, S6x7 and S7 8; S7 is the MoE "
-        "scenario, with --model qwen3-30b-a3b); default: all this machine can run",
-    )
-    b.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated: run only these methods (and floor) of each scenario, e.g. refit,refit_nixl",
-    )
-    b.add_argument("--warmup", type=natural_int, default=2)
-    b.add_argument(
-        "--iters", type=positive_int, default=5, help="timed refits per method (refit itself runs --growth-iters)"
-    )
-    b.add_argument("--growth-iters", type=positive_int, default=20, help="consecutive refits of refit's own path")
-    b.add_argument("--num-buffers", type=positive_int, default=2)
-    b.add_argument("--buffer-mb", type=positive_float, default=256.0)
-    b.add_argument(
-        "--deadline-s",
-        type=positive_float,
-        default=TransferConfig.deadline_s,
-        help="refit's methods: every blocking wait of one refit gives up this long after it began "
-        f"(default {TransferConfig.deadline_s:g})",
-    )
-    b.add_argument(
-        "--copy-streams",
-        type=positive_int,
-        default=TransferConfig.copy_streams,
-        help="CUDA IPC: streams per source GPU a receiver pulls on",
-    )
-    b.add_argument(
-        "--no-cuda-graph",
-        action="store_true",
-        help="CUDA IPC: issue a pull's copies one by one instead of replaying a CUDA graph",
-    )
-    b.add_argument(
-        "--stages",
-        type=positive_int,
-        default=1,
-        help="all-IPC plans: pull in this many stages, so the trainer's FP8 quantization of stage i+1 "
-        "overlaps the pull of stage i (default 1)",
-    )
-    b.add_argument(
-        "--fp8",
-        action="store_true",
-        help="FP8 engine (128x128 blocks): trainer ranks quantize before every refit; "
-        "methods refit, fp8_quantize, floor",
-    )
-    b.add_argument(
-        "--quant",
-        default=None,
-        metavar="FMT[,FMT]",
-        help="MXFP8 / NVFP4 engines (mxfp8,nvfp4; beside --fp8 in the same run): trainer ranks quantize before "
-        "every refit; methods refit, quantize, floor, floor_read_copy (one read of the bf16 weights + the copy)",
-    )
-    b.add_argument("--out", default=None, help="JSON records, default bench/results/<device-kind>.json")
-    _max_world_option(b)
-
-
-def cmd_bench(args, console) -> int:
-    import os
-    import shlex
-
-    import torch
-
-    from refit.tools.bench import harness
-    from refit.tools.bench.scenarios import parse_formats
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available")
-    if args.model is not None:
-        with _flag("--model"):
-            load_config(args.model)
-    model = args.model or ("llama-3.1-8b" if device == "cuda" else "tiny-llama")
-    cfg = _transfer_config(
-        TransferConfig(cuda_graph=not args.no_cuda_graph),
-        **_buffer_flags(args),
-        copy_streams=("--copy-streams", args.copy_streams, args.copy_streams),
-        stages=("--stages", args.stages, args.stages),
-        deadline_s=("--deadline-s", f"{args.deadline_s:g}", args.deadline_s),
-    )
-    out = args.out or os.path.join("bench", "results", f"{harness.device_kind() if device == 'cuda' else 'cpu'}.json")
-    command = "refit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "refit bench"
-    opts = harness.BenchOptions(
-        device=device,
-        model=model,
-        scenarios=tuple(args.scenarios.split(",")) if args.scenarios else (),  # (): all this machine can run
-        warmup=args.warmup,
-        iters=args.iters,
-        growth_iters=args.growth_iters,
-        config=cfg,
-        out_path=out,
-        command=command,
-        methods=tuple(args.methods.split(",")) if args.methods else (),
-    )
-    with _flag("--quant"):
-        opts = replace(opts, formats=parse_formats(args.fp8, args.quant))
-    with _flag("--scenarios"):
-        opts = replace(opts, scenarios=tuple(harness.chosen_scenarios(opts)))
-    with _flag("--methods"):
-        harness.check_methods(opts)
-    with _flag("--quant" if args.quant else "--fp8"):
-        harness.check_formats(opts)
-    _check_bench_memory(opts, args.max_world)
-    rows = harness.run_bench(opts, console)
-    harness.print_table(rows, console)
-    console.print(f"records written to {out}")
-    bad = [r for r in rows if r["correct"] is False]
-    if bad:
-        print(f"FAIL: {len(bad)} method(s) produced wrong engine weights", flush=True)
-        return 1
-    return 0
-
-
-def _check_bench_memory(opts, max_world: int) -> None:
-    """Every chosen scenario's world within ``--max-world`` and the weights its processes hold within
-    what each of its devices has available: refused before any process allocates (``ConfigError``)."""
-    from refit.tools.bench import harness
-    from refit.tools.resources import check_devices, rank_bytes
-
-    shapes, every = param_shapes(opts.model), harness.scenarios(opts.device)
-    for scen in (every[name] for name in opts.scenarios):
-        src, dst = parse_spec(scen.src, "src"), parse_spec(scen.dst, "dst")
-        _check_world(f"scenario {scen.name} --src {src}", src.world_size, max_world)
-        _check_world(f"scenario {scen.name} --dst {dst}", dst.world_size, max_world)
-        layouts = [layout_from_spec(shapes, src)] * src.world_size + [layout_from_spec(shapes, dst)] * dst.world_size
-        ranks = [*range(src.world_size), *range(dst.world_size)]
-        need: dict[str, int] = {}
-        for device, layout, rank in zip(scen.devices, layouts, ranks):
-            need[device] = need.get(device, 0) + rank_bytes(layout, rank)
-        check_devices(need, f"refit bench scenario {scen.name} with --model {opts.model}")
-
-
 def _setup(args):
     """The two specs, the transfer settings and the model's shapes from the common flags."""
-    with _flag("--src"):
+    with about_flag("--src"):
         src = parse_spec(_src_family(args.src)[1], "src")
-    with _flag("--dst"):
+    with about_flag("--dst"):
         dst = parse_spec(args.dst, "dst")
-    _check_world(f"--src {src}", src.world_size, args.max_world)  # before anything sized by the world
-    _check_world(f"--dst {dst}", dst.world_size, args.max_world)
+    check_world(f"--src {src}", src.world_size, args.max_world)  # before anything sized by the world
+    check_world(f"--dst {dst}", dst.world_size, args.max_world)
     for flag, spec, ranks in (("--src-ranks", src, args.src_ranks), ("--dst-ranks", dst, args.dst_ranks)):
         if ranks is not None:
-            with _flag(flag):
+            with about_flag(flag):
                 spec.check_world_size(ranks)
-    cfg = _transfer_config(**_buffer_flags(args))
-    with _flag("--model"):  # read again for the shapes below; checked here so that its error names the flag
+    cfg = transfer_config(**buffer_flags(args))
+    with about_flag("--model"):  # read again for the shapes below; checked here so that its error names the flag
         config = load_config(args.model)
     shapes = param_shapes(args.model)
     n_layers = num_layers(n for n, _, _ in shapes)
     if src.degree("pp") > max(n_layers, 1):
         raise SpecError(f"--src {src}: pp={src.degree('pp')} exceeds the model's {n_layers} decoder layers")
     megatron = _src_family(args.src)[0] == megatron_rules.FAMILY
-    with _flag(f"--src {src}"):
+    with about_flag(f"--src {src}"):
         check_spec_fits(shapes, src, config, kv_replicas=megatron)
-    with _flag(f"--dst {dst}"):
+    with about_flag(f"--dst {dst}"):
         engine = getattr(args, "engine", None)
         if engine is None:
             check_spec_fits(shapes, dst, config)
@@ -532,7 +312,7 @@ def cmd_plan(args, console) -> int:
     if args.cluster:  # read first: a bad file is refused before the model's shapes are built
         from refit.cost import Topology
 
-        with _flag("--cluster"):
+        with about_flag("--cluster"):
             topo = Topology.from_json(args.cluster)
     src, dst, cfg, shapes = _setup(args)
     t0 = time.perf_counter()  # plan building starts here: shapes are given
@@ -589,7 +369,7 @@ def cmd_verify(args, console) -> int:
                 raise ConfigError(f"--inject and {flag} together are not supported (inject faults into a plain refit)")
         return _verify_inject(args, src, dst, src_l, dst_l, cfg, console)
     if args.dump is not None:
-        with _flag("--dump"):
+        with about_flag("--dump"):
             check_dump(args.dump, dst.world_size)
     _fp8(src_l, dst_l, args)  # block alignment errors as usage errors, before any process starts
     fp8 = quant_label(args, ", engine ")
@@ -616,7 +396,7 @@ def _verify_inject(args, src, dst, src_l, dst_l, cfg, console) -> int:
     check_memory(
         verify_bytes(src_l, src_l, dst_l, None), f"verify --inject on {src.world_size + dst.world_size} processes"
     )
-    cfg = _transfer_config(cfg, deadline_s=("--deadline", f"{args.deadline:g}", args.deadline))
+    cfg = transfer_config(cfg, deadline_s=("--deadline", f"{args.deadline:g}", args.deadline))
     cfg = replace(cfg, buffer_bytes=min(cfg.buffer_bytes, 64 << 10))  # many steps: the fault lands mid-transfer
     plan_steps = build_plan(src_l, dst_l, config=cfg).num_steps
     console.print(
