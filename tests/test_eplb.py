@@ -75,6 +75,7 @@ def test_slots_are_tensors_held_where_the_map_puts_them_and_counted_once_per_slo
     assert plan.digest != build_plan(*_pair(src, dst, _map(ROW_EP4, 2))).digest
     assert plan.digest == build_plan(*_pair(src, dst, _map(ROW_EP4, 1))).digest
     assert m.logical_to_physical(0)[3] == [0, 1, 7, 10]
+    assert ExpertMap(torch.tensor(m.physical_to_logical)).digest == m.digest  # vLLM's physical_to_logical_map
 
 
 @pytest.mark.parametrize("dst_spec,copies", [("ep=2,tp=2", 1), ("dp=2,ep=2", 2)])

@@ -38,7 +38,8 @@ from refit.transport.store import SignedStore, signed
 class EplbPeer:
     """One process's part in refits into an EPLB engine (module docstring). ``src_tensors``: this process's
     trainer shards of the logical tensors (``None`` on an engine-only process); ``dst_tensors``: its engine tensors,
-    stacked experts as physical slots (``EplbLayouts.dst_shapes``). The other keywords are ``Peer``'s.
+    stacked experts as physical slots (``EplbLayouts.dst_shapes``); both change in place only between refits (each
+    map's views of them are taken once). The other keywords are ``Peer``'s.
     ``plans_built`` counts the maps set up here (a map seen again and still cached builds nothing)."""
 
     def __init__(
