@@ -1,6 +1,5 @@
 """The floor each method's time is divided by: the plan's bytes moved as a few large copies (per link, all
-at once, or one engine's bytes over one link), and on S1 an NCCL send of the same bytes. A quantized engine
-also gets ``READ_COPY``: one read of the bf16 shards the trainer quantizes, then those copies."""
+at once, or one engine's bytes over one link), and on S1 an NCCL send of the same bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from . import methods as M
 from .scenarios import Scenario
 
 FLOOR_CHUNK = 8 << 30  # the floor's copies go through buffers of at most this size
-READ_COPY = "read_copy"  # a quantized engine's second floor: one read of the bf16 weights, then the copy
 
 
 def floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
@@ -27,7 +25,7 @@ def floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
     if dev.type == "cpu":
         n = plan.bytes_moved // max(1, len(plan.procs.src))
         a, b = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
-        return _add_read_copy({"memcpy": lambda: b.copy_(a)}, ctx, scen, lambda: b.copy_(a))
+        return {"memcpy": lambda: b.copy_(a)}
     same = 0
     peer: dict[torch.device, int] = {}  # destination GPU -> bytes this process sends there
     for m in plan.messages:
@@ -83,7 +81,6 @@ def floor_setup(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
             main.wait_stream(st)
 
     out["copy"] = copies
-    _add_read_copy(out, ctx, scen, copies)
     if scen.name == "S1" and ctx.nccl is not None:
         n, buf = peer_bufs[0][0], peer_bufs[0][1]
 
@@ -106,20 +103,3 @@ def engine_floor(ctx: M.Ctx, scen: Scenario) -> dict[str, Callable[[], None]]:
             dist.recv(buf[: min(FLOOR_CHUNK, n - off)], src=0, group=ctx.nccl)
 
     return {"copy": lambda: None, "nccl_send": nccl_recv}
-
-
-def _add_read_copy(out: dict, ctx: M.Ctx, scen: Scenario, copy: Callable[[], object]) -> dict:
-    """``out`` with ``READ_COPY`` (a quantized engine's trainer: one pass over the bf16 shards its quantizer
-    reads, then ``copy``)."""
-    quantizer = ctx.extra.get("prepare")
-    if not scen.quant or quantizer is None:
-        return out
-    live = [job[1] for job in quantizer.jobs if job[1].numel()]
-
-    def read_copy() -> None:
-        for w in live:
-            torch.amax(w)  # reads w once, writes a scalar
-        copy()
-
-    out[READ_COPY] = read_copy
-    return out
