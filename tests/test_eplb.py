@@ -166,7 +166,7 @@ def _sessions():
     return [
         Session(_src("ep=2"), _dst("ep=4"), all6, (m1, m2, m1)),  # back to m1: its plan is re-used
         Session(_src("tp=2"), _dst("ep=2"), first4, (n1, n2, n1), commit="staged"),
-        Session(_src("fsdp=2"), _dst("ep=4"), all6, (m2, m3)),
+        Session(_src("fsdp=2"), _dst("ep=4"), all6, (m2, m3, m2), delta="sparse"),  # m2's slots rewritten by m3
         Session(_src("ep=2"), _dst("ep=2"), first4, (n2,), src_maps=(n1,)),  # the trainer's map is another
     ]
 
@@ -174,7 +174,8 @@ def _sessions():
 @pytest.mark.timeout(300)
 def test_every_physical_slot_is_exact_after_each_refit_as_the_map_changes():
     """One job of 2 trainer and 4 engine processes (CPU, gloo): trainer ep=2, tp=2 and fsdp=2 into engine ep=2 and
-    ep=4 with 2 redundant slots per EP rank, the map changing between versions; a plan per distinct map."""
+    ep=4 with 2 redundant slots per EP rank, the map changing between versions; a plan per distinct map; in place,
+    staged and sparse-delta commits (the delta one back on a map whose slots another map rewrote meanwhile)."""
     from refit.tools.eplb_cli import eplb_worker
     from refit.tools.launch import run_local
 

@@ -13,7 +13,7 @@ import torch
 
 from refit.config import TransferConfig
 from refit.errors import ConfigError, LayoutError, PlanError
-from refit.layout import ModelLayout, box_slices
+from refit.layout import ModelLayout, TensorLayout, box_slices
 from refit.layout.eplb import EplbLayouts, ExpertMap, ep_of, eplb_layouts, moe_layers
 from refit.plan import ProcessMap, build_plan
 
@@ -69,7 +69,7 @@ def expert_map_label(args: argparse.Namespace, sep: str) -> str:
 class Session:
     """Refits of versions 1, 2, ... from ``src`` into ``dst`` (logical layouts) on processes ``procs``, version ``v``
     under ``maps[v - 1]``; the trainer ranks use ``src_maps`` instead where given (a mismatch to be refused);
-    ``commit``: ``TransferConfig.commit``."""
+    ``commit``, ``delta``: ``TransferConfig``'s."""
 
     src: ModelLayout
     dst: ModelLayout
@@ -77,12 +77,13 @@ class Session:
     maps: tuple[ExpertMap, ...]
     src_maps: tuple[ExpertMap, ...] | None = None
     commit: str = "in_place"
+    delta: str = "off"
 
 
 def eplb_worker(world: World, sessions: Sequence[Session], seed: int, config: TransferConfig) -> list[dict | None]:
     """Each session in turn on the processes it names (None for the others): ``_session``'s record."""
     return [
-        _session(world.rank, i, s, seed, replace(config, name=f"{config.name}/eplb{i}", commit=s.commit))
+        _session(world.rank, i, s, seed, replace(config, name=f"{config.name}/eplb{i}", commit=s.commit, delta=s.delta))
         if world.rank in (*s.procs.src, *s.procs.dst)
         else None
         for i, s in enumerate(sessions)
@@ -91,15 +92,14 @@ def eplb_worker(world: World, sessions: Sequence[Session], seed: int, config: Tr
 
 def _session(proc: int, index: int, s: Session, seed: int, config: TransferConfig) -> dict:
     """``{"rows": [{version, map, bytes_moved, bytes_needed, mismatches, bytes_checked}], "plans_built", "error"}``:
-    the trainer's shards are refreshed in place before each version (values of seed ``seed + v``); the engine's
-    slots are checked after each."""
+    the trainer's shards are refreshed in place before each version (``version_values``); the engine's slots are
+    checked after each."""
     from refit.eplb import EplbPeer
-    from refit.tools.verify import reference_shards
 
     src_rank = s.procs.src.index(proc) if proc in s.procs.src else None
     dst_rank = s.procs.dst.index(proc) if proc in s.procs.dst else None
     maps = s.src_maps if src_rank is not None and s.src_maps is not None else s.maps
-    src_t = reference_shards(s.src, src_rank, seed) if src_rank is not None else None
+    src_t = version_shards(s.src, src_rank, seed, 0) if src_rank is not None else None
     dst_t = None
     if dst_rank is not None:
         shapes = eplb_layouts(s.src, s.dst, maps[0]).dst_shapes(dst_rank)
@@ -109,13 +109,13 @@ def _session(proc: int, index: int, s: Session, seed: int, config: TransferConfi
     try:
         for v, m in enumerate(maps, 1):
             if src_t is not None:
-                for name, x in reference_shards(s.src, src_rank, seed + v).items():
+                for name, x in version_shards(s.src, src_rank, seed, v).items():
                     src_t[name].copy_(x)
             peer.run(v, m)
             plan = peer.plan(m)
             row = {"version": v, "map": m.digest, "bytes_moved": plan.bytes_moved, "bytes_needed": plan.bytes_needed}
             if dst_t is not None:
-                row["mismatches"], row["bytes_checked"] = check_slots(peer.layouts[m.digest], dst_rank, dst_t, seed + v)
+                row["mismatches"], row["bytes_checked"] = check_slots(peer.layouts[m.digest], dst_rank, dst_t, seed, v)
             rows.append(row)
     except PlanError as e:
         return {"rows": rows, "plans_built": peer.plans_built, "error": f"{type(e).__name__}: {e}"}
@@ -124,17 +124,32 @@ def _session(proc: int, index: int, s: Session, seed: int, config: TransferConfi
     return {"rows": rows, "plans_built": peer.plans_built, "error": None}
 
 
-def check_slots(layouts: EplbLayouts, rank: int, tensors: dict, seed: int) -> tuple[list[str], int]:
-    """Mismatches of destination ``rank``'s tensors against the reference values of ``seed``: physical slot ``j``
+def version_values(t: TensorLayout, seed: int, version: int) -> torch.Tensor:
+    """Tensor ``t``'s values at ``version``: ``tools.verify``'s reference values of ``seed`` with every 61st element
+    set to ``version`` (versions differ in few elements, as after an optimizer step: a delta refit sends few)."""
+    from refit.tools.verify import reference_tensor
+
+    x = reference_tensor(t.name, t.shape, t.dtype, seed)
+    x.view(-1)[::61] = version
+    return x
+
+
+def version_shards(layout: ModelLayout, rank: int, seed: int, version: int) -> dict[str, torch.Tensor]:
+    """Source ``rank``'s boxes of ``version_values``."""
+    return {t.name: version_values(t, seed, version)[box_slices(b)].clone() for t, b in layout.local_tensors(rank)}
+
+
+def check_slots(layouts: EplbLayouts, rank: int, tensors: dict, seed: int, version: int) -> tuple[list[str], int]:
+    """Mismatches of destination ``rank``'s tensors against ``version_values``: physical slot ``j``
     of EP coordinate ``c`` against logical expert ``map[layer][c * P / ep + j]`` (from the map alone, not from
     the slot layouts), every other tensor against its box; and the bytes compared."""
-    from refit.tools.verify import reference_tensor, same_bits
+    from refit.tools.verify import same_bits
 
     base, m = layouts.base_dst, layouts.expert_map
     stacked = {t.name: i for i, ts in enumerate(moe_layers(base)) for t in ts}
     bad, nbytes = [], 0
     for t, box in base.local_tensors(rank):
-        got, full = tensors[t.name], reference_tensor(t.name, t.shape, t.dtype, seed)
+        got, full = tensors[t.name], version_values(t, seed, version)
         nbytes += got.numel() * got.element_size()
         if t.name not in stacked:
             if not same_bits(got, full[box_slices(box)]):
