@@ -50,3 +50,80 @@ def test_a_quantizer_on_the_gpu_sends_what_the_cpu_one_does(fmt):
     for name, t in cpu.tensors.items():
         got = gpu.tensors[name].cpu()
         assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def _mx_s2_worker(world, fmt_name: str) -> tuple[list[bool], int, int]:
+    """S2 (trainer and engine on GPU 0) into an MXFP8 / NVFP4 engine of tiny-qwen3-moe, two versions: whether the
+    engine held the whole tensors' quantization after each, the weights the trainer left to its engine's pull
+    and the quantize kernels the engine's pull graph holds."""
+    from refit.config import TransferConfig
+    from refit.layout.tensors import box_slices
+    from refit.plan import ProcessMap
+    from refit.quant.mx_layout import FORMATS
+    from refit.quant.mx_quantizer import expected_mx_shards
+    from refit.tools.verify import reference_tensor
+    from refit.transfer import Peer
+
+    fmt, dev = FORMATS[fmt_name], world.device
+    plain = layout_from_spec(param_shapes("tiny-qwen3-moe"), parse_spec("tp=1", "src"))
+    src_l, dst_l = mx_layout(plain, fmt), mx_layout(plain, fmt, side="destination")
+    live = dst = quantizer = None
+    if world.rank == 0:
+        live = {t.name: reference_tensor(t.name, t.shape, t.dtype, seed=1).to(dev) for t in plain}
+        quantizer = MxQuantizer(src_l, 0, live, fmt)
+    else:
+        dst = {t.name: torch.zeros(t.shape, dtype=t.dtype, device=dev) for t in dst_l}
+    peer = Peer(
+        src_l,
+        dst_l,
+        world.rank,
+        src_tensors=quantizer.tensors if quantizer else None,
+        dst_tensors=dst,
+        procs=ProcessMap((0,), (1,), ("cuda:0", "cuda:0")),
+        config=TransferConfig(transport="ipc", name=f"mxpull-{fmt_name}"),
+        device=dev,
+        prepare=quantizer,
+    )
+    ok = []
+    for v in (1, 2):
+        if live is not None:
+            for t in plain:
+                live[t.name].copy_(reference_tensor(t.name, t.shape, t.dtype, seed=v))
+        torch.cuda.synchronize(dev)
+        torch.distributed.barrier()
+        peer.run(v)
+        if dst is not None:
+            full = {t.name: reference_tensor(t.name, t.shape, t.dtype, seed=v) for t in plain}
+            want = expected_mx_shards(full, dst_l, 0, fmt)
+            ok.append(all(torch.equal(dst[n].cpu().reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
+                          for n, w in want.items()))  # fmt: skip
+            ok[-1] &= all(torch.equal(dst[t.name].cpu(), full[t.name][box_slices(b)]) for t, b in plain.local_tensors(0)
+                          if t.name not in want and t.name in dst)  # fmt: skip
+    ipc = peer.executor.ipc
+    kernels = sum(
+        1 for pl in ipc.pullers if pl is not None for _, _, copies in pl.lanes for c in copies if c[0] == "quantize"
+    )
+    skipped = len(ipc.skipped)
+    peer.close()
+    return ok, skipped, kernels
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_colocated_engine_quantizes_mxfp8_on_its_pull(fmt):
+    """S2: an MXFP8 engine quantizes the trainer's bf16 weights into its own weights and scales in its pull (the
+    trainer leaves every one of them to it), the bytes of the whole tensors quantized on the CPU; NVFP4, whose
+    global scale the trainer ranks agree on first, stays with the trainer, the same bytes."""
+    from refit.quant.mx_layout import FORMATS, mx_names
+    from refit.tools.launch import run_local
+
+    out = run_local(_mx_s2_worker, 1, 1, fmt, devices=["cuda:0"] * 2, timeout_s=240)
+    n = len(
+        mx_names(
+            mx_layout(layout_from_spec(param_shapes("tiny-qwen3-moe"), parse_spec("tp=1", "src")), FORMATS[fmt]),
+            FORMATS[fmt],
+        )
+    )
+    want = n if fmt == "mxfp8" else 0
+    assert out[1][0] == [True, True], out
+    assert (out[0][1], out[1][2]) == (want, want), out

@@ -172,6 +172,14 @@ class MxQuantizer:
                 self.tensors[g].copy_(self.scale_2[n][box_slices(own[g])])
         self._pending = set(self.quantized)
 
+    def pull_sources(self) -> dict[str, torch.Tensor]:
+        """MXFP8: the live weights held whole (one part) on a GPU, which a receiver on that GPU may quantize
+        itself on its pull (``refit.transport.ipc_quant``). NVFP4: none (its global scale is agreed first)."""
+        if self.fmt.global_scale:
+            return {}
+        parts = [name for name, *_ in self.jobs]
+        return {name: w for name, w, *_ in self.jobs if parts.count(name) == 1 and w.is_cuda and w.numel()}
+
     @property
     def nbytes(self) -> int:
         return sum(q.numel() * q.element_size() + s.numel() * s.element_size() for _, _, q, s, _ in self.jobs)

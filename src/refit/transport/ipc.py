@@ -32,7 +32,6 @@ from refit.errors import ChecksumError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages, part_key, source_part
-from refit.quant import scale_name
 from refit.transport import ipc_quant
 from refit.transport.checksum import Piece, PieceSums, fusable
 from refit.transport.host_barrier import HostBarrier
@@ -355,14 +354,14 @@ def _on_pull_jobs(
     sources = sorted({sp for sp, _ in named})
     for sp in sources:
 
-        def views(n: str, sp: int = sp) -> tuple[torch.Tensor, torch.Tensor]:
-            w, s = named.get((sp, n)), named.get((sp, scale_name(n)))
+        def views(n: str, scale: str, sp: int = sp) -> tuple[torch.Tensor, torch.Tensor]:
+            w, s = named.get((sp, n)), named.get((sp, scale))
             if w is None or s is None:
                 raise PlanError(f"FP8 on pull: process {sp} published weight {n!r}, which is not pulled whole here")
             return w[1][0], s[1][0]
 
         for job in ipc_quant.import_jobs(store, config.name, sp, proc, config.preflight_timeout_s, views):
-            w, s = named[sp, job.name], named[sp, scale_name(job.name)]
+            w, s = named[sp, job.name], named[sp, job.scale]
             out.setdefault(w[0], []).append((job, w[1], s[1]))
     return out
 

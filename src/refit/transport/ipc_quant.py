@@ -1,16 +1,18 @@
-"""FP8 engines on one GPU: the receiver quantizes its source's bf16 weights straight into its FP8 weights and
-scales, in one pass (one read of the bf16 bytes, one write of the FP8 bytes), instead of the source
-quantizing into FP8 copies that the receiver then copies (a second read and write of the FP8 bytes).
+"""FP8 and MXFP8 engines on one GPU: the receiver quantizes its source's bf16 weights straight into its
+quantized weights and scales, in one pass (one read of the bf16 bytes, one write of the quantized bytes), instead
+of the source quantizing into copies that the receiver then copies (a second read and write of those bytes).
 
-Where (decided by the source, from the plan, and published to the receiver): a quantized weight
-(``quant.quantized_names``) that one receiver on the source's GPU pulls whole over CUDA IPC, weight and scales,
-from a source whose ``prepare`` offers its live weight (``pull_sources()``: ``Fp8Quantizer`` does for a
-weight held in one part); not in checksum mode (its sums compare the source's FP8 copy with what
-arrived); not with ``REFIT_FP8_ON_PULL=0``. The source publishes, sealed, per receiver, the block shape and
-the IPC handles of those live weights (an empty record when none); the receiver maps them and quantizes
-each in its pull's CUDA graph (``IpcPuller``'s kernels), and the source's ``prepare`` skips them
-(``skipped``). Both read the weight after the stage barrier that says the source's tensors are final,
-so the bytes are those the source would have quantized (the same kernel, ``quant.quantize_into``).
+Where (decided by the source, from the plan, and published to the receiver): a quantized weight (block FP8:
+``quant.quantized_names``, its ``_scale_inv``; MXFP8: ``mx_layout.mx_names``, its ``_scale``) that one receiver
+on the source's GPU pulls whole over CUDA IPC, weight and scales, from a source whose ``prepare`` offers its
+live weight (``pull_sources()``: ``Fp8Quantizer`` and an MXFP8 ``MxQuantizer`` do for a weight held in one part;
+NVFP4 does not, its global scale is agreed across the trainer ranks first); not in checksum mode (its sums
+compare the source's quantized copy with what arrived); not with ``REFIT_FP8_ON_PULL=0``. The source
+publishes, sealed, per receiver, the format, the FP8 block shape and the IPC handles of those live weights (an
+empty record when none); the receiver maps them and quantizes each in its pull's CUDA graph (``IpcPuller``'s
+kernels), and the source's ``prepare`` skips them (``skipped``). Both read the weight after the stage barrier
+that says the source's tensors are final, so the bytes are those the source would have quantized (the same
+kernels: ``quant.quantize_into``, ``mx_quantizer.quantize_into``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from collections.abc import Callable
 import torch
 
 from refit.errors import PlanError
+from refit.layout import ModelLayout
 from refit.plan import Plan
 from refit.quant import quantize_into, quantized_names, scale_name
+from refit.quant.mx_layout import MXFP8, block_scale_name, mx_names
+from refit.quant.mx_quantizer import quantize_into as mx_quantize_into
 from refit.transport.ipc_handles import check_handle_fields, handle_fields, rebuild_handle
 from refit.transport.store import SignedStore
 
@@ -37,9 +42,22 @@ def _key(name: str, src_proc: int, receiver: int) -> str:
     return f"{name}/ipc/{src_proc}/{receiver}/fp8"
 
 
+FORMATS = ("fp8", "mxfp8")  # what a receiver quantizes on its pull
+
+
+def scales_of(layout: ModelLayout) -> dict[str, str]:
+    """Each quantized weight of ``layout`` a receiver may quantize on its pull -> its block scales' name."""
+    out = {n: scale_name(n) for n in quantized_names(layout)}
+    return out | {n: block_scale_name(n) for n in mx_names(layout, MXFP8)}
+
+
+def scale_of(fmt: str, name: str) -> str:
+    return scale_name(name) if fmt == "fp8" else block_scale_name(name)
+
+
 def wanted(plan: Plan) -> bool:
     """Whether the plan moves quantized weights (then every IPC source publishes a record per receiver)."""
-    return bool(quantized_names(plan.src_layout))
+    return bool(scales_of(plan.src_layout))
 
 
 def on_pull_names(plan: Plan, proc: int, receiver: int, offered: dict[str, torch.Tensor]) -> list[str]:
@@ -54,11 +72,11 @@ def on_pull_names(plan: Plan, proc: int, receiver: int, offered: dict[str, torch
                 pulls.setdefault(p.tensor, []).append((plan.procs.dst[m.dst], p.box))
     src_rank = plan.procs.src.index(proc)
     out = []
-    for name in quantized_names(plan.src_layout):
+    for name, scale in scales_of(plan.src_layout).items():
         if name not in offered:
             continue
         ok = True
-        for n in (name, scale_name(name)):
+        for n in (name, scale):
             whole = plan.src_layout[n].box(src_rank)
             ok &= [(r, _box(b)) for r, b in pulls.get(n, [])] == [(receiver, _box(whole))]
         if ok:
@@ -79,9 +97,10 @@ def publish(plan: Plan, proc: int, store: SignedStore, name: str, prepare: objec
         {plan.procs.dst[m.dst] for m in plan.messages if m.transport == "ipc" and plan.procs.src[m.src] == proc}
     )
     skipped: set[str] = set()
+    fmt = getattr(getattr(prepare, "fmt", None), "name", "fp8")
     for r in receivers:
         names = on_pull_names(plan, proc, r, offered)
-        record = {"block": list(getattr(prepare, "block", (128, 128))), "handles": {}}
+        record = {"format": fmt, "block": list(getattr(prepare, "block", (128, 128))), "handles": {}}
         for n in names:
             record["handles"][n] = handle_fields(offered[n])
         store.put_sealed(_key(name, proc, r), json.dumps(record).encode())
@@ -91,37 +110,52 @@ def publish(plan: Plan, proc: int, store: SignedStore, name: str, prepare: objec
 
 class OnPull:
     """One weight quantized on the receiver's pull: the source's live weight (mapped) into this process's
-    FP8 weight and scales. ``fn(stream)`` enqueues it; ``warm()`` compiles its kernel (setup, before a
-    graph records it) into scratch tensors, never into the destination."""
+    quantized weight and scales, in ``fmt`` (``FORMATS``). ``fn(stream)`` enqueues it; ``warm()`` compiles its
+    kernel (setup, before a graph records it) into scratch tensors, never into the destination."""
 
-    def __init__(self, name: str, w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]):
-        gn, gk = (-(-n // b) for n, b in zip(w.shape[-2:], block))
-        want_s = (*w.shape[:-2], gn, gk)
+    def __init__(
+        self, name: str, w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], fmt: str = "fp8"
+    ):
+        if fmt == "fp8":
+            want_s = (*w.shape[:-2], *(-(-n // b) for n, b in zip(w.shape[-2:], block)))
+        else:
+            want_s = (*w.shape[:-1], -(-w.shape[-1] // MXFP8.block))
         if tuple(q.shape) != tuple(w.shape) or tuple(s.shape) != want_s or q.device != w.device:
             raise PlanError(
-                f"FP8 on pull: weight {name!r}: the source's {list(w.shape)} on {w.device} cannot fill this "
-                f"process's weight {list(q.shape)} and scales {list(s.shape)} on {q.device} (want {list(want_s)})"
+                f"{fmt.upper()} on pull: weight {name!r}: the source's {list(w.shape)} on {w.device} cannot fill "
+                f"this process's weight {list(q.shape)} and scales {list(s.shape)} on {q.device} (want "
+                f"{list(want_s)})"
             )
-        self.name, self.w, self.q, self.s, self.block = name, w, q, s, block
+        self.name, self.w, self.q, self.s, self.block, self.fmt = name, w, q, s, block, fmt
+        self.scale = scale_of(fmt, name)
         self.cost = w.numel() * 3 // 2  # bytes moved, in a copy's units (a copy of n bytes moves 2n)
+
+    def _quantize(self, q: torch.Tensor, s: torch.Tensor) -> None:
+        if self.fmt == "fp8":
+            quantize_into(self.w, q, s, self.block)
+        else:
+            mx_quantize_into(self.w, q, s, MXFP8)
 
     def fn(self, stream: torch.cuda.Stream) -> None:
         with torch.cuda.stream(stream):
-            quantize_into(self.w, self.q, self.s, self.block)
+            self._quantize(self.q, self.s)
 
     def warm(self) -> None:
-        quantize_into(self.w, torch.empty_like(self.q), torch.empty_like(self.s), self.block)
+        self._quantize(torch.empty_like(self.q), torch.empty_like(self.s))
 
 
 def import_jobs(
     store: SignedStore, name: str, src_proc: int, proc: int, timeout_s: float, views: Callable[[str], tuple]
 ) -> list[OnPull]:
     """Receiver side: the weights source process ``src_proc`` published for this process (``publish``), each
-    an ``OnPull`` into ``views(name)`` = (FP8 weight view, scales view)."""
+    an ``OnPull`` into ``views(name, scale name)`` = (quantized weight view, scales view)."""
     record = json.loads(store.get_sealed(_key(name, src_proc, proc), timeout_s))
-    if not isinstance(record, dict) or set(record) != {"block", "handles"} or not isinstance(record["handles"], dict):
-        raise PlanError(f"FP8 on pull: the record of process {src_proc} is not {{block, handles}}")
-    block = record["block"]
+    keys = {"format", "block", "handles"}
+    if not isinstance(record, dict) or set(record) != keys or not isinstance(record["handles"], dict):
+        raise PlanError(f"FP8 on pull: the record of process {src_proc} is not {{format, block, handles}}")
+    fmt, block = record["format"], record["block"]
+    if fmt not in FORMATS:
+        raise PlanError(f"FP8 on pull: process {src_proc} published format {fmt!r}, not one of {', '.join(FORMATS)}")
     if not (
         isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and 0 < b <= 1 << 16 for b in block)
     ):
@@ -129,5 +163,5 @@ def import_jobs(
     jobs = []
     for n, f in sorted(record["handles"].items()):
         w = rebuild_handle(check_handle_fields(f))
-        jobs.append(OnPull(n, w, *views(n), (block[0], block[1])))
+        jobs.append(OnPull(n, w, *views(n, scale_of(fmt, n)), (block[0], block[1]), fmt))
     return jobs
