@@ -50,7 +50,10 @@ def eplb_cli_layouts(src: ModelLayout, dst: ModelLayout, args: argparse.Namespac
     for flag, given in (("--fp8", args.fp8), ("--quant", getattr(args, "quant", None))):
         if given:
             raise ConfigError(f"--expert-map and {flag} together are not supported (an EPLB engine in bf16/fp32 only)")
-    layouts = eplb_layouts(src, dst, m)
+    try:
+        layouts = eplb_layouts(src, dst, m)
+    except LayoutError as e:
+        raise LayoutError(f"--expert-map: {e}") from None
     return layouts.src, layouts.dst
 
 
