@@ -195,8 +195,9 @@ def test_auto_over_nixl_follows_the_cost_rule_and_is_exact(job, case):
     senders, receivers = job[case]  # a slow link: the rule sends words at few changes and dense at many
     assert senders and receivers
     _exact_and_sparse_at_one_percent(receivers, 6)
-    for got in senders:  # on a CPU link the rule picks sparse elements over words (no faster word find there)
-        assert got[ONE_PERCENT][2]["dense"] == 0 and _deltas(got[ONE_PERCENT][2]) > 0, got[ONE_PERCENT]
+    for got in senders:  # on a CPU link the rule picks sparse elements over words; norms (128 bytes) stay dense
+        one = got[ONE_PERCENT][2]
+        assert _deltas(one) > one["dense"] and one["words"] == 0, got[ONE_PERCENT]
         assert _deltas(got[5][2]) == 0, got[5]  # 100% changed: dense
 
 
@@ -223,7 +224,7 @@ def test_the_rule_keeps_nixl_dense_on_fast_links_and_the_staging_within_the_budg
         tensors = {n: t.clone() for n, t in _Model(src).shards(src, 0).items()}
         d = NixlDelta(plan, 0, bind_local(plan, 0, tensors, None), cfg, torch.device("cpu"))
         ops = [o for ops in d.sends.values() for o in ops]
-        assert ops and {o.may_pay for o in ops if o.nbytes >= 4096} == {pays}, gbps
+        assert ops and {o.may_pay for o in ops if o.nbytes >= 16384} == {pays}, gbps  # (a piece costs ~110 us)
         budget = cfg.num_buffers * cfg.buffer_bytes
         assert 0 < d.staging.numel() <= budget and d.landing.numel() == 0
         caps = delta_caps(plan, cfg)

@@ -20,15 +20,19 @@ WORD_BATCH_BYTES = 4 << 30  # the same for word deltas (their slots: 0.375x that
 def link_speed(plan: Plan, a: int, b: int, config: TransferConfig) -> LinkSpeed:
     """The ``LINKS`` entry of the link between processes ``a`` and ``b`` (same device; CUDA on one host:
     NVLink; CUDA across hosts: a NIC; else CPU), its link speed replaced by ``config.delta_link_gbps``."""
+    speed = LINKS[link_kind(plan, a, b)]
+    return replace(speed, link_gbps=config.delta_link_gbps) if config.delta_link_gbps is not None else speed
+
+
+def link_kind(plan: Plan, a: int, b: int) -> str:
+    """The ``LINKS`` kind of the link between processes ``a`` and ``b``: same device; CUDA on one host: NVLink;
+    CUDA across hosts: a NIC; else CPU."""
     procs = plan.procs
     if procs.same_device(a, b) and procs.devices is not None:
-        kind = "same_device"
-    elif "cuda" in procs.device_of(a) and "cuda" in procs.device_of(b):
-        kind = "nvlink" if procs.host_of(a) == procs.host_of(b) else "nic"
-    else:
-        kind = "cpu"
-    speed = LINKS[kind]
-    return replace(speed, link_gbps=config.delta_link_gbps) if config.delta_link_gbps is not None else speed
+        return "same_device"
+    if "cuda" in procs.device_of(a) and "cuda" in procs.device_of(b):
+        return "nvlink" if procs.host_of(a) == procs.host_of(b) else "nic"
+    return "cpu"
 
 
 def plan_may_pay(plan: Plan, config: TransferConfig) -> bool:

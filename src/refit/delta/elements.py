@@ -115,9 +115,9 @@ def _find_host(
         if per == 1 or not len(words):
             idx.append(words)
             continue
-        diff = (np.take(bw, words) ^ np.take(cw, words)).view(ce.dtype).reshape(-1, per)
-        rows, cols = np.nonzero(diff)
-        idx.append(words[rows] * per + cols)
+        at = np.flatnonzero((np.take(bw, words) ^ np.take(cw, words)).view(ce.dtype))  # changed elements of them
+        shift = per.bit_length() - 1  # per is 2, 4 or 8
+        idx.append((words[at >> shift] << shift) + (at & (per - 1)))
     i = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
     return from_numpy(i), from_numpy(np.take(ce, i)).view(cur.dtype)
 
@@ -209,7 +209,9 @@ def apply_changes(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
     on any strides. ``indices`` must lie in ``[0, dst.numel())`` (``check_indices``)."""
     if not indices.numel():
         return
-    if dst.is_contiguous():
+    if dst.device.type == "cpu" and indices.device.type == "cpu" and dst.is_contiguous():  # numpy's: ~5x faster
+        bits(dst).view(-1).numpy()[indices.numpy()] = bits(values.to(dst.dtype)).numpy()
+    elif dst.is_contiguous():
         dst.view(-1).index_put_((indices.long(),), values)
     else:
         dst.index_put_(torch.unravel_index(indices.long(), dst.shape), values)

@@ -85,18 +85,30 @@ LINKS = {
 """Speeds per kind of link (``TransferConfig.delta_link_gbps`` overrides the link's)."""
 
 
+HOST = {"find_gbps": 10.0, "word_find_gbps": 10.0, "apply_gbps": 0.1, "piece_s": 110e-6, "word_piece_s": 110e-6}
+"""The CPU path's rates, measured on one core of the 2-core CPU machine (2026-11-30, process time, the least of 15;
+``docs/benchmarks.md``, "Deltas across hosts"): the find reads base and current at 10.4-10.9 GB/s with nothing
+changed (one numpy pass over 64-bit words; per word 11.3 GB/s); each changed element costs ~26 ns to encode, update
+the base and scatter plus ~86 ns to be told apart within its word (a changed word ~50-70 ns): ``apply_gbps`` 0.1
+charges an element 80 ns and a word 200 ns. Each piece costs ~110 us of calls (find, encode, scatter of a 4 KiB
+piece). A NIXL pull between CPU processes weighs these (``nixl_link``); ``LINKS["cpu"]`` (P2P over gloo) still
+carries the rough figures its tests were written against: with these, ``auto`` would send the small test models
+dense over a 2 GB/s loopback link, as the measurement says it should."""
+
+
 NIXL_PAIR_S = 1e-3
 """The fixed time a NIXL delta adds per source and receiver pair and refit: the held version and the sealed
 delta record through the store and one more READ request (the delta's runs). Charged like ``chunk_s``, by each
 message's part of the pair's bytes (``nixl_link``). Rough: a few store round trips on one host."""
 
 
-def nixl_link(link: LinkSpeed) -> LinkSpeed:
+def nixl_link(link: LinkSpeed, host: bool = False) -> LinkSpeed:
     """A NIXL pull's view of ``link``: the source finds (``find_gbps``), stages the changed words or elements
     and their indices into its registered staging and updates its base (the per-change work, ``apply_gbps``),
     the receiver reads them (``link_gbps``) and scatters them (``apply_gbps``); its fixed cost is
-    ``NIXL_PAIR_S`` per pair (``chunk_s``), not a P2P chunk's."""
-    return replace(link, chunk_s=NIXL_PAIR_S)
+    ``NIXL_PAIR_S`` per pair (``chunk_s``), not a P2P chunk's. ``host``: both ends are CPU processes, whose
+    find and per-change work run at the measured ``HOST`` rates."""
+    return replace(link, chunk_s=NIXL_PAIR_S, **(HOST if host else {}))
 
 
 def predicted_seconds(encoding: str, n: int, k: int, itemsize: int, link: LinkSpeed) -> float:

@@ -41,7 +41,7 @@ import torch
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.delta.base import SourceBase
-from refit.delta.chunks import link_speed, words_for
+from refit.delta.chunks import link_kind, link_speed, words_for
 from refit.delta.ops import DeltaOp, DeltaStats
 from refit.delta.receive import apply_received, receive_into
 from refit.delta.rule import nixl_link
@@ -111,7 +111,7 @@ class NixlDelta:
         view = (local.src_view if outgoing else local.dst_view)(p.tensor, p.box)
         bases = [self.base.local.src_view(p.tensor, p.box)] if outgoing else []
         ends = (self.proc, peer) if outgoing else (peer, self.proc)
-        link = nixl_link(link_speed(self.plan, *ends, self.config))
+        link = nixl_link(link_speed(self.plan, *ends, self.config), link_kind(self.plan, *ends) == "cpu")
         d = DeltaOp(_Op(peer, 0, view, [], (p.tensor,), message=k), [view], bases, link, torch.empty(0))
         d.numels, d.nwords, d.nbytes = [view.numel()], [words_in(view)], p.nbytes
         pieces = [(view.numel(), view.element_size())]
