@@ -10,8 +10,8 @@ an engine that disagree both raise ``PlanError`` naming both digests, before any
 
 Each map's ``Peer`` runs under its own store namespace (``config.name`` + ``/map<k>``, ``k`` counting the maps
 built, alike on every process); ``max_maps`` bounds the cache (least recently used first out; a staged commit keeps
-one shadow of the slots per cached map). A ``Peer`` that did not make the last refit here is ``invalidate``\\ d before
-it runs again (another map's refit rewrote its slots: a delta refit sends them dense).
+one shadow of the slots per cached map). Before a ``Peer`` that did not make the last refit here runs again, it is
+told so (``Peer.invalidate``: another map's refit rewrote its slots, so a delta refit sends them dense).
 """
 
 from __future__ import annotations
