@@ -6,6 +6,8 @@ encoding the rule or the config picks (``choose``) and the payload and header it
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -15,7 +17,7 @@ from refit.delta.elements import find_changes, find_changes_many
 from refit.delta.header import QUIET_MAX
 from refit.delta.ops import DeltaOp, DeltaStats, Pieces, memoized, pieces_of
 from refit.delta.payload import one_run, word_parts
-from refit.delta.rule import choose_encoding, choose_words, choose_words_many, may_pay
+from refit.delta.rule import LinkSpeed, choose_encoding, choose_words, choose_words_many, may_pay
 from refit.delta.wire import ENCODINGS, encode, piece_wire, wire_sizes
 from refit.delta.words import Found, PendingFind, find_words, find_words_many, launch_words_table
 
@@ -111,11 +113,17 @@ def dense_words(d: DeltaOp) -> int | None:
 def _dense_words(d: DeltaOp) -> int | None:
     if len(d.views) != 1 or d.nwords[0] is None or d.views[0].device.type != "cpu" or not d.nwords[0]:
         return None
-    n, size, words = d.numels[0], d.views[0].element_size(), d.nwords[0]
+    return _words_cutoff(d.numels[0], d.views[0].element_size(), d.nwords[0], d.link, d.share)
+
+
+@functools.lru_cache(maxsize=4096)
+def _words_cutoff(n: int, size: int, words: int, link: LinkSpeed, share: float) -> int | None:
+    """``dense_words`` of a piece of ``n`` elements of ``size`` bytes in ``words`` words (pieces of one shape and
+    link repeat: layers)."""
 
     def dense(kw: int) -> bool:
         f = 1 - (1 - kw / words) ** (size / 8)
-        return choose_encoding([(n, round(f * n), size)], d.link, d.share) == "dense"
+        return choose_encoding([(n, round(f * n), size)], link, share) == "dense"
 
     if not dense(words):
         return None

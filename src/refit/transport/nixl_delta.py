@@ -45,7 +45,7 @@ from refit.delta.chunks import link_kind, link_speed, words_for
 from refit.delta.ops import DeltaOp, DeltaStats
 from refit.delta.receive import apply_received, receive_into
 from refit.delta.rule import nixl_link
-from refit.delta.send import batches_of, encode_op, find_batch, op_may_pay, plan_of
+from refit.delta.send import batches_of, dense_words, encode_op, find_batch, op_may_pay, plan_of
 from refit.delta.wire import ENCODINGS, DeltaError
 from refit.delta.words import words_in
 from refit.errors import PlanError
@@ -118,6 +118,8 @@ class NixlDelta:
         d.words = outgoing and words_in(view) is not None and words_for(self.config, pieces, link)
         d.share = p.nbytes / max(1, pair_bytes)
         d.may_pay = op_may_pay(d)
+        if outgoing and self.config.delta == "auto":
+            dense_words(d)  # its cut-off now, not in the first refit that diffs it (a binary search of the rule)
         d.shared = outgoing and k in self.base.shared
         return d
 
