@@ -4,9 +4,12 @@
 #   tests    the GPU tests: pytest -m gpu $TESTS (default tests/test_gpu.py tests/test_gpu_checksum.py) [-k $TEST_K]
 #   bench    refit bench $BENCH_ARGS (e.g. "--scenarios S1,S2,S3 --iters 10 --growth-iters 3") -> bench.json
 #   fp8      refit bench --fp8 $FP8_ARGS (default "--scenarios S2 --iters 10 --growth-iters 10") -> fp8.json
+#   quant    refit bench --fp8 --quant mxfp8,nvfp4 $QUANT_ARGS (default "--scenarios S2 --iters 5 --growth-iters 5")
+#            -> quant.json (block FP8, MXFP8 and NVFP4 engines in one run, each beside floor_read_copy)
 #   ce       checkpoint-engine on S2 (bench.checkpoint_engine_s2) -> checkpoint-engine.json; needs .wheels/ce
 #   overlap  bench.overlap_gpu per $OVERLAP_RUNS ("S2:600 S1:-": scenario:pull GB/s, "-" full speed)
-#   delta    bench.delta_gpu $DELTA_ARGS (default "--no-kernels --iters 10 --buffer-mb 2048 --modes words")
+#   delta    bench.delta_gpu $DELTA_ARGS (default "--no-kernels --iters 4 --buffer-mb 2048 --modes words --s2-nixl":
+#            S1 over NCCL and S2 over NIXL; --s2-nixl needs .wheels/nixl)
 #   lora     bench.lora_merge --model llama-3.1-8b --ranks 16,64
 #   nixl     refit bench with refit_nixl beside refit and refit_nccl, $NIXL_ARGS; needs .wheels/nixl
 # The GPU machines have torch, transformers and Triton but not pytest, rich, hypothesis or cryptography, and
@@ -41,6 +44,10 @@ for part in ${PARTS:-tests bench}; do
     timeout "$T" python3 -m refit.tools.cli bench --fp8 ${FP8_ARGS:---scenarios S2 --iters 10 --growth-iters 10} \
       --out "$OUT/fp8.json" > "$OUT/fp8.txt" 2>&1
     echo "fp8 rc=$?" >> "$SUM"; grep -E "^\s+[a-z_0-9]+ +median" "$OUT/fp8.txt" >> "$SUM";;
+  quant)
+    timeout "$T" python3 -m refit.tools.cli bench --fp8 --quant mxfp8,nvfp4 \
+      ${QUANT_ARGS:---scenarios S2 --iters 5 --growth-iters 5} --out "$OUT/quant.json" > "$OUT/quant.txt" 2>&1
+    echo "quant rc=$?" >> "$SUM"; grep -E "^\s+[a-z_0-9]+ +median" "$OUT/quant.txt" >> "$SUM";;
   ce)
     python3 -m pip install -q --no-index --no-deps --target /tmp/ce_site .wheels/ce/*.whl 2>&1 | grep -v WARN
     PYTHONPATH=/tmp/ce_site:$PYTHONPATH timeout "$T" python3 -m bench.checkpoint_engine_s2 \
@@ -54,7 +61,7 @@ for part in ${PARTS:-tests bench}; do
       echo "overlap $tag rc=$?" >> "$SUM"; tail -5 "$OUT/overlap_$tag.txt" >> "$SUM"
     done;;
   delta)
-    timeout "$T" python3 -m bench.delta_gpu ${DELTA_ARGS:---no-kernels --iters 10 --buffer-mb 2048 --modes words} \
+    timeout "$T" python3 -m bench.delta_gpu ${DELTA_ARGS:---no-kernels --iters 4 --buffer-mb 2048 --modes words --s2-nixl} \
       --out "$OUT/delta.json" > "$OUT/delta.txt" 2>&1
     echo "delta rc=$?" >> "$SUM"; tail -12 "$OUT/delta.txt" >> "$SUM";;
   lora)
@@ -66,7 +73,7 @@ for part in ${PARTS:-tests bench}; do
       ${NIXL_ARGS:---scenarios S1,S2,S3 --methods refit,refit_nccl,refit_nixl --iters 7 --growth-iters 3} \
       --out "$OUT/nixl.json" > "$OUT/nixl.txt" 2>&1
     echo "nixl rc=$?" >> "$SUM"; grep -E "^\s+[a-z_0-9]+ +median" "$OUT/nixl.txt" >> "$SUM";;
-  *) echo "unknown part $part (tests bench fp8 ce overlap delta lora nixl)" >> "$SUM";;
+  *) echo "unknown part $part (tests bench fp8 quant ce overlap delta lora nixl)" >> "$SUM";;
   esac
   echo "[$part: ${SECONDS}s]" >> "$SUM"
 done

@@ -575,7 +575,7 @@ def run_bench(opts: BenchOptions, console) -> list[dict]:
         if scen.quant and floor_s and len(set(scen.devices)) == 1:  # one GPU: issue 52's floor, derived
             read_copy_s = floor_s * (1 + res["read_bytes"] / (2 * res["bytes"]))
             res["records"].append({**_floor_record("floor_read_copy", None), "times": [read_copy_s]})
-            res["records"][-1]["variant"] = f"floor x (1 + {res['read_bytes']} bf16 bytes read / 2 x bytes)"
+            res["records"][-1]["variant"] = "read + copy"
         for r in res["records"]:
             rows.append(_row(scen, res, r, floor_s, opts, kind, date))
             if read_copy_s:
