@@ -157,7 +157,10 @@ def main() -> None:
     sync = Path(sys.argv[1])
     k = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     torch.set_num_threads(1)
-    rank, store = _replacement_join() if k else join_from_env(timeout_s=120.0)[::2]
+    if k:  # a replacement, from round k on
+        rank, store = _replacement_join()
+    else:
+        rank, _, store = join_from_env(timeout_s=120.0)
     faulthandler.register(signal.SIGUSR1, file=open(sync / f"stacks.{rank}", "w"), all_threads=True)  # noqa: SIM115
     me = Rank(rank, store)
     while True:
