@@ -237,8 +237,7 @@ def cpu_llm(model_dir: str, tp: int = 1, **overrides: Any) -> Any:
 def cpu_threads_bind(tp: int, who: str = "cpu_threads_bind") -> None:
     """With ``tp`` > 1 set ``VLLM_CPU_OMP_THREADS_BIND`` to one core per worker unless it already names ``tp`` of
     them (vLLM's CPU backend refuses TP without it); engines and servers started from here inherit it."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"{who}: tp must be an integer >= 1, got {tp!r}")
+    _check_tp(tp, who)
     if tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").count("|") != tp - 1:
         cores = sorted(os.sched_getaffinity(0))  # more workers than cores share them ("0|1|0|1": tp=4 on 2 cores)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[i % len(cores)]) for i in range(tp))
@@ -255,8 +254,7 @@ def serve_command(
     arguments of ``cpu_llm`` (float32, eager, token ids in, a 64 MiB KV cache); on CPU with ``tp`` > 1 call
     ``cpu_threads_bind(tp)`` first (the server inherits the environment). ``extra``: more ``vllm serve`` flags.
     The server's environment needs the job's secret (``REFIT_SECRET`` or ``REFIT_SECRET_FILE``), as the trainer's."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"serve_command: tp must be an integer >= 1, got {tp!r}")
+    _check_tp(tp, "serve_command")
     cmd = [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", model, "--tensor_parallel_size", str(tp)]
     cmd += ["--host", host, "--port", str(port)]
     if cpu:  # TRL's own arguments, then vLLM's (forwarded)
@@ -264,6 +262,11 @@ def serve_command(
         cmd += ["--gpu_memory_utilization", "0.1", "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(64 << 20)]
     cmd += ["--weight-transfer-config", json.dumps({"backend": "refit"}), "--worker-extension-cls", EXTENSION]
     return cmd + list(extra)
+
+
+def _check_tp(tp: Any, who: str) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"{who}: tp must be an integer >= 1, got {tp!r}")
 
 
 def word_tokenizer(vocab_size: int) -> Any:
