@@ -284,3 +284,17 @@ def test_the_cpu_find_reads_words_and_leaves_elements_unread_where_the_rule_says
         find_batch([op], None, "auto")
         assert (op.changes[0][0] is None) == (kind == "dense") and choose(op, "auto") == kind, fraction
         op.bases[0].copy_(op.views[0])
+
+
+def test_a_delta_record_whose_payload_spans_overlap_or_leave_it_is_refused_before_anything_is_read():
+    from types import SimpleNamespace
+
+    from refit.delta.wire import DeltaError
+    from refit.transport.nixl_delta import _in_payload
+
+    op = SimpleNamespace(op=SimpleNamespace(message=7))
+    ok = [(16, 8, op), (0, 16, op), (24, 0, op), (0, 0, op)]  # any order; empty ones anywhere
+    assert _in_payload(ok, 24, 1) == ok
+    for bad in ([(0, 16, op), (8, 8, op)], [(4, 8, op)], [(16, 16, op)], [("0", 8, op)], [(-8, 8, op)]):
+        with pytest.raises(DeltaError, match="NIXL delta record of process 1: message 7"):
+            _in_payload(bad, 24, 1)

@@ -10,15 +10,17 @@ Per refit (``NixlDelta``, inside ``refit.transport.nixl.NixlLink``'s ``start`` a
    ``rule.nixl_link``; the CUDA find kernels where the tensors are on CUDA, one vectorized pass over 64-bit words on
    host memory), copies each delta's payload into that receiver's region of its delta staging (``delta_caps``:
    within ``num_buffers x buffer_bytes``; a delta that does not fit goes dense this refit, its base brought up to
-   date all the same) and publishes, sealed, ``{"run", "addr", "bytes", "heads", "offsets"}`` before it announces
-   the refit (``<name>/nixl/<agent>/delta/<proc>``: where the payload lies, its bytes, each message's header
+   date all the same), where some delta is staged its small dense messages after them (``_join``: read in the same
+   READ, not one READ each) and publishes, sealed, ``{"run", "addr", "bytes", "heads", "offsets"}`` before it
+   announces the refit (``<name>/nixl/<agent>/delta/<proc>``: where the payload lies, its bytes, each message's header
    ``[encoding, base version, version, k]`` and each delta's offset in the payload). It does not wait to hear what
    its receivers hold: a pull lets each receiver choose;
 2. a receiver, once its source announced, checks the record field by field before it reads anything
    (``plan_reads``: each header by ``check_header``; the offsets in order inside the payload; the payload inside
-   its share of the landing buffer and inside a region its source registered). Deltas on the version it holds it
-   reads in one READ into its registered landing buffer and scatters (``refit.delta.receive.apply_received``:
-   every index checked before anything is written); a message sent dense, or a delta on a base it does not hold
+   its share of the landing buffer and inside a region its source registered). Deltas on the version it holds (and
+   the small dense messages joined to them) it reads in one READ into its registered landing buffer and scatters
+   (``refit.delta.receive.apply_received``: every index checked before anything is written; the joined ones
+   copied); another message sent dense, or a delta on a base it does not hold
    (its first refit, ``Peer.invalidate``, a torn in-place refit), it reads dense from the source's tensors (few
    large READs where every message from that source is dense, ``dense_requests``);
 3. the source's base holds the version once the refit succeeded (``commit``) and nothing after a failure
@@ -42,7 +44,7 @@ from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.delta.base import SourceBase
 from refit.delta.chunks import link_kind, link_speed, words_for
-from refit.delta.ops import DeltaOp, DeltaStats
+from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats
 from refit.delta.receive import apply_received, receive_into
 from refit.delta.rule import nixl_link
 from refit.delta.send import batches_of, dense_words, encode_op, find_batch, op_may_pay, plan_of
@@ -103,6 +105,7 @@ class NixlDelta:
         self.landing = torch.empty(sum(c for _, c in self.in_at.values()), dtype=torch.uint8, device=device)
         self.stats = DeltaStats()
         self.version, self.held = 0, None  # this refit's version and the version this process holds
+        self.joined: list[DeltaOp] = []  # receiver, per refit: small dense messages read in the deltas' READ
 
     def _op(self, k: int, peer: int, local: LocalTensors, outgoing: bool, pair_bytes: int) -> DeltaOp:
         """Message ``k`` (one piece) to or from ``peer`` as a ``DeltaOp``: its view, (source) its base view, the
@@ -150,6 +153,7 @@ class NixlDelta:
                 for j in batch:
                     heads[j], used = self._encode(ops[j], "diff", r, used, offsets)
                 self.base.flush()
+            used = self._join(ops, r, used, offsets)
             heads_of = {str(d.op.message): h for d, h in zip(ops, heads)}
             rec = {"run": run, "addr": self.staging.data_ptr() + at, "bytes": used, "heads": heads_of}
             out[r] = json.dumps({**rec, "offsets": offsets}).encode()
@@ -180,6 +184,22 @@ class NixlDelta:
         d.parts, d.payload = [], None
         return head, used + n
 
+    def _join(self, ops: list[DeltaOp], r: int, used: int, offsets: dict) -> int:
+        """Where some delta is staged for receiver ``r``: its small dense messages (``JOIN_BYTES`` each) copied
+        after the deltas (8-byte aligned, while they fit), their offsets noted, so that the receiver reads them in
+        the deltas' READ instead of one READ each (a round trip each). Returns the bytes used."""
+        if not offsets:
+            return used  # every message dense: the receiver reads them in a few grouped requests
+        at, cap = self.out_at[r]
+        for d in ops:
+            used = -(-used // 8) * 8
+            if d.kind != "dense" or d.nbytes > JOIN_BYTES or used + d.nbytes > cap:
+                continue
+            view = d.op.tensor
+            self.staging[at + used : at + used + d.nbytes].view(view.dtype).view(view.shape).copy_(view)
+            offsets[str(d.op.message)], used = used, used + d.nbytes
+        return used
+
     # ------------------------------------------------------------------ receiver
     def plan_reads(self, raw_of, run: int) -> tuple[set[int], list[tuple[int, int, int, int]]]:
         """A receiver, every source announced refit ``run``: each source's sealed record (``raw_of(source)``) of
@@ -188,33 +208,30 @@ class NixlDelta:
         dense and the delta READs: ``(source, remote address, bytes, landing address)`` (none for an empty
         payload). ``DeltaError`` names the source and what is wrong."""
         dense: set[int] = set()
-        reads = []
+        reads, self.joined = [], []
         me = f"process {self.proc}"
         for sp, ops in sorted(self.recvs.items()):
             self.stats.received_bytes += _header_bytes(ops)
             rec = _record(json.loads(raw_of(sp)), sp, {str(d.op.message) for d in ops}, self.in_at[sp][1], run)
-            end, staged = 0, 0
+            spans = []
             for d in ops:
-                head = rec["heads"][str(d.op.message)]
+                head, off = rec["heads"][str(d.op.message)], rec["offsets"].get(str(d.op.message))
                 other = len(head) > 1 and head[0] != ENCODINGS.index("dense") and head[1] != self.held
                 receive_into(d, head, self.version, head[1] if other else self.held, me)
-                staged += d.kind != "dense"
-                if other:  # a delta on a base this receiver does not hold: read dense from the source's tensors
-                    d.kind, d.payload = "dense", d.op.tensor
-                if d.kind == "dense":
+                if off is None and d.kind != "dense":
+                    raise DeltaError(f"NIXL delta record of process {sp}: no offset for message {d.op.message}")
+                if other or (d.kind == "dense" and off is None):  # dense from the source's tensors (a delta on a
+                    d.kind, d.payload = "dense", d.op.tensor  # base this receiver does not hold too)
                     dense.add(d.op.message)
                     continue
-                off, n = rec["offsets"].get(str(d.op.message)), d.payload.numel()
-                if not is_int(off) or off < end or off + n > rec["bytes"]:
-                    raise DeltaError(
-                        f"NIXL delta record of process {sp}: message {d.op.message} ({n} bytes) at offset {off}, "
-                        f"not after the previous one (byte {end}) inside the payload of {rec['bytes']} bytes"
-                    )
+                n = d.payload.numel() if d.kind != "dense" else d.nbytes  # a delta, or a small dense one joined
+                spans.append((off, n, d))
+            for off, n, d in _in_payload(spans, rec["bytes"], sp):
                 at = self.in_at[sp][0] + off
-                d.payload, end = self.landing[at : at + n], off + n
-            if len(rec["offsets"]) != staged:
-                raise DeltaError(f"NIXL delta record of process {sp}: offsets for messages it sends dense")
-            if rec["bytes"] and any(d.kind != "dense" for d in ops):
+                d.payload = self.landing[at : at + n]
+                if d.kind == "dense":
+                    self.joined.append(d)
+            if rec["bytes"] and spans:
                 reads.append((sp, rec["addr"], rec["bytes"], self.landing.data_ptr() + self.in_at[sp][0]))
         return dense, reads
 
@@ -232,9 +249,13 @@ class NixlDelta:
         try:
             if deltas:
                 apply_received(deltas)
+            for d in self.joined:  # small dense messages read beside the deltas
+                view = d.op.tensor
+                view.copy_(d.payload.view(view.dtype).view(view.shape))
         finally:
-            for d in deltas:
+            for d in deltas + self.joined:
                 d.payload = None
+            self.joined = []
 
     # ------------------------------------------------------------------ after the refit
     def commit(self, version: int) -> None:
@@ -291,6 +312,23 @@ def _header_bytes(ops: list[DeltaOp]) -> int:
     """The statistics' bytes of ``ops``' headers: 8 per field, as the P2P path's int64 headers (the record itself
     travels through the store, the control plane, as the P2P path's held versions do)."""
     return 8 * sum(3 + len(d.views) for d in ops)
+
+
+def _in_payload(spans: list[tuple[int, int, DeltaOp]], nbytes: int, sp: int) -> list[tuple[int, int, DeltaOp]]:
+    """``spans`` (offset, bytes, op) of one source's payload of ``nbytes``, checked: int offsets, 8-byte aligned,
+    each inside the payload, none overlapping another, empty ones anywhere in it (``DeltaError`` naming the source
+    otherwise)."""
+    end = 0
+    for off, n, d in sorted(spans, key=lambda x: x[0] if is_int(x[0]) else -1):
+        if is_int(off) and n == 0 and 0 <= off <= nbytes:
+            continue  # an empty delta (nothing changed): nothing to read
+        if not is_int(off) or off % 8 or off < end or off + n > nbytes:
+            raise DeltaError(
+                f"NIXL delta record of process {sp}: message {d.op.message} ({n} bytes) at offset {off}, not 8-byte "
+                f"aligned after the one before it (byte {end}) inside the payload of {nbytes} bytes"
+            )
+        end = off + n
+    return spans
 
 
 def _regions(caps: dict[int, int]) -> dict[int, tuple[int, int]]:
