@@ -277,14 +277,18 @@ def test_clear_returns_object_store_to_baseline(ray_store):
 @pytest.mark.slow  # about 1 minute on the 2-core CI machine: deselect with -m "not slow"
 @pytest.mark.timeout(900)  # 5x that under load: a slow machine is not a leak
 def test_soak_10000_puts_no_object_store_growth(ray_store):
-    n_puts = 10_000
+    n_puts, per_clear = 10_000, 10
     base = plasma()
-    marks = []
+    marks, live = [], []
     for i in range(n_puts):
-        meta = ray_store.put([f"s{i}/0", f"s{i}/1"], batch(2, i % 7, 16_384), partition="soak")  # 128 KiB
+        keys = [f"s{i}/0", f"s{i}/1"]
+        meta = ray_store.put(keys, batch(2, i % 7, 16_384), partition="soak")  # 128 KiB
         if i % 10 == 0:
             assert ray_store.get(meta, select_fields=["ids"])["ids"].shape == (2, 16_384)
-        ray_store.clear(meta)
+        live += keys
+        if len(live) == 2 * per_clear:  # the puts of the last 10 steps cleared in one call: every key, once
+            assert ray_store.clear(live, partition="soak") == len(live)
+            live = []
         if i % 2000 == 1999:
             marks.append(settle(base, timeout_s=60))  # frees are asynchronous and slower under load
     assert ray_store.keys() == [] and ray_store.chunks() == 0
