@@ -41,3 +41,10 @@ def test_cpu_llm_and_serve_command_refuse_a_bad_tp():
         cpu_llm("unused", tp=0)
     with pytest.raises(ConfigError, match="serve_command: tp must be an integer >= 1, got True"):
         serve_command("unused", tp=True)
+
+
+def test_serve_command_listens_on_loopback_unless_told():
+    cmd = serve_command("unused", tp=2)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"  # never every interface by default
+    cmd = serve_command("unused", tp=2, host="198.18.0.2")
+    assert cmd[cmd.index("--host") + 1] == "198.18.0.2"

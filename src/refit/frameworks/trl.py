@@ -244,7 +244,7 @@ def cpu_threads_bind(tp: int, who: str = "cpu_threads_bind") -> None:
 
 
 def serve_command(
-    model: str, tp: int = 1, *, host: str = "0.0.0.0", port: int = 8000, cpu: bool = False, extra: Sequence[str] = ()
+    model: str, tp: int = 1, *, host: str = "127.0.0.1", port: int = 8000, cpu: bool = False, extra: Sequence[str] = ()
 ) -> list[str]:
     """The command line of TRL's ``trl vllm-serve`` serving ``model`` (tensor parallel ``tp``) for
     ``RefitRollout.server``: TRL's own server command, which runs ``vllm serve`` with the flags TRL's trainers
@@ -252,7 +252,9 @@ def serve_command(
     refit's weight-transfer backend (vLLM keeps the last ``--weight-transfer-config``, so refit's replaces TRL's
     NCCL one) and refit's worker extension (``refit_stats`` through ``/collective_rpc``). ``cpu``: the CPU engine
     arguments of ``cpu_llm`` (float32, eager, token ids in, a 64 MiB KV cache); on CPU with ``tp`` > 1 call
-    ``cpu_threads_bind(tp)`` first (the server inherits the environment). ``extra``: more ``vllm serve`` flags.
+    ``cpu_threads_bind(tp)`` first (the server inherits the environment). ``host``: the address the server listens
+    on, loopback unless the caller names one (the trainer's host reaches it there). ``extra``: more ``vllm serve``
+    flags.
     The server's environment needs the job's secret (``REFIT_SECRET`` or ``REFIT_SECRET_FILE``), as the trainer's."""
     _check_tp(tp, "serve_command")
     cmd = [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", model, "--tensor_parallel_size", str(tp)]
