@@ -113,6 +113,45 @@ def test_a_process_without_the_jobs_secret_or_scope_is_refused_and_the_job_goes_
     assert hosted.get("still") == b"served"
 
 
+def test_a_client_retrying_a_port_nobody_listens_on_never_connects_to_itself(monkeypatch):
+    """TCP self-connect: a client retrying a port nobody listens on yet (every free port is in the ephemeral
+    range) can be given that very port as its source and connect to itself, then wait for a greeting from
+    itself and hold the port its host is about to bind. Here the kernel's first choice of a source port is made
+    to be the store's port, both where a socket binds port 0 and where connect picks the port itself."""
+    from refit.transport.control import free_port
+
+    port, bind, connect, chosen = free_port(), socket.socket.bind, socket.socket.connect, []
+
+    def bind_first_to_the_port(sock, address):
+        if address[1] == 0 and not chosen:
+            chosen.append("bind")
+            address = (address[0], port)
+        return bind(sock, address)
+
+    def connect_first_from_the_port(sock, address):
+        if sock.getsockname()[1] == 0 and not chosen:
+            chosen.append("connect")
+            bind(sock, ("127.0.0.1", port))
+        return connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "bind", bind_first_to_the_port)
+    monkeypatch.setattr(socket.socket, "connect", connect_first_from_the_port)
+    host: list[AuthStore] = []
+    start = threading.Timer(
+        0.5, lambda: host.append(open_store("127.0.0.1", port, None, True, 30.0, secret=SECRET, scope=SCOPE))
+    )
+    start.start()
+    try:
+        client = open_store("127.0.0.1", port, None, False, 20.0, secret=SECRET, scope=SCOPE)
+        client.set("after", b"the host bound its port")
+        start.join()
+        assert chosen and host[0].get("after") == b"the host bound its port"
+    finally:
+        start.join()
+        for store in host:
+            store.close()
+
+
 def test_a_recorded_handshake_or_frame_does_not_verify_on_another_connection(hosted):
     key = authstore.access_key(SECRET, SCOPE)
     s1 = _raw(hosted)

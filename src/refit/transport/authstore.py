@@ -209,6 +209,27 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
     return data
 
 
+def dial(host: str, port: int, timeout_s: float) -> socket.socket:
+    """A TCP connection to ``host:port`` from a source port that is not ``port``. Left to ``connect``, the kernel
+    may give a client that retries a port nobody listens on yet (every free port is in the ephemeral range) that
+    very port as its source: the socket connects to itself, waits for a greeting from itself, and holds the port
+    the store's host is about to bind. Bound first, the source port is known before anything is sent."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    for _ in range(16):
+        sock = socket.socket(family, kind, proto)
+        sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+        if sock.getsockname()[1] != port:
+            break
+        sock.close()
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class StoreServer:
     """The store's data and the thread that accepts connections on ``sock`` (bound and listening).
 
@@ -567,7 +588,7 @@ class AuthStore(dist.Store):
         while True:
             left = deadline - time.monotonic()
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=max(left, 1e-3))
+                sock = dial(self.host, self.port, max(left, 1e-3))
             except (ConnectionRefusedError, TimeoutError) as e:
                 if time.monotonic() + _CONNECT_RETRY_S >= deadline:
                     raise StoreTimeout(f"refit store {self.where}: cannot connect for {key!r}: {e}") from None
