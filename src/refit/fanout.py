@@ -40,6 +40,7 @@ from torch.distributed.tensor import Replicate
 
 from refit.commit import StagedCommit
 from refit.config import TransferConfig
+from refit.delta.served import Received
 from refit.errors import FanoutError, RefitAborted
 from refit.fanout_relay import check_relay_config, chunk_bytes_for, relay_plan
 from refit.layout import Mesh, ModelLayout, TensorLayout
@@ -318,6 +319,8 @@ class Fanout:
         self.waves = self._plan_waves()
         # topology work once: a Peer (and its process group) per wave this process is in
         self.failures: dict[int, int] = {}  # wave -> failed attempts so far (every member counts the same)
+        # NIXL deltas: a replica notes what it receives and serves the same deltas in later waves (no base)
+        self.received = Received() if is_replica else None
         self.peers: dict[int, tuple[tuple, Peer]] = {}
         for w in self.waves:
             if proc in w.members:
@@ -362,6 +365,9 @@ class Fanout:
         if peer is not None:
             peer.close()
         peer = self._peer(wave)
+        link = peer.executor.nixl
+        if self.received is not None and link is not None and link.delta is not None:
+            link.delta.serve_received(self.received, self.proc in wave.procs.src)
         self.peers[wave.index] = (key, peer)
         return peer
 

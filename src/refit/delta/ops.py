@@ -135,10 +135,18 @@ def by_peer(ops: list[DeltaOp]) -> list[tuple[int, list[DeltaOp]]]:
 @dataclass
 class DeltaStats:
     """What one delta run put on the wire from this process: bytes (headers included), the dense bytes
-    the same messages would have been, the count of messages per encoding and of messages diffed."""
+    the same messages would have been, the count of messages per encoding and of messages diffed. NIXL deltas
+    add: ``served``, messages a fan-out replica served as the delta it received (``refit.delta.served``);
+    ``dense_why``, per reason the messages that went dense where a delta was wanted; ``base_bytes``, the memory
+    of this process's NIXL base (0 where it keeps none); ``staging_bytes``, its registered delta staging and
+    landing buffers."""
 
     diffed: int = 0
     wire_bytes: int = 0
     dense_bytes: int = 0
     received_bytes: int = 0
     encodings: dict = field(default_factory=lambda: dict.fromkeys(ENCODINGS, 0))
+    served: int = 0
+    dense_why: dict = field(default_factory=dict)
+    base_bytes: int = 0
+    staging_bytes: int = 0

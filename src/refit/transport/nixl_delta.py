@@ -48,6 +48,7 @@ from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats
 from refit.delta.receive import apply_received, receive_into
 from refit.delta.rule import nixl_link
 from refit.delta.send import batches_of, dense_words, encode_op, find_batch, op_may_pay, plan_of
+from refit.delta.served import OVER_STAGING, Got, Received, box_key
 from refit.delta.wire import ENCODINGS, DeltaError
 from refit.delta.words import words_in
 from refit.errors import PlanError
@@ -106,6 +107,9 @@ class NixlDelta:
         self.stats = DeltaStats()
         self.version, self.held = 0, None  # this refit's version and the version this process holds
         self.joined: list[DeltaOp] = []  # receiver, per refit: small dense messages read in the deltas' READ
+        self.keys = {k: box_key(m.pieces[0].tensor, m.pieces[0].box) for k, m in enumerate(plan.messages)}
+        self.received: Received | None = None  # a fan-out replica: what it received (``serve_received``)
+        self.serving = False  # a fan-out replica source: serves what it received, keeps no base
 
     def _op(self, k: int, peer: int, local: LocalTensors, outgoing: bool, pair_bytes: int) -> DeltaOp:
         """Message ``k`` (one piece) to or from ``peer`` as a ``DeltaOp``: its view, (source) its base view, the
@@ -130,9 +134,22 @@ class NixlDelta:
         """The buffers the link registers: the delta staging (source) and the landing buffer (receiver)."""
         return [t for t in (self.staging, self.landing) if t.numel()]
 
+    def serve_received(self, received: Received, serve: bool) -> None:
+        """A fan-out replica process (``refit.delta.served``): what it receives is noted in ``received`` (the same
+        object in each of its waves); with ``serve`` (it is a source here) each message it sends is the delta it
+        received for the same box, and its base is let go (no copy of its tensors, no find; it was built at
+        setup, before the fan-out could say so)."""
+        self.received = received
+        if serve and self.base is not None:
+            self.base, self.serving = None, True
+            for d in (d for ops in self.sends.values() for d in ops):
+                d.bases, d.shared = [], False
+
     def begin(self, version: int, held: int | None) -> None:
         """A refit of ``version`` starts; this process holds ``held`` (None: no version, or a stale one)."""
         self.version, self.held, self.stats = version, held, DeltaStats()
+        self.stats.base_bytes = self.base.nbytes if self.base is not None else 0
+        self.stats.staging_bytes = self.staging.numel() + self.landing.numel()
 
     # ------------------------------------------------------------------ source
     def stage(self, run: int) -> dict[int, bytes]:
@@ -140,25 +157,60 @@ class NixlDelta:
         their deltas copied into its region of the staging; returns the sealed record to publish per receiver
         (see the module docstring). Base updates of what was sent follow ``encode_op``."""
         out = {}
-        ok = self.base.version is not None
         for r, ops in sorted(self.sends.items()):
-            plans = [plan_of(d, ok, self.config.delta) for d in ops]
-            heads: list[list[int]] = [[] for _ in ops]
-            at, used, offsets = self.out_at[r][0], 0, {}
-            for j, d in enumerate(ops):
-                if plans[j] != "diff":
-                    heads[j], used = self._encode(d, plans[j], r, used, offsets)
-            for batch in batches_of(ops, plans):
-                find_batch([ops[j] for j in batch], None, self.config.delta)
-                for j in batch:
-                    heads[j], used = self._encode(ops[j], "diff", r, used, offsets)
-                self.base.flush()
+            at, offsets = self.out_at[r][0], {}
+            heads, used = (self._serve if self.serving else self._find)(ops, r, offsets)
             used = self._join(ops, r, used, offsets)
             heads_of = {str(d.op.message): h for d, h in zip(ops, heads)}
             rec = {"run": run, "addr": self.staging.data_ptr() + at, "bytes": used, "heads": heads_of}
             out[r] = json.dumps({**rec, "offsets": offsets}).encode()
             self.stats.wire_bytes += _header_bytes(ops)
         return out
+
+    def _find(self, ops: list[DeltaOp], r: int, offsets: dict) -> tuple[list[list[int]], int]:
+        """Receiver ``r``'s messages planned, found and encoded against the base (``_encode``). Returns their
+        headers and the staging bytes used."""
+        ok = self.base.version is not None
+        plans = [plan_of(d, ok, self.config.delta) for d in ops]
+        heads: list[list[int]] = [[] for _ in ops]
+        used = 0
+        for j, d in enumerate(ops):
+            if plans[j] != "diff":
+                heads[j], used = self._encode(d, plans[j], r, used, offsets)
+        for batch in batches_of(ops, plans):
+            find_batch([ops[j] for j in batch], None, self.config.delta)
+            for j in batch:
+                heads[j], used = self._encode(ops[j], "diff", r, used, offsets)
+            self.base.flush()
+        return heads, used
+
+    def _serve(self, ops: list[DeltaOp], r: int, offsets: dict) -> tuple[list[list[int]], int]:
+        """A fan-out replica source (``serve_received``): each of receiver ``r``'s messages received as a delta in
+        this refit's version (``Received.delta``) is copied into ``r``'s staging region with the header it came
+        with; the others go dense, their reason counted in ``stats.dense_why``. Returns the headers and the staging
+        bytes used."""
+        at, cap = self.out_at[r]
+        heads, used = [], 0
+        for d in ops:
+            got, why = self.received.delta(self.keys[d.op.message], self.version)
+            if got is not None and used + got.payload.numel() > cap:
+                got, why = None, OVER_STAGING
+            if got is None:
+                d.kind, d.payload = "dense", d.op.tensor
+                self.stats.dense_why[why] = self.stats.dense_why.get(why, 0) + 1
+                heads.append([ENCODINGS.index("dense"), -1, self.version, 0])
+                n = d.nbytes
+            else:
+                n = got.payload.numel()
+                self.staging[at + used : at + used + n].copy_(got.payload)
+                offsets[str(d.op.message)], used = used, -(-(used + n) // 8) * 8
+                d.kind, d.payload = got.kind, None
+                heads.append([ENCODINGS.index(got.kind), got.base, self.version, *got.counts])
+                self.stats.served += 1
+            self.stats.wire_bytes += n
+            self.stats.dense_bytes += d.nbytes
+            self.stats.encodings[d.kind] += 1
+        return heads, used
 
     def _encode(self, d: DeltaOp, plan: str, r: int, used: int, offsets: dict) -> tuple[list[int], int]:
         """``encode_op`` of one message to receiver ``r``; a delta's payload copied into ``r``'s staging region at
@@ -171,6 +223,7 @@ class NixlDelta:
         n = d.payload.numel()
         if used + n > cap:  # over this refit's staging: dense
             self.stats.wire_bytes += d.nbytes - n
+            self.stats.dense_why[OVER_STAGING] = self.stats.dense_why.get(OVER_STAGING, 0) + 1
             self.stats.encodings[d.kind] -= 1
             self.stats.encodings["dense"] += 1
             d.kind, d.parts, d.payload = "dense", [], None
@@ -252,10 +305,21 @@ class NixlDelta:
             for d in self.joined:  # small dense messages read beside the deltas
                 view = d.op.tensor
                 view.copy_(d.payload.view(view.dtype).view(view.shape))
+            if self.received is not None:
+                self._note()
         finally:
             for d in deltas + self.joined:
                 d.payload = None
             self.joined = []
+
+    def _note(self) -> None:
+        """A fan-out replica, its refit applied: each message received noted (``Received``): a delta with its base
+        version, counts and payload (a view of the landing buffer, left as it is until this process's next
+        refit), a dense one as such."""
+        for d in (d for ops in self.recvs.values() for d in ops):
+            delta = d.kind != "dense"
+            got = Got(self.version, self.held, d.kind, tuple(d.changes), d.payload) if delta else None
+            self.received.note(self.keys[d.op.message], got or Got(self.version, None, "dense", (), None))
 
     # ------------------------------------------------------------------ after the refit
     def commit(self, version: int) -> None:
@@ -277,13 +341,13 @@ def with_stats(stats: DeltaStats | None, link) -> DeltaStats | None:
     mine = link.delta.stats if link is not None and link.delta is not None else None
     if mine is None or stats is None:
         return stats if mine is None else mine
-    enc = {k: stats.encodings[k] + mine.encodings[k] for k in stats.encodings}
-    sums = [a + b for a, b in zip(_numbers(stats), _numbers(mine))]
-    return DeltaStats(*sums, encodings=enc)
+    out = DeltaStats(**{k: getattr(stats, k) + getattr(mine, k) for k in _NUMBERS})
+    out.encodings = {k: stats.encodings[k] + mine.encodings[k] for k in stats.encodings}
+    out.dense_why = dict(Counter(stats.dense_why) + Counter(mine.dense_why))
+    return out
 
 
-def _numbers(s: DeltaStats) -> tuple[int, int, int, int]:
-    return s.diffed, s.wire_bytes, s.dense_bytes, s.received_bytes
+_NUMBERS = ("diffed", "wire_bytes", "dense_bytes", "received_bytes", "served", "base_bytes", "staging_bytes")
 
 
 def read_handles(agent, reads: list[tuple[int, int, int, int]], link) -> list[tuple[int, object, int]]:
