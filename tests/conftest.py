@@ -11,6 +11,10 @@ from hypothesis import settings
 
 # processes that tests start by hand (not through refit's launcher, which makes its own) share one job secret
 os.environ.setdefault("REFIT_SECRET", "refit-tests-" + secrets.token_hex(16))
+# Ray starts its workers (the data plane's storage actors, the tests' actors) at nice 15: beside the other tests'
+# processes at nice 0 on a 2-core machine they got a few percent of a core, and a Ray test took ten times its time
+# alone. Every Ray the tests start (in this process or a child) runs its workers at the tests' own priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 _UNITS_ENV = "REFIT_TEST_UNITS"  # pytest -n: where the workers write each test's unit of work
 
