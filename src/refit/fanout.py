@@ -42,6 +42,7 @@ from refit.commit import StagedCommit
 from refit.config import TransferConfig
 from refit.delta.served import Received
 from refit.errors import FanoutError, RefitAborted
+from refit.fanout_join import JOIN, held_of, join_of
 from refit.fanout_relay import check_relay_config, chunk_bytes_for, relay_plan
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.plan import Plan, ProcessMap, build_plan
@@ -110,20 +111,21 @@ def build_wave(
     index: int,
     receivers: list[int],
     sources: list[int],
-    trainer: ModelLayout,
+    trainer: ModelLayout | None,
     replica: ModelLayout,
     trainer_procs: list[int],
     replica_procs: list[list[int]],
     devices: Sequence[str] | None = None,
 ) -> Wave:
-    """Wave ``index``: replicas ``receivers`` pull from the trainer and replicas ``sources``.
-    ``trainer_procs[r]`` is the process of trainer rank ``r``, ``replica_procs[j][r]`` that of
-    rank ``r`` of replica ``j``; ``devices``: every global process's device, or None."""
+    """Wave ``index``: replicas ``receivers`` pull from the trainer and replicas ``sources`` (``trainer`` None:
+    from the replicas alone, a join wave: ``refit.fanout_join``). ``trainer_procs[r]`` is the process of trainer
+    rank ``r``, ``replica_procs[j][r]`` that of rank ``r`` of replica ``j``; ``devices``: every global process's
+    device, or None."""
     nr = replica.world_size
-    src = stack_holder_sets([trainer] + [replica for _ in sources])
+    src = stack_holder_sets(([trainer] if trainer is not None else []) + [replica for _ in sources])
     dst = _stack([(replica, nr) for _ in receivers])
     procs = ProcessMap(
-        tuple(trainer_procs) + tuple(p for j in sources for p in replica_procs[j]),
+        tuple(trainer_procs if trainer is not None else ()) + tuple(p for j in sources for p in replica_procs[j]),
         tuple(p for j in receivers for p in replica_procs[j]),
         tuple(devices) if devices is not None else None,
     )
@@ -208,6 +210,7 @@ class FanoutStats:
     sources_seen: list[tuple[int, int, int, int]] = field(
         default_factory=list
     )  # (wave, attempt, source proc, its version)
+    joined: list[int] = field(default_factory=list)  # late replicas that read the previous version from peers
 
 
 class Fanout:
@@ -312,6 +315,7 @@ class Fanout:
         self.coordinator = self.trainer_procs[0]
         self.dead: frozenset[int] = frozenset()
         self.version: int | None = None
+        self.stale = False  # a replica process whose tensors no longer hold ``version`` (``invalidate``)
         self.hook = None  # tests: called with (wave index, attempt) before this process runs a wave
         self.fault_hook = None  # tests: the executor's fault hook (``Peer.run``) for every wave attempt here
         n = len(self.replica_procs)
@@ -325,6 +329,22 @@ class Fanout:
         for w in self.waves:
             if proc in w.members:
                 self._peer_for(w)
+
+    def invalidate(self) -> None:
+        """A replica process: its tensors no longer hold its version (its engine reloaded them). With deltas, the
+        next ``run`` first reads the previous version dense from its peer replicas (a join wave:
+        ``refit.fanout_join``), then the delta in its wave; without deltas its wave sends it dense as always."""
+        self.stale = True
+        for peer in self._receiving():
+            peer.invalidate()
+
+    def _alive(self) -> list[int]:
+        """Every process not known dead, trainer processes first."""
+        return [p for p in [*self.trainer_procs, *(p for ps in self.replica_procs for p in ps)] if p not in self.dead]
+
+    def _receiving(self) -> list[Peer]:
+        """This process's Peers of the waves it receives in."""
+        return [self.peers[w.index][1] for w in self.waves if self.proc in w.procs.dst and w.index in self.peers]
 
     def close(self) -> None:
         """Close every wave's Peer (helper threads, shared-memory barriers); tensors stay."""
@@ -341,6 +361,7 @@ class Fanout:
         src_t = self.tensors if self.proc in wave.procs.src else None
         dst_t = self.tensors if self.proc in wave.procs.dst else None
         cfg = replace(self.wave_config, name=f"{self.config.name}/w{wave.index}/f{n}")
+        cfg = replace(cfg, delta="off") if wave.index == JOIN else cfg  # a join moves the previous version whole
         tag_base = ((1 + wave.index + 64 * n) % 1000) << 21
         return Peer(
             wave.src_layout,
@@ -358,7 +379,7 @@ class Fanout:
         )
 
     def _peer_for(self, wave: Wave) -> Peer:
-        key = (self.dead, self.failures.get(wave.index, 0))
+        key = (self.dead, self.failures.get(wave.index, 0), wave.receivers, wave.sources)
         built, peer = self.peers.get(wave.index, (None, None))
         if peer is not None and built == key and peer.broken is None:
             return peer
@@ -432,9 +453,7 @@ class Fanout:
         if not self.fleet:
             raise FanoutError("Fanout.stage needs TransferConfig(commit='staged') (fleet commit)")
         self.staged_version = None
-        members = [
-            p for p in [*self.trainer_procs, *(p for ps in self.replica_procs for p in ps)] if p not in self.dead
-        ]
+        members = self._alive()
         try:
             stats = self._waves(version)
             status = "ok" if self.proc in self.trainer_procs or self._got == version else "not received"
@@ -495,6 +514,8 @@ class Fanout:
             raise ValueError(f"version must increase: got {version} after {self.version}")
         t0, stats = time.perf_counter(), FanoutStats()
         wait_s = 4 * self.config.deadline_s * self.max_attempts
+        if self.wave_config.deltas and not self.relay:
+            self._join(version, stats)
         for k in range(len(self.schedule)):
             if self.proc == self.coordinator:
                 wave = self._current(k)
@@ -535,7 +556,7 @@ class Fanout:
                 self.failures[k] = self.failures.get(k, 0) + 1
             if outcome["ok"]:
                 if self.proc in wave.procs.dst:
-                    self._got = version
+                    self._got, self.stale = version, False
                 stats.waves += 1
                 return
             nxt = self._current(k)  # re-planned without the dead
@@ -549,9 +570,42 @@ class Fanout:
             f"(dead processes: {sorted(self.dead)}; last attempt: {_first_why(why)})"
         )
 
-    def _outcome(self, wave: Wave, version: int, attempt: int) -> dict[str, Any]:
+    def _join(self, version: int, stats: FanoutStats) -> None:
+        """Before ``version``'s waves: agree on a join (``refit.fanout_join``) and, where there is one, its members
+        run it (one attempt: where it fails the late replicas read dense from their wave's sources) and the
+        coordinator publishes its outcome; a late replica that read it holds the previous version again."""
+        members = self._alive()
+        if self.proc not in members:
+            return
+        mine = None if self.stale else self.version
+        held = held_of(self.store, self._key(version, JOIN, "held"), self.proc, mine, members, self.config.deadline_s)
+        late, sources, prev = join_of(held, self.coordinator, self.replica_procs, self.dead)
+        if not late:
+            return
+        wave = build_wave(JOIN, late, sources, None, self.replica, [], self.replica_procs, self.devices)
+        if self.proc in wave.members:
+            status = "ok"
+            try:
+                self._check_sources(wave, prev, 0, stats)
+                self._peer_for(wave).run(version)
+            except (FanoutError, RefitAborted, RuntimeError, OSError) as e:
+                status = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            self.store.put(self._key(version, JOIN, f"a0/status/{self.proc}"), status)
+        elif self.proc != self.coordinator:
+            return
+        outcome = self._outcome(wave, version, 0, commit=False)
+        self._learn(outcome["dead"])
+        stats.joined = list(late) if outcome["ok"] else []
+        if outcome["ok"] and self.proc in wave.procs.dst:  # it holds ``prev`` again: the delta to ``version`` next
+            self.stale = False
+            for peer in self._receiving():
+                if peer.version == prev:
+                    peer.stale = False
+
+    def _outcome(self, wave: Wave, version: int, attempt: int, commit: bool = True) -> dict[str, Any]:
         """The coordinator collects every member's status (a member silent past the deadline is
-        dead), commits the receivers' version when all is well, and publishes the outcome."""
+        dead), commits the receivers' version when all is well (and ``commit``: not a join's), and publishes
+        the outcome."""
         key = self._key(version, wave.index, f"a{attempt}/outcome")
         if self.proc != self.coordinator:
             return _outcome_record(self._get(key, 3 * self.config.deadline_s), key)
@@ -568,7 +622,7 @@ class Fanout:
             "failed": failed,
             "why": {str(m): status[m] for m in failed},
         }
-        if out["ok"]:  # the receivers hold the version: they may serve the next waves
+        if out["ok"] and commit:  # the receivers hold the version: they may serve the next waves
             for p in wave.procs.dst:
                 self.store.put(f"{self.config.name}/holds/{p}", version)
         self.store.put(key, out)
