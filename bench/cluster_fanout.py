@@ -8,6 +8,10 @@ one after another: the pipelined relay (``Fanout(relay=1)``, a chain b -> c -> d
 waves) and a packed gloo broadcast of the model from trainer rank 0. Each refit's time is the slowest process's
 (every process starts it after a barrier); the first refit of each mode is a warm-up. Prints one JSON object with
 each mode's times, median and ratio to one copy of the model over one link (``--out`` also writes it).
+
+``--profile`` (the relay only): every process times its P2P steps (when each step's wait began and ended, by
+wrapping ``P2PSchedule.wait`` in the bench's own rank wrapper, not the library); the last refit is reported per
+process: its seconds, steps, seconds in waits and each wait's span from the refit's start.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.cluster_dense import llama_config
@@ -27,23 +33,30 @@ from refit.tools.cluster.job import Job, python_argv
 MODES = ("relay", "waves", "broadcast")
 
 
-def run(rate: str, src: str, replicas: int, refits: int, config: str, chunk_bytes: int | None) -> dict:
+def run(
+    rate: str, src: str, replicas: int, refits: int, config: str, chunk_bytes: int | None, profile: bool = False
+) -> dict:
     model_bytes = sum(math.prod(s) * 4 for _, s, _ in param_shapes(config))
     hosts = ["a"] + [chr(ord("b") + i) for i in range(replicas)]
     rate_bit = parse_rate(rate)
     n_src = math.prod(int(kv.split("=")[1]) for kv in src.split(","))
     placement = ["a"] * n_src + hosts[1:]
     chunk = ("--chunk-bytes", str(chunk_bytes)) if chunk_bytes else ()
-    argv = python_argv(
-        "refit.tools.cluster.fanout_rank",
+    modes = ("relay",) if profile else MODES
+    rank_args = (
         *("--src", src, "--replicas", str(replicas), "--model", config, "--refits", str(refits), *chunk),
-        *("--modes", ",".join(MODES), "--hosts", ",".join(placement), "--deadline-s", "300"),
+        *("--modes", ",".join(modes), "--hosts", ",".join(placement), "--deadline-s", "300"),
+    )
+    argv = (
+        python_argv("bench.cluster_fanout", "--rank", *rank_args)
+        if profile
+        else python_argv("refit.tools.cluster.fanout_rank", *rank_args)
     )
     with Cluster(hosts, LinkShape(rate_bit)) as cluster:
         results = Job(cluster, placement, argv).wait(1800)
     copy_s = model_bytes / (rate_bit / 8)  # one copy of the model over one link
     out = {"rate": rate, "src": src, "replicas": replicas, "model_bytes": model_bytes, "copy_s": round(copy_s, 4)}
-    for mode in MODES:
+    for mode in modes:
         if not all(all(r["modes"][mode]["exact"]) for r in results):
             raise SystemExit(f"{mode}: a refit was not exact: {[r['modes'][mode]['exact'] for r in results]}")
         per_refit = [max(r["modes"][mode]["seconds"][i] for r in results) for i in range(refits)]
@@ -53,10 +66,61 @@ def run(rate: str, src: str, replicas: int, refits: int, config: str, chunk_byte
             "median_s": round(steady, 4),
             "vs_copy": round(steady / copy_s, 3),
         }
+    if profile:
+        out["profile"] = [_summary(r["profile"]) for r in results]
     return out
 
 
+# ---------------------------------------------------------------- --profile: inside each rank process
+_EVENTS: list[tuple[str, float]] = []
+
+
+def _rank_main(argv: list[str]) -> None:
+    """A rank of ``refit.tools.cluster.fanout_rank`` whose P2P posts and waits are timed (``--profile``)."""
+    from refit.executor import Executor
+    from refit.tools.cluster import fanout_rank
+    from refit.transport.p2p import P2PSchedule
+
+    def timed(cls, name: str, tag: str):
+        inner = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            _EVENTS.append((tag + "0", time.perf_counter()))
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                _EVENTS.append((tag + "1", time.perf_counter()))
+
+        setattr(cls, name, wrapper)
+
+    timed(P2PSchedule, "wait", "wait")
+    timed(Executor, "run", "run")
+    report = fanout_rank.report
+    fanout_rank.report = lambda value: report({**value, "profile": _EVENTS})
+    fanout_rank.main(argv)
+
+
+def _summary(events: list[tuple[str, float]]) -> dict:
+    """The last refit's steps on one process (the events between its last ``run0`` and ``run1``): when each
+    step's wait began and ended, from the refit's start."""
+    start = max(i for i, (e, _) in enumerate(events) if e == "run0")
+    ev = events[start:]
+    t0 = ev[0][1]
+    end = next(t for e, t in ev if e == "run1")
+    waits = [(a - t0, b - t0) for (e, a), (_, b) in zip(ev, ev[1:]) if e == "wait0"]
+    return {
+        "run_s": round(end - t0, 4),
+        "steps": len(waits),
+        "in_waits_s": round(sum(b - a for a, b in waits), 4),
+        "start": t0,  # perf_counter: one clock for every namespace of the machine
+        "waits_ms": [(round(a * 1e3, 1), round(b * 1e3, 1)) for a, b in waits],
+    }
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--rank"]:
+        _rank_main(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--src", default="fsdp=2")
@@ -64,12 +128,13 @@ def main() -> None:
     ap.add_argument("--refits", type=int, default=5)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--chunk-bytes", type=int, default=None, help="the relay's chunk (default: the model / 32)")
+    ap.add_argument("--profile", action="store_true", help="the relay only, its P2P steps timed per process")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         config = Path(d) / "config.json"
         config.write_text(json.dumps(llama_config(a.layers)))
-        row = run(a.rate, a.src, a.replicas, a.refits, str(config), a.chunk_bytes)
+        row = run(a.rate, a.src, a.replicas, a.refits, str(config), a.chunk_bytes, a.profile)
     print(json.dumps(row))
     if a.out:
         Path(a.out).write_text(json.dumps(row) + "\n")

@@ -121,30 +121,71 @@ def relay_plan(
 _Arrivals = dict[int, list[tuple[Piece, int]]]
 
 
-def _trainer_pieces(edge: _Edge, replica: ModelLayout, procs: ProcessMap, chunk: int) -> list[tuple[Piece, bool]]:
-    """The trainer's edge: the planner's choice between the two layouts, each piece cut to at most ``chunk``
-    bytes, in the plan's rank numbers, with its direct flag."""
+def _trainer_pieces(edge: _Edge, replica: ModelLayout, procs: ProcessMap, chunk: int) -> list[tuple[Piece, bool, int]]:
+    """The trainer's edge: the planner's choice between the two layouts, in the plan's rank numbers, with its
+    direct flag and its window: each destination rank's pieces, in order, are one stream cut into windows of
+    ``chunk`` bytes (a piece cut row-major where a window ends), so that window ``k`` fills step ``k``."""
     layout, s0, sprocs, d0, _ = edge
     sub = ProcessMap(sprocs, procs.dst[d0 : d0 + replica.world_size], procs.devices)
+    fill: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # destination rank -> [window, bytes in it]
     out = []
     for name, h, r, box, item, _, direct in choose_sources(layout, replica, sub):
         part = next(p for p in layout[name].parts(h) if box_intersect(p, box) == box)
         dbox = replica[name].box(r)
-        for b in split_box(box, max(1, chunk // item)):
+        copied = sub.src[h] == sub.dst[r]  # colocated: a local copy, not on the wire
+        for b, w in [(box, 0)] if copied else _windows(box, item, chunk, fill[r]):
             d = direct and box_runs_whole(b, part) and box_runs_whole(b, dbox)
-            out.append((Piece(name, s0 + h, d0 + r, b, item), d))
+            out.append((Piece(name, s0 + h, d0 + r, b, item), d, w))
     return out
 
 
-def _relayed_pieces(edge: _Edge, replica: ModelLayout, arrived: _Arrivals) -> list[tuple[Piece, bool]]:
+def _windows(box: Box, item: int, chunk: int, fill: list[int]) -> list[tuple[Box, int]]:
+    """``box`` cut row-major into parts that each fit what is left of one window of ``chunk`` bytes, with
+    their windows; ``fill`` (``[window, bytes in it]``) is advanced past them. A row larger than a whole
+    window is cut by ``split_box``, a window per part."""
+    out: list[tuple[Box, int]] = []
+    while True:
+        room = chunk - fill[1]
+        if _numel(box) * item <= room:
+            out.append((box, fill[0]))
+            fill[1] += _numel(box) * item
+            return out
+        cut = _cut(box, room // item)
+        if cut is not None:
+            out.append((cut[0], fill[0]))
+            box = cut[1]
+        elif fill[1] == 0:
+            parts = split_box(box, max(1, chunk // item))
+            out += [(b, fill[0] + i) for i, b in enumerate(parts)]
+            fill[:] = [fill[0] + len(parts) - 1, _numel(parts[-1]) * item]
+            return out
+        fill[:] = [fill[0] + 1, 0]
+
+
+def _cut(box: Box, numel: int) -> tuple[Box, Box] | None:
+    """``box`` as its first rows of at most ``numel`` elements (along its first dimension longer than 1) and
+    the rest; None when not one such row fits."""
+    d = next((i for i, (lo, hi) in enumerate(box) if hi - lo > 1), None)
+    if d is None:
+        return None
+    inner = _numel(box[d + 1 :])
+    rows = numel // inner
+    if rows < 1:
+        return None
+    lo, hi = box[d]
+    return box[:d] + ((lo, lo + rows),) + box[d + 1 :], box[:d] + ((lo + rows, hi),) + box[d + 1 :]
+
+
+def _relayed_pieces(edge: _Edge, replica: ModelLayout, arrived: _Arrivals) -> list[tuple[Piece, bool, int]]:
     """A relay's edge: each rank forwards what arrived at it, piece by piece in the order it arrived, to the
-    child's rank of the same number (replicas share one layout), so each piece waits for one arrival only."""
+    child's rank of the same number (replicas share one layout), so each piece waits for one arrival only;
+    its window is the step after its arrival."""
     _, s0, _, d0, p0 = edge
     out = []
     for q in range(replica.world_size):
-        for p, _ in arrived[p0 + q]:
+        for p, step in arrived[p0 + q]:
             whole = replica[p.tensor].box(q)
-            out.append((Piece(p.tensor, s0 + q, d0 + q, p.box, p.itemsize), box_runs_whole(p.box, whole)))
+            out.append((Piece(p.tensor, s0 + q, d0 + q, p.box, p.itemsize), box_runs_whole(p.box, whole), step + 1))
     return out
 
 
@@ -159,20 +200,23 @@ def _build(
     for edge in edges:  # parents before children: a relay's arrivals are known before it forwards
         relayed = edge[4] >= 0
         pieces = _relayed_pieces(edge, replica, arrived) if relayed else _trainer_pieces(edge, replica, procs, chunk)
-        per_link: dict[tuple[int, int], list[tuple[Piece, bool]]] = defaultdict(list)
-        for p, d in pieces:
+        groups: dict[tuple[int, int, int], list[tuple[Piece, bool]]] = defaultdict(list)  # (window, link)
+        for p, d, w in pieces:
             if procs.src[p.src] == procs.dst[p.dst]:
                 local.append(p)  # a colocated trainer rank: copied before the steps, from the trainer
                 arrived[p.dst].append((p, -1))
             else:
-                per_link[p.src, p.dst].append((p, d))
+                groups[w, p.src, p.dst].append((p, d))
         raw: list = []
-        for (s, r), plist in sorted(per_link.items()):
+        ready: list[int] = []  # each message's first step: its window, and on a relay after its bytes arrived
+        for (w, s, r), plist in sorted(groups.items()):
             _pack_link(s, r, plist, chunk, raw)
-        after = [(_ready(m[3], m[0] - edge[1] + edge[4], arrived) if relayed else 0, n) for n, m in enumerate(raw)]
-        for ready, n in sorted(after):
+            ready += [w] * (len(raw) - len(ready))
+        if relayed:
+            ready = [max(w, _ready(m[3], m[0] - edge[1] + edge[4], arrived)) for w, m in zip(ready, raw)]
+        for first, n in sorted(zip(ready, range(len(raw)))):
             s, r, direct, plist, offs, nbytes = raw[n]
-            step = lanes.take(procs.src[s], procs.dst[r], nbytes, not direct, ready)
+            step = lanes.take(procs.src[s], procs.dst[r], nbytes, not direct, first)
             messages.append(Message(s, r, step, direct, tuple(plist), tuple(offs), nbytes))
             arrived[r] += [(p, step) for p in plist]
     messages.sort(key=lambda m: (m.step, m.src, m.dst))

@@ -15,6 +15,8 @@ destination tensor. With checksums on, a [sum, bytes] message travels beside eve
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import queue
 import threading
@@ -196,6 +198,40 @@ def _build_steps(plan: Plan, proc: int, local: LocalTensors, ring: StagingRing, 
     return [s for s in steps if s.sends or s.recvs]
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t``'s elements lie in: [first, past the last) (a strided view: its whole extent)."""
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def recv_ahead(steps: list[_Step]) -> list[bool]:
+    """Per step, whether its receives may be posted while the step before is in flight (``run_cpu``): each
+    receives into a ring buffer none of that step's ops uses, or (direct) into bytes none of its ops reads
+    or writes (a direct op's tensor, a packed receive's unpacking targets). The first step: False."""
+    return [False] + [bool(step.recvs) and _clear_of(prev, step.recvs) for prev, step in zip(steps, steps[1:])]
+
+
+def _clear_of(prev: _Step, recvs: list[_Op]) -> bool:
+    """Whether ``recvs`` touch no ring buffer and no byte that an op of ``prev`` uses (``recv_ahead``)."""
+    slots = {op.slot for op in prev.sends + prev.recvs if op.pack}
+    spans = sorted(
+        [_span(op.tensor) for op in prev.sends + prev.recvs if not op.pack]
+        + [_span(tv) for op in prev.recvs for _, tv in op.pack]
+    )
+    starts = [a for a, _ in spans]
+    reach = list(itertools.accumulate((b for _, b in spans), max))  # the furthest end among spans[: i + 1]
+    for op in recvs:
+        if op.pack:
+            if op.slot in slots:
+                return False
+            continue
+        lo, hi = _span(op.tensor)
+        i = bisect.bisect_left(starts, hi) - 1  # the last span starting before hi
+        if i >= 0 and reach[i] > lo:
+            return False
+    return True
+
+
 def _message_pieces(op: _Op, slot: int, fused: bool, outgoing: bool) -> list[Piece]:
     """``op``'s message as checksum pieces: each packed piece at its word offset in the ring buffer
     (fused: with its pack or unpack copy), or a direct message's tensor at 0."""
@@ -300,6 +336,8 @@ class P2PSchedule:
         self.cuda = device.type == "cuda"
         self.ring = StagingRing(plan, proc, device)
         self.steps = _build_steps(plan, proc, local, self.ring, tag_base)
+        # CPU: per step, whether its receives are posted while the step before is in flight
+        self.ahead = recv_ahead(self.steps) if not self.cuda else [False] * len(self.steps)
         self.checksums = config.checksums
         self.sums = MessageSums(self.steps, device, self.cuda and triton_enabled()) if self.checksums else None
         self._waiter: _Waiter | None = None
@@ -321,17 +359,20 @@ class P2PSchedule:
             free_stream(self.unpack_stream)
             self.pack_stream = self.unpack_stream = None
 
-    def _post(self, step: _Step, sums: bool = False) -> list:
-        """Post every send and receive of a step (or, ``sums``, of their checksums); return the works."""
+    def _post(self, step: _Step, sums: bool = False, sends: bool = True, recvs: bool = True) -> list:
+        """Post every send and receive of a step (or, ``sums``, of their checksums; ``sends`` / ``recvs`` False:
+        without them); return the works."""
 
         def msgs(ops: list[_Op]) -> list[tuple[int, torch.Tensor, int]]:
             return [(op.peer, op.sum, op.tag + SUM_TAG) if sums else (op.peer, op.tensor, op.tag) for op in ops]
 
-        return self.post(msgs(step.sends), msgs(step.recvs))
+        return self.post(msgs(step.sends) if sends else [], msgs(step.recvs) if recvs else [])
 
     def post(self, sends: list[tuple[int, torch.Tensor, int]], recvs: list[tuple[int, torch.Tensor, int]]) -> list:
         """Post ``(peer, tensor, tag)`` sends and receives as one batch (or, standalone, the group's own
         ops); return the works, sends first. A failure to post names the peers."""
+        if not sends and not recvs:
+            return []
         try:
             if self.standalone:
                 return [self.group.send([t], p, tag) for p, t, tag in sends] + [
@@ -382,8 +423,12 @@ class P2PSchedule:
             clock.watch(done.query, lambda: _pending(what, ops))
 
     def run_cpu(self, clock: RunClock, fault: FaultHook | None = None) -> None:
-        """Every step in turn on the host: pack, post, wait, check, unpack."""
-        for step in self.steps:
+        """Every step in turn on the host: pack, post, wait, check, unpack. A step's receives are posted while
+        the step before it is in flight where they touch nothing that step uses (``recv_ahead``): gloo sends
+        a message only once its receive is posted, so a sender starts its next message as soon as its last
+        one is out, and no link idles while a receiver unpacks and posts."""
+        ahead: list = []  # the works of this step's receives, posted during the step before
+        for k, step in enumerate(self.steps):
             for op in step.sends:
                 for bv, tv in op.pack:
                     bv.copy_(tv)
@@ -392,7 +437,9 @@ class P2PSchedule:
             if fault is not None:
                 fault("step", step)
             ops = step.sends + step.recvs
-            self.wait(clock, self._post(step), ops, "transfer")
+            works = self._post(step, recvs=not self.ahead[k]) + ahead
+            ahead = self._post(self.steps[k + 1], sends=False) if k + 1 < len(self.steps) and self.ahead[k + 1] else []
+            self.wait(clock, works, ops, "transfer")
             if self.checksums:
                 self.wait(clock, self._post(step, sums=True), ops, "checksum exchange")
             if fault is not None:
