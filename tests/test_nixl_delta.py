@@ -1,8 +1,9 @@
 """Delta refits over NIXL pulls on CPU (real NIXL: host memory, UCX on one host): bit exact after every refit for
 three layout pairs over versions with 0%, 0.1%, 1%, 30% and 100% of the elements changed, the bytes read at 1% of
 them changed (refit's own statistics), a receiver without the base version healed dense (it reads the messages its
-source staged as deltas dense: nothing is refused over a pull). One spawned job for every layout pair and the
-fan-out. Skipped where nixl is not installed."""
+source staged as deltas dense: nothing is refused over a pull), in fan-out waves a replica serving the deltas it
+received with no base of its own and a late replica reading the previous version from its peers. One spawned job
+for every layout pair and the fan-out. Skipped where nixl is not installed."""
 
 import json
 import zlib
@@ -13,6 +14,7 @@ import torch
 from refit.binding import bind_local
 from refit.config import TransferConfig
 from refit.errors import RefitAborted
+from refit.fanout_join import JOIN
 from refit.layout import box_slices
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
@@ -62,10 +64,14 @@ class _Model:
         return {t.name: self.full[t.name][box_slices(b)] for t, b in layout.local_tensors(rank)}
 
 
-FANOUT_CHANGES = (None, 0.01, 0.3, 0.01)  # versions 1..4 (1: dense to every replica)
+FANOUT_CHANGES = (None, *FRACTIONS, 0.01)  # versions 1..7 (1: dense to every replica; 7: replica 2 joins late)
+LATE = 7
 
 
 def _fanout_worker(world, shapes: list, replicas: int):
+    """Replica 0 receives from the trainer in wave 0, replicas 1 and 2 from the trainer and replica 0 in wave 1;
+    before version ``LATE`` replica 2 (process 3) lost its weights. Per version: exact, the replicas that joined,
+    per wave this process took part in (its Peer's last refit): ``(read, dense, delta stats)``."""
     from refit.fanout import Fanout
 
     trainer, replica = _layouts(shapes, "tp=1", "tp=1")
@@ -82,11 +88,15 @@ def _fanout_worker(world, shapes: list, replicas: int):
             if world.rank == 0:
                 for n, t in m.shards(trainer, 0).items():
                     tensors[n].copy_(t)
-        f.run(v)
+        if v == LATE and world.rank == 3:  # its engine reloaded its weights
+            for t in tensors.values():
+                t.zero_()
+            f.invalidate()
+        st = f.run(v)
         want = m.shards(replica, 0)
         exact = all(torch.equal(tensors[n].view(torch.int16), w.view(torch.int16)) for n, w in want.items())
-        read = [(p.last.bytes_received, p.executor.bytes_received) for _, p in f.peers.values() if p.last]
-        out.append((exact, [r for r in read if r[1]]))
+        waves = {k: (p.last.bytes_received, p.executor.bytes_received, p.last.delta) for k, (_, p) in f.peers.items()}
+        out.append((exact, st.joined, waves))
     f.close()
     return out
 
@@ -160,7 +170,7 @@ def job():
     return {
         k: tuple([r[k][1] for r in out if r[k] is not None and r[k][0] == side] for side in ("src", "dst"))
         for k in PAIRS
-    } | {"fanout": [r["fanout"] for r in out[1:4]]}
+    } | {"fanout": [r["fanout"] for r in out[:4]]}
 
 
 def _exact_and_sparse_at_one_percent(receivers, versions):
@@ -209,11 +219,37 @@ def _deltas(encodings: dict) -> int:
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_fanout_waves_over_nixl_send_deltas_from_the_trainer_and_from_replicas(job):
-    for got in job["fanout"]:  # each replica: exact after every version, and at 1% it read a delta
-        assert [e for e, _ in got] == [True] * len(FANOUT_CHANGES), got
-        for v in (1, 3):
-            ((read, dense),) = got[v][1]
-            assert read <= 0.065 * dense, (v, read, dense)
+    trainer, *replicas = job["fanout"]
+    for got in replicas:  # each replica: exact after every version; at 1% it read a delta (its wave's Peer)
+        assert [e for e, _, _ in got] == [True] * len(FANOUT_CHANGES), got
+        wave = 0 if got is replicas[0] else 1
+        read, dense, _ = got[ONE_PERCENT][2][wave]
+        assert read <= 0.065 * dense, (read, dense)
+    n = sum(trainer[0][2][0][2].encodings.values())  # messages per receiver
+    model = trainer[0][2][0][2].dense_bytes  # the model's bytes (what one receiver reads dense)
+    for v, (_, _, waves) in enumerate(trainer[1:], 2):  # the trainer finds against its bases (one per wave)
+        assert {w[2].base_bytes for w in waves.values()} == {model}, v
+    for v, (_, _, waves) in enumerate(replicas[0][1:], 2):  # replica 0 serves the deltas it received: no base
+        served, sent = waves[1][2], trainer[v - 1][2][0][2]
+        assert served.base_bytes == 0 and served.diffed == 0, v
+        assert served.encodings == sent.encodings and served.wire_bytes == sent.wire_bytes, v
+        assert served.served + served.dense_why.get("received dense", 0) == n, v  # what it cannot serve: dense, said
+        assert served.dense_why.get("received dense", 0) == sent.dense_why.get("over the staging budget", 0), v
+    assert replicas[0][ONE_PERCENT][2][1][2].served == n  # at 1%: every message served as received
+    assert trainer[5][2][0][2].dense_why["over the staging budget"] > 0  # 100%: over the staging budget, said
+
+
+def test_a_late_replica_reads_the_previous_version_from_its_peers_then_its_delta(job):
+    trainer, *replicas = job["fanout"]
+    late = LATE - 1
+    assert [got[late][1] for got in job["fanout"]] == [[2]] * 4  # every process saw replica 2 join
+    assert all(got[v][1] == [] for got in job["fanout"] for v in range(late))
+    join_read, _, _ = replicas[2][late][2][JOIN]  # dense from replicas 0 and 1 (the trainer is no source of it)
+    read, dense, _ = replicas[2][late][2][1]  # then the delta in its wave
+    assert join_read == dense and read <= 0.065 * dense, (join_read, read, dense)
+    assert JOIN not in trainer[late][2]  # the trainer carried nothing for it: in every wave it staged 1% deltas
+    for _, _, sent in trainer[late][2].values():
+        assert sent.encodings["dense"] == 0 and sent.wire_bytes <= 0.065 * sent.dense_bytes, sent
 
 
 def test_the_rule_keeps_nixl_dense_on_fast_links_and_the_staging_within_the_budget():

@@ -29,7 +29,8 @@ Per refit (``NixlDelta``, inside ``refit.transport.nixl.NixlLink``'s ``start`` a
 Versions and bases behave as over P2P but for one thing a pull allows: a receiver that does not hold the base of
 a delta is not refused, it reads those messages dense (over P2P the source pushes, so it must know first). Extra
 memory: the source's base (its NIXL-sent tensors) and two registered buffers, a source's delta staging and a
-receiver's landing buffer, each at most the staging budget.
+receiver's landing buffer, each at most the staging budget. A fan-out replica keeps no base: it serves the deltas
+it received (``serve_received``, ``refit.delta.served``).
 """
 
 from __future__ import annotations
