@@ -35,8 +35,9 @@ _DRIVER = r"""
 import json, os, resource, select, signal, sys, time, traceback
 import refit.tools.cli as cli
 import refit.cost, refit.tools.bench.harness, refit.tools.resources  # what the commands import lazily
-from refit.layout.models import param_shapes
-param_shapes("tiny-llama")  # transformers' config and model modules, imported once here, not in every child
+from refit.layout.models import build_model, load_config
+# transformers' config and model modules, imported once here, not in every child (param_shapes may read its cache)
+build_model(load_config("tiny-llama"), None, device="meta", seed=None)
 
 def vm_size():
     with open("/proc/self/status") as f:

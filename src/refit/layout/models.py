@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -12,7 +13,8 @@ from typing import Any
 import torch
 
 from refit.errors import ModelError
-from refit.jsonio import read_json
+from refit.jsonio import MAX_JSON_BYTES, read_json
+from refit.layout import shape_cache
 from refit.layout.hf_names import logical_shape
 from refit.layout.rules import ParamShape
 
@@ -386,10 +388,32 @@ def param_shapes(model: str, dtype: torch.dtype | None = None) -> list[ParamShap
     gate and up alike, as Megatron's fc1 and vLLM's ``w13`` do, and a rank's
     share is one dense block in HF's tensor, in Megatron's and in vLLM's.
     """
-    config = load_config(model)
-    dt = dtype or model_dtype(model, config)
-    with _refusals(model):
-        meta = build_model(config, dt, device="meta", seed=None)
-    shapes = [(n, logical_shape(n, tuple(p.shape)), p.dtype) for n, p in meta.named_parameters()]
-    check_tensor_sizes(model, shapes)
+    text = _config_text(model)
+    key = shape_cache.shapes_key(text, dtype) if text is not None else None
+    shapes = shape_cache.read(key) if key else None
+    if shapes is None:
+        config = load_config(model)
+        dt = dtype or model_dtype(model, config)
+        with _refusals(model):
+            meta = build_model(config, dt, device="meta", seed=None)
+        shapes = [(n, logical_shape(n, tuple(p.shape)), p.dtype) for n, p in meta.named_parameters()]
+        check_tensor_sizes(model, shapes)
+        if key:
+            shape_cache.write(key, shapes)
     return shapes
+
+
+def _config_text(model: str) -> str | None:
+    """What ``model``'s shapes derive from, as text (a preset's fields, a config file's bytes); None for a name
+    that is neither (``load_config`` refuses it)."""
+    if model in PRESETS:
+        p = PRESETS[model]
+        return json.dumps([p.model_type, p.config, str(p.dtype)], sort_keys=True)
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > MAX_JSON_BYTES:
+            return None  # load_config says why
+        with open(path, "rb") as f:
+            return f.read(MAX_JSON_BYTES + 1).decode("utf-8", "replace")
+    except OSError:
+        return None
