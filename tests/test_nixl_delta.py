@@ -263,6 +263,8 @@ def test_the_rule_keeps_nixl_dense_on_fast_links_and_the_staging_within_the_budg
         assert ops and {o.may_pay for o in ops if o.nbytes >= 16384} == {pays}, gbps  # (a piece costs ~110 us)
         budget = cfg.num_buffers * cfg.buffer_bytes
         assert 0 < d.staging.numel() <= budget and d.landing.numel() == 0
+        sent = {p.tensor for o in ops for p in plan.messages[o.op.message].pieces}
+        assert d.base is None and d.ensure_base().nbytes == sum(tensors[n].nbytes for n in sent)  # built when used
         caps = delta_caps(plan, cfg)
         for p in (0, 1, 2, 3):
             assert sum(c for (s, r), c in caps.items() if p in (s, r)) <= budget
@@ -312,6 +314,7 @@ def test_the_cpu_find_reads_words_and_leaves_elements_unread_where_the_rule_says
     plan = build_plan(src, dst, ProcessMap.disjoint(1, 1), cfg)
     tensors = {n: t.clone() for n, t in _Model(src).shards(src, 0).items()}
     d = NixlDelta(plan, 0, bind_local(plan, 0, tensors, None), cfg, torch.device("cpu"))
+    d.ensure_base()
     op = max(d.sends[1], key=lambda o: o.nbytes)
     assert not op.words and 0 < dense_words(op) < op.nwords[0]  # elements on a slow CPU link; dense past a count
     for fraction, kind in ((0.01, "sparse"), (1.0, "dense")):
@@ -334,3 +337,16 @@ def test_a_delta_record_whose_payload_spans_overlap_or_leave_it_is_refused_befor
     for bad in ([(0, 16, op), (8, 8, op)], [(4, 8, op)], [(16, 16, op)], [("0", 8, op)], [(-8, 8, op)]):
         with pytest.raises(DeltaError, match="NIXL delta record of process 1: message 7"):
             _in_payload(bad, 24, 1)
+
+
+def test_a_join_needs_a_late_replica_a_previous_version_and_a_peer_that_holds_it():
+    from refit.fanout_join import join_of
+
+    procs = [[1], [2], [3]]  # replica j on process j + 1; the coordinator is process 0
+    assert join_of({0: 6, 1: 6, 2: 6, 3: None}, 0, procs, frozenset()) == ([2], [0, 1], 6)
+    assert join_of({0: 6, 1: 6, 2: 4, 3: None}, 0, procs, frozenset()) == ([1, 2], [0], 6)  # an old version: late
+    assert join_of({0: 6, 1: 6, 2: 6, 3: 6}, 0, procs, frozenset()) == ([], [], None)  # nobody late
+    assert join_of({0: None, 1: None, 2: None, 3: None}, 0, procs, frozenset()) == ([], [], None)  # first refit
+    assert join_of({0: 6, 1: None, 2: None, 3: None}, 0, procs, frozenset()) == ([], [], None)  # no peer holds 6
+    assert join_of({0: 6, 1: 6, 3: None}, 0, procs, frozenset()) == ([2], [0], 6)  # process 2 silent: neither
+    assert join_of({0: 6, 1: 6, 2: 6, 3: None}, 0, procs, frozenset({2})) == ([2], [0], 6)  # nor a dead one

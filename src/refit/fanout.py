@@ -42,7 +42,7 @@ from refit.commit import StagedCommit
 from refit.config import TransferConfig
 from refit.delta.served import Received
 from refit.errors import FanoutError, RefitAborted
-from refit.fanout_join import JOIN, held_of, join_of
+from refit.fanout_join import JOIN, agree_join
 from refit.fanout_relay import check_relay_config, chunk_bytes_for, relay_plan
 from refit.layout import Mesh, ModelLayout, TensorLayout
 from refit.plan import Plan, ProcessMap, build_plan
@@ -577,9 +577,9 @@ class Fanout:
         members = self._alive()
         if self.proc not in members:
             return
-        mine = None if self.stale else self.version
-        held = held_of(self.store, self._key(version, JOIN, "held"), self.proc, mine, members, self.config.deadline_s)
-        late, sources, prev = join_of(held, self.coordinator, self.replica_procs, self.dead)
+        mine, key = None if self.stale else self.version, self._key(version, JOIN, "agree")
+        args = (members, self.replica_procs, self.dead, self.config.deadline_s)
+        late, sources, prev = agree_join(self.store, key, self.proc, mine, *args)
         if not late:
             return
         wave = build_wave(JOIN, late, sources, None, self.replica, [], self.replica_procs, self.devices)

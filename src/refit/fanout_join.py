@@ -4,36 +4,64 @@ replicas in a join wave before the version's waves (the trainer is no source of 
 new version in its own wave like every other replica. The trainer's uplink carries only deltas, and the waves'
 plans do not change, so every source keeps its base and every other replica its deltas.
 
-Before each refit with deltas every process publishes the version it holds (``held_of``); every process reads them
-all and agrees on the join (``join_of``): the late replicas, the fleet's previous version (the first trainer
-process's) and the replicas that hold it, the join's sources. No join where the fleet holds no version yet, where
-no replica is late, or where no replica holds the previous version (the late ones then read dense from their
-wave's sources, the trainer among them).
+Before each refit with deltas every process publishes the version it holds; the coordinator (the first trainer
+process) reads them all and publishes the join (``agree_join``): the late replicas, the fleet's previous version
+(its own) and the replicas that hold it, the join's sources; every other process reads that one record. No join
+where the fleet holds no version yet, where no replica is late, or where no replica holds the previous version
+(the late ones then read dense from their wave's sources, the trainer among them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
+from refit.errors import FanoutError
 from refit.transport.store import SignedStore
 
 JOIN = -1  # the join wave's index (its store keys, its Peer; the waves are 0, 1, ...)
 NONE = -1  # what a process publishes when it holds no version
 
 
-def held_of(store: SignedStore, key: str, proc: int, held: int | None, procs: Iterable[int], timeout_s: float):
-    """Publish ``held`` (None: no version) under ``{key}/{proc}`` and read every process of ``procs``' within
-    ``timeout_s``: ``{process: version or None}``, a silent process left out (the waves find it dead)."""
-    store.put(f"{key}/{proc}", NONE if held is None else held)
-    got = store.wait_all([f"{key}/{p}" for p in procs], timeout_s)
-    out = {}
-    for p in procs:
-        v = got.get(f"{key}/{p}")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < NONE):
-            raise ValueError(f"fan-out join: process {p} published {v!r} as the version it holds, not an int >= -1")
-        if v is not None:
-            out[p] = None if v == NONE else v
-    return out
+def agree_join(
+    store: SignedStore,
+    key: str,
+    proc: int,
+    held: int | None,
+    members: list[int],
+    replica_procs: list[list[int]],
+    dead: frozenset[int],
+    timeout_s: float,
+) -> tuple[list[int], list[int], int | None]:
+    """Publish ``held`` (None: no version) under ``{key}/held/{proc}``; the coordinator (``members[0]``) waits up to
+    ``timeout_s`` for every member's (a silent one is left out: the waves find it dead), decides (``join_of``) and
+    publishes ``{key}/join``, which every other member reads (``FanoutError`` past twice ``timeout_s``, or for a
+    record that is not a join). Returns ``(late replicas, their sources, the previous version)``."""
+    store.put(f"{key}/held/{proc}", NONE if held is None else held)
+    if proc == members[0]:
+        got = store.wait_all([f"{key}/held/{p}" for p in members], timeout_s)
+        versions = {p: _version(got[f"{key}/held/{p}"], p) for p in members if f"{key}/held/{p}" in got}
+        late, sources, prev = join_of(versions, proc, replica_procs, dead)
+        store.put(f"{key}/join", {"late": late, "sources": sources, "prev": NONE if prev is None else prev})
+        return late, sources, prev
+    try:
+        rec = store.get(f"{key}/join", 2 * timeout_s)
+    except (TimeoutError, RuntimeError, OSError) as e:
+        raise FanoutError(f"fan-out join: process {proc} waited {2 * timeout_s:.0f}s for {key}/join ({e})") from e
+    n = len(replica_procs)
+    ok = isinstance(rec, dict) and set(rec) == {"late", "sources", "prev"}
+    ok = ok and all(isinstance(rec[k], list) and all(_int(j, 0, n - 1) for j in rec[k]) for k in ("late", "sources"))
+    if not ok or not _int(rec["prev"], NONE, 1 << 62):
+        raise FanoutError(f"fan-out join: {key}/join holds {str(rec)[:120]}, not {{late, sources, prev}}")
+    return rec["late"], rec["sources"], None if rec["prev"] == NONE else rec["prev"]
+
+
+def _int(v: object, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _version(v: object, p: int) -> int | None:
+    """A published version (``NONE``: no version), checked."""
+    if not _int(v, NONE, 1 << 62):
+        raise FanoutError(f"fan-out join: process {p} published {v!r} as the version it holds, not an int >= -1")
+    return None if v == NONE else v
 
 
 def join_of(

@@ -130,6 +130,11 @@ def _update(updates: list) -> None:
         scatter_words_many(words)
 
 
+def shared_of(plan: Plan, proc: int, transport: str = "p2p") -> set[int]:
+    """``SourceBase.shared`` of process ``proc``'s messages over ``transport``, without building a base."""
+    return _shared_messages(plan, _sent(plan, proc, transport))
+
+
 def _shared_messages(plan: Plan, sent: list[int]) -> set[int]:
     """The messages among ``sent`` whose pieces overlap a piece of another of them (one source box sent
     to several receivers)."""

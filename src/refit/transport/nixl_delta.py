@@ -43,7 +43,7 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
-from refit.delta.base import SourceBase
+from refit.delta.base import SourceBase, shared_of
 from refit.delta.chunks import link_kind, link_speed, words_for
 from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats
 from refit.delta.receive import apply_received, receive_into
@@ -87,8 +87,9 @@ class NixlDelta:
         self.plan, self.proc, self.config = plan, proc, config
         caps = delta_caps(plan, config)
         budget = config.num_buffers * config.buffer_bytes
-        sending = any(s == proc for s, _ in caps)
-        self.base = SourceBase(plan, proc, local, config.delta_base, budget, "nixl") if sending else None
+        self.local, self.budget = local, budget
+        self.base: SourceBase | None = None  # a source's, built at its first refit (``ensure_base``); none served
+        self.shared = shared_of(plan, proc, "nixl")
         pair: Counter = Counter()
         for m in plan.messages:
             if m.transport == "nixl":
@@ -113,14 +114,14 @@ class NixlDelta:
         self.serving = False  # a fan-out replica source: serves what it received, keeps no base
 
     def _op(self, k: int, peer: int, local: LocalTensors, outgoing: bool, pair_bytes: int) -> DeltaOp:
-        """Message ``k`` (one piece) to or from ``peer`` as a ``DeltaOp``: its view, (source) its base view, the
-        link as a NIXL pull sees it, its part of the pair's bytes (what it pays of ``NIXL_PAIR_S``)."""
+        """Message ``k`` (one piece) to or from ``peer`` as a ``DeltaOp``: its view, the link as a NIXL pull sees
+        it, its part of the pair's bytes (what it pays of ``NIXL_PAIR_S``); a source's base view comes with its
+        base (``ensure_base``)."""
         p = self.plan.messages[k].pieces[0]
         view = (local.src_view if outgoing else local.dst_view)(p.tensor, p.box)
-        bases = [self.base.local.src_view(p.tensor, p.box)] if outgoing else []
         ends = (self.proc, peer) if outgoing else (peer, self.proc)
         link = nixl_link(link_speed(self.plan, *ends, self.config), link_kind(self.plan, *ends) == "cpu")
-        d = DeltaOp(_Op(peer, 0, view, [], (p.tensor,), message=k), [view], bases, link, torch.empty(0))
+        d = DeltaOp(_Op(peer, 0, view, [], (p.tensor,), message=k), [view], [], link, torch.empty(0))
         d.numels, d.nwords, d.nbytes = [view.numel()], [words_in(view)], p.nbytes
         pieces = [(view.numel(), view.element_size())]
         d.words = outgoing and words_in(view) is not None and words_for(self.config, pieces, link)
@@ -128,7 +129,7 @@ class NixlDelta:
         d.may_pay = op_may_pay(d)
         if outgoing and self.config.delta == "auto":
             dense_words(d)  # its cut-off now, not in the first refit that diffs it (a binary search of the rule)
-        d.shared = outgoing and k in self.base.shared
+        d.shared = outgoing and k in self.shared
         return d
 
     def buffers(self) -> list[torch.Tensor]:
@@ -138,18 +139,23 @@ class NixlDelta:
     def serve_received(self, received: Received, serve: bool) -> None:
         """A fan-out replica process (``refit.delta.served``): what it receives is noted in ``received`` (the same
         object in each of its waves); with ``serve`` (it is a source here) each message it sends is the delta it
-        received for the same box, and its base is let go (no copy of its tensors, no find; it was built at
-        setup, before the fan-out could say so)."""
+        received for the same box: it builds no base (no copy of its tensors, no find)."""
         self.received = received
-        if serve and self.base is not None:
-            self.base, self.serving = None, True
+        self.serving = serve and bool(self.sends)
+
+    def ensure_base(self) -> SourceBase:
+        """A source's base, built at its first refit (a copy of the tensors it sends over NIXL), each message's
+        base view with it."""
+        if self.base is None:
+            self.base = SourceBase(self.plan, self.proc, self.local, self.config.delta_base, self.budget, "nixl")
             for d in (d for ops in self.sends.values() for d in ops):
-                d.bases, d.shared = [], False
+                p = self.plan.messages[d.op.message].pieces[0]
+                d.bases = [self.base.local.src_view(p.tensor, p.box)]
+        return self.base
 
     def begin(self, version: int, held: int | None) -> None:
         """A refit of ``version`` starts; this process holds ``held`` (None: no version, or a stale one)."""
         self.version, self.held, self.stats = version, held, DeltaStats()
-        self.stats.base_bytes = self.base.nbytes if self.base is not None else 0
         self.stats.staging_bytes = self.staging.numel() + self.landing.numel()
 
     # ------------------------------------------------------------------ source
@@ -158,6 +164,7 @@ class NixlDelta:
         their deltas copied into its region of the staging; returns the sealed record to publish per receiver
         (see the module docstring). Base updates of what was sent follow ``encode_op``."""
         out = {}
+        self.stats.base_bytes = 0 if self.serving else self.ensure_base().nbytes
         for r, ops in sorted(self.sends.items()):
             at, offsets = self.out_at[r][0], {}
             heads, used = (self._serve if self.serving else self._find)(ops, r, offsets)
