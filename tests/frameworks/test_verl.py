@@ -9,11 +9,11 @@ module), and the sync between refit engines in separate processes (``examples/ve
 receive concurrently, finalize), from a 2-rank FSDP2 trainer that takes SGD steps into one rollout replica of TP 2:
 each rollout worker receives exactly its TP share, bit for bit, and verl's full-tensor generator is never read.
 
-What does not run, and why: verl's own worker classes (``ActorRolloutRefWorker``, ``CheckpointEngineWorker``)
-and its ``CheckpointEngineManager`` run only as Ray actors of a GPU cluster (verl's FSDP engine places the actor
-on CUDA/NPU, and its vLLM server adapter hands weights to vLLM's workers through CUDA IPC), so no verl training
-step and no verl rollout engine run on this CPU machine; the greedy-token check against HF is therefore made
-for TRL (``test_trl.py``) and refit's vLLM backend (``tests/vllm_backend``), not here.
+verl's own worker classes (``ActorRolloutRefWorker``, ``CheckpointEngineWorker``), its ``RayWorkerGroup`` and
+its ``CheckpointEngineManager`` driving the same engine as Ray actors: ``test_verl_workers.py``. Not run anywhere
+here: a verl PPO/GRPO training step (verl's FSDP engine is registered for ``cuda`` and ``npu`` only) and a verl
+rollout engine (its vLLM/SGLang servers and adapters, which pass weights through CUDA IPC), so the greedy-token
+check against HF is made for TRL (``test_trl.py``) and refit's vLLM backend (``tests/vllm_backend``), not here.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def test_verl_registry_finds_refit_and_builds_it_as_its_workers_do():
     meta = trainer.prepare()
     assert meta["master_port"] > 0 and trainer.prepare() == meta  # one store for every step
     assert rollout.prepare() == {}
+    with pytest.raises(RuntimeError, match="init_process_group has not run"):
+        rollout.share()  # a worker's share exists once it joined and received
 
 
 def test_verl_config_names_the_refit_module():

@@ -40,7 +40,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from refit.engines.vllm.common import DEFAULT_TIMEOUT_S, RefitInitInfo, join_group, open_store
 from refit.errors import ConfigError
-from refit.layout import ModelLayout
+from refit.layout import Box, ModelLayout
 from refit.layout.engines import engine_layout
 from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap
@@ -249,6 +249,15 @@ class RefitCheckpointEngine(CheckpointEngine):
         self._record(self.peer.run(version), version, sent=False)
         for name, tensor in self.shards.items():
             yield name, tensor
+
+    def share(self) -> dict[str, Box]:
+        """A rollout worker's TP share, after its first ``receive_weights``: each tensor's box (``(lo, hi)`` per
+        dimension of the HF tensor) in the rollout layout; what a shard-aware adapter loads each yielded tensor
+        into."""
+        joined = self._require("rollout")
+        if self.dst is None:
+            raise RuntimeError(f"refit: rollout worker {joined.rank - joined.n_trainer} has received nothing yet")
+        return {t.name: tuple(box) for t, box in self.dst.local_tensors(joined.rank - joined.n_trainer)}
 
     def finalize(self) -> None:
         """The end of one step. The group and the plan stay for the next step (verl rebuilds its topology every
