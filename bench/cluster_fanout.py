@@ -11,7 +11,8 @@ each mode's times, median and ratio to one copy of the model over one link (``--
 
 ``--profile`` (the relay only): every process times its P2P steps (when each step's wait began and ended, by
 wrapping ``P2PSchedule.wait`` in the bench's own rank wrapper, not the library); the last refit is reported per
-process: its seconds, steps, seconds in waits and each wait's span from the refit's start.
+process: its seconds, steps, seconds in waits, each wait's span from the refit's start, and the seconds
+``Fanout.run`` spends before and after the executor's run (the store's votes).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import tempfile
@@ -29,6 +31,7 @@ from bench.cluster_dense import llama_config
 from refit.layout.models import param_shapes
 from refit.tools.cluster import Cluster, LinkShape, parse_rate
 from refit.tools.cluster.job import Job, python_argv
+from refit.tools.cluster.netns import sh
 
 MODES = ("relay", "waves", "broadcast")
 
@@ -54,6 +57,7 @@ def run(
     )
     with Cluster(hosts, LinkShape(rate_bit)) as cluster:
         results = Job(cluster, placement, argv).wait(1800)
+        links = _link_stats(cluster, hosts) if profile else None
     copy_s = model_bytes / (rate_bit / 8)  # one copy of the model over one link
     out = {"rate": rate, "src": src, "replicas": replicas, "model_bytes": model_bytes, "copy_s": round(copy_s, 4)}
     for mode in modes:
@@ -68,7 +72,28 @@ def run(
         }
     if profile:
         out["profile"] = [_summary(r["profile"]) for r in results]
+        out["links"] = links
     return out
+
+
+def _link_stats(cluster: Cluster, hosts: list[str]) -> dict:
+    """Per host, over the whole job: packets its shaping qdiscs dropped (its NIC's, what it sends; its bridge
+    port's, what it receives) and TCP segments it sent again (``/proc/net/snmp``, inside its namespace)."""
+    out = {}
+    for h in hosts:
+        host = cluster.host(h)
+        tc = [sh("tc", "-s", "-n", ns, "qdisc", "show", "dev", dev).stdout for ns, dev in _ends(cluster, host)]
+        snmp = sh("ip", "netns", "exec", host.netns, "cat", "/proc/net/snmp").stdout.splitlines()
+        tcp = [line.split() for line in snmp if line.startswith("Tcp:")]
+        out[h] = {
+            "dropped_out_in": [sum(int(d) for d in re.findall(r"dropped (\d+)", t)) for t in tc],
+            "tcp_retrans": int(dict(zip(tcp[0], tcp[1]))["RetransSegs"]),
+        }
+    return out
+
+
+def _ends(cluster: Cluster, host) -> list[tuple[str, str]]:
+    return [(host.netns, host.nic), (cluster.hub, host.port)]
 
 
 # ---------------------------------------------------------------- --profile: inside each rank process
@@ -78,6 +103,7 @@ _EVENTS: list[tuple[str, float]] = []
 def _rank_main(argv: list[str]) -> None:
     """A rank of ``refit.tools.cluster.fanout_rank`` whose P2P posts and waits are timed (``--profile``)."""
     from refit.executor import Executor
+    from refit.fanout import Fanout
     from refit.tools.cluster import fanout_rank
     from refit.transport.p2p import P2PSchedule
 
@@ -95,6 +121,7 @@ def _rank_main(argv: list[str]) -> None:
 
     timed(P2PSchedule, "wait", "wait")
     timed(Executor, "run", "run")
+    timed(Fanout, "run", "fanout")
     report = fanout_rank.report
     fanout_rank.report = lambda value: report({**value, "profile": _EVENTS})
     fanout_rank.main(argv)
@@ -103,15 +130,17 @@ def _rank_main(argv: list[str]) -> None:
 def _summary(events: list[tuple[str, float]]) -> dict:
     """The last refit's steps on one process (the events between its last ``run0`` and ``run1``): when each
     step's wait began and ended, from the refit's start."""
-    start = max(i for i, (e, _) in enumerate(events) if e == "run0")
+    start = max(i for i, (e, _) in enumerate(events) if e == "fanout0")
     ev = events[start:]
-    t0 = ev[0][1]
+    t0 = next(t for e, t in ev if e == "run0")
     end = next(t for e, t in ev if e == "run1")
     waits = [(a - t0, b - t0) for (e, a), (_, b) in zip(ev, ev[1:]) if e == "wait0"]
     return {
         "run_s": round(end - t0, 4),
         "steps": len(waits),
         "in_waits_s": round(sum(b - a for a, b in waits), 4),
+        "fanout_before_s": round(t0 - ev[0][1], 4),  # Fanout.run's work before the executor's and after it
+        "fanout_after_s": round(next(t for e, t in ev if e == "fanout1") - end, 4),
         "start": t0,  # perf_counter: one clock for every namespace of the machine
         "waits_ms": [(round(a * 1e3, 1), round(b * 1e3, 1)) for a, b in waits],
     }
@@ -127,7 +156,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--refits", type=int, default=5)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--chunk-bytes", type=int, default=None, help="the relay's chunk (default: the model / 32)")
+    ap.add_argument("--chunk-bytes", type=int, default=None, help="the relay's chunk (default: the model / 64)")
     ap.add_argument("--profile", action="store_true", help="the relay only, its P2P steps timed per process")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from refit.config import TransferConfig
 from refit.cost import (
     Topology,
     TopologyError,
@@ -13,10 +14,13 @@ from refit.cost import (
     loads,
     p2p_transfers,
     predict,
+    relay_gpus,
+    relay_seconds,
     transfer_time,
 )
 from refit.delta.rule import LINKS, prefer_words
 from refit.delta.wire import wire_sizes
+from refit.fanout_relay import chunk_bytes_for
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
@@ -128,6 +132,31 @@ def test_predict_strategies_and_fanout():
         p2p_transfers(src, one, t, placement=((0,), (9,)))
 
 
+def test_relay_prediction_is_one_copy_plus_the_pipeline_fill_and_degree_copies_per_relay():
+    """A chain of R replicas on equal links: one copy over one link (the steady pipeline) times (chunks + R - 1) /
+    chunks; a tree of degree 2: a relay's NIC sends two copies, and the tree is shallower. Replicas each on a node
+    of their own, after the trainer's (fsdp=2 on node 0, like the namespace cluster's bench)."""
+    assert relay_seconds(1.0, 32, 3) == pytest.approx(34 / 32)
+    with pytest.raises(ValueError, match="chunks and depth"):
+        relay_seconds(1.0, 0, 3)
+    shapes = param_shapes("tiny-llama")
+    src = layout_from_spec(shapes, parse_spec("fsdp=2", "src"))
+    one = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    t = topo(nodes=4, gpus_per_node=2, nics_per_node=1, nic_gbps=0.125)
+    assert relay_gpus(2, 1, 3, t) == [(2,), (4,), (6,)]
+    assert relay_gpus(2, 1, 3, t, colocated=True) == [(0,), (2,), (4,)]
+    with pytest.raises(TopologyError, match="needs 5 nodes of 2 GPUs; the topology has 4"):
+        relay_gpus(2, 1, 4, t)
+    chunks = -(-one.nbytes // chunk_bytes_for(one.nbytes, TransferConfig()))
+    copy_s = one.nbytes / (0.125 * GB)  # one copy over one link
+    for degree, steady, depth in ((1, copy_s, 3), (2, 2 * copy_s, 2)):
+        preds = {p.strategy: p for p in predict(src, one, t, replicas=3, replica_dst=one, relay=degree)}
+        assert preds["relay"].seconds == pytest.approx(steady * (chunks + depth - 1) / chunks)
+        assert preds["relay"].busiest_bytes == one.nbytes * (1 if degree == 1 else 2)
+    # the waves send 2 copies' time; the chain beats them by about the pipeline's fill
+    assert preds["fanout"].seconds == pytest.approx(2 * copy_s)
+
+
 def test_cli_cluster(tmp_path, capsys):
     from refit.tools.cli import main
 
@@ -153,6 +182,15 @@ def test_cli_cluster(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert [x["strategy"] for x in out["predictions"]] == ["broadcast", "p2p", "fanout"]
     assert all(x["seconds"] > 0 for x in out["predictions"])
+    p.write_text(json.dumps({"nodes": 5, "gpus_per_node": 1}))
+    args = ["plan", "--model", "tiny-llama", "--src", "tp=1", "--dst", "tp=1,dp=4", "--relay", "1"]
+    assert main([*args, "--cluster", str(p), "--json"]) == 0
+    relay = json.loads(capsys.readouterr().out)["predictions"][-1]
+    assert relay["strategy"] == "relay" and "a chain of 4 replicas, 4 hops deep" in relay["note"]
+    assert main(args) == 2
+    assert "--relay 1 needs --cluster" in capsys.readouterr().err
+    assert main([*args[:6], "tp=1", "--relay", "1", "--cluster", str(p)]) == 2
+    assert "--relay 1 needs --dst with dp > 1" in capsys.readouterr().err
     p.write_text(json.dumps({"nodes": 1, "gpus_per_node": 4}))
     assert main(["plan", "--model", "tiny-llama", "--src", "tp=2", "--dst", "tp=2,dp=2", "--cluster", str(p)]) == 2
     assert "need 6 GPUs; the topology has 4" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from refit.layout.tensors import box_intersect
 from refit.plan import check_coverage
 from refit.tools.launch import run_local
 from refit.tools.verify import holds, reference_shards
+from refit.transport.p2p import _Op, _Step, recv_ahead
 
 REPLICAS = 7
 
@@ -150,9 +151,38 @@ def test_relay_plan_sends_one_copy_from_the_trainer_and_forwards_only_what_arriv
     assert sent == {0: model // 2, 1: model // 2, 2: model, 3: model}  # a chain: the trainer's ranks send one copy
     chunks = -(-model // cfg.buffer_bytes)
     assert plan.num_steps <= chunks + 3  # pipelined: the last replica ends about two steps after the first
+    into_first: dict[int, int] = {}  # bytes replica 0 receives per step: the trainer's stream fills each step
+    for m in plan.messages:
+        if plan.procs.dst[m.dst] == 2:
+            into_first[m.step] = into_first.get(m.step, 0) + m.nbytes
+    row = max(t.nbytes // t.shape[0] for t in replica)  # a window is cut at a row
+    assert all(into_first[k] > cfg.buffer_bytes - row for k in range(max(into_first)))  # the last may be short
     # a dead relay is planned around: the chain skips it
     (wave,) = relay_waves(trainer, replica, [0, 1], [[2], [3], [4]], cfg, dead=frozenset({3}))
     assert wave.receivers == (0, 2) and 3 not in wave.members
+
+
+def test_receives_are_posted_a_step_ahead_only_where_they_touch_nothing_the_step_before_uses():
+    """``recv_ahead`` (the CPU executor posts step k+1's receives while step k is in flight): not into bytes a
+    direct op of step k sends or receives, nor into a ring buffer step k uses; the first step never."""
+    a, b = torch.zeros(32), torch.zeros(32)
+    ring = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+
+    def op(t, slot=-1):
+        return _Op(1, 0, t, [(t.view(torch.uint8)[:4], a[:1])] if slot >= 0 else [], slot)
+
+    before = _Step(sends=[op(a[0:10])], recvs=[op(ring[0], slot=0)])
+    steps = [
+        before,
+        _Step(recvs=[op(b[0:8]), op(ring[1], slot=1)]),  # other bytes, the free buffer
+        _Step(recvs=[op(b[4:12])]),  # overlaps a receive of the step before
+        _Step(sends=[op(a[20:30])], recvs=[op(a[28:32])]),  # its own send: no matter
+        _Step(recvs=[op(a[25:26])]),  # inside the send of the step before
+        _Step(sends=[op(b[0:4])]),  # nothing to receive
+        _Step(recvs=[op(ring[0], slot=0)]),  # a buffer the step before does not use (it uses none)
+        _Step(recvs=[op(ring[0], slot=0)]),  # the buffer the step before receives into
+    ]
+    assert recv_ahead(steps) == [False, True, False, True, False, False, True, False]
 
 
 def test_relay_refuses_what_it_cannot_do():

@@ -46,6 +46,13 @@ Strategies (``predict``):
   trainer as one more source group, the number of holders doubles per wave, so
   ceil(log2(R + 1)) waves each about the time of refit's plan into one replica (an estimate:
   later waves' replica-to-replica links are taken as fast as the trainer's).
+- ``relay`` (with ``relay`` = the tree's degree d, 1: a chain; ``Fanout(relay=d)``, ``refit.fanout_relay``): every
+  edge of the tree at once, each replica on nodes of its own after the trainer's: the trainer's edge is refit's
+  plan into replica 0, a relay sends each of its ranks' bytes to the same rank of each child. Their bottleneck
+  bound is the steady pipeline (a chain on equal links: one copy over one link; degree d: d copies over a
+  relay's NIC), times ``(chunks + depth - 1) / chunks`` for filling it (``relay_seconds``: ``chunks`` windows of
+  ``chunk_bytes_for`` per destination rank, ``depth`` hops to the deepest replica). TCP/IP headers are not
+  counted (about 4.6% on 1500-byte frames).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from collections import defaultdict
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from refit.config import TransferConfig
 from refit.delta.rule import (
     LINKS,
     NIXL_PAIR_S,
@@ -68,6 +76,7 @@ from refit.delta.rule import (
 )
 from refit.delta.wire import INDEX_BYTES, wire_bytes
 from refit.errors import TopologyError
+from refit.fanout_relay import chunk_bytes_for, relay_parents
 from refit.layout import ModelLayout
 from refit.plan.procs import ProcessMap
 from refit.plan.sources import link_bytes
@@ -327,6 +336,69 @@ def broadcast_time(
     return model_bytes / (topo.nccl_gbps * 1e9), "nvlink through NCCL (ring hop)"
 
 
+def relay_gpus(n_src: int, nr: int, replicas: int, topo: Topology, colocated: bool = False) -> list[tuple[int, ...]]:
+    """The GPUs of each replica's ``nr`` ranks in a relay: every replica on nodes of its own, after the trainer's
+    (``colocated``: replica 0 on the trainer's first GPUs); ``TopologyError`` naming the counts when the topology
+    has too few nodes."""
+    per = -(-nr // topo.gpus_per_node)  # nodes per replica
+    first = -(-n_src // topo.gpus_per_node)  # the first node after the trainer's
+    fresh = replicas - 1 if colocated else replicas
+    if first + fresh * per > topo.nodes:
+        raise TopologyError(
+            f"a relay to {replicas} replicas of {nr} ranks, each on nodes of its own after the {n_src} trainer ranks, "
+            f"needs {first + fresh * per} nodes of {topo.gpus_per_node} GPUs; the topology has {topo.nodes}"
+        )
+    out = [tuple(range(nr))] if colocated else []
+    for j in range(fresh):
+        start = (first + j * per) * topo.gpus_per_node
+        out.append(tuple(range(start, start + nr)))
+    return out
+
+
+def relay_seconds(steady_s: float, chunks: int, depth: int) -> float:
+    """A pipelined relay's time: its steady pipeline (``steady_s``: every edge moving its bytes at once) plus
+    filling it, one window's time per hop after the first: ``steady_s * (chunks + depth - 1) / chunks``."""
+    if chunks < 1 or depth < 1:
+        raise ValueError(f"relay_seconds: chunks and depth must be >= 1, got {chunks} and {depth}")
+    return steady_s * (chunks + depth - 1) / chunks
+
+
+def relay_time(
+    src: ModelLayout, replica: ModelLayout, topo: Topology, replicas: int, degree: int = 1, colocated: bool = False
+) -> tuple[float, str, int, str]:
+    """The module docstring's ``relay``: (seconds, busiest resource, its bytes, a note)."""
+    gpus = relay_gpus(src.world_size, replica.world_size, replicas, topo, colocated)
+    parents = relay_parents(replicas, degree)
+    transfers: dict[tuple[int, int], int] = defaultdict(int)
+    for k, n in p2p_transfers(src, replica, topo, placement=(tuple(range(src.world_size)), gpus[0])).items():
+        transfers[k] += n
+    rank_bytes = [sum(_numel(t.box(r)) * t.itemsize for t in replica) for r in range(replica.world_size)]
+    for i, parent in enumerate(parents):
+        for r, n in enumerate(rank_bytes) if parent >= 0 else ():
+            transfers[(gpus[parent][r], gpus[i][r])] += n
+    steady, where, n = transfer_time(dict(transfers), topo)
+    chunk = chunk_bytes_for(replica.nbytes, TransferConfig())
+    chunks = max(1, -(-max(rank_bytes) // chunk))
+    depth = _depth(parents)
+    note = (
+        f"a {'chain' if degree == 1 else f'tree of degree {degree}'} of {replicas} replicas, {depth} hops deep, "
+        f"{chunks} windows per rank; steady {steady * 1e3:.1f} ms"
+    )
+    return relay_seconds(steady, chunks, depth), where, n, note
+
+
+def _depth(parents: list[int]) -> int:
+    """Hops from the trainer to the deepest replica of a relay tree (``relay_parents``: parents first)."""
+    hops: list[int] = []
+    for parent in parents:
+        hops.append(1 if parent < 0 else hops[parent] + 1)
+    return max(hops)
+
+
+def _numel(box) -> int:
+    return math.prod(hi - lo for lo, hi in box) if box is not None else 0
+
+
 def _weight_itemsize(dst: ModelLayout) -> int:
     """The element size of most of ``dst``'s bytes (FP8 weights: 1 beside their float32 scales)."""
     by: dict[int, int] = defaultdict(int)
@@ -345,12 +417,14 @@ def predict(
     colocated: bool = False,
     nixl_nic_mode: str | None = None,
     changed_fraction: float | None = None,
+    relay: int = 0,
 ) -> list[Prediction]:
     """Predictions per strategy. ``replicas``: engine data-parallel replicas in ``dst``;
     ``replica_dst``: the layout of one replica (for ``fanout``; omitted when ``replicas`` is 1);
     ``nixl_nic_mode`` ("auto" or "stripe"): also predict the plan over NIXL with those NICs;
     ``changed_fraction``: also predict refit's plan as deltas (``delta``; the engine's largest dtype
-    taken as every element's size: bf16, or FP8 for an FP8 engine)."""
+    taken as every element's size: bf16, or FP8 for an FP8 engine); ``relay`` (the tree's degree, with
+    ``replica_dst``): also predict ``Fanout(relay=relay)``."""
     model_bytes = dst.nbytes
     out = []
     t, where = broadcast_time(model_bytes, src.world_size, dst.world_size, topo, colocated)
@@ -387,4 +461,6 @@ def predict(
                 "fanout", waves * t1, where1, n1, f"{waves} waves x refit's plan into one replica ({t1 * 1e3:.1f} ms)"
             )
         )
+        if relay:
+            out.append(Prediction("relay", *relay_time(src, replica_dst, topo, replicas, relay, colocated)))
     return out

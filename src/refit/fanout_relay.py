@@ -4,16 +4,19 @@ many replicas follow.
 
 The tree (``relay_parents``): replica 0 receives from the trainer, replica ``i`` from replica
 ``(i - 1) // degree`` (``degree`` 1: a chain, the fastest on links of equal rate: every link carries one
-copy). The plan (``relay_plan``) is one ``Plan`` over every edge of the tree: each edge's pieces are the
-planner's own choice between the parent's layout and the replica's (any trainer layout into any replica
-layout), cut into chunks of at most ``chunk_bytes`` and packed into messages of at most that size; each
-message gets the first step in which its sender has a free send lane and its receiver a free receive lane
-(at most ``chunk_bytes`` and one packed message per step and direction), and, on a relay, a step after the
-one in which every byte it forwards arrived. The executor runs a process's steps in order, unpacking a
-step's receives before packing the next step's sends, so a relay forwards only what it holds; steps on
-different processes overlap, which is the pipeline: chunk ``c`` leaves the trainer in step ``c`` and
-reaches the replica ``k`` hops down about ``k`` steps later. Total: about ``(chunks + depth - 1) / chunks``
-copies' time.
+copy). The plan (``relay_plan``) is one ``Plan`` over every edge of the tree. The trainer's edge is the
+planner's choice between the trainer's layout and the replica's (any trainer layout into any replica
+layout); each destination rank's pieces, in order, are one stream cut row-major into windows of
+``chunk_bytes`` (by default the model / 64: ``chunk_bytes_for``), window ``k`` meant for step ``k``. A relay
+forwards each piece it received, in the order it arrived, to the same rank of its child, in the step after
+it arrived. Pieces are packed into messages of at most a chunk; each message gets the first step from its
+window on in which its sender has a free send lane and its receiver a free receive lane (at most
+``chunk_bytes`` and one packed message per step and direction). The executor runs a process's steps in
+order, unpacking a step's receives before packing the next step's sends, so a relay forwards only what it
+holds; on CPU it posts a step's receives while the step before is in flight (``recv_ahead``), so a sender
+starts its next message as soon as its last one is out. Steps on different processes overlap, which is the
+pipeline: window ``c`` leaves the trainer in step ``c`` and reaches the replica ``k`` hops down ``k`` steps
+later. Total: about ``(chunks + depth - 1) / chunks`` copies' time (``refit.cost.relay_seconds``).
 
 Limits: P2P only (a NIXL or IPC pull happens before the P2P steps, not in them), CPU only (on CUDA the
 executor packs a step on its own stream without waiting for the previous step's unpacking), no delta (a
@@ -62,7 +65,7 @@ def check_relay_config(config: TransferConfig, devices: Sequence[str] | None) ->
         )
 
 
-def chunk_bytes_for(model_bytes: int, config: TransferConfig, chunks: int = 32) -> int:
+def chunk_bytes_for(model_bytes: int, config: TransferConfig, chunks: int = 64) -> int:
     """A relay's chunk: the model in about ``chunks`` parts, within ``[64 KiB, config.buffer_bytes]``,
     a multiple of ``PIECE_ALIGN``."""
     size = min(config.buffer_bytes, max(64 << 10, -(-model_bytes // chunks)))
@@ -200,19 +203,22 @@ def _build(
     for edge in edges:  # parents before children: a relay's arrivals are known before it forwards
         relayed = edge[4] >= 0
         pieces = _relayed_pieces(edge, replica, arrived) if relayed else _trainer_pieces(edge, replica, procs, chunk)
-        groups: dict[tuple[int, int, int], list[tuple[Piece, bool]]] = defaultdict(list)  # (window, link)
+        # messages per (window, link); the trainer's packed pieces per link (one packed message per step and
+        # direction: packed per window, two sending ranks' messages would each take a step of their own)
+        groups: dict[tuple[int, int, int], list[tuple[Piece, bool]]] = defaultdict(list)
+        window: dict[Piece, int] = {}
         for p, d, w in pieces:
             if procs.src[p.src] == procs.dst[p.dst]:
                 local.append(p)  # a colocated trainer rank: copied before the steps, from the trainer
                 arrived[p.dst].append((p, -1))
             else:
-                groups[w, p.src, p.dst].append((p, d))
+                window[p] = w
+                groups[w if d or relayed else -1, p.src, p.dst].append((p, d))
         raw: list = []
-        ready: list[int] = []  # each message's first step: its window, and on a relay after its bytes arrived
-        for (w, s, r), plist in sorted(groups.items()):
+        for (_, s, r), plist in sorted(groups.items()):
             _pack_link(s, r, plist, chunk, raw)
-            ready += [w] * (len(raw) - len(ready))
-        if relayed:
+        ready = [min(window[p] for p in m[3]) for m in raw]  # a message's first step: its first window's
+        if relayed:  # and after its bytes arrived
             ready = [max(w, _ready(m[3], m[0] - edge[1] + edge[4], arrived)) for w, m in zip(ready, raw)]
         for first, n in sorted(zip(ready, range(len(raw)))):
             s, r, direct, plist, offs, nbytes = raw[n]

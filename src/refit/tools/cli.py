@@ -140,6 +140,14 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
         help="with --cluster: also predict a delta refit where this fraction of the elements changed (0.01 = 1%%)",
     )
     p.add_argument(
+        "--relay",
+        type=positive_int,
+        default=None,
+        metavar="D",
+        help="with --cluster and --dst dp > 1: also predict the fan-out as a pipelined relay, a tree of degree D "
+        "(1: a chain; Fanout(relay=D))",
+    )
+    p.add_argument(
         "--nixl",
         choices=("auto", "stripe"),
         default=None,
@@ -248,6 +256,8 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
     from refit.cost import predict
 
     replicas = dst.degree("dp")
+    if args.relay is not None and replicas < 2:
+        raise ConfigError(f"--relay {args.relay} needs --dst with dp > 1 (replicas to relay to), got {dst}")
     one = None
     if replicas > 1:
         one = _dst_layout(args, shapes, dst.replica())
@@ -262,6 +272,7 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
         colocated=args.colocated,
         changed_fraction=args.changed_fraction,
         nixl_nic_mode=args.nixl,
+        relay=args.relay or 0,
     )
     build_s = time.perf_counter() - t0
     path = ("nixl" if args.nixl else "p2p") + ("-delta" if args.changed_fraction is not None else "")
@@ -308,6 +319,8 @@ def cmd_plan(args, console) -> int:
         raise ConfigError(f"--changed-fraction {args.changed_fraction:g} needs --cluster (it adds a delta prediction)")
     if args.nixl is not None and not args.cluster:
         raise ConfigError(f"--nixl {args.nixl} needs --cluster (it adds the NIXL predictions)")
+    if args.relay is not None and not args.cluster:
+        raise ConfigError(f"--relay {args.relay} needs --cluster (it adds the relay's prediction)")
     topo = None
     if args.cluster:  # read first: a bad file is refused before the model's shapes are built
         from refit.cost import Topology

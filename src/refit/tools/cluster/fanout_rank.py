@@ -40,7 +40,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--refits", type=int, default=3)
     ap.add_argument("--modes", default="relay,waves,broadcast")
-    ap.add_argument("--chunk-bytes", type=int, default=None, help="the relay's chunk (default: the model / 32)")
+    ap.add_argument("--chunk-bytes", type=int, default=None, help="the relay's chunk (default: the model / 64)")
     ap.add_argument("--deadline-s", type=float, default=120.0)
     ap.add_argument("--hosts", default="", help="each process's host, comma-separated")
     return ap.parse_args(argv)
