@@ -248,7 +248,7 @@ class Fanout:
 
     Relay (``relay=d`` >= 1): one wave to every replica, a pipelined relay down a tree where replica ``i``
     receives from replica ``(i - 1) // d`` (1: a chain), in chunks of ``relay_chunk_bytes`` (default: the
-    model / 32); ``refit.fanout_relay``. P2P on CPU only, no delta (``ConfigError`` otherwise).
+    model / 64); ``refit.fanout_relay``. P2P on CPU only, no delta (``ConfigError`` otherwise).
 
     On GPUs: ``devices`` (every global process's device), ``device`` (this process's),
     ``group`` (the NCCL group P2P links use; default: the default group) and
