@@ -350,3 +350,47 @@ def test_a_join_needs_a_late_replica_a_previous_version_and_a_peer_that_holds_it
     assert join_of({0: 6, 1: None, 2: None, 3: None}, 0, procs, frozenset()) == ([], [], None)  # no peer holds 6
     assert join_of({0: 6, 1: 6, 3: None}, 0, procs, frozenset()) == ([2], [0], 6)  # process 2 silent: neither
     assert join_of({0: 6, 1: 6, 2: 6, 3: None}, 0, procs, frozenset({2})) == ([2], [0], 6)  # nor a dead one
+
+
+def test_a_replica_composes_the_deltas_it_received_in_parts_into_one_for_the_whole_box():
+    from refit.delta.served import Got, Received, box_key
+    from refit.delta.wire import decode, encode, index_bytes, wire_bytes
+
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(8, 12, generator=gen).to(torch.bfloat16)
+    cur = base.clone()
+    cur.view(-1).view(torch.int16)[torch.randperm(96, generator=gen)[:9]] ^= 1
+
+    def sparse(part):  # the delta a source sends for box ``part``: its changed elements
+        b, c = base[box_slices(part)], cur[box_slices(part)]
+        idx = (b.view(torch.int16) != c.view(torch.int16)).reshape(-1).nonzero().squeeze(1)
+        out = torch.empty(wire_bytes("sparse", b.numel(), idx.numel(), 2), dtype=torch.uint8)
+        encode("sparse", b.numel(), idx.to(torch.int32), c.reshape(-1)[idx], out)
+        return Got(5, 4, "sparse", (idx.numel(),), out)
+
+    def words(part):  # ... its changed 64-bit words (a contiguous row block)
+        b, c = (t[box_slices(part)].reshape(-1).view(torch.int64) for t in (base, cur))
+        idx = (b != c).nonzero().squeeze(1)
+        out = torch.zeros(index_bytes(idx.numel()) + 8 * idx.numel(), dtype=torch.uint8)
+        out[: 4 * idx.numel()].view(torch.int32).copy_(idx)
+        out[index_bytes(idx.numel()) :].view(torch.int64).copy_(c[idx])
+        return Got(5, 4, "words", (idx.numel(),), out)
+
+    whole = ((0, 8), (0, 12))
+    for parts in (
+        {((0, 4), (0, 12)): sparse, ((4, 8), (0, 12)): words},
+        {((0, 8), (0, 5)): sparse, ((0, 8), (5, 12)): sparse},
+    ):
+        r = Received()
+        for part, make in parts.items():
+            r.note(box_key("w", part), make(part))
+        got, why = r.compose(box_key("w", whole), 5, cur)
+        assert why == "" and got.kind == "sparse" and got.base == 4, why
+        idx, vals = decode("sparse", 96, got.counts[0], got.payload, torch.bfloat16)
+        out = base.clone()
+        out.view(-1)[idx.long()] = vals
+        assert torch.equal(out.view(torch.int16), cur.view(torch.int16)), parts  # the delta onto v-1 gives v
+        assert r.compose(box_key("w", ((0, 8), (0, 4))), 5, cur[:, :4])[1] == "not received as one message"
+        assert r.compose(box_key("w", whole), 6, cur)[1] == "not received in this version"
+    r.note(box_key("w", ((0, 8), (0, 5))), Got(5, None, "dense", (), None))
+    assert r.compose(box_key("w", whole), 5, cur)[1] == "received dense"

@@ -7,8 +7,12 @@ in a later wave of the same version (``NixlDelta.serve_received``) the replica c
 message with the same box into its staging and announces it with the same header: its receivers, on v-1 as
 it was, apply it as they would the trainer's. No copy of the base is kept, no find runs on the replica.
 
-A message it cannot serve so goes dense and the reason is counted in ``DeltaStats.dense_why``: a box it did not
-receive as one message (``"not received as one message"``), one it read dense (``"received dense"``), one
+A message whose box it received as several messages (its sources' layout cut it, the wave's plan does not) is
+composed (``Received.compose``): the received deltas that tile the box, their indices moved into the box's
+coordinates (words as their elements), one sparse delta of the live values there.
+
+A message it cannot serve so goes dense and the reason is counted in ``DeltaStats.dense_why``: a box its
+received messages do not tile (``"not received as one message"``), one it read dense (``"received dense"``), one
 received in another version (``"not received in this version"``), or a payload over this refit's staging for
 that receiver (``"over the staging budget"``).
 """
@@ -18,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from refit.delta.wire import WORD, decode, encode, wire_bytes
+from refit.layout import box_intersect, box_numel, box_shape
 
 NOT_RECEIVED = "not received as one message"
 RECEIVED_DENSE = "received dense"
@@ -47,9 +54,11 @@ class Received:
 
     def __init__(self) -> None:
         self.got: dict[tuple, Got] = {}
+        self.boxes: dict[str, set[tuple]] = {}  # tensor -> the boxes noted of it
 
     def note(self, key: tuple, got: Got) -> None:
         self.got[key] = got
+        self.boxes.setdefault(key[0], set()).add(key[1])
 
     def delta(self, key: tuple, version: int) -> tuple[Got | None, str]:
         """The delta received for ``key`` in ``version`` and ``""``, or None and why it cannot be served."""
@@ -61,3 +70,36 @@ class Received:
         if got.payload is None or got.kind == "dense" or got.base is None:
             return None, RECEIVED_DENSE
         return got, ""
+
+    def compose(self, key: tuple, version: int, view: torch.Tensor) -> tuple[Got | None, str]:
+        """A sparse delta of ``version`` for the box of ``key`` from the deltas received for the boxes that tile
+        it (``view``: this process's live view of the box, holding ``version``), or None and why not: a box that
+        another received box crosses, or that they do not cover, one read dense or in another version."""
+        tensor, box = key
+        parts = [b for b in self.boxes.get(tensor, ()) if box_intersect(b, box) is not None]
+        if not parts or any(box_intersect(b, box) != b for b in parts) or sum(map(box_numel, parts)) != box_numel(box):
+            return None, NOT_RECEIVED
+        got = [self.delta((tensor, b), version) for b in parts]
+        why = next((w for g, w in got if g is None), "")
+        if why or len({g.base for g, _ in got}) != 1 or box_numel(box) >= 2**31:
+            return None, why or NOT_RECEIVED
+        idx = torch.cat([_in_box(b, g, box, view.dtype) for b, (g, _) in zip(parts, got)]).sort().values
+        values = view[torch.unravel_index(idx, view.shape)]
+        n, k = view.numel(), idx.numel()
+        payload = torch.empty(wire_bytes("sparse", n, k, view.element_size()), dtype=torch.uint8, device=view.device)
+        encode("sparse", n, idx.to(torch.int32), values, payload)
+        return Got(version, got[0][0].base, "sparse", (k,), payload), ""
+
+
+def _in_box(part: tuple, got: Got, box: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The elements a delta received for box ``part`` changed, as flat indices of the enclosing ``box``."""
+    n, k = box_numel(part), got.counts[0]
+    idx, _ = decode(got.kind, n, k, got.payload, dtype)
+    idx, dev = idx.long(), idx.device
+    if got.kind == "words":  # a word: its elements in row-major order
+        per = WORD // torch.empty(0, dtype=dtype).element_size()
+        idx = (idx[:, None] * per + torch.arange(per, device=dev)).reshape(-1)
+    coords = torch.stack(torch.unravel_index(idx, box_shape(part)), dim=1)
+    coords += torch.tensor([a - b for (a, _), (b, _) in zip(part, box)], device=dev)
+    strides = torch.tensor(torch.empty(box_shape(box), device="meta").stride(), device=dev)
+    return (coords * strides).sum(1)

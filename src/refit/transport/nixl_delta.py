@@ -49,7 +49,7 @@ from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats
 from refit.delta.receive import apply_received, receive_into
 from refit.delta.rule import nixl_link
 from refit.delta.send import batches_of, dense_words, encode_op, find_batch, op_may_pay, plan_of
-from refit.delta.served import OVER_STAGING, Got, Received, box_key
+from refit.delta.served import NOT_RECEIVED, OVER_STAGING, Got, Received, box_key
 from refit.delta.wire import ENCODINGS, DeltaError
 from refit.delta.words import words_in
 from refit.errors import PlanError
@@ -201,6 +201,8 @@ class NixlDelta:
         heads, used = [], 0
         for d in ops:
             got, why = self.received.delta(self.keys[d.op.message], self.version)
+            if why == NOT_RECEIVED:  # received in parts: composed (``Received.compose``)
+                got, why = self.received.compose(self.keys[d.op.message], self.version, d.op.tensor)
             if got is not None and used + got.payload.numel() > cap:
                 got, why = None, OVER_STAGING
             if got is None:
