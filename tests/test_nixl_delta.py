@@ -384,13 +384,14 @@ def test_a_replica_composes_the_deltas_it_received_in_parts_into_one_for_the_who
         r = Received()
         for part, make in parts.items():
             r.note(box_key("w", part), make(part))
-        got, why = r.compose(box_key("w", whole), 5, cur)
+        got, why = r.compose(box_key("w", whole), 5, cur, 1 << 20)
         assert why == "" and got.kind == "sparse" and got.base == 4, why
         idx, vals = decode("sparse", 96, got.counts[0], got.payload, torch.bfloat16)
         out = base.clone()
         out.view(-1)[idx.long()] = vals
         assert torch.equal(out.view(torch.int16), cur.view(torch.int16)), parts  # the delta onto v-1 gives v
-        assert r.compose(box_key("w", ((0, 8), (0, 4))), 5, cur[:, :4])[1] == "not received as one message"
-        assert r.compose(box_key("w", whole), 6, cur)[1] == "not received in this version"
+        assert r.compose(box_key("w", whole), 5, cur, got.payload.numel() - 1) == (None, "over the staging budget")
+        assert r.compose(box_key("w", ((0, 8), (0, 4))), 5, cur[:, :4], 1 << 20)[1] == "not received as one message"
+        assert r.compose(box_key("w", whole), 6, cur, 1 << 20)[1] == "not received in this version"
     r.note(box_key("w", ((0, 8), (0, 5))), Got(5, None, "dense", (), None))
-    assert r.compose(box_key("w", whole), 5, cur)[1] == "received dense"
+    assert r.compose(box_key("w", whole), 5, cur, 1 << 20)[1] == "received dense"

@@ -71,10 +71,11 @@ class Received:
             return None, RECEIVED_DENSE
         return got, ""
 
-    def compose(self, key: tuple, version: int, view: torch.Tensor) -> tuple[Got | None, str]:
+    def compose(self, key: tuple, version: int, view: torch.Tensor, most: int) -> tuple[Got | None, str]:
         """A sparse delta of ``version`` for the box of ``key`` from the deltas received for the boxes that tile
         it (``view``: this process's live view of the box, holding ``version``), or None and why not: a box that
-        another received box crosses, or that they do not cover, one read dense or in another version."""
+        another received box crosses, or that they do not cover, one read dense or in another version, a delta
+        over ``most`` bytes (known before anything is built)."""
         tensor, box = key
         parts = [b for b in self.boxes.get(tensor, ()) if box_intersect(b, box) is not None]
         if not parts or any(box_intersect(b, box) != b for b in parts) or sum(map(box_numel, parts)) != box_numel(box):
@@ -83,9 +84,13 @@ class Received:
         why = next((w for g, w in got if g is None), "")
         if why or len({g.base for g, _ in got}) != 1 or box_numel(box) >= 2**31:
             return None, why or NOT_RECEIVED
+        per = WORD // view.element_size()
+        k = sum(g.counts[0] * (per if g.kind == "words" else 1) for g, _ in got)  # each changed element once
+        if wire_bytes("sparse", view.numel(), k, view.element_size()) > most:
+            return None, OVER_STAGING
         idx = torch.cat([_in_box(b, g, box, view.dtype) for b, (g, _) in zip(parts, got)]).sort().values
         values = view[torch.unravel_index(idx, view.shape)]
-        n, k = view.numel(), idx.numel()
+        n = view.numel()
         payload = torch.empty(wire_bytes("sparse", n, k, view.element_size()), dtype=torch.uint8, device=view.device)
         encode("sparse", n, idx.to(torch.int32), values, payload)
         return Got(version, got[0][0].base, "sparse", (k,), payload), ""

@@ -202,7 +202,7 @@ class NixlDelta:
         for d in ops:
             got, why = self.received.delta(self.keys[d.op.message], self.version)
             if why == NOT_RECEIVED:  # received in parts: composed (``Received.compose``)
-                got, why = self.received.compose(self.keys[d.op.message], self.version, d.op.tensor)
+                got, why = self.received.compose(self.keys[d.op.message], self.version, d.op.tensor, cap - used)
             if got is not None and used + got.payload.numel() > cap:
                 got, why = None, OVER_STAGING
             if got is None:
