@@ -7,7 +7,8 @@ on each of hosts b, c and d, the Llama-shaped model of ``bench.cluster_dense`` (
 one after another: the pipelined relay (``Fanout(relay=1)``, a chain b -> c -> d), the direct plan (``Fanout`` in
 waves) and a packed gloo broadcast of the model from trainer rank 0. Each refit's time is the slowest process's
 (every process starts it after a barrier); the first refit of each mode is a warm-up. Prints one JSON object with
-each mode's times, median and ratio to one copy of the model over one link (``--out`` also writes it).
+each mode's times, median and ratio to one copy of the model over one link, and ``refit.cost``'s prediction for it
+on the same cluster (``predictions``; ``--out`` also writes it).
 
 ``--profile`` (the relay only): every process times its P2P steps (when each step's wait began and ended, by
 wrapping ``P2PSchedule.wait`` in the bench's own rank wrapper, not the library); the last refit is reported per
@@ -25,15 +26,20 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.cluster_dense import llama_config
+from refit.cost import Topology, predict
 from refit.layout.models import param_shapes
+from refit.layout.rules import layout_from_spec
+from refit.layout.spec import parse_spec
 from refit.tools.cluster import Cluster, LinkShape, parse_rate
 from refit.tools.cluster.job import Job, python_argv
 from refit.tools.cluster.netns import sh
 
 MODES = ("relay", "waves", "broadcast")
+TOPOLOGY = Path(__file__).parent / "topologies" / "cpu-cluster-1gbit.json"
 
 
 def run(
@@ -60,6 +66,7 @@ def run(
         links = _link_stats(cluster, hosts) if profile else None
     copy_s = model_bytes / (rate_bit / 8)  # one copy of the model over one link
     out = {"rate": rate, "src": src, "replicas": replicas, "model_bytes": model_bytes, "copy_s": round(copy_s, 4)}
+    predicted = predictions(config, src, replicas, rate_bit)
     for mode in modes:
         if not all(all(r["modes"][mode]["exact"]) for r in results):
             raise SystemExit(f"{mode}: a refit was not exact: {[r['modes'][mode]['exact'] for r in results]}")
@@ -69,11 +76,28 @@ def run(
             "refit_s": [round(t, 4) for t in per_refit],
             "median_s": round(steady, 4),
             "vs_copy": round(steady / copy_s, 3),
+            "predicted_s": round(predicted[mode], 4),  # refit.cost on this cluster (``predictions``)
+            "predicted_vs_measured": round(predicted[mode] / steady, 3),
         }
     if profile:
         out["profile"] = [_summary(r["profile"]) for r in results]
         out["links"] = links
     return out
+
+
+def predictions(config: str, src: str, replicas: int, rate_bit: int) -> dict[str, float]:
+    """``refit.cost``'s seconds for each mode on this cluster: hosts as nodes of ``n_src`` "GPUs" (processes),
+    one NIC of the link's rate each (``bench/topologies/cpu-cluster-1gbit.json`` at 1gbit; the same as
+    ``refit plan --model CONFIG --src SRC --dst tp=1,dp=R --cluster T.json --relay 1``). The broadcast's
+    row models a pipelined ring (NCCL's); gloo's broadcast is none."""
+    shapes = param_shapes(config)
+    trainer = layout_from_spec(shapes, parse_spec(src, "src"))
+    one = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    every = layout_from_spec(shapes, parse_spec(f"tp=1,dp={replicas}", "dst"))
+    topo = Topology.from_json(TOPOLOGY)
+    topo = replace(topo, nodes=replicas + 1, gpus_per_node=trainer.world_size, nic_gbps=rate_bit / 8e9)
+    got = {p.strategy: p.seconds for p in predict(trainer, every, topo, replicas=replicas, replica_dst=one, relay=1)}
+    return {"relay": got["relay"], "waves": got["fanout"], "broadcast": got["broadcast"]}
 
 
 def _link_stats(cluster: Cluster, hosts: list[str]) -> dict:
