@@ -178,6 +178,7 @@ def test_only_a_signed_announcement_of_this_run_ends_a_wait():
 
     store = SignedStore(dist.HashStore(), b"the-job-secret-0123456789")
     link = nixl.NixlLink(None, "refit-0-x", store, TransferConfig(name="t"), 1)
+    link.shared = nixl.SharedAgent(("cpu", False), None, "refit-0-x", threaded=False)  # no worker to progress
     link.runs = 2
     key = "t/nixl/refit-0-x/ready"
 

@@ -542,6 +542,7 @@ class NixlLink:
             got: dict = {}
 
             def arrived(sp=sp, key=key, got=got) -> bool:
+                self.shared.progress()
                 raw = self.store.peek_sealed(key)
                 sums = None if raw is None else self.sums.check_record(json.loads(raw), sp, self.runs)
                 got.update(sums or {})
@@ -558,6 +559,7 @@ class NixlLink:
         one, does not end the wait)."""
 
         def reached() -> bool:
+            self.shared.progress()
             v = self.store.peek(key)
             if isinstance(v, int) and not isinstance(v, bool) and v >= self.runs:
                 return True
@@ -609,6 +611,7 @@ class NixlLink:
         t0 = time.monotonic()
 
         def step() -> bool:
+            self.shared.progress()
             self._pack_next(clock)
             done = reads.step()
             if self.trace.every("read", PROGRESS_EVERY_S):

@@ -101,15 +101,27 @@ def _refit_set(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in mine.items() if isinstance(k, str) and k.startswith("UCX_") and env.get(k) == v}
 
 
+def progress_thread(device: torch.device) -> bool:
+    """Whether an agent for ``device`` runs NIXL's progress thread. Not for host memory: there UCX's TCP
+    transport serves a READ only when the source's worker progresses, and NIXL's thread polls it without
+    rest (about a third of a core per process, idle or not); on 2 cores beside the processes it served it
+    stalled reads across hosts for seconds. The refit's own waits progress the worker instead
+    (``SharedAgent.progress``). On CUDA the thread stays (reads go by the copy engines)."""
+    return torch.device(device).type == "cuda"
+
+
 def make_agent(name: str, device: torch.device, one_host: bool = False):
     """A NIXL agent named ``name`` with the UCX backend, no metadata listener and NIXL's strict thread
-    mode (its calls serialized: links of one process may run from different threads); the UCX
-    settings applied first (``apply_ucx_settings``)."""
+    mode (its calls serialized: links of one process may run from different threads), a progress thread
+    only where ``progress_thread`` says; the UCX settings applied first (``apply_ucx_settings``)."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     apply_ucx_settings(device, one_host=one_host)
     config = nixl_agent_config(
-        backends=[], enable_listen_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        backends=[],
+        enable_listen_thread=False,
+        enable_prog_thread=progress_thread(device),
+        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
     agent = nixl_agent(name, config)
     agent.create_backend("UCX", {})
@@ -131,10 +143,16 @@ class SharedAgent:
     _lock = threading.Lock()
     _agents: dict[tuple[str, bool], SharedAgent] = {}
 
-    def __init__(self, key: tuple[str, bool], agent, name: str) -> None:
-        self.key, self.agent, self.name = key, agent, name
+    def __init__(self, key: tuple[str, bool], agent, name: str, threaded: bool = True) -> None:
+        self.key, self.agent, self.name, self.threaded = key, agent, name, threaded
         self.users = 0
         self.remotes: Counter[str] = Counter()
+
+    def progress(self) -> None:
+        """Progress the UCX worker where no progress thread does (``progress_thread``): called by every wait
+        of a refit, so a source serves its receivers' READs while it waits for them."""
+        if not self.threaded and self.agent is not None:
+            self.agent.get_new_notifs()  # refit sends no notifications: this only progresses the worker
 
     @classmethod
     def acquire(cls, device: torch.device, one_host: bool = False) -> SharedAgent:
@@ -143,7 +161,8 @@ class SharedAgent:
             shared = cls._agents.get(key)
             if shared is None:
                 name = f"refit-{os.getpid()}-{uuid.uuid4().hex[:16]}"
-                shared = cls._agents[key] = cls(key, make_agent(name, device, one_host), name)
+                agent = make_agent(name, device, one_host)
+                shared = cls._agents[key] = cls(key, agent, name, progress_thread(device))
             shared.users += 1
             return shared
 
