@@ -13,7 +13,8 @@ Run (each refit):
      stage, each after a barrier saying every source's tensors of that stage are final; they run on the GPU meanwhile;
   3. local copies (source and destination in this process);
   4. P2P steps: per step, pack outgoing buckets into ring buffers, post all of the step's sends and receives in one
-     ``batch_isend_irecv``, unpack; on CUDA, pipelined over pack and unpack streams (``refit.transport.p2p``);
+     ``batch_isend_irecv``, unpack; on CPU a step's receives go out during the step before where they touch nothing
+     it uses; on CUDA, pipelined over pack and unpack streams (``refit.transport.p2p``);
   5. on CUDA, enqueue the IPC checksums' last sums, wait for the device (within the deadline), then read
      the checksum verdicts; NIXL receivers read their pieces, NIXL sources wait until their receivers are done;
   6. with IPC links, a last barrier: every pull is done, sources (who alone wait there) may change their weights.
@@ -45,10 +46,10 @@ __all__ = ["Comms", "Executor", "FaultHook", "RunStats"]
 
 FaultHook = Callable[[str, dict], None]
 """``fault(where, info)`` (tests and ``refit verify --inject``): ``where`` is "step" (a P2P step's sends
-are packed, nothing posted yet), on CPU "received" (its messages arrived, not yet checked or
-unpacked), or "nixl-announce" (a NIXL source's tensors are final and its checksums taken; nothing
-packed or announced yet); ``info`` holds ``"executor"`` and, for P2P steps, ``"step"`` (its ops:
-``sends``, ``recvs``)."""
+are packed, none posted yet; on CPU its receives may be, during the step before: ``recv_ahead``), on CPU
+"received" (its messages arrived, not yet checked or unpacked), or "nixl-announce" (a NIXL source's tensors
+are final and its checksums taken; nothing packed or announced yet); ``info`` holds ``"executor"`` and, for
+P2P steps, ``"step"`` (its ops: ``sends``, ``recvs``)."""
 
 
 @dataclass(frozen=True)

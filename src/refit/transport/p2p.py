@@ -5,7 +5,8 @@ Setup (once, no communication): allocate the staging ring (``StagingRing``), bui
 ``P2PSchedule``) from the plan's messages, tags and slots (``refit.plan.schedule``).
 
 Per refit, per step: pack outgoing buckets into ring buffers, post all of the step's sends and receives
-in one ``batch_isend_irecv`` (or, on a standalone group, its own ``send``/``recv``), unpack. On CUDA,
+in one ``batch_isend_irecv`` (or, on a standalone group, its own ``send``/``recv``), unpack; on CPU a step's
+receives are posted while the step before is in flight where they touch nothing it uses (``recv_ahead``). On CUDA,
 packing runs on a pack stream and unpacking on an unpack stream, ordered by events, so packing step k+1
 and unpacking step k-1 overlap the transfer of step k; a ring buffer is reused only after the event of
 its last use. Direct pieces (contiguous on both sides) go from the source tensor straight into the
@@ -65,7 +66,8 @@ class _Step:
 
 
 FaultHook = Callable[[str, _Step], None]
-"""``fault(where, step)``: called at "step" (sends packed, nothing posted) and, on CPU, "received" (not yet checked)."""
+"""``fault(where, step)``: called at "step" (sends packed, none posted; on CPU the receives may be: ``recv_ahead``)
+and, on CPU, "received" (not yet checked)."""
 
 
 class StagingRing:
