@@ -99,7 +99,9 @@ def test_every_listener_is_on_its_hosts_address_only(run):
 
 def test_a_stranger_sending_junk_to_every_listener_changes_nothing(run):
     s = run["stranger"]
-    assert s["connects"] > 0 and s["sent"] == s["connects"], s  # it reached the listeners while the refits ran
+    # it reached every listener while the refits ran and delivered its junk to each (a listener may close a
+    # connection before the junk is all sent: in one CI run 567 of 568 connections took all of it)
+    assert s["connects"] > 0 and s["sent_to"] and all(n > 0 for n in s["sent_to"]), s
     assert all(r["exact"] == [True] * REFITS for r in run["results"])
 
 
