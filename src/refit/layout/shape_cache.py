@@ -12,6 +12,7 @@ never changes what ``param_shapes`` returns, only how long it takes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -42,12 +43,16 @@ def shapes_key(config_text: str, dtype: torch.dtype | None) -> str:
     """The digest of what shapes depend on: the config (as text), the dtype asked for, transformers' version
     and refit's rules."""
     h = hashlib.sha256()
-    for part in (config_text, str(dtype), _version("transformers")):
+    for part in (config_text, str(dtype), _version("transformers"), _rules_digest()):
         h.update(part.encode() + b"\0")
-    here = Path(__file__).parent
-    for name in _RULES:
-        h.update((here / name).read_bytes())
     return h.hexdigest()
+
+
+@functools.cache
+def _rules_digest() -> str:
+    """The digest of the rules' sources, read once a process."""
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in _RULES)).hexdigest()
 
 
 def read(key: str) -> list[ParamShape] | None:
