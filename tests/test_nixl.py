@@ -16,7 +16,7 @@ from refit.plan import ProcessMap, build_plan
 from refit.tools.launch import run_local
 from refit.tools.verify import holds, reference_shards, verify
 from refit.transfer import Peer, Receiver, Sender
-from refit.transport import nixl, nixl_agent, nixl_memory, nixl_record
+from refit.transport import nixl, nixl_agent, nixl_memory, nixl_record, nixl_requests
 from refit.transport.clock import RunClock
 
 needs_nixl = pytest.mark.skipif(
@@ -125,9 +125,9 @@ def test_a_piece_outside_the_registered_regions_is_refused():
     rows, cols = src["lm_head.weight"].shape
     rec = {"parts": {"lm_head.weight": [1 << 20, [cols, 1], 0, "DRAM"]}, "regions": [[1 << 20, 1024, 0, "DRAM"]]}
     with pytest.raises(PlanError, match="outside every region it registered"):
-        nixl._piece_runs(plan, k, local, rec, "process 0")
+        nixl_requests.piece_runs(plan, k, local, rec, "process 0")
     rec["regions"] = [[1 << 20, rows * cols * 4, 0, "DRAM"]]
-    kind, s, d, n = nixl._piece_runs(plan, k, local, rec, "process 0")
+    kind, s, d, n = nixl_requests.piece_runs(plan, k, local, rec, "process 0")
     assert kind == ("DRAM", 0, "DRAM", 0) and s.tolist() == [1 << 20] and n == rows * cols * 4
 
 
@@ -804,3 +804,43 @@ def test_with_nixl_only_loopback_listens_and_a_stranger_gets_nothing_usable(tmp_
     assert result["keys"] and result["raw"].startswith(b"refit1.") and b'{"sealed":' in result["raw"]
     assert b"metadata" not in result["raw"] and b"regions" not in result["raw"]
     assert result["unsealed"] is False and result["connected"] is False
+
+
+def _landed_worker(world, versions):
+    # 8 x 256 MiB bf16 weights, tp=1 -> tp=1: each version's values must be in the engine's tensors, whole, as
+    # soon as pull() returns (checked on the device without waiting for it first), although the trainer writes
+    # the next values into its tensors as soon as push() returns
+    shapes = [(f"model.layers.{i}.mlp.down_proj.weight", (8192, 16384), torch.bfloat16) for i in range(8)]
+    src, dst = (layout_from_spec(shapes, parse_spec("tp=1", side)) for side in ("src", "dst"))
+    procs = ProcessMap.disjoint(1, 1).with_devices(world.devices)
+    cfg = TransferConfig(transport="nixl", deadline_s=60.0, preflight_timeout_s=120.0)
+    if world.src_rank is not None:
+        tensors = {n: torch.full(s, 1.0, dtype=d, device=world.device) for n, s, d in shapes}
+        s = Sender(src, dst, world.rank, tensors, procs=procs, config=cfg, device=world.device)
+        for v in range(1, versions + 1):
+            s.push(v)
+            for t in tensors.values():
+                t.fill_(-1.0)  # the trainer's next step, at once
+            for t in tensors.values():
+                t.fill_(v + 1.0)
+        s.close()
+        return []
+    live = {n: torch.zeros(s, dtype=d, device=world.device) for n, s, d in shapes}
+    r = Receiver(src, dst, world.rank, live, procs=procs, config=cfg, device=world.device)
+    wrong = []
+    for v in range(1, versions + 1):
+        r.pull(v)
+        exact = torch.stack([(t == v).all() for t in live.values()])  # queued at once on the engine's stream
+        wrong += [(v, n) for n, ok in zip(live, exact.tolist()) if not ok]
+    r.close()
+    return wrong
+
+
+@needs_nixl
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(300)
+def test_nixl_reads_between_gpus_have_landed_when_pull_returns():
+    gpus = [f"cuda:{i % torch.cuda.device_count()}" for i in range(2)]
+    out = run_local(_landed_worker, 1, 1, 4, devices=gpus, timeout_s=240)
+    assert out == [[], []], out[1]

@@ -229,6 +229,7 @@ class Executor:
         self._stamp("moved")
         if self.nixl is not None:
             delta = self.nixl.finish(clock, delta)
+            self._stamp("nixl read")
         if self.ipc is not None:  # every pull is done: sources may change their weights again (only they wait)
             self._barrier(clock, wait=self.is_source)
             self._stamp("last barrier")

@@ -15,14 +15,14 @@ Setup (once, through the store; no process group spans sources and receivers):
   (``record_for``, ``SignedStore.put_sealed``): its agent name and metadata, its registered regions
   and the address and strides of every tensor part that receiver reads;
 * each receiver checks every field of its sources' records (``check_record``) before
-  ``add_remote_agent``, then turns its pieces into descriptors (``_piece_runs``: one per contiguous
-  run common to both sides, every piece inside a region its source registered) and prepares READ
-  requests of at most ``config.buffer_bytes`` each.
+  ``add_remote_agent``, then turns its pieces into descriptors and prepares its READ requests
+  (``refit.transport.nixl_requests``).
 
 Per refit: a source announces that its tensors are final (``<name>/nixl/<agent>/ready`` = the run
-number); a receiver waits for that, posts its requests, at most ``config.num_buffers`` in flight,
-then announces ``<name>/nixl/<agent>/done/<proc>``; a source returns once every receiver of it is
-done (its tensors may change again). Every wait polls under the run's ``RunClock`` (a frozen peer
+number); a receiver waits for that, posts its requests (those read in place between GPUs all at once,
+others at most ``config.num_buffers`` in flight: ``refit.transport.nixl_requests``), then announces
+``<name>/nixl/<agent>/done/<proc>``; a source returns once every receiver of it is done (its tensors
+may change again). Every wait polls under the run's ``RunClock`` (a frozen peer
 is a ``DeadlineExceeded``, never a hang; another process's abort ends it too). A source that dies
 mid-read fails the read (``TransferError`` naming it).
 
@@ -57,29 +57,26 @@ import json
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.delta.ops import DeltaStats
 from refit.errors import ChecksumError, ConfigError, PlanError, TransferError
-from refit.layout import box_relative
 from refit.plan import Plan
 from refit.plan.schedule import part_key, source_part
 from refit.transport.checksum import Piece, PieceSums
 from refit.transport.clock import RunClock
 from refit.transport.nixl_agent import PROGRESS_EVERY_S, SharedAgent, Trace, available, peers_on_this_host
 from refit.transport.nixl_delta import NixlDelta, read_handles, with_stats
-from refit.transport.nixl_memory import SourceStaging, dense_strides, memory_of, runs, span, storage_regions
-from refit.transport.nixl_record import MEM_TYPES, check_record, inside, is_int, record_for
+from refit.transport.nixl_memory import SourceStaging, storage_regions
+from refit.transport.nixl_record import MEM_TYPES, check_record, is_int, record_for
+from refit.transport.nixl_requests import Request, prepare_reads
 from refit.transport.store import SignedStore
 
 log = logging.getLogger("refit.nixl")
 
-MAX_DESCRIPTORS = 1 << 16  # per READ request
 _POLL_S = 0.001
 
 
@@ -178,87 +175,6 @@ class NixlSums:
 
 
 # ---------------------------------------------------------------------------- the link
-@dataclass
-class _Request:
-    """One prepared READ: ``nbytes`` from source process ``peer`` (agent ``agent``); ``round``: the
-    source's staging round it reads from (-1: in place)."""
-
-    peer: int
-    agent: str
-    handle: object
-    nbytes: int
-    descriptors: int
-    round: int = -1
-    message: int = -1  # delta mode: the one message it reads (``_prepare_reads``)
-
-
-def _piece_runs(
-    plan: Plan, k: int, local: LocalTensors, rec: dict, who: str
-) -> tuple[tuple, np.ndarray, np.ndarray, int]:
-    """Message ``k``'s piece as runs: ((source memory, device, destination memory, device), source
-    addresses, destination addresses, bytes per run), read in place or, staged, from the source's
-    staging buffer; ``PlanError`` if it leaves its source's regions."""
-    m = plan.messages[k]
-    p = m.pieces[0]
-    i, pbox = source_part(plan, m.src, p.tensor, p.box)
-    addr, strides, dev, mem = rec["parts"][part_key(p.tensor, i)]
-    rel = box_relative(p.box, pbox)
-    shape = [hi - lo for lo, hi in rel]
-    start = addr + sum(lo * s for (lo, _), s in zip(rel, strides)) * p.itemsize
-    if k in rec.get("staged", {}):
-        start, strides = rec["staged"][k], dense_strides(shape)
-    lo, hi = span(shape, start, strides, p.itemsize)
-    if not inside(rec["regions"], mem, dev, lo, hi):
-        raise PlanError(
-            f"NIXL record of {who}: tensor {p.tensor!r} piece {[list(b) for b in p.box]} spans bytes "
-            f"[{lo:#x}, {hi:#x}) of {mem}:{dev}, outside every region it registered"
-        )
-    view = local.dst_view(p.tensor, p.box)
-    s_addr, d_addr, run = runs(shape, start, strides, view.data_ptr(), view.stride(), p.itemsize)
-    return (mem, dev, *memory_of(view)), s_addr, d_addr, run
-
-
-def _chunks(lengths: np.ndarray, limit: int) -> list[tuple[int, int]]:
-    """Cut descriptors of ``lengths`` bytes into consecutive [start, stop) ranges of at most ``limit``
-    bytes (a longer one alone) and ``MAX_DESCRIPTORS`` descriptors."""
-    out, start, acc = [], 0, 0
-    for i, n in enumerate(lengths.tolist()):
-        if i > start and (acc + n > limit or i - start >= MAX_DESCRIPTORS):
-            out.append((start, i))
-            start, acc = i, 0
-        acc += n
-    if start < len(lengths):
-        out.append((start, len(lengths)))
-    return out
-
-
-def _prepare_reads(
-    agent, plan: Plan, proc: int, local: LocalTensors, rec: dict, sp: int, limit: int, per_message: bool = False
-) -> list:
-    """The READ requests of ``proc`` from source process ``sp`` (validated ``rec``), each of at most
-    ``limit`` bytes, prepared once (``initialize_xfer``) and posted again every refit; ``per_message`` (delta
-    mode): each reads one message's runs, so a refit reads only its dense messages this way."""
-    groups: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-    for k, m in enumerate(plan.messages):
-        if m.transport == "nixl" and plan.procs.dst[m.dst] == proc and plan.procs.src[m.src] == sp:
-            kind, s_addr, d_addr, run = _piece_runs(plan, k, local, rec, f"process {sp}")
-            key = (rec["rounds"]["of"].get(k, -1), *kind)
-            for tag in {-1, k if per_message else -1}:  # delta mode: grouped too (``NixlDelta.dense_requests``)
-                groups.setdefault((*key, tag), []).append((s_addr, d_addr, np.full(len(s_addr), run, np.int64)))
-    out = []
-    for (rnd, mem, dev, dmem, ddev, k), arrays in sorted(groups.items()):
-        s_addr, d_addr, lens = (np.concatenate(a) for a in zip(*arrays))
-        for a, b in _chunks(lens, limit):
-            n = b - a
-            remote = np.stack([s_addr[a:b], lens[a:b], np.full(n, dev)], 1).astype(np.uint64)
-            mine = np.stack([d_addr[a:b], lens[a:b], np.full(n, ddev)], 1).astype(np.uint64)
-            handle = agent.initialize_xfer(
-                "READ", agent.get_xfer_descs(mine, dmem), agent.get_xfer_descs(remote, mem), rec["agent"], b""
-            )
-            out.append(_Request(sp, rec["agent"], handle, int(lens[a:b].sum()), n, rnd, k))
-    return out
-
-
 class _Reads:
     """A receiver's READs in one refit, at most ``num_buffers`` in flight. Requests read in place, or from
     a staging round packed before the announcement (round < slots), go at once; those of a later round r
@@ -267,16 +183,16 @@ class _Reads:
     rounds r < rounds - slots, the ones whose slot is packed again. Values count up over refits:
     (run - 1) x rounds + r + 1."""
 
-    def __init__(self, link: NixlLink, rounds: dict[int, tuple[int, int]], requests: list[_Request]) -> None:
+    def __init__(self, link: NixlLink, rounds: dict[int, tuple[int, int]], requests: list[Request]) -> None:
         self.link, self.rounds, self.requests = link, rounds, requests
         self.pending = [q for q in requests if q.round < rounds[q.peer][1]]
-        self.held: dict[tuple[int, int], list[_Request]] = {}  # (source, round) -> requests not yet packed
+        self.held: dict[tuple[int, int], list[Request]] = {}  # (source, round) -> requests not yet packed
         for q in requests:
             if q.round >= rounds[q.peer][1]:
                 self.held.setdefault((q.peer, q.round), []).append(q)
         self.left = Counter((q.peer, q.round) for q in requests if q.round >= 0)
         self.reported = {sp: 0 for sp, (count, slots) in rounds.items() if count > slots and sp in link.sources}
-        self.flying: list[_Request] = []
+        self.flying: list[Request] = []
         self.done = 0
 
     def _base(self, sp: int) -> int:
@@ -287,14 +203,19 @@ class _Reads:
         link, limit = self.link, self.link.config.num_buffers
         if self.held and len(self.pending) < limit:
             self._release()
-        while self.pending and len(self.flying) < limit:
-            req = self.pending.pop(0)
+        room, later = limit - sum(q.capped for q in self.flying), []
+        for req in self.pending:  # an uncapped request (in place between GPUs) goes at once
+            if req.capped and room <= 0:
+                later.append(req)
+                continue
+            room -= req.capped
             if link.runs == 1:  # a post that blocks (UCX mapping a source's memory) shows here
                 link.trace("run 1: posting %d bytes (%d pieces) from process %d", req.nbytes, req.descriptors, req.peer)
             if link._call(req, link.agent.transfer, "posting") != "DONE":
                 self.flying.append(req)
             else:
                 self._finished(req)
+        self.pending = later
         for req in list(self.flying):
             if link._call(req, link.agent.check_xfer_state, "reading") == "DONE":
                 self.flying.remove(req)
@@ -306,7 +227,7 @@ class _Reads:
             n >= self.rounds[sp][0] - self.rounds[sp][1] for sp, n in self.reported.items()
         )
 
-    def _finished(self, req: _Request) -> None:
+    def _finished(self, req: Request) -> None:
         self.done += 1
         if req.round >= 0:
             self.left[(req.peer, req.round)] -= 1
@@ -364,7 +285,7 @@ class NixlLink:
         self.registered: list = []  # NIXL registration lists (deregistered at close)
         self.tensors: list[torch.Tensor] = []  # what the registered memory belongs to (kept alive)
         self.staging: SourceStaging | None = None  # source: short-run pieces packed before each refit
-        self.requests: list[_Request] = []  # receiver: READs, prepared once
+        self.requests: list[Request] = []  # receiver: READs, prepared once
         self.sources: dict[int, str] = {}  # receiver: source process -> its agent name
         self.unreachable: dict[int, str] = {}  # receiver: sources whose agent refused the connection at setup
         self.receivers: list[int] = []  # source: processes that read from this one
@@ -378,6 +299,7 @@ class NixlLink:
         self.bytes_read = 0
         self.trace = Trace(proc)  # REFIT_NIXL_DEBUG=1: a line per phase
         self.shared: SharedAgent | None = None  # the process's agent (``agent`` is its NIXL object)
+        self.device = torch.device("cpu")  # where this process's registered tensors are
 
     @classmethod
     def open(cls, plan: Plan, proc: int, local: LocalTensors, store: SignedStore | None, config: TransferConfig):
@@ -403,7 +325,7 @@ class NixlLink:
         shared = SharedAgent.acquire(device, one_host)
         name = shared.name
         link = cls(shared.agent, name, store, config, proc)
-        link.shared, link.trace = shared, trace
+        link.shared, link.trace, link.device = shared, trace, device
         trace("agent %s (UCX backend; one host: %s) used by %d link(s) here", name, one_host, shared.users)
         link.tensors, link.staging = tensors, staging  # registered memory stays allocated while the link lives
         link.delta = delta
@@ -465,7 +387,7 @@ class NixlLink:
         self.trace("agent of process %d added", sp)
         self.source_rounds[sp] = (rec["rounds"]["count"], rec["rounds"]["slots"])
         self.remote_regions[sp] = rec["regions"]
-        reqs = _prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes, bool(self.delta))
+        reqs = prepare_reads(self.agent, plan, self.proc, local, rec, sp, self.config.buffer_bytes, bool(self.delta))
         self.requests += reqs
         self.trace("%d READ requests from process %d prepared: %d descriptors, %d bytes", len(reqs), sp,
                    sum(r.descriptors for r in reqs), sum(r.nbytes for r in reqs))  # fmt: skip
@@ -518,6 +440,11 @@ class NixlLink:
             if requests or self._rounds_to_pack() or any(c > n for c, n in self.source_rounds.values()):
                 self.trace("run %d: every source announced; reading %d requests", self.runs, len(requests))
                 self._pump(clock, requests)
+                if requests and self.device.type == "cuda":
+                    # NIXL says a READ over CUDA IPC is done before UCX's copies of it have all landed (on 2x
+                    # H200 up to 20 ms before: a device wait after it took that long): nothing reads what
+                    # arrived, and no source is told it may change its tensors, before the device is done
+                    torch.cuda.synchronize(self.device)
         finally:
             _release(made)
         if self.delta is not None:
@@ -577,7 +504,7 @@ class NixlLink:
             self.store.put_sealed(self._key(f"{self.name}/delta/{r}"), rec)
         device_wait(self.delta.staging.device, clock, "staging the NIXL deltas")
 
-    def _delta_reads(self) -> tuple[list[_Request], list[_Request]]:
+    def _delta_reads(self) -> tuple[list[Request], list[Request]]:
         """Delta mode, a receiver, every source announced: its records checked (``NixlDelta.plan_reads``); this
         refit's requests (the dense messages' prepared ones, one READ per source of its deltas) and those made."""
 
@@ -588,7 +515,7 @@ class NixlLink:
             return raw
 
         dense, reads = self.delta.plan_reads(raw_of, self.runs)
-        made = [_Request(sp, self.sources[sp], h, n, 1) for sp, h, n in read_handles(self.agent, reads, self)]
+        made = [Request(sp, self.sources[sp], h, n, 1) for sp, h, n in read_handles(self.agent, reads, self)]
         return self.delta.dense_requests(self.requests, dense) + made, made
 
     def commit(self, version: int) -> None:
@@ -604,7 +531,7 @@ class NixlLink:
     def _rounds_to_pack(self) -> bool:
         return self.staging is not None and bool(self.receivers) and self.packed < len(self.staging.rounds)
 
-    def _pump(self, clock: RunClock, requests: list[_Request]) -> None:
+    def _pump(self, clock: RunClock, requests: list[Request]) -> None:
         """Read every one of ``requests`` (``_Reads``) and, as a source, pack each later staging round once its
         receivers are done with the slot; both under ``clock`` until nothing is left."""
         reads = _Reads(self, self.source_rounds, requests)
@@ -660,7 +587,7 @@ class NixlLink:
         late, slot_round = self._late(first=False), self.packed - self.staging.slots
         return f"processes {late} reading staging round {slot_round} of process {self.proc} over NIXL"
 
-    def _call(self, req: _Request, fn, what: str) -> str:
+    def _call(self, req: Request, fn, what: str) -> str:
         try:
             state = fn(req.handle)
         except Exception as e:  # noqa: BLE001 - NIXL's own errors (a peer gone): name the peer
@@ -673,7 +600,7 @@ class NixlLink:
         return state
 
     @staticmethod
-    def _pending(flying: list[_Request]) -> str:
+    def _pending(flying: list[Request]) -> str:
         peers = ", ".join(f"process {p}" for p in sorted({r.peer for r in flying}))
         return f"NIXL reads of {sum(r.nbytes for r in flying)} bytes from {peers}"
 
@@ -691,7 +618,7 @@ class NixlLink:
         self.registered, self.sources, self.agent, self.shared, self.tensors = [], {}, None, None, []
 
 
-def _release(requests: list[_Request]) -> None:
+def _release(requests: list[Request]) -> None:
     """Release the handles of ``requests`` (one left mid-flight by an aborted refit too)."""
     for req in requests:
         try:

@@ -47,6 +47,7 @@ SET_ENV = "REFIT_UCX_SET"  # the UCX variables refit itself set (JSON): chosen a
 DEBUG_ENV = "REFIT_NIXL_DEBUG"  # "1": a line per phase on stderr (``Trace``), UCX's own choices printed
 UCX_SHOWN = ("UCX_NET_DEVICES", "UCX_MAX_RMA_RAILS", "UCX_TLS")
 PROGRESS_EVERY_S = 5.0  # debug: how often a long wait says what it still waits for
+GPU_WORKERS = 8  # UCX workers of an agent on a GPU (``ucx_workers``)
 
 
 def available() -> bool:
@@ -110,10 +111,21 @@ def progress_thread(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def ucx_workers(device: torch.device) -> int:
+    """How many UCX workers an agent for ``device`` has: ``GPU_WORKERS`` on CUDA, else one. UCX's
+    ``cuda_ipc`` transport makes every copy a worker reads from one source GPU on one stream, and NIXL
+    binds each thread to the next worker at its first request, so a receiver that prepares its reads
+    between GPUs on threads of their own (``nixl_requests.prepare_reads``) spreads them over this many
+    streams. S1 on 2x H200 (16 GB GPU0 -> GPU1 in 291 tensors, the floor 41 ms): 60.5 ms with 2 workers,
+    49.0 ms with 8, 45.4 ms with 16 (one run each, the same call)."""
+    return GPU_WORKERS if torch.device(device).type == "cuda" else 1
+
+
 def make_agent(name: str, device: torch.device, one_host: bool = False):
-    """A NIXL agent named ``name`` with the UCX backend, no metadata listener and NIXL's strict thread
-    mode (its calls serialized: links of one process may run from different threads), a progress thread
-    only where ``progress_thread`` says; the UCX settings applied first (``apply_ucx_settings``)."""
+    """A NIXL agent named ``name`` with the UCX backend (``ucx_workers`` workers), no metadata listener and
+    NIXL's strict thread mode (its calls serialized: links of one process may run from different threads),
+    a progress thread only where ``progress_thread`` says; the UCX settings applied first
+    (``apply_ucx_settings``)."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     apply_ucx_settings(device, one_host=one_host)
@@ -124,7 +136,7 @@ def make_agent(name: str, device: torch.device, one_host: bool = False):
         sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
     agent = nixl_agent(name, config)
-    agent.create_backend("UCX", {})
+    agent.create_backend("UCX", {"num_workers": str(ucx_workers(device))})
     return agent
 
 

@@ -299,7 +299,7 @@ class NixlDelta:
         return dense, reads
 
     def dense_requests(self, requests: list, dense: set[int]) -> list:
-        """A receiver: of its prepared ``requests`` (``nixl._prepare_reads``: per message, and grouped with
+        """A receiver: of its prepared ``requests`` (``nixl_requests.prepare_reads``: per message, and grouped with
         ``message == -1``), those reading this refit's ``dense`` messages: a source's grouped ones where every
         message from it is dense (a few large READs: one per message costs a round trip each), else the dense
         messages' own."""

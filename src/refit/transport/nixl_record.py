@@ -11,7 +11,7 @@ not used).
 A receiver checks every field of it (``check_record``: known keys, types, ranges; at most
 ``MAX_RECORD_ENTRIES`` regions and ``MAX_METADATA_BYTES`` of metadata) before ``add_remote_agent``, and
 that every piece lies inside a region its source registered (``inside``, per piece, in the link's
-``_piece_runs``). A bad record is a ``PlanError`` naming its source and the field. ``is_int`` is the
+``nixl_requests.piece_runs``). A bad record is a ``PlanError`` naming its source and the field. ``is_int`` is the
 integer check the link's checksum records use too.
 
 Uses ``refit.transport.nixl_memory`` (the staging buffer, a tensor's memory type); no NIXL.
@@ -110,7 +110,7 @@ def check_record(rec: object, who: str, ndims: dict[str, int], messages: set[int
     staged pieces among ``messages``, the indices of the messages read from it, each in a staging round),
     else ``PlanError``
     naming ``who`` and the field. Whether each piece lies in a region: ``inside`` (per piece, in
-    ``refit.transport.nixl._piece_runs``)."""
+    ``refit.transport.nixl_requests.piece_runs``)."""
     if not isinstance(rec, dict) or set(rec) != _RECORD_KEYS:
         keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
         raise PlanError(f"NIXL record of {who} has keys {keys}, expected {sorted(_RECORD_KEYS)}")
