@@ -184,7 +184,9 @@ def run(a: argparse.Namespace, config: str) -> dict:
     argv = [sys.executable, "-m", "bench.cluster_delta", "--rank", "--model", config]
     argv += ["--rate", a.rate, "--fractions", a.fractions, "--src", a.src, "--refits", str(a.refits)]
     argv += ["--dtype", a.dtype, "--num-buffers", str(a.num_buffers)]
-    argv += ["--profile", str(Path(a.profile).resolve())] if a.profile else []
+    if a.profile:
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
+        argv += ["--profile", str(Path(a.profile).resolve())]
     rate_bit = parse_rate(a.rate)
     with Cluster(["a", "b"], LinkShape(rate_bit)) as cluster:
         results = Job(cluster, placement, argv).wait(3600)
