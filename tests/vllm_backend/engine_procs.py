@@ -10,13 +10,20 @@ What a child sees is what ``spawn`` would have given it: the caller's ``sys.path
 (multiprocessing's preparation data, as for spawn) and the caller's environment at the call (``_in_env``; a
 forkserver's children would otherwise inherit the server's). The server is this module's own, not the one
 ``refit.tools.launch`` forks trainer ranks from, so refit's ranks never carry vLLM.
+
+``start_script`` runs a script that starts engines of its own (an example, as a user runs it) as ``__main__`` in a
+process forked from the server, and its engines' processes fork from the same server: in a fresh interpreter the
+script and each of its engine's processes would import vLLM afresh.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import multiprocessing.context as mp_context
 import os
+import runpy
+import sys
 import types
 from collections.abc import Callable
 from multiprocessing import forkserver, popen_forkserver
@@ -84,3 +91,41 @@ def use() -> None:
 
     for name in _USERS:
         importlib.import_module(name).get_mp_context = _get_mp_context
+
+
+def start_script(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> mp_context.BaseProcess:
+    """A started process, forked from the server, that runs ``python SCRIPT ARGV...``: ``env`` as its environment,
+    the script's directory as ``sys.path[0]``, stdout into ``out`` and stderr into ``err``; its exit code is the
+    script's (1 on an exception)."""
+    p = CONTEXT.Process(target=_run_script, args=(script, argv, env, out, err))
+    p.start()
+    return p
+
+
+def _run_script(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    _share_server()
+    use()
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.argv, sys.path[0] = [script, *argv], os.path.dirname(script)
+    try:
+        runpy.run_path(script, run_name="__main__")  # processes it spawns import it by path, as from a script
+    finally:
+        atexit._run_exitfuncs()  # a multiprocessing child ends without them
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _share_server() -> None:
+    """In a process forked from ``_SERVER``: start processes through that server too. multiprocessing leaves its
+    children the server's address and the write end of its "alive" pipe (the server runs while a process holds
+    one), in ``forkserver._forkserver``."""
+    inherited = forkserver._forkserver
+    _SERVER._forkserver_address = inherited._forkserver_address
+    _SERVER._forkserver_alive_fd = inherited._forkserver_alive_fd
+    _SERVER.ensure_running = lambda: None  # it runs: this process holds the pipe

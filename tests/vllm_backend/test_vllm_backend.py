@@ -108,23 +108,27 @@ def test_grpo_example_runs():
 
 
 def _run_example(name: str, *args: str) -> list[str]:
-    """Run ``examples/<name>`` with vLLM's pickle switch unset; its output lines other than vLLM's own logs."""
+    """Run ``examples/<name>`` as a script (``engine_procs.start_script``: vLLM imported once, not in every
+    process) with vLLM's pickle switch unset; its output lines other than vLLM's own logs."""
     import os
-    import subprocess
-    import sys
+    import tempfile
+
+    from . import engine_procs
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     secure_env(env)  # the example needs no pickling
-    r = subprocess.run(
-        [sys.executable, os.path.join(root, "examples", name), *args],
-        capture_output=True,
-        text=True,
-        timeout=800,
-        env=env,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [ln for ln in r.stdout.strip().splitlines() if not ln.startswith("(")]  # vLLM's logs start with "(pid"
+    with tempfile.TemporaryDirectory() as d:
+        out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
+        p = engine_procs.start_script(os.path.join(root, "examples", name), list(args), env, out, err)
+        p.join(800)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        with open(out) as f_out, open(err) as f_err:
+            stdout, stderr = f_out.read(), f_err.read()
+    assert p.exitcode == 0, f"exit code {p.exitcode}\n" + stdout[-3000:] + stderr[-3000:]
+    return [ln for ln in stdout.strip().splitlines() if not ln.startswith("(")]  # vLLM's logs start with "(pid"
 
 
 @pytest.mark.multiproc
