@@ -32,6 +32,7 @@ from refit.engines.vllm.trainer import (  # noqa: E402
     rank0_refusal,
 )
 from refit.errors import ConfigError  # noqa: E402
+from refit.tools.launch import start_process  # noqa: E402
 from refit.transport.control import free_port  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -161,11 +162,9 @@ def _refuse(rank: int, port: int, out) -> None:
 
 @pytest.mark.multiproc
 def test_rank0_refusal_reaches_every_trainer_rank(no_env_secret):
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_refuse, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
+    # both ranks forked from refit's launcher (torch imported once there), not spawned interpreters
+    out, port = mp.get_context("forkserver").Queue(), free_port()
+    procs = [start_process(_refuse, (r, port, out)) for r in range(2)]
     got = dict(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=60)
