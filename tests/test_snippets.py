@@ -2,8 +2,9 @@
 
 A block runs as a script (``__main__``) in a fresh temp directory and must exit 0: in a process forked from
 refit's launcher, whose server imported torch and refit once (a fresh interpreter per block would spend most of
-its time importing them), with this process's environment less the job secret that conftest sets (a snippet
-sets up what it needs, as a new user would).
+its time importing them), or, for a block that imports vLLM (it starts an engine), from the vLLM tests' server
+(``vllm_backend.engine_procs``), which its engine's processes fork from too; with this process's environment less
+the job secret that conftest sets (a snippet sets up what it needs, as a new user would).
 The line before a block (blank lines aside) may say why it does not run here:
 
 * ``<!-- snippet: not run on CPU: REASON -->``: skipped, with REASON (which must not be empty) shown;
@@ -133,7 +134,13 @@ def test_snippet_runs(snippet: Snippet, tmp_path: Path):
     """Run the block as a script in a temp directory; it must exit 0 within the time limit."""
     script, log = tmp_path / "snippet.py", tmp_path / "output.txt"
     script.write_text(snippet.code)
-    p = start_process(run_script, (str(script), _env(), str(log)))
+    if "from vllm import" in snippet.code:  # it starts an engine: forked from a server that imported vLLM, its
+        # engine's processes too (``engine_procs.start_script``), instead of importing vLLM in each
+        from vllm_backend import engine_procs
+
+        p = engine_procs.start_script(str(script), [], _env(), str(log), cwd=str(tmp_path))
+    else:
+        p = start_process(run_script, (str(script), _env(), str(log)))
     p.join(TIMEOUT_S)
     if p.is_alive():
         p.kill()

@@ -93,26 +93,34 @@ def use() -> None:
         importlib.import_module(name).get_mp_context = _get_mp_context
 
 
-def start_script(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> mp_context.BaseProcess:
+def start_script(
+    script: str, argv: list[str], env: dict[str, str], out: str, err: str | None = None, cwd: str | None = None
+) -> mp_context.BaseProcess:
     """A started process, forked from the server, that runs ``python SCRIPT ARGV...``: ``env`` as its environment,
-    the script's directory as ``sys.path[0]``, stdout into ``out`` and stderr into ``err``; its exit code is the
-    script's (1 on an exception)."""
-    p = CONTEXT.Process(target=_run_script, args=(script, argv, env, out, err))
+    the script's directory first on ``sys.path``, ``cwd`` (if given) as its working directory, stdout into ``out`` and
+    stderr into ``err`` (``out`` too if None); its exit code is the script's (1 on an exception)."""
+    p = CONTEXT.Process(target=_run_script, args=(script, argv, env, out, err, cwd))
     p.start()
     return p
 
 
-def _run_script(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+def _run_script(script: str, argv: list[str], env: dict[str, str], out: str, err: str | None, cwd: str | None):
     os.environ.clear()
     os.environ.update(env)
     _share_server()
     use()
+    if cwd is not None:
+        os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
+        if path is None:
+            os.dup2(1, fd)
+            continue
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
         os.close(f)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.argv, sys.path[0] = [script, *argv], os.path.dirname(script)
+    sys.stdout.reconfigure(line_buffering=True)  # what a script killed at its time limit printed is kept
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))  # the rest stays: its engine's processes import this module
     try:
         runpy.run_path(script, run_name="__main__")  # processes it spawns import it by path, as from a script
     finally:
