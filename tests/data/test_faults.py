@@ -280,9 +280,10 @@ def test_soak_10000_puts_no_object_store_growth(ray_store):
     n_puts, per_clear = 10_000, 10
     base = plasma()
     marks, live = [], []
+    batches = [batch(2, seed, 16_384) for seed in range(7)]  # 128 KiB each, made once (not 10,000 times)
     for i in range(n_puts):
         keys = [f"s{i}/0", f"s{i}/1"]
-        meta = ray_store.put(keys, batch(2, i % 7, 16_384), partition="soak")  # 128 KiB
+        meta = ray_store.put(keys, batches[i % 7], partition="soak")
         if i % 10 == 0:
             assert ray_store.get(meta, select_fields=["ids"])["ids"].shape == (2, 16_384)
         live += keys
