@@ -98,3 +98,17 @@ def test_fsdp2_trainer_refits_a_tp2_rollout_replica_through_the_verl_contract():
     assert sent == [workers[0]["share"] + workers[1]["share"]] * STEPS  # every byte sent once, by its holder
     lines, ok = load_example("verl_checkpoint_engine").report(results)
     assert ok and lines[-1].startswith("PASS"), lines
+
+
+def test_a_megatron_actor_is_bound_with_its_hf_config():
+    import torch
+
+    class GPTModel(torch.nn.Module):  # what verl's Megatron workers hold, as refit tells it apart
+        pass
+
+    GPTModel.__module__ = "megatron.core.models.gpt.gpt_model"
+    engine = RefitCheckpointEngine(is_master=True)
+    with pytest.raises(ConfigError, match="hf_config"):
+        engine.bind_module([GPTModel()])
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        engine.bind_module([])

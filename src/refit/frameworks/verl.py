@@ -120,7 +120,8 @@ class RefitCheckpointEngine(CheckpointEngine):
         self.master_address = master_address or os.environ.get(BIND_ENV) or "127.0.0.1"
         self.timeout_s = timeout_s
         self.num_buffers = num_buffers
-        self.module: nn.Module | None = None
+        self.module: nn.Module | list[nn.Module] | None = None
+        self.hf_config: Any = None  # the HF config of a bound Megatron model (``bind_module``)
         self.stats = Stats()
         self._meta: dict[str, Any] | None = None
         self._joined: Joined | None = None
@@ -133,12 +134,23 @@ class RefitCheckpointEngine(CheckpointEngine):
 
     # -- the trainer's hook --------------------------------------------------------------------------------------
 
-    def bind_module(self, module: nn.Module) -> None:
-        """The actor's module on this trainer rank (plain, FSDP2 or TP: DTensor parameters), read in place:
-        refit sends its local shards. Call once on every trainer rank before the first ``send_weights``."""
-        if not isinstance(module, nn.Module):
+    def bind_module(self, module: nn.Module | list[nn.Module], hf_config: Any = None) -> None:
+        """The actor's module on this trainer rank, read in place: refit sends its local shards. Plain, FSDP2
+        or TP (DTensor parameters; the rollout layout comes from its HF ``.config``), or Megatron-Core's
+        ``GPTModel`` (or the list of this rank's virtual-pipeline chunks, wrapped or not, as verl's Megatron
+        workers hold it) with ``hf_config``, the HF config its weights are
+        (``refit.trainers.megatron.MegatronSource``: the first ``send_weights`` exchanges every trainer rank's
+        holds over the default process group, which must be the trainer ranks', as in verl's Megatron
+        workers). Call once on every trainer rank before the first ``send_weights``."""
+        chunks = list(module) if isinstance(module, (list, tuple)) else [module]
+        if not chunks or not all(isinstance(m, nn.Module) for m in chunks):
             raise TypeError(f"bind_module needs the actor's torch.nn.Module, got {type(module).__name__}")
-        self.module = module
+        if _is_megatron(chunks[0]) and hf_config is None:
+            raise ConfigError(
+                f"refit: bind_module({type(chunks[0]).__name__}) needs hf_config=, the HF config its weights are "
+                "(Megatron's own config does not name HF tensors)"
+            )
+        self.module, self.hf_config = module, hf_config
 
     # -- verl's contract -----------------------------------------------------------------------------------------
 
@@ -310,15 +322,30 @@ class RefitCheckpointEngine(CheckpointEngine):
         )
 
     def _trainer_peer(self, joined: Joined) -> Peer:
-        src = layout_from_module(self.module, joined.n_trainer)
-        config = getattr(self.module, "config", None)
+        src, tensors = self._source(joined)
+        config = self.hf_config if self.hf_config is not None else getattr(self.module, "config", None)
         if config is None:
             raise ConfigError("refit: the bound module has no HF .config to derive the rollout layout from")
         self.dst = self._rollout_layout(src, config)
         if joined.rank == 0:
             self._store.put("src", src.to_json())
             self._store.put("dst", self.dst.to_json())
-        return self._peer(joined, src, self.dst, local_shards(self.module), trainer=True)
+        return self._peer(joined, src, self.dst, tensors, trainer=True)
+
+    def _source(self, joined: Joined) -> tuple[ModelLayout, dict]:
+        """The source layout over every trainer rank and this rank's tensors for it, read from the bound module."""
+        chunks = self.module if isinstance(self.module, (list, tuple)) else [self.module]
+        if not _is_megatron(chunks[0]):
+            return layout_from_module(self.module, joined.n_trainer), local_shards(self.module)
+        from refit.trainers.megatron import MegatronSource
+
+        source = MegatronSource([_unwrapped(c) for c in chunks], self.hf_config)
+        if source.world_size != joined.n_trainer:
+            raise ConfigError(
+                f"refit: the Megatron model's default process group has {source.world_size} ranks, the job "
+                f"{joined.n_trainer} trainer ranks (Megatron's group must be the trainer ranks')"
+            )
+        return source.layout(), source.local()
 
     def _rollout_peer(self, joined: Joined) -> Peer:
         src = ModelLayout.from_json(self._store.get("src", self.timeout_s))
@@ -330,3 +357,16 @@ class RefitCheckpointEngine(CheckpointEngine):
         self.stats.tensors = len(self.shards)
         self.stats.shapes = {n: list(x.shape) for n, x in self.shards.items()}
         return self._peer(joined, src, self.dst, self.shards, trainer=False)
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The ``GPTModel`` inside Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``: each holds it
+    as ``.module``), as verl's Megatron workers hold their actor."""
+    while not hasattr(module, "decoder") and isinstance(getattr(module, "module", None), nn.Module):
+        module = module.module
+    return module
+
+
+def _is_megatron(module: nn.Module) -> bool:
+    """Whether ``module`` is Megatron-Core's (its class defined under ``megatron.``), without importing it."""
+    return type(module).__module__.startswith("megatron.")
