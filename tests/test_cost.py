@@ -17,9 +17,12 @@ from refit.cost import (
     relay_gpus,
     relay_seconds,
     transfer_time,
+    wave_transfers,
+    waves_time,
 )
 from refit.delta.rule import LINKS, prefer_words
 from refit.delta.wire import wire_sizes
+from refit.fanout import waves_for
 from refit.fanout_relay import chunk_bytes_for
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
@@ -123,8 +126,12 @@ def test_predict_strategies_and_fanout():
     assert set(preds) == {"broadcast", "p2p", "fanout"}
     # one trainer GPU sends 7 copies: its NIC (GPUs 4-7 are on node 1) is the bottleneck
     assert preds["p2p"].busiest.startswith("nic_out of GPU 0")
-    t1 = transfer_time(p2p_transfers(src, one, t), t)[0]
-    assert preds["fanout"].seconds == pytest.approx(3 * t1)  # ceil(log2(8)) waves
+    # ceil(log2(8)) = 3 waves of the plans Fanout builds; 8 GPUs cannot give each replica a node of its own, so
+    # they sit packed after the trainer's (GPUs 1-7), the last wave's 4 receivers across the nodes
+    assert preds["fanout"].note.startswith("3 waves")
+    waves = plan_transfers(src, one, t, (0,), [(g,) for g in range(1, 8)])
+    assert [len(w) for w in waves] == [1, 2, 4]
+    assert preds["fanout"].seconds == pytest.approx(sum(transfer_time(w, t)[0] for w in waves))
     # placement given explicitly
     tr = p2p_transfers(src, one, t, placement=((0,), (0,)))
     assert tr == {(0, 0): one.nbytes}
@@ -153,8 +160,68 @@ def test_relay_prediction_is_one_copy_plus_the_pipeline_fill_and_degree_copies_p
         preds = {p.strategy: p for p in predict(src, one, t, replicas=3, replica_dst=one, relay=degree)}
         assert preds["relay"].seconds == pytest.approx(steady * (chunks + depth - 1) / chunks)
         assert preds["relay"].busiest_bytes == one.nbytes * (1 if degree == 1 else 2)
-    # the waves send 2 copies' time; the chain beats them by about the pipeline's fill
-    assert preds["fanout"].seconds == pytest.approx(2 * copy_s)
+    # the waves: 2 waves, node 0's uplink carrying more than one copy in the second (the test below)
+    assert preds["fanout"].seconds > 2 * copy_s
+
+
+def plan_transfers(trainer, replica, t, trainer_gpus, replica_gpus):
+    """Per wave of a fan-out in waves, (source GPU, destination GPU) -> bytes of the plan ``Fanout`` runs
+    (``build_plan`` of the wave, its messages' pieces), the processes naming their node as the namespace bench's
+    do."""
+    n_src, nr = trainer.world_size, replica.world_size
+    gpu = [*trainer_gpus, *(g for gs in replica_gpus for g in gs)]
+    rprocs = [list(range(n_src + j * nr, n_src + (j + 1) * nr)) for j in range(len(replica_gpus))]
+    devices = [f"host{t.node(g)}/cpu{g}" for g in gpu]
+    out = []
+    for w in waves_for(trainer, replica, list(range(n_src)), rprocs, devices=devices):
+        links = {}
+        for m in build_plan(w.src_layout, w.dst_layout, w.procs).messages:
+            k = (gpu[w.procs.src[m.src]], gpu[w.procs.dst[m.dst]])
+            links[k] = links.get(k, 0) + sum(p.nbytes for p in m.pieces)
+        out.append(links)
+    return out
+
+
+def waves_from_plans(trainer, replica, t, trainer_gpus, replica_gpus):
+    """Per wave, the bytes each node's NIC sends and receives (links between two nodes), the busiest NIC's bytes
+    over its rate; summed over the waves."""
+    total = 0.0
+    for links in plan_transfers(trainer, replica, t, trainer_gpus, replica_gpus):
+        sent, received = {}, {}
+        for (a, b), n in links.items():
+            if t.node(a) != t.node(b):
+                sent[t.node(a)] = sent.get(t.node(a), 0) + n
+                received[t.node(b)] = received.get(t.node(b), 0) + n
+        total += max([*sent.values(), *received.values()]) / (t.gpu_nic_gbps * GB)
+    return total
+
+
+def test_waves_prediction_is_the_busiest_nic_of_each_waves_plan_summed_and_follows_the_placement():
+    """An fsdp=2 trainer and 3 tp=1 replicas on 1 Gbit/s nodes of one NIC (the namespace cluster's bench). The
+    waves' prediction is, per wave of the plans Fanout builds, the busiest node NIC's bytes over its rate, summed.
+    Both trainer ranks on node 0: the second wave balances bytes per sending rank, so node 0 sends more than one
+    copy and the waves take more than two copies' time; the trainer ranks on nodes 0 and 1: two copies' time."""
+    shapes = param_shapes("tiny-llama")
+    src = layout_from_spec(shapes, parse_spec("fsdp=2", "src"))
+    one = layout_from_spec(shapes, parse_spec("tp=1", "dst"))
+    t = topo(nodes=5, gpus_per_node=2, nics_per_node=1, nic_gbps=0.125)
+    copy_s = one.nbytes / (0.125 * GB)
+    preds = {p.strategy: p for p in predict(src, one, t, replicas=3, replica_dst=one)}
+    one_host = waves_from_plans(src, one, t, (0, 1), [(2,), (4,), (6,)])  # each replica on a node of its own
+    assert preds["fanout"].seconds == pytest.approx(one_host)
+    assert preds["fanout"].busiest == "node_nic_out of node 0" and preds["fanout"].busiest_bytes > one.nbytes
+    assert one_host > 2 * copy_s * 1.05
+    two_hosts = ((0, 2), [(4,), (6,), (8,)])
+    spread = waves_time(src, one, t, 3, placement=two_hosts)
+    assert spread[0] == pytest.approx(waves_from_plans(src, one, t, *two_hosts)) == pytest.approx(2 * copy_s)
+    assert wave_transfers(src, one, t, (0, 1), [(2,), (4,), (6,)])[0] == {
+        (0, 2): one.nbytes // 2,
+        (1, 2): one.nbytes // 2,
+    }
+    with pytest.raises(TopologyError, match="GPUs for 2 replicas, not 3"):
+        waves_time(src, one, t, 3, placement=((0, 1), [(2,), (4,)]))
+    with pytest.raises(TopologyError, match="uses GPUs \\[10\\]; the topology has 10"):
+        waves_time(src, one, t, 3, placement=((0, 1), [(2,), (4,), (10,)]))
 
 
 def test_cli_cluster(tmp_path, capsys):

@@ -42,10 +42,14 @@ Strategies (``predict``):
 - ``nixl-delta`` (with both ``nixl_nic_mode`` and ``changed_fraction``): ``delta`` over the NIXL NICs: the source
   finds and stages the changed words into registered staging (``find``), the receiver reads them (the NICs) and
   scatters them (``scatter``, plus ``NIXL_PAIR_S`` per pair that pulls a delta: the sealed record, one READ).
-- ``fanout``: waves — the engine replicas that hold the version become sources; with the
-  trainer as one more source group, the number of holders doubles per wave, so
-  ceil(log2(R + 1)) waves each about the time of refit's plan into one replica (an estimate:
-  later waves' replica-to-replica links are taken as fast as the trainer's).
+- ``fanout``: waves (``refit.fanout``) — the engine replicas that hold the version become sources; with the
+  trainer as one more source group, the number of holders doubles per wave (ceil(log2(R + 1)) waves). Each wave
+  is the plan ``Fanout`` builds for it (``refit.fanout.waves_for``: sources the trainer ranks and the replicas
+  that hold the version, the planner's own choice among them, which balances bytes per sending rank, not per
+  node), placed on GPUs (``fanout_gpus``: each replica on nodes of its own after the trainer's where the
+  topology has them, as the relay's; else packed after the trainer's GPUs, as the p2p row's engine ranks). A
+  wave's time is its bottleneck bound; waves run one after another (a wave's receivers serve the next), so the
+  time is their sum.
 - ``relay`` (with ``relay`` = the tree's degree d, 1: a chain; ``Fanout(relay=d)``, ``refit.fanout_relay``): every
   edge of the tree at once, each replica on nodes of its own after the trainer's: the trainer's edge is refit's
   plan into replica 0, a relay sends each of its ranks' bytes to the same rank of each child. Their bottleneck
@@ -76,6 +80,7 @@ from refit.delta.rule import (
 )
 from refit.delta.wire import INDEX_BYTES, wire_bytes
 from refit.errors import TopologyError
+from refit.fanout import waves_for
 from refit.fanout_relay import chunk_bytes_for, relay_parents
 from refit.layout import ModelLayout
 from refit.plan.procs import ProcessMap
@@ -387,6 +392,73 @@ def relay_time(
     return relay_seconds(steady, chunks, depth), where, n, note
 
 
+def fanout_gpus(n_src: int, nr: int, replicas: int, topo: Topology, colocated: bool = False) -> list[tuple[int, ...]]:
+    """The GPUs of each replica's ``nr`` ranks in a fan-out in waves: on nodes of its own after the trainer's where
+    the topology has them (``relay_gpus``), else packed on the GPUs after the trainer's (engine rank ``r`` on GPU
+    ``n_src + r``, ``gpu_placement``; ``colocated``: from GPU 0)."""
+    try:
+        return relay_gpus(n_src, nr, replicas, topo, colocated)
+    except TopologyError:
+        dst = gpu_placement(n_src, replicas * nr, topo, colocated).dst
+        return [dst[j * nr : (j + 1) * nr] for j in range(replicas)]
+
+
+def wave_transfers(
+    src: ModelLayout, replica: ModelLayout, topo: Topology, trainer_gpus: tuple[int, ...], replica_gpus: list
+) -> list[dict[tuple[int, int], int]]:
+    """(source GPU, destination GPU) -> bytes of each wave of a fan-out in waves (``refit.fanout.waves_for``, the
+    plans ``Fanout`` runs): trainer rank ``r`` on GPU ``trainer_gpus[r]``, rank ``r`` of replica ``j`` on
+    ``replica_gpus[j][r]``; every rank its own process, each process's device its GPU's (so the planner prefers a
+    holder on the receiver's GPU as it does on a colocated cluster)."""
+    n_src, nr = src.world_size, replica.world_size
+    if len(trainer_gpus) != n_src or any(len(g) != nr for g in replica_gpus):
+        raise TopologyError(
+            f"fan-out placement: {len(trainer_gpus)} trainer GPUs for {n_src} ranks, replica GPUs "
+            f"{[len(g) for g in replica_gpus]} for {nr} ranks each"
+        )
+    gpu = [*trainer_gpus, *(g for gs in replica_gpus for g in gs)]
+    bad = sorted({g for g in gpu if not 0 <= g < topo.gpus})
+    if bad:
+        raise TopologyError(f"fan-out placement uses GPUs {bad}; the topology has {topo.gpus}")
+    devices = [f"node{topo.node(g)}/cuda:{g % topo.gpus_per_node}" for g in gpu]
+    replica_procs = [list(range(n_src + j * nr, n_src + (j + 1) * nr)) for j in range(len(replica_gpus))]
+    out = []
+    for w in waves_for(src, replica, list(range(n_src)), replica_procs, devices=devices):
+        transfers: dict[tuple[int, int], int] = defaultdict(int)
+        for (s, r), n in link_bytes(w.src_layout, w.dst_layout, w.procs).items():
+            transfers[(gpu[w.procs.src[s]], gpu[w.procs.dst[r]])] += n
+        out.append(dict(transfers))
+    return out
+
+
+def waves_time(
+    src: ModelLayout,
+    replica: ModelLayout,
+    topo: Topology,
+    replicas: int,
+    colocated: bool = False,
+    placement: tuple[tuple[int, ...], list[tuple[int, ...]]] | None = None,
+) -> tuple[float, str, int, str]:
+    """The module docstring's ``fanout``: (seconds, the slowest wave's busiest resource, its bytes, a note).
+    ``placement``: the trainer ranks' GPUs and each replica's (default: trainer rank ``r`` on GPU ``r``, the
+    replicas as ``fanout_gpus`` places them)."""
+    if placement is None:
+        placement = (
+            tuple(range(src.world_size)),
+            fanout_gpus(src.world_size, replica.world_size, replicas, topo, colocated),
+        )
+    if len(placement[1]) != replicas:
+        raise TopologyError(f"fan-out placement: GPUs for {len(placement[1])} replicas, not {replicas}")
+    per = [transfer_time(t, topo) for t in wave_transfers(src, replica, topo, tuple(placement[0]), placement[1])]
+    _, where, n = max(per, key=lambda w: w[0])
+    note = (
+        f"{len(per)} waves of the plans Fanout builds, one after another: "
+        + " + ".join(f"{t * 1e3:.1f}" for t, _, _ in per)
+        + " ms"
+    )
+    return sum(t for t, _, _ in per), where, n, note
+
+
 def _depth(parents: list[int]) -> int:
     """Hops from the trainer to the deepest replica of a relay tree (``relay_parents``: parents first)."""
     hops: list[int] = []
@@ -454,13 +526,7 @@ def predict(
             )
             out.append(Prediction("nixl-delta", td, where, n, note))
     if replicas > 1 and replica_dst is not None:
-        t1, where1, n1 = transfer_time(p2p_transfers(src, replica_dst, topo, colocated), topo)
-        waves = math.ceil(math.log2(replicas + 1))
-        out.append(
-            Prediction(
-                "fanout", waves * t1, where1, n1, f"{waves} waves x refit's plan into one replica ({t1 * 1e3:.1f} ms)"
-            )
-        )
+        out.append(Prediction("fanout", *waves_time(src, replica_dst, topo, replicas, colocated)))
         if relay:
             out.append(Prediction("relay", *relay_time(src, replica_dst, topo, replicas, relay, colocated)))
     return out
