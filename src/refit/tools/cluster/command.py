@@ -1,11 +1,11 @@
 """``refit cluster up | down | run | list``: hosts as network namespaces on this machine, to try a multi-host
 plan on one machine (root and iproute2 needed).
 
-* ``up [--hosts N | --host-names a,b,c] [--rate 1gbit] [--name NAME] [--json]``: make a cluster that stays
-  until ``down``; prints each host's namespace, address and NIC.
+* ``up [--hosts N | --host-names a,b,c] [--rate 1gbit] [--nics a=2] [--name NAME] [--json]``: make a cluster
+  that stays until ``down``; prints each host's namespace, addresses and NICs.
 * ``down NAME ... | --all``: kill every process inside its namespaces and remove them (also after a crash).
-* ``run NAME HOST -- CMD ...``: run CMD inside HOST with ``REFIT_BIND_ADDRESS`` set to its address and UCX on
-  TCP; exits with CMD's status.
+* ``run [--nic K] NAME HOST -- CMD ...``: run CMD inside HOST with ``REFIT_BIND_ADDRESS`` set to the address of
+  its NIC K (default 0) and UCX on TCP; exits with CMD's status.
 * ``list``: the clusters with a state file, and whether their namespaces are still there.
 
 Bad input (a count, rate, name or host that does not fit) exits 2 with one line before anything is made
@@ -36,6 +36,7 @@ def add_cluster_parser(sub) -> None:
     up.add_argument("--rate", default=None, help="each host's link rate, both ways (e.g. 400mbit, 1gbit)")
     up.add_argument("--delay-ms", type=float, default=None, help="added delay (needs tc's netem)")
     up.add_argument("--loss-pct", type=float, default=None, help="random loss (needs tc's netem)")
+    up.add_argument("--nics", default=None, help="hosts with more NICs than one, e.g. a=2 or a=2,b=4")
     up.add_argument("--name", default=None, help="the cluster's name (default refit-<tag>)")
     up.add_argument("--json", action="store_true", help="print the cluster as one JSON object")
     down = cs.add_parser("down", help="remove clusters: their processes, namespaces, links")
@@ -44,6 +45,7 @@ def add_cluster_parser(sub) -> None:
     run = cs.add_parser("run", help="run a command inside one host of a cluster")
     run.add_argument("name")
     run.add_argument("host")
+    run.add_argument("--nic", type=int, default=0, help="the host's NIC whose address the command binds to")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command")
     cs.add_parser("list", help="the clusters with a state file")
 
@@ -62,7 +64,20 @@ def _cluster_from(args: argparse.Namespace) -> Cluster:
     hosts = [h.strip() for h in args.host_names.split(",")] if args.host_names else args.hosts
     rate = parse_rate(args.rate) if args.rate else None
     shape = LinkShape(rate, args.delay_ms or 0.0, args.loss_pct or 0.0)
-    return Cluster(hosts, shape, name=args.name)
+    return Cluster(hosts, shape, name=args.name, nics=_nics(args.nics))
+
+
+def _nics(text: str | None) -> dict[str, int]:
+    """``--nics a=2,b=4`` as ``{"a": 2, "b": 4}``; ``ConfigError`` naming the text when it does not parse."""
+    out: dict[str, int] = {}
+    for item in (text or "").split(","):
+        host, _, count = item.strip().partition("=")
+        if not item.strip():
+            continue
+        if not count.strip().isdigit():
+            raise ConfigError(f"--nics {text!r} is not HOST=COUNT[,HOST=COUNT...], e.g. a=2")
+        out[host.strip()] = int(count)
+    return out
 
 
 def _up(args: argparse.Namespace, console) -> int:
@@ -74,7 +89,8 @@ def _up(args: argparse.Namespace, console) -> int:
     console.print(f"cluster {cluster.name} (remove it with `refit cluster down {cluster.name}`)")
     for h in cluster.hosts.values():
         rate = f"{h.shape.rate_bit / 1e9:g} Gbit/s" if h.shape.rate_bit else "unshaped"
-        console.print(f"  host {h.name}: {h.address} on {h.nic} in namespace {h.netns}, {rate}")
+        nics = ", ".join(f"{n.address} on {n.dev}" for n in h.nics)
+        console.print(f"  host {h.name}: {nics} in namespace {h.netns}, {rate}")
     console.print(f"run a process in a host: refit cluster run {cluster.name} {next(iter(cluster.hosts))} -- CMD")
     return 0
 
@@ -95,8 +111,8 @@ def _run(args: argparse.Namespace, console) -> int:
     if not argv:
         raise ConfigError("cluster run: give the command after --, e.g. refit cluster run NAME a -- python x.py")
     cluster = Cluster.load(args.name)
-    cluster.host(args.host)
-    return subprocess.run(cluster.command(args.host, argv), env=cluster.process_env(args.host)).returncode
+    env = cluster.process_env(args.host, nic=args.nic)  # ConfigError naming a host or NIC the cluster lacks
+    return subprocess.run(cluster.command(args.host, argv), env=env).returncode
 
 
 def _list(args: argparse.Namespace, console) -> int:

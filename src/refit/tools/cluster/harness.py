@@ -9,6 +9,12 @@ Addresses are 198.18.0.1, 198.18.0.2, ... (the benchmarking range 198.18.0.0/15)
 namespaces made here: the machine's own namespace gets no address, route or link. Each host's link is shaped in
 both directions (``LinkShape``): on its NIC (what it sends) and on its bridge port (what it receives).
 
+A host may have more NICs (``nics={"a": 2}``): NIC ``k`` of host ``i`` is rfn-<tag>-<i>n<k> (port
+rfp-<tag>-<i>n<k>) holding 198.18.<k>.<i+1>, each its own veth to the bridge, shaped like the host's link. Inside
+such a host, source-address policy routing (``ip rule from <address> table 100+k``) sends what a socket bound to a
+NIC's address sends through that NIC, and only the NIC holding an address answers ARP for it (``arp_ignore=1``,
+``arp_announce=2``): each NIC is a link of its own, as a multi-NIC server's are.
+
 Lifecycle: ``Cluster(...)`` only checks its arguments; ``up()`` (or ``with Cluster(...) as c``) writes the state
 file ``<state_dir>/<name>.json`` first, then makes everything; ``down()`` kills every process inside the
 namespaces, deletes them (the veths and the bridge go with them) and the state file. ``down()`` runs at exit
@@ -29,7 +35,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from refit.errors import ConfigError
@@ -40,6 +46,8 @@ STATE_ENV = "REFIT_CLUSTER_STATE"
 STATE_DIR = "/run/refit-cluster"
 NETWORK = ipaddress.ip_network("198.18.0.0/15")
 MAX_HOSTS = 64
+MAX_NICS = 8
+RULE_TABLE = 100  # NIC k's routes are in table RULE_TABLE + k of its host's namespace
 MACHINE_ONLY = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "REFIT_UCX_SET")
 """Variables naming this machine's interfaces: not passed on to a host's processes (its interfaces differ)."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
@@ -79,8 +87,18 @@ class LinkShape:
 
 
 @dataclass(frozen=True)
+class Nic:
+    """One NIC of a host: its address, its device (inside the host's namespace) and its bridge port (in the hub)."""
+
+    address: str
+    dev: str
+    port: str
+
+
+@dataclass(frozen=True)
 class Host:
-    """One host: its name, namespace, address, NIC (inside its namespace) and bridge port (in the hub)."""
+    """One host: its name, namespace, address, NIC (inside its namespace) and bridge port (in the hub); ``more``:
+    its further NICs (NIC 1, 2, ...)."""
 
     name: str
     netns: str
@@ -88,6 +106,18 @@ class Host:
     nic: str
     port: str
     shape: LinkShape = field(default_factory=LinkShape)
+    more: tuple[Nic, ...] = ()
+
+    @property
+    def nics(self) -> list[Nic]:
+        """Every NIC of the host, NIC 0 (``address``, ``nic``, ``port``) first."""
+        return [Nic(self.address, self.nic, self.port), *self.more]
+
+    def nic_at(self, k: int) -> Nic:
+        """NIC ``k``; ``ConfigError`` naming the host's NIC count when it has no such NIC."""
+        if not isinstance(k, int) or not 0 <= k < 1 + len(self.more):
+            raise ConfigError(f"nic={k!r} is not a NIC of host {self.name!r} (it has {1 + len(self.more)})")
+        return self.nics[k]
 
 
 def host_names(n: int) -> list[str]:
@@ -104,8 +134,9 @@ class Cluster:
 
     ``hosts``: a count or the host names (lower-case, up to 8 characters); ``shape``: one ``LinkShape`` for
     every host or one per host name (hosts not named are unshaped); ``name``: the state file's name (default
-    ``refit-<tag>``). ``spawn(host, argv)`` starts a process inside a host; ``env(host)`` is what it gets
-    on top of this process's environment (``REFIT_BIND_ADDRESS``: the host's address).
+    ``refit-<tag>``); ``nics``: the NIC count of hosts with more than one (host name -> 1..8).
+    ``spawn(host, argv, nic=k)`` starts a process inside a host; ``env(host, k)`` is what it gets on top of
+    this process's environment (``REFIT_BIND_ADDRESS``: the address of the host's NIC ``k``).
     """
 
     def __init__(
@@ -114,6 +145,7 @@ class Cluster:
         shape: LinkShape | Mapping[str, LinkShape] | None = None,
         name: str | None = None,
         tag: str | None = None,
+        nics: Mapping[str, int] | None = None,
     ) -> None:
         names = host_names(hosts) if isinstance(hosts, int) else list(hosts)
         if not 1 <= len(names) <= MAX_HOSTS:
@@ -125,6 +157,13 @@ class Cluster:
         unknown = sorted(set(shapes) - set(names))
         if unknown:
             raise ConfigError(f"shape names hosts {unknown} that are not in hosts {names}")
+        nics = dict(nics or {})
+        unknown = sorted(set(nics) - set(names))
+        if unknown:
+            raise ConfigError(f"nics names hosts {unknown} that are not in hosts {names}")
+        bad = {h: n for h, n in nics.items() if not isinstance(n, int) or not 1 <= n <= MAX_NICS}
+        if bad:
+            raise ConfigError(f"nics={bad}: a host's NIC count is not within 1..{MAX_NICS}")
         self.tag = tag or secrets.token_hex(3)
         self.name = name or f"refit-{self.tag}"
         if not _NAME.match(self.name):
@@ -139,6 +178,14 @@ class Cluster:
                 f"rfn-{self.tag}-{i}",
                 f"rfp-{self.tag}-{i}",
                 shapes.get(h) or LinkShape(),
+                tuple(
+                    Nic(
+                        str(NETWORK.network_address + 256 * k + i + 1),
+                        f"rfn-{self.tag}-{i}n{k}",
+                        f"rfp-{self.tag}-{i}n{k}",
+                    )
+                    for k in range(1, nics.get(h, 1))
+                ),
             )
             for i, h in enumerate(names)
         }
@@ -186,7 +233,12 @@ class Cluster:
         netns.add_bridge(self.hub, self.bridge)
         for h in self.hosts.values():
             netns.add_namespace(h.netns)
-            netns.add_host_link(self.hub, self.bridge, h.netns, h.port, h.nic, h.address, NETWORK.prefixlen)
+            for n in h.nics:
+                netns.add_host_link(self.hub, self.bridge, h.netns, n.port, n.dev, n.address, NETWORK.prefixlen)
+            if h.more:
+                netns.one_arp_owner(h.netns)
+                for k, n in enumerate(h.nics):
+                    netns.route_from(h.netns, n.address, n.dev, str(NETWORK), RULE_TABLE + k)
             self.shape(h.name, h.shape)
 
     def down(self) -> list[str]:
@@ -267,8 +319,12 @@ class Cluster:
         if not _NAME.match(name) or not path.exists():
             raise ConfigError(f"no cluster named {name!r} (no {path}); `refit cluster list` shows them")
         state = json.loads(path.read_text())
-        hosts = [Host(**{**h, "shape": LinkShape(**h["shape"])}) for h in state["hosts"]]
-        c = cls([h.name for h in hosts], {h.name: h.shape for h in hosts}, name=state["name"], tag=state["tag"])
+        hosts = [
+            Host(**{**h, "shape": LinkShape(**h["shape"]), "more": tuple(Nic(**n) for n in h.get("more", ()))})
+            for h in state["hosts"]
+        ]
+        nics = {h.name: len(h.nics) for h in hosts}
+        c = cls([h.name for h in hosts], {h.name: h.shape for h in hosts}, state["name"], state["tag"], nics)
         c._live = True
         return c
 
@@ -283,28 +339,32 @@ class Cluster:
             raise ConfigError(f"host {name!r} is not in cluster {self.name!r} (hosts: {', '.join(self.hosts)})")
         return self.hosts[name]
 
-    def env(self, host: str) -> dict[str, str]:
-        """What a process on ``host`` gets on top of the caller's environment: its bind address, and UCX's TCP
-        transport only (the namespaces share one kernel and memory: UCX would otherwise move bytes between
-        "hosts" through shared memory or CMA, which separate machines cannot)."""
-        return {"REFIT_BIND_ADDRESS": self.host(host).address, "UCX_TLS": "tcp"}
+    def env(self, host: str, nic: int = 0) -> dict[str, str]:
+        """What a process on ``host`` using its NIC ``nic`` gets on top of the caller's environment: its bind
+        address (that NIC's), and UCX's TCP transport only (the namespaces share one kernel and memory: UCX
+        would otherwise move bytes between "hosts" through shared memory or CMA, which separate machines
+        cannot)."""
+        return {"REFIT_BIND_ADDRESS": self.host(host).nic_at(nic).address, "UCX_TLS": "tcp"}
 
-    def process_env(self, host: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The whole environment of a process on ``host``: this process's without ``MACHINE_ONLY``, then
-        ``env(host)``, then ``env``."""
+    def process_env(self, host: str, env: Mapping[str, str] | None = None, nic: int = 0) -> dict[str, str]:
+        """The whole environment of a process on ``host`` (NIC ``nic``): this process's without
+        ``MACHINE_ONLY``, then ``env(host, nic)``, then ``env``."""
         mine = {k: v for k, v in os.environ.items() if k not in MACHINE_ONLY}
-        return {**mine, **self.env(host), **(env or {})}
+        return {**mine, **self.env(host, nic), **(env or {})}
 
     def command(self, host: str, argv: Sequence[str]) -> list[str]:
         """``argv`` as run inside ``host``'s namespace."""
         return [netns.IP, "netns", "exec", self.host(host).netns, *argv]
 
-    def spawn(self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None, **popen) -> subprocess.Popen:
-        """Start ``argv`` inside ``host`` (environment: ``process_env(host, env)``); tracked, and killed by
-        ``down()`` with anything it started in the namespace."""
+    def spawn(
+        self, host: str, argv: Sequence[str], env: Mapping[str, str] | None = None, nic: int = 0, **popen
+    ) -> subprocess.Popen:
+        """Start ``argv`` inside ``host``, bound to its NIC ``nic`` (environment: ``process_env(host, env,
+        nic)``); tracked, and killed by ``down()`` with anything it started in the namespace."""
         if not self._live:
             raise ClusterError(f"cluster {self.name!r} is not up")
-        p = subprocess.Popen(self.command(host, argv), env=self.process_env(host, env), start_new_session=True, **popen)
+        environ = self.process_env(host, env, nic)
+        p = subprocess.Popen(self.command(host, argv), env=environ, start_new_session=True, **popen)
         self.procs.append(p)
         return p
 
@@ -330,16 +390,20 @@ class Cluster:
         """Every listening TCP socket inside ``host``: ``(address, port)``."""
         return netns.listeners(self.host(host).netns)
 
-    def counters(self, host: str) -> tuple[int, int]:
-        """Bytes ``host``'s NIC has received and sent so far."""
+    def counters(self, host: str, nic: int = 0) -> tuple[int, int]:
+        """Bytes ``host``'s NIC ``nic`` has received and sent so far."""
         h = self.host(host)
-        return netns.counters(h.netns, h.nic)
+        return netns.counters(h.netns, h.nic_at(nic).dev)
+
+    def _ends(self, host: str) -> list[tuple[str, str]]:
+        """Both ends of each of ``host``'s links: ``(namespace, device)``, the host's NIC then its bridge port."""
+        h = self.host(host)
+        return [end for n in h.nics for end in ((h.netns, n.dev), (self.hub, n.port))]
 
     def set_link(self, host: str, up: bool) -> None:
-        """Take ``host``'s link down (both ends: it is cut off) or bring it back up."""
-        h = self.host(host)
-        netns.set_link(self.hub, h.port, up)
-        netns.set_link(h.netns, h.nic, up)
+        """Take ``host``'s links down (both ends of each: it is cut off) or bring them back up."""
+        for ns, dev in reversed(self._ends(host)):  # the bridge port first
+            netns.set_link(ns, dev, up)
 
     def drop(self, host: str, loss_pct: float) -> None:
         """Drop ``loss_pct`` % of the packets crossing ``host``'s link each way, each at random, without the
@@ -347,23 +411,21 @@ class Cluster:
         packets meanwhile). 100: the host is partitioned, its link up and nothing crossing it; 0: undone."""
         if not 0 <= loss_pct <= 100:
             raise ConfigError(f"loss_pct={loss_pct} is not within 0..100")
-        h = self.host(host)
-        for ns, dev in ((h.netns, h.nic), (self.hub, h.port)):
+        for ns, dev in self._ends(host):
             netns.set_gso_segs(ns, dev, 1 if loss_pct else netns.GSO_MAX_SEGS)
             netns.drop_inbound(ns, dev, loss_pct)
 
     def dropped(self, host: str) -> tuple[int, int]:
         """``(packets seen, packets dropped)`` by ``drop``'s filters on ``host``'s link so far, both ways."""
-        h = self.host(host)
-        both = [netns.inbound_drops(ns, dev) for ns, dev in ((h.netns, h.nic), (self.hub, h.port))]
+        both = [netns.inbound_drops(ns, dev) for ns, dev in self._ends(host)]
         return sum(b[0] for b in both), sum(b[1] for b in both)
 
     def shape(self, host: str, shape: LinkShape) -> None:
-        """Shape ``host``'s link both ways (its NIC's sends, its bridge port's sends toward it)."""
+        """Shape each of ``host``'s links both ways (its NIC's sends, its bridge port's sends toward it)."""
         h = self.host(host)
-        for ns, dev in ((h.netns, h.nic), (self.hub, h.port)):
+        for ns, dev in self._ends(host):
             netns.shape(ns, dev, shape.rate_bit, shape.delay_ms, shape.loss_pct)
-        self.hosts[host] = Host(h.name, h.netns, h.address, h.nic, h.port, shape)
+        self.hosts[host] = replace(h, shape=shape)
         self._write_state()  # ``load`` sees the link as it is now
 
     def describe(self) -> dict:

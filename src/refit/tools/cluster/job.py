@@ -1,9 +1,12 @@
 """One job's processes placed on a cluster's hosts, joined by a rendezvous on the first one's address.
 
-``Job(cluster, placement, argv)`` starts process ``r`` of ``len(placement)`` on host ``placement[r]`` with the
-job's environment (``job_env``): a fresh secret and job id, its rank, the world size, the store's address
-(process 0's host) and its host's bind address. ``join_from_env()`` is the other half, inside each process: gloo
-pinned to the bind address's interface, the store hosted by process 0 on that address alone, the default group.
+``Job(cluster, placement, argv)`` starts process ``r`` of ``len(placement)`` on host ``placement[r]`` (a host
+name, or ``(host, nic)``) with the job's environment (``job_env``): a fresh secret and job id, its rank, the world
+size, the store's address (process 0's) and its NIC's address as its bind address. A process placed by host name
+alone uses its nearest NIC (``auto_nics``: on a host with as many NICs as processes, the host's ``k``-th process
+uses NIC ``k``, as each GPU of a server uses the NIC on its PCIe switch). ``join_from_env()`` is the other half,
+inside each process: gloo pinned to the bind address's interface, the store hosted by process 0 on that address
+alone, the default group.
 A process reports by printing one line ``REFIT-RESULT <json>`` (``report``); ``Job.wait`` returns those values
 by rank, or raises ``ClusterError`` naming the first process that failed, its host and its error's last lines.
 """
@@ -29,15 +32,31 @@ RESULT = "REFIT-RESULT "
 RANK_ENV, WORLD_ENV, STORE_ENV = "REFIT_RANK", "REFIT_WORLD_SIZE", "REFIT_STORE"
 
 
-def job_env(cluster: Cluster, placement: Sequence[str], rank: int, port: int, secret: str, job_id: str) -> dict:
-    """What process ``rank`` of a job placed on ``placement`` needs, besides ``cluster.env(host)``."""
+def job_env(
+    cluster: Cluster, placement: Sequence[str], rank: int, port: int, secret: str, job_id: str, store_nic: int = 0
+) -> dict:
+    """What process ``rank`` of a job placed on ``placement`` (host names) needs, besides ``cluster.env(host)``;
+    the store is on process 0's NIC ``store_nic``."""
     return {
         "REFIT_SECRET": secret,
         "REFIT_JOB_ID": job_id,
         RANK_ENV: str(rank),
         WORLD_ENV: str(len(placement)),
-        STORE_ENV: f"{cluster.host(placement[0]).address}:{port}",
+        STORE_ENV: f"{cluster.host(placement[0]).nic_at(store_nic).address}:{port}",
     }
+
+
+def auto_nics(cluster: Cluster, hosts: Sequence[str]) -> list[int]:
+    """Each process's nearest NIC, for processes on ``hosts``: a host's ``j``-th of ``m`` processes uses NIC
+    ``j * n // m`` of its ``n`` (NIC ``j`` when ``n == m``; consecutive processes share a NIC when there are
+    fewer NICs, as GPUs behind one PCIe switch do)."""
+    count = {h: hosts.count(h) for h in hosts}
+    seen: dict[str, int] = {}
+    out = []
+    for h in hosts:
+        j = seen[h] = seen.get(h, -1) + 1
+        out.append(j * len(cluster.host(h).nics) // count[h])
+    return out
 
 
 class Job:
@@ -46,14 +65,19 @@ class Job:
     def __init__(
         self,
         cluster: Cluster,
-        placement: Sequence[str],
+        placement: Sequence[str | tuple[str, int]],
         argv: Sequence[str],
         env: Mapping[str, str] | None = None,
         secret: str | None = None,
     ) -> None:
-        for h in placement:
+        hosts = [p if isinstance(p, str) else p[0] for p in placement]
+        for h in hosts:
             cluster.host(h)  # ConfigError naming an unknown host, before anything starts
-        self.cluster, self.placement = cluster, list(placement)
+        auto = auto_nics(cluster, hosts)
+        self.nics = [auto[r] if isinstance(p, str) else p[1] for r, p in enumerate(placement)]
+        for h, k in zip(hosts, self.nics, strict=True):
+            cluster.host(h).nic_at(k)  # ConfigError naming a NIC the host lacks
+        self.cluster, self.placement = cluster, hosts
         self.port = random.randint(20000, 40000)  # the store host's namespace holds only this cluster's jobs
         self.secret = secret or secrets.token_hex(16)
         self.job_id = uuid.uuid4().hex
@@ -61,12 +85,13 @@ class Job:
             cluster.spawn(
                 h,
                 argv,
-                env={**job_env(cluster, self.placement, r, self.port, self.secret, self.job_id), **(env or {})},
+                env={**job_env(cluster, hosts, r, self.port, self.secret, self.job_id, self.nics[0]), **(env or {})},
+                nic=self.nics[r],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            for r, h in enumerate(self.placement)
+            for r, h in enumerate(hosts)
         ]
 
     def wait(self, timeout_s: float) -> list[Any]:

@@ -76,6 +76,21 @@ def add_host_link(hub: str, bridge: str, host_ns: str, port: str, nic: str, addr
     sh(IP, "-n", host_ns, "link", "set", nic, "up")
 
 
+def one_arp_owner(ns: str) -> None:
+    """In ``ns`` (a host with several NICs on one subnet), only the NIC holding an address answers ARP for it
+    (``arp_ignore=1``) and asks with that NIC's own address (``arp_announce=2``): a peer reaches each address
+    through its own NIC."""
+    for key, value in (("arp_ignore", 1), ("arp_announce", 2)):
+        sh(IP, "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.conf.all.{key}={value}")
+
+
+def route_from(ns: str, address: str, dev: str, network: str, table: int) -> None:
+    """In ``ns``, what is sent from ``address`` to ``network`` leaves through ``dev`` (a policy rule to a table
+    of its own: ``ip rule add from ADDRESS table TABLE``)."""
+    sh(IP, "-n", ns, "route", "add", network, "dev", dev, "src", address, "table", str(table))
+    sh(IP, "-n", ns, "rule", "add", "from", address, "table", str(table))
+
+
 def set_link(ns: str, dev: str, up: bool) -> None:
     """Bring ``dev`` in ``ns`` up or down (a cable pulled and plugged back)."""
     sh(IP, "-n", ns, "link", "set", dev, "up" if up else "down")
