@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,7 @@ from refit.layout.spec import parse_spec
 from refit.plan import build_plan, link_bytes
 
 GB = 10**9
+TOPOLOGIES = Path(__file__).parents[1] / "bench" / "topologies"
 
 
 def topo(**kw):
@@ -93,6 +95,34 @@ def test_resources():
     assert s == pytest.approx(0.1) and n == 5 * GB
     s, where, n = transfer_time({(g, 4 + g): 5 * GB for g in range(4)}, topo(nic_mode="stripe", pcie_gbps=200))
     assert where == "node_nic_out of node 0" and n == 20 * GB and s == pytest.approx(0.1)
+
+
+def test_first_nic_mode_sends_a_whole_node_through_one_nic():
+    # two GPUs of node 0 each send 5 GB off the node, 2 NICs of 50 GB/s: "auto" gives each its own NIC,
+    # "first" (gloo on NICs sharing a subnet) puts both on NIC 0; a GPU alone gets one NIC either way
+    sends = {(0, 4): 5 * GB, (1, 5): 5 * GB}
+    s, where, _ = transfer_time(sends, topo(nics_per_node=2))
+    assert s == pytest.approx(0.1) and where.startswith("nic_out of GPU")
+    s, where, n = transfer_time(sends, topo(nics_per_node=2, nic_mode="first"))
+    assert s == pytest.approx(0.2) and where == "node_nic_out of node 0" and n == 10 * GB
+    assert transfer_time({(0, 4): 5 * GB}, topo(nics_per_node=2, nic_mode="first"))[0] == pytest.approx(0.1)
+    assert "first (50 GB/s per GPU)" in topo(nic_mode="first").describe()
+
+
+def test_the_two_nic_cpu_cluster_topology_predicts_gloo_on_one_nic_and_nixl_on_two():
+    t = Topology.from_json(TOPOLOGIES / "cpu-cluster-1gbit-2nic.json")
+    shapes = param_shapes("tiny-llama")
+    src, dst = (
+        layout_from_spec(shapes, parse_spec("fsdp=2", "src")),
+        layout_from_spec(shapes, parse_spec("tp=1,dp=2", "dst")),
+    )
+    got = {p.strategy: p for p in predict(src, dst, t, nixl_nic_mode="auto")}
+    # each trainer rank sends its half to both replicas: over NIXL each through its own NIC, over gloo both
+    # through host a's first NIC, twice as long
+    assert got["p2p"].seconds == pytest.approx(2 * got["nixl"].seconds, rel=0.01)
+    assert got["p2p"].busiest == "node_nic_out of node 0" and got["nixl"].busiest.startswith("nic_")
+    with pytest.raises(TopologyError, match="nixl_nic_mode must be 'auto' or 'stripe', got 'first'"):
+        predict(src, dst, t, nixl_nic_mode="first")
 
 
 def test_broadcast():

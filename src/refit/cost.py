@@ -13,7 +13,9 @@ nvidia-h200-x2 runs):
 - ``nvlink_out`` / ``nvlink_in`` of a GPU: transfers to / from another GPU of its node.
 - ``nic_out`` / ``nic_in`` of a GPU: transfers to / from another node, at one NIC's speed
   (``nic_mode`` "auto": the nearest NIC) or at all the node's NICs' speed capped by the GPU's
-  PCIe link ("stripe"); ``node_nic_out`` / ``node_nic_in``: a node's NICs together.
+  PCIe link ("stripe"); ``node_nic_out`` / ``node_nic_in``: a node's NICs together ("first": the
+  node's first NIC alone, whatever GPU sends: what gloo does on a host whose NICs share a subnet, its
+  connecting TCP sockets binding no address, so that the route table's one NIC carries them all).
 
 Strategies (``predict``):
 - ``broadcast``: one trainer rank sends the whole model (engine dtype) to every engine GPU as a
@@ -86,6 +88,8 @@ from refit.layout import ModelLayout
 from refit.plan.procs import ProcessMap
 from refit.plan.sources import link_bytes
 
+NIC_MODES = ("auto", "stripe", "first")
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -94,11 +98,12 @@ class Topology:
     (``hbm_gbps``: read + write). Defaults: measured H200 numbers, noted per field.
 
     Validated once in ``__post_init__``: every number finite and > 0 (booleans refused), the
-    three counts whole, ``nic_mode`` "auto" or "stripe"; ``TopologyError`` names the topology,
+    three counts whole, ``nic_mode`` "auto", "stripe" or "first"; ``TopologyError`` names the topology,
     the field and the value. ``from_dict`` / ``from_json`` also refuse unknown fields and need
     ``nodes`` and ``gpus_per_node``; ``from_json`` names the topology after its file unless
     the JSON sets ``name``. Derived: ``gpus``, ``node(g)``, ``gpu_nic_gbps`` (one NIC in
-    "auto"; in "stripe" all the node's NICs, capped by ``pcie_gbps``). Frozen.
+    "auto" and "first"; in "stripe" all the node's NICs, capped by ``pcie_gbps``), ``node_nic_gbps``
+    (all the node's NICs; one in "first"). Frozen.
     """
 
     nodes: int
@@ -108,7 +113,7 @@ class Topology:
     hbm_gbps: float = 4292.0  # read + write traffic of one GPU (2x a measured 2146 GB/s on-device copy)
     nics_per_node: int = 8
     nic_gbps: float = 50.0  # one NIC, one direction (400 Gb/s)
-    nic_mode: str = "auto"  # "auto": a GPU uses its nearest NIC; "stripe": all of its node's NICs
+    nic_mode: str = "auto"  # "auto": a GPU uses its nearest NIC; "stripe": all of its node's NICs; "first": NIC 0
     pcie_gbps: float = 55.0  # caps one GPU's traffic to the NICs in stripe mode
     name: str = ""
 
@@ -121,9 +126,9 @@ class Topology:
                 raise TopologyError(f"topology {self.name or '?'}: {f.name} must be a finite number > 0, got {v!r}")
             if f.name in ("nodes", "gpus_per_node", "nics_per_node") and int(v) != v:
                 raise TopologyError(f"topology {self.name or '?'}: {f.name} must be an integer, got {v!r}")
-        if self.nic_mode not in ("auto", "stripe"):
+        if self.nic_mode not in NIC_MODES:
             raise TopologyError(
-                f"topology {self.name or '?'}: nic_mode must be 'auto' or 'stripe', got {self.nic_mode!r}"
+                f"topology {self.name or '?'}: nic_mode must be 'auto', 'stripe' or 'first', got {self.nic_mode!r}"
             )
 
     @classmethod
@@ -162,6 +167,11 @@ class Topology:
         if self.nic_mode == "stripe":
             return min(self.pcie_gbps, self.nics_per_node * self.nic_gbps)
         return self.nic_gbps
+
+    @property
+    def node_nic_gbps(self) -> float:
+        """The network speed of one node's NICs together, one direction (one NIC's in "first")."""
+        return self.nic_gbps if self.nic_mode == "first" else self.nics_per_node * self.nic_gbps
 
     def describe(self) -> str:
         """One line: the shape and the speeds."""
@@ -213,8 +223,8 @@ def loads(
         "nvlink_in": topo.nvlink_gbps,
         "nic_out": topo.gpu_nic_gbps,
         "nic_in": topo.gpu_nic_gbps,
-        "node_nic_out": topo.nics_per_node * topo.nic_gbps,
-        "node_nic_in": topo.nics_per_node * topo.nic_gbps,
+        "node_nic_out": topo.node_nic_gbps,
+        "node_nic_in": topo.node_nic_gbps,
     }
     return {k: v / (speed[k[0]] * 1e9) for k, v in b.items()}, dict(b)
 
@@ -513,7 +523,9 @@ def predict(
         )
         out.append(Prediction("delta", td, where, n, note))
     if nixl_nic_mode is not None:
-        nic_topo = replace(topo, nic_mode=nixl_nic_mode)  # validated again: "auto" or "stripe"
+        if nixl_nic_mode not in ("auto", "stripe"):  # UCX binds each NIC it uses: never "first"
+            raise TopologyError(f"nixl_nic_mode must be 'auto' or 'stripe', got {nixl_nic_mode!r}")
+        nic_topo = replace(topo, nic_mode=nixl_nic_mode)
         t, where, n = transfer_time(p2p_transfers(src, dst, nic_topo, colocated), nic_topo)
         note = f"refit's plan pulled through NIXL, NICs {nixl_nic_mode} ({nic_topo.gpu_nic_gbps:g} GB/s per GPU)"
         out.append(Prediction("nixl", t, where, n, note))
