@@ -8,8 +8,9 @@ never ran a parallel region, so a forked child is as safe as a spawned one and s
 
 What a child sees is what ``spawn`` would have given it: the caller's ``sys.path`` and working directory
 (multiprocessing's preparation data, as for spawn) and the caller's environment at the call (``_in_env``; a
-forkserver's children would otherwise inherit the server's). The server is this module's own, not the one
-``refit.tools.launch`` forks trainer ranks from, so refit's ranks never carry vLLM.
+forkserver's children would otherwise inherit the server's). A child starts its own vLLM processes (an engine
+core's workers) through the same server. The server is this module's own, not the one ``refit.tools.launch`` forks
+trainer ranks from, so refit's ranks never carry vLLM.
 
 ``start_script`` runs a script that starts engines of its own (an example, as a user runs it) as ``__main__`` in a
 process forked from the server, and its engines' processes fork from the same server: in a fresh interpreter the
@@ -47,9 +48,12 @@ _SERVER.set_forkserver_preload(PRELOAD)
 
 
 def _in_env(env: dict[str, str], target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``target`` with the environment the caller had when it started the process."""
+    """Run ``target`` with the environment the caller had when it started the process, the processes it starts
+    for vLLM (an engine core's workers) forked from the server too."""
     os.environ.clear()
     os.environ.update(env)
+    _share_server()
+    use()
     return target(*args, **kwargs)
 
 
@@ -107,8 +111,6 @@ def start_script(
 def _run_script(script: str, argv: list[str], env: dict[str, str], out: str, err: str | None, cwd: str | None):
     os.environ.clear()
     os.environ.update(env)
-    _share_server()
-    use()
     if cwd is not None:
         os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
