@@ -24,12 +24,10 @@ Not run: a verl PPO/GRPO training step (``update_actor`` / ``compute_log_prob`` 
 rollout engine's generation (verl's replicas start vLLM/SGLang servers on GPUs).
 
 Cost: about 90 CPU-s beyond the verl import every test worker pays at collection (Ray's processes, and one trainer
-rank and two rollout workers each importing torch and verl), so it runs where ``REFIT_VERL_WORKERS=1``.
+rank and two rollout workers each importing torch and verl).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -38,14 +36,7 @@ ray = pytest.importorskip("ray")
 
 from .examples import load_example  # noqa: E402
 
-pytestmark = [
-    pytest.mark.multiproc,
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        os.environ.get("REFIT_VERL_WORKERS") != "1",
-        reason="about 90 CPU-s (Ray and 3 actors importing torch and verl): set REFIT_VERL_WORKERS=1 to run it",
-    ),
-]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
 STEPS, N_TRAINER, ROLLOUT_TP = 2, 1, 2
 
