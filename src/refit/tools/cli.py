@@ -263,6 +263,13 @@ def _cluster(args, console, topo, src, dst, shapes, src_l, dst_l, t0: float) -> 
         one = _dst_layout(args, shapes, dst.replica())
         _, one = _fp8(src_l, one, args)
     src_l, dst_l = _fp8(src_l, dst_l, args)
+    if replicas > 1:  # the fan-out rows plan every wave as Fanout does: long for a large model
+        print(
+            f"refit plan: planning the fan-out waves to {replicas} replicas as Fanout would "
+            f"({dst_l.nbytes / 1e9:.1f} GB; tens of seconds for a model of hundreds of GB)",
+            file=sys.stderr,
+            flush=True,
+        )
     preds = predict(
         src_l,
         dst_l,
