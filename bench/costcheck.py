@@ -15,7 +15,7 @@ import json
 import sys
 
 from refit.cost import Topology, broadcast_time, p2p_transfers, transfer_time
-from refit.fanout import wave_schedule
+from refit.fanout_waves import wave_schedule
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec

@@ -23,8 +23,8 @@ from refit.cost import (
 )
 from refit.delta.rule import LINKS, prefer_words
 from refit.delta.wire import wire_sizes
-from refit.fanout import waves_for
 from refit.fanout_relay import chunk_bytes_for
+from refit.fanout_waves import waves_for
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec

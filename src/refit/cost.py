@@ -46,7 +46,7 @@ Strategies (``predict``):
   scatters them (``scatter``, plus ``NIXL_PAIR_S`` per pair that pulls a delta: the sealed record, one READ).
 - ``fanout``: waves (``refit.fanout``) — the engine replicas that hold the version become sources; with the
   trainer as one more source group, the number of holders doubles per wave (ceil(log2(R + 1)) waves). Each wave
-  is the plan ``Fanout`` builds for it (``refit.fanout.waves_for``: sources the trainer ranks and the replicas
+  is the plan ``Fanout`` builds for it (``refit.fanout_waves.waves_for``: sources the trainer ranks and the replicas
   that hold the version, the planner's own choice among them, which balances bytes per sending rank, not per
   node), placed on GPUs (``fanout_gpus``: each replica on nodes of its own after the trainer's where the
   topology has them, as the relay's; else packed after the trainer's GPUs, as the p2p row's engine ranks). A
@@ -82,8 +82,8 @@ from refit.delta.rule import (
 )
 from refit.delta.wire import INDEX_BYTES, wire_bytes
 from refit.errors import TopologyError
-from refit.fanout import waves_for
 from refit.fanout_relay import chunk_bytes_for, relay_parents
+from refit.fanout_waves import waves_for
 from refit.layout import ModelLayout
 from refit.plan.procs import ProcessMap
 from refit.plan.sources import link_bytes
@@ -416,7 +416,7 @@ def fanout_gpus(n_src: int, nr: int, replicas: int, topo: Topology, colocated: b
 def wave_transfers(
     src: ModelLayout, replica: ModelLayout, topo: Topology, trainer_gpus: tuple[int, ...], replica_gpus: list
 ) -> list[dict[tuple[int, int], int]]:
-    """(source GPU, destination GPU) -> bytes of each wave of a fan-out in waves (``refit.fanout.waves_for``, the
+    """(source GPU, destination GPU) -> bytes of each wave of a fan-out in waves (``refit.fanout_waves.waves_for``, the
     plans ``Fanout`` runs): trainer rank ``r`` on GPU ``trainer_gpus[r]``, rank ``r`` of replica ``j`` on
     ``replica_gpus[j][r]``; every rank its own process, each process's device its GPU's (so the planner prefers a
     holder on the receiver's GPU as it does on a colocated cluster)."""
