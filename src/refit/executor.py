@@ -33,7 +33,7 @@ import torch.distributed as dist
 from refit.binding import LocalTensors
 from refit.comms import Comms
 from refit.config import TransferConfig
-from refit.cudart import free_stream, join_events, joined, private_stream
+from refit.cudart import current_stream, device_index, free_stream, idle, join_events, joined, private_stream
 from refit.delta.schedule import DeltaSchedule, DeltaStats
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages
@@ -111,13 +111,9 @@ class Executor:
         self.local = [(local.dst_view(p.tensor, p.box), local.src_view(p.tensor, p.box)) for p in plan.local_of(proc)]
         uses_ipc = any(m.transport == "ipc" for m in plan.messages)
         self.ipc = IpcLink.open(plan, proc, local, comms.store, config, self.device, prepare) if uses_ipc else None
-        uses_nixl = any(
-            m.transport == "nixl" and proc in (plan.procs.src[m.src], plan.procs.dst[m.dst]) for m in plan.messages
-        )
+        uses_nixl = "nixl" in plan.transports_of(proc)
         self.nixl = NixlLink.open(plan, proc, local, comms.store, config) if uses_nixl else None
-        moved = [(plan.procs.src[m.src], plan.procs.dst[m.dst], sum(p.nbytes for p in m.pieces)) for m in plan.messages]
-        self.bytes_sent = sum(n for s, _, n in moved if s == proc)
-        self.bytes_received = sum(n for _, d, n in moved if d == proc)
+        self.bytes_sent, self.bytes_received = plan.link_bytes_of(proc)
         self.bytes_local = sum(p.nbytes for p in plan.local_of(proc))
         # every refit's device work runs on this stream, never on the caller's: an engine generating on its own
         # stream while a version is staged is not queued behind the pulls, nor waited for beyond the pass in flight
@@ -129,6 +125,7 @@ class Executor:
         # what every refit reads, fixed at setup: the stages, and the event a bounded wait for the device polls
         self._stage_names = self.ipc.stage_names if self.ipc is not None else ipc_stages(plan, 1)
         self._done, self._join = (torch.cuda.Event(), join_events()) if self.cuda else (None, None)
+        self._index, self._settled = device_index(self.device), False  # settled: the run waited for all it queued
         self.stamps: list[tuple[str, float]] | None = None  # a list: each run's phases are stamped into it
 
     # ------------------------------------------------------------ what setup built
@@ -184,7 +181,10 @@ class Executor:
         caller's stream and before what the caller queues next (on CPU: nothing). ``run`` uses it, and so
         does work on what a run left behind (the delta base's deferred updates read the live source
         tensors: the trainer's next step must come after them)."""
-        return joined(self.stream, self.device, self._join) if self.stream is not None else contextlib.nullcontext()
+        self._settled = False
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return joined(self.stream, self.device, self._join, lambda: self._settled)
 
     def _run(
         self,
@@ -220,6 +220,7 @@ class Executor:
                 self.ipc.enqueue_sums()  # behind the pulls, before the wait: no idle gap
             self._stamp("enqueued")
             self._sync_device(clock)
+            self._settled = self.nixl is None  # NIXL's finish may queue more (its reads, a delta's scatter)
             self._stamp("device done")
             self.p2p.check_sums()
             if self.ipc is not None:
@@ -279,8 +280,8 @@ class Executor:
     def _sync_device(self, clock: RunClock) -> None:
         """Wait for this GPU's work until the deadline (the host never blocks inside CUDA past it); the current
         stream only (an engine's passes on other streams are not waited for). Nothing pending: no GPU round trip."""
-        stream = torch.cuda.current_stream(self.device)
-        if (done := stream.query()) or not clock.bounded:
+        stream = current_stream(self._index)
+        if (done := idle(stream)) or not clock.bounded:
             return None if done else stream.synchronize()
         self._done.record(stream)
         clock.watch(self._done.query, lambda: "GPU work of the refit (NCCL transfers or IPC pulls)")

@@ -194,6 +194,16 @@ class Plan:
     def local_of(self, proc: int) -> list[Piece]:
         return [p for p in self.local if self.procs.dst[p.dst] == proc]
 
+    def link_bytes_of(self, proc: int) -> tuple[int, int]:
+        """Bytes process ``proc`` sends and receives over links (P2P, IPC, NIXL) in one refit."""
+        src, dst = self.procs.src, self.procs.dst
+        sent = sum(p.nbytes for m in self.messages if src[m.src] == proc for p in m.pieces)
+        return sent, sum(p.nbytes for m in self.messages if dst[m.dst] == proc for p in m.pieces)
+
+    def transports_of(self, proc: int) -> set[str]:
+        """The transports of the messages process ``proc`` sends or receives."""
+        return {m.transport for m in self.messages if proc in (self.procs.src[m.src], self.procs.dst[m.dst])}
+
 
 # ---------------------------------------------------------------------------- digest
 # The digest reads the plan column by column (one attribute of every message or piece at a time) through

@@ -174,6 +174,11 @@ class PieceSums:
         """How many pieces the Triton kernel does (the rest: torch)."""
         return 0 if self.kernel is None else self.kernel.entries
 
+    def warm(self) -> None:
+        """Compile the Triton kernel ``run`` launches, running nothing (before a CUDA graph records ``run``)."""
+        if self.kernel is not None:
+            self.kernel.launch(self.out, warm=True)
+
     def run(self) -> None:
         if self.slots.numel():
             self.out.index_fill_(0, self.slots, 0)

@@ -312,10 +312,12 @@ class SumLaunch:
             kinds.setdefault((r[1] != 0, 0 if r[3] == DENSE else 1 if r[3] >= self.block else 2), []).append(r)
         self.groups = {k: _Group(rs, self.block * self.steps, self.device) for k, rs in sorted(kinds.items())}
 
-    def launch(self, out: torch.Tensor) -> None:
+    def launch(self, out: torch.Tensor, warm: bool = False) -> None:
+        """``warm``: compile what a launch runs and run nothing (an empty grid), e.g. before a CUDA graph
+        records the launch (a capture must not load a module)."""
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             for (copy, rows), g in self.groups.items():
-                _sum_kernel[(g.programs,)](
+                _sum_kernel[(0 if warm else g.programs,)](
                     g.meta,
                     g.chunks,
                     out,

@@ -251,32 +251,40 @@ class IpcPuller:
             current.wait_stream(stream)
 
     def capture(self) -> None:
-        """Record every copy of a pull (not ``fused``) into one CUDA graph (setup): a pull is then one
-        launch instead of hundreds of host calls (3-5 us each, which the GPU otherwise waits for)."""
+        """Record every copy of a pull, and the ``fused`` checksum work beside them, into one CUDA graph (setup):
+        a pull is then one launch instead of hundreds of host calls (3-5 us each, which the GPU otherwise waits
+        for; a Triton launch is tens of us). Copies from a peer GPU run on its streams, joined into the graph."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
+            for work in self.fused:
+                work.warm()
             for _, stream, _ in self.lanes:
                 torch.cuda.synchronize(stream.device)
             with torch.cuda.graph(graph):
-                self._issue()
+                self._run_fused(self._issue)
         self.graph = graph
 
-    def pull(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Enqueue the copies on ``stream`` (default: the current stream of the device)."""
-        current = stream if stream is not None else torch.cuda.current_stream(self.device)
-        if self.fused:  # beside the copies: it waits for what the current stream has queued
+    def _run_fused(self, copies: Callable[[], None]) -> None:
+        """``copies()``, with the ``fused`` checksum work beside them on its stream (it waits for what the
+        current stream has queued, and the current stream for it)."""
+        current = torch.cuda.current_stream(self.device)
+        if self.fused:
             self.fused_stream.wait_stream(current)
             with torch.cuda.stream(self.fused_stream):
                 for work in self.fused:
                     work.run()
-        if self.graph is not None:  # one runtime call (the replay's device guard and bookkeeping: 10-15 us more)
-            if not launch(self.graph, current.cuda_stream):
-                with torch.cuda.device(self.device):
-                    self.graph.replay()
-        elif self.lanes:
-            self._issue()
+        copies()
         if self.fused:
             current.wait_stream(self.fused_stream)
+
+    def pull(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue the copies on ``stream`` (default: the current stream of the device)."""
+        current = stream if stream is not None else torch.cuda.current_stream(self.device)
+        if self.graph is not None:  # one runtime call (the replay's device guard and bookkeeping: 10-15 us more)
+            _launch(self.graph, current)
+            return
+        with torch.cuda.stream(current):
+            self._run_fused(self._issue if self.lanes else lambda: None)
 
     def close(self) -> None:
         """Drop the graph and the copies and free this puller's streams (queued work still finishes)."""
@@ -303,6 +311,12 @@ class IpcPuller:
                     best = min(best, time.perf_counter() - t0)
                 out[f"{label}/{kind}"] = (len(sel), sum(c[1] for c in sel), best)
         return out
+
+
+def _launch(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+    if not launch(graph, stream.cuda_stream):
+        with torch.cuda.stream(stream):
+            graph.replay()
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, mapped source view)
@@ -394,17 +408,21 @@ def _captured_puller(
     )
     for job in on_pull:
         job.warm()
-    if puller.lanes and config.cuda_graph:
-        try:
-            puller.capture()
-        except RuntimeError as e:  # speed only: the same copies are issued one by one
-            warnings.warn(
-                f"refit: rank {proc}: recording the IPC pull into a CUDA graph failed ({e}); "
-                "issuing its copies one by one (set TransferConfig.cuda_graph=False to skip)",
-                stacklevel=2,
-            )
-            puller.graph = None
+    if (puller.lanes or puller.fused) and config.cuda_graph:
+        _try_capture(puller.capture, proc, "the IPC pull")
     return puller
+
+
+def _try_capture(capture: Callable[[], None], proc: int, what: str) -> None:
+    """``capture()`` (speed only): on failure warn; the owner's graph stays None and its work is issued call by call."""
+    try:
+        capture()
+    except RuntimeError as e:
+        warnings.warn(
+            f"refit: rank {proc}: recording {what} into a CUDA graph failed ({e}); issuing its work call by call "
+            "(set TransferConfig.cuda_graph=False to skip)",
+            stacklevel=3,
+        )
 
 
 class IpcSums:
@@ -457,6 +475,8 @@ class IpcSums:
         self.side = {d: self.owned.new(d) for d in self.src_sums if d != device}
         self.slots = {d: self.src_sums[d].slots.to(device) for d in self.side}  # what each peer GPU sums
         self.verdict: torch.Tensor | None = None  # (mismatch?, first such slot) once ``enqueue`` ran
+        self.graph: torch.cuda.CUDAGraph | None = None  # ``capture``: enqueue's work, the verdict to pinned memory
+        self._host: torch.Tensor | None = None
 
     def fuses(self, pair: Pair) -> bool:
         """Whether the fused kernel copies ``pair`` (the puller then leaves it out)."""
@@ -467,12 +487,37 @@ class IpcSums:
         the stage's same-GPU pieces, then the re-read of their sources."""
         return [w for w in (self.fused[stage], self.reread[stage]) if w is not None]
 
+    def capture(self) -> None:
+        """Record ``enqueue``'s work into a CUDA graph (setup), where it runs on this GPU alone (no peer GPU's
+        sources) and the Triton kernel sums every piece: one launch a refit instead of a dozen, the verdict
+        copied into pinned host memory that ``check`` reads after the caller's wait without a CUDA call."""
+        sums = [ps for ps in (self.dst_sums, *self.src_sums.values()) if ps is not None]
+        if not self.names or self.side or any(ps.fallback for ps in sums):
+            return
+        for ps in sums:
+            ps.warm()
+        host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.graph(graph):
+                self._enqueue()
+                host.copy_(self.verdict, non_blocking=True)
+        self.graph, self._host, self.verdict = graph, host, None
+
     def enqueue(self) -> None:
         """After the last stage's pull: sum the pieces not fused at both ends (destinations and this GPU's
         sources on the current stream, a peer GPU's sources on a side stream there) and compare every
         piece into ``verdict`` on the current stream (no host sync)."""
         if not self.names:  # pulls nothing (a source process)
             return
+        if self.graph is not None:
+            _launch(self.graph, torch.cuda.current_stream(self.device))
+            self.verdict = self._host
+            return
+        self._enqueue()
+
+    def _enqueue(self) -> None:
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for side in self.side.values():  # after the pulls (the peer copies are ordered before this point),
             side.wait_stream(current)  # not after the destination sums: both ends are summed at once
@@ -502,8 +547,10 @@ class IpcSums:
             return
         if self.verdict is None:
             self.enqueue()
+            if self.graph is not None:  # its verdict lands in pinned memory: wait for it
+                torch.cuda.current_stream(self.device).synchronize()
         verdict, self.verdict = self.verdict, None
-        flag, i = verdict.tolist()
+        flag, i = verdict.tolist()  # pinned host memory (``capture``): no CUDA call
         if flag:
             raise ChecksumError(
                 f"checksum mismatch in tensor {self.names[i]!r} pulled over CUDA IPC: "
@@ -570,6 +617,8 @@ class IpcLink:
                 skipped = ipc_quant.publish(plan, proc, store, config.name, prepare, config.checksums)
             jobs = _on_pull_jobs(plan, proc, store, config, named)
         sums = IpcSums(checked, device, len(stages)) if config.checksums else None
+        if sums is not None and config.cuda_graph:
+            _try_capture(sums.capture, proc, "the IPC checksums' comparison")
         pullers = []
         replaced = {id(p) for stage in jobs.values() for _, *ps in stage for p in ps}  # a scale's stage may differ
         for i, (same, peer) in enumerate(pairs):
