@@ -15,7 +15,7 @@ from refit.layout import LayoutError
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
-from refit.quant.mx import quantize_mxfp8, quantize_nvfp4
+from refit.quant.mx import AMAX_FLOOR, quantize_mxfp8, quantize_nvfp4
 from refit.quant.mx_layout import MXFP8, NVFP4, block_scale_name, global_scale_name, mx_layout, mx_names
 from refit.quant.mx_quantizer import MxQuantizer, shared_scale_2
 from refit.tools.cli import main
@@ -218,3 +218,110 @@ def test_nvfp4_global_scale_is_shared_where_vllm_fuses_and_staged_refits_need_ag
         quantizer({name})  # a second staged quantization without a new agreement
     with pytest.raises(LayoutError, match=r"pass group="):
         MxQuantizer(mx_layout(_layout(None, "fsdp=2", shapes=ODD), NVFP4), 0, live, NVFP4)
+
+
+def _ulps(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Non-negative float32 ``x`` moved ``k`` float32 steps (up for k > 0, infinity at most), through its bits."""
+    return (x.view(torch.int32) + k.to(torch.int32)).clamp(0, 0x7F800000).view(torch.float32)
+
+
+def _near_bounds(d: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """float32 values around d * (each E2M1 threshold and each exact bound of ``E2M1_BOUNDS``), 0-3 steps off
+    either way, random signs: one per element of ``d``."""
+    from refit.quant.mx import _E2M1_UP, E2M1_BOUNDS
+
+    ts = torch.tensor([t for t, _ in _E2M1_UP] + [b for b, _ in E2M1_BOUNDS], dtype=F64)
+    pick = ts[torch.randint(len(ts), d.shape, generator=g)]
+    x = (d.double().abs() * pick).float()
+    x = _ulps(x, torch.randint(-3, 4, d.shape, generator=g))
+    return torch.where(torch.rand(d.shape, generator=g) < 0.5, -x, x)
+
+
+def _near_miss_divisors(b: float, n: int, g: torch.Generator) -> torch.Tensor:
+    """n float32 divisors ``d`` (normal, random exponents) with ``b * d`` within 1..512 units of its 49th
+    significant bit of a float32 ``x`` (``RN32(b * d)``): ``x / d`` is then within 2**-40 of ``b`` relatively,
+    closer than random values ever land. ``b``'s odd significand ``m_b`` (25 bits) is invertible modulo 2**25:
+    ``m_d = c / m_b mod 2**25`` gives ``m_b * m_d = k * 2**25 + c``."""
+    m_b, den = b.as_integer_ratio()
+    inv = pow(m_b, -1, 1 << 25)
+    ms = [m for c in range(-512, 513) if c and (1 << 23) <= (m := c * inv % (1 << 25)) < (1 << 24)]
+    pick = torch.tensor(ms, dtype=F64)[torch.randint(len(ms), (n,), generator=g)]
+    return (pick * torch.pow(2.0, torch.randint(-100, 60, (n,), generator=g).double())).float()
+
+
+def _some_floats(n: int, g: torch.Generator, lo: int = -149, hi: int = 127) -> torch.Tensor:
+    """n positive float32 values with random mantissas and exponents 2**lo .. 2**hi (subnormals below -126)."""
+    return (torch.rand(n, generator=g, dtype=F64) + 1) * torch.pow(
+        2.0, torch.randint(lo, hi, (n,), generator=g).double()
+    )
+
+
+def nvfp4_adversarial(rows: int, blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x float32 [rows, 16 * blocks], weight_scale_2 float32 [rows]) for NVFP4's element arithmetic: weight
+    scales 1e-12 / 2688 (the floor) to float32's largest / 448 (block divisors near float32's largest, elements
+    that overflow to infinity; no NaN: the kernels' block maxima skip NaN where torch's keep it), each block's largest
+    element at 2**-12 .. 2**10 times 6 * scale (E4M3 block scales subnormal, normal, clamped at 448), the others
+    within 3 float32 steps of the block's divisor times a rounding threshold or exact bound, and blocks of zeros
+    (signed), float32 subnormals and infinities."""
+    from refit.quant.mx import _blocks, nvfp4_block_scales
+
+    g = torch.Generator().manual_seed(seed)
+    from refit.quant.mx import E2M1_BOUNDS
+
+    s2 = _some_floats(rows, g, -60, 60).float()
+    s2[::7] = AMAX_FLOOR / 2688
+    s2[1::11] = torch.finfo(torch.float32).max / 448 * _some_floats(len(s2[1::11]), g, -12, -1).float()
+    m = (s2.double()[:, None] * 6 * _some_floats(rows * blocks, g, -12, 10).reshape(rows, blocks)).float()
+    near = torch.arange(rows) % 5 == 4  # rows whose weight scale is a near-miss divisor, block scales 1.0
+    j = torch.randint(len(E2M1_BOUNDS), (rows,), generator=g)
+    for i in near.nonzero().flatten().tolist():
+        s2[i] = _near_miss_divisors(E2M1_BOUNDS[j[i]][0], 1, g)[0]
+        m[i] = s2[i] * 6  # amax / (6 * scale) is 1 exactly: the divisor is the scale itself
+    x = torch.zeros(rows, blocks, 16)
+    x[..., 0] = m
+    _, d = nvfp4_block_scales(x.unsqueeze(1), s2)
+    d = d.reshape(rows, blocks, 1).expand(rows, blocks, 15)
+    x[..., 1:] = _near_bounds(d, g)
+    b = torch.tensor([b for b, _ in E2M1_BOUNDS], dtype=F64)[j][:, None, None]
+    at = _ulps((d.double() * b).float(), torch.randint(-1, 2, d.shape, generator=g))
+    x[..., 1:] = torch.where(near[:, None, None] & (torch.rand(d.shape, generator=g) < 0.5), at, x[..., 1:])
+    x = x.reshape(rows, blocks * 16)
+    x[2::13, :16] = torch.tensor([0.0, -0.0] * 8)
+    x[3::13, :16] = _some_floats(16, g, -149, -126).float() * torch.tensor([1.0, -1.0] * 8)
+    x[4::13, 16:32] = torch.tensor([math.inf, -math.inf, 1.0, -0.0] * 4)
+    assert _blocks(x, 16).shape == (rows, blocks, 16)
+    return x, s2
+
+
+def test_nvfp4_codes_without_division_equal_the_divided_ones():
+    """The kernels' arithmetic (``e2m1_codes_exact``: |x| against exact bounds times d, no division) gives the
+    codes of RN32(x / d) on 4.2 million values: every threshold and bound +- 3 float32 steps for divisors across
+    float32 (subnormal, huge, 0, infinite, NaN), random values, zeros, subnormals, infinities, NaN; and NVFP4's
+    whole bytes (block scales from the weight scale) equal on adversarial blocks."""
+    from refit.quant.mx import E2M1_BOUNDS, e2m1_codes, e2m1_codes_exact
+
+    g = torch.Generator().manual_seed(52)
+    n = 1 << 21
+    d = _some_floats(n, g).float()
+    d[:64] = torch.tensor(
+        [0.0, -0.0, math.inf, math.nan, torch.finfo(torch.float32).max, 2.0**-149, 2.0**-126, 1.0] * 8
+    )
+    x = torch.cat([_near_bounds(d, g), (_some_floats(n, g) * torch.sign(torch.randn(n, generator=g))).float()])
+    d = torch.cat([d, _some_floats(n, g).float()])
+    for b, _ in E2M1_BOUNDS:  # quotients within 2**-40 of each bound, either side
+        dn = _near_miss_divisors(b, 1 << 15, g)
+        xn = _ulps((dn.double() * b).float(), torch.randint(-1, 2, dn.shape, generator=g))
+        x, d = torch.cat([x, xn, -xn]), torch.cat([d, dn, dn])
+    x[:4096] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 2.0**-149, -(2.0**-140), 6.0] * 512)
+    want = e2m1_codes(torch.where(d == 0, 0.0, x / d), x < 0)
+    got = e2m1_codes_exact(x, d)
+    bad = (got != want).nonzero()
+    assert not len(bad), [(x[i].item(), d[i].item(), got[i].item(), want[i].item()) for i in bad[:5].flatten()]
+    assert len(torch.unique(want & 7)) == 8  # every magnitude code met
+    x, s2 = nvfp4_adversarial(4096, 16, 7)
+    w = x.unsqueeze(1)  # one weight scale a row
+    q, s = quantize_nvfp4(w, s2)
+    q2, s_2 = quantize_nvfp4(w, s2, divide=False)
+    assert torch.equal(q, q2) and torch.equal(s.view(torch.uint8), s_2.view(torch.uint8))
+    codes = torch.stack((q & 0xF, q >> 4), -1)
+    assert len(torch.unique(codes)) == 16 and len(torch.unique(s.view(torch.uint8))) > 100
