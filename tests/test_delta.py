@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from interpreter import assert_all_ok_in_interpreter, needs_triton
 from refit.config import TransferConfig
 from refit.delta.chunks import plan_may_pay
-from refit.delta.elements import apply_changes, check_indices, check_indices_many, find_changes
+from refit.delta.elements import apply_changes, bits, check_indices, check_indices_many, find_changes
 from refit.delta.header import QUIET_MAX, announced, check_header, exchange_held
 from refit.delta.payload import word_parts
 from refit.delta.rule import (
@@ -897,3 +897,43 @@ def test_word_kernels_on_cuda_equal_the_torch_path_in_one_launch_for_many_pieces
                 b.copy_(c)
     bad = torch.tensor([0, 5, words_in(curs[1])], dtype=torch.int32, device="cuda")
     assert not check_words_many([(bad, words_in(curs[1]))])
+
+
+def test_host_sparse_deltas_are_checked_before_any_is_written_and_scatter_as_apply_changes_does():
+    """``host_sparse`` (a NIXL receiver's sparse deltas into host memory, through numpy): the same result as
+    ``apply_changes`` for every element size; an index outside its piece, in any message, is refused naming that
+    message before any message is written; other deltas are left for ``apply_received``."""
+    from refit.delta.ops import DeltaOp
+    from refit.delta.receive import host_sparse, scatter_host
+
+    gen = torch.Generator().manual_seed(11)
+
+    def received(dtype, k, bad=None):
+        view = torch.randn(12, 10, generator=gen).to(dtype)
+        idx = torch.randperm(view.numel(), generator=gen)[:k].sort().values
+        values = torch.randn(k, generator=gen).to(dtype)
+        payload = torch.empty(wire_bytes("sparse", view.numel(), k, view.element_size()), dtype=torch.uint8)
+        encode("sparse", view.numel(), idx.to(torch.int32), values, payload)
+        if bad is not None:
+            payload[:4].view(torch.int32)[0] = bad
+        op = _Op(peer=2, tag=0, tensor=view, pack=[], names=("w",), step=0)
+        d = DeltaOp(op, [view], [], LINKS["cpu"], torch.empty(0), payload=payload, kind="sparse", changes=[k])
+        want = view.clone()
+        apply_changes(want, idx, values)
+        return d, want
+
+    dtypes = (torch.bfloat16, torch.float32, torch.uint8, torch.float64)
+    ops = [received(dt, k) for dt in dtypes for k in (0, 1, 17)]
+    words = DeltaOp(ops[0][0].op, [torch.zeros(8)], [], LINKS["cpu"], torch.empty(0), kind="words", changes=[1])
+    items, rest = host_sparse([d for d, _ in ops] + [words])
+    assert rest == [words] and len(items) == len(ops)
+    scatter_host(items)
+    for d, want in ops:
+        assert torch.equal(bits(d.views[0]), bits(want))
+    for bad in (-1, 120):
+        ok, _ = received(torch.bfloat16, 5)
+        before = ok.views[0].clone()
+        wrong, _ = received(torch.bfloat16, 5, bad=bad)
+        with pytest.raises(DeltaError, match=f"process 2 .*delta index {bad} is outside the piece's 120 elements"):
+            host_sparse([ok, wrong])
+        assert torch.equal(bits(ok.views[0]), bits(before))

@@ -168,6 +168,7 @@ def test_sources_stage_short_run_pieces_in_rounds_within_the_budget():
 
 
 def test_only_a_signed_announcement_of_this_run_ends_a_wait():
+    import threading
     import warnings
 
     import torch.distributed as dist
@@ -182,23 +183,30 @@ def test_only_a_signed_announcement_of_this_run_ends_a_wait():
     link.runs = 2
     key = "t/nixl/refit-0-x/ready"
 
-    def waits() -> bool:
+    def waits(block: bool) -> bool:
         try:
-            link._wait_for(key, RunClock(time.monotonic() + 0.2), lambda: "process 0 announcing its tensors")
+            link._wait_for(key, RunClock(time.monotonic() + 0.2), lambda: "process 0 announcing its tensors", block)
         except DeadlineExceeded as e:
             assert "process 0 announcing its tensors" in str(e) and key in str(e)
             return True
         return False
 
-    assert waits()  # nothing there
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        store.raw.set(key, b"refit1." + b"ab" * 32 + b".2")  # a stranger's forgery
-        assert waits() and store.rejected[key] == 1
-    store.put(key, 1)  # a real announcement, of the run before (a replay)
-    assert waits()
-    store.put(key, 2)
-    assert not waits()
+    for block in (False, True):  # polling, and blocking on the store between reads (a receiver's wait)
+        store.raw.delete_key(key)
+        assert waits(block)  # nothing there
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            store.raw.set(key, b"refit1." + b"ab" * 32 + b".2")  # a stranger's forgery
+            assert waits(block) and store.rejected[key] == 1
+        store.put(key, 1)  # a real announcement, of the run before (a replay)
+        assert waits(block)
+        store.put(key, 2)
+        assert not waits(block)
+        store.raw.delete_key(key)
+        later = threading.Timer(0.05, store.put, (key, 2))  # written while the wait is on: it ends it
+        later.start()
+        assert not waits(block)
+        later.join()
 
 
 def test_plans_mark_nixl_links_and_auto_uses_them_only_between_hosts():

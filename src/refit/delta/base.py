@@ -45,6 +45,7 @@ class SourceBase:
         self.packed_bytes = 0  # their buffers' bytes, held until they are applied (``_apply_packed``)
         self.budget = budget  # the packed payload bytes held at most (one buffer over it is applied alone)
         self.updating: torch.device | None = None  # a CUDA device with packed updates on its "update" stream
+        self.later: list | None = None  # ``hold``: the updates of unshared messages, applied by ``settle``
 
     def update(self, message: int, updates: list, words: bool = False) -> None:
         """``(base view, indices or None, values or the live view)`` of message ``message``'s pieces; ``words``:
@@ -53,10 +54,25 @@ class SourceBase:
         updates = [(b, i, x, words) for b, i, x in updates]
         if message in self.shared:
             self.pending += [(b, i, x, w) if i is None else (b, i.clone(), x.clone(), w) for b, i, x, w in updates]
+        elif self.later is not None:
+            self.later += updates
         elif words:
             self.queued += updates  # one scatter for a find batch's word updates (``flush``)
         else:
             _update(updates)
+
+    def hold(self) -> None:
+        """From now until ``settle``, ``update`` keeps the updates of unshared messages instead of applying them
+        (their changes are kept alive, not copied: host memory, where the find's results are arrays of their
+        own). A NIXL source holds them while it stages and applies them once it has announced, while its
+        receivers read: the base is read again only by the next refit's find."""
+        self.later = []
+
+    def settle(self) -> None:
+        """Apply the updates ``hold`` kept (one scatter for the word changes); ``update`` applies again."""
+        later, self.later = self.later, None
+        if later:
+            _update(later)
 
     def defer_found(self, found: tuple, bases: list) -> None:
         """The base update of a shared message sent as words by address (``found`` = ``(Found, a, b)``, its
@@ -106,6 +122,7 @@ class SourceBase:
 
     def commit(self, version: int) -> None:
         """The run of ``version`` succeeded: the deferred updates, then the base holds ``version``."""
+        self.settle()
         self.flush(final=True)
         self.join()
         _update(self.pending)
@@ -114,6 +131,7 @@ class SourceBase:
     def fail(self) -> None:
         """The run failed: the base may be part new; the next refit sends dense and rebuilds it."""
         self.pending, self.queued, self.packed, self.packed_bytes, self.version = [], [], [], 0, None
+        self.later = None
 
 
 def _update(updates: list) -> None:

@@ -20,6 +20,8 @@ changes travel is ``refit.delta.wire``; 64-bit words instead of elements, ``refi
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -101,8 +103,8 @@ def _find_host(
     per = 8 // cur.element_size()
     bw, cw = (t.reshape(-1).view(torch.int64).numpy() for t in (base, cur))
     ce = bits(cur).reshape(-1).numpy()
-    step = max(1, chunk_bytes // 8)
-    changed = np.empty(min(step, len(cw)), dtype=bool)
+    step = max(1, min(chunk_bytes // 8, SCRATCH_WORDS))
+    changed = _scratch()
     found = []
     for s in range(0, len(cw), step):
         n = min(step, len(cw) - s)
@@ -120,6 +122,18 @@ def _find_host(
         idx.append((words[at >> shift] << shift) + (at & (per - 1)))
     i = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
     return from_numpy(i), from_numpy(np.take(ce, i)).view(cur.dtype)
+
+
+SCRATCH_WORDS = 1 << 20  # words compared per numpy call on the CPU (``_find_host``): its flags fit in L2
+_SCRATCH = threading.local()
+
+
+def _scratch() -> np.ndarray:
+    """This thread's ``SCRATCH_WORDS`` flags for ``_find_host`` (allocated once: no page faults per piece)."""
+    flags = getattr(_SCRATCH, "flags", None)
+    if flags is None:
+        flags = _SCRATCH.flags = np.empty(SCRATCH_WORDS, dtype=bool)
+    return flags
 
 
 def from_numpy(a: np.ndarray) -> torch.Tensor:
@@ -230,11 +244,17 @@ def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> Non
     """``check_indices`` of every ``(indices, n)`` with one host sync (per device) for all of them. A piece of at least
     ``CHECK_ALONE`` indices is checked alone (its min and max: two reads); smaller ones side by side against
     each piece's bound, ``CHECK_CHUNK`` indices at a time (a few launches per chunk, not two per piece, where
-    launches cost more than the reads; extra memory at most a chunk). Where one is out of range, the pieces
-    one by one name it."""
+    launches cost more than the reads; extra memory at most a chunk). On the CPU, numpy's min and max of each
+    piece (no launches to save: a concatenation would only copy). Where one is out of range, the pieces one by
+    one name it."""
     pieces = [(i, n) for i, n in pieces if i.numel()]
     if not pieces:
         return
+    if all(i.device.type == "cpu" for i, _ in pieces):  # numpy's min and max per piece: no concatenation
+        if all(i.numpy().min() >= 0 and i.numpy().max() < n for i, n in pieces):
+            return
+        for i, n in pieces:
+            check_indices(i, n, what)  # names the first bad index
     flags = [_out_of_range([p]) for p in pieces if p[0].numel() >= CHECK_ALONE]
     groups: dict[tuple, tuple[list[tuple[torch.Tensor, int]], list[int]]] = {}  # (dtype, device) -> pieces, size
     for i, n in (p for p in pieces if p[0].numel() < CHECK_ALONE):

@@ -1,7 +1,8 @@
 """The receiver's side of a delta run: each message's header checked and its payload sized
 (``receive_into``; one peer's at once where every header passes, ``headers_at_once``), then a chunk's indices
 checked and its changes applied (``apply_received``; words by address checked on the device and scattered
-without a host sync, ``scatter_by_address``, the checks read once at the run's end, ``verify_checks``).
+without a host sync, ``scatter_by_address``, the checks read once at the run's end, ``verify_checks``; a NIXL
+receiver's sparse deltas into host memory through numpy, ``host_sparse`` and ``scatter_host``).
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from refit.delta.elements import apply_changes, check_indices_many
+from refit.delta.elements import apply_changes, bits, check_indices_many
 from refit.delta.header import check_header
 from refit.delta.ops import DeltaOp, pieces_of
-from refit.delta.wire import ENCODINGS, DeltaError, decode, index_bytes, piece_wire, wire_sizes
+from refit.delta.wire import ENCODINGS, INDEX_BYTES, DeltaError, decode, index_bytes, piece_wire, wire_sizes
 from refit.delta.words import Scatter, check_words_many, scatter_words_many, side_stream, words_in
 from refit.transport.clock import RunClock
 
@@ -95,6 +96,37 @@ def apply_received(recvs: list[DeltaOp]) -> tuple | None:
         apply_changes(v, idx, vals)
     scatter_words_many([(v, idx, w) for _, v, idx, w in words])
     return scatter_by_address(fast) if fast else None
+
+
+def host_sparse(recvs: list[DeltaOp]) -> tuple[list[tuple], list[DeltaOp]]:
+    """Of received deltas, the sparse ones of one piece into a contiguous host view from a host payload, read
+    through numpy (a few calls per piece, not a dozen torch ones): each one's indices checked inside its piece
+    (``DeltaError`` naming the message and the index, before anything is written), returned as ``(destination
+    bits, indices, value bits)`` for ``scatter_host``; and the others (for ``apply_received``)."""
+    items, rest = [], []
+    for d in recvs:
+        v = d.views[0]
+        k, n, size = d.changes[0], v.numel(), v.element_size()
+        one = d.kind == "sparse" and len(d.views) == 1 and d.payload is not None and size in (1, 2, 4, 8)
+        if not (one and v.device.type == "cpu" and d.payload.device.type == "cpu" and v.is_contiguous()):
+            rest.append(d)
+            continue
+        raw = d.payload.numpy()
+        idx = raw[: k * INDEX_BYTES].view(np.int32)
+        if k and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
+            raise DeltaError(
+                f"delta from process {d.op.peer} ({d.op.what()}): delta index {bad} is outside the piece's {n} elements"
+            )
+        head, dst = index_bytes(k), bits(v).view(-1).numpy()
+        items.append((dst, idx, raw[head : head + k * size].view(dst.dtype)))
+    return items, rest
+
+
+def scatter_host(items: list[tuple]) -> None:
+    """``host_sparse``'s checked deltas scattered: one numpy assignment each."""
+    for dst, idx, values in items:
+        dst[idx] = values
 
 
 def scatter_by_address(fast: list[DeltaOp]) -> tuple:

@@ -18,9 +18,11 @@ Setup (once, through the store; no process group spans sources and receivers):
   ``add_remote_agent``, then turns its pieces into descriptors and prepares its READ requests
   (``refit.transport.nixl_requests``).
 
-Per refit: a source announces that its tensors are final (``<name>/nixl/<agent>/ready`` = the run
-number); a receiver waits for that, posts its requests (those read in place between GPUs all at once,
-others at most ``config.num_buffers`` in flight: ``refit.transport.nixl_requests``), then announces
+Per refit: a source announces that its tensors are final (``<name>/nixl/<agent>/ready/<run>`` = the run
+number; the key of the run two before is deleted); a receiver waits for that (blocking on the store, not
+polling, where it is no source itself: no CPU taken from the sources while they find their deltas), posts its
+requests (those read in place between GPUs all at once, others at most ``config.num_buffers`` in flight:
+``refit.transport.nixl_requests``), then announces
 ``<name>/nixl/<agent>/done/<proc>``; a source returns once every receiver of it is done (its tensors
 may change again). Every wait polls under the run's ``RunClock`` (a frozen peer
 is a ``DeadlineExceeded``, never a hang; another process's abort ends it too). A source that dies
@@ -78,6 +80,7 @@ from refit.transport.store import SignedStore
 log = logging.getLogger("refit.nixl")
 
 _POLL_S = 0.001
+_READY_WAIT_S = 0.02  # a receiver's blocking wait for an announcement, per store call (the abort check's cadence)
 
 
 # ---------------------------------------------------------------------------- checksums
@@ -420,7 +423,9 @@ class NixlLink:
             for r in self.receivers:
                 rec = json.dumps(self.sums.record(r, self.runs, sent)).encode()
                 self.store.put_sealed(self._key(f"{self.name}/sums/{r}"), rec)
-        self.store.put(self._key(f"{self.name}/ready"), self.runs)
+        self.store.put(self._key(f"{self.name}/ready/{self.runs}"), self.runs)
+        if self.runs > 2:  # a receiver waits for the key of its own run (they run in step): older ones go
+            self.store.raw.delete_key(self._key(f"{self.name}/ready/{self.runs - 2}"))
         self.trace("run %d: announced to processes %s", self.runs, self.receivers)
 
     def finish(self, clock: RunClock, stats: DeltaStats | None = None) -> DeltaStats | None:
@@ -433,7 +438,8 @@ class NixlLink:
             sp, why = min(self.unreachable.items())
             raise TransferError(f"NIXL: process {sp} could not be reached when the reads were set up ({why})")
         for sp, agent in sorted(self.sources.items()):
-            self._wait_for(self._key(f"{agent}/ready"), clock, lambda sp=sp: f"process {sp} announcing its tensors")
+            what = lambda sp=sp: f"process {sp} announcing its tensors"  # noqa: E731
+            self._wait_for(self._key(f"{agent}/ready/{self.runs}"), clock, what, block=not self.receivers)
         self.bytes_read = 0
         requests, made = self._delta_reads() if self.delta is not None and self.sources else (self.requests, [])
         try:
@@ -455,6 +461,8 @@ class NixlLink:
             self.trace("run %d: checksums equal", self.runs)
         for agent in self.sources.values():
             self.store.put(self._key(f"{agent}/done/{self.proc}"), self.runs)
+        if self.delta is not None and self.receivers:
+            self.delta.settle()  # a source's base updates, while its receivers read
         for r in self.receivers:
             key = self._key(f"{self.name}/done/{r}")
             self._wait_for(key, clock, lambda r=r: f"process {r} reading from process {self.proc} over NIXL")
@@ -481,18 +489,28 @@ class NixlLink:
             want.update(got)
         self.sums.check(want, clock)
 
-    def _wait_for(self, key: str, clock: RunClock, what) -> None:
+    def _wait_for(self, key: str, clock: RunClock, what, block: bool = False) -> None:
         """Until the signed value under ``key`` reaches this run's number (an older value, or a forged
-        one, does not end the wait)."""
+        one, does not end the wait). ``block``: between reads the store holds the call until ``key`` is
+        written (at most ``_READY_WAIT_S``: the abort check and the deadline still come), no polling and no
+        UCX progress (only for a process no receiver reads from in this link)."""
+
+        def now() -> bool:
+            v = self.store.peek(key)
+            return isinstance(v, int) and not isinstance(v, bool) and v >= self.runs
 
         def reached() -> bool:
             self.shared.progress()
-            v = self.store.peek(key)
-            if isinstance(v, int) and not isinstance(v, bool) and v >= self.runs:
+            if now():
                 return True
             if self.trace.every(key, PROGRESS_EVERY_S):
                 self.trace("run %d: still waiting for %s", self.runs, what())
-            time.sleep(_POLL_S)
+            left = clock.left()
+            if block and not self.store.wait_keys([key], _READY_WAIT_S if left is None else min(_READY_WAIT_S, left)):
+                return False  # not written yet: the clock checks for an abort and the deadline, then waits again
+            if block and now():
+                return True
+            time.sleep(_POLL_S)  # (blocking: the key is there without a valid value of this run yet)
             return False
 
         clock.watch(reached, lambda: f"{what()} (NIXL, store key {key!r})")

@@ -45,12 +45,12 @@ from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.delta.base import SourceBase, shared_of
 from refit.delta.chunks import link_kind, link_speed, words_for
-from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats
-from refit.delta.receive import apply_received, receive_into
+from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats, memoized
+from refit.delta.receive import apply_received, host_sparse, receive_into, scatter_host
 from refit.delta.rule import nixl_link
 from refit.delta.send import batches_of, dense_words, encode_op, find_batch, op_may_pay, plan_of
 from refit.delta.served import NOT_RECEIVED, OVER_STAGING, Got, Received, box_key
-from refit.delta.wire import ENCODINGS, DeltaError
+from refit.delta.wire import ENCODINGS, DeltaError, index_bytes
 from refit.delta.words import words_in
 from refit.errors import PlanError
 from refit.plan import Plan
@@ -165,6 +165,8 @@ class NixlDelta:
         (see the module docstring). Base updates of what was sent follow ``encode_op``."""
         out = {}
         self.stats.base_bytes = 0 if self.serving else self.ensure_base().nbytes
+        if not self.serving and self.staging.device.type == "cpu":
+            self.base.hold()  # the base's updates wait until the refit is announced (``settle``)
         for r, ops in sorted(self.sends.items()):
             at, offsets = self.out_at[r][0], {}
             heads, used = (self._serve if self.serving else self._find)(ops, r, offsets)
@@ -191,6 +193,12 @@ class NixlDelta:
                 heads[j], used = self._encode(ops[j], "diff", r, used, offsets)
             self.base.flush()
         return heads, used
+
+    def settle(self) -> None:
+        """A source, its refit announced: the base updates ``stage`` held applied (``SourceBase.settle``), while
+        its receivers read the staging."""
+        if self.base is not None:
+            self.base.settle()
 
     def _serve(self, ops: list[DeltaOp], r: int, offsets: dict) -> tuple[list[list[int]], int]:
         """A fan-out replica source (``serve_received``): each of receiver ``r``'s messages received as a delta in
@@ -272,24 +280,13 @@ class NixlDelta:
         payload). ``DeltaError`` names the source and what is wrong."""
         dense: set[int] = set()
         reads, self.joined = [], []
-        me = f"process {self.proc}"
         for sp, ops in sorted(self.recvs.items()):
             self.stats.received_bytes += _header_bytes(ops)
             rec = _record(json.loads(raw_of(sp)), sp, {str(d.op.message) for d in ops}, self.in_at[sp][1], run)
-            spans = []
-            for d in ops:
-                head, off = rec["heads"][str(d.op.message)], rec["offsets"].get(str(d.op.message))
-                other = len(head) > 1 and head[0] != ENCODINGS.index("dense") and head[1] != self.held
-                receive_into(d, head, self.version, head[1] if other else self.held, me)
-                if off is None and d.kind != "dense":
-                    raise DeltaError(f"NIXL delta record of process {sp}: no offset for message {d.op.message}")
-                if other or (d.kind == "dense" and off is None):  # dense from the source's tensors (a delta on a
-                    d.kind, d.payload = "dense", d.op.tensor  # base this receiver does not hold too)
-                    dense.add(d.op.message)
-                    continue
-                n = d.payload.numel() if d.kind != "dense" else d.nbytes  # a delta, or a small dense one joined
-                spans.append((off, n, d))
-            for off, n, d in _in_payload(spans, rec["bytes"], sp):
+            spans = self._at_once(rec, ops, dense)
+            if spans is None:
+                spans = _in_payload(self._one_by_one(rec, sp, ops, dense), rec["bytes"], sp)
+            for off, n, d in spans:
                 at = self.in_at[sp][0] + off
                 d.payload = self.landing[at : at + n]
                 if d.kind == "dense":
@@ -297,6 +294,65 @@ class NixlDelta:
             if rec["bytes"] and spans:
                 reads.append((sp, rec["addr"], rec["bytes"], self.landing.data_ptr() + self.in_at[sp][0]))
         return dense, reads
+
+    def _one_by_one(self, rec: dict, sp: int, ops: list[DeltaOp], dense: set[int]) -> list[tuple[int, int, DeltaOp]]:
+        """``plan_reads`` of one source's messages one by one: each header checked (``receive_into``: ``DeltaError``
+        naming what is wrong), those read dense added to ``dense``. Returns the spans ``(offset, bytes, op)`` to read
+        in the payload, not yet checked (``_in_payload``)."""
+        spans = []
+        for d in ops:
+            head, off = rec["heads"][str(d.op.message)], rec["offsets"].get(str(d.op.message))
+            other = len(head) > 1 and head[0] != ENCODINGS.index("dense") and head[1] != self.held
+            receive_into(d, head, self.version, head[1] if other else self.held, f"process {self.proc}")
+            if off is None and d.kind != "dense":
+                raise DeltaError(f"NIXL delta record of process {sp}: no offset for message {d.op.message}")
+            if other or (d.kind == "dense" and off is None):  # dense from the source's tensors (a delta on a
+                d.kind, d.payload = "dense", d.op.tensor  # base this receiver does not hold too)
+                dense.add(d.op.message)
+                continue
+            n = d.payload.numel() if d.kind != "dense" else d.nbytes  # a delta, or a small dense one joined
+            spans.append((off, n, d))
+        return spans
+
+    def _at_once(self, rec: dict, ops: list[DeltaOp], dense: set[int]) -> list[tuple[int, int, DeltaOp]] | None:
+        """``_one_by_one`` and ``_in_payload`` at once (numpy over the headers and offsets, a few Python steps per
+        message) where every header is this version's and either sparse on the base this receiver holds (with an
+        offset) or dense with count 0 (joined with an offset, or read from the source's tensors), and the spans
+        are 8-byte aligned, in the payload and apart: the checked spans. None otherwise, nothing set (the
+        one-by-one path then names what is wrong, or reads the messages on another base dense)."""
+        keys, numel, size, nbytes = _shape_of(ops)
+        heads, offsets = rec["heads"], rec["offsets"]
+        got = [heads[key] for key in keys]
+        if self.held is None or any(len(h) != 4 for h in got):
+            return None
+        kind, base, version, k = np.array(got, dtype=np.int64).T  # ints, checked by ``_record``
+        sparse, plain = kind == ENCODINGS.index("sparse"), kind == ENCODINGS.index("dense")
+        ok = (sparse | plain).all() and (version == self.version).all() and (base[sparse] == self.held).all()
+        if not ok or (k[plain] != 0).any() or (k < 0).any() or (k > numel).any():
+            return None
+        offs = [offsets.get(key) for key in keys]
+        has = np.array([o is not None for o in offs])
+        if (sparse & ~has).any() or not all(is_int(o) for o in offs if o is not None):
+            return None
+        off = np.array([o if o is not None else 0 for o in offs], dtype=np.int64)
+        n = np.where(sparse, index_bytes(k) + (k * size + 7) // 8 * 8, nbytes)
+        sel = np.flatnonzero(has & (n > 0))
+        sel = sel[np.argsort(off[sel], kind="stable")]
+        end = off[sel] + n[sel]
+        ok = (off[sel] % 8 == 0).all() and (end <= rec["bytes"]).all() and (off[sel][1:] >= end[:-1]).all()
+        empty = has & (n == 0)
+        if not ok or (off[empty] > rec["bytes"]).any():
+            return None
+        k = k.tolist()
+        for j, d in enumerate(ops):
+            d.kind, d.changes = ("sparse" if sparse[j] else "dense"), [k[j]]
+            if not has[j]:
+                d.payload = d.op.tensor
+                dense.add(d.op.message)
+        spans = [(int(off[j]), int(n[j]), ops[j]) for j in sel.tolist()]
+        for j in np.flatnonzero(empty).tolist():  # nothing to read: an empty view of the landing buffer
+            spans.append((int(off[j]), 0, ops[j]))
+        return spans
 
     def dense_requests(self, requests: list, dense: set[int]) -> list:
         """A receiver: of its prepared ``requests`` (``nixl_requests.prepare_reads``: per message, and grouped with
@@ -307,11 +363,14 @@ class NixlDelta:
         return [q for q in requests if ((q.message < 0) if q.peer in whole else (q.message in dense))]
 
     def apply(self) -> None:
-        """A receiver, every READ done: the deltas' indices checked, then scattered (``apply_received``)."""
+        """A receiver, every READ done: the deltas' indices checked, then scattered (sparse ones into host memory
+        through numpy, ``host_sparse``; the others ``apply_received``)."""
         deltas = [d for ops in self.recvs.values() for d in ops if d.kind != "dense"]
         try:
-            if deltas:
-                apply_received(deltas)
+            host, rest = host_sparse(deltas)  # every index checked (``apply_received`` too) before any is written
+            if rest:
+                apply_received(rest)
+            scatter_host(host)
             for d in self.joined:  # small dense messages read beside the deltas
                 view = d.op.tensor
                 view.copy_(d.payload.view(view.dtype).view(view.shape))
@@ -380,6 +439,20 @@ def read_handles(agent, reads: list[tuple[int, int, int, int]], link) -> list[tu
         mine = agent.get_xfer_descs(np.array([[local, n, ddev]], dtype=np.uint64), dmem)
         out.append((sp, agent.initialize_xfer("READ", mine, remote, link.sources[sp], b""), n))
     return out
+
+
+def _shape_of(ops: list[DeltaOp]) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """A receiver's messages from one source (one piece each): their keys in a record, elements, element size and
+    bytes (numpy), derived once (``memoized``)."""
+
+    def make(ops: list[DeltaOp]) -> tuple:
+        views = [d.views[0] for d in ops]
+        keys = [str(d.op.message) for d in ops]
+        numel = np.array([v.numel() for v in views], dtype=np.int64)
+        size = np.array([v.element_size() for v in views], dtype=np.int64)
+        return keys, numel, size, np.array([d.nbytes for d in ops], dtype=np.int64)
+
+    return memoized(ops, ("nixl-shape",), make)
 
 
 def _header_bytes(ops: list[DeltaOp]) -> int:
