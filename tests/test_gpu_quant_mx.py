@@ -12,7 +12,7 @@ from refit.quant.mx import quantize_mxfp8, quantize_nvfp4
 from refit.quant.mx_layout import MXFP8, NVFP4, mx_layout
 from refit.quant.mx_quantizer import MxQuantizer, shared_scale_2
 from refit.tools.verify import reference_shards
-from test_quant_mx import awkward
+from test_quant_mx import awkward, nvfp4_adversarial
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -38,18 +38,43 @@ def test_triton_kernels_write_the_bytes_of_the_cpu_path(shape, dtype):
     assert torch.equal(gp.cpu(), p) and torch.equal(gb.cpu().view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_kernel_writes_the_cpu_bytes_at_every_rounding_boundary(dtype):
+    """The NVFP4 kernel's division-free codes (``mx.e2m1_codes_exact`` in float64) on 4.2 million adversarial
+    values (``nvfp4_adversarial``: elements within 3 float32 steps of every threshold and exact bound times
+    their block's divisor, divisors whose bounds fall within 2**-40 of a float32, weight scales from 1e-12 / 2688
+    to float32's largest, zeros, subnormals, infinities) equal the CPU path's divided ones byte for byte."""
+    from refit.quant.mx_quantizer import quantize_into
+
+    x, s2 = nvfp4_adversarial(8192, 32, 11)
+    w = x.to(dtype).unsqueeze(1)  # [rows, 1, K]: one weight scale a row
+    p, b = quantize_nvfp4(w, s2)
+    gp, gb = torch.empty_like(p, device="cuda"), torch.empty_like(b, device="cuda")
+    quantize_into(w.cuda(), gp, gb, NVFP4, s2.cuda())
+    bad = (gp.cpu() != p).nonzero()
+    assert not len(bad), [(w[i, 0, 2 * j : 2 * j + 2].tolist(), s2[i].item()) for i, _, j in bad[:4].tolist()]
+    assert torch.equal(gb.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
 @pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
 def test_a_quantizer_on_the_gpu_sends_what_the_cpu_one_does(fmt):
+    """Four refits with the weights changed in place between them: eager, captured into CUDA graphs and replayed
+    (``_Graphs``); each the CPU quantizer's bytes."""
     plain = layout_from_spec(param_shapes("tiny-qwen3-moe"), parse_spec("tp=1", "src"))
     qlay = mx_layout(plain, fmt)
     live = reference_shards(plain, 0)
-    cpu = MxQuantizer(qlay, 0, live, fmt)
-    gpu = MxQuantizer(qlay, 0, {k: v.cuda() for k, v in live.items()}, fmt)
-    cpu()
-    gpu()
-    for name, t in cpu.tensors.items():
-        got = gpu.tensors[name].cpu()
-        assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    dev = {k: v.cuda() for k, v in live.items()}
+    cpu, gpu = MxQuantizer(qlay, 0, live, fmt), MxQuantizer(qlay, 0, dev, fmt)
+    for step in range(4):
+        for k in live:
+            live[k].mul_(1.5 if step % 2 else -0.75)
+            dev[k].copy_(live[k])
+        cpu()
+        gpu()
+        for name, t in cpu.tensors.items():
+            got = gpu.tensors[name].cpu()
+            assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (step, name)
+    assert gpu.graphs.graphs or not gpu.graphs.on  # replayed from CUDA graphs
 
 
 def _mx_s2_worker(world, fmt_name: str) -> tuple[list[bool], int, int]:

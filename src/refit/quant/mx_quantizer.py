@@ -20,6 +20,7 @@ import torch.distributed as dist
 from refit.layout.tensors import Box, LayoutError, ModelLayout, TensorLayout, box_shape, box_slices
 from refit.quant.mx import nvfp4_scale_2, quantize_mxfp8, quantize_nvfp4
 from refit.quant.mx_layout import MxFormat, block_scale_name, global_key, global_scale_name, mx_names, shares_dim1
+from refit.quant.mx_scales import ScaleTable
 
 CHUNK_BYTES = 256 << 20
 
@@ -43,12 +44,13 @@ def quantize_into(
     k = w.shape[-1]
     x = w.reshape(-1, k)
     rows = x.shape[0]
-    s2 = None if scale_2 is None else scale_2.float().reshape(*scale_2.shape, 1).expand(*w.shape[:-1]).reshape(-1)
     if use_triton(w):
         from refit.quant.mx_triton import quantize_rows_triton
 
-        quantize_rows_triton(x, q.view(rows, -1), s.view(rows, -1), fmt.name, s2)
+        s2 = None if scale_2 is None else scale_2.reshape(-1).to(w.device, torch.float32)  # a view where it is
+        quantize_rows_triton(x, q.view(rows, -1), s.view(rows, -1), fmt.name, s2, w.shape[-2] if w.dim() > 1 else 1)
         return
+    s2 = None if scale_2 is None else scale_2.float().reshape(*scale_2.shape, 1).expand(*w.shape[:-1]).reshape(-1)
     qx, sx = q.view(rows, -1), s.view(rows, -1)
     step = max(1, CHUNK_BYTES // max(1, 8 * k))  # float32 temporaries of about CHUNK_BYTES
     for r0 in range(0, rows, step):
@@ -72,8 +74,30 @@ def shared_scale_2(amax: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: nvfp4_scale_2(shared[global_key(n)]) for n in amax}
 
 
-def _lead(box: Box, ndim: int) -> tuple[slice, ...]:
-    return box_slices(box[: ndim - 2])
+class _Graphs:
+    """Steps replayed as CUDA graphs: a step's first call runs eagerly (Triton compiles its kernels), its second
+    captures it (once) and every later one replays it; eager on the CPU or with ``REFIT_MX_GRAPH=0``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on = device.type == "cuda" and os.environ.get("REFIT_MX_GRAPH", "1") != "0"
+        self.calls: dict[object, int] = {}
+        self.graphs: dict[object, torch.cuda.CUDAGraph] = {}
+
+    def run(self, key: object, fn) -> None:
+        if not self.on:
+            fn()
+            return
+        g = self.graphs.get(key)
+        if g is None:
+            self.calls[key] = self.calls.get(key, 0) + 1
+            if self.calls[key] == 1:
+                fn()
+                return
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                fn()
+            self.graphs[key] = g
+        g.replay()
 
 
 class MxQuantizer:
@@ -84,7 +108,8 @@ class MxQuantizer:
     over which NVFP4's global scales are agreed (required for NVFP4 when the trainer has more than one rank).
     A refit that prepares all names at once agrees first by itself; a staged one (``TransferConfig.stages``)
     needs ``agree()`` called on every trainer rank after each optimizer step: a weight prepared twice since the
-    last agreement is refused.
+    last agreement is refused. On CUDA the agreement's steps and the quantization are CUDA graphs after their
+    second use (``_Graphs``; the all-reduce stays outside).
     """
 
     def __init__(
@@ -118,6 +143,13 @@ class MxQuantizer:
                 self.tensors[name] = live[name]
                 continue
             self._add(qlayout[name], live[name], box, boxes)
+        self.device = next((w.device for _, w, _, _, _ in self.jobs if w.numel()), torch.device("cpu"))
+        self.graphs = _Graphs(self.device)
+        self.table = None
+        if fmt.global_scale:
+            self.table = ScaleTable(qlayout, rank, self.quantized, [(n, p) for n, _, _, _, p in self.jobs], self.device)
+            self.tensors.update(self.table.tensors)
+            self.scale_2 = {n: self.table.whole(n) for n in self.quantized}
 
     def _add(self, t: TensorLayout, w, box: Box, boxes: dict[str, Box]) -> None:
         parts = list(w) if isinstance(w, (list, tuple)) else [w]
@@ -125,53 +157,27 @@ class MxQuantizer:
         q = torch.empty(box_shape(box), dtype=self.fmt.dtype, device=dev)
         s = torch.empty(box_shape(boxes[block_scale_name(t.name)]), dtype=self.fmt.scale_dtype, device=dev)
         self.tensors[t.name], self.tensors[block_scale_name(t.name)] = q, s
-        if self.fmt.global_scale:
-            self.tensors[global_scale_name(t.name)] = torch.ones(box_shape(box[:-2]), device=dev)
         spans = t.parts(self.rank) if len(parts) > 1 else [box]
         lo = box[0][0]
         for part, p in zip(spans, parts):
             a, b = part[0][0] - lo, part[0][1] - lo  # rows (dim 0) are never cut by a block
             self.jobs.append((t.name, p, q[a:b], s[a:b], part))
 
-    def _device(self) -> torch.device:
-        """Where this rank's shards live (the agreement stays there: no host round trip per tensor)."""
-        return next((w.device for _, w, _, _, _ in self.jobs if w.numel()), torch.device("cpu"))
-
-    def _local_amax(self) -> dict[str, torch.Tensor]:
-        """Per NVFP4 tensor, float32 ``max |x|`` per leading index of the whole tensor (0 where not held), on the
-        shards' device: one read of each shard (an infinity norm, no ``abs`` copy)."""
-        dev = self._device()
-        out = {n: torch.zeros(self.layout[n].shape[:-2], dtype=torch.float32, device=dev) for n in self.quantized}
-        for name, w, _, _, part in self.jobs:
-            if w.numel():
-                a = torch.linalg.vector_norm(w.detach(), ord=float("inf"), dim=(-2, -1)).float()
-                sl = _lead(part, len(part))
-                out[name][sl] = torch.maximum(out[name][sl], a)
-        return out
-
     def agree(self) -> None:
         """NVFP4: agree with the other trainer ranks (collective over ``group``) on every tensor's
         ``weight_scale_2`` and write this rank's boxes of them. MXFP8: nothing to agree."""
-        if not self.fmt.global_scale:
+        if self.table is None:
             return
-        amax = self._local_amax()
-        flat = torch.cat([a.reshape(-1) for a in amax.values()]) if amax else torch.zeros(0, device=self._device())
+        table = self.table
+        weights = [w.detach() for _, w, _, _, _ in self.jobs]
+        self.graphs.run("amax", lambda: table.local_amax(weights))
         if self.group is not None:
             backend = dist.get_backend(self.group)
             dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-            buf = flat.to(dev)
+            buf = table.local.to(dev)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
-            flat = buf.to(flat.device)
-        i = 0
-        for a in amax.values():
-            a.copy_(flat[i : i + a.numel()].view(a.shape))
-            i += a.numel()
-        self.scale_2 = shared_scale_2(amax)
-        own = {t.name: b for t, b in self.layout.local_tensors(self.rank)}
-        for n in self.quantized:
-            g = global_scale_name(n)
-            if g in self.tensors:
-                self.tensors[g].copy_(self.scale_2[n][box_slices(own[g])])
+            table.local.copy_(buf)
+        self.graphs.run("scales", table.scales)
         self._pending = set(self.quantized)
 
     def pull_sources(self) -> dict[str, torch.Tensor]:
@@ -185,6 +191,12 @@ class MxQuantizer:
     @property
     def nbytes(self) -> int:
         return sum(q.numel() * q.element_size() + s.numel() * s.element_size() for _, _, q, s, _ in self.jobs)
+
+    def _quantize(self, names: frozenset[str] | None) -> None:
+        for j, (name, w, q, s, part) in enumerate(self.jobs):
+            if w.numel() and (names is None or name in names):
+                s2 = self.table.job_scales(j, box_shape(part[:-2])) if self.table is not None else None
+                quantize_into(w, q, s, self.fmt, s2)
 
     def __call__(self, names: set[str] | None = None) -> None:
         """Quantize the shards of ``names`` (``None``: all, after agreeing on NVFP4's global scales)."""
@@ -201,10 +213,8 @@ class MxQuantizer:
                         "optimizer step, before the push"
                     )
                 self._pending -= want
-            for name, w, q, s, part in self.jobs:
-                if w.numel() and (names is None or name in names):
-                    s2 = self.scale_2[name][_lead(part, len(part))] if self.fmt.global_scale else None
-                    quantize_into(w, q, s, self.fmt, s2)
+            key = None if names is None else frozenset(names)
+            self.graphs.run(("quantize", key), lambda: self._quantize(key))
 
 
 def expected_mx(

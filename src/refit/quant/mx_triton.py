@@ -8,6 +8,10 @@ that of ``mx.py`` in the same IEEE operations: ``max |x|`` in float32 (exact); M
 ``x / 2**(e-127)``), round-to-nearest-even to E4M3; NVFP4's ``6 * weight_scale_2`` (one multiply),
 ``amax / that`` and ``x / (scale * weight_scale_2)`` with ``div_rn``, the E2M1 code by the same thresholds,
 two codes a byte (low nibble first). Columns past ``K`` read zeros, as the torch path's zero padding.
+NVFP4 keeps ``div_rn`` per element: the division-free form (``mx.e2m1_codes_exact``, per block seven float32
+bounds from exact float64 products, per element seven comparisons) wrote the same bytes on an H200 but no
+faster (a 14336 x 4096 bf16 weight: 136-138 us either way, 62-72 us with no element codes at all: the cost is
+the per-element comparisons and packing, not the division).
 Checked against the torch path on a GPU by ``tests/test_gpu_quant_mx.py`` (not on CPU: Triton's
 interpreter converts to float8 differently from the GPU, so it cannot stand in).
 """
@@ -69,13 +73,13 @@ if AVAILABLE:
 
     @triton.jit
     def _nvfp4_rows(
-        x_ptr, q_ptr, s_ptr, s2_ptr, r_n, k, sxr, sxk, sqr, sqk, ssr, ssk, BR: tl.constexpr, NB: tl.constexpr
+        x_ptr, q_ptr, s_ptr, s2_ptr, rps, r_n, k, sxr, sxk, sqr, sqk, ssr, ssk, BR: tl.constexpr, NB: tl.constexpr
     ):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         j = tl.program_id(1) * NB + tl.arange(0, NB)  # this program's scale blocks
         x, _ = _load(x_ptr, rows, tl.program_id(1) * NB * 16 + tl.arange(0, NB * 16), r_n, k, sxr, sxk)
         xb = tl.reshape(x, (BR, NB, 16))
-        s2 = tl.load(s2_ptr + rows, mask=rows < r_n, other=1.0)[:, None]
+        s2 = tl.load(s2_ptr + rows // rps, mask=rows < r_n, other=1.0)[:, None]  # rps rows share a weight scale
         amax = tl.max(tl.abs(xb), axis=2)
         bs = tl.minimum(_div_rn(amax, s2 * 6.0), 448.0).to(tl.float8e4nv)
         denom = (bs.to(tl.float32) * s2)[:, :, None]
@@ -94,10 +98,16 @@ if AVAILABLE:
 
 
 def quantize_rows_triton(
-    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, fmt: str, scale_2: torch.Tensor | None = None
+    x: torch.Tensor,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    fmt: str,
+    scale_2: torch.Tensor | None = None,
+    rows_per_scale: int = 1,
 ) -> None:
     """``x`` [R, K] on CUDA quantized in ``fmt`` (``"mxfp8"``, ``"nvfp4"``) into ``q`` [R, K | ceil(K/2)] and
-    ``s`` [R, ceil(K/B)]; NVFP4's ``scale_2``: float32 [R], each row's ``weight_scale_2``."""
+    ``s`` [R, ceil(K/B)]; NVFP4's ``scale_2``: float32 [ceil(R / rows_per_scale)] on ``x``'s device, the
+    ``weight_scale_2`` of each run of ``rows_per_scale`` rows (one [N, K] matrix: N rows; no per-row copy)."""
     r_n, k = x.shape
     if r_n == 0 or k == 0:
         return
@@ -108,7 +118,7 @@ def quantize_rows_triton(
     if fmt == "mxfp8":
         _mxfp8_rows[grid](x, q, s, r_n, k, *strides, BR=ROWS, NB=nb)
         return
-    if scale_2 is None or scale_2.shape != (r_n,):
-        raise ValueError(f"NVFP4 on CUDA: weight_scale_2 per row must be [{r_n}], got {scale_2}")
-    s2 = scale_2.to(device=x.device, dtype=torch.float32).contiguous()
-    _nvfp4_rows[grid](x, q, s, s2, r_n, k, *strides, BR=ROWS, NB=nb)
+    want = -(-r_n // rows_per_scale)
+    if scale_2 is None or scale_2.shape != (want,) or scale_2.dtype != torch.float32 or scale_2.device != x.device:
+        raise ValueError(f"NVFP4 on CUDA: scale_2 must be float32 [{want}] on {x.device}, got {scale_2}")
+    _nvfp4_rows[grid](x, q, s, scale_2.contiguous(), rows_per_scale, r_n, k, *strides, BR=ROWS, NB=nb)
