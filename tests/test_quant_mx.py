@@ -325,3 +325,44 @@ def test_nvfp4_codes_without_division_equal_the_divided_ones():
     assert torch.equal(q, q2) and torch.equal(s.view(torch.uint8), s_2.view(torch.uint8))
     codes = torch.stack((q & 0xF, q >> 4), -1)
     assert len(torch.unique(codes)) == 16 and len(torch.unique(s.view(torch.uint8))) > 100
+
+
+def test_nvfp4_amax_from_the_trainer_replaces_the_read_once_and_is_checked():
+    """``set_amax``: the trainer's ``max |x|`` gives the bytes of reading the weights, is used by one agreement
+    only (the next reads again), is refused after a weight changed in place, and bad input is refused naming
+    the tensor."""
+    plain = _layout(None, "tp=1", shapes=ODD)
+    qlay = mx_layout(plain, NVFP4)
+    live = reference_shards(plain, 0)
+    names = mx_names(qlay, NVFP4)
+    amax = {n: live[n].abs().amax(dim=(-2, -1)).float() for n in names}
+    read, given = MxQuantizer(qlay, 0, live, NVFP4), MxQuantizer(qlay, 0, live, NVFP4)
+    read()
+    given.set_amax(amax)
+    given()
+    for name, t in read.tensors.items():
+        assert torch.equal(given.tensors[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    g = global_scale_name(names[0])
+    given.set_amax({n: a * 4 for n, a in amax.items()})  # used: four times the scale
+    given()
+    assert given.tensors[g].item() == torch.tensor(4 * amax[names[0]].item() / 2688).item() != read.tensors[g].item()
+    given()  # consumed: the next refit reads the weights
+    assert torch.equal(given.tensors[g], read.tensors[g])
+    given.set_amax(amax)
+    live[names[1]].mul_(1.0)  # an in-place step after the amax was taken
+    with pytest.raises(LayoutError, match=rf"weight {names[1]!r} changed after set_amax"):
+        given()
+    e = "model.layers.1.mlp.experts.gate_up_proj"
+    bad = [
+        ({k: v for k, v in amax.items() if k != e}, rf"the amax of {e!r} is missing"),
+        (amax | {e: amax[e][0]}, rf"the amax of {e!r} must be float32 of shape \[3, 2\], got torch.float32 \[2\]"),
+        (amax | {e: amax[e].double()}, rf"the amax of {e!r} must be float32"),
+        (amax | {e: amax[e] * math.nan}, rf"the amax of {e!r} holds nan, not a finite value >= 0"),
+        (amax | {names[0]: -amax[names[0]]}, rf"the amax of {names[0]!r} holds -"),
+        (amax | {"model.norm.weight": amax[e]}, r"'model.norm.weight' is not an NVFP4 weight this rank holds"),
+    ]
+    for arg, msg in bad:
+        with pytest.raises(ValueError, match=r"NVFP4 source rank 0: set_amax: " + msg):
+            given.set_amax(arg)
+    with pytest.raises(ValueError, match=r"MXFP8 source rank 0: set_amax is for NVFP4"):
+        MxQuantizer(mx_layout(plain, MXFP8), 0, live, MXFP8).set_amax(amax)

@@ -140,8 +140,8 @@ def e2m1_codes_exact(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     (exact in float64: 24 x 25 significant bits), as float32 comparisons: for a float32 ``|x|``, ``|x| > p`` iff
     ``|x| > RD32(p)`` and ``|x| >= p`` iff ``|x| >= RU32(p)`` (``round32``), the bounds once per ``d``. A ``d`` of
     0, infinite or NaN gives magnitude 0 (``x / d`` is then 0 or NaN: the bounds NaN, every comparison false);
-    so does a NaN ``x``; an infinite ``x`` over a finite ``d`` gives 7. This is the arithmetic of
-    ``mx_triton``'s NVFP4 kernel, in torch."""
+    so does a NaN ``x``; an infinite ``x`` over a finite ``d`` gives 7. A form for kernels without a correctly
+    rounded division (``mx_triton`` keeps ``div_rn``: on an H200 this form was no faster)."""
     a, dd = x.float().abs(), d.double().abs()
     dd = torch.where((dd > 0) & (dd < math.inf), dd, math.nan)
     code = torch.zeros(torch.broadcast_shapes(x.shape, d.shape), dtype=torch.uint8, device=x.device)

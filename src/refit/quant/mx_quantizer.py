@@ -11,6 +11,7 @@ write the same bytes in one pass.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -110,6 +111,11 @@ class MxQuantizer:
     needs ``agree()`` called on every trainer rank after each optimizer step: a weight prepared twice since the
     last agreement is refused. On CUDA the agreement's steps and the quantization are CUDA graphs after their
     second use (``_Graphs``; the all-reduce stays outside).
+
+    NVFP4's agreement reads every weight once for its ``max |x|`` unless the trainer hands it over first:
+    ``set_amax`` (after the optimizer step whose weights the next refit sends), consumed by the next agreement;
+    an agreement without it reads the weights, and amax handed over before a weight changed in place (its
+    tensor's version counter moved) is refused.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class MxQuantizer:
         self.tensors: dict[str, torch.Tensor] = {}
         self.scale_2: dict[str, torch.Tensor] = {}  # the agreed global scales, whole (leading-dims shape)
         self._pending: set[str] = set()
+        self._amax: tuple[torch.Tensor, list[int]] | None = None  # the trainer's (flat, the jobs' versions)
         boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
         qset = set(self.quantized)
         companions = {block_scale_name(n) for n in qset} | {global_scale_name(n) for n in qset}
@@ -163,14 +170,51 @@ class MxQuantizer:
             a, b = part[0][0] - lo, part[0][1] - lo  # rows (dim 0) are never cut by a block
             self.jobs.append((t.name, p, q[a:b], s[a:b], part))
 
+    def set_amax(self, amax: Mapping[str, torch.Tensor]) -> None:
+        """NVFP4: the trainer's ``max |x|`` of each NVFP4 weight this rank holds (its part of it), float32 of the
+        part's leading dims' shape (``[]`` for a matrix, ``[E]`` for stacked experts), on the weights' device,
+        finite and ``>= 0``; the next agreement uses it instead of reading the weights (once)."""
+        if self.table is None:
+            raise ValueError(f"{self.fmt.name.upper()} source rank {self.rank}: set_amax is for NVFP4's global scales")
+        flat = self.table.check_amax(amax, self.rank, self.device)
+        self._amax = (flat, [w._version for _, w, _, _, _ in self.jobs])
+
+    def read_amax(self) -> dict[str, torch.Tensor]:
+        """What ``set_amax`` takes, read from this rank's weights (the amax a trainer would hand over)."""
+        if self.table is None:
+            raise ValueError(f"{self.fmt.name.upper()} source rank {self.rank}: read_amax is for NVFP4's global scales")
+        with torch.no_grad():
+            self.table.local_amax([w.detach() for _, w, _, _, _ in self.jobs])
+            flat = self.table.local[self.table.amax_index]
+        out, at = {}, 0
+        for n, shape in self.table.amax_shape.items():
+            k = math.prod(shape)
+            out[n], at = flat[at : at + k].reshape(shape).clone(), at + k
+        return out
+
+    def _take_amax(self) -> bool:
+        """The trainer's amax into the table's ``local`` (True), or nothing handed over (False)."""
+        if self._amax is None:
+            return False
+        (flat, versions), self._amax = self._amax, None
+        for (name, w, *_), v in zip(self.jobs, versions):
+            if w._version != v:
+                raise LayoutError(
+                    f"NVFP4 source rank {self.rank}: weight {name!r} changed after set_amax; hand the amax over "
+                    "after the optimizer step whose weights the refit sends"
+                )
+        self.table.take_amax(flat)
+        return True
+
     def agree(self) -> None:
         """NVFP4: agree with the other trainer ranks (collective over ``group``) on every tensor's
         ``weight_scale_2`` and write this rank's boxes of them. MXFP8: nothing to agree."""
         if self.table is None:
             return
         table = self.table
-        weights = [w.detach() for _, w, _, _, _ in self.jobs]
-        self.graphs.run("amax", lambda: table.local_amax(weights))
+        if not self._take_amax():
+            weights = [w.detach() for _, w, _, _, _ in self.jobs]
+            self.graphs.run("amax", lambda: table.local_amax(weights))
         if self.group is not None:
             backend = dist.get_backend(self.group)
             dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -67,12 +67,16 @@ class ScaleTable:
         own = {t.name: b for t, b in layout.local_tensors(rank)}
         self.held = [n for n in names if global_scale_name(n) in own]  # the rank's global-scale tensors, in order
         gidx = [entries(n, own[global_scale_name(n)]) for n in self.held]
+        # the trainer's amax (``set_amax``): per tensor the rank quantizes a part of, its box's leading indices
+        quantized = {parts[j][0] for j in live}
+        self.amax_shape = {n: box_shape(own[n][:-2]) for n in names if n in quantized}
+        aidx = [entries(n, own[n][:-2]) for n in self.amax_shape]
 
         def idx(xs) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.int64, device=device)
 
         self.group, self.job_index = idx(group), idx(order)
-        self.global_index = idx(sum(gidx, []))
+        self.global_index, self.amax_index = idx(sum(gidx, [])), idx(sum(aidx, []))
         f32 = {"dtype": torch.float32, "device": device}
         self.local, self.s2 = torch.zeros(len(group), **f32), torch.ones(len(group), **f32)
         self.shared, self.job_s2 = torch.zeros(self.n_groups, **f32), torch.ones(len(order), **f32)
@@ -103,6 +107,11 @@ class ScaleTable:
         if vals:
             self.local.scatter_reduce_(0, self.job_index, torch.cat([v.float() for v in vals]), "amax")
 
+    def take_amax(self, flat: torch.Tensor) -> None:
+        """``local`` from the trainer's amax: ``flat`` (``check_amax``'s)."""
+        self.local.zero_()
+        self.local.index_copy_(0, self.amax_index, flat)
+
     def scales(self) -> None:
         """``s2``, ``job_s2`` and the global-scale tensors from the agreed ``local`` (whole tensors' maxima)."""
         self.shared.zero_()
@@ -110,3 +119,32 @@ class ScaleTable:
         torch.index_select(nvfp4_scale_2(self.shared), 0, self.group, out=self.s2)
         torch.index_select(self.s2, 0, self.job_index, out=self.job_s2)
         torch.index_select(self.s2, 0, self.global_index, out=self.buffer)
+
+    def check_amax(self, amax: Mapping[str, torch.Tensor], rank: int, device) -> torch.Tensor:
+        """The trainer's ``amax`` (per held NVFP4 tensor, float32 ``max |x|`` of this rank's part per leading index)
+        validated and concatenated (``amax_shape``'s order); one-line errors naming the tensor."""
+        who = f"NVFP4 source rank {rank}: set_amax"
+        for n in amax:
+            if n not in self.amax_shape:
+                raise ValueError(f"{who}: {n!r} is not an NVFP4 weight this rank holds")
+        flat = []
+        for n, shape in self.amax_shape.items():
+            a = amax.get(n)
+            if a is None:
+                raise ValueError(f"{who}: the amax of {n!r} is missing (every NVFP4 weight the rank holds needs one)")
+            if not isinstance(a, torch.Tensor) or a.dtype != torch.float32 or tuple(a.shape) != shape:
+                got = f"{a.dtype} {list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                raise ValueError(f"{who}: the amax of {n!r} must be float32 of shape {list(shape)}, got {got}")
+            if a.device != torch.device(device):
+                raise ValueError(f"{who}: the amax of {n!r} is on {a.device}, the weights on {device}")
+            flat.append(a.reshape(-1))
+        cat = torch.cat(flat) if flat else torch.zeros(0, device=device)
+        bad = ~(torch.isfinite(cat) & (cat >= 0))
+        if bool(bad.any()):  # one synchronization per refit
+            first = int(bad.nonzero()[0, 0])
+            at = 0
+            for n, shape in self.amax_shape.items():
+                at += math.prod(shape)
+                if first < at:
+                    raise ValueError(f"{who}: the amax of {n!r} holds {cat[first].item()}, not a finite value >= 0")
+        return cat
