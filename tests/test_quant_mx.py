@@ -218,6 +218,11 @@ def test_nvfp4_global_scale_is_shared_where_vllm_fuses_and_staged_refits_need_ag
         quantizer({name})  # a second staged quantization without a new agreement
     with pytest.raises(LayoutError, match=r"pass group="):
         MxQuantizer(mx_layout(_layout(None, "fsdp=2", shapes=ODD), NVFP4), 0, live, NVFP4)
+    pulled = MxQuantizer(qlay, 0, live, NVFP4)  # a receiver quantizes q_proj on its pull (ipc_quant)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    pulled.on_pull({q})
+    pulled({t.name for t in qlay} - {q})  # every other tensor: a whole refit, which agrees first
+    assert torch.equal(pulled.scale_2[q], quantizer.scale_2[q]) and torch.equal(pulled.tensors[name], t[name])
 
 
 def _ulps(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,7 @@ class MxQuantizer:
         self.tensors: dict[str, torch.Tensor] = {}
         self.scale_2: dict[str, torch.Tensor] = {}  # the agreed global scales, whole (leading-dims shape)
         self._pending: set[str] = set()
+        self._on_pull: set[str] = set()  # weights receivers quantize on their pulls (``on_pull``)
         self._amax: tuple[torch.Tensor, list[int]] | None = None  # the trainer's (flat, the jobs' versions)
         boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
         qset = set(self.quantized)
@@ -225,12 +226,15 @@ class MxQuantizer:
         self._pending = set(self.quantized)
 
     def pull_sources(self) -> dict[str, torch.Tensor]:
-        """MXFP8: the live weights held whole (one part) on a GPU, which a receiver on that GPU may quantize
-        itself on its pull (``refit.transport.ipc_quant``). NVFP4: none (its global scale is agreed first)."""
-        if self.fmt.global_scale:
-            return {}
+        """The live weights held whole (one part) on a GPU, which a receiver on that GPU may quantize itself on its
+        pull (``refit.transport.ipc_quant``; NVFP4's with ``scale_2[name]``, agreed before the pull)."""
         parts = [name for name, *_ in self.jobs]
         return {name: w for name, w, *_ in self.jobs if parts.count(name) == 1 and w.is_cuda and w.numel()}
+
+    def on_pull(self, names: set[str]) -> None:
+        """``names``: the weights receivers quantize on their pulls (``ipc_quant.publish``); a prepare of every
+        other quantized weight is then a whole refit, which agrees first."""
+        self._on_pull = set(names)
 
     @property
     def nbytes(self) -> int:
@@ -245,10 +249,11 @@ class MxQuantizer:
     def __call__(self, names: set[str] | None = None) -> None:
         """Quantize the shards of ``names`` (``None``: all, after agreeing on NVFP4's global scales)."""
         with torch.no_grad():
-            if names is None:
+            if names is None or (self.fmt.global_scale and set(self.quantized) <= set(names) | self._on_pull):
                 self.agree()
-            elif self.fmt.global_scale:
-                want = {n for n in names if n in self.scale_2 or n in self.quantized}
+            elif self.fmt.global_scale:  # a stage; a weight quantized on its pull counts with its block scales
+                pulled = {n for n in self._on_pull if block_scale_name(n) in names}
+                want = {n for n in names if n in self.quantized} | pulled
                 stale = sorted(want - self._pending)
                 if stale:
                     raise LayoutError(

@@ -1,15 +1,17 @@
-"""FP8 and MXFP8 engines on one GPU: the receiver quantizes its source's bf16 weights straight into its
+"""FP8, MXFP8 and NVFP4 engines on one GPU: the receiver quantizes its source's bf16 weights straight into its
 quantized weights and scales, in one pass (one read of the bf16 bytes, one write of the quantized bytes), instead
 of the source quantizing into copies that the receiver then copies (a second read and write of those bytes).
 
 Where (decided by the source, from the plan, and published to the receiver): a quantized weight (block FP8:
 ``quant.quantized_names``, its ``_scale_inv``; MXFP8: ``mx_layout.mx_names``, its ``_scale``) that one receiver
 on the source's GPU pulls whole over CUDA IPC, weight and scales, from a source whose ``prepare`` offers its
-live weight (``pull_sources()``: ``Fp8Quantizer`` and an MXFP8 ``MxQuantizer`` do for a weight held in one part;
-NVFP4 does not, its global scale is agreed across the trainer ranks first); not in checksum mode (its sums
-compare the source's quantized copy with what arrived); not with ``REFIT_FP8_ON_PULL=0``. The source
-publishes, sealed, per receiver, the format, the FP8 block shape and the IPC handles of those live weights (an
-empty record when none); the receiver maps them and quantizes each in its pull's CUDA graph (``IpcPuller``'s
+live weight (``pull_sources()``: ``Fp8Quantizer`` and ``MxQuantizer`` do for a weight held in one part); not in
+checksum mode (its sums compare the source's quantized copy with what arrived); not with
+``REFIT_FP8_ON_PULL=0``. The source publishes, sealed, per receiver, the format, the FP8 block shape and the
+IPC handles of those live weights (an empty record when none), for NVFP4 also those of their agreed
+``weight_scale_2`` (``MxQuantizer.scale_2``: the source's prepare agrees before the stage barrier, told by
+``on_pull`` that a prepare of every other weight is a whole refit; the global-scale tensors travel as
+ordinary tensors); the receiver maps them and quantizes each in its pull's CUDA graph (``IpcPuller``'s
 kernels), and the source's ``prepare`` skips them (``skipped``). Both read the weight after the stage barrier
 that says the source's tensors are final, so the bytes are those the source would have quantized (the same
 kernels: ``quant.quantize_into``, ``mx_quantizer.quantize_into``).
@@ -27,7 +29,8 @@ from refit.errors import PlanError
 from refit.layout import ModelLayout
 from refit.plan import Plan
 from refit.quant import quantize_into, quantized_names, scale_name
-from refit.quant.mx_layout import MXFP8, block_scale_name, mx_names
+from refit.quant.mx_layout import FORMATS as MX_FORMATS
+from refit.quant.mx_layout import MXFP8, NVFP4, block_scale_name, mx_names
 from refit.quant.mx_quantizer import quantize_into as mx_quantize_into
 from refit.transport.ipc_handles import check_handle_fields, handle_fields, rebuild_handle
 from refit.transport.store import SignedStore
@@ -42,13 +45,13 @@ def _key(name: str, src_proc: int, receiver: int) -> str:
     return f"{name}/ipc/{src_proc}/{receiver}/fp8"
 
 
-FORMATS = ("fp8", "mxfp8")  # what a receiver quantizes on its pull
+FORMATS = ("fp8", "mxfp8", "nvfp4")  # what a receiver quantizes on its pull
 
 
 def scales_of(layout: ModelLayout) -> dict[str, str]:
     """Each quantized weight of ``layout`` a receiver may quantize on its pull -> its block scales' name."""
     out = {n: scale_name(n) for n in quantized_names(layout)}
-    return out | {n: block_scale_name(n) for n in mx_names(layout, MXFP8)}
+    return out | {n: block_scale_name(n) for fmt in (MXFP8, NVFP4) for n in mx_names(layout, fmt)}
 
 
 def scale_of(fmt: str, name: str) -> str:
@@ -100,11 +103,15 @@ def publish(plan: Plan, proc: int, store: SignedStore, name: str, prepare: objec
     fmt = getattr(getattr(prepare, "fmt", None), "name", "fp8")
     for r in receivers:
         names = on_pull_names(plan, proc, r, offered)
-        record = {"format": fmt, "block": list(getattr(prepare, "block", (128, 128))), "handles": {}}
+        record = {"format": fmt, "block": list(getattr(prepare, "block", (128, 128))), "handles": {}, "scale_2": {}}
         for n in names:
             record["handles"][n] = handle_fields(offered[n])
+            if fmt == "nvfp4":  # the agreed global scales the receiver's kernel reads (the source's, on its GPU)
+                record["scale_2"][n] = handle_fields(prepare.scale_2[n])
         store.put_sealed(_key(name, proc, r), json.dumps(record).encode())
         skipped.update(names)
+    if skipped and callable(getattr(prepare, "on_pull", None)):
+        prepare.on_pull(skipped)
     return skipped
 
 
@@ -114,19 +121,35 @@ class OnPull:
     kernel (setup, before a graph records it) into scratch tensors, never into the destination."""
 
     def __init__(
-        self, name: str, w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], fmt: str = "fp8"
+        self,
+        name: str,
+        w: torch.Tensor,
+        q: torch.Tensor,
+        s: torch.Tensor,
+        block: tuple[int, int],
+        fmt: str = "fp8",
+        scale_2: torch.Tensor | None = None,
     ):
+        want_q, want_2 = tuple(w.shape), None
         if fmt == "fp8":
             want_s = (*w.shape[:-2], *(-(-n // b) for n, b in zip(w.shape[-2:], block)))
         else:
-            want_s = (*w.shape[:-1], -(-w.shape[-1] // MXFP8.block))
-        if tuple(q.shape) != tuple(w.shape) or tuple(s.shape) != want_s or q.device != w.device:
+            want_s = (*w.shape[:-1], -(-w.shape[-1] // MX_FORMATS[fmt].block))
+        if fmt == "nvfp4":
+            want_q, want_2 = (*w.shape[:-1], -(-w.shape[-1] // 2)), tuple(w.shape[:-2])
+        bad_2 = want_2 is not None and (
+            scale_2 is None or tuple(scale_2.shape) != want_2 or scale_2.dtype != torch.float32
+        )
+        if tuple(q.shape) != want_q or tuple(s.shape) != want_s or q.device != w.device or bad_2:
             raise PlanError(
                 f"{fmt.upper()} on pull: weight {name!r}: the source's {list(w.shape)} on {w.device} cannot fill "
                 f"this process's weight {list(q.shape)} and scales {list(s.shape)} on {q.device} (want "
-                f"{list(want_s)})"
+                f"{list(want_q)} and {list(want_s)}"
+                + ("" if want_2 is None else f", weight_scale_2 {list(want_2)}")
+                + ")"
             )
         self.name, self.w, self.q, self.s, self.block, self.fmt = name, w, q, s, block, fmt
+        self.scale_2 = scale_2
         self.scale = scale_of(fmt, name)
         self.cost = w.numel() * 3 // 2  # bytes moved, in a copy's units (a copy of n bytes moves 2n)
 
@@ -134,7 +157,7 @@ class OnPull:
         if self.fmt == "fp8":
             quantize_into(self.w, q, s, self.block)
         else:
-            mx_quantize_into(self.w, q, s, MXFP8)
+            mx_quantize_into(self.w, q, s, MX_FORMATS[self.fmt], self.scale_2)
 
     def fn(self, stream: torch.cuda.Stream) -> None:
         with torch.cuda.stream(stream):
@@ -150,9 +173,13 @@ def import_jobs(
     """Receiver side: the weights source process ``src_proc`` published for this process (``publish``), each
     an ``OnPull`` into ``views(name, scale name)`` = (quantized weight view, scales view)."""
     record = json.loads(store.get_sealed(_key(name, src_proc, proc), timeout_s))
-    keys = {"format", "block", "handles"}
-    if not isinstance(record, dict) or set(record) != keys or not isinstance(record["handles"], dict):
-        raise PlanError(f"FP8 on pull: the record of process {src_proc} is not {{format, block, handles}}")
+    keys = {"format", "block", "handles", "scale_2"}
+    if (
+        not isinstance(record, dict)
+        or set(record) != keys
+        or not all(isinstance(record[k], dict) for k in keys - {"format", "block"})
+    ):
+        raise PlanError(f"FP8 on pull: the record of process {src_proc} is not {{format, block, handles, scale_2}}")
     fmt, block = record["format"], record["block"]
     if fmt not in FORMATS:
         raise PlanError(f"FP8 on pull: process {src_proc} published format {fmt!r}, not one of {', '.join(FORMATS)}")
@@ -160,8 +187,13 @@ def import_jobs(
         isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and 0 < b <= 1 << 16 for b in block)
     ):
         raise PlanError(f"FP8 on pull: process {src_proc} published block {block!r}, not two positive ints")
+    if set(record["scale_2"]) != (set(record["handles"]) if fmt == "nvfp4" else set()):
+        raise PlanError(
+            f"FP8 on pull: process {src_proc} published weight_scale_2 handles that do not match its weights"
+        )
     jobs = []
     for n, f in sorted(record["handles"].items()):
         w = rebuild_handle(check_handle_fields(f))
-        jobs.append(OnPull(n, w, *views(n, scale_of(fmt, n)), (block[0], block[1]), fmt))
+        s2 = rebuild_handle(check_handle_fields(record["scale_2"][n])) if fmt == "nvfp4" else None
+        jobs.append(OnPull(n, w, *views(n, scale_of(fmt, n)), (block[0], block[1]), fmt, s2))
     return jobs
