@@ -9,7 +9,9 @@ per format, rows ``<S>-<format>``) the engine holds quantized weights and
 scales: the trainer ranks quantize their bf16 shards before every refit (timed
 as part of it, overlapped with the pulls of earlier stages when ``--stages`` >
 1; ``refit_1stage`` quantizes everything first; ``fp8_quantize`` /
-``quantize`` time the quantization alone) and the check quantizes each whole
+``quantize`` time the quantization alone; an NVFP4 engine's ``refit`` is timed
+again as ``refit_amax``, the trainer handing each weight's ``max |x|`` over
+outside the timed span, ``MxQuantizer.set_amax``) and the check quantizes each whole
 reference tensor with the torch path (``refit.quant.fp8`` / ``refit.quant.mx``),
 not the trainer's Triton kernels. Such a scenario on one GPU has a second
 floor, ``floor_read_copy`` (issue 52's): one read of the quantized tensors'
@@ -261,9 +263,32 @@ def _method_setups(quantizer: Fp8Quantizer | MxQuantizer | None) -> dict[str, Ca
         "packed_broadcast_1buf": M.packed_broadcast(1, 1 * GiB),
         "packed_broadcast_2buf": M.packed_broadcast(2, 1 * GiB),
         "gather_then_slice": M.gather_then_slice,
+        "refit_amax": _refit_amax(quantizer),
         "fp8_quantize": lambda c: quantizer or (lambda: None),
         "quantize": lambda c: quantizer or (lambda: None),
     }
+
+
+def _refit_amax(quantizer) -> Callable[[M.Ctx], Callable[[], None]]:
+    """NVFP4: ``refit`` with each weight's ``max |x|`` handed over by the trainer (``MxQuantizer.set_amax``,
+    outside the timed span: read once at setup, as a trainer's optimizer step would produce it), so the
+    agreement reads no weight."""
+    base = M.refit_method("auto")
+
+    def setup(ctx: M.Ctx) -> Callable[[], None]:
+        run = base(ctx)
+        if isinstance(quantizer, MxQuantizer) and quantizer.fmt.global_scale:
+            amax = quantizer.read_amax()
+            run.before = lambda: quantizer.set_amax(amax)
+        return run
+
+    return setup
+
+
+def _methods(scen: Scenario) -> tuple[str, ...]:
+    """``scen``'s methods; an NVFP4 engine's ``refit`` is also timed as ``refit_amax`` (the trainer's amax)."""
+    extra = ("refit_amax",) if scen.quant == "nvfp4" and "refit" in scen.methods else ()
+    return tuple(scen.methods) + extra
 
 
 QUANTIZE_ONLY = ("fp8_quantize", "quantize")  # the quantization alone: nothing reaches the engine to check
@@ -351,8 +376,10 @@ def _time_method(proc: _Process, scen: Scenario, method: str, setup, base: int, 
     if profiled and isinstance(run, M.RefitRun):
         run.peer.executor.stamps = []  # each refit's phases (``Executor.stamps``)
     stamps = run.peer.executor.stamps if profiled and isinstance(run, M.RefitRun) else None
+    poison, pre = proc.poison if checked else None, getattr(run, "before", None)  # pre: untimed, on trainers
+    before = (lambda: [f() for f in (poison, pre) if f]) if pre else poison
     times, oks, mems, peak = _time_runs(
-        proc.barrier, dev, run, n, proc.poison if checked else None, proc.check if checked else None, base, stamps
+        proc.barrier, dev, run, n, before, proc.check if checked else None, base, stamps
     )
     if profiled:
         _print_phases(f"{scen.name} {method}", ctx.rank, run, opts.warmup)
@@ -380,7 +407,7 @@ def _bench_worker(world: World, scen: Scenario, opts: BenchOptions):
     proc = _setup_process(world, scen, opts)
     setups = _method_setups(proc.quantizer)
     records = []
-    for round_, method in enumerate(scen.methods):
+    for round_, method in enumerate(_methods(scen)):
         proc.ctx.extra["round"] = round_
         base = _settle(world.device)
         if method == "floor":
