@@ -1,17 +1,18 @@
 """One-pass MXFP8 and NVFP4 quantization on CUDA (Triton), byte-identical to ``refit.quant.mx``.
 
-A program reads ``ROWS`` rows x ``TILE`` columns (``TILE / B`` scale blocks of B = 32 columns for MXFP8, 16 for
-NVFP4: long rows of contiguous bytes) once and writes its elements and scales: one read of the weight, one write
-of the quantized bytes. The arithmetic is
-that of ``mx.py`` in the same IEEE operations: ``max |x|`` in float32 (exact); MXFP8's ``amax / 448`` with
-``div_rn`` (Triton's ``/`` is approximate), the E8M0 exponent from its bits, ``x * 2**(127-e)`` (exactly
-``x / 2**(e-127)``), round-to-nearest-even to E4M3; NVFP4's ``6 * weight_scale_2`` (one multiply),
-``amax / that`` and ``x / (scale * weight_scale_2)`` with ``div_rn``, the E2M1 code by the same thresholds,
-two codes a byte (low nibble first). Columns past ``K`` read zeros, as the torch path's zero padding.
-NVFP4 keeps ``div_rn`` per element: the division-free form (``mx.e2m1_codes_exact``, per block seven float32
-bounds from exact float64 products, per element seven comparisons) wrote the same bytes on an H200 but no
-faster (a 14336 x 4096 bf16 weight: 136-138 us either way, 62-72 us with no element codes at all: the cost is
-the per-element comparisons and packing, not the division).
+An MXFP8 program reads ``ROWS`` rows x ``TILE`` columns (``TILE / 32`` scale blocks: long rows of contiguous
+bytes), an NVFP4 one ``NVFP4_BLOCKS`` scale blocks of 16 columns (numbered row-major, each loaded as 8 pairs so a
+byte's two codes meet in one thread), once, and writes their elements and scales: one read of the weight, one
+write of the quantized bytes. The arithmetic is that of ``mx.py`` in the same IEEE operations: ``max |x|`` in
+float32 (exact); MXFP8's ``amax / 448`` with ``div_rn`` (Triton's ``/`` is approximate), the E8M0 exponent from
+its bits, ``x * 2**(127-e)`` (exactly ``x / 2**(e-127)``), round-to-nearest-even to E4M3; NVFP4's
+``6 * weight_scale_2`` (one multiply), ``amax / that`` and ``x / (scale * weight_scale_2)`` with ``div_rn``, the
+E2M1 code by the same thresholds (found in three comparisons, a binary search), two codes a byte (low nibble
+first). Columns past ``K`` read zeros, as the torch path's zero padding.
+On one H200 (a 14336 x 4096 bf16 weight) NVFP4 takes 114 us (the rows x columns tiling of MXFP8: 134-138 us).
+The division-free form of the codes (``mx.e2m1_codes_exact``: per block float32 bounds from exact float64
+products) was no faster there, and under Triton 3.6 it wrote wrong bytes for some shapes and warp counts (not
+isolated further; its float64 steps are the suspects), so the kernel keeps ``div_rn``.
 Checked against the torch path on a GPU by ``tests/test_gpu_quant_mx.py`` (not on CPU: Triton's
 interpreter converts to float8 differently from the GPU, so it cannot stand in).
 """
@@ -33,6 +34,7 @@ except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch pat
 # 50.8 us, 3.5 TB/s of its bytes, NVFP4 in 134 us, against 80.8 / 160 us for 32 rows x one scale block)
 ROWS = 16
 TILE = 256
+NVFP4_BLOCKS = 256  # NVFP4: 16-element scale blocks a program quantizes (8 warps)
 
 
 if AVAILABLE:
@@ -72,29 +74,31 @@ if AVAILABLE:
         tl.store(s_ptr + r64[:, None] * ssr + j.to(tl.int64)[None, :] * ssk, e.to(tl.uint8), mask=smask)
 
     @triton.jit
-    def _nvfp4_rows(
-        x_ptr, q_ptr, s_ptr, s2_ptr, rps, r_n, k, sxr, sxk, sqr, sqk, ssr, ssk, BR: tl.constexpr, NB: tl.constexpr
-    ):
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        j = tl.program_id(1) * NB + tl.arange(0, NB)  # this program's scale blocks
-        x, _ = _load(x_ptr, rows, tl.program_id(1) * NB * 16 + tl.arange(0, NB * 16), r_n, k, sxr, sxk)
-        xb = tl.reshape(x, (BR, NB, 16))
-        s2 = tl.load(s2_ptr + rows // rps, mask=rows < r_n, other=1.0)[:, None]  # rps rows share a weight scale
-        amax = tl.max(tl.abs(xb), axis=2)
+    def _nvfp4_blocks(x_ptr, q_ptr, s_ptr, s2_ptr, rps, r_n, k, g_n, sxr, sxk, sqr, sqk, ssr, ssk, BLK: tl.constexpr):
+        # BLK scale blocks a program, numbered row-major over [rows, g_n]; a block's 16 elements loaded as 8 pairs
+        # [BLK, 8, 2], so the two codes of a byte meet in one thread
+        b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
+        row, g = b // g_n, b % g_n
+        live = row < r_n
+        s2 = tl.load(s2_ptr + row // rps, mask=live, other=1.0)  # rps rows share a weight scale
+        col = g[:, None, None] * 16 + 2 * tl.arange(0, 8)[None, :, None] + tl.arange(0, 2)[None, None, :]
+        x = tl.load(x_ptr + row[:, None, None] * sxr + col * sxk, mask=live[:, None, None] & (col < k), other=0.0)
+        x = x.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
         bs = tl.minimum(_div_rn(amax, s2 * 6.0), 448.0).to(tl.float8e4nv)
-        denom = (bs.to(tl.float32) * s2)[:, :, None]
-        y = _div_rn(xb, denom)
-        a = tl.abs(tl.where(denom == 0, 0.0, y))
-        code = (a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
-        code += (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8) + (a > 5.0).to(tl.uint8)
-        code = code | ((xb < 0).to(tl.uint8) << 3)
-        lo, hi = tl.split(tl.reshape(code, (BR, NB * 8, 2)))
-        byte_cols = tl.program_id(1) * NB * 8 + tl.arange(0, NB * 8)
-        r64 = rows.to(tl.int64)
-        bmask = (rows[:, None] < r_n) & (byte_cols[None, :] < (k + 1) // 2)
-        tl.store(q_ptr + r64[:, None] * sqr + byte_cols.to(tl.int64)[None, :] * sqk, lo | (hi << 4), mask=bmask)
-        smask = (rows[:, None] < r_n) & (j[None, :] * 16 < k)
-        tl.store(s_ptr + r64[:, None] * ssr + j.to(tl.int64)[None, :] * ssk, bs, mask=smask)
+        denom = (bs.to(tl.float32) * s2)[:, None, None]
+        y = tl.abs(tl.where(denom == 0, 0.0, _div_rn(x, denom)))
+        # the code counts the thresholds y passes (0.25 >, 0.75 >=, 1.25 >, 1.75 >=, 2.5 >, 3.5 >=, 5 >), found
+        # in three comparisons: >= 1.75, then >= 3.5 or >= 0.75, then the strict one of the pair left
+        h = y >= 1.75
+        m = y >= tl.where(h, 3.5, 0.75)
+        lo_bit = y > tl.where(h, tl.where(m, 5.0, 2.5), tl.where(m, 1.25, 0.25))
+        code = h.to(tl.int32) * 4 + m.to(tl.int32) * 2 + lo_bit.to(tl.int32) + (x < 0).to(tl.int32) * 8
+        lo, hi = tl.split(code.to(tl.uint8))
+        byte_col = g[:, None] * 8 + tl.arange(0, 8)[None, :]
+        bmask = live[:, None] & (byte_col < (k + 1) // 2)
+        tl.store(q_ptr + row[:, None] * sqr + byte_col * sqk, lo | (hi << 4), mask=bmask)
+        tl.store(s_ptr + row * ssr + g * ssk, bs, mask=live)
 
 
 def quantize_rows_triton(
@@ -111,14 +115,16 @@ def quantize_rows_triton(
     r_n, k = x.shape
     if r_n == 0 or k == 0:
         return
-    block = 32 if fmt == "mxfp8" else 16
-    nb = min(TILE // block, triton.next_power_of_2(triton.cdiv(k, block)))  # scale blocks a program quantizes
-    grid = (triton.cdiv(r_n, ROWS), triton.cdiv(k, block * nb))
     strides = (*x.stride(), *q.stride(), *s.stride())
     if fmt == "mxfp8":
+        nb = min(TILE // 32, triton.next_power_of_2(triton.cdiv(k, 32)))  # scale blocks a program quantizes
+        grid = (triton.cdiv(r_n, ROWS), triton.cdiv(k, 32 * nb))
         _mxfp8_rows[grid](x, q, s, r_n, k, *strides, BR=ROWS, NB=nb)
         return
     want = -(-r_n // rows_per_scale)
     if scale_2 is None or scale_2.shape != (want,) or scale_2.dtype != torch.float32 or scale_2.device != x.device:
         raise ValueError(f"NVFP4 on CUDA: scale_2 must be float32 [{want}] on {x.device}, got {scale_2}")
-    _nvfp4_rows[grid](x, q, s, scale_2.contiguous(), rows_per_scale, r_n, k, *strides, BR=ROWS, NB=nb)
+    g_n = triton.cdiv(k, 16)
+    grid = (triton.cdiv(r_n * g_n, NVFP4_BLOCKS),)
+    args = (x, q, s, scale_2.contiguous(), rows_per_scale, r_n, k, g_n, *strides)
+    _nvfp4_blocks[grid](*args, BLK=NVFP4_BLOCKS, num_warps=8)
