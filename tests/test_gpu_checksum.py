@@ -18,6 +18,7 @@ from refit.tools.launch import run_local
 from refit.tools.verify import reference_tensor
 from refit.transfer import Peer
 from refit.transport.checksum import Piece, PieceSums, checksum, reference_sum, triton_enabled
+from refit.transport.ipc import IpcSums
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,6 +86,10 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str, gpus: int):
             t.fill_(float("nan"))
     kw = {"src_tensors": tensors} if is_src else {"dst_tensors": tensors}
     cfg = TransferConfig(transport="ipc", checksums=True, deadline_s=60.0)
+    flag = torch.zeros((), dtype=torch.uint8, device=dev)  # 1: the re-read's source is damaged first
+    fused_here = not is_src and (damage, gpus) == ("source", 1)
+    if fused_here:  # the fused work is recorded into the pull's CUDA graph at setup: damage inside it, by a flag
+        _damage_rereads(flag)
     peer = Peer(src_l, dst_l, world.rank, procs=procs, config=cfg, device=dev, **kw)
     peer.run(1)
     exact = is_src or all(
@@ -98,16 +103,19 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str, gpus: int):
             victim = next((r for r in sums.reread if r is not None), None) or next(iter(sums.src_sums.values()))
         else:  # ... or its destination, before it is summed
             victim = sums.dst_sums
-        view = victim.pieces[0].src
         named = sums.names[victim.pieces[0].slot]  # the error must name the tensor damaged
-        run = victim.run
+        if fused_here:
+            assert peer.executor.ipc.pullers[0].graph is not None  # the fused work runs inside the graph
+            flag.fill_(1)
+        else:
+            view, run = victim.pieces[0].src, victim.run
 
-        def run_after_damage() -> None:  # on the stream the sum runs on: ordered after the copy
-            b = view.view(torch.uint8)
-            b[(0,) * b.dim()] ^= 1
-            run()
+            def run_after_damage() -> None:  # on the stream the sum runs on: ordered after the copy
+                b = view.view(torch.uint8)
+                b[(0,) * b.dim()] ^= 1
+                run()
 
-        victim.run = run_after_damage
+            victim.run = run_after_damage
     try:
         peer.run(2)
         error = None
@@ -116,6 +124,26 @@ def _ipc_worker(world, src_l, dst_l, procs, damage: str, gpus: int):
     finally:
         peer.close()  # a failed refit still frees its barrier and mappings (no resource-tracker warnings)
     return exact, fused, error, named
+
+
+def _damage_rereads(flag: torch.Tensor) -> None:
+    """Every re-read of fused pieces (``IpcSums.fused_work``, recorded into the pull's graph) first flips the
+    lowest bit of its first piece's source where ``flag`` is 1: a source changed after the pull read it."""
+    fused_work = IpcSums.fused_work
+
+    def damaging(self, stage: int):
+        reread = self.reread[stage]
+        if reread is not None and not hasattr(reread, "damaged"):
+            b, run = reread.pieces[0].src.view(torch.uint8), reread.run
+
+            def run_after_damage() -> None:
+                b[(0,) * b.dim()] ^= flag
+                run()
+
+            reread.run, reread.damaged = run_after_damage, True
+        return fused_work(self, stage)
+
+    IpcSums.fused_work = damaging
 
 
 @pytest.mark.timeout(300)
