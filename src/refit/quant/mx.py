@@ -26,8 +26,6 @@ rounding, so the torch path (any device) and the Triton kernels (``mx_triton``) 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -41,21 +39,6 @@ AMAX_FLOOR = 1e-12  # NVFP4: a tensor of zeros gets weight_scale_2 = 1e-12 / 268
 # code (0.25 -> 0, 1.25 -> 1.0, 2.5 -> 2, 5 -> 4), ">=" up to it (0.75 -> 1.0, 1.75 -> 2, 3.5 -> 4)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-
-
-def _boundary(t: float, inclusive: bool) -> float:
-    """The real ``b`` with ``RN32(q) > t <=> q > b`` (``inclusive``: ``RN32(q) >= t <=> q >= b``) for every real
-    ``q >= 0``: the midpoint between ``t`` and its float32 neighbour above (below). ``t``'s last mantissa bit is
-    even, so a ``q`` at the midpoint rounds to ``t`` (ties to even): not above ``t``, at least ``t``. ``b`` has 25
-    significant bits, exact in float64."""
-    f = torch.tensor(t, dtype=torch.float32)
-    if f.view(torch.int32).item() & 1:
-        raise AssertionError(f"E2M1 threshold {t}: odd mantissa")
-    return (t + torch.nextafter(f, torch.tensor(0.0 if inclusive else math.inf)).item()) / 2
-
-
-# the E2M1 thresholds as bounds on the exact quotient |x| / d (the kernels' division-free arithmetic)
-E2M1_BOUNDS = tuple((_boundary(t, inclusive), inclusive) for t, inclusive in _E2M1_UP)
 
 
 def _blocks(w: torch.Tensor, block: int) -> torch.Tensor:
@@ -118,38 +101,6 @@ def e2m1_codes(y: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     return code | (negative.to(torch.uint8) << 3)
 
 
-def round32(p: torch.Tensor, up: bool) -> torch.Tensor:
-    """float64 ``p >= 0`` (or NaN) rounded to float32 down (``up``: up), NaN kept: below 2**-126 from the integer
-    count of 2**-149 steps (no conversion that may flush a subnormal), else the nearest float32 moved one step
-    where it lies on the wrong side of ``p`` (infinity above float32's largest, rounded down: the largest)."""
-    f = p.float()
-    bits = f.view(torch.int32)
-    if up:
-        bits = torch.where(f.double() < p, bits + 1, bits)
-        sub = torch.ceil(p * 2.0**149)
-    else:
-        bits = torch.where(f.double() > p, bits - 1, bits)
-        sub = torch.floor(p * 2.0**149)
-    bits = torch.where(p < 2.0**-126, sub.nan_to_num().to(torch.int32), bits)
-    return torch.where(p == p, bits.view(torch.float32), f)
-
-
-def e2m1_codes_exact(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The codes ``e2m1_codes`` gives ``RN32(x / d)`` (0 where ``d`` is 0, as ``quantize_nvfp4``), without the
-    division: the exact quotient ``|x| / |d|`` against each of ``E2M1_BOUNDS``, i.e. ``|x|`` against ``b * |d|``
-    (exact in float64: 24 x 25 significant bits), as float32 comparisons: for a float32 ``|x|``, ``|x| > p`` iff
-    ``|x| > RD32(p)`` and ``|x| >= p`` iff ``|x| >= RU32(p)`` (``round32``), the bounds once per ``d``. A ``d`` of
-    0, infinite or NaN gives magnitude 0 (``x / d`` is then 0 or NaN: the bounds NaN, every comparison false);
-    so does a NaN ``x``; an infinite ``x`` over a finite ``d`` gives 7. A form for kernels without a correctly
-    rounded division (``mx_triton`` keeps ``div_rn``: on an H200 this form was no faster)."""
-    a, dd = x.float().abs(), d.double().abs()
-    dd = torch.where((dd > 0) & (dd < math.inf), dd, math.nan)
-    code = torch.zeros(torch.broadcast_shapes(x.shape, d.shape), dtype=torch.uint8, device=x.device)
-    for b, inclusive in E2M1_BOUNDS:
-        code += (a >= round32(dd * b, True)) if inclusive else (a > round32(dd * b, False))
-    return code | ((x < 0).to(torch.uint8) << 3)
-
-
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """[..., K] 4-bit codes -> [..., ceil(K/2)] bytes, element 2j in the low nibble (zero-padded)."""
     if codes.shape[-1] % 2:
@@ -166,20 +117,15 @@ def nvfp4_block_scales(x: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Te
     return bs, (bs.float() * s2).unsqueeze(-1)
 
 
-def quantize_nvfp4(w: torch.Tensor, scale_2: torch.Tensor, divide: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(w: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed [..., N, ceil(K/2)] uint8, weight_scale [..., N, ceil(K/16)] float8_e4m3fn) of ``w`` [..., N, K]
-    with the agreed ``scale_2`` (float32, the shape of ``w``'s leading dims: one per [N, K] matrix).
-    ``divide=False``: the elements' codes by ``e2m1_codes_exact`` (the kernels' arithmetic), the same bytes."""
+    with the agreed ``scale_2`` (float32, the shape of ``w``'s leading dims: one per [N, K] matrix)."""
     if tuple(scale_2.shape) != tuple(w.shape[:-2]):
         raise ValueError(f"NVFP4: weight_scale_2 of shape {list(scale_2.shape)} for a weight {list(w.shape)}")
     x = _blocks(w, NVFP4_BLOCK)
     bs, denom = nvfp4_block_scales(x, scale_2)
-    if divide:
-        denom = denom.expand_as(x)
-        y = torch.where(denom == 0, 0.0, _div(x, denom))
-        codes = e2m1_codes(y, x < 0)
-    else:
-        codes = e2m1_codes_exact(x, denom)
+    denom = denom.expand_as(x)
+    codes = e2m1_codes(torch.where(denom == 0, 0.0, _div(x, denom)), x < 0)
     return pack_fp4(codes.flatten(-2)[..., : w.shape[-1]]), bs
 
 
