@@ -10,9 +10,9 @@ its bits, ``x * 2**(127-e)`` (exactly ``x / 2**(e-127)``), round-to-nearest-even
 E2M1 code by the same thresholds (found in three comparisons, a binary search), two codes a byte (low nibble
 first). Columns past ``K`` read zeros, as the torch path's zero padding.
 On one H200 (a 14336 x 4096 bf16 weight) NVFP4 takes 114 us (the rows x columns tiling of MXFP8: 134-138 us).
-The division-free form of the codes (``mx.e2m1_codes_exact``: per block float32 bounds from exact float64
-products) was no faster there, and under Triton 3.6 it wrote wrong bytes for some shapes and warp counts (not
-isolated further; its float64 steps are the suspects), so the kernel keeps ``div_rn``.
+A division-free form of the codes (each element against per-block float32 bounds from exact float64 products)
+was no faster there, and under Triton 3.6 it wrote wrong bytes for some shapes and warp counts (not isolated
+further; its float64 steps are the suspects), so the kernel keeps ``div_rn``.
 Checked against the torch path on a GPU by ``tests/test_gpu_quant_mx.py`` (not on CPU: Triton's
 interpreter converts to float8 differently from the GPU, so it cannot stand in).
 """
