@@ -3,7 +3,8 @@
     .venv/bin/python -m bench.cluster_delta --rate 1gbit --fractions 0.001,0.01,1 --refits 5
 
 Two hosts, each link shaped to ``--rate`` both ways: trainer ``--src`` (default fsdp=2) on host a, one tp=1 engine
-on host b, the Llama-shaped model of ``bench.cluster_dense`` (``--layers``) in ``--dtype`` (default bf16). Two
+on host b, the Llama-shaped model of ``bench.cluster_dense`` (``--layers``: 4 is 44 MB in bf16, each layer 6.8 MB
+more, 49 is 351 MB) in ``--dtype`` (default bf16). Two
 Peers over the same tensors of the trainer, both ``transport="nixl"``: one dense (``delta="off"``), one with
 ``delta="auto"`` weighing the link at ``--rate`` (``delta_link_gbps``). Version 1 warms both up (dense); then per
 fraction ``--refits`` versions, each changing that fraction of every tensor's elements (the lowest bit flipped),
@@ -188,10 +189,13 @@ def run(a: argparse.Namespace, config: str) -> dict:
         Path(a.profile).mkdir(parents=True, exist_ok=True)
         argv += ["--profile", str(Path(a.profile).resolve())]
     rate_bit = parse_rate(a.rate)
+    started, load = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()[0]
     with Cluster(["a", "b"], LinkShape(rate_bit)) as cluster:
         results = Job(cluster, placement, argv).wait(3600)
     engine = results[-1]["rows"]
-    out = {"rate": a.rate, "src": a.src, "dtype": a.dtype, "model_bytes": model_bytes, "refits": a.refits}
+    out = {"date": started, "load_at_start": round(load, 2), "load_at_end": round(os.getloadavg()[0], 2)}
+    out |= {"rate": a.rate, "src": a.src, "dtype": a.dtype, "layers": a.layers, "model_bytes": model_bytes}
+    out["refits"] = a.refits
     out["num_buffers"] = a.num_buffers
     out["copy_s"] = round(model_bytes / (rate_bit / 8), 4)
     for f in a.fractions.split(","):
