@@ -161,17 +161,24 @@ def merge_choices(choices: list[_Choice], src: ModelLayout, dst: ModelLayout, na
             groups[c[0], c[1], c[2]].append(i)
     drop: set[int] = set()
     fixed: dict[int, _Choice] = {}
+    parts: dict[tuple[str, int], list[Box]] = {}  # what each source rank stores of a tensor, looked up once
     for (name, h, r), at in groups.items():
-        boxes = [choices[i][3] for i in at]
-        bbox = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
-        part = next((p for p in src[name].parts(h) if box_contains(p, bbox)), None)
-        if part is not None and sum(box_numel(b) for b in boxes) == box_numel(bbox):
+        held = parts.get((name, h))
+        if held is None:
+            held = parts[name, h] = src[name].parts(h)
+        if len(at) == 1:  # most groups: one tile, its own bounding box
+            bbox = choices[at[0]][3]
+        else:
+            cols = list(zip(*(choices[i][3] for i in at)))  # per dim, every tile's (lo, hi)
+            bbox = tuple((min(lo for lo, _ in c), max(hi for _, hi in c)) for c in cols)
+        part = next((p for p in held if box_contains(p, bbox)), None)
+        if part is not None and (len(at) == 1 or sum(box_numel(choices[i][3]) for i in at) == box_numel(bbox)):
             fixed[at[0]] = _with_box(choices[at[0]], bbox, part, dst[name].box(r))
             drop.update(at[1:])
             continue
         for i in at:  # not one box: the tiles stay as they are
             box = choices[i][3]
-            part = next(p for p in src[name].parts(h) if box_contains(p, box))
+            part = next(p for p in held if box_contains(p, box))
             fixed[i] = _with_box(choices[i], box, part, dst[name].box(r))
     return [fixed.get(i, c) for i, c in enumerate(choices) if i not in drop]
 
