@@ -16,9 +16,11 @@ objects: at cluster scale (~10^6 pieces) object creation is most of the cost.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 from collections import defaultdict
+from collections.abc import Callable
 
 from refit.errors import PlanError
 from refit.layout.tensors import Box, ModelLayout, TensorLayout, box_intersect, box_numel, box_runs_whole
@@ -142,8 +144,9 @@ def _tensor_choices(
     dboxes, ranks_in_order = _receivers(d)
     got = [0] * len(dboxes)  # bytes each distinct box receives, summed over the tiles
     identical: bool | None = None  # same boxes on both sides: computed only when it matters
+    cutter = _cutter(dboxes)
     for tile, holders in _source_tiles(s):
-        cut = [box_intersect(tile, b) for b in dboxes]  # once per distinct box, not per rank
+        cut = cutter(tile)  # once per distinct box, not per rank
         nbytes = [box_numel(c) * item if c is not None else 0 for c in cut]
         got = [a + b for a, b in zip(got, nbytes)]
         # holders hold exactly ``tile``: contiguity on both sides is a property of the cut
@@ -178,6 +181,36 @@ def _tensor_choices(
                 f"tensor {d.name!r}: destination rank {r} would receive {n // item} of "
                 f"{box_numel(b)} elements of box {list(b)} (coverage gap)"
             )
+
+
+def _cutter(dboxes: list[Box]) -> Callable[[Box], list[Box | None]]:
+    """``tile -> [box_intersect(tile, b) for b in dboxes]``. Where the boxes differ in one dim only and are
+    disjoint there (a split along one dim: TP, EP), the boxes a tile meets are found by bisection instead of
+    intersecting every one (at cluster scale, tens of boxes per tile and millions of tiles)."""
+    n = len(dboxes)
+    vary = [k for k in range(len(dboxes[0])) if any(b[k] != dboxes[0][k] for b in dboxes)] if n > 2 else []
+    if len(vary) != 1:
+        return lambda tile: [box_intersect(tile, b) for b in dboxes]
+    k = vary[0]
+    order = sorted(range(n), key=lambda i: dboxes[i][k])
+    starts, ends = [dboxes[i][k][0] for i in order], [dboxes[i][k][1] for i in order]
+    if any(e > s for e, s in zip(ends, starts[1:])):  # overlapping along k: the plain way
+        return lambda tile: [box_intersect(tile, b) for b in dboxes]
+    common, others = dboxes[0], [j for j in range(len(dboxes[0])) if j != k]
+
+    def cut(tile: Box) -> list[Box | None]:
+        out: list[Box | None] = [None] * n
+        for j in others:  # the dims other than k, the same in every box
+            if max(tile[j][0], common[j][0]) >= min(tile[j][1], common[j][1]):
+                return out
+        t0, t1 = tile[k]
+        i = bisect.bisect_right(ends, t0)  # the first box ending after the tile starts: it and those after it
+        while i < n and starts[i] < t1:  # that start before the tile ends meet it
+            out[order[i]] = box_intersect(tile, dboxes[order[i]])
+            i += 1
+        return out
+
+    return cut
 
 
 def _nearest_holders(holders: list[int], procs: ProcessMap) -> tuple[dict[int, int], dict[str, int]]:
