@@ -134,6 +134,13 @@ def launch(graph: torch.cuda.CUDAGraph, stream: int) -> bool:
     return True
 
 
+def launch_on(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+    """``launch`` on ``stream``, or where that is not available ``graph.replay()`` with ``stream`` current."""
+    if not launch(graph, stream.cuda_stream):
+        with torch.cuda.stream(stream):
+            graph.replay()
+
+
 def private_stream(device: torch.device, high: bool = False) -> torch.cuda.Stream:
     """A CUDA stream of ``device`` that no one else in the process holds: created through the runtime
     (non-blocking), not taken from torch's pool, whose 32 streams per device are handed out round-robin

@@ -251,7 +251,7 @@ def check_indices_many(pieces: list[tuple[torch.Tensor, int]], what: str) -> Non
     if not pieces:
         return
     if all(i.device.type == "cpu" for i, _ in pieces):  # numpy's min and max per piece: no concatenation
-        if all(i.numpy().min() >= 0 and i.numpy().max() < n for i, n in pieces):
+        if all((a := i.numpy()).min() >= 0 and a.max() < n for i, n in pieces):
             return
         for i, n in pieces:
             check_indices(i, n, what)  # names the first bad index

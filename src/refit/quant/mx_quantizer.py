@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -77,7 +78,8 @@ def shared_scale_2(amax: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 class _Graphs:
     """Steps replayed as CUDA graphs: a step's first call runs eagerly (Triton compiles its kernels), its second
-    captures it (once) and every later one replays it; eager on the CPU or with ``REFIT_MX_GRAPH=0``."""
+    captures it (once) and every later one replays it; eager on the CPU, with ``REFIT_MX_GRAPH=0``, and from a
+    failed capture on (with a warning)."""
 
     def __init__(self, device: torch.device) -> None:
         self.on = device.type == "cuda" and os.environ.get("REFIT_MX_GRAPH", "1") != "0"
@@ -95,8 +97,14 @@ class _Graphs:
                 fn()
                 return
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            try:
+                with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                    fn()
+            except RuntimeError as e:  # speed only: every step stays eager (as the FP8 quantizer's do)
+                warnings.warn(f"refit: recording an MX quantization step into a CUDA graph failed ({e})", stacklevel=3)
+                self.on = False
                 fn()
+                return
             self.graphs[key] = g
         g.replay()
 

@@ -27,7 +27,7 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
-from refit.cudart import OwnedStreams, cuda_runtime, launch
+from refit.cudart import OwnedStreams, cuda_runtime, launch_on
 from refit.errors import ChecksumError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
@@ -281,7 +281,7 @@ class IpcPuller:
         """Enqueue the copies on ``stream`` (default: the current stream of the device)."""
         current = stream if stream is not None else torch.cuda.current_stream(self.device)
         if self.graph is not None:  # one runtime call (the replay's device guard and bookkeeping: 10-15 us more)
-            _launch(self.graph, current)
+            launch_on(self.graph, current)
             return
         with torch.cuda.stream(current):
             self._run_fused(self._issue if self.lanes else lambda: None)
@@ -311,12 +311,6 @@ class IpcPuller:
                     best = min(best, time.perf_counter() - t0)
                 out[f"{label}/{kind}"] = (len(sel), sum(c[1] for c in sel), best)
         return out
-
-
-def _launch(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
-    if not launch(graph, stream.cuda_stream):
-        with torch.cuda.stream(stream):
-            graph.replay()
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination view, mapped source view)
@@ -512,7 +506,7 @@ class IpcSums:
         if not self.names:  # pulls nothing (a source process)
             return
         if self.graph is not None:
-            _launch(self.graph, torch.cuda.current_stream(self.device))
+            launch_on(self.graph, torch.cuda.current_stream(self.device))
             self.verdict = self._host
             return
         self._enqueue()
