@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -33,7 +34,9 @@ class RunClock:
     def watch(self, finished: Callable[[], bool], pending: Callable[[], str]) -> None:
         """Poll ``finished`` until it is true, giving up at the deadline and checking the side
         channel every 20 ms for another process's abort (the first ``SPIN_S`` spin, then each poll yields the
-        GIL, and after 50 ms sleeps 0.1 ms)."""
+        GIL and the core (``sched_yield``: under a microsecond when nothing else wants them, where ``time.sleep(0)``
+        sleeps for the kernel's timer slack, 50-60 us, and so sees the end of a wait that much later), and after
+        50 ms sleeps 0.1 ms)."""
         start = time.monotonic()
         next_check = start + 0.02
         while not finished():
@@ -43,8 +46,10 @@ class RunClock:
             if self.check_abort is not None and now >= next_check:
                 self.check_abort()
                 next_check = now + 0.02
-            if now - start >= SPIN_S:
+            if now - start > 0.05:
+                time.sleep(0.0001)
+            elif now - start >= SPIN_S:
                 # then yield the GIL on every poll: a spinning waiter holds it for the interpreter's switch
                 # interval (5 ms), so an engine thread beside the refit (refit while generating) would wait
-                # that long per pass; after 50 ms sleep 0.1 ms a poll
-                time.sleep(0.0001 if now - start > 0.05 else 0)
+                # that long per pass (os.sched_yield releases the GIL around the call)
+                os.sched_yield()

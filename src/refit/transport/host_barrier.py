@@ -144,7 +144,12 @@ class HostBarrier:
 
     def _arrived(self) -> bool:
         """Whether every participant has reached this generation; ``BarrierLeft`` if one left instead."""
-        if int(self.slots.min()) >= self.gen or self._reached() >= self.gen:
+        low = int(self.slots.min())
+        if low >= self.gen:
+            return True
+        if low >= 0:  # nobody left (a slot that left is negative): some have not arrived yet
+            return False
+        if self._reached() >= self.gen:
             return True
         gone = [i for i in range(self.size) if -1 - int(self.slots[i]) in range(self.gen)]
         if gone:
