@@ -31,6 +31,7 @@ import torch
 
 from refit.layout.hf_names import LINEAR, STACKED_EXPERTS, Role, is_weight, param_role
 from refit.layout.tensors import Box, LayoutError, ModelLayout, TensorLayout, box_shape, box_slices
+from refit.quant.graphs import StepGraphs
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -206,8 +207,6 @@ class Fp8Quantizer:
         self.block, self.chunk_bytes = block, chunk_bytes
         self.jobs: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.tensors: dict[str, torch.Tensor] = {}
-        self._graphs: dict[frozenset[str] | None, torch.cuda.CUDAGraph | None] = {}
-        self._seen: set[frozenset[str] | None] = set()
         quantized = set(quantized_names(qlayout))
         boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
         for name in boxes:
@@ -225,6 +224,8 @@ class Fp8Quantizer:
             s = torch.empty(box_shape(sbox), dtype=torch.float32, device=parts[0].device)
             self.tensors[name], self.tensors[scale_name(name)] = q, s
             self.jobs += _part_jobs(qlayout[name], rank, parts, q, s, block)
+        on_gpu = bool(self.jobs) and all(w.is_cuda for _, w, _, _ in self.jobs) and use_triton(block)
+        self.graphs = StepGraphs(on_gpu, "the FP8 quantization")
 
     @property
     def nbytes(self) -> int:
@@ -240,42 +241,16 @@ class Fp8Quantizer:
 
     def __call__(self, names: set[str] | None = None) -> None:
         """Quantize the shards of ``names`` (``None``: all) from the live weights. On CUDA with the Triton
-        kernel, the launches of each set of names are recorded into a CUDA graph on its second call and
-        replayed from then on (one launch instead of one per tensor, each tens of microseconds of host)."""
+        kernel, the launches of each set of names are a CUDA graph from its second call on (``StepGraphs``)."""
         if not any(w.numel() and (names is None or name in names) for name, w, _, _ in self.jobs):
             return
-        key = None if names is None else frozenset(names)
-        graph = self._graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return
         with torch.no_grad():
-            self._quantize(names)
-        if self._capturable() and key in self._seen:
-            self._graphs[key] = self._capture(names)
-        self._seen.add(key)
+            self.graphs.run(None if names is None else frozenset(names), lambda: self._quantize(names))
 
     def _quantize(self, names: set[str] | None) -> None:
         for name, w, q, s in self.jobs:
             if w.numel() and (names is None or name in names):
                 quantize_into(w, q, s, self.block, self.chunk_bytes)
-
-    def _capturable(self) -> bool:
-        return bool(self.jobs) and all(w.is_cuda for _, w, _, _ in self.jobs) and use_triton(self.block)
-
-    def _capture(self, names: set[str] | None) -> torch.cuda.CUDAGraph | None:
-        """The launches of ``names`` recorded (not run); None, with a warning, where recording fails."""
-        import warnings
-
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.no_grad(), torch.cuda.graph(graph):
-                self._quantize(names)
-        except RuntimeError as e:  # speed only: the launches stay one by one
-            warnings.warn(f"refit: recording the FP8 quantization into a CUDA graph failed ({e})", stacklevel=3)
-            self._capturable = lambda: False  # type: ignore[method-assign]
-            return None
-        return graph
 
 
 def _part_jobs(t: TensorLayout, rank: int, live: list[torch.Tensor], q: torch.Tensor, s: torch.Tensor, block):

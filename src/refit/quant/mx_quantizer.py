@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from refit.layout.tensors import Box, LayoutError, ModelLayout, TensorLayout, box_shape, box_slices
+from refit.quant.graphs import StepGraphs
 from refit.quant.mx import nvfp4_scale_2, quantize_mxfp8, quantize_nvfp4
 from refit.quant.mx_layout import MxFormat, block_scale_name, global_key, global_scale_name, mx_names, shares_dim1
 from refit.quant.mx_scales import ScaleTable
@@ -76,39 +76,6 @@ def shared_scale_2(amax: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: nvfp4_scale_2(shared[global_key(n)]) for n in amax}
 
 
-class _Graphs:
-    """Steps replayed as CUDA graphs: a step's first call runs eagerly (Triton compiles its kernels), its second
-    captures it (once) and every later one replays it; eager on the CPU, with ``REFIT_MX_GRAPH=0``, and from a
-    failed capture on (with a warning)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.on = device.type == "cuda" and os.environ.get("REFIT_MX_GRAPH", "1") != "0"
-        self.calls: dict[object, int] = {}
-        self.graphs: dict[object, torch.cuda.CUDAGraph] = {}
-
-    def run(self, key: object, fn) -> None:
-        if not self.on:
-            fn()
-            return
-        g = self.graphs.get(key)
-        if g is None:
-            self.calls[key] = self.calls.get(key, 0) + 1
-            if self.calls[key] == 1:
-                fn()
-                return
-            g = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                    fn()
-            except RuntimeError as e:  # speed only: every step stays eager (as the FP8 quantizer's do)
-                warnings.warn(f"refit: recording an MX quantization step into a CUDA graph failed ({e})", stacklevel=3)
-                self.on = False
-                fn()
-                return
-            self.graphs[key] = g
-        g.replay()
-
-
 class MxQuantizer:
     """A sender's ``fmt`` copies of its shards of the quantized tensors.
 
@@ -118,7 +85,7 @@ class MxQuantizer:
     A refit that prepares all names at once agrees first by itself; a staged one (``TransferConfig.stages``)
     needs ``agree()`` called on every trainer rank after each optimizer step: a weight prepared twice since the
     last agreement is refused. On CUDA the agreement's steps and the quantization are CUDA graphs after their
-    second use (``_Graphs``; the all-reduce stays outside).
+    second use (``StepGraphs``; the all-reduce stays outside).
 
     NVFP4's agreement reads every weight once for its ``max |x|`` unless the trainer hands it over first:
     ``set_amax`` (after the optimizer step whose weights the next refit sends), consumed by the next agreement;
@@ -160,7 +127,7 @@ class MxQuantizer:
                 continue
             self._add(qlayout[name], live[name], box, boxes)
         self.device = next((w.device for _, w, _, _, _ in self.jobs if w.numel()), torch.device("cpu"))
-        self.graphs = _Graphs(self.device)
+        self.graphs = StepGraphs(self.device.type == "cuda", f"the {fmt.name.upper()} quantization")
         self.table = None
         if fmt.global_scale:
             self.table = ScaleTable(qlayout, rank, self.quantized, [(n, p) for n, _, _, _, p in self.jobs], self.device)
