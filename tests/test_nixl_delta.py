@@ -309,6 +309,14 @@ def test_the_cpu_find_reads_words_and_leaves_elements_unread_where_the_rule_says
         words = int((base.view(-1).view(torch.int64) != cur.view(-1).view(torch.int64)).sum())
         assert find_changes(base, cur, most=words - 1) == (None, None)
         assert torch.equal(find_changes(base, cur, most=words)[0], want)
+    for dtype, n in ((torch.bfloat16, 116), (torch.float32, 58), (torch.uint8, 232), (torch.float64, 29)):
+        base = torch.randn(n, generator=gen).to(dtype)  # 29 words: not a whole number of groups of eight
+        cur = base.clone()
+        bits(cur)[torch.randperm(n, generator=gen)[:9]] ^= 1
+        ref = (bits(base) != bits(cur)).nonzero().squeeze(1)
+        for chunk in (1 << 20, 64):  # one pass, and passes of 8 words
+            idx, vals = find_changes(base, cur, chunk_bytes=chunk)
+            assert len(ref) == 9 and torch.equal(idx, ref) and torch.equal(bits(vals), bits(cur)[ref]), (dtype, chunk)
     src, dst = _layouts(_shapes("tiny-llama"), "tp=1", "tp=1")
     cfg = TransferConfig(name="dw", **AUTO)
     plan = build_plan(src, dst, ProcessMap.disjoint(1, 1), cfg)

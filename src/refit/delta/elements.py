@@ -96,32 +96,53 @@ def _by_words_on_host(base: torch.Tensor, cur: torch.Tensor) -> bool:
 def _find_host(
     base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int, most: int | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``find_changes`` on the CPU in one pass over both versions as 64-bit words (numpy's vectorized compare and
-    ``flatnonzero``: ~10x the torch path's element-wise compare and ``nonzero``), ``chunk_bytes`` at a time; only
-    the changed words are then compared element by element. The same result as the torch path (sorted);
-    ``(None, None)`` where more than ``most`` words changed (none compared element by element)."""
-    per = 8 // cur.element_size()
+    """``find_changes`` on the CPU in one pass over both versions as 64-bit words (numpy's vectorized compare),
+    ``chunk_bytes`` at a time; only the changed words are then compared element by element. Each compaction reads
+    the fewest flags it can: the words' flags eight at a time (one 64-bit view of them), then the flags of the
+    changed groups of eight, then the changed words' elements (``_changed_words``, ``_changed_elements``). The same
+    result as the torch path (sorted); ``(None, None)`` where more than ``most`` words changed (none compared
+    element by element)."""
     bw, cw = (t.reshape(-1).view(torch.int64).numpy() for t in (base, cur))
-    ce = bits(cur).reshape(-1).numpy()
-    step = max(1, min(chunk_bytes // 8, SCRATCH_WORDS))
-    changed = _scratch()
-    found = []
-    for s in range(0, len(cw), step):
-        n = min(step, len(cw) - s)
-        np.not_equal(bw[s : s + n], cw[s : s + n], out=changed[:n])
-        found.append(np.flatnonzero(changed[:n]) + s)
-    if most is not None and sum(len(w) for w in found) > most:
+    step = max(8, min(chunk_bytes // 8, SCRATCH_WORDS) // 8 * 8)
+    found = [_changed_words(bw[s : s + step], cw[s : s + step]) + s for s in range(0, len(cw), step)]
+    words = found[0] if len(found) == 1 else np.concatenate(found or [np.zeros(0, dtype=np.int64)])
+    if most is not None and len(words) > most:
         return None, None
-    idx = []
-    for words in found:
-        if per == 1 or not len(words):
-            idx.append(words)
-            continue
-        at = np.flatnonzero((np.take(bw, words) ^ np.take(cw, words)).view(ce.dtype))  # changed elements of them
-        shift = per.bit_length() - 1  # per is 2, 4 or 8
-        idx.append((words[at >> shift] << shift) + (at & (per - 1)))
-    i = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
-    return from_numpy(i), from_numpy(np.take(ce, i)).view(cur.dtype)
+    idx, vals = _changed_elements(bw, cw, words, cur.element_size())
+    return from_numpy(idx), from_numpy(vals).view(cur.dtype)
+
+
+def _changed_words(bw: np.ndarray, cw: np.ndarray) -> np.ndarray:
+    """The indices (int64, ascending) of the words where ``bw`` and ``cw`` (int64, at most ``SCRATCH_WORDS``)
+    differ: their flags in this thread's scratch, the groups of eight with one set found through a 64-bit view of
+    the flags, then the set flags of those groups (two compactions over an eighth of the flags and the changed
+    groups', not one over all of them)."""
+    n = len(bw)
+    flags = _scratch()[: -(-n // 8) * 8]
+    np.not_equal(bw, cw, out=flags[:n])
+    flags[n:] = False
+    groups = flags.view(np.uint64)
+    g = np.flatnonzero(groups != 0)
+    p = np.flatnonzero(groups[g].view(np.bool_))  # each changed group's eight flags, one after another
+    return (g[p >> 3] << 3) + (p & 7)
+
+
+_LANES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _changed_elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The flat indices (int64, ascending) of the changed elements (``size`` bytes each) inside the changed
+    ``words`` of ``bw`` / ``cw``, and their bits in ``cw`` (an integer type of ``size`` bytes): read from the two
+    gathered copies of those words, not from the whole tensors."""
+    got = cw[words]
+    if size == 8:
+        return words, got
+    per, shift = 8 // size, (8 // size).bit_length() - 1  # per is 2, 4 or 8
+    at = np.flatnonzero((bw[words] ^ got).view(_LANES[size]) != 0)  # changed elements of the gathered words
+    return (words[at >> shift] << shift) + (at & (per - 1)), got.view(_BITS_NP[size])[at]
+
+
+_BITS_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy's ``bits`` types
 
 
 SCRATCH_WORDS = 1 << 20  # words compared per numpy call on the CPU (``_find_host``): its flags fit in L2
@@ -129,10 +150,11 @@ _SCRATCH = threading.local()
 
 
 def _scratch() -> np.ndarray:
-    """This thread's ``SCRATCH_WORDS`` flags for ``_find_host`` (allocated once: no page faults per piece)."""
+    """This thread's ``SCRATCH_WORDS`` flags for ``_find_host`` (allocated once, 8-byte aligned: no page faults per
+    piece; read eight at a time as one 64-bit word)."""
     flags = getattr(_SCRATCH, "flags", None)
     if flags is None:
-        flags = _SCRATCH.flags = np.empty(SCRATCH_WORDS, dtype=bool)
+        flags = _SCRATCH.flags = np.zeros(SCRATCH_WORDS // 8, dtype=np.uint64).view(np.bool_)
     return flags
 
 
