@@ -17,9 +17,18 @@ from test_quant_mx import awkward, nvfp4_adversarial
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.fixture(params=["blocks", "pairs"])
+def nvfp4_kernel(request, monkeypatch):
+    """Each NVFP4 kernel the quantizer can launch (``mx_triton.NVFP4_KERNEL``; "pairs" takes the bf16 weights)."""
+    from refit.quant import mx_triton
+
+    monkeypatch.setattr(mx_triton, "NVFP4_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [(37, 96), (5, 50), (3, 2, 7, 48), (4096, 4096), (8, 2, 768, 2048)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernels_write_the_bytes_of_the_cpu_path(shape, dtype):
+def test_triton_kernels_write_the_bytes_of_the_cpu_path(shape, dtype, nvfp4_kernel):
     from refit.quant import mx_triton
     from refit.quant.mx_quantizer import quantize_into, use_triton
 
@@ -39,7 +48,7 @@ def test_triton_kernels_write_the_bytes_of_the_cpu_path(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nvfp4_kernel_writes_the_cpu_bytes_at_every_rounding_boundary(dtype):
+def test_nvfp4_kernel_writes_the_cpu_bytes_at_every_rounding_boundary(dtype, nvfp4_kernel):
     """The NVFP4 kernel's codes (``div_rn`` and three comparisons) on 4.2 million adversarial
     values (``nvfp4_adversarial``: elements within 3 float32 steps of every threshold and exact bound times
     their block's divisor, divisors whose bounds fall within 2**-40 of a float32, weight scales from 1e-12 / 2688
@@ -54,6 +63,23 @@ def test_nvfp4_kernel_writes_the_cpu_bytes_at_every_rounding_boundary(dtype):
     bad = (gp.cpu() != p).nonzero()
     assert not len(bad), [(w[i, 0, 2 * j : 2 * j + 2].tolist(), s2[i].item()) for i, _, j in bad[:4].tolist()]
     assert torch.equal(gb.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{}, {"br": 1, "nb": 128}, {"br": 16, "nb": 32}, {"halves": False}, {"add_code": False}, {"exact_div": True}],
+    ids=str,
+)
+def test_every_pairs_kernel_shape_writes_the_cpu_bytes(shape):
+    """Each shape ``bench.nvfp4_kernels`` times, on its checks (bf16: exact ties at every threshold, one bf16
+    step either side, zeros, subnormal, huge and infinite elements, weight scales from the floor to near
+    float32's largest, so both quotient paths, per-row and per-tile weight scales, K 4100 / 4104 / 50, strided
+    and offset views, a misaligned view through the fallback, the tests' ``nvfp4_adversarial``): the CPU path's
+    bytes, elements and block scales."""
+    from bench.nvfp4_kernels import _pairs, cases, check
+
+    bad = {case[0]: check(_pairs(shape), case) for case in cases(torch.Generator().manual_seed(5))}
+    assert not any(bad.values()), bad
 
 
 @pytest.mark.parametrize("fmt", [MXFP8, NVFP4])

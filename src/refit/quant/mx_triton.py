@@ -13,6 +13,8 @@ On one H200 (a 14336 x 4096 bf16 weight) NVFP4 takes 114 us (the rows x columns 
 A division-free form of the codes (each element against per-block float32 bounds from exact float64 products)
 was no faster there, and under Triton 3.6 it wrote wrong bytes for some shapes and warp counts (not isolated
 further; its float64 steps are the suspects), so the kernel keeps ``div_rn``.
+``NVFP4_KERNEL = "pairs"`` sends bf16 weights to ``nvfp4_triton`` instead (the weight read as pairs of elements, a
+quotient from each block's reciprocal, about a third of this kernel's instructions an element on sm_90).
 Checked against the torch path on a GPU by ``tests/test_gpu_quant_mx.py`` (not on CPU: Triton's
 interpreter converts to float8 differently from the GPU, so it cannot stand in).
 """
@@ -35,6 +37,9 @@ except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch pat
 ROWS = 16
 TILE = 256
 NVFP4_BLOCKS = 256  # NVFP4: 16-element scale blocks a program quantizes (8 warps)
+# the NVFP4 kernel the quantizer launches: "blocks" (``_nvfp4_blocks``, any dtype and strides) or "pairs"
+# (``nvfp4_triton``: bf16 read as pairs, where ``pairs_fit``; other weights still go through "blocks")
+NVFP4_KERNEL = "blocks"
 
 
 if AVAILABLE:
@@ -124,6 +129,14 @@ def quantize_rows_triton(
     want = -(-r_n // rows_per_scale)
     if scale_2 is None or scale_2.shape != (want,) or scale_2.dtype != torch.float32 or scale_2.device != x.device:
         raise ValueError(f"NVFP4 on CUDA: scale_2 must be float32 [{want}] on {x.device}, got {scale_2}")
+    if NVFP4_KERNEL not in ("blocks", "pairs"):
+        raise ValueError(f"mx_triton.NVFP4_KERNEL must be 'blocks' or 'pairs', got {NVFP4_KERNEL!r}")
+    if NVFP4_KERNEL == "pairs":
+        from refit.quant.nvfp4_triton import pairs_fit, quantize_nvfp4_pairs
+
+        if pairs_fit(x, q, s):
+            quantize_nvfp4_pairs(x, q, s, scale_2.contiguous(), rows_per_scale)
+            return
     g_n = triton.cdiv(k, 16)
     grid = (triton.cdiv(r_n * g_n, NVFP4_BLOCKS),)
     args = (x, q, s, scale_2.contiguous(), rows_per_scale, r_n, k, g_n, *strides)
