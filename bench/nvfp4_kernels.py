@@ -45,8 +45,11 @@ VARIANTS = {
 
 
 def _blocks(x, q, s, s2, rps):
-    mx_triton.NVFP4_KERNEL = "blocks"
-    mx_triton.quantize_rows_triton(x, q, s, "nvfp4", s2, rps)
+    saved, mx_triton.NVFP4_KERNEL = mx_triton.NVFP4_KERNEL, "blocks"
+    try:
+        mx_triton.quantize_rows_triton(x, q, s, "nvfp4", s2, rps)
+    finally:
+        mx_triton.NVFP4_KERNEL = saved
 
 
 def _pairs(shape):

@@ -110,8 +110,10 @@ def _block_params(amax, s2, MODE: tl.constexpr):
 @triton.jit
 def _tile(x_base, q_base, s_base, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES: tl.constexpr, MODE: tl.constexpr,
           ADD_CODE: tl.constexpr, FULL_K: tl.constexpr):  # fmt: skip
-    n: tl.constexpr = 4 if HALVES else 8
-    j = tl.arange(0, n)[None, :]
+    if HALVES:
+        j = tl.arange(0, 4)[None, :]
+    else:
+        j = tl.arange(0, 8)[None, :]
     w_off = (rr * sxr + g * 8)[:, None] + j
     b_off = (rr * sqr + g * 8)[:, None] + j
     if FULL_K:
@@ -119,7 +121,7 @@ def _tile(x_base, q_base, s_base, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES: tl
         m1 = live[:, None]
     else:
         m0 = live[:, None] & (g[:, None] * 8 + j < kp)
-        m1 = live[:, None] & (g[:, None] * 8 + n + j < kp)
+        m1 = live[:, None] & (g[:, None] * 8 + 4 + j < kp)
     w0 = tl.load(x_base + w_off, mask=m0, other=0)
     amax = _absmax(w0)
     if HALVES:
@@ -167,24 +169,24 @@ def _nvfp4_pairs(
     rr = i // NB  # row in the tile
     g = tl.program_id(1) * NB + i % NB
     live = (r0 + rr < r_n) & (g < g_n)
-    x_base = x_ptr + r0.to(tl.int64) * sxr
-    q_base = q_ptr + r0.to(tl.int64) * sqr
-    args = (x_base, q_base, s_ptr + r0.to(tl.int64) * ssr)
+    xb = x_ptr + r0.to(tl.int64) * sxr
+    qb = q_ptr + r0.to(tl.int64) * sqr
+    sb = s_ptr + r0.to(tl.int64) * ssr
     if EXACT_DIV:
         if TILE_S2:
             s2 = tl.load(s2_ptr + r0 // rps)
         else:
             s2 = tl.load(s2_ptr + (r0 + rr) // rps, mask=live, other=1.0)
-        _tile(*args, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 0, ADD_CODE, FULL_K)
+        _tile(xb, qb, sb, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 0, ADD_CODE, FULL_K)
     elif TILE_S2:  # the tile's rows share one weight scale (rps a multiple of BR)
         s2 = tl.load(s2_ptr + r0 // rps)
         if (s2 >= 2.0**-80) & (s2 <= 2.0**80):
-            _tile(*args, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 2, ADD_CODE, FULL_K)
+            _tile(xb, qb, sb, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 2, ADD_CODE, FULL_K)
         else:
-            _tile(*args, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 1, ADD_CODE, FULL_K)
+            _tile(xb, qb, sb, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 1, ADD_CODE, FULL_K)
     else:
         s2 = tl.load(s2_ptr + (r0 + rr) // rps, mask=live, other=1.0)
-        _tile(*args, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 1, ADD_CODE, FULL_K)
+        _tile(xb, qb, sb, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 1, ADD_CODE, FULL_K)
 
 
 # the shape the quantizer launches: BR rows x NB blocks a program, each block's words in two halves, the
