@@ -49,8 +49,8 @@ def test_triton_kernels_write_the_bytes_of_the_cpu_path(shape, dtype, nvfp4_kern
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvfp4_kernel_writes_the_cpu_bytes_at_every_rounding_boundary(dtype, nvfp4_kernel):
-    """The NVFP4 kernel's codes (``div_rn`` and three comparisons) on 4.2 million adversarial
-    values (``nvfp4_adversarial``: elements within 3 float32 steps of every threshold and exact bound times
+    """Each NVFP4 kernel's codes (``div_rn`` or a block's reciprocal; comparisons or one addition) on 4.2 million
+    adversarial values (``nvfp4_adversarial``: elements within 3 float32 steps of every threshold and exact bound times
     their block's divisor, divisors whose bounds fall within 2**-40 of a float32, weight scales from 1e-12 / 2688
     to float32's largest, zeros, subnormals, infinities) equal the CPU path's divided ones byte for byte."""
     from refit.quant.mx_quantizer import quantize_into
@@ -83,9 +83,10 @@ def test_every_pairs_kernel_shape_writes_the_cpu_bytes(shape):
 
 
 @pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
-def test_a_quantizer_on_the_gpu_sends_what_the_cpu_one_does(fmt):
+def test_a_quantizer_on_the_gpu_sends_what_the_cpu_one_does(fmt, nvfp4_kernel):
     """Four refits with the weights changed in place between them: eager, captured into CUDA graphs and replayed
-    (``_Graphs``), NVFP4's last with the trainer's amax (``set_amax``); each the CPU quantizer's bytes."""
+    (``_Graphs``), NVFP4's last with the trainer's amax (``set_amax``); each the CPU quantizer's bytes (with each
+    NVFP4 kernel)."""
     plain = layout_from_spec(param_shapes("tiny-qwen3-moe"), parse_spec("tp=1", "src"))
     qlay = mx_layout(plain, fmt)
     live = reference_shards(plain, 0)
