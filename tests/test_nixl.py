@@ -183,9 +183,10 @@ def test_only_a_signed_announcement_of_this_run_ends_a_wait():
     link.runs = 2
     key = "t/nixl/refit-0-x/ready"
 
-    def waits(block: bool) -> bool:
+    def waits(block: bool, noted: bool = False) -> bool:
+        what = lambda: "process 0 announcing its tensors"  # noqa: E731
         try:
-            link._wait_for(key, RunClock(time.monotonic() + 0.2), lambda: "process 0 announcing its tensors", block)
+            link._wait_for(key, RunClock(time.monotonic() + 0.2), what, block, noted=noted)
         except DeadlineExceeded as e:
             assert "process 0 announcing its tensors" in str(e) and key in str(e)
             return True
@@ -207,6 +208,17 @@ def test_only_a_signed_announcement_of_this_run_ends_a_wait():
         later.start()
         assert not waits(block)
         later.join()
+    store.raw.delete_key(key)  # a wait that also reads notifications (a source's for its receivers' done)
+    for forged in (b"refit1." + b"ab" * 32 + b".2", store.sign(key, 1), store.sign("t/nixl/other", 2)):
+        link.shared.notes[key] = forged  # a stranger's, a replay of the run before, another key's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert waits(False, noted=True)
+    link.shared.notes[key] = store.sign(key, 2)
+    assert not waits(False, noted=True) and not store.has(key)  # the notification alone ends it
+    link.shared.notes.clear()
+    store.put(key, 2)
+    assert not waits(False, noted=True)  # the store still does
 
 
 def test_plans_mark_nixl_links_and_auto_uses_them_only_between_hosts():

@@ -23,10 +23,11 @@ number; the key of the run two before is deleted); a receiver waits for that (bl
 polling, where it is no source itself: no CPU taken from the sources while they find their deltas), posts its
 requests (those read in place between GPUs all at once, others at most ``config.num_buffers`` in flight:
 ``refit.transport.nixl_requests``), then announces
-``<name>/nixl/<agent>/done/<proc>``; a source returns once every receiver of it is done (its tensors
-may change again). Every wait polls under the run's ``RunClock`` (a frozen peer
-is a ``DeadlineExceeded``, never a hang; another process's abort ends it too). A source that dies
-mid-read fails the read (``TransferError`` naming it).
+``<name>/nixl/<agent>/done/<proc>``, sending the same signed value to the source as a NIXL notification first; a
+source returns once every receiver of it is done (its tensors may change again), reading its notifications at
+each poll and the store every few (a notification's value is checked as the store's). Every wait polls under
+the run's ``RunClock`` (a frozen peer is a ``DeadlineExceeded``, never a hang; another process's abort ends it
+too). A source that dies mid-read fails the read (``TransferError`` naming it).
 
 Debugging (``REFIT_NIXL_DEBUG=1``, ``Trace``): a line per phase on stderr (agent made, regions
 registered and how long it took, records published and read, remote agents added, requests prepared;
@@ -80,6 +81,8 @@ from refit.transport.store import SignedStore
 log = logging.getLogger("refit.nixl")
 
 _POLL_S = 0.001
+_NOTED_POLL_S = 0.0002  # a wait on a notified key (``_wait_for(noted=True)``): a poll reads local notifications
+_STORE_EVERY = 5  # ... and the store every this many polls
 _READY_WAIT_S = 0.02  # a receiver's blocking wait for an announcement, per store call (the abort check's cadence)
 
 
@@ -459,13 +462,18 @@ class NixlLink:
         if self.sums is not None and self.sources:
             self._check_sums(clock)
             self.trace("run %d: checksums equal", self.runs)
-        for agent in self.sources.values():
-            self.store.put(self._key(f"{agent}/done/{self.proc}"), self.runs)
+        done = {agent: self._key(f"{agent}/done/{self.proc}") for agent in self.sources.values()}
+        signed = {agent: self.store.sign(key, self.runs) for agent, key in done.items()}
+        for agent, key in done.items():  # notifications first (a source may end its wait at once), then the store
+            self.shared.notify(agent, key, signed[agent])  # (where a source looks too): one round trip for all
+        if done:
+            self.store.raw.multi_set(list(done.values()), list(signed.values()))
         if self.delta is not None and self.receivers:
             self.delta.settle()  # a source's base updates, while its receivers read
         for r in self.receivers:
             key = self._key(f"{self.name}/done/{r}")
-            self._wait_for(key, clock, lambda r=r: f"process {r} reading from process {self.proc} over NIXL")
+            what = lambda r=r: f"process {r} reading from process {self.proc} over NIXL"  # noqa: E731
+            self._wait_for(key, clock, what, noted=True)
         self.trace("run %d: finished", self.runs)
         return with_stats(stats, self)
 
@@ -489,15 +497,30 @@ class NixlLink:
             want.update(got)
         self.sums.check(want, clock)
 
-    def _wait_for(self, key: str, clock: RunClock, what, block: bool = False) -> None:
+    def _wait_for(self, key: str, clock: RunClock, what, block: bool = False, noted: bool = False) -> None:
         """Until the signed value under ``key`` reaches this run's number (an older value, or a forged
         one, does not end the wait). ``block``: between reads the store holds the call until ``key`` is
         written (at most ``_READY_WAIT_S``: the abort check and the deadline still come), no polling and no
-        UCX progress (only for a process no receiver reads from in this link)."""
+        UCX progress (only for a process no receiver reads from in this link). ``noted``: the writer also sends
+        the signed value as a NIXL notification (``SharedAgent.notify``): each poll reads the notifications
+        (local, no store round trip; a value checked as the store's), the store every ``_STORE_EVERY``-th poll,
+        and polls come every ``_NOTED_POLL_S``."""
+        polls = [0]
+
+        def valid(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= self.runs
 
         def now() -> bool:
-            v = self.store.peek(key)
-            return isinstance(v, int) and not isinstance(v, bool) and v >= self.runs
+            polls[0] += 1
+            if noted:
+                if self.shared.threaded:
+                    self.shared.listen()
+                raw = self.shared.notes.get(key)
+                if raw is not None and valid(self.store.verified(key, raw)):
+                    return True
+                if polls[0] % _STORE_EVERY != 1:
+                    return False
+            return valid(self.store.peek(key))
 
         def reached() -> bool:
             self.shared.progress()
@@ -510,7 +533,7 @@ class NixlLink:
                 return False  # not written yet: the clock checks for an abort and the deadline, then waits again
             if block and now():
                 return True
-            time.sleep(_POLL_S)  # (blocking: the key is there without a valid value of this run yet)
+            time.sleep(_NOTED_POLL_S if noted else _POLL_S)  # (blocking: the key is there without a valid value yet)
             return False
 
         clock.watch(reached, lambda: f"{what()} (NIXL, store key {key!r})")

@@ -140,6 +140,9 @@ def make_agent(name: str, device: torch.device, one_host: bool = False):
     return agent
 
 
+NOTES_KEPT = 256  # notifications kept per process (``SharedAgent.listen``): the newest, one per key
+
+
 class SharedAgent:
     """This process's NIXL agent, shared by its links (one per ``Peer``): one UCX context, worker and
     progress thread per process however many Peers it holds (a fan-out replica: one per wave).
@@ -159,12 +162,38 @@ class SharedAgent:
         self.key, self.agent, self.name, self.threaded = key, agent, name, threaded
         self.users = 0
         self.remotes: Counter[str] = Counter()
+        self.notes: dict[str, bytes] = {}  # the latest notification per key (``listen``), at most ``NOTES_KEPT``
 
     def progress(self) -> None:
-        """Progress the UCX worker where no progress thread does (``progress_thread``): called by every wait
-        of a refit, so a source serves its receivers' READs while it waits for them."""
-        if not self.threaded and self.agent is not None:
-            self.agent.get_new_notifs()  # refit sends no notifications: this only progresses the worker
+        """Progress the UCX worker where no progress thread does (``progress_thread``), keeping the notifications
+        that came (``listen``): called by every wait of a refit, so a source serves its receivers' READs while it
+        waits for them."""
+        if not self.threaded:
+            self.listen()
+
+    def listen(self) -> None:
+        """Keep the notifications received since the last call (with no progress thread this progresses the
+        worker too): each ``key + b"\\n" + value`` (``notify``) as ``notes[key] = value``, the newest
+        ``NOTES_KEPT`` keys. A note is a hint, unchecked here: its reader verifies the value's tag."""
+        if self.agent is None:
+            return
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                raw, sep, value = bytes(msg).partition(b"\n")
+                key = raw.decode(errors="replace")
+                if sep:
+                    self.notes.pop(key, None)  # (re-inserted: the newest last)
+                    self.notes[key] = value
+        while len(self.notes) > NOTES_KEPT:
+            self.notes.pop(next(iter(self.notes)))
+
+    def notify(self, remote: str, key: str, value: bytes) -> None:
+        """Send ``value`` for ``key`` to the remote agent ``remote`` as a notification (a hint its ``listen``
+        keeps); nothing where NIXL refuses (the store holds the same value)."""
+        try:
+            self.agent.send_notif(remote, key.encode() + b"\n" + value)
+        except Exception:  # noqa: BLE001, S110 - a hint: the reader falls back to the store
+            pass
 
     @classmethod
     def acquire(cls, device: torch.device, one_host: bool = False) -> SharedAgent:

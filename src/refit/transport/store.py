@@ -276,6 +276,17 @@ class SignedStore:
         ok, value = self._decode(key, raw)
         return value if ok else None
 
+    def sign(self, key: str, value: Any) -> bytes:
+        """``value`` (JSON-able) tagged for ``key`` as ``put`` writes it, to carry it another way too (a NIXL
+        notification); ``verified`` reads it."""
+        return self._encode(key, value)
+
+    def verified(self, key: str, raw: bytes) -> Any:
+        """The value ``sign`` made for ``key`` from ``raw``, or None where it is not validly tagged for ``key``
+        (counted as ``peek`` counts it)."""
+        ok, value = self._decode(key, raw)
+        return value if ok else None
+
     def has(self, key: str) -> bool:
         """Whether a validly tagged value is under ``key`` now."""
         return self.peek(key) is not None
