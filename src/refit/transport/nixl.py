@@ -82,6 +82,7 @@ log = logging.getLogger("refit.nixl")
 
 _POLL_S = 0.001
 _NOTED_POLL_S = 0.0002  # a wait on a notified key (``_wait_for(noted=True)``): a poll reads local notifications
+_NOTED_FAST_S = 0.05  # ... that often for this long (a delta refit's wait), then every ``_POLL_S`` (a dense one's)
 _STORE_EVERY = 5  # ... and the store every this many polls
 _READY_WAIT_S = 0.02  # a receiver's blocking wait for an announcement, per store call (the abort check's cadence)
 
@@ -504,8 +505,8 @@ class NixlLink:
         UCX progress (only for a process no receiver reads from in this link). ``noted``: the writer also sends
         the signed value as a NIXL notification (``SharedAgent.notify``): each poll reads the notifications
         (local, no store round trip; a value checked as the store's), the store every ``_STORE_EVERY``-th poll,
-        and polls come every ``_NOTED_POLL_S``."""
-        polls = [0]
+        and polls come every ``_NOTED_POLL_S`` for the first ``_NOTED_FAST_S``, then every ``_POLL_S``."""
+        polls, fast = [0], time.monotonic() + _NOTED_FAST_S
 
         def valid(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool) and v >= self.runs
@@ -533,7 +534,8 @@ class NixlLink:
                 return False  # not written yet: the clock checks for an abort and the deadline, then waits again
             if block and now():
                 return True
-            time.sleep(_NOTED_POLL_S if noted else _POLL_S)  # (blocking: the key is there without a valid value yet)
+            quick = noted and time.monotonic() < fast
+            time.sleep(_NOTED_POLL_S if quick else _POLL_S)  # (blocking: the key is there without a valid value yet)
             return False
 
         clock.watch(reached, lambda: f"{what()} (NIXL, store key {key!r})")
