@@ -40,7 +40,7 @@ TILE = 256
 NVFP4_BLOCKS = 256  # NVFP4: 16-element scale blocks a program quantizes (8 warps)
 # the NVFP4 kernel the quantizer launches: "blocks" (``_nvfp4_blocks``, any dtype and strides) or "pairs"
 # (``nvfp4_triton``: bf16 read as pairs, where ``pairs_fit``; other weights still go through "blocks")
-NVFP4_KERNEL = "blocks"
+NVFP4_KERNEL = "pairs"
 
 
 if AVAILABLE:

@@ -192,7 +192,7 @@ def _nvfp4_pairs(
 
 # the shape the quantizer launches: BR rows x NB blocks a program, each block's words in two halves, the
 # quotient from the block's reciprocal, 4 warps
-PAIRS = {"br": 4, "nb": 32, "halves": True, "exact_div": False, "add_code": True, "num_warps": 4}
+PAIRS = {"br": 8, "nb": 32, "halves": True, "exact_div": False, "add_code": True, "num_warps": 4}
 
 
 def pairs_fit(x, q, s) -> bool:

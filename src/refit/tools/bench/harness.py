@@ -22,7 +22,8 @@ microseconds) to its device being synchronized. The scenarios are
 ``scenarios``'s; the floor each time is divided by is ``floor``'s.
 Peak extra memory: ``torch.cuda.max_memory_allocated`` over the memory held
 before the method's setup, the largest over the processes. Memory growth: the
-allocated memory after the last refit minus after the first.
+allocated memory after the last refit minus after the last warm-up one (a quantizer records its CUDA graphs,
+once, at its second refit).
 """
 
 from __future__ import annotations
@@ -387,7 +388,7 @@ def _time_method(proc: _Process, scen: Scenario, method: str, setup, base: int, 
     times = gather_max(times[opts.warmup :])
     all_ok = dist_all([all(oks)])
     peaks = dist_all([peak])
-    growth = dist_all([mems[-1] - mems[0]])
+    growth = dist_all([mems[-1] - mems[opts.warmup - 1 if 0 < opts.warmup < n else 0]])  # after the warm-up
     record = {
         "method": method,
         "times": times,
