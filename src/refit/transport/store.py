@@ -294,21 +294,21 @@ class SignedStore:
     def get(self, key: str, timeout_s: float) -> Any:
         """The valid value under ``key``, waiting up to ``timeout_s`` for one; ``TimeoutError`` naming the key.
         One round trip when the value is there already; otherwise the store wakes the wait when it is written."""
-        value = self.peek(key)
-        if value is not None:
-            return value
         deadline = time.monotonic() + timeout_s
-        present = False
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise self._timeout(key, timeout_s)
-            if present:  # the key holds an invalid value: poll until a valid one replaces it
-                time.sleep(_POLL_S)
-            present = self.wait_keys([key], left)
-            value = self.peek(key) if present else None
-            if value is not None:
-                return value
+        try:
+            value = self.peek(key)
+            present = False
+            while value is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._timeout(key, timeout_s)
+                if present:  # the key holds an invalid value: poll until a valid one replaces it
+                    time.sleep(_POLL_S)
+                present = self.wait_keys([key], left)
+                value = self.peek(key) if present else None
+        except dist.DistStoreError as e:  # a store call ran past its own bound (a slow, loaded or unreachable store)
+            raise TimeoutError(f"{self._timeout(key, timeout_s)}: the store did not answer in time ({e})") from e
+        return value
 
     def wait_keys(self, keys: list[str], timeout_s: float) -> bool:
         """Block (on the store's side, no polling) until every key of ``keys`` exists, at most ``timeout_s``;
