@@ -1,15 +1,18 @@
-"""NVFP4 quantize kernels on one GPU: today's ``_nvfp4_blocks`` against ``nvfp4_triton``'s pairs kernel shapes.
+"""NVFP4 quantize kernels on one GPU: ``mx_triton._nvfp4_blocks`` against ``nvfp4_triton``'s pairs kernel shapes.
 
-    PYTHONPATH=$PWD/src:$PWD python3 -m bench.nvfp4_kernels [--iters 50] [--out bench/results/nvfp4-kernels.json]
+    PYTHONPATH=$PWD/src:$PWD python3 -m bench.nvfp4_kernels [--iters 20] [--launches 20] [--out FILE.json]
 
 First every variant's bytes (elements and block scales) are compared with the torch path on the CPU
 (``refit.quant.mx.quantize_nvfp4``) on bf16 inputs: random weights, elements on and one bf16 step either side
 of every E2M1 threshold times their block's divisor (exact ties), zeros and negative zeros, float32-subnormal,
 huge and infinite elements, weight scales from the floor to near float32's largest, odd K (4100, 4104), strided
-and offset views, and (where ``tests/`` is importable) ``nvfp4_adversarial``. Then each variant is timed on
-Llama-3.1-8B's weight shapes (the median of ``--iters`` launches in CUDA events after a warm-up), beside a
-``copy_`` of the weight (bf16 read and write: a memory reference), and a table printed: microseconds per shape,
-the sum over one layer's seven weights, and the mismatched bytes (a variant with any is not a candidate).
+and offset views, and (where ``tests/`` is importable) ``nvfp4_adversarial``; a pairs shape is checked as it is
+and with one row a program (``checked``). Then each variant's device time is taken on Llama-3.1-8B's weight
+shapes: ``--launches`` launches recorded into one CUDA graph, cycling through enough copies of the weight that
+none is read from L2, the median over ``--iters`` replays timed in CUDA events, per launch; beside it a ``copy_``
+of the weight (bf16 read and write: a memory reference) timed the same way, and the host time of one call (the
+Python wrapper and launch, which a refit's CUDA graph does not pay). The table: microseconds per shape, the sum
+over one layer's seven weights, the host time and the mismatched bytes (a variant with any is not a candidate).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,17 +34,25 @@ SHAPES = {"q/o 4096x4096": (4096, 4096), "k/v 1024x4096": (1024, 4096), "gate/up
           "down 4096x14336": (4096, 14336)}  # fmt: skip
 LAYER = {"q/o 4096x4096": 2, "k/v 1024x4096": 2, "gate/up 14336x4096": 2, "down 4096x14336": 1}
 # name -> pairs kernel shape where it differs from nvfp4_triton.PAIRS (br rows x nb blocks a program, halves,
-# exact_div: div_rn an element, add_code: the code by one addition (else three comparisons), num_warps)
+# exact_div: div_rn an element, add_code: the code by three comparisons (0), one addition (1), one addition with no
+# upper exponent clamp (2), num_warps, bounds: the code from per-block bounds on the bf16 magnitudes, no quotient)
 VARIANTS = {
     "pairs": {},
-    "pairs-cmp": {"add_code": False},
+    "pairs-cmp": {"add_code": 0},
+    "pairs-top": {"add_code": 2},
     "pairs-div_rn": {"exact_div": True},
     "pairs-one": {"halves": False},
-    "pairs-8x32-w4": {"br": 8, "nb": 32, "num_warps": 4},
-    "pairs-16x32-w4": {"br": 16, "nb": 32, "num_warps": 4},
-    "pairs-8x32-w8": {"br": 8, "nb": 32, "num_warps": 8},
-    "pairs-2x64": {"br": 2, "nb": 64},
+    "pairs-4x32": {"br": 4},
+    "pairs-16x32": {"br": 16},
+    "pairs-8x32-w2": {"num_warps": 2},
+    "pairs-8x32-w8": {"num_warps": 8},
     "pairs-1x128": {"br": 1, "nb": 128},
+    "pairs-bounds": {"bounds": True},
+    "pairs-bounds-4x32": {"bounds": True, "br": 4},
+    "pairs-bounds-16x32": {"bounds": True, "br": 16},
+    "pairs-bounds-8x32-w2": {"bounds": True, "num_warps": 2},
+    "pairs-bounds-8x64": {"bounds": True, "nb": 64},
+    "pairs-bounds-one": {"bounds": True, "halves": False},
 }
 
 
@@ -63,6 +75,17 @@ def _pairs(shape):
 
 def kernels() -> dict:
     return {"blocks": _blocks, **{n: _pairs(v) for n, v in VARIANTS.items()}}
+
+
+def checked(name: str) -> list:
+    """The launchers whose bytes count for kernel ``name``: its own and, for a pairs shape of more than one row a
+    program, the same with one row a program, where every tile shares one weight scale, so that the cases with a
+    weight scale a row (ties, the tests' adversarial values) take the tile-wide quotient or bounds path too."""
+    if name == "blocks":
+        return [_blocks]
+    shape = VARIANTS[name]
+    one = [_pairs({**shape, "br": 1})] if {**PAIRS, **shape}["br"] > 1 else []
+    return [_pairs(shape), *one]
 
 
 def _tie_weight(rows: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,10 +164,11 @@ def expected(x: torch.Tensor, s2: torch.Tensor, rps: int) -> tuple[torch.Tensor,
     return p.reshape(-1, p.shape[-1])[:r], b.reshape(-1, b.shape[-1])[:r]
 
 
-def check(fn, case) -> int:
-    """Mismatched bytes (elements and scales) of ``fn`` against the torch path on one case."""
+def check(fn, case, want=None) -> int:
+    """Mismatched bytes (elements and scales) of ``fn`` against the torch path (``want``: its bytes, if known)
+    on one case."""
     _, x, s2, rps = case
-    p, b = expected(x, s2, rps)
+    p, b = want if want is not None else expected(x, s2, rps)
     base = x if x._base is None else x._base  # the same view of a copy of its tensor on the GPU
     gx = torch.as_strided(base.cuda(), x.shape, x.stride(), x.storage_offset())
     gp = torch.full(p.shape, 0xAA, dtype=torch.uint8, device="cuda")
@@ -154,51 +178,108 @@ def check(fn, case) -> int:
     return int((gp.cpu() != p).sum()) + int((gb.cpu().view(torch.uint8) != b.view(torch.uint8)).sum())
 
 
-def time_us(fn, args, iters: int) -> float:
+def _ring(shape: tuple[int, int], nbytes: int) -> int:
+    """Copies of a shape's buffers a timing cycles through: enough that their inputs (``nbytes`` each) are 256 MB
+    or more, so that a launch reads its weight from memory, not from the last launch's L2 (50 MB on an H200)."""
+    return max(2, -(-(256 << 20) // nbytes))
+
+
+def device_us(fn, argsets: list[tuple], launches: int, replays: int) -> float:
+    """Device microseconds a launch of ``fn``: ``launches`` launches (cycling through ``argsets``) recorded into
+    one CUDA graph, the median over ``replays`` replays of one replay's time between two events, divided by
+    ``launches``. Every argset is launched once first (Triton compiles there, not in the capture). Where the
+    capture fails, the launches are enqueued back to back between the events instead (the host runs ahead of the
+    GPU for all but the first)."""
+    for a in argsets:
+        fn(*a)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for i in range(launches):
+                fn(*argsets[i % len(argsets)])
+        run = graph.replay
+    except RuntimeError as e:
+        print(f"(graph capture failed, launches enqueued instead: {e})")
+        torch.cuda.synchronize()
+
+        def run():
+            for i in range(launches):
+                fn(*argsets[i % len(argsets)])
+
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / launches)
+    return statistics.median(times)
+
+
+def host_us(fn, args: tuple, calls: int) -> float:
+    """Host microseconds of one call of ``fn`` (the Python wrapper and the launch; in a refit the launch is
+    replayed from a CUDA graph and this cost is not paid): the median over ``calls`` calls, each timed alone."""
     fn(*args)
     torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    for _ in range(calls):
+        t = time.perf_counter()
         fn(*args)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        times.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def _copy(y, x):
+    y.copy_(x)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--iters", type=int, default=20, help="graph replays timed (the median is taken)")
+    ap.add_argument("--launches", type=int, default=20, help="launches a graph holds (at least the ring's copies)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    if args.iters < 1:
-        raise SystemExit(f"--iters must be at least 1, got {args.iters}")
+    for name in ("iters", "launches"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
     g = torch.Generator().manual_seed(52)
     ks, cs = kernels(), cases(g)
-    bad = {n: {c[0]: check(fn, c) for c in cs} for n, fn in ks.items()}
+    wants = [expected(*c[1:]) for c in cs]
+    bad = {n: {c[0]: sum(check(f, c, w) for f in checked(n)) for c, w in zip(cs, wants)} for n in ks}
     result = {"device": torch.cuda.get_device_name(), "triton": __import__("triton").__version__, "pairs": PAIRS,
-              "variants": VARIANTS, "mismatched_bytes": bad, "us": {}}  # fmt: skip
+              "variants": VARIANTS, "mismatched_bytes": bad, "us": {}, "host_us": {}}  # fmt: skip
     for case in cs:
         print(f"{case[0]:<45}", " ".join(f"{n}={bad[n][case[0]]}" for n in ks))
     ref = {}
     for label, (r, k) in SHAPES.items():
-        x = (torch.randn(r, k, device="cuda") * 0.02).bfloat16()
-        s2 = (x.float().abs().amax() / 2688).reshape(1)
-        q = torch.empty(r, k // 2, dtype=torch.uint8, device="cuda")
-        s = torch.empty(r, k // 16, dtype=torch.float8_e4m3fn, device="cuda")
-        y = torch.empty_like(x)
-        ref[label] = time_us(y.copy_, (x,), args.iters)
+        x0 = (torch.randn(r, k, device="cuda") * 0.02).bfloat16()
+        s2 = (x0.float().abs().amax() / 2688).reshape(1)
+        xs = [x0] + [x0.clone() for _ in range(_ring((r, k), x0.nbytes) - 1)]
+        sets = [(x, torch.empty(r, k // 2, dtype=torch.uint8, device="cuda"),
+                 torch.empty(r, k // 16, dtype=torch.float8_e4m3fn, device="cuda"), s2, r) for x in xs]  # fmt: skip
+        launches = max(args.launches, len(sets))
+        ref[label] = device_us(_copy, [(torch.empty_like(x), x) for x in xs], launches, args.iters)
         for n, fn in ks.items():
-            result["us"].setdefault(n, {})[label] = time_us(fn, (x, q, s, s2, r), args.iters)
+            result["us"].setdefault(n, {})[label] = device_us(fn, sets, launches, args.iters)
+            result["host_us"].setdefault(n, {})[label] = host_us(fn, sets[0], 200)
+        del xs, sets
+        torch.cuda.empty_cache()
     result["us"]["copy_ (bf16)"] = ref
     cols = list(SHAPES)
-    print(f"\n{'kernel':<16}" + "".join(f"{c:>20}" for c in cols) + f"{'layer':>10}{'bad bytes':>11}")
+    print(f"\ndevice time a launch (a CUDA graph of {args.launches}+ launches over weights not in L2), and the host")
+    print("time of one call (wrapper and launch; not paid where a refit replays its graph):")
+    print(f"{'kernel':<18}" + "".join(f"{c:>20}" for c in cols) + f"{'layer':>10}{'host':>9}{'bad bytes':>11}")
     for n, per in result["us"].items():
         layer = sum(per[c] * LAYER[c] for c in cols)
         nbad = sum(bad[n].values()) if n in bad else 0
-        print(f"{n:<16}" + "".join(f"{per[c]:>18.1f}us" for c in cols) + f"{layer:>8.0f}us{nbad:>11}")
+        host = result["host_us"].get(n, {}).get(cols[0])
+        hs = f"{host:>7.1f}us" if host is not None else f"{'':>9}"
+        print(f"{n:<18}" + "".join(f"{per[c]:>18.1f}us" for c in cols) + f"{layer:>8.0f}us{hs}{nbad:>11}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -17,12 +17,19 @@ from test_quant_mx import awkward, nvfp4_adversarial
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(params=["blocks", "pairs"])
+@pytest.fixture(params=["blocks", "pairs", "pairs-bounds", "pairs-bounds-1row"])
 def nvfp4_kernel(request, monkeypatch):
-    """Each NVFP4 kernel the quantizer can launch (``mx_triton.NVFP4_KERNEL``; "pairs" takes the bf16 weights)."""
-    from refit.quant import mx_triton
+    """Each NVFP4 kernel the quantizer can launch (``mx_triton.NVFP4_KERNEL``; "pairs" takes the bf16 weights),
+    the pairs kernel also with its code from bounds (``PAIRS["bounds"]``), as ``PAIRS`` has it and with one row a
+    program (where every tile's rows share a weight scale, so the per-row weight scales take the bounds too)."""
+    from refit.quant import mx_triton, nvfp4_triton
 
-    monkeypatch.setattr(mx_triton, "NVFP4_KERNEL", request.param)
+    kernel, _, shape = request.param.partition("-")
+    monkeypatch.setattr(mx_triton, "NVFP4_KERNEL", kernel)
+    if shape:
+        monkeypatch.setitem(nvfp4_triton.PAIRS, "bounds", True)
+    if shape == "bounds-1row":
+        monkeypatch.setitem(nvfp4_triton.PAIRS, "br", 1)
     return request.param
 
 
@@ -67,7 +74,18 @@ def test_nvfp4_kernel_writes_the_cpu_bytes_at_every_rounding_boundary(dtype, nvf
 
 @pytest.mark.parametrize(
     "shape",
-    [{}, {"br": 1, "nb": 128}, {"br": 16, "nb": 32}, {"halves": False}, {"add_code": False}, {"exact_div": True}],
+    [
+        {},
+        {"br": 1, "nb": 128},
+        {"br": 16, "nb": 32},
+        {"halves": False},
+        {"add_code": 0},
+        {"add_code": 2, "br": 1},
+        {"exact_div": True},
+        {"bounds": True},
+        {"bounds": True, "br": 1},
+        {"bounds": True, "br": 1, "halves": False},
+    ],
     ids=str,
 )
 def test_every_pairs_kernel_shape_writes_the_cpu_bytes(shape):

@@ -14,8 +14,9 @@ A division-free form of the codes (each element against per-block float32 bounds
 was no faster there, and under Triton 3.6 it wrote wrong bytes for some shapes and warp counts (not isolated
 further; its float64 steps are the suspects), so the kernel keeps ``div_rn``.
 ``NVFP4_KERNEL = "pairs"`` sends bf16 weights to ``nvfp4_triton`` instead (the weight read as pairs of elements, a
-quotient from each block's reciprocal: on sm_90 two thirds of this kernel's instructions an element, a sixth
-of its MUFU reciprocals, a quarter of its memory instructions).
+quotient from each block's reciprocal, or with ``nvfp4_triton.PAIRS["bounds"]`` none: each block's bounds on the
+bf16 magnitudes; on sm_90 two thirds, or with the bounds under half, of this kernel's instructions an element,
+a sixth of its MUFU reciprocals, a quarter of its memory instructions; its shape is ``PAIRS``).
 Checked against the torch path on a GPU by ``tests/test_gpu_quant_mx.py`` (not on CPU: Triton's
 interpreter converts to float8 differently from the GPU, so it cannot stand in).
 """

@@ -22,9 +22,22 @@ and the sign bit ``x < 0``. The quotient (``MODE``; ``p0..p3`` are per-block val
   A block whose ``d`` is 0, infinite or NaN gets magnitude 0 (``kf`` and the clamp 0; the torch path's quotient
   is 0 or NaN there), its sign bits still ``x < 0``.
 
-The code (``ADD_CODE``) is found by one addition that rounds ``y`` to the E2M1 grid (``_code_add``), else by
-three comparisons (``_code_cmp``). SASS for sm_90 from Triton 3.6, per element on the straight path: 24.5
-instructions (MODE 2, the default shape; 3 MUFU, 2 LDG.E.128 and 3 stores a block) against 36.3 for
+The code (``ADD_CODE``) is found by one addition that rounds ``y`` to the E2M1 grid (``_code_add``; 2: without
+its upper exponent clamp, a y >= 8 coding 7 all the same), else by three comparisons (``_code_cmp``).
+
+``BOUNDS`` (where MODE 2 holds) finds no quotient: ``RN(a / d) >= t`` for a threshold ``t`` (0.75, 1.75, 3.5; a
+tie rounds to the even ``t``) iff ``a >= (t - e) d``, ``e`` half ``t``'s float32 step, and ``RN(a / d) > t`` (0.25,
+1.25, 2.5, 5) iff ``a > (t + e) d``. For a bf16 magnitude ``a`` that is ``a >= L`` with ``L`` the bound rounded up
+to bf16 (from a fused multiply-add rounding upward, ``fma_ru(d, t, -e d)``), or the next bf16 past the bound
+rounded down. ``L`` as an integer (bf16 magnitudes order as their 15 bits) gives ``0x8000 - L`` in both halves
+of a word: ``a + that`` has bit 15 (31) set iff ``a >= L``, for both elements of a pair at once; a binary search
+over the seven bounds (``prmt`` turns a half's top bit into a 16-bit mask that picks the next bound) gives the
+code's three bits, and one ``mul.hi`` moves the two nibbles into the output byte. A block whose ``d`` is 0 (its
+elements below 2**73) takes the bounds of ``d = 2**89``: magnitude 0, as the torch path's.
+
+SASS for sm_90 from Triton 3.6, instructions an element on the straight path (``BR = 8``, ``NB = 32``, 4 warps;
+2 LDG.E.128, 2 STG.E of 4 bytes and one scale byte a block): MODE 2 23.6 (2.5 MUFU a block), without the upper
+clamp 22.6, ``BOUNDS`` 16.9 (1.5 MUFU a block: the scale's ``div_rn``), 15.3 with ``BR = 16``; against 36.3 for
 ``mx_triton._nvfp4_blocks`` (17 MUFU, 8 32-bit loads and 9 byte stores a block).
 """
 
@@ -48,12 +61,16 @@ def _code_cmp(y):
 
 
 @triton.jit
-def _code_add(y):
+def _code_add(y, CLAMP_TOP: tl.constexpr):
     # the same code by one rounding: y + C with C = 2**22 * 2**s, s = clamp(exponent(y), 0, 2), rounds y to the
     # E2M1 grid's spacing at y (C's ulp: 0.5 below 2, 1 below 4, 2 above; ties to even), and bits(y + C) - bits(C)
     # counts those steps: the code less 2 * s, 7 at most (compared unsigned: a NaN y, from an infinite quotient,
-    # codes 7 whatever its sign bit)
-    s = tl.minimum(tl.maximum((y.to(tl.int32, bitcast=True) >> 23) - 127, 0), 2)
+    # codes 7 whatever its sign bit). Without the clamp at 2 (CLAMP_TOP false) a y >= 8 still codes 7: its steps
+    # are 2 or more past 2 * s >= 6, or, where 2**(22 + s) is past float32's range (y >= 2**106), the difference
+    # is negative (0 after an infinite C), compared unsigned or with 2 * s >= 212 added
+    s = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) - 127, 0)
+    if CLAMP_TOP:
+        s = tl.minimum(s, 2)
     c = 0x4A800000 + (s << 23)
     steps = (y + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c + 2 * s
     return tl.minimum(steps.to(tl.uint32, bitcast=True), 7).to(tl.int32, bitcast=True)
@@ -81,12 +98,72 @@ def _bytes(w, p0, p1, p2, p3, MODE: tl.constexpr, ADD_CODE: tl.constexpr):
     y_lo = _quotient(lo, p0, p1, p2, p3, MODE)
     y_hi = _quotient(hi, p0, p1, p2, p3, MODE)
     if ADD_CODE:
-        c_lo, c_hi = _code_add(y_lo), _code_add(y_hi)
+        c_lo, c_hi = _code_add(y_lo, ADD_CODE == 1), _code_add(y_hi, ADD_CODE == 1)
     else:
         c_lo, c_hi = _code_cmp(y_lo), _code_cmp(y_hi)
     c_lo += (lo < 0).to(tl.int32) * 8
     c_hi += (hi < 0).to(tl.int32) * 8
     return (c_lo | (c_hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _half_masks(v):
+    # 0xFFFF in each 16-bit half of v whose top bit (15, 31) is set, else 0 (PTX prmt, sign-replicating bytes 1, 3)
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $1, 0xBB99;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _max_u16x2(a, b):
+    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bound(d, t, e, STRICT: tl.constexpr):
+    # 0x8000 - L in both 16-bit halves, L the least bf16 magnitude (as an integer) whose quotient by d codes past
+    # t: RN(a / d) >= t iff a / d >= t - e (a tie rounds to the even t), so iff a >= RU((t - e) d); RN(a / d) > t
+    # iff a / d > t + e, so iff a is past RD((t + e) d). e is half t's float32 step (a power of two: e d exact);
+    # the fused multiply-add rounds the exact (t -+ e) d once, upward or downward, and bf16 RU / RD by its bits
+    if STRICT:
+        b = libdevice.fma_rd(tl.full(d.shape, t, tl.float32), d, d * e)
+        lim = (b.to(tl.int32, bitcast=True) >> 16) + 1
+    else:
+        b = libdevice.fma_ru(tl.full(d.shape, t, tl.float32), d, d * -e)
+        lim = (b.to(tl.int32, bitcast=True) + 0xFFFF) >> 16
+    return ((0x8000 - lim) * 65537)[:, None]
+
+
+@triton.jit
+def _bytes_bounds(w, k1, k2, k3, k4, k5, k6, k7):
+    # words [M, n] -> bytes [M, n] with no quotient: a bf16 magnitude a (15 bits, a half of w & 0x7FFF7FFF) is
+    # at least the bound L of threshold i iff bit 15 of its half of a + (0x8000 - L) is set; the code's three
+    # bits by a binary search over the thresholds, both halves at once (0.75 >=, 1.75 >=, 3.5 >= and 0.25 >,
+    # 1.25 >, 2.5 >, 5 > as k2, k4, k6 and k1, k3, k5, k7), the sign bit where x < 0 (a half's sign and a >= 1)
+    a = w & 0x7FFF7FFF
+    h = _half_masks(a + k4)
+    m = _half_masks(a + ((h & k6) | (~h & k2)))
+    low = a + ((h & ((m & k7) | (~m & k5))) | (~h & ((m & k3) | (~m & k1))))
+    sign = w & (a + 0x7FFF7FFF) & -2147450880  # 0x80008000
+    v = (h & 0x40004000) | (m & 0x20002000) | sign | ((low >> 3) & 0x10001000)
+    # v holds the low element's code in bits 12-15 and the high one's in 28-31: v << 20 + v << 8 (no carries)
+    # brings them to bits 32-35 and 36-39
+    return tl.umulhi(v.to(tl.uint32, bitcast=True), 0x100100).to(tl.uint8)
+
+
+@triton.jit
+def _bounds(amax, s2):
+    # (E4M3 scale, k1..k7) per block for _bytes_bounds; s2 in [2**-80, 2**80], so d is 0 or in [2**-89, 2**89];
+    # a block whose d is 0 (all its elements below 2**73) gets bounds for 2**89 (code 0, as the torch path's)
+    bs = tl.minimum(libdevice.div_rn(amax, s2 * 6.0), 448.0).to(tl.float8e4nv)
+    d = bs.to(tl.float32) * s2
+    d = tl.where(d > 0, d, 2.0**89)
+    k1 = _bound(d, 0.25, 2.0**-26, True)
+    k2 = _bound(d, 0.75, 2.0**-25, False)
+    k3 = _bound(d, 1.25, 2.0**-24, True)
+    k4 = _bound(d, 1.75, 2.0**-24, False)
+    k5 = _bound(d, 2.5, 2.0**-23, True)
+    k6 = _bound(d, 3.5, 2.0**-23, False)
+    k7 = _bound(d, 5.0, 2.0**-22, True)
+    return bs, k1, k2, k3, k4, k5, k6, k7
 
 
 @triton.jit
@@ -124,15 +201,26 @@ def _tile(x_base, q_base, s_base, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES: tl
         m0 = live[:, None] & (g[:, None] * 8 + j < kp)
         m1 = live[:, None] & (g[:, None] * 8 + 4 + j < kp)
     w0 = tl.load(x_base + w_off, mask=m0, other=0)
-    amax = _absmax(w0)
     if HALVES:
         w1 = tl.load(x_base + w_off + 4, mask=m1, other=0)
-        amax = tl.maximum(amax, _absmax(w1))
-    bs, p0, p1, p2, p3 = _block_params(amax, s2, MODE)
-    p0, p1, p2, p3 = p0[:, None], p1[:, None], p2[:, None], p3[:, None]
-    tl.store(q_base + b_off, _bytes(w0, p0, p1, p2, p3, MODE, ADD_CODE), mask=m0)
-    if HALVES:
-        tl.store(q_base + b_off + 4, _bytes(w1, p0, p1, p2, p3, MODE, ADD_CODE), mask=m1)
+    if MODE == 3:  # the code from bounds on the magnitudes (s2 in [2**-80, 2**80])
+        am = tl.reduce(w0 & 0x7FFF7FFF, 1, _max_u16x2)
+        if HALVES:
+            am = _max_u16x2(am, tl.reduce(w1 & 0x7FFF7FFF, 1, _max_u16x2))
+        amax = (tl.maximum(am & 0xFFFF, am >> 16) << 16).to(tl.float32, bitcast=True)
+        bs, k1, k2, k3, k4, k5, k6, k7 = _bounds(amax, s2)
+        tl.store(q_base + b_off, _bytes_bounds(w0, k1, k2, k3, k4, k5, k6, k7), mask=m0)
+        if HALVES:
+            tl.store(q_base + b_off + 4, _bytes_bounds(w1, k1, k2, k3, k4, k5, k6, k7), mask=m1)
+    else:
+        amax = _absmax(w0)
+        if HALVES:
+            amax = tl.maximum(amax, _absmax(w1))
+        bs, p0, p1, p2, p3 = _block_params(amax, s2, MODE)
+        p0, p1, p2, p3 = p0[:, None], p1[:, None], p2[:, None], p3[:, None]
+        tl.store(q_base + b_off, _bytes(w0, p0, p1, p2, p3, MODE, ADD_CODE), mask=m0)
+        if HALVES:
+            tl.store(q_base + b_off + 4, _bytes(w1, p0, p1, p2, p3, MODE, ADD_CODE), mask=m1)
     tl.store(s_base + rr * ssr + g, bs, mask=live)
 
 
@@ -163,6 +251,7 @@ def _nvfp4_pairs(
     ADD_CODE: tl.constexpr,
     FULL_K: tl.constexpr,
     TILE_S2: tl.constexpr,
+    BOUNDS: tl.constexpr,
 ):
     # x_ptr: int32 words of bf16 pairs, rows of kp words (row stride sxr words); q_ptr bytes (row stride sqr)
     r0 = tl.program_id(0) * BR
@@ -182,7 +271,10 @@ def _nvfp4_pairs(
     elif TILE_S2:  # the tile's rows share one weight scale (rps a multiple of BR)
         s2 = tl.load(s2_ptr + r0 // rps)
         if (s2 >= 2.0**-80) & (s2 <= 2.0**80):
-            _tile(xb, qb, sb, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 2, ADD_CODE, FULL_K)
+            if BOUNDS:
+                _tile(xb, qb, sb, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 3, ADD_CODE, FULL_K)
+            else:
+                _tile(xb, qb, sb, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 2, ADD_CODE, FULL_K)
         else:
             _tile(xb, qb, sb, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 1, ADD_CODE, FULL_K)
     else:
@@ -192,7 +284,7 @@ def _nvfp4_pairs(
 
 # the shape the quantizer launches: BR rows x NB blocks a program, each block's words in two halves, the
 # quotient from the block's reciprocal, 4 warps
-PAIRS = {"br": 8, "nb": 32, "halves": True, "exact_div": False, "add_code": True, "num_warps": 4}
+PAIRS = {"br": 8, "nb": 32, "halves": True, "exact_div": False, "add_code": 1, "num_warps": 4, "bounds": False}
 
 
 def pairs_fit(x, q, s) -> bool:
@@ -216,13 +308,14 @@ def quantize_nvfp4_pairs(x, q, s, scale_2, rows_per_scale: int, **shape) -> None
     unknown = set(shape) - set(PAIRS)
     if unknown:
         raise ValueError(f"quantize_nvfp4_pairs: shape keys {sorted(unknown)} not among {sorted(PAIRS)}")
-    br, nb, halves, exact_div, add_code, num_warps = ({**PAIRS, **shape}[n] for n in PAIRS)
+    shape = {**PAIRS, **shape}
+    br, nb, halves, exact_div, num_warps = (shape[n] for n in ("br", "nb", "halves", "exact_div", "num_warps"))
     r_n, k = x.shape
     kp, g_n = k // 2, triton.cdiv(k, 16)
     words = x.view(torch.int32)  # [R, K/2] words, row stride x.stride(0) / 2
     grid = (triton.cdiv(r_n, br), triton.cdiv(g_n, nb))
     _nvfp4_pairs[grid](
         words, q, s, scale_2, rows_per_scale, r_n, g_n, kp, words.stride(0), q.stride(0), s.stride(0),
-        BR=br, NB=nb, HALVES=halves, EXACT_DIV=exact_div, ADD_CODE=add_code, FULL_K=kp % 8 == 0,
-        TILE_S2=rows_per_scale % br == 0, num_warps=num_warps,
+        BR=br, NB=nb, HALVES=halves, EXACT_DIV=exact_div, ADD_CODE=int(shape["add_code"]), FULL_K=kp % 8 == 0,
+        TILE_S2=rows_per_scale % br == 0, BOUNDS=shape.get("bounds", False), num_warps=num_warps,
     )  # fmt: skip
