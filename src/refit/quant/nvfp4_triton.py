@@ -25,15 +25,16 @@ and the sign bit ``x < 0``. The quotient (``MODE``; ``p0..p3`` are per-block val
 The code (``ADD_CODE``) is found by one addition that rounds ``y`` to the E2M1 grid (``_code_add``; 2: without
 its upper exponent clamp, a y >= 8 coding 7 all the same), else by three comparisons (``_code_cmp``).
 
-``BOUNDS`` (where MODE 2 holds) finds no quotient: ``RN(a / d) >= t`` for a threshold ``t`` (0.75, 1.75, 3.5; a
-tie rounds to the even ``t``) iff ``a >= (t - e) d``, ``e`` half ``t``'s float32 step, and ``RN(a / d) > t`` (0.25,
-1.25, 2.5, 5) iff ``a > (t + e) d``. For a bf16 magnitude ``a`` that is ``a >= L`` with ``L`` the bound rounded up
-to bf16 (from a fused multiply-add rounding upward, ``fma_ru(d, t, -e d)``), or the next bf16 past the bound
-rounded down. ``L`` as an integer (bf16 magnitudes order as their 15 bits) gives ``0x8000 - L`` in both halves
-of a word: ``a + that`` has bit 15 (31) set iff ``a >= L``, for both elements of a pair at once; a binary search
-over the seven bounds (``prmt`` turns a half's top bit into a 16-bit mask that picks the next bound) gives the
-code's three bits, and one ``mul.hi`` moves the two nibbles into the output byte. A block whose ``d`` is 0 (its
-elements below 2**73) takes the bounds of ``d = 2**89``: magnitude 0, as the torch path's.
+``BOUNDS`` (where MODE 2 holds, on sm_90 and later) finds no quotient: ``RN(a / d) >= t`` for a threshold ``t``
+(0.75, 1.75, 3.5; a tie rounds to the even ``t``) iff ``a >= (t - e) d``, ``e`` half ``t``'s float32 step, and
+``RN(a / d) > t`` (0.25, 1.25, 2.5, 5) iff ``a > (t + e) d``. For a bf16 magnitude ``a`` that is ``a >= L`` with
+``L`` the bound rounded up to bf16 (from a fused multiply-add rounding upward, ``fma_ru(d, t, -e d)``), or the
+next bf16 past the bound rounded down. ``L`` as an integer (bf16 magnitudes order as their 15 bits) gives
+``0x8000 - L`` in both halves of a word: ``a + that`` has bit 15 (31) set iff ``a >= L``, for both elements of a
+pair at once; a binary search over the seven bounds (``prmt`` turns a half's top bit into a 16-bit mask that
+picks the next bound) gives the code's three bits, and one ``mul.hi`` moves the two nibbles into the output byte.
+A block whose ``d`` is 0 (its elements below 2**73) takes the bounds of ``d = 2**89``: magnitude 0, as the torch
+path's.
 
 SASS for sm_90 from Triton 3.6, instructions an element on the straight path (``BR = 8``, ``NB = 32``, 4 warps;
 2 LDG.E.128, 2 STG.E of 4 bytes and one scale byte a block): MODE 2 23.6 (2.5 MUFU a block), without the upper
@@ -42,6 +43,8 @@ clamp 22.6, ``BOUNDS`` 16.9 (1.5 MUFU a block: the scale's ``div_rn``), 15.3 wit
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -287,6 +290,12 @@ def _nvfp4_pairs(
 PAIRS = {"br": 8, "nb": 32, "halves": True, "exact_div": False, "add_code": 1, "num_warps": 4, "bounds": False}
 
 
+@functools.cache
+def _sm90(device: int | None) -> bool:
+    """Whether the GPU runs the bounds path's PTX (``max.u16x2`` needs sm_90); an older one takes the quotient."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pairs_fit(x, q, s) -> bool:
     """Whether ``x`` [R, K] can be read as bf16 pairs: bf16, columns contiguous, K and the row stride even,
     4-byte aligned, ``q`` and ``s`` with contiguous columns, and a tile's offsets within int32."""
@@ -317,5 +326,5 @@ def quantize_nvfp4_pairs(x, q, s, scale_2, rows_per_scale: int, **shape) -> None
     _nvfp4_pairs[grid](
         words, q, s, scale_2, rows_per_scale, r_n, g_n, kp, words.stride(0), q.stride(0), s.stride(0),
         BR=br, NB=nb, HALVES=halves, EXACT_DIV=exact_div, ADD_CODE=int(shape["add_code"]), FULL_K=kp % 8 == 0,
-        TILE_S2=rows_per_scale % br == 0, BOUNDS=shape.get("bounds", False), num_warps=num_warps,
+        TILE_S2=rows_per_scale % br == 0, BOUNDS=shape["bounds"] and _sm90(x.device.index), num_warps=num_warps,
     )  # fmt: skip
