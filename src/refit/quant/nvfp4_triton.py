@@ -34,7 +34,10 @@ next bf16 past the bound rounded down. ``L`` as an integer (bf16 magnitudes orde
 pair at once; a binary search over the seven bounds (``prmt`` turns a half's top bit into a 16-bit mask that
 picks the next bound) gives the code's three bits, and one ``mul.hi`` moves the two nibbles into the output byte.
 A block whose ``d`` is 0 (its elements below 2**73) takes the bounds of ``d = 2**89``: magnitude 0, as the torch
-path's.
+path's. Not used by default: on one H200 (Triton 3.6, ``bench/results/h200-nvfp4-kernels.json``) it wrote the torch
+path's bytes with 8 rows x 32 blocks a program (193 us a Llama-8B layer, against 220 for the quotient path) but
+wrong bytes with 4 x 32 (odd K, row-strided views), 16 x 32 and 8 x 64 (most of a random weight); the cause is
+not found (the arithmetic does not depend on the tile; a numpy emulation of it matches the torch path).
 
 SASS for sm_90 from Triton 3.6, instructions an element on the straight path (``BR = 8``, ``NB = 32``, 4 warps;
 2 LDG.E.128, 2 STG.E of 4 bytes and one scale byte a block): MODE 2 23.6 (2.5 MUFU a block), without the upper
@@ -286,8 +289,9 @@ def _nvfp4_pairs(
 
 
 # the shape the quantizer launches: BR rows x NB blocks a program, each block's words in two halves, the
-# quotient from the block's reciprocal, 4 warps
-PAIRS = {"br": 8, "nb": 32, "halves": True, "exact_div": False, "add_code": 1, "num_warps": 4, "bounds": False}
+# quotient from the block's reciprocal, the code by one addition without its upper clamp, 4 warps (the fastest
+# variant with the torch path's bytes on every case of bench.nvfp4_kernels on one H200, the bounds path aside)
+PAIRS = {"br": 8, "nb": 32, "halves": True, "exact_div": False, "add_code": 2, "num_warps": 4, "bounds": False}
 
 
 @functools.cache
