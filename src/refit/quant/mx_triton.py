@@ -13,10 +13,10 @@ On one H200 (a 14336 x 4096 bf16 weight) NVFP4 takes 114 us (the rows x columns 
 A division-free form of the codes (each element against per-block float32 bounds from exact float64 products)
 was no faster there, and under Triton 3.6 it wrote wrong bytes for some shapes and warp counts (not isolated
 further; its float64 steps are the suspects), so the kernel keeps ``div_rn``.
-``NVFP4_KERNEL = "pairs"`` sends bf16 weights to ``nvfp4_triton`` instead (the weight read as pairs of elements, a
-quotient from each block's reciprocal, or with ``nvfp4_triton.PAIRS["bounds"]`` none: each block's bounds on the
-bf16 magnitudes; on sm_90 two thirds, or with the bounds under half, of this kernel's instructions an element,
-a sixth of its MUFU reciprocals, a quarter of its memory instructions; its shape is ``PAIRS``).
+``NVFP4_KERNEL = "pairs"`` (the default; ``"blocks"`` keeps every weight here) sends bf16 weights that
+``nvfp4_triton.pairs_fit`` to ``nvfp4_triton`` (the weight read as pairs of elements, a quotient from each block's
+reciprocal; on sm_90 two thirds of this kernel's instructions an element, a sixth of its MUFU reciprocals, a quarter
+of its memory instructions; on one H200 under half its device time; its shape is ``PAIRS``).
 Checked against the torch path on a GPU by ``tests/test_gpu_quant_mx.py`` (not on CPU: Triton's
 interpreter converts to float8 differently from the GPU, so it cannot stand in).
 """
