@@ -598,14 +598,11 @@ class AuthStore(dist.Store):
                 raise StoreLost(f"refit store {self.where}: cannot connect for {key!r}: {e.strerror or e}") from None
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.settimeout(min(max(left, 1e-3), HANDSHAKE_S))
+                sock.settimeout(bound := min(max(left, 1e-3), HANDSHAKE_S))
                 return client_handshake(sock, self._key)
             except TimeoutError:  # no answer in time (a loaded store, or a bound of milliseconds): not a refusal
                 sock.close()
-                raise StoreTimeout(
-                    f"refit store {self.where}: no answer to the handshake for {key!r} within "
-                    f"{min(max(left, 1e-3), HANDSHAKE_S):.3g}s"
-                ) from None
+                raise StoreTimeout(f"refit store {self.where}: no handshake reply for {key!r}, {bound:.2g}s") from None
             except (OSError, EOFError, ProtocolError) as e:
                 sock.close()
                 raise StoreLost(
