@@ -421,13 +421,12 @@ class NixlLink:
             for r in range(self.packed):
                 self.staging.pack(r)
             device_wait(self.staging.buffer.device, clock, "packing the NIXL staging buffer")
-        if self.delta is not None:
-            self._stage_deltas(clock)
-        if sent is not None:
-            for r in self.receivers:
-                rec = json.dumps(self.sums.record(r, self.runs, sent)).encode()
-                self.store.put_sealed(self._key(f"{self.name}/sums/{r}"), rec)
-        self.store.put(self._key(f"{self.name}/ready/{self.runs}"), self.runs)
+        records = self._stage_deltas(clock) if self.delta is not None else {}
+        for r in self.receivers if sent is not None else ():
+            key = self._key(f"{self.name}/sums/{r}")
+            records[key] = self.store.sealed(key, json.dumps(self.sums.record(r, self.runs, sent)).encode())
+        records[self._key(f"{self.name}/ready/{self.runs}")] = self.runs  # last, in the same store call as the rest
+        self.store.put_many(records)
         if self.runs > 2:  # a receiver waits for the key of its own run (they run in step): older ones go
             self.store.raw.delete_key(self._key(f"{self.name}/ready/{self.runs - 2}"))
         self.trace("run %d: announced to processes %s", self.runs, self.receivers)
@@ -540,12 +539,15 @@ class NixlLink:
 
         clock.watch(reached, lambda: f"{what()} (NIXL, store key {key!r})")
 
-    def _stage_deltas(self, clock: RunClock) -> None:
-        """Delta mode, a source: its deltas staged and each receiver's sealed record published
-        (``NixlDelta.stage``), the staging written before the announcement."""
+    def _stage_deltas(self, clock: RunClock) -> dict[str, dict]:
+        """Delta mode, a source: its deltas staged (``NixlDelta.stage``), the staging written before the
+        announcement; each receiver's sealed record by its store key, for the announcement to publish."""
+        records = {}
         for r, rec in self.delta.stage(self.runs).items():
-            self.store.put_sealed(self._key(f"{self.name}/delta/{r}"), rec)
+            key = self._key(f"{self.name}/delta/{r}")
+            records[key] = self.store.sealed(key, rec)
         device_wait(self.delta.staging.device, clock, "staging the NIXL deltas")
+        return records
 
     def _delta_reads(self) -> tuple[list[Request], list[Request]]:
         """Delta mode, a receiver, every source announced: its records checked (``NixlDelta.plan_reads``); this

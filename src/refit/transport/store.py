@@ -268,6 +268,12 @@ class SignedStore:
         """Write ``value`` (JSON-able) under ``key``, tagged."""
         self.raw.set(key, self._encode(key, value))
 
+    def put_many(self, values: dict[str, Any]) -> None:
+        """``put`` of every item of ``values`` in one store call, in order (the store applies them at once: a reader
+        woken by the last key finds the others)."""
+        if values:
+            self.raw.multi_set(list(values), [self._encode(k, v) for k, v in values.items()])
+
     def peek(self, key: str) -> Any:
         """The valid value under ``key`` now, or None (absent, or not validly tagged)."""
         raw = self._read(key)
@@ -371,7 +377,11 @@ class SignedStore:
     # -- sealed values (grant access: IPC handles) -------------------------------------------
     def put_sealed(self, key: str, plaintext: bytes) -> None:
         """Write ``plaintext`` encrypted and tagged under ``key``: useless to whoever lacks the secret."""
-        self.put(key, {"sealed": base64.b64encode(auth.seal(self._secret, self._mac_key(key), plaintext)).decode()})
+        self.put(key, self.sealed(key, plaintext))
+
+    def sealed(self, key: str, plaintext: bytes) -> dict:
+        """The value ``put_sealed`` writes under ``key`` (for ``put_many``)."""
+        return {"sealed": base64.b64encode(auth.seal(self._secret, self._mac_key(key), plaintext)).decode()}
 
     def get_sealed(self, key: str, timeout_s: float) -> bytes:
         """The plaintext ``put_sealed`` wrote under ``key`` (waits like ``get``)."""
