@@ -10,6 +10,10 @@ from refit.errors import DeadlineExceeded
 
 SPIN_S = 200e-6
 """How long a host wait spins before it yields the GIL on every poll (a wait this short holds it briefly)."""
+YIELD_S = 0.01
+"""How long a host wait then polls back to back, yielding the core between polls (``sched_yield``): a GPU copy of a
+few milliseconds is seen done within microseconds; a longer wait then sleeps between polls (a loaded CPU machine's
+waiting processes do not take the cores from those doing the work)."""
 
 
 class RunClock:
@@ -35,8 +39,8 @@ class RunClock:
         """Poll ``finished`` until it is true, giving up at the deadline and checking the side
         channel every 20 ms for another process's abort (the first ``SPIN_S`` spin, then each poll yields the
         GIL and the core (``sched_yield``: under a microsecond when nothing else wants them, where ``time.sleep(0)``
-        sleeps for the kernel's timer slack, 50-60 us, and so sees the end of a wait that much later), and after
-        50 ms sleeps 0.1 ms)."""
+        sleeps for the kernel's timer slack, 50-60 us, and so sees the end of a wait that much later) until
+        ``YIELD_S``, then sleeps for that slack a poll, and after 50 ms 0.1 ms)."""
         start = time.monotonic()
         next_check = start + 0.02
         while not finished():
@@ -46,8 +50,8 @@ class RunClock:
             if self.check_abort is not None and now >= next_check:
                 self.check_abort()
                 next_check = now + 0.02
-            if now - start > 0.05:
-                time.sleep(0.0001)
+            if now - start > YIELD_S:
+                time.sleep(0.0001 if now - start > 0.05 else 0)
             elif now - start >= SPIN_S:
                 # then yield the GIL on every poll: a spinning waiter holds it for the interpreter's switch
                 # interval (5 ms), so an engine thread beside the refit (refit while generating) would wait
