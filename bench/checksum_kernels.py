@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from bench.cuda_timing import median_device_s
 from refit.transport.checksum import KEY, LEN_KEY, MUL1, MUL2, Piece, PieceSums, reference_sum
 from refit.transport.checksum_triton import SumLaunch, kernel_row
 
@@ -42,20 +42,6 @@ def _pieces(gib: float, dev: str) -> tuple[list[torch.Tensor], list[torch.Tensor
     src = [torch.randn(s, device=dev).to(torch.bfloat16) for _ in range(layers) for s in shapes]
     src += [torch.randn(4096, device=dev).to(torch.bfloat16) for _ in range(2 * layers)]  # norms
     return src, [torch.empty_like(t) for t in src]
-
-
-def _time(fn, n: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def _launch(pairs, copy: bool, shape: tuple[int, int, int, int], out: torch.Tensor):
@@ -86,13 +72,13 @@ def main() -> None:
     PieceSums([Piece(s, i) for i, s in enumerate(src)], out).run()
     assert out.tolist() == want, "sum kernel differs"
     rows = {"device": torch.cuda.get_device_name(), "bytes": nbytes, "pieces": len(src)}
-    rows["copy_s"] = _time(lambda: [d.copy_(s) for d, s in pairs])
-    rows["reference_sum_s"] = _time(lambda: [reference_sum(s) for s in src], n=3)
+    rows["copy_s"] = median_device_s(lambda: [d.copy_(s) for d, s in pairs], 10)
+    rows["reference_sum_s"] = median_device_s(lambda: [reference_sum(s) for s in src], 3)
     variants = []
     for shape in VARIANTS:
         v = dict(zip(("block", "steps", "warps", "loop"), shape))
-        v["sum_s"] = _time(_launch(pairs, False, shape, out))
-        v["fused_s"] = _time(_launch(pairs, True, shape, out))
+        v["sum_s"] = median_device_s(_launch(pairs, False, shape, out), 10)
+        v["fused_s"] = median_device_s(_launch(pairs, True, shape, out), 10)
         variants.append(v)
         print(
             f"shape {shape}: sum {nbytes / v['sum_s'] / 1e9:.0f} GB/s read, "

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.cuda_timing import median_device_s
 from refit.quant import mx_triton
 from refit.quant.mx import quantize_nvfp4
 from refit.quant.nvfp4_triton import PAIRS, pairs_fit, quantize_nvfp4_pairs
@@ -207,17 +208,7 @@ def device_us(fn, argsets: list[tuple], launches: int, replays: int) -> float:
             for i in range(launches):
                 fn(*argsets[i % len(argsets)])
 
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    return statistics.median(times)
+    return median_device_s(run, replays) * 1e6 / launches
 
 
 def host_us(fn, args: tuple, calls: int) -> float:
