@@ -127,9 +127,6 @@ def _changed_words(bw: np.ndarray, cw: np.ndarray) -> np.ndarray:
     return (g[p >> 3] << 3) + (p & 7)
 
 
-_LANES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-
-
 def _changed_elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """The flat indices (int64, ascending) of the changed elements (``size`` bytes each) inside the changed
     ``words`` of ``bw`` / ``cw``, and their bits in ``cw`` (an integer type of ``size`` bytes): read from the two
@@ -138,8 +135,9 @@ def _changed_elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, size: i
     if size == 8:
         return words, got
     per, shift = 8 // size, (8 // size).bit_length() - 1  # per is 2, 4 or 8
-    at = np.flatnonzero((bw[words] ^ got).view(_LANES[size]) != 0)  # changed elements of the gathered words
-    return (words[at >> shift] << shift) + (at & (per - 1)), got.view(_BITS_NP[size])[at]
+    lanes = _BITS_NP[size]
+    at = np.flatnonzero((bw[words] ^ got).view(lanes))  # changed elements of the gathered words
+    return (words[at >> shift] << shift) + (at & (per - 1)), got.view(lanes)[at]
 
 
 _BITS_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy's ``bits`` types

@@ -463,11 +463,10 @@ class NixlLink:
             self._check_sums(clock)
             self.trace("run %d: checksums equal", self.runs)
         done = {agent: self._key(f"{agent}/done/{self.proc}") for agent in self.sources.values()}
-        signed = {agent: self.store.sign(key, self.runs) for agent, key in done.items()}
+        signed = {key: self.store.sign(key, self.runs) for key in done.values()}
         for agent, key in done.items():  # notifications first (a source may end its wait at once), then the store
-            self.shared.notify(agent, key, signed[agent])  # (where a source looks too): one round trip for all
-        if done:
-            self.store.raw.multi_set(list(done.values()), list(signed.values()))
+            self.shared.notify(agent, key, signed[key])  # (where a source looks too): one round trip for all
+        self.store.put_signed(signed)
         if self.delta is not None and self.receivers:
             self.delta.settle()  # a source's base updates, while its receivers read
         for r in self.receivers:

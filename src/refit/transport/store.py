@@ -271,8 +271,12 @@ class SignedStore:
     def put_many(self, values: dict[str, Any]) -> None:
         """``put`` of every item of ``values`` in one store call, in order (the store applies them at once: a reader
         woken by the last key finds the others)."""
-        if values:
-            self.raw.multi_set(list(values), [self._encode(k, v) for k, v in values.items()])
+        self.put_signed({k: self._encode(k, v) for k, v in values.items()})
+
+    def put_signed(self, signed: dict[str, bytes]) -> None:
+        """Write values ``sign`` made (each for its key) in one store call, in order (``put_many``'s)."""
+        if signed:
+            self.raw.multi_set(list(signed), list(signed.values()))
 
     def peek(self, key: str) -> Any:
         """The valid value under ``key`` now, or None (absent, or not validly tagged)."""
