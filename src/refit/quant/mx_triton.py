@@ -30,6 +30,8 @@ try:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from refit.quant.nvfp4_triton import pairs_fit, quantize_nvfp4_pairs
+
     AVAILABLE = True
 except Exception:  # noqa: BLE001 - no Triton (CPU-only installs): the torch path is used
     AVAILABLE = False
@@ -133,12 +135,9 @@ def quantize_rows_triton(
         raise ValueError(f"NVFP4 on CUDA: scale_2 must be float32 [{want}] on {x.device}, got {scale_2}")
     if NVFP4_KERNEL not in ("blocks", "pairs"):
         raise ValueError(f"mx_triton.NVFP4_KERNEL must be 'blocks' or 'pairs', got {NVFP4_KERNEL!r}")
-    if NVFP4_KERNEL == "pairs":
-        from refit.quant.nvfp4_triton import pairs_fit, quantize_nvfp4_pairs
-
-        if pairs_fit(x, q, s):
-            quantize_nvfp4_pairs(x, q, s, scale_2.contiguous(), rows_per_scale)
-            return
+    if NVFP4_KERNEL == "pairs" and pairs_fit(x, q, s):
+        quantize_nvfp4_pairs(x, q, s, scale_2.contiguous(), rows_per_scale)
+        return
     g_n = triton.cdiv(k, 16)
     grid = (triton.cdiv(r_n * g_n, NVFP4_BLOCKS),)
     args = (x, q, s, scale_2.contiguous(), rows_per_scale, r_n, k, g_n, *strides)
