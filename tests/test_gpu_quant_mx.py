@@ -103,7 +103,7 @@ def test_every_pairs_kernel_shape_writes_the_cpu_bytes(shape):
 @pytest.mark.parametrize("fmt", [MXFP8, NVFP4])
 def test_a_quantizer_on_the_gpu_sends_what_the_cpu_one_does(fmt, nvfp4_kernel):
     """Four refits with the weights changed in place between them: eager, captured into CUDA graphs and replayed
-    (``_Graphs``), NVFP4's last with the trainer's amax (``set_amax``); each the CPU quantizer's bytes (with each
+    (``StepGraphs``), NVFP4's last with the trainer's amax (``set_amax``); each the CPU quantizer's bytes (with each
     NVFP4 kernel)."""
     plain = layout_from_spec(param_shapes("tiny-qwen3-moe"), parse_spec("tp=1", "src"))
     qlay = mx_layout(plain, fmt)
