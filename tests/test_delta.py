@@ -377,8 +377,8 @@ def test_config_refuses_unknown_delta_settings():
         TransferConfig(delta="auto", delta_link_gbps=0)
     with pytest.raises(ConfigError, match="checksums"):
         TransferConfig(delta="auto", checksums=True)
-    with pytest.raises(ConfigError, match="works on P2P and NIXL links only, and transport='ipc' makes none"):
-        TransferConfig(delta="sparse", transport="ipc")  # no P2P or NIXL link: a delta would never apply
+    with pytest.raises(ConfigError, match="over CUDA IPC pulls in one stage, not TransferConfig.stages=2"):
+        TransferConfig(delta="sparse", transport="ipc", stages=2)  # the rest: tests/test_ipc_delta.py
 
 
 def test_auto_sends_deltas_between_hosts_over_p2p_even_where_nixl_is_installed(monkeypatch):

@@ -68,9 +68,11 @@ class TransferConfig:
       (default: by the link's kind, ``refit.delta.rule.LINKS``). Not with ``checksums``. Under
       ``"auto"`` a plan where no P2P message can pay as a delta (``refit.delta.rule.may_pay``: its best case
       must beat dense by ``PAY_MARGIN``; NVLink at the measured rates, one device) runs the plain P2P path:
-      no base copy, no header exchange. Deltas travel on P2P and NIXL links (``transport="nixl"``:
-      ``refit.transport.nixl_delta``), not over CUDA IPC: ``transport="ipc"`` is refused with a delta, and
-      under ``"auto"`` links between hosts use P2P, not NIXL.
+      no base copy, no header exchange. Deltas travel on P2P links, NIXL links (``transport="nixl"``:
+      ``refit.transport.nixl_delta``) and CUDA IPC links between two GPUs (``refit.transport.ipc_delta``; same-GPU
+      links stay dense; in one stage, unpaced, the base on the device: ``transport="ipc"`` refuses the others,
+      ``ipc_delta_refusal``, and under ``"auto"`` they run dense); under ``"auto"`` links between hosts use P2P,
+      not NIXL.
 
     Must agree on every process of a refit: ``agreement()`` (the budget, transport, commit, checksums,
     stages, delta and, with deltas, ``delta_link_gbps``; plus the Peer's ``tag_base``). Pre-flight
@@ -149,11 +151,22 @@ class TransferConfig:
             raise ConfigError(f"TransferConfig.delta_link_gbps must be a finite number of GB/s > 0, got {g!r}")
         if self.delta != "off" and self.checksums:
             raise ConfigError(f"TransferConfig.delta={self.delta!r} does not work with checksums=True yet")
-        if self.delta != "off" and self.transport == "ipc":
-            raise ConfigError(
-                f"TransferConfig.delta={self.delta!r} works on P2P and NIXL links only, and transport='ipc' "
-                "makes none; use transport='auto' (IPC on one host, P2P between hosts), 'p2p' or 'nixl'"
-            )
+        if self.delta != "off" and self.transport == "ipc" and self.ipc_delta_refusal is not None:
+            raise ConfigError(self.ipc_delta_refusal)
+
+    @property
+    def ipc_delta_refusal(self) -> str | None:
+        """Why CUDA IPC links cannot carry this config's deltas (``transport="ipc"`` refuses it; under ``"auto"`` they
+        run dense: all of them with ``stages``, a pacing receiver's or a host-base source's), or None: a delta's pull
+        is one stage, unpaced, from a base on the device."""
+        delta = f"TransferConfig.delta={self.delta!r} over CUDA IPC"
+        if self.stages > 1:
+            return f"{delta} pulls in one stage, not TransferConfig.stages={self.stages}"
+        if self.pull_gbps is not None:
+            return f"{delta} is not paced: TransferConfig.pull_gbps={self.pull_gbps!r} must be None"
+        if self.delta_base != "device":
+            return f"{delta} keeps its base on the device (the find reads it there), not delta_base={self.delta_base!r}"
+        return None
 
     @property
     def cross_host(self) -> str:

@@ -10,7 +10,8 @@ Run (each refit):
   1. prepare: the source's tensors are made final (e.g. FP8 quantization, except what receivers quantize on
      their pulls: ``ipc_quant``); all-IPC plans in ``config.stages`` stages, each just before its pull;
   2. NIXL sources announce that their tensors are final (through the store); IPC pulls (receiver side), one per
-     stage, each after a barrier saying every source's tensors of that stage are final; they run on the GPU meanwhile;
+     stage, each after a barrier saying every source's tensors of that stage are final; they run on the GPU meanwhile
+     (with deltas, sources first find and stage what changed, receivers scatter it: ``refit.transport.ipc_delta``);
   3. local copies (source and destination in this process);
   4. P2P steps: per step, pack outgoing buckets into ring buffers, post all of the step's sends and receives in one
      ``batch_isend_irecv``, unpack; on CPU a step's receives go out during the step before where they touch nothing
@@ -109,9 +110,8 @@ class Executor:
         )
         self.delta = DeltaSchedule(self.p2p, plan, proc, local, config) if DeltaSchedule.wanted(plan, config) else None
         self.local = [(local.dst_view(p.tensor, p.box), local.src_view(p.tensor, p.box)) for p in plan.local_of(proc)]
-        uses_ipc = any(m.transport == "ipc" for m in plan.messages)
+        uses_ipc, uses_nixl = any(m.transport == "ipc" for m in plan.messages), "nixl" in plan.transports_of(proc)
         self.ipc = IpcLink.open(plan, proc, local, comms.store, config, self.device, prepare) if uses_ipc else None
-        uses_nixl = "nixl" in plan.transports_of(proc)
         self.nixl = NixlLink.open(plan, proc, local, comms.store, config) if uses_nixl else None
         self.bytes_sent, self.bytes_received = plan.link_bytes_of(proc)
         self.bytes_local = sum(p.nbytes for p in plan.local_of(proc))
@@ -205,7 +205,7 @@ class Executor:
                 self._sync_device(clock)
             self.nixl.start(clock, self._nixl_fault(fault_hook), version, held)
         if self.ipc is not None:
-            self._pull_ipc(clock, staged)
+            self._pull_ipc(clock, staged, version, (held or {}).get(self.proc))
         for dst, src in self.local:
             dst.copy_(src, non_blocking=True)
         fault = self._fault(fault_hook)
@@ -223,34 +223,34 @@ class Executor:
             self._settled = self.nixl is None  # NIXL's finish may queue more (its reads, a delta's scatter)
             self._stamp("device done")
             self.p2p.check_sums()
-            if self.ipc is not None:
-                self.ipc.check_sums()
         else:
             self.p2p.run_cpu(clock, fault)
+        if self.ipc is not None:  # its checksums' verdicts, or its delta scatter's index check
+            self.ipc.check_sums()
         self._stamp("moved")
         if self.nixl is not None:
             delta = self.nixl.finish(clock, delta)
             self._stamp("nixl read")
         if self.ipc is not None:  # every pull is done: sources may change their weights again (only they wait)
             self._barrier(clock, wait=self.is_source)
+            delta = self.ipc.finish(version, delta)  # a delta source's base holds ``version`` from here on
             self._stamp("last barrier")
         sent, received = (delta.wire_bytes, delta.received_bytes) if delta else (self.bytes_sent, self.bytes_received)
         return RunStats(sent, received, self.bytes_local, time.perf_counter() - t0, delta)
 
     def close(self) -> None:
-        self.p2p.close()
-        if self.ipc is not None:
-            self.ipc.close()
-        if self.nixl is not None:
-            self.nixl.close()
+        for link in (self.p2p, self.ipc, self.nixl):
+            if link is not None:
+                link.close()
         free_stream(self.stream)
         self.stream = None
 
-    def _pull_ipc(self, clock: RunClock, staged: bool) -> None:
-        """Each stage: (prepare it,) every source's tensors of the stage are final, then pull. Only a
-        source waits for its device before the barrier (others read its tensors once it is passed); a
-        receiver's pull is ordered after its own earlier work by its stream, so it does not wait: its
-        next stage's pull queues behind the one in flight."""
+    def _pull_ipc(self, clock: RunClock, staged: bool, version: int, held: int | None) -> None:
+        """Each stage: (prepare it,) every source's tensors of the stage are final (with deltas, found and staged
+        first: ``IpcLink.begin``), then pull. Only a source waits for its device before the barrier (others read
+        its tensors once it is passed); a receiver's pull is ordered after its own earlier work by its stream, so it
+        does not wait: its next stage's pull queues behind the one in flight."""
+        self.ipc.begin(version, held)
         for i, names in enumerate(self._stage_names):
             if staged:
                 self._prepare(names)

@@ -16,7 +16,8 @@ from refit.plan import Plan
 
 class SourceBase:
     """A source process's copy of the bytes it last sent over P2P (or, ``transport="nixl"``, that its NIXL
-    receivers last read): every source tensor some such message of this process reads, whole (``where``:
+    receivers last read; ``"ipc"``: its CUDA IPC receivers on other GPUs, the messages ``sent``): every source
+    tensor some such message of this process reads, whole (``where``:
     ``"device"``, beside the tensor, or ``"host"``, pinned when CUDA is present). ``version`` is the version it
     holds (``None``: nothing sent yet, or a refit failed after part of it was updated). ``nbytes``: the extra
     memory.
@@ -30,9 +31,16 @@ class SourceBase:
     ``None``, so the next refit is dense and rebuilds it)."""
 
     def __init__(
-        self, plan: Plan, proc: int, local: LocalTensors, where: str, budget: int, transport: str = "p2p"
+        self,
+        plan: Plan,
+        proc: int,
+        local: LocalTensors,
+        where: str,
+        budget: int,
+        transport: str = "p2p",
+        sent: list[int] | None = None,
     ) -> None:
-        sent = _sent(plan, proc, transport)
+        sent = _sent(plan, proc, transport) if sent is None else sent
         names = {p.tensor for i in sent for p in plan.messages[i].pieces}
         parts = {n: tuple((box, _copy_of(t, where)) for box, t in local.src[n]) for n in names}
         self.local = replace(local, src=parts)

@@ -111,6 +111,20 @@ def nixl_link(link: LinkSpeed, host: bool = False) -> LinkSpeed:
     return replace(link, chunk_s=NIXL_PAIR_S, **(HOST if host else {}))
 
 
+IPC_PAIR_S = 2e-4
+"""The fixed time a CUDA IPC delta adds per source and receiver pair and refit: the source's wait for its find's
+counts and its header write, the receiver's header read and its read of the index check. Charged like ``chunk_s``,
+by each message's part of the pair's bytes (``ipc_link``). Rough: a few small copies and host syncs, not measured."""
+
+
+def ipc_link(link: LinkSpeed) -> LinkSpeed:
+    """A CUDA IPC pull's view of ``link`` (``refit.transport.ipc_delta``): the source finds (``word_find_gbps``),
+    packs the changed words into its staging (the per-change work, ``apply_gbps``), the receiver reads them over the
+    link (``link_gbps``) and scatters them; its fixed cost is ``IPC_PAIR_S`` per pair (``chunk_s``). A same-device
+    link stays one: dense."""
+    return replace(link, chunk_s=IPC_PAIR_S)
+
+
 def predicted_seconds(encoding: str, n: int, k: int, itemsize: int, link: LinkSpeed) -> float:
     """The rule's time for one message: see the module docstring."""
     wire = wire_bytes(encoding, n, k, itemsize) / (link.link_gbps * 1e9)

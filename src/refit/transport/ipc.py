@@ -14,7 +14,7 @@ handles, build one ``IpcPuller`` per stage (``refit.plan.schedule.ipc_stages``),
 capture each into a CUDA graph, and, for a plan whose links are all IPC (one
 host), agree on a shared-memory ``HostBarrier`` through the store. The handles' export and checked import
 live in ``ipc_handles``, the pacing of pulls (``TransferConfig.pull_gbps``) in ``ipc_pace``, the barrier in
-``host_barrier``.
+``host_barrier``, deltas between two GPUs (``TransferConfig.delta``) in ``ipc_delta``.
 """
 
 from __future__ import annotations
@@ -28,16 +28,18 @@ import torch
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.cudart import OwnedStreams, cuda_runtime, launch_on
+from refit.delta.ops import DeltaStats
 from refit.errors import ChecksumError, PlanError
 from refit.layout import box_relative, box_slices
 from refit.plan import Plan
 from refit.plan.schedule import ipc_stages, part_key, source_part
-from refit.transport import ipc_quant
+from refit.transport import ipc_delta, ipc_quant
 from refit.transport.checksum import Piece, PieceSums, fusable
 from refit.transport.host_barrier import HostBarrier
 from refit.transport.ipc_handles import export_per_receiver, import_handles
 from refit.transport.ipc_pace import pace_chunks, sleep_cycles_per_s, then_sleep
 from refit.transport.ipc_quant import OnPull
+from refit.transport.nixl_delta import with_stats
 from refit.transport.rows import row_copy
 from refit.transport.store import SignedStore
 
@@ -581,11 +583,14 @@ class IpcLink:
         self.host_barrier = host_barrier
         self._mapped = mapped  # keep the mappings alive
         self.skipped: set[str] = set()  # a source's weights its receivers quantize on their pulls (ipc_quant)
+        self.delta: ipc_delta.IpcDelta | None = None  # delta mode (``refit.transport.ipc_delta``)
 
     @property
     def pulls_here(self) -> bool:
-        """Whether this process pulls anything (or checks sums) over IPC."""
-        return any(pl is not None for pl in self.pullers) or (self.sums is not None and bool(self.sums.names))
+        """Whether this process pulls anything (or checks sums) over IPC, or stages deltas (its finds and base updates
+        run on the executor's stream, which the run waits for)."""
+        deltas = self.delta is not None and bool(self.delta.sends)
+        return any(pl is not None for pl in self.pullers) or (self.sums is not None and bool(self.sums.names)) or deltas
 
     @classmethod
     def open(
@@ -619,6 +624,14 @@ class IpcLink:
             same = [q for q in same if id(q) not in replaced and (sums is None or not sums.fuses(q))]
             fused = () if sums is None else sums.fused_work(i)
             pullers.append(_captured_puller(device, same, peer, config, proc, fused, [j for j, *_ in jobs.get(i, [])]))
+        delta = None
+        if ipc_delta.wanted(plan, config):  # one stage: ``same`` and ``peer`` are its pulls
+            delta = ipc_delta.IpcDelta.open(
+                plan, proc, local, store, config, device, pairs[0][1], (make_copy, enable_peer_access)
+            )
+            if delta.taken:  # what no delta takes, for the refits where some message comes as one
+                rest = [q for q in peer if id(q) not in delta.taken]
+                delta.rest = _captured_puller(device, same, rest, config, proc, (), [j for j, *_ in jobs.get(0, [])])
         barrier = None
         if all_ipc:  # a plan whose links are all IPC (one host) synchronizes through shared memory
             members = sorted({*plan.procs.src, *plan.procs.dst})
@@ -626,14 +639,29 @@ class IpcLink:
                 store, f"{config.name}/barrier", members.index(proc), len(members), config.preflight_timeout_s
             )
         link = cls(stages, pullers, sums, mapped, barrier)
-        link.skipped = skipped
+        link.skipped, link.delta = skipped, delta
         return link
+
+    def begin(self, version: int, held: int | None) -> None:
+        """Delta mode, before the stage barrier: a refit of ``version`` starts, this process holds ``held``; a source
+        finds and stages its deltas (``IpcDelta.begin``)."""
+        if self.delta is not None:
+            self.delta.begin(version, held)
+
+    def finish(self, version: int, stats: DeltaStats | None) -> DeltaStats | None:
+        """Delta mode, after the last barrier: a source's base holds ``version``; returns ``stats`` with this refit's
+        IPC delta statistics added (``with_stats``)."""
+        if self.delta is not None:
+            self.delta.finish(version)
+        return with_stats(stats, self)
 
     def pull(self, stage: int, stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue stage ``stage``'s copies on ``stream`` (default: the current one; the host does not wait)."""
         if stage == 0 and self.sums is not None:  # a new refit: no verdict of an earlier, failed one is read
             self.sums.verdict = None
-        if self.pullers[stage] is not None:
+        if self.delta is not None:  # deltas pull in one stage
+            self.delta.pull(stream, self.pullers[stage])
+        elif self.pullers[stage] is not None:
             self.pullers[stage].pull(stream)
 
     def enqueue_sums(self) -> None:
@@ -646,6 +674,8 @@ class IpcLink:
         the caller's wait for the device): ``IpcSums.check``."""
         if self.sums is not None:
             self.sums.check()
+        if self.delta is not None:  # the delta scatter's index check
+            self.delta.verify()
 
     CLOSE_WAIT_S = 5.0
 
@@ -654,7 +684,7 @@ class IpcLink:
         reference counts drop), then, on one host, wait at the barrier so that no source process exits
         while a receiver still maps its memory (best effort: a peer that died is not waited for), free what
         the receivers released (sources), and unlink the barrier (its owner). Idempotent."""
-        for owner in [*self.pullers, self.sums]:
+        for owner in [*self.pullers, self.sums, self.delta]:
             if owner is not None:
                 owner.close()
         self.pullers, self.puller, self.sums, self._mapped = [], None, None, {}
