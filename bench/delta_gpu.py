@@ -27,6 +27,9 @@
 5. S2 over NIXL (``--s2-nixl``; one GPU, or 2 CPU processes): trainer and engine on one device, Peers over
    CUDA IPC (dense), NIXL dense, NIXL with ``delta="auto"`` and forced words (``refit.transport.nixl_delta``),
    each refit after every step at 0.1%, 1% and 100% changed, the engine checked bit for bit after each.
+6. S1 over CUDA IPC (``--s1-ipc``; 2 GPUs): dense IPC pulls beside IPC deltas (``refit.transport.ipc_delta``:
+   ``auto``, forced words, forced words through a landing copy) and NCCL deltas (forced words) at 0.1%, 1% and 100%
+   changed, exact-checked, its table printed last (``bench.delta_ipc``, which also runs alone).
 """
 
 from __future__ import annotations
@@ -625,6 +628,7 @@ def main() -> None:
     ap.add_argument(
         "--s2-nixl", action="store_true", help="also S2 (one device): CUDA IPC, NIXL dense and NIXL deltas (needs nixl)"
     )
+    ap.add_argument("--s1-ipc", action="store_true", help="also S1 over CUDA IPC: dense, IPC deltas, NCCL deltas")
     ap.add_argument("--profile", default=None, help="a directory: cProfile of 3 forced-words S1 refits at 1%%")
     ap.add_argument("--trace", default=None, help="a directory: torch profiler timelines of S1 refits at 1%%")
     ap.add_argument("--modes", default=",".join(ALL_PEERS), help="S1's delta Peers (delta = auto, always run)")
@@ -664,6 +668,15 @@ def main() -> None:
     if args.s2_nixl:
         res["s2_nixl"] = s2_nixl(model, device, args.iters, args.buffer_mb)
         _print_s2_nixl(res["s2_nixl"])
+    if args.s1_ipc and device == "cuda" and torch.cuda.device_count() >= 2:
+        from bench.delta_ipc import print_s1_ipc, s1_ipc  # it imports this module's helpers
+
+        res["s1_ipc"] = s1_ipc(model, args.iters, args.buffer_mb)
+        with open(args.out, "w") as f:  # kept if printing fails
+            json.dump(res, f, indent=1)
+        print_s1_ipc(res["s1_ipc"])
+    elif args.s1_ipc:
+        print(f"S1 over CUDA IPC not run: {torch.cuda.device_count()} GPU(s), it needs 2")
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 
