@@ -113,7 +113,7 @@ class MxQuantizer:
         self.scale_2: dict[str, torch.Tensor] = {}  # the agreed global scales, whole (leading-dims shape)
         self._pending: set[str] = set()
         self._on_pull: set[str] = set()  # weights receivers quantize on their pulls (``on_pull``)
-        self._amax: tuple[torch.Tensor, list[int]] | None = None  # the trainer's (flat, the jobs' versions)
+        self._amax: list[int] | None = None  # the jobs' versions when the trainer handed its amax over
         boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
         qset = set(self.quantized)
         companions = {block_scale_name(n) for n in qset} | {global_scale_name(n) for n in qset}
@@ -152,8 +152,8 @@ class MxQuantizer:
         finite and ``>= 0``; the next agreement uses it instead of reading the weights (once)."""
         if self.table is None:
             raise ValueError(f"{self.fmt.name.upper()} source rank {self.rank}: set_amax is for NVFP4's global scales")
-        flat = self.table.check_amax(amax, self.rank, self.device)
-        self._amax = (flat, [w._version for _, w, _, _, _ in self.jobs])
+        self.table.hand_over(self.table.check_amax(amax, self.rank, self.device))
+        self._amax = [w._version for _, w, _, _, _ in self.jobs]
 
     def read_amax(self) -> dict[str, torch.Tensor]:
         """What ``set_amax`` takes, read from this rank's weights (the amax a trainer would hand over)."""
@@ -168,18 +168,18 @@ class MxQuantizer:
             out[n], at = flat[at : at + k].reshape(shape).clone(), at + k
         return out
 
-    def _take_amax(self) -> bool:
-        """The trainer's amax into the table's ``local`` (True), or nothing handed over (False)."""
+    def _amax_handed(self) -> bool:
+        """Whether the trainer handed its amax over for this agreement (True: in the table's ``handed``), checked
+        against the weights' versions then; False: nothing handed over."""
         if self._amax is None:
             return False
-        (flat, versions), self._amax = self._amax, None
+        versions, self._amax = self._amax, None
         for (name, w, *_), v in zip(self.jobs, versions):
             if w._version != v:
                 raise LayoutError(
                     f"NVFP4 source rank {self.rank}: weight {name!r} changed after set_amax; hand the amax over "
                     "after the optimizer step whose weights the refit sends"
                 )
-        self.table.take_amax(flat)
         return True
 
     def agree(self) -> None:
@@ -188,15 +188,26 @@ class MxQuantizer:
         if self.table is None:
             return
         table = self.table
-        if not self._take_amax():
-            weights = [w.detach() for _, w, _, _, _ in self.jobs]
-            self.graphs.run("amax", lambda: table.local_amax(weights))
-        if self.group is not None:
-            backend = dist.get_backend(self.group)
-            dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-            buf = table.local.to(dev)
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
-            table.local.copy_(buf)
+        alone = self.group is None or dist.get_world_size(self.group) == 1  # a maximum over one rank is its own
+        handed = self._amax_handed()
+
+        def take() -> None:  # this rank's amax: the trainer's, or read from the weights
+            if handed:
+                table.take_amax()
+            else:
+                table.local_amax([w.detach() for _, w, _, _, _ in self.jobs])
+
+        source = "handed" if handed else "read"
+        if alone:  # nothing to agree: the amax and the scales as one step (one graph)
+            self.graphs.run(("amax and scales", source), lambda: (take(), table.scales()))
+            self._pending = set(self.quantized)
+            return
+        self.graphs.run(("amax", source), take)
+        backend = dist.get_backend(self.group)
+        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        buf = table.local.to(dev)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        table.local.copy_(buf)
         self.graphs.run("scales", table.scales)
         self._pending = set(self.quantized)
 

@@ -81,6 +81,7 @@ class ScaleTable:
         self.local, self.s2 = torch.zeros(len(group), **f32), torch.ones(len(group), **f32)
         self.shared, self.job_s2 = torch.zeros(self.n_groups, **f32), torch.ones(len(order), **f32)
         self.buffer = torch.ones(len(self.global_index), **f32)
+        self.handed = torch.zeros(len(self.amax_index), **f32)  # the trainer's amax (``hand_over``)
         self.tensors: dict[str, torch.Tensor] = {}
         at = 0
         for n, g in zip(self.held, gidx):
@@ -107,10 +108,14 @@ class ScaleTable:
         if vals:
             self.local.scatter_reduce_(0, self.job_index, torch.cat([v.float() for v in vals]), "amax")
 
-    def take_amax(self, flat: torch.Tensor) -> None:
-        """``local`` from the trainer's amax: ``flat`` (``check_amax``'s)."""
+    def hand_over(self, flat: torch.Tensor) -> None:
+        """Keep the trainer's amax ``flat`` (``check_amax``'s) in ``handed``, where ``take_amax`` reads it."""
+        self.handed.copy_(flat)
+
+    def take_amax(self) -> None:
+        """``local`` from the trainer's amax (``handed``)."""
         self.local.zero_()
-        self.local.index_copy_(0, self.amax_index, flat)
+        self.local.index_copy_(0, self.amax_index, self.handed)
 
     def scales(self) -> None:
         """``s2``, ``job_s2`` and the global-scale tensors from the agreed ``local`` (whole tensors' maxima)."""

@@ -35,9 +35,14 @@ pair at once; a binary search over the seven bounds (``prmt`` turns a half's top
 picks the next bound) gives the code's three bits, and one ``mul.hi`` moves the two nibbles into the output byte.
 A block whose ``d`` is 0 (its elements below 2**73) takes the bounds of ``d = 2**89``: magnitude 0, as the torch
 path's. Not used by default: on one H200 (Triton 3.6, ``bench/results/h200-nvfp4-kernels.json``) it wrote the torch
-path's bytes with 8 rows x 32 blocks a program (193 us a Llama-8B layer, against 220 for the quotient path) but
-wrong bytes with 4 x 32 (odd K, row-strided views), 16 x 32 and 8 x 64 (most of a random weight); the cause is
-not found (the arithmetic does not depend on the tile; a numpy emulation of it matches the torch path).
+path's bytes with 8 rows x 32 blocks a program (193-198 us a Llama-8B layer, against 217-220 for the quotient
+path; 16 x 32 with 8 warps too: two blocks a thread) but wrong bytes wherever a thread holds one block (4 x 32, 8 x
+32 with 8 warps: odd K, row-strided views) or four (16 x 32, 8 x 64, 32 x 32 with 8 warps: most of a random weight).
+The kernel's meaning does not depend on the tile: in Triton's interpreter (CPU) the bounds path, written with plain
+Triton operations, gives the quotient path's bytes at 8 x 32 and 16 x 32; on the GPU the same plain version (no
+inline PTX, no ``umulhi``, the bounds from float64 products instead of directed-rounding fused multiply-adds, the
+amax as the quotient path takes it), each of those replaced alone and all together, fails in the same tiles: a
+fault in how Triton 3.6 compiles it, not worked around, so the path stays off.
 
 SASS for sm_90 from Triton 3.6, instructions an element on the straight path (``BR = 8``, ``NB = 32``, 4 warps;
 2 LDG.E.128, 2 STG.E of 4 bytes and one scale byte a block): MODE 2 23.6 (2.5 MUFU a block), without the upper
