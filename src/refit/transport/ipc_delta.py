@@ -132,6 +132,7 @@ class _From:
     pulls: list[tuple[torch.Tensor, torch.Tensor]]
     fast: np.ndarray
     nwords: np.ndarray
+    nbytes: np.ndarray
     dst: np.ndarray
     staging: torch.Tensor | None
     lane: torch.cuda.Stream | None = None
@@ -162,6 +163,7 @@ class IpcDelta:
         self.owned = OwnedStreams()
         self.version, self.held, self.stats = 0, None, DeltaStats()
         self.pending: tuple = ([], [])  # a source, per refit: its base's word updates and dense refreshes
+        self.order: list[tuple[int, DeltaOp]] = []  # a source's messages in header order (``_arrays``)
         self.checks: tuple | None = None  # a receiver, per refit: (flags, pieces, names) of its scatter's check
         self._source(local)
 
@@ -209,15 +211,15 @@ class IpcDelta:
                 self.staging[r] = torch.zeros(f.cap, dtype=torch.uint8, device=self.device)
                 self.heads[r] = torch.zeros(FIELDS + len(ops), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         fast = [d for ops in self.sends.values() for d in ops if d.fast]
-        if not fast:
-            return
-        budget = self.config.num_buffers * self.config.buffer_bytes
-        sent = sorted({d.op.message for d in fast})
-        self.base = SourceBase(self.plan, self.proc, local, "device", budget, "ipc", sent)
+        if fast:
+            budget = self.config.num_buffers * self.config.buffer_bytes
+            sent = sorted({d.op.message for d in fast})
+            self.base = SourceBase(self.plan, self.proc, local, "device", budget, "ipc", sent)
         for d in fast:
             p = self.plan.messages[d.op.message].pieces[0]
             d.bases = [self.base.local.src_view(p.tensor, p.box)]
             d.fast = d.words = d.may_pay = addressable(d.bases[0])
+        self._arrays()
 
     def _receiver(self, store: SignedStore, peer_pulls: list) -> None:
         make_copy, enable_peer_access = self.make_copy, self.enable_peer_access
@@ -245,7 +247,8 @@ class IpcDelta:
                     raise PlanError(f"process {s} exported a CUDA IPC delta staging that is not {f.cap} bytes")
             names = [self.plan.messages[k].pieces[0].tensor for k in f.ids]
             dst = np.array([d.data_ptr() for d, _ in pulls], dtype=np.int64)
-            got_from = _From(s, f, names, pulls, fast, nwords, dst, staging)
+            nbytes = np.array([p.nbytes for p in self._pieces(f)], dtype=np.int64)
+            got_from = _From(s, f, names, pulls, fast, nwords, nbytes, dst, staging)
             if staging is not None:
                 src_dev = staging.device
                 enable_peer_access(src_dev, self.device)  # its copy engine pushes the dense ones here
@@ -276,66 +279,57 @@ class IpcDelta:
         if self.sends:
             self._stage()
 
-    def _count(self, kind: str, wire: int, dense: int, n: int = 1, why: str | None = None) -> None:
+    def _count(self, kind: str, wire: int, dense: int, n: int, why: str | None = None) -> None:
+        """``n`` messages sent as ``kind`` (``wire`` bytes of ``dense``), dense because of ``why``."""
         self.stats.encodings[kind] += n
         self.stats.wire_bytes += wire
         self.stats.dense_bytes += dense
-        if why is not None:
+        if why is not None and n:
             self.stats.dense_why[why] = self.stats.dense_why.get(why, 0) + n
 
     def _stage(self) -> None:
-        order = [(r, d) for r, ops in sorted(self.sends.items()) for d in ops]
+        """A source's refit up to its headers (see the module docstring): plans, finds per batch (the next one
+        queued before this one's counts are read), choices and fits as numpy over each batch, packs, headers."""
+        order, a, mode = self.order, self.arrays, self.config.delta
         ok = self.base is not None and self.base.version is not None
         held = self.base.version if self.base is not None else None
         if self.base is not None:
             self.base.version = None  # part new from here on, until ``finish``
-        mode = self.config.delta
         plans = [plan_of(d, ok, mode) if d.fast else "skip" for _, d in order]
-        counts = {r: np.full(len(ops), -1, dtype=np.int64) for r, ops in self.sends.items()}
-        at = {r: 0 for r in self.sends}  # position of each op in its receiver's header
-        slot = []
-        for r, _ in order:
-            slot.append(at[r])
-            at[r] += 1
-        used = {r: header_bytes(len(ops)) for r, ops in self.sends.items()}
-        words, refresh = ([], [], [], [], []), []  # the base's updates after the barrier (``_update_base``)
+        counts = np.full(len(order), -1, dtype=np.int64)
+        used = {r: header_bytes(b - f) for r, (f, b) in self.spans.items()}
+        words, refresh = [], []  # the base's updates after the barrier (``_update_base``)
         diff = [j for j, p in enumerate(plans) if p == "diff"]
         self.stats.diffed += len(diff)
         ready = None  # on CUDA the finds wait for the tensors' last writes, queued so far on the current stream
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        batches = _batches(diff, [order[j][1].nbytes for j in range(len(order))])
-        ahead = self._find([order[j][1] for j in batches[0]], ready) if batches else None
-        for bi, batch in enumerate(batches):
-            ops = [order[j][1] for j in batch]
+        batches = [np.array(b, dtype=np.int64) for b in _batches(diff, a["nbytes"])]
+        ahead = self._find(batches[0], ready) if batches else None
+        for bi, sel in enumerate(batches):
             pending = ahead  # the next batch's find queued before this one's counts are waited for
-            ahead = self._find([order[j][1] for j in batches[bi + 1]], ready) if bi + 1 < len(batches) else None
+            ahead = self._find(batches[bi + 1], ready) if bi + 1 < len(batches) else None
             found = pending.result()
-            nw = np.array([d.nwords[0] for d in ops], dtype=np.int64)
-            k = found.count
-            as_words = (k <= found.cap) & (self._rule(ops, k) if mode == "auto" else True)
-            sel, dst = [], []
-            for i, j in enumerate(batch):
-                r, d = order[j]
-                d.fraction, d.dense_runs = float(k[i]) / max(1, d.nwords[0]), 0
-                d.dense_next = mode == "auto" and not as_words[i]
-                size = int(wire_sizes(k[i]))
-                if not as_words[i] or used[r] + size > self.staging[r].numel():
-                    why = RULE if not as_words[i] else OVER_STAGING
-                    self._count("dense", d.nbytes, d.nbytes, why=why)
-                    refresh.append((d.bases[0], d.views[0]))
-                    continue
-                base_at = self.staging[r].data_ptr() + used[r]
-                sel.append(i)
-                dst.append(base_at)
-                counts[r][slot[j]] = k[i]
-                for row, v in zip(words, (d.bases[0].data_ptr(), base_at, base_at + index_bytes(k[i]), k[i], nw[i])):
-                    row.append(v)
-                used[r] += size
-                self._count("words", size, d.nbytes)
-            if sel:
-                pack_table(found, np.array(sel, dtype=np.int64), np.array(dst, dtype=np.int64), self.device)
+            k = found.count.astype(np.int64)
+            want = k <= found.cap  # over its slots: dense
+            if mode == "auto":
+                want &= self._rule(sel, k)
+            take, offs = self._fit(sel, k, want, used)
+            t = sel[take]
+            counts[t] = k[take]
+            at = a["staging"][t] + offs[take]
+            pack_table(found, np.flatnonzero(take), at, self.device)
+            words.append((a["base"][t], at, at + index_bytes(k[take]), k[take], a["nwords"][t]))
+            fraction = (k / np.maximum(1, a["nwords"][sel])).tolist()
+            for j, f, w, staged in zip(sel.tolist(), fraction, want.tolist(), take.tolist()):
+                d = order[j][1]
+                d.fraction, d.dense_runs, d.dense_next = f, 0, mode == "auto" and not w
+                if not staged:
+                    refresh.append(d)
+            self._count("words", int(wire_sizes(k[take]).sum()), int(a["nbytes"][t].sum()), len(t))
+            for why, dense in ((RULE, sel[~want]), (OVER_STAGING, sel[want & ~take])):
+                self._count("dense", int(a["nbytes"][dense].sum()), int(a["nbytes"][dense].sum()), len(dense), why)
         for j, p in enumerate(plans):
             if p == "diff":
                 continue
@@ -344,31 +338,71 @@ class IpcDelta:
             d.stale = p == "skip"
             if p == "refresh":
                 d.fraction, d.dense_next = None, False
-                refresh.append((d.bases[0], d.views[0]))
-            self._count("dense", d.nbytes, d.nbytes, why=None if d.fast else d.memo["why"])
+                refresh.append(d)
+            self._count("dense", d.nbytes, d.nbytes, 1, None if d.fast else d.memo["why"])
         for r, heads in self.heads.items():
-            heads.numpy()[:] = pack_header(held, self.version, counts[r])
+            f, b = self.spans[r]
+            heads.numpy()[:] = pack_header(held, self.version, counts[f:b])
             self.staging[r][: heads.numel() * 8].view(torch.int64).copy_(heads, non_blocking=True)
             self.stats.wire_bytes += heads.numel() * 8
         self.pending = (words, refresh)
 
-    def _find(self, ops: list[DeltaOp], ready: torch.cuda.Event | None):
-        """The find of ``ops`` (one launch on its own stream, behind ``ready``), not waited for."""
-        bptr = np.array([d.bases[0].data_ptr() for d in ops], dtype=np.int64)
-        cptr = np.array([d.views[0].data_ptr() for d in ops], dtype=np.int64)
-        nw = np.array([d.nwords[0] for d in ops], dtype=np.int64)
-        return launch_words_table(bptr, cptr, nw, self.device, ready)
+    def _fit(self, sel: np.ndarray, k: np.ndarray, want: np.ndarray, used: dict) -> tuple[np.ndarray, np.ndarray]:
+        """Which of the messages ``sel`` (positions in ``order``) that ``want`` words (``k`` changed) fit their
+        receiver's staging after its ``used`` bytes (updated), in order: a payload that does not fit goes dense, and
+        so do the ones after it in this batch (the same receiver's next batch may fit). Returns ``(take, offsets)``."""
+        sizes, rs = wire_sizes(k), self.arrays["receiver"][sel]
+        take, offs = np.zeros(len(sel), dtype=bool), np.zeros(len(sel), dtype=np.int64)
+        for r in np.unique(rs[want]).tolist():
+            mine = np.flatnonzero(want & (rs == r))
+            ends = used[r] + np.cumsum(sizes[mine])
+            fit = ends <= self.staging[r].numel()
+            take[mine[fit]] = True
+            offs[mine[fit]] = (ends - sizes[mine])[fit]
+            used[r] = int(ends[fit][-1]) if fit.any() else used[r]
+        return take, offs
 
-    def _rule(self, ops: list[DeltaOp], k: np.ndarray) -> np.ndarray:
-        """Where the rule sends each of ``ops`` (one piece each, ``k`` changed words) as words over its link."""
-        out = np.zeros(len(ops), dtype=bool)
-        for link in {d.link for d in ops}:
-            sel = np.array([d.link == link for d in ops], dtype=bool)
-            mine = [d for d, s in zip(ops, sel) if s]
-            n = np.array([d.numels[0] for d in mine], dtype=np.int64)
-            size = np.array([d.views[0].element_size() for d in mine], dtype=np.int64)
-            share = np.array([d.share for d in mine])
-            out[sel] = choose_words_many(n, k[sel], size, np.arange(len(mine) + 1), link, share)
+    def _arrays(self) -> None:
+        """A source's messages in header order (receivers in order, plan order within: ``order``, each receiver's
+        ``spans`` there) and what a refit reads of them as numpy (``arrays``), fixed at setup."""
+        self.order = [(r, d) for r, ops in sorted(self.sends.items()) for d in ops]
+        self.spans, at = {}, 0
+        for r, ops in sorted(self.sends.items()):
+            self.spans[r], at = (at, at + len(ops)), at + len(ops)
+        links = sorted({d.link for _, d in self.order}, key=repr)
+
+        def col(fn) -> np.ndarray:
+            return np.array([fn(r, d) for r, d in self.order], dtype=np.int64)
+
+        self.arrays = {
+            "receiver": col(lambda r, d: r),
+            "nbytes": col(lambda r, d: d.nbytes),
+            "nwords": col(lambda r, d: d.nwords[0]),
+            "numel": col(lambda r, d: d.numels[0]),
+            "itemsize": col(lambda r, d: d.views[0].element_size()),
+            "base": col(lambda r, d: d.bases[0].data_ptr() if d.fast else 0),
+            "current": col(lambda r, d: d.views[0].data_ptr()),
+            "staging": col(lambda r, d: self.staging[r].data_ptr() if r in self.staging else 0),
+            "link": col(lambda r, d: links.index(d.link)),
+            "share": np.array([d.share for _, d in self.order], dtype=np.float64),
+        }
+        self.links = links
+
+    def _find(self, sel: np.ndarray, ready: torch.cuda.Event | None):
+        """The find of messages ``sel`` (positions in ``order``): one launch on its own stream, behind ``ready``, not
+        waited for."""
+        a = self.arrays
+        return launch_words_table(a["base"][sel], a["current"][sel], a["nwords"][sel], self.device, ready)
+
+    def _rule(self, sel: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Where the rule sends each of messages ``sel`` (``k`` changed words each) as words over its link."""
+        a, out = self.arrays, np.zeros(len(sel), dtype=bool)
+        for li in np.unique(a["link"][sel]).tolist():
+            m = a["link"][sel] == li
+            j = sel[m]
+            out[m] = choose_words_many(
+                a["numel"][j], k[m], a["itemsize"][j], np.arange(len(j) + 1), self.links[li], a["share"][j]
+            )
         return out
 
     def pull(self, stream: torch.cuda.Stream | None, full) -> None:
@@ -391,7 +425,7 @@ class IpcDelta:
                 self.stats.dense_why[OTHER_BASE] = self.stats.dense_why.get(OTHER_BASE, 0) + int(ok.sum())
                 ok[:] = False
             apply[s] = ok
-            self.stats.received_bytes += sum(p.nbytes for p, a in zip(self._pieces(f.facts), ok) if not a)
+            self.stats.received_bytes += int(f.nbytes[~ok].sum())
         if not any(a.any() for a in apply.values()):
             if full is not None:
                 full.pull(stream)
@@ -454,11 +488,10 @@ class IpcDelta:
         staging, one copy per message that refreshes it), on the current stream, while its receivers read."""
         words, refresh = self.pending
         self.pending = ([], [])
-        if words[0]:
-            rows = [np.array(r, dtype=np.int64) for r in words]
-            Scatter.of(*rows, self.device).apply()
+        if words:
+            Scatter.of(*(np.concatenate(c) for c in zip(*words)), self.device).apply()
         if refresh:
-            torch._foreach_copy_([b for b, _ in refresh], [v for _, v in refresh])
+            torch._foreach_copy_([d.bases[0] for d in refresh], [d.views[0] for d in refresh])
 
     def verify(self) -> None:
         """A receiver, after the executor's wait for its device: ``DeltaError`` naming the source and tensor if an
