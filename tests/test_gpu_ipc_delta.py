@@ -114,7 +114,9 @@ def test_ipc_deltas_trainer_cuda0_engine_cuda1_exact_over_every_fraction(mode, r
 
 @TWO_GPUS
 @pytest.mark.timeout(300)
-def test_ipc_delta_receiver_that_lost_its_base_gets_dense_then_deltas_again():
+@pytest.mark.parametrize("read", ["peer", "land"])
+def test_ipc_delta_receiver_that_lost_its_base_gets_dense_then_deltas_again(read, monkeypatch):
+    monkeypatch.setenv("REFIT_IPC_DELTA_READ", read)
     sent, got = _run("tp=1", "tp=1", ["cuda:0", "cuda:1"], "words", (0.001, 0.001, 0.001), invalidate_at=3)
     assert all(r["exact"] for r in got), [(r["version"], r["exact"]) for r in got]
     assert got[1]["why"] == {} and got[1]["received"] < 0.05 * sent[1]["dense_bytes"]  # version 2: deltas
@@ -126,10 +128,12 @@ def test_ipc_delta_receiver_that_lost_its_base_gets_dense_then_deltas_again():
 
 @TWO_GPUS
 @pytest.mark.timeout(300)
-def test_ipc_deltas_fsdp2_to_tp2_on_two_gpus_beside_same_gpu_pulls():
+@pytest.mark.parametrize("read", ["peer", "land"])
+def test_ipc_deltas_fsdp2_to_tp2_on_two_gpus_beside_same_gpu_pulls(read, monkeypatch):
     """Sources on cuda:0 and cuda:1 into receivers on cuda:1 and cuda:0: each receiver pulls one source on its GPU
     (dense) and one on the other (deltas where the pieces are contiguous: the up projections' row halves, the norm's;
     the down projection's tp pieces are strided rows of an fsdp shard: dense)."""
+    monkeypatch.setenv("REFIT_IPC_DELTA_READ", read)
     out = _run("fsdp=2", "tp=2", ["cuda:0", "cuda:1", "cuda:1", "cuda:0"], "words")
     sources, receivers = out[:2], out[2:]
     assert all(r["exact"] for rows in receivers for r in rows)
