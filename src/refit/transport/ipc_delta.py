@@ -17,8 +17,8 @@ Per refit:
    (``plan_of`` on its base: diff, refresh or skip), the diffed ones found in one launch per ``WORD_BATCH_BYTES``
    (``launch_words_table``, the P2P path's kernel on its own stream, one host wait for the counts); a message goes as
    words where the rule says so (forced under another ``delta`` mode), its changes fit the find's slots and its
-   payload the staging, else dense; the words are packed into the staging (``pack_table``) and the header written
-   after them (one small copy); the executor then waits for the device, and the barrier passes;
+   payload the staging, else dense; the words are packed into the staging (``pack_table``), then the header at its
+   start is written (one small copy); the executor then waits for the device, and the barrier passes;
 2. a receiver, after the barrier (``pull``): each source's header read (one small copy per source, one host wait)
    and checked (``read_header``); a words message applies where the header's base is the version this receiver
    holds, else it is copied dense from the source's tensors, as its dense ones are. Where nothing applies, the
@@ -31,7 +31,9 @@ Per refit:
    holds the version. Until then it holds none: a refit that fails on the way leaves the next one dense.
 
 Versions and bases behave as over NIXL: a source does not wait to hear what its receivers hold; one that does not
-hold the base (its first refit, ``Peer.invalidate``, a torn refit) copies those messages dense instead. Extra
+hold the base (its first refit, ``Peer.invalidate``, a torn refit) copies those messages dense instead. A source
+with ``delta_base="host"`` sends everything dense, a receiver that paces its pulls (``pull_gbps``) copies everything
+dense (``wanted``; ``transport="ipc"`` refuses both). Extra
 memory: the source's base (the tensors it sends as words) and a staging per peer receiver; with
 ``REFIT_IPC_DELTA_READ=land`` the receiver also keeps a landing copy of each source's staging and copies the used
 part there (the source GPU's copy engine) before it scatters, instead of its kernel reading the peer's memory.
