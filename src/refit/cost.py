@@ -35,8 +35,10 @@ Strategies (``predict``):
   encodings, as on NVLink and NICs for bf16, each word then changed with probability
   ``1 - (1 - f)**(8 / itemsize)``); a sender's ``find`` resource reads base and current (2x the
   link's dense bytes) and packs, a receiver's ``scatter`` applies, at the rule's rates (``LINKS``);
-  the wire carries the encoded bytes. The fixed cost per chunk of a delta step (``chunk_s``) is
-  not counted: it depends on the staging budget, not on the cluster.
+  the wire carries the encoded bytes. Links inside a node are CUDA IPC pulls (``transport="auto"``), each pair
+  that pulls a delta paying ``IPC_PAIR_S`` on its receiver (the staging's header read and wait); across nodes the
+  fixed cost per chunk of a P2P delta step (``chunk_s``) is not counted: it depends on the staging budget, not on
+  the cluster.
   Changes are taken as spread evenly (an optimizer step on bf16 weights), so every link sees the
   same fraction; FP8 engines: the same
   fraction of FP8 elements (the blocks whose inputs changed are re-quantised; an element whose FP8
@@ -71,6 +73,7 @@ from typing import Any
 
 from refit.config import TransferConfig
 from refit.delta.rule import (
+    IPC_PAIR_S,
     LINKS,
     NIXL_PAIR_S,
     LinkSpeed,
@@ -241,19 +244,27 @@ def transfer_time(transfers: dict[tuple[int, int], int], topo: Topology) -> tupl
 
 
 def delta_time(
-    transfers: dict[tuple[int, int], int], topo: Topology, fraction: float, itemsize: int, pair_s: float = 0.0
+    transfers: dict[tuple[int, int], int],
+    topo: Topology,
+    fraction: float,
+    itemsize: int,
+    pair_s: float = 0.0,
+    node_pair_s: float | None = None,
 ) -> tuple[float, str, int, int]:
     """The bottleneck bound of ``transfers`` sent as deltas with ``fraction`` of the elements (of
     ``itemsize`` bytes) changed (the module docstring's ``delta``): (seconds, busiest resource, its
     bytes, bytes on the wire in all). ``pair_s``: a fixed time per (source, destination) pair that sends a
-    delta, on the receiver's ``scatter`` (NIXL: ``refit.delta.rule.NIXL_PAIR_S``, its record and one more READ)."""
+    delta, on the receiver's ``scatter`` (NIXL: ``refit.delta.rule.NIXL_PAIR_S``, its record and one more READ);
+    ``node_pair_s`` (None: ``pair_s``): the same for a pair of two GPUs of one node (CUDA IPC:
+    ``refit.delta.rule.IPC_PAIR_S``, the header's read and wait)."""
     if not 0 <= fraction <= 1:
         raise TopologyError(f"changed fraction must be within [0, 1], got {fraction!r}")
     wire: dict[tuple[int, int], int] = {}
     work: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])  # bytes, seconds
     for (s, d), n in transfers.items():
         wire[(s, d)], find, apply = _delta_link(n, itemsize, fraction, _link_speed(s, d, topo))
-        apply = (apply[0], apply[1] + (pair_s if wire[(s, d)] < n else 0.0))
+        fixed = node_pair_s if node_pair_s is not None and s != d and topo.node(s) == topo.node(d) else pair_s
+        apply = (apply[0], apply[1] + (fixed if wire[(s, d)] < n else 0.0))
         for key, (b, t) in ((("find", s), find), (("scatter", d), apply)):
             work[key][0] += b
             work[key][1] += t
@@ -516,9 +527,10 @@ def predict(
     out.append(Prediction("p2p", t, where, n, "refit's plan from every trainer rank to every engine rank"))
     if changed_fraction is not None:
         item = _weight_itemsize(dst)
-        td, where, n, wire = delta_time(transfers, topo, changed_fraction, item)
+        td, where, n, wire = delta_time(transfers, topo, changed_fraction, item, node_pair_s=IPC_PAIR_S)
         note = (
-            f"refit's plan, {changed_fraction:.2%} of elements changed: {wire / 1e9:.2f} GB on the wire "
+            f"refit's plan, {changed_fraction:.2%} of elements changed (CUDA IPC inside a node, P2P across): "
+            f"{wire / 1e9:.2f} GB on the wire "
             f"({wire / max(1, sum(transfers.values())):.1%} of dense)"
         )
         out.append(Prediction("delta", td, where, n, note))
