@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -95,6 +96,29 @@ def test_a_wait_wakes_when_another_client_writes_and_a_timeout_names_key_address
         signed.get("absent", 0.05)
     signed.put("k", {"v": 1})
     assert signed.get("k", 1.0) == {"v": 1}
+
+
+def test_wait_values_reads_the_keys_once_they_all_exist_and_a_forged_value_reads_as_none(hosted, monkeypatch):
+    direct = _client(hosted)
+
+    def no_wait(*_a, **_k):
+        raise AssertionError("an AuthStore waits inside its read: no separate wait")
+
+    monkeypatch.setattr(direct, "wait", no_wait)
+    for raw in (direct, dist.PrefixStore("wv", _client(hosted))):  # one GET that waits; else wait, then read
+        store = SignedStore(raw, SECRET)
+        keys = [f"wv/{type(raw).__name__}/{k}" for k in ("a", "b")]
+        assert store.wait_values(keys, 0.05) is None  # nothing there: None once the wait is over
+        store.put(keys[0], 1)
+        assert store.wait_values(keys, 0.05) is None  # one still missing
+        raw.set(keys[1], b"refit1." + b"ab" * 32 + b".2")  # a stranger's value: read, as None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert store.wait_values(keys, 0.05) == {keys[0]: 1, keys[1]: None} and store.rejected[keys[1]] == 1
+        later = threading.Timer(0.05, store.put, (keys[1] + "-late", {"v": 2}))  # written during the wait
+        later.start()
+        assert store.wait_values([keys[0], keys[1] + "-late"], 5.0) == {keys[0]: 1, keys[1] + "-late": {"v": 2}}
+        later.join()
 
 
 def test_a_process_without_the_jobs_secret_or_scope_is_refused_and_the_job_goes_on(hosted):

@@ -180,13 +180,19 @@ def test_only_a_signed_announcement_of_this_run_ends_a_wait():
     store = SignedStore(dist.HashStore(), b"the-job-secret-0123456789")
     link = nixl.NixlLink(None, "refit-0-x", store, TransferConfig(name="t"), 1)
     link.shared = nixl.SharedAgent(("cpu", False), None, "refit-0-x", threaded=False)  # no worker to progress
-    link.runs = 2
-    key = "t/nixl/refit-0-x/ready"
+    link.runs, link.sources = 2, {0: "refit-0-x"}
+    key = "t/nixl/refit-0-x/ready/2"
 
     def waits(block: bool, noted: bool = False) -> bool:
-        what = lambda: "process 0 announcing its tensors"  # noqa: E731
+        """Whether a wait for process 0's announcement (``block``: a receiver's, blocking on the store between
+        reads; else polling ``key``) ran into its deadline."""
+        link.receivers = [] if block else [3]  # a receiver that is no source blocks
+        clock = RunClock(time.monotonic() + 0.2)
         try:
-            link._wait_for(key, RunClock(time.monotonic() + 0.2), what, block, noted=noted)
+            if block:
+                link._wait_announced(clock)
+            else:
+                link._wait_for(key, clock, lambda: "process 0 announcing its tensors", noted=noted)
         except DeadlineExceeded as e:
             assert "process 0 announcing its tensors" in str(e) and key in str(e)
             return True
@@ -219,6 +225,31 @@ def test_only_a_signed_announcement_of_this_run_ends_a_wait():
     link.shared.notes.clear()
     store.put(key, 2)
     assert not waits(False, noted=True)  # the store still does
+
+
+def test_a_receivers_done_write_goes_on_a_thread_and_a_failed_one_fails_the_next_refit():
+    import torch.distributed as dist
+
+    from refit.errors import TransferError
+    from refit.transport.clock import RunClock
+    from refit.transport.store import SignedStore
+
+    class Refusing(dist.HashStore):
+        def multi_set(self, keys, values):
+            raise dist.DistStoreError("the store refused the write")
+
+    for raw, fails in ((dist.HashStore(), False), (Refusing(), True)):
+        store = SignedStore(raw, b"the-job-secret-0123456789")
+        link = nixl.NixlLink(None, "refit-1-x", store, TransferConfig(name="t"), 1)
+        link.runs, key = 3, "t/nixl/refit-0-x/done/1"
+        link._write_done({key: store.sign(key, 3)})
+        link._done.exception(timeout=10)  # the write, on the link's thread
+        if fails:
+            with pytest.raises(TransferError, match="writing the last refit's done values failed.*refused the write"):
+                link.finish(RunClock(time.monotonic() + 5))
+        else:
+            assert store.peek(key) == 3
+        link.close()
 
 
 def test_plans_mark_nixl_links_and_auto_uses_them_only_between_hosts():

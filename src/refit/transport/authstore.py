@@ -491,8 +491,8 @@ class AuthStore(dist.Store):
     def get(self, key: str) -> bytes:
         return self.multi_get([key])[0]
 
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        seconds = _within(self.timeout.total_seconds())
+    def multi_get(self, keys: list[str], timeout: timedelta | None = None) -> list[bytes]:
+        seconds = _within((timeout or self.timeout).total_seconds())
         return self._call(GET, [_ms(seconds), *map(_b, keys)], ", ".join(keys), seconds)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:

@@ -19,15 +19,18 @@ Setup (once, through the store; no process group spans sources and receivers):
   (``refit.transport.nixl_requests``).
 
 Per refit: a source announces that its tensors are final (``<name>/nixl/<agent>/ready/<run>`` = the run
-number; the key of the run two before is deleted); a receiver waits for that (blocking on the store, not
-polling, where it is no source itself: no CPU taken from the sources while they find their deltas), posts its
-requests (those read in place between GPUs all at once, others at most ``config.num_buffers`` in flight:
-``refit.transport.nixl_requests``), then announces
-``<name>/nixl/<agent>/done/<proc>``, sending the same signed value to the source as a NIXL notification first; a
-source returns once every receiver of it is done (its tensors may change again), reading its notifications at
-each poll and the store every few (a notification's value is checked as the store's). Every wait polls under
-the run's ``RunClock`` (a frozen peer is a ``DeadlineExceeded``, never a hang; another process's abort ends it
-too). A source that dies mid-read fails the read (``TransferError`` naming it).
+number, written in one store call with its delta and checksum records; the key of the run two before is
+deleted); a receiver waits for that (where it is no source itself blocking on the store, not polling: no CPU
+taken from the sources while they find their deltas; one call waits for every source's key and reads them with
+the delta records), posts its requests (those read in place between GPUs all at once, others at most
+``config.num_buffers`` in flight: ``refit.transport.nixl_requests``), then, once nothing reads a source's memory
+any more (before it scatters its deltas; after it checked the sums in checksum mode), announces
+``<name>/nixl/<agent>/done/<proc>``: the signed value as a NIXL notification to each source, then in the store
+on a thread of its own, not waited for (a write that failed fails the next refit). A source returns once every
+receiver of it is done (its tensors may change again), reading its notifications at each poll and the store
+every 25th (a notification's value is checked as the store's). Every wait polls under the run's ``RunClock`` (a
+frozen peer is a ``DeadlineExceeded``, never a hang; another process's abort ends it too). A source that dies
+mid-read fails the read (``TransferError`` naming it).
 
 Debugging (``REFIT_NIXL_DEBUG=1``, ``Trace``): a line per phase on stderr (agent made, regions
 registered and how long it took, records published and read, remote agents added, requests prepared;
@@ -45,7 +48,7 @@ both sides (one request gathers many): one copy each for UCX, so strided ones ar
 Deltas (``config.delta`` not "off", ``refit.transport.nixl_delta``): a source stages what changed since the
 version each receiver holds and names it in a sealed record; receivers read only that and scatter it.
 
-Checksums (``config.checksums``; ``NixlSums``): a source sums every piece it sends
+Checksums (``config.checksums``; ``NixlSums``, ``refit.transport.nixl_sums``): a source sums every piece it sends
 (``transport.checksum``'s definition: the torch reference on the CPU, the Triton kernel on CUDA)
 once its tensors are final, before it packs its staging buffer, and publishes, per receiver, the
 sums of that receiver's pieces with the run number, sealed (``<name>/nixl/<agent>/sums/<proc>``,
@@ -60,22 +63,23 @@ import json
 import logging
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.delta.ops import DeltaStats
-from refit.errors import ChecksumError, ConfigError, PlanError, TransferError
+from refit.errors import ConfigError, PlanError, TransferError
 from refit.plan import Plan
 from refit.plan.schedule import part_key, source_part
-from refit.transport.checksum import Piece, PieceSums
 from refit.transport.clock import RunClock
 from refit.transport.nixl_agent import PROGRESS_EVERY_S, SharedAgent, Trace, available, peers_on_this_host
 from refit.transport.nixl_delta import NixlDelta, read_handles, with_stats
 from refit.transport.nixl_memory import SourceStaging, storage_regions
-from refit.transport.nixl_record import MEM_TYPES, check_record, is_int, record_for
+from refit.transport.nixl_record import MEM_TYPES, check_record, record_for
 from refit.transport.nixl_requests import Request, prepare_reads
+from refit.transport.nixl_sums import NixlSums, device_wait
 from refit.transport.store import SignedStore
 
 log = logging.getLogger("refit.nixl")
@@ -83,102 +87,8 @@ log = logging.getLogger("refit.nixl")
 _POLL_S = 0.001
 _NOTED_POLL_S = 0.0002  # a wait on a notified key (``_wait_for(noted=True)``): a poll reads local notifications
 _NOTED_FAST_S = 0.05  # ... that often for this long (a delta refit's wait), then every ``_POLL_S`` (a dense one's)
-_STORE_EVERY = 5  # ... and the store every this many polls
+_STORE_EVERY = 25  # ... and the store every this many polls (5 ms, then 25 ms: a notification that did not come)
 _READY_WAIT_S = 0.02  # a receiver's blocking wait for an announcement, per store call (the abort check's cadence)
-
-
-# ---------------------------------------------------------------------------- checksums
-_SUMS_KEYS = {"run", "sums"}
-
-
-def device_wait(device: torch.device, clock: RunClock, what: str) -> None:
-    """Wait until ``device``'s current stream has done its work (nothing on the CPU); polled under
-    ``clock`` (``what``: the pending work, for ``DeadlineExceeded``), so the host never blocks
-    inside CUDA past the deadline."""
-    if device.type != "cuda":
-        return
-    if not clock.bounded:
-        torch.cuda.current_stream(device).synchronize()
-        return
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(device))
-    clock.watch(ev.query, lambda: what)
-
-
-def _host_ints(t: torch.Tensor, clock: RunClock, what: str) -> list[int]:
-    """``t`` (int64) on the host, the wait for its device under ``clock``."""
-    device_wait(t.device, clock, what)
-    return t.tolist()
-
-
-class NixlSums:
-    """Checksum mode of one process's NIXL pieces (``transport.checksum``'s sum; Triton on CUDA): one
-    slot per message it sends (a source) and per message it reads (a receiver).
-
-    Lifecycle: built at setup on the views the link moves (the destination's are a staged commit's
-    shadow); per refit a source calls ``sent(clock)`` once its tensors are final and publishes
-    ``record(receiver, run, sent)`` for each receiver; a receiver, once every read is done, calls
-    ``check(records, run, clock)`` with its sources' records. Views stay valid between refits."""
-
-    def __init__(self, plan: Plan, proc: int, local: LocalTensors, device: torch.device) -> None:
-        self.plan = plan
-        self.sends: dict[int, list[int]] = {}  # receiver process -> indices of the messages it reads from here
-        self.reads: dict[int, int] = {}  # message index -> source process, in plan order
-        sent, read = [], []
-        self._sent_order: list[int] = []  # message index of each slot of the sums sent
-        for k, m in enumerate(plan.messages):
-            if m.transport != "nixl":
-                continue
-            p = m.pieces[0]
-            if plan.procs.src[m.src] == proc:
-                self.sends.setdefault(plan.procs.dst[m.dst], []).append(k)
-                self._sent_order.append(k)
-                sent.append(Piece(local.src_view(p.tensor, p.box), len(sent)))
-            if plan.procs.dst[m.dst] == proc:
-                self.reads[k] = plan.procs.src[m.src]
-                read.append(Piece(local.dst_view(p.tensor, p.box), len(read)))
-        self._sent = PieceSums(sent, torch.zeros(len(sent), dtype=torch.int64, device=device))
-        self._read = PieceSums(read, torch.zeros(len(read), dtype=torch.int64, device=device))
-
-    def sent(self, clock: RunClock) -> dict[int, int]:
-        """The sums of every piece this process sends, now: message index -> sum."""
-        self._sent.run()
-        return dict(zip(self._sent_order, _host_ints(self._sent.out, clock, "checksums of NIXL pieces sent")))
-
-    def record(self, receiver: int, run: int, sent: dict[int, int]) -> dict:
-        """What ``receiver`` compares with: ``{"run": run, "sums": {message index: sum}}`` (plain data)."""
-        return {"run": run, "sums": {str(k): sent[k] for k in self.sends[receiver]}}
-
-    def check_record(self, rec: object, sp: int, run: int) -> dict[int, int] | None:
-        """Source process ``sp``'s sums for run ``run`` (message index -> sum), None if ``rec`` is of an
-        earlier run; ``TransferError`` naming the field if it is not exactly the sums of the pieces
-        read from ``sp`` (int64 values)."""
-        if not isinstance(rec, dict) or set(rec) != _SUMS_KEYS or not is_int(rec["run"], 0):
-            raise TransferError(f"NIXL checksum record of process {sp} is not {{run, sums}}: {str(rec)[:80]}")
-        if rec["run"] < run:
-            return None
-        want = {str(k) for k, s in self.reads.items() if s == sp}
-        sums = rec["sums"]
-        ok = rec["run"] == run and isinstance(sums, dict) and set(sums) == want
-        if not ok or not all(is_int(v, -(1 << 63), 1 << 63) for v in sums.values()):
-            raise TransferError(
-                f"NIXL checksum record of process {sp}: run {rec['run']} (expected {run}), "
-                f"sums not the {len(want)} int64 sums of the pieces read from it: {str(sums)[:80]}"
-            )
-        return {int(k): v for k, v in sums.items()}
-
-    def check(self, want: dict[int, int], clock: RunClock) -> None:
-        """Sum what was read and compare with the sources' sums ``want`` (message index -> sum, every
-        message read); ``ChecksumError`` names the first piece (plan order) that differs."""
-        self._read.run()
-        got = _host_ints(self._read.out, clock, "checksums of NIXL pieces read")
-        for (k, sp), g in zip(self.reads.items(), got):
-            if g != want[k]:
-                p = self.plan.messages[k].pieces[0]
-                raise ChecksumError(
-                    f"checksum mismatch in tensor {p.tensor!r} {[list(b) for b in p.box]} read over NIXL from "
-                    f"process {sp}: source {want[k]}, received {g} ({p.nbytes} bytes)"
-                )
 
 
 # ---------------------------------------------------------------------------- the link
@@ -307,6 +217,8 @@ class NixlLink:
         self.trace = Trace(proc)  # REFIT_NIXL_DEBUG=1: a line per phase
         self.shared: SharedAgent | None = None  # the process's agent (``agent`` is its NIXL object)
         self.device = torch.device("cpu")  # where this process's registered tensors are
+        self._writer: ThreadPoolExecutor | None = None  # receiver: writes its done values (``_write_done``)
+        self._done: Future | None = None  # ... the last of those writes
 
     @classmethod
     def open(cls, plan: Plan, proc: int, local: LocalTensors, store: SignedStore | None, config: TransferConfig):
@@ -440,11 +352,13 @@ class NixlLink:
         if self.unreachable:
             sp, why = min(self.unreachable.items())
             raise TransferError(f"NIXL: process {sp} could not be reached when the reads were set up ({why})")
-        for sp, agent in sorted(self.sources.items()):
-            what = lambda sp=sp: f"process {sp} announcing its tensors"  # noqa: E731
-            self._wait_for(self._key(f"{agent}/ready/{self.runs}"), clock, what, block=not self.receivers)
+        e = self._done.exception() if self._done is not None and self._done.done() else None
+        if e is not None:
+            raise TransferError(f"NIXL: writing the last refit's done values failed: {type(e).__name__}: {e}")
+        announced = self._wait_announced(clock)
         self.bytes_read = 0
-        requests, made = self._delta_reads() if self.delta is not None and self.sources else (self.requests, [])
+        delta = self.delta is not None and self.sources
+        requests, made = self._delta_reads(announced) if delta else (self.requests, [])
         try:
             if requests or self._rounds_to_pack() or any(c > n for c, n in self.source_rounds.values()):
                 self.trace("run %d: every source announced; reading %d requests", self.runs, len(requests))
@@ -456,25 +370,44 @@ class NixlLink:
                     torch.cuda.synchronize(self.device)
         finally:
             _release(made)
+        if self.sums is None:  # nothing reads a source's memory any more: their waits end while this one applies
+            self._say_done()
         if self.delta is not None:
             self.delta.stats.received_bytes += self.bytes_read
             self.delta.apply()
-        if self.sums is not None and self.sources:
-            self._check_sums(clock)
-            self.trace("run %d: checksums equal", self.runs)
-        done = {agent: self._key(f"{agent}/done/{self.proc}") for agent in self.sources.values()}
-        signed = {key: self.store.sign(key, self.runs) for key in done.values()}
-        for agent, key in done.items():  # notifications first (a source may end its wait at once), then the store
-            self.shared.notify(agent, key, signed[key])  # (where a source looks too): one round trip for all
-        self.store.put_signed(signed)
+        if self.sums is not None:  # checksum mode: done once what was read is checked
+            if self.sources:
+                self._check_sums(clock)
+                self.trace("run %d: checksums equal", self.runs)
+            self._say_done()
         if self.delta is not None and self.receivers:
-            self.delta.settle()  # a source's base updates, while its receivers read
+            self.delta.settle()  # a source's base updates, while its receivers wait for every source and plan
         for r in self.receivers:
             key = self._key(f"{self.name}/done/{r}")
             what = lambda r=r: f"process {r} reading from process {self.proc} over NIXL"  # noqa: E731
             self._wait_for(key, clock, what, noted=True)
         self.trace("run %d: finished", self.runs)
         return with_stats(stats, self)
+
+    def _say_done(self) -> None:
+        """A receiver tells each of its sources it is done reading (``<agent>/done/<proc>`` = the run number,
+        signed): as a NIXL notification first (a source may end its wait at once), then in the store, where a
+        source looks too, written on the link's own thread and not waited for (``_write_done``)."""
+        done = {agent: self._key(f"{agent}/done/{self.proc}") for agent in self.sources.values()}
+        signed = {key: self.store.sign(key, self.runs) for key in done.values()}
+        for agent, key in done.items():
+            self.shared.notify(agent, key, signed[key])
+        if signed:
+            self._write_done(signed)
+
+    def _write_done(self, signed: dict[str, bytes]) -> None:
+        """A receiver's done values (``signed``, already sent as notifications) written to the store in one call on
+        the link's own thread, not waited for: its sources end their waits on the notifications, and the store's
+        copy (what a source reads where a notification did not come) lands meanwhile. A write that failed fails the
+        next refit (``finish``), before it reads anything."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="refit-nixl-done")
+        self._done = self._writer.submit(self.store.put_signed, signed)
 
     def _check_sums(self, clock: RunClock) -> None:
         """Compare what was read with every source's sums of this run (``NixlSums.check``)."""
@@ -496,18 +429,52 @@ class NixlLink:
             want.update(got)
         self.sums.check(want, clock)
 
-    def _wait_for(self, key: str, clock: RunClock, what, block: bool = False, noted: bool = False) -> None:
-        """Until the signed value under ``key`` reaches this run's number (an older value, or a forged
-        one, does not end the wait). ``block``: between reads the store holds the call until ``key`` is
-        written (at most ``_READY_WAIT_S``: the abort check and the deadline still come), no polling and no
-        UCX progress (only for a process no receiver reads from in this link). ``noted``: the writer also sends
-        the signed value as a NIXL notification (``SharedAgent.notify``): each poll reads the notifications
-        (local, no store round trip; a value checked as the store's), the store every ``_STORE_EVERY``-th poll,
-        and polls come every ``_NOTED_POLL_S`` for the first ``_NOTED_FAST_S``, then every ``_POLL_S``."""
-        polls, fast = [0], time.monotonic() + _NOTED_FAST_S
+    def _wait_announced(self, clock: RunClock) -> dict[str, object]:
+        """A receiver, until every source announced this run. One that is no source here blocks on the
+        store, not polling and not progressing UCX (no CPU taken from the sources while they find their deltas):
+        one store call waits, at most ``_READY_WAIT_S`` at a time (the abort check and the deadline still come),
+        until every source's ready key (and, delta mode, its delta record, written in the same store call) exists
+        and reads them all (``SignedStore.wait_values``); a value not validly tagged, or of an earlier run, ends
+        no wait. One that is also a source polls each ready key (``_wait_for``: it progresses its worker, so its
+        own receivers' reads are served). Returns the values read by key (the records ``_delta_reads`` checks)."""
+        ready = {sp: self._key(f"{agent}/ready/{self.runs}") for sp, agent in sorted(self.sources.items())}
+        if self.receivers or not ready:
+            for sp, key in ready.items():
+                self._wait_for(key, clock, lambda sp=sp: f"process {sp} announcing its tensors")
+            return {}
+        keys = list(ready.values()) + ([self._record_key(sp) for sp in ready] if self.delta is not None else [])
+        got: dict[str, object] = {}
 
-        def valid(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= self.runs
+        def announced() -> bool:
+            left = clock.left()
+            values = self.store.wait_values(keys, _READY_WAIT_S if left is None else min(_READY_WAIT_S, left))
+            got.update(values or {})
+            if values is not None and all(self._valid(got[k]) for k in ready.values()):
+                return True
+            if values is not None:  # every key there, not every value valid: poll until valid ones replace them
+                time.sleep(_POLL_S)
+            if self.trace.every("ready", PROGRESS_EVERY_S):
+                self.trace("run %d: still waiting for %s", self.runs, late())
+            return False
+
+        def late() -> str:
+            sps = [sp for sp, key in ready.items() if not self._valid(got.get(key))]
+            return ", ".join(f"process {sp}" for sp in sps) + " announcing its tensors"
+
+        clock.watch(announced, lambda: f"{late()} (NIXL, store keys {keys!r})")
+        return got
+
+    def _valid(self, value) -> bool:
+        """Whether ``value`` (a signed value read, or None) is this run's number or a later one."""
+        return isinstance(value, int) and not isinstance(value, bool) and value >= self.runs
+
+    def _wait_for(self, key: str, clock: RunClock, what, noted: bool = False) -> None:
+        """Until the signed value under ``key`` reaches this run's number (an older value, or a forged one, does
+        not end the wait), polling and progressing UCX between reads. ``noted``: the writer also sends the signed
+        value as a NIXL notification (``SharedAgent.notify``): each poll reads the notifications (local, no store
+        round trip; a value checked as the store's), the store every ``_STORE_EVERY``-th poll, and polls come
+        every ``_NOTED_POLL_S`` for the first ``_NOTED_FAST_S``, then every ``_POLL_S``."""
+        polls, fast = [0], time.monotonic() + _NOTED_FAST_S
 
         def now() -> bool:
             polls[0] += 1
@@ -515,11 +482,11 @@ class NixlLink:
                 if self.shared.threaded:
                     self.shared.listen()
                 raw = self.shared.notes.get(key)
-                if raw is not None and valid(self.store.verified(key, raw)):
+                if raw is not None and self._valid(self.store.verified(key, raw)):
                     return True
                 if polls[0] % _STORE_EVERY != 1:
                     return False
-            return valid(self.store.peek(key))
+            return self._valid(self.store.peek(key))
 
         def reached() -> bool:
             self.shared.progress()
@@ -527,13 +494,7 @@ class NixlLink:
                 return True
             if self.trace.every(key, PROGRESS_EVERY_S):
                 self.trace("run %d: still waiting for %s", self.runs, what())
-            left = clock.left()
-            if block and not self.store.wait_keys([key], _READY_WAIT_S if left is None else min(_READY_WAIT_S, left)):
-                return False  # not written yet: the clock checks for an abort and the deadline, then waits again
-            if block and now():
-                return True
-            quick = noted and time.monotonic() < fast
-            time.sleep(_NOTED_POLL_S if quick else _POLL_S)  # (blocking: the key is there without a valid value yet)
+            time.sleep(_NOTED_POLL_S if noted and time.monotonic() < fast else _POLL_S)
             return False
 
         clock.watch(reached, lambda: f"{what()} (NIXL, store key {key!r})")
@@ -548,19 +509,25 @@ class NixlLink:
         device_wait(self.delta.staging.device, clock, "staging the NIXL deltas")
         return records
 
-    def _delta_reads(self) -> tuple[list[Request], list[Request]]:
-        """Delta mode, a receiver, every source announced: its records checked (``NixlDelta.plan_reads``); this
-        refit's requests (the dense messages' prepared ones, one READ per source of its deltas) and those made."""
+    def _delta_reads(self, announced: dict[str, object]) -> tuple[list[Request], list[Request]]:
+        """Delta mode, a receiver, every source announced: their records (read with the announcements where
+        ``announced`` holds them, else from the store) checked (``NixlDelta.plan_reads``); this refit's requests
+        (the dense messages' prepared ones, one READ per source of its deltas) and those made."""
 
         def raw_of(sp: int) -> bytes:
-            raw = self.store.peek_sealed(self._key(f"{self.sources[sp]}/delta/{self.proc}"))
-            if raw is None:
+            key = self._record_key(sp)
+            value = announced.get(key) if key in announced else self.store.peek(key)
+            if value is None:
                 raise TransferError(f"NIXL: process {sp} announced refit {self.runs} without its delta record")
-            return raw
+            return self.store.unseal(key, value)
 
         dense, reads = self.delta.plan_reads(raw_of, self.runs)
         made = [Request(sp, self.sources[sp], h, n, 1) for sp, h, n in read_handles(self.agent, reads, self)]
         return self.delta.dense_requests(self.requests, dense) + made, made
+
+    def _record_key(self, sp: int) -> str:
+        """The store key of source process ``sp``'s delta record for this process."""
+        return self._key(f"{self.sources[sp]}/delta/{self.proc}")
 
     def commit(self, version: int) -> None:
         """Delta mode: the refit of ``version`` succeeded on every process (``NixlDelta.commit``)."""
@@ -650,6 +617,9 @@ class NixlLink:
 
     def close(self) -> None:
         """Release the requests, forget the remote agents, deregister memory and drop the agent. Idempotent."""
+        if self._writer is not None:  # the last done write lands first
+            self._writer.shutdown(wait=True)
+            self._writer = None
         _release(self.requests)
         self.requests = []
         if self.agent is None or self.shared is None:

@@ -286,6 +286,25 @@ class SignedStore:
         ok, value = self._decode(key, raw)
         return value if ok else None
 
+    def wait_values(self, keys: list[str], timeout_s: float) -> dict[str, Any] | None:
+        """Once every key of ``keys`` exists (waiting up to ``timeout_s`` on the store's side, no polling), the
+        value under each: key -> its valid value, or None (not validly tagged); None where some key does not exist
+        by then. One store call where the store waits inside its read (``AuthStore``), else ``wait_keys`` first."""
+        try:
+            if isinstance(self.raw, AuthStore):
+                raws = self.raw.multi_get(keys, _wait_span(timeout_s))
+            elif self.wait_keys(keys, timeout_s):
+                raws = self.raw.multi_get(keys)
+            else:
+                return None
+        except dist.DistStoreError:  # the store's wait timed out (a lost store raises another error)
+            return None
+        out = {}
+        for key, raw in zip(keys, raws):
+            ok, value = self._decode(key, bytes(raw))
+            out[key] = value if ok else None
+        return out
+
     def sign(self, key: str, value: Any) -> bytes:
         """``value`` (JSON-able) tagged for ``key`` as ``put`` writes it, to carry it another way too (a NIXL
         notification); ``verified`` reads it."""
@@ -389,14 +408,16 @@ class SignedStore:
 
     def get_sealed(self, key: str, timeout_s: float) -> bytes:
         """The plaintext ``put_sealed`` wrote under ``key`` (waits like ``get``)."""
-        return self._unseal(key, self.get(key, timeout_s))
+        return self.unseal(key, self.get(key, timeout_s))
 
     def peek_sealed(self, key: str) -> bytes | None:
         """The plaintext ``put_sealed`` wrote under ``key`` now, or None (absent or not validly tagged)."""
         value = self.peek(key)
-        return None if value is None else self._unseal(key, value)
+        return None if value is None else self.unseal(key, value)
 
-    def _unseal(self, key: str, value: Any) -> bytes:
+    def unseal(self, key: str, value: Any) -> bytes:
+        """The plaintext of ``value`` (a valid value read under ``key``, e.g. by ``wait_values``) that ``put_sealed``
+        wrote; ``ConfigError`` where it is not sealed with this job's secret for ``key``."""
         blob = value.get("sealed") if isinstance(value, dict) else None
         plain = auth.unseal(self._secret, self._mac_key(key), base64.b64decode(blob)) if isinstance(blob, str) else None
         if plain is None:
