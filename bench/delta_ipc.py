@@ -5,14 +5,14 @@
 
 A trainer process on cuda:0 and an engine process on cuda:1 (``tp=1`` both), one Peer pair per method
 (``PEERS``): CUDA IPC dense, IPC deltas under ``delta="auto"`` and forced words (the receiver's scatter reading
-the peer staging), forced words with a landing copy (``REFIT_IPC_DELTA_READ=land``: the used staging copied to the
-engine's GPU first), and NCCL P2P deltas with forced words (the P2P delta path), in two runs (``GROUPS``: one that
-fails leaves the other's rows). Per changed fraction (0.1%, 1%,
-100%: every element's last mantissa bit flips with that probability) ``--iters`` versions, each refit by every
-Peer in turn (each first in turn), timed from a barrier to the device's idle on both processes (the slower one
-counts, the first version of each fraction not), the engine checked bit for bit against the trainer's tensors after
-every refit. ``--buffer-mb``: the staging budget is 2 x that; a delta over it goes dense (1% of Llama-3.1-8B as
-words is ~1 GB). The table is printed last.
+the staging in place, on the trainer's GPU, storing over NVLink), forced words with a landing copy
+(``REFIT_IPC_DELTA_READ=land``: the used staging copied to the engine's GPU first, scattered there), and NCCL P2P
+deltas with forced words (the P2P delta path), in two runs (``GROUPS``: one that fails leaves the other's rows).
+Per changed fraction (0.1%, 1%, 100%: every element's last mantissa bit flips with that probability) ``--iters``
+versions, each refit by every Peer in turn (each first in turn), timed from a barrier to the device's idle on both
+processes (the slower one counts, the first version of each fraction not), the engine checked bit for bit against
+the trainer's tensors after every refit. ``--buffer-mb``: the staging budget is 2 x that; a delta over it goes
+dense (1% of Llama-3.1-8B as words is ~1 GB). The table is printed last.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def _worker(world, model: str, iters: int, buffer_mb: int, names: tuple[str, ...
 
 
 GROUPS = (("ipc", "ipc_land", "nccl_words"), ("ipc", "ipc_auto", "ipc_words"))
-"""The Peers of each run: the landing copy and NCCL first, then the scatter reading the peer's memory directly (a
-run that fails leaves the others' rows; the dense IPC Peer runs in each, the first one's times are kept)."""
+"""The Peers of each run: the landing copy and NCCL first, then the scatter reading the staging in place (a run that
+fails leaves the others' rows; the dense IPC Peer runs in each, the first one's times are kept)."""
 
 
 def s1_ipc(model: str, iters: int, buffer_mb: int, groups=GROUPS) -> dict:

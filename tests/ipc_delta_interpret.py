@@ -1,8 +1,9 @@
 """Run by tests/test_ipc_delta.py with TRITON_INTERPRET=1 (Triton's interpreter on CPU tensors): a CUDA IPC delta
 source (``refit.transport.ipc_delta.IpcDelta``: its plan, find, fit, pack, header and base update, on CPU tensors
-here) over versions with nothing, a little, a lot and everything changed; after each, a receiver's part read from
-its staging as the receiver reads it (``read_header``, ``scatter_rows``, one checked ``Scatter``) brings the
-previous version bit for bit to the new one. Prints ALL OK."""
+here) over versions with nothing, a little, a lot and everything changed; after each, a receiver's ``IpcDelta``
+(``_add_source`` given the source's staging as it would map it, then ``pull``: its header read and check, its dense
+copies, ``rest`` and full pulls, its checked ``Scatter`` of ``scatter_rows``, ``verify``), reading the staging in place
+and through its landing copy, brings the previous version bit for bit to the new one. Prints ALL OK."""
 
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ from refit.config import TransferConfig
 from refit.delta.elements import bits
 from refit.delta.served import OVER_STAGING
 from refit.delta.staging import DENSE
-from refit.delta.words import Scatter
 from refit.layout.rules import layout_from_spec
 from refit.layout.spec import parse_spec
 from refit.plan import ProcessMap, build_plan
 from refit.transport import ipc_delta
-from refit.transport.ipc_delta import HOST_BASE, NOT_ADDRESSED, RULE, IpcDelta, read_header, scatter_rows
+from refit.transport.ipc_delta import HOST_BASE, NOT_ADDRESSED, OTHER_BASE, RULE, IpcDelta, read_header
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
 G = torch.Generator().manual_seed(0)
@@ -54,88 +54,118 @@ def source(delta: str, budget_bytes: int, link_gbps: float | None = None, base: 
     return IpcDelta(plan, 0, LocalTensors(0, None, parts, {}, {}), cfg, "cpu"), plan, cur
 
 
-def receive(d: IpcDelta, plan, got: dict[str, torch.Tensor], version: int, held: int | None) -> np.ndarray:
-    """What a receiver on another GPU does with the staging (its scatter, checked; its dense copies from the
-    source's tensors): ``got`` brought to the source's tensors. Returns the header's counts."""
-    f = d.facts[(0, 1)]
-    staging = d.staging[1]
-    nwords = np.array([plan.messages[k].nbytes // 8 if w else -1 for k, w in zip(f.ids, f.words)], dtype=np.int64)
-    n = 8 * (4 + len(f.ids))
-    base, counts = read_header(staging[:n].view(torch.int64).numpy(), version, nwords, f.cap, "process 0")
-    ok = (counts >= 0) & (base is not None and base == held)
-    names = [plan.messages[k].pieces[0].tensor for k in f.ids]
-    dst = np.array([got[name].data_ptr() for name in names], dtype=np.int64)
-    scatter = Scatter.of(*scatter_rows(counts, ok, staging.data_ptr(), dst, nwords), torch.device("cpu"))
-    assert scatter.ok()
-    scatter.apply()
-    for op, name, applied in zip(d.sends[1], names, ok.tolist()):
-        if not applied:
-            got[name].copy_(op.views[0])
-    return counts
+class Copies:
+    """A pull of ``pairs`` (destination, source) copy by copy: what the receiver's captured pulls do on a GPU."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.pairs = pairs
+
+    def pull(self, stream) -> None:
+        for d, s in self.pairs:
+            d.copy_(s)
+
+
+def receiver(d: IpcDelta, plan, got: dict[str, torch.Tensor], land: bool) -> tuple[IpcDelta, Copies]:
+    """Process 1's side of ``d``'s link into ``got``, its pulls reading ``d``'s tensors and staging directly (on GPUs:
+    through their IPC mappings); ``land``: through its landing copy. Returns it and its pull of everything."""
+    r = IpcDelta(plan, 1, LocalTensors(None, 0, {}, got, {}), d.config, "cpu")
+    r.land = land
+    r.make_copy = lambda dst, src: ("memcpy", lambda stream: dst.copy_(src))
+    r.enable_peer_access = lambda device, peer: None
+    sources = {plan.messages[k].pieces[0].tensor: op.views[0] for k, op in zip(d.facts[(0, 1)].ids, d.sends[1])}
+    pulls = [(got[n], sources[n]) for n in (plan.messages[k].pieces[0].tensor for k in d.facts[(0, 1)].ids)]
+    r._add_source(0, pulls, d.staging[1])
+    r.rest = Copies([q for q in pulls if id(q) not in r.taken])
+    return r, Copies(pulls)
+
+
+def receive(r: IpcDelta, full: Copies, version: int, held: int | None) -> np.ndarray:
+    """The receiver's refit of ``version`` holding ``held``. Returns the header's counts it read."""
+    r.begin(version, held)
+    r.pull(None, full)
+    r.verify()
+    f = r.recvs[0]
+    return read_header(f.host.numpy(), version, f.nwords, f.facts.cap, "process 0")[1]
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(bits(a[n]), bits(b[n])) for n in a)
 
 
-def refit(d, plan, cur, got, version, held, fraction):
+def refit(d, plan, cur, got, version, held, fraction, r):
+    """Source ``d`` refits ``version`` (``fraction`` of the bits flipped first) into receiver ``r`` = (its
+    ``IpcDelta``, its full pull) holding ``held``: exact. Returns the counts per tensor, the source's statistics
+    and the receiver's."""
     if fraction is not None:
         step(cur, fraction)
     d.begin(version, held)
-    counts = receive(d, plan, got, version, held)
-    d._update_base()  # what ``pull`` queues on a source after the barrier
+    counts = receive(*r, version, held)
+    d.pull(None, None)  # a source's pull after the barrier: its base update
     d.finish(version)
     assert same(got, cur), (version, fraction)
     for op in d.sends[1]:  # the base holds what was sent, where it is kept and not left stale
         assert not op.fast or op.stale or torch.equal(bits(op.bases[0]), bits(op.views[0])), op.op.names
     names = [plan.messages[k].pieces[0].tensor for k in d.facts[(0, 1)].ids]
-    return dict(zip(names, counts.tolist())), d.stats
+    return dict(zip(names, counts.tolist())), d.stats, r[0].stats
 
 
-def main() -> None:
-    # forced words, a budget that holds every delta but not 3 dense ones; finds of at most 40 kB (several batches,
-    # the next one found while this one's counts are read)
-    ipc_delta.WORD_BATCH_BYTES = 40_000
+def forced_words(land: bool) -> None:
+    """Forced words, a budget that holds every delta but not 3 dense ones; finds of at most 40 kB (several batches,
+    the next one found while this one's counts are read); the receiver reading in place or landing first."""
     d, plan, cur = source("words", 1 << 20)
     got = {n: torch.zeros_like(t) for n, t in cur.items()}
-    counts, st = refit(d, plan, cur, got, 1, None, None)
+    r = receiver(d, plan, got, land)
+    counts, st, rs = refit(d, plan, cur, got, 1, None, None, r)
     assert set(counts.values()) == {DENSE} and st.encodings["words"] == 0 and st.dense_why == {NOT_ADDRESSED: 1}
-    counts, st = refit(d, plan, cur, got, 2, 1, 0.0)  # nothing changed: every piece with words as 0 words
+    counts, st, rs = refit(d, plan, cur, got, 2, 1, 0.0, r)  # nothing changed: every piece with words as 0 words
     assert counts == {**dict.fromkeys(counts, 0), NORM: DENSE} and st.encodings["words"] == 4 and st.diffed == 4
-    counts, st = refit(d, plan, cur, got, 3, 2, 0.01)
+    counts, st, rs = refit(d, plan, cur, got, 3, 2, 0.01, r)
     assert all(k > 0 for n, k in counts.items() if n != NORM) and st.wire_bytes < 0.2 * st.dense_bytes, counts
-    counts, st = refit(d, plan, cur, got, 4, 3, 0.5)  # over the find's slots (a quarter of the words): dense
+    assert rs.dense_why == {} and rs.received_bytes < 0.2 * st.dense_bytes  # it read the changes, not the tensors
+    counts, st, rs = refit(d, plan, cur, got, 4, 3, 0.5, r)  # over the find's slots (a quarter of the words): dense
     assert set(counts.values()) == {DENSE} and st.dense_why == {RULE: 4, NOT_ADDRESSED: 1}, st.dense_why
-    counts, st = refit(d, plan, cur, got, 5, 4, 0.001)
+    counts, st, rs = refit(d, plan, cur, got, 5, 4, 0.001, r)
     assert st.encodings["words"] == 4
-    # a receiver that holds another version: dense from the source's tensors, exact all the same
+    # a receiver that holds another version: dense from the source's tensors (its copies), exact all the same
     for t in got.values():
         t.zero_()
-    counts, st = refit(d, plan, cur, got, 6, None, 0.001)
+    counts, st, rs = refit(d, plan, cur, got, 6, None, 0.001, r)
     assert st.encodings["words"] == 4  # the source staged them: it does not wait to hear what receivers hold
+    assert rs.dense_why == {OTHER_BASE: 4} and rs.received_bytes >= st.dense_bytes, rs
+    counts, st, rs = refit(d, plan, cur, got, 7, 6, 0.001, r)  # deltas again
+    assert rs.dense_why == {} and st.encodings["words"] == 4
     # a staging budget of 2 KiB: the deltas that do not fit go dense, in order
     d, plan, cur = source("words", 2048)
     got = {n: t.clone() for n, t in cur.items()}
-    refit(d, plan, cur, got, 1, None, None)
-    counts, st = refit(d, plan, cur, got, 2, 1, 0.02)
+    r = receiver(d, plan, got, land)
+    refit(d, plan, cur, got, 1, None, None, r)
+    counts, st, rs = refit(d, plan, cur, got, 2, 1, 0.02, r)
     assert st.dense_why.get(OVER_STAGING, 0) > 0 and max(counts.values()) > 0, (counts, st.dense_why)
+
+
+def main() -> None:
+    ipc_delta.WORD_BATCH_BYTES = 40_000
+    forced_words(land=False)
+    forced_words(land=True)
     # under "auto" over a slow link (the pieces here are too small to pay over NVLink): words at 1%, dense at 100%,
     # then skipped (not even found) until the probe
     d, plan, cur = source("auto", 1 << 20, link_gbps=0.01)
     got = {n: t.clone() for n, t in cur.items()}
-    refit(d, plan, cur, got, 1, None, None)
-    counts, st = refit(d, plan, cur, got, 2, 1, 0.01)
+    r = receiver(d, plan, got, False)
+    refit(d, plan, cur, got, 1, None, None, r)
+    counts, st, _ = refit(d, plan, cur, got, 2, 1, 0.01, r)
     assert st.encodings["words"] == 4, counts
-    counts, st = refit(d, plan, cur, got, 3, 2, 1.0)
+    counts, st, _ = refit(d, plan, cur, got, 3, 2, 1.0, r)
     assert set(counts.values()) == {DENSE} and st.diffed == 4
-    counts, st = refit(d, plan, cur, got, 4, 3, 0.01)
+    counts, st, _ = refit(d, plan, cur, got, 4, 3, 0.01, r)
     assert set(counts.values()) == {DENSE} and st.diffed == 0  # the rule sent the last diff dense: skipped
     assert st.dense_why == {NOT_ADDRESSED: 1}
     # a source that keeps its base in host memory (``transport="auto"``): no base here, every message dense
     d, plan, cur = source("words", 1 << 20, base="host")
     got = {n: t.clone() for n, t in cur.items()}
-    refit(d, plan, cur, got, 1, None, None)
-    counts, st = refit(d, plan, cur, got, 2, 1, 0.01)
+    r = receiver(d, plan, got, False)
+    refit(d, plan, cur, got, 1, None, None, r)
+    counts, st, _ = refit(d, plan, cur, got, 2, 1, 0.01, r)
     assert d.base is None and set(counts.values()) == {DENSE} and st.dense_why == {HOST_BASE: 4, NOT_ADDRESSED: 1}
     print("ALL OK")
 

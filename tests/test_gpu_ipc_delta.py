@@ -1,9 +1,10 @@
 """Deltas over CUDA IPC on GPUs (skipped without CUDA): trainer on cuda:0 and engine on cuda:1 (2 GPUs) refit over
 versions with 0%, 0.1%, 1%, 30% and 100% of the elements changed, each refit bit for bit against the trainer's
-tensors, under ``delta="auto"`` and forced words, the receiver's scatter reading the peer staging or a landing copy
-(``REFIT_IPC_DELTA_READ``); a receiver that lost its base (``invalidate``) gets dense; sources on both GPUs into
-receivers on both (same-GPU pulls beside peer deltas, strided pieces dense); on one GPU the rule sends every message
-dense (asserted from ``DeltaStats``). The CPU side (header, rule per link, config) is tests/test_ipc_delta.py."""
+tensors, under ``delta="auto"`` and forced words, the receiver's scatter reading the staging in place (on the
+source's GPU) or a landing copy (``REFIT_IPC_DELTA_READ``); a receiver that lost its base (``invalidate``) gets
+dense; sources on both GPUs into receivers on both (same-GPU pulls beside peer deltas, strided pieces dense); on one
+GPU the rule sends every message dense (asserted from ``DeltaStats``). The CPU side (header, rule per link, config)
+is tests/test_ipc_delta.py."""
 
 import os
 

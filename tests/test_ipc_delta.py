@@ -141,5 +141,6 @@ def test_find_batches_follow_the_order_and_the_byte_bound(monkeypatch):
 @pytest.mark.timeout(300)
 def test_source_stages_what_a_receiver_scatters_exactly_in_interpreter():
     """``ipc_delta_interpret.py``: forced words and ``auto`` over 0% to 100% changed, a receiver on another base,
-    a staging too small for every delta; the receiver's part read from the staging exactly as ``IpcDelta`` reads it."""
+    a staging too small for every delta; a receiver's ``IpcDelta`` pulls (its header check, dense copies, checked
+    scatter, ``verify``), reading the source's staging in place and through its landing copy."""
     assert_all_ok_in_interpreter(Path(__file__).with_name("ipc_delta_interpret.py"), 280)

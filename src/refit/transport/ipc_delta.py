@@ -23,9 +23,12 @@ Per refit:
    and checked (``read_header``); a words message applies where the header's base is the version this receiver
    holds, else it is copied dense from the source's tensors, as its dense ones are. Where nothing applies, the
    captured pull of everything runs; else the ``rest`` pull, the dense ones copy by copy (pushed by the source
-   GPU's copy engine) and one scatter of every applied message's words, read from the peer staging (``Scatter``:
-   its indices checked on the device first, nothing stored if one is outside its piece; the check is read after
-   the executor's wait, ``verify``);
+   GPU's copy engine) and per source one scatter of its applied messages' words (``Scatter``: its indices checked
+   first, nothing stored if one is outside its piece; the check is read after the executor's wait, ``verify``).
+   The scatter runs on the source's GPU, on this process's stream there (its lane): it reads the staging where it
+   lies and stores into this GPU over NVLink (peer access). This process maps the staging in its context of the
+   source's GPU (torch opens an IPC handle on the device it came from, and a device's handles open in one context
+   per process): a kernel on this GPU reading that mapping faults (illegal address);
 3. a source, after the barrier: its base brought to what it staged (one scatter from the staging, one copy per
    dense message that refreshes it) while its receivers read; after the refit's last barrier (``finish``) its base
    holds the version. Until then it holds none: a refit that fails on the way leaves the next one dense.
@@ -36,13 +39,16 @@ with ``delta_base="host"`` sends everything dense, a receiver that paces its pul
 dense (``wanted``; ``transport="ipc"`` refuses both). Extra
 memory: the source's base (the tensors it sends as words) and a staging per peer receiver; with
 ``REFIT_IPC_DELTA_READ=land`` the receiver also keeps a landing copy of each source's staging and copies the used
-part there (the source GPU's copy engine) before it scatters, instead of its kernel reading the peer's memory.
+part there (the source GPU's copy engine), then scatters every source's words in one kernel on its own GPU, instead
+of one per source on the source's GPU. Each step of a pull names itself and the process in a CUDA error raised in it
+(``_step``; such an error may come from work queued before it: ``CUDA_LAUNCH_BLOCKING=1`` ties it to its launch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,7 +66,7 @@ from refit.delta.served import OVER_STAGING
 from refit.delta.staging import FIELDS, header_bytes, offsets, pack_header, read_header, used_bytes
 from refit.delta.wire import DeltaError, index_bytes, wire_sizes
 from refit.delta.words import Scatter, addressable, launch_words_table, pack_table, whole_words
-from refit.errors import PlanError
+from refit.errors import PlanError, RefitError
 from refit.plan import Plan
 from refit.transport.ipc_handles import export_handles, import_handles
 from refit.transport.p2p import _Op
@@ -166,7 +172,8 @@ class IpcDelta:
         self.version, self.held, self.stats = 0, None, DeltaStats()
         self.pending: tuple = ([], [])  # a source, per refit: its base's word updates and dense refreshes
         self.order: list[tuple[int, DeltaOp]] = []  # a source's messages in header order (``_arrays``)
-        self.checks: tuple | None = None  # a receiver, per refit: (flags, pieces, names) of its scatter's check
+        self.checks: list[tuple] = []  # a receiver, per refit: (flags, pieces, names) of each scatter's check
+        self.head_copies: dict[int, Callable] = {}  # receiver -> ``fn(stream)``: the header's copy into its staging
         self._source(local)
 
     @classmethod
@@ -186,6 +193,11 @@ class IpcDelta:
         ``make_copy`` and ``enable_peer_access``)."""
         self = cls(plan, proc, local, config, device)
         self.make_copy, self.enable_peer_access = copies
+        # the headers' copies through the runtime: torch's copy would note the executor's stream on the pinned
+        # header, and freeing it after the executor destroyed that stream (``close``) records an event there
+        # ('invalid device context' or SIGSEGV at exit)
+        for r, heads in self.heads.items():
+            self.head_copies[r] = self.make_copy(self.staging[r][: heads.numel() * 8].view(torch.int64), heads)[1]
         for r, staging in sorted(self.staging.items()):
             export_handles(store, f"{config.name}/ipc/{proc}/{r}/delta", {"staging": staging})
         self._receiver(store, peer_pulls)
@@ -224,7 +236,6 @@ class IpcDelta:
         self._arrays()
 
     def _receiver(self, store: SignedStore, peer_pulls: list) -> None:
-        make_copy, enable_peer_access = self.make_copy, self.enable_peer_access
         mine = sorted(k for (_, r), f in self.facts.items() if r == self.proc for k in f.ids)
         if len(mine) != len(peer_pulls):
             raise PlanError(
@@ -234,35 +245,39 @@ class IpcDelta:
         for (s, r), f in sorted(self.facts.items()):
             if r != self.proc:
                 continue
-            pulls = [pull_of[k] for k in f.ids]
-            paced = self.config.pull_gbps is not None  # its paced pull of everything, every refit
-            fast = np.array(
-                [w and addressable(d) and addressable(sv) and not paced for w, (d, sv) in zip(f.words.tolist(), pulls)],
-                dtype=bool,
-            )
-            nwords = np.array([p.nbytes // 8 if w else -1 for p, w in zip(self._pieces(f), f.words)], dtype=np.int64)
             staging = None
             if f.cap:
                 got = import_handles(store, f"{self.config.name}/ipc/{s}/{r}/delta", self.config.preflight_timeout_s)
                 staging = got.get("staging")
                 if set(got) != {"staging"} or staging.dtype != torch.uint8 or staging.shape != (f.cap,):
                     raise PlanError(f"process {s} exported a CUDA IPC delta staging that is not {f.cap} bytes")
-            names = [self.plan.messages[k].pieces[0].tensor for k in f.ids]
-            dst = np.array([d.data_ptr() for d, _ in pulls], dtype=np.int64)
-            nbytes = np.array([p.nbytes for p in self._pieces(f)], dtype=np.int64)
-            got_from = _From(s, f, names, pulls, fast, nwords, nbytes, dst, staging)
-            if staging is not None:
-                src_dev = staging.device
-                enable_peer_access(src_dev, self.device)  # its copy engine pushes the dense ones here
-                enable_peer_access(self.device, src_dev)  # the scatter reads its staging
-                got_from.lane = self.owned.new(src_dev)
-                got_from.host = torch.zeros(FIELDS + len(f.ids), dtype=torch.int64, pin_memory=True)
-                got_from.read = make_copy(got_from.host, staging[: got_from.host.numel() * 8].view(torch.int64))[1]
-                got_from.copies = [make_copy(d, sv)[1] if ok else None for (d, sv), ok in zip(pulls, fast.tolist())]
-                if self.land:
-                    got_from.landing = torch.empty(f.cap, dtype=torch.uint8, device=self.device)
-                self.taken |= {id(q) for q, ok in zip(pulls, fast.tolist()) if ok}
-            self.recvs[s] = got_from
+            self._add_source(s, [pull_of[k] for k in f.ids], staging)
+
+    def _add_source(self, s: int, pulls: list[tuple[torch.Tensor, torch.Tensor]], staging: torch.Tensor | None) -> None:
+        """This receiver's messages from source process ``s``: ``pulls`` (destination, mapped source) in plan order,
+        ``staging``: the source's staging for it as mapped here (None: it has none, every message dense)."""
+        f, make_copy = self.facts[(s, self.proc)], self.make_copy
+        paced = self.config.pull_gbps is not None  # its paced pull of everything, every refit
+        fast = np.array(
+            [w and addressable(d) and addressable(sv) and not paced for w, (d, sv) in zip(f.words.tolist(), pulls)],
+            dtype=bool,
+        )
+        nwords = np.array([p.nbytes // 8 if w else -1 for p, w in zip(self._pieces(f), f.words)], dtype=np.int64)
+        names = [self.plan.messages[k].pieces[0].tensor for k in f.ids]
+        dst = np.array([d.data_ptr() for d, _ in pulls], dtype=np.int64)
+        nbytes = np.array([p.nbytes for p in self._pieces(f)], dtype=np.int64)
+        got_from = _From(s, f, names, pulls, fast, nwords, nbytes, dst, staging)
+        if staging is not None:
+            src_dev, cuda = staging.device, staging.device.type == "cuda"
+            self.enable_peer_access(src_dev, self.device)  # its copies and scatter store into this GPU
+            got_from.lane = self.owned.new(src_dev) if cuda else None
+            got_from.host = torch.zeros(FIELDS + len(f.ids), dtype=torch.int64, pin_memory=cuda)
+            got_from.read = make_copy(got_from.host, staging[: got_from.host.numel() * 8].view(torch.int64))[1]
+            got_from.copies = [make_copy(d, sv)[1] if ok else None for (d, sv), ok in zip(pulls, fast.tolist())]
+            if self.land:
+                got_from.landing = torch.empty(f.cap, dtype=torch.uint8, device=self.device)
+            self.taken |= {id(q) for q, ok in zip(pulls, fast.tolist()) if ok}
+        self.recvs[s] = got_from
 
     def _pieces(self, f: PairFacts) -> list:
         return [self.plan.messages[k].pieces[0] for k in f.ids]
@@ -272,14 +287,15 @@ class IpcDelta:
         """A refit of ``version`` starts; this process holds ``held`` (None: no version, or a stale one). A source's
         tensors are final: it finds, packs and writes its headers (queued on the current stream; the executor waits
         for its device before the stage barrier)."""
-        self.version, self.held, self.checks = version, held, None
+        self.version, self.held, self.checks = version, held, []
         self.stats = DeltaStats(base_bytes=self.base.nbytes if self.base is not None else 0)
         landing = sum(f.landing.numel() for f in self.recvs.values() if f.landing is not None)
         self.stats.staging_bytes = sum(t.numel() for t in self.staging.values()) + landing
         if self.same:
             self._count("dense", sum(self.same), sum(self.same), len(self.same), SAME_DEVICE)
         if self.sends:
-            self._stage()
+            with _on(self.device):  # its kernels launch on its GPU, whichever device is current
+                self._stage()
 
     def _count(self, kind: str, wire: int, dense: int, n: int, why: str | None = None) -> None:
         """``n`` messages sent as ``kind`` (``wire`` bytes of ``dense``), dense because of ``why``."""
@@ -311,8 +327,9 @@ class IpcDelta:
         ahead = self._find(batches[0], ready) if batches else None
         for bi, sel in enumerate(batches):
             pending = ahead  # the next batch's find queued before this one's counts are waited for
-            ahead = self._find(batches[bi + 1], ready) if bi + 1 < len(batches) else None
-            found = pending.result()
+            with self._step("the find of its changed words"):
+                ahead = self._find(batches[bi + 1], ready) if bi + 1 < len(batches) else None
+                found = pending.result()
             k = found.count.astype(np.int64)
             want = k <= found.cap  # over its slots: dense
             if mode == "auto":
@@ -321,7 +338,8 @@ class IpcDelta:
             t = sel[take]
             counts[t] = k[take]
             at = a["staging"][t] + offs[take]
-            pack_table(found, np.flatnonzero(take), at, self.device)
+            with self._step("packing its changed words into the staging"):
+                pack_table(found, np.flatnonzero(take), at, self.device)
             words.append((a["base"][t], at, at + index_bytes(k[take]), k[take], a["nwords"][t]))
             fraction = (k / np.maximum(1, a["nwords"][sel])).tolist()
             for j, f, w, staged in zip(sel.tolist(), fraction, want.tolist(), take.tolist()):
@@ -345,7 +363,11 @@ class IpcDelta:
         for r, heads in self.heads.items():
             f, b = self.spans[r]
             heads.numpy()[:] = pack_header(held, self.version, counts[f:b])
-            self.staging[r][: heads.numel() * 8].view(torch.int64).copy_(heads, non_blocking=True)
+            if r in self.head_copies:
+                with self._step(f"writing the header for process {r}"):
+                    self.head_copies[r](torch.cuda.current_stream(self.device))
+            else:  # on the CPU (Triton's interpreter)
+                self.staging[r][: heads.numel() * 8].view(torch.int64).copy_(heads)
             self.stats.wire_bytes += heads.numel() * 8
         self.pending = (words, refresh)
 
@@ -408,17 +430,22 @@ class IpcDelta:
         return out
 
     def pull(self, stream: torch.cuda.Stream | None, full) -> None:
-        """After the stage barrier: a source queues its base's updates (``_update_base``, on the current stream,
-        which its next refit's find and its trainer's next step follow); a receiver reads its sources' headers and
-        pulls on ``stream`` (see the module docstring); ``full``: the captured pull of everything."""
-        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+        """After the stage barrier: a source queues its base's updates (``_update_base``, on ``stream``, which its
+        next refit's find and its trainer's next step follow); a receiver reads its sources' headers and pulls on
+        ``stream`` (see the module docstring); ``full``: the captured pull of everything. ``stream`` None: the current
+        one of this process's GPU."""
+        if stream is None and self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
         if self.base is not None:
-            self._update_base()
+            with _on(self.device, stream), self._step("the update of its base from the staging"):
+                self._update_base()
         if not self.recvs:
             if full is not None:
-                full.pull(stream)
+                with self._step("the pull of everything"):
+                    full.pull(stream)
             return
-        got = self._headers()
+        with self._step("reading the headers"):
+            got = self._headers()
         apply = {}
         for s, f in self.recvs.items():
             base, counts = got[s]
@@ -430,60 +457,75 @@ class IpcDelta:
             self.stats.received_bytes += int(f.nbytes[~ok].sum())
         if not any(a.any() for a in apply.values()):
             if full is not None:
-                full.pull(stream)
+                with self._step("the pull of everything"):
+                    full.pull(stream)
             return
         if self.rest is not None:
-            self.rest.pull(stream)
+            with self._step("the pull of what no delta takes"):
+                self.rest.pull(stream)
         self._scatter(stream, got, apply)
 
     def _headers(self) -> dict[int, tuple[int | None, np.ndarray]]:
-        """Each source's header, read (one small copy per source, then one wait each) and checked."""
+        """Each source's header, read (one small copy per source on its lane, then one wait each) and checked."""
         for f in self.recvs.values():
             if f.staging is not None:
-                with torch.cuda.device(f.lane.device):
+                with _on(f.staging.device):
                     f.read(f.lane)
         out = {}
         for s, f in self.recvs.items():
             if f.staging is None:
                 out[s] = (None, np.full(len(f.pulls), -1, dtype=np.int64))
                 continue
-            f.lane.synchronize()
+            if f.lane is not None:
+                f.lane.synchronize()
             out[s] = read_header(f.host.numpy(), self.version, f.nwords, f.facts.cap, f"process {s}")
             self.stats.received_bytes += f.host.numel() * 8
         return out
 
-    def _scatter(self, stream: torch.cuda.Stream, got: dict, apply: dict) -> None:
-        """The taken messages that do not apply copied dense (each source's lane), the used part of each staging
-        copied to the landing copy where ``land``, and every applied message's words scattered on ``stream``, the
-        indices checked first (read by ``verify``)."""
-        rows, names = ([], [], [], [], []), []
+    def _scatter(self, stream: torch.cuda.Stream | None, got: dict, apply: dict) -> None:
+        """Per source, on its lane (``stream``'s work before them first): the taken messages that do not apply copied
+        dense, and the applied messages' words scattered from its staging (on its GPU, whose context maps the
+        staging: see the module docstring) or, where ``land``, the used part of its staging copied to the landing
+        copy; then the landed words of every source in one scatter on ``stream``. Each scatter's indices are checked
+        first (read by ``verify``)."""
+        landed = []
         for s, f in self.recvs.items():
             if f.staging is None:
                 continue
             counts, ok = got[s][1], apply[s]
-            dense = np.flatnonzero(f.fast & ~ok).tolist()
-            sel = np.flatnonzero(ok)
-            src = f.staging
-            if dense or (self.land and len(sel)):
-                f.lane.wait_stream(stream)
-                with torch.cuda.device(f.lane.device):
+            dense, sel = np.flatnonzero(f.fast & ~ok).tolist(), np.flatnonzero(ok)
+            self.stats.received_bytes += int(wire_sizes(counts[sel]).sum())
+            if not dense and not len(sel):
+                continue
+            names = [(s, f.names[i]) for i in sel.tolist()]
+            _wait(f.lane, stream)
+            with _on(f.staging.device, f.lane):
+                with self._step(f"the dense copies from process {s}"):
                     for i in dense:
                         f.copies[i](f.lane)
-                    if self.land and len(sel):
+                if len(sel) and self.land:
+                    with self._step(f"the copy of process {s}'s staging to the landing copy"):
                         n = used_bytes(counts)
                         self.make_copy(f.landing[:n], f.staging[:n])[1](f.lane)
-                        src = f.landing
-                stream.wait_stream(f.lane)
-            for row, v in zip(rows, scatter_rows(counts, ok, src.data_ptr(), f.dst, f.nwords)):
-                row.append(v)
-            names += [(s, f.names[i]) for i in sel.tolist()]
-            self.stats.received_bytes += int(wire_sizes(counts[sel]).sum())
-        with torch.cuda.stream(stream):
-            scatter = Scatter.of(*(np.concatenate(r) for r in rows), self.device)
-            flags = torch.zeros(1 + len(scatter.pieces), dtype=torch.int32, device=self.device)
+                    landed.append((scatter_rows(counts, ok, f.landing.data_ptr(), f.dst, f.nwords), names))
+                elif len(sel):
+                    rows = scatter_rows(counts, ok, f.staging.data_ptr(), f.dst, f.nwords)
+                    self._launch(rows, names, f.staging.device, f"the scatter of process {s}'s words")
+            _wait(stream, f.lane)
+        if landed:
+            rows = tuple(np.concatenate(c) for c in zip(*(r for r, _ in landed)))
+            with _on(self.device, stream):
+                self._launch(rows, [n for _, ns in landed for n in ns], self.device, "the scatter of the landed words")
+
+    def _launch(self, rows: tuple, names: list, device: torch.device, what: str) -> None:
+        """One checked scatter of ``rows`` (``scatter_rows``; ``names``: each row's source and tensor) on ``device``
+        and its current stream; the check's flags kept for ``verify``."""
+        with self._step(f"{what} (on {device})"):
+            scatter = Scatter.of(*rows, device)
+            flags = torch.zeros(1 + len(scatter.pieces), dtype=torch.int32, device=device)
             scatter.check(flags)
             scatter.apply(flag=flags)
-        self.checks = (flags, scatter.pieces, names)
+        self.checks.append((flags, scatter.pieces, names))
 
     def _update_base(self) -> None:
         """A source, after the barrier: its base brought to what it staged (one scatter of the words read from the
@@ -495,19 +537,29 @@ class IpcDelta:
         if refresh:
             torch._foreach_copy_([d.bases[0] for d in refresh], [d.views[0] for d in refresh])
 
+    @contextlib.contextmanager
+    def _step(self, what: str) -> Iterator[None]:
+        """A CUDA error (or Triton's) raised inside names this process and ``what`` it was doing; it may come from
+        work queued before (``CUDA_LAUNCH_BLOCKING=1`` ties it to its launch)."""
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, RefitError):
+                raise
+            raise RuntimeError(f"process {self.proc}, CUDA IPC delta, {what}: {e}") from e
+
     def verify(self) -> None:
         """A receiver, after the executor's wait for its device: ``DeltaError`` naming the source and tensor if an
-        index of the refit's scatter was outside its piece (then none of its words were stored)."""
-        if self.checks is None:
-            return
-        (flags, pieces, names), self.checks = self.checks, None
-        got = flags.tolist()
-        if got[0]:
-            s, name = names[int(pieces[[r for r, v in enumerate(got[1:]) if v][0]])]
-            raise DeltaError(
-                f"CUDA IPC delta from process {s} ({name}): a word index is outside its piece (none of the refit's "
-                "words were stored)"
-            )
+        index of one of the refit's scatters was outside its piece (then none of that scatter's words were stored)."""
+        checks, self.checks = self.checks, []
+        for flags, pieces, names in checks:
+            got = flags.tolist()
+            if got[0]:
+                s, name = names[int(pieces[[r for r, v in enumerate(got[1:]) if v][0]])]
+                raise DeltaError(
+                    f"CUDA IPC delta from process {s} ({name}): a word index is outside its piece (none of the words "
+                    "of its scatter were stored)"
+                )
 
     def finish(self, version: int) -> None:
         """After the refit's last barrier (every receiver's pull is done): a source's base holds ``version``."""
@@ -519,7 +571,7 @@ class IpcDelta:
         staging until it is dropped (its receivers may still map it until the link's last barrier)."""
         if self.rest is not None:
             self.rest.close()
-        self.rest, self.recvs, self.checks = None, {}, None
+        self.rest, self.recvs, self.checks = None, {}, []
         self.owned.free()
 
 
@@ -542,3 +594,20 @@ def _batches(diff: list[int], nbytes: list[int]) -> list[list[int]]:
         cur.append(j)
         size += nbytes[j]
     return [*out, cur] if cur else out
+
+
+@contextlib.contextmanager
+def _on(device: torch.device, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
+    """Device work inside is launched on ``device`` (its current device: Triton launches there) and ``stream`` (None:
+    that device's current one); nothing to set on the CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+
+
+def _wait(stream: torch.cuda.Stream | None, other: torch.cuda.Stream | None) -> None:
+    """``stream`` waits for the work queued so far on ``other`` (no streams on the CPU)."""
+    if stream is not None and other is not None:
+        stream.wait_stream(other)
