@@ -4,9 +4,9 @@
     python -m bench.delta_gpu --no-kernels --no-s1 --s1-ipc --buffer-mb 2048 --out delta.json   # the same, there
 
 A trainer process on cuda:0 and an engine process on cuda:1 (``tp=1`` both), one Peer pair per method
-(``PEERS``): CUDA IPC dense, IPC deltas under ``delta="auto"`` and forced words (the receiver's scatter reading
-the staging in place, on the trainer's GPU, storing over NVLink), forced words with a landing copy
-(``REFIT_IPC_DELTA_READ=land``: the used staging copied to the engine's GPU first, scattered there), and NCCL P2P
+(``PEERS``): CUDA IPC dense, IPC deltas under ``delta="auto"`` and forced words (the used staging copied to the
+engine's GPU first and scattered there, the default), forced words read in place (``REFIT_IPC_DELTA_READ=peer``:
+the receiver's scatter on the trainer's GPU, storing over NVLink), and NCCL P2P
 deltas with forced words (the P2P delta path), in two runs (``GROUPS``: one that fails leaves the other's rows).
 Per changed fraction (0.1%, 1%, 100%: every element's last mantissa bit flips with that probability) ``--iters``
 versions, each refit by every Peer in turn (each first in turn), timed from a barrier to the device's idle on both
@@ -38,9 +38,9 @@ from refit.transfer import Peer
 
 PEERS = {  # name -> (TransferConfig fields, REFIT_IPC_DELTA_READ while its Peer is built)
     "ipc": ({"transport": "ipc"}, None),
-    "ipc_auto": ({"transport": "ipc", "delta": "auto"}, "peer"),
-    "ipc_words": ({"transport": "ipc", "delta": "words"}, "peer"),
-    "ipc_land": ({"transport": "ipc", "delta": "words"}, "land"),
+    "ipc_auto": ({"transport": "ipc", "delta": "auto"}, "land"),
+    "ipc_words": ({"transport": "ipc", "delta": "words"}, "land"),
+    "ipc_peer": ({"transport": "ipc", "delta": "words"}, "peer"),
     "nccl_words": ({"transport": "p2p", "delta": "words"}, None),
 }
 FRACTIONS = (0.001, 0.01, 1.0)
@@ -52,7 +52,7 @@ def _peer(world, name: str, i: int, lay, procs, tensors, buffer_mb: int) -> Peer
     side = {"src_tensors": tensors} if world.src_rank is not None else {"dst_tensors": tensors}
     group = world.data_group if fields["transport"] == "p2p" else None  # NCCL for the P2P Peer
     before = os.environ.get("REFIT_IPC_DELTA_READ")
-    os.environ["REFIT_IPC_DELTA_READ"] = read or "peer"  # read when its IPC link is built
+    os.environ["REFIT_IPC_DELTA_READ"] = read or "land"  # read when its IPC link is built
     try:
         return Peer(lay, lay, world.rank, procs=procs, config=cfg, device=world.device, group=group,
                     tag_base=100_000 * i, **side)  # fmt: skip
@@ -106,7 +106,7 @@ def _worker(world, model: str, iters: int, buffer_mb: int, names: tuple[str, ...
     return [{**r, "dense_bytes": dense_bytes} for r in rows]
 
 
-GROUPS = (("ipc", "ipc_land", "nccl_words"), ("ipc", "ipc_auto", "ipc_words"))
+GROUPS = (("ipc", "ipc_auto", "ipc_words", "nccl_words"), ("ipc", "ipc_peer"))
 """The Peers of each run: the landing copy and NCCL first, then the scatter reading the staging in place (a run that
 fails leaves the others' rows; the dense IPC Peer runs in each, the first one's times are kept)."""
 

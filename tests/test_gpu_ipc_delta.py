@@ -95,7 +95,7 @@ def _run(src, dst, devices, mode, fractions=FRACTIONS, invalidate_at=None):
 
 @TWO_GPUS
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,read", [("auto", "peer"), ("words", "peer"), ("words", "land")])
+@pytest.mark.parametrize("mode,read", [("auto", "land"), ("words", "land"), ("words", "peer")])
 def test_ipc_deltas_trainer_cuda0_engine_cuda1_exact_over_every_fraction(mode, read, monkeypatch):
     monkeypatch.setenv("REFIT_IPC_DELTA_READ", read)
     sent, got = _run("tp=1", "tp=1", ["cuda:0", "cuda:1"], mode)
