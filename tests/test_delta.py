@@ -261,6 +261,31 @@ def test_out_of_range_indices_never_reach_the_scatter():
         decode("bitmask", 8, 2, torch.tensor([1] + [0] * 15, dtype=torch.uint8), torch.uint8)
 
 
+def test_a_host_sparse_delta_is_scattered_only_when_every_index_is_inside_its_piece():
+    from refit.delta.ops import DeltaOp
+    from refit.delta.receive import host_sparse, scatter_host
+    from refit.delta.rule import LINKS
+
+    dst = torch.zeros(10, dtype=torch.bfloat16)
+    op = DeltaOp(_Op(3, 0, dst, [], ("w",), step=0), [dst], [], LINKS["cpu"], torch.empty(0), kind="sparse")
+
+    def payload(idx: list[int]) -> torch.Tensor:
+        out = torch.zeros(wire_bytes("sparse", 10, len(idx), 2), dtype=torch.uint8)
+        encode("sparse", 10, torch.tensor(idx), torch.full((len(idx),), 2.0, dtype=torch.bfloat16), out)
+        return out
+
+    for bad, named in (([-1, 2], -1), ([3, 10], 10), ([-(2**31), 0], -(2**31))):  # negative ones too
+        op.changes, op.payload = [len(bad)], payload(bad)
+        with pytest.raises(DeltaError, match=f"index {named} is outside the piece's 10 elements"):
+            host_sparse([op])
+        assert not dst.any()
+    for _ in range(2):  # the destination's view is kept for the next refit
+        op.changes, op.payload = [2], payload([0, 9])
+        items, rest = host_sparse([op])
+        scatter_host(items)
+        assert not rest and dst[[0, 9]].tolist() == [2.0, 2.0] and not dst[1:9].any()
+
+
 def test_indices_are_checked_chunk_by_chunk_with_each_piece_against_its_bound(monkeypatch):
     import refit.delta.elements as delta
 

@@ -113,13 +113,15 @@ def host_sparse(recvs: list[DeltaOp]) -> tuple[list[tuple], list[DeltaOp]]:
             continue
         raw = d.payload.numpy()
         idx = raw[: k * INDEX_BYTES].view(np.int32)
-        if k and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        if k and int(idx.view(np.uint32).max()) >= n:  # a negative index is one of the largest as uint32
             bad = int(idx.min()) if idx.min() < 0 else int(idx.max())
             raise DeltaError(
                 f"delta from process {d.op.peer} ({d.op.what()}): delta index {bad} is outside the piece's {n} elements"
             )
-        head, dst = index_bytes(k), bits(v).view(-1).numpy()
-        items.append((dst, idx, raw[head : head + k * size].view(dst.dtype)))
+        if "host" not in d.memo:  # the destination's bits as numpy, once (the view stays the op's)
+            d.memo["host"] = bits(v).view(-1).numpy()
+        dst = d.memo["host"]
+        items.append((dst, idx, raw[index_bytes(k) : index_bytes(k) + k * size].view(dst.dtype)))
     return items, rest
 
 

@@ -380,12 +380,12 @@ class NixlLink:
                 self._check_sums(clock)
                 self.trace("run %d: checksums equal", self.runs)
             self._say_done()
-        if self.delta is not None and self.receivers:
-            self.delta.settle()  # a source's base updates, while its receivers wait for every source and plan
         for r in self.receivers:
             key = self._key(f"{self.name}/done/{r}")
             what = lambda r=r: f"process {r} reading from process {self.proc} over NIXL"  # noqa: E731
             self._wait_for(key, clock, what, noted=True)
+        if self.delta is not None and self.receivers:  # a source's base updates once its receivers are done reading
+            self.delta.settle()  # (while they scatter): its waits stay light, reads are served and store calls answered
         self.trace("run %d: finished", self.runs)
         return with_stats(stats, self)
 

@@ -166,7 +166,7 @@ class NixlDelta:
         out = {}
         self.stats.base_bytes = 0 if self.serving else self.ensure_base().nbytes
         if not self.serving and self.staging.device.type == "cpu":
-            self.base.hold()  # the base's updates wait until the refit is announced (``settle``)
+            self.base.hold()  # the base's updates wait until the refit is read (``settle``)
         for r, ops in sorted(self.sends.items()):
             at, offsets = self.out_at[r][0], {}
             heads, used = (self._serve if self.serving else self._find)(ops, r, offsets)
@@ -195,8 +195,8 @@ class NixlDelta:
         return heads, used
 
     def settle(self) -> None:
-        """A source, its refit announced: the base updates ``stage`` held applied (``SourceBase.settle``), while
-        its receivers read the staging."""
+        """A source, its receivers done reading: the base updates ``stage`` held applied (``SourceBase.settle``),
+        while they scatter (not before: the source's waits stay light while they plan and read)."""
         if self.base is not None:
             self.base.settle()
 
