@@ -68,6 +68,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def refit_in_turn(peers: dict, names: list[str], version: int, turn: int, dev: torch.device, times: dict):
+    """Every Peer of ``names`` refits ``version`` once, starting at ``names[turn % len(names)]`` (each first in
+    turn), each timed from a barrier to its device's idle into ``times[name]``; yields ``(name, its stats)`` after
+    each, so the caller checks it (untimed) before the next Peer's refit writes the same tensors."""
+    turn %= len(names)
+    for k in names[turn:] + names[:turn]:
+        _sync(dev)
+        dist.barrier()
+        t0 = time.perf_counter()
+        st = peers[k].run(version)
+        _sync(dev)
+        times[k].append(time.perf_counter() - t0)
+        yield k, st
+
+
 def optimizer_step(tensors: dict[str, torch.Tensor], fraction: float, seed: int, chunk: int = 1 << 26) -> None:
     """Every element's last mantissa bit flips with probability ``fraction`` (a +-1 ulp bf16 change)."""
     gen = torch.Generator(device=next(iter(tensors.values())).device).manual_seed(seed)
@@ -506,13 +521,7 @@ def _s2_nixl_worker(world, model: str, iters: int, buffer_mb: int, names: tuple[
         for it in range(iters):
             version += 1
             optimizer_step(tensors if ref is None else ref, f, seed=1000 * fi + it)
-            for k in names[it % len(names) :] + names[: it % len(names)]:
-                _sync(dev)
-                dist.barrier()
-                t0 = time.perf_counter()
-                st = peers[k].run(version)
-                _sync(dev)
-                times[k].append(time.perf_counter() - t0)
+            for k, st in refit_in_turn(peers, names, version, it, dev, times):
                 if st.delta is not None and is_src:
                     enc[k] = dict(st.delta.encodings)
                 if ref is not None:

@@ -21,12 +21,10 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
-from bench.delta_gpu import _same, _sync, optimizer_step
+from bench.delta_gpu import _same, optimizer_step, refit_in_turn
 from refit.config import TransferConfig
 from refit.layout.models import param_shapes
 from refit.layout.rules import layout_from_spec
@@ -83,14 +81,7 @@ def _worker(world, model: str, iters: int, buffer_mb: int, names: tuple[str, ...
         for it in range(iters):
             version += 1
             optimizer_step(tensors if ref is None else ref, f, seed=1000 * fi + it)
-            turn = it % len(names)
-            for k in names[turn:] + names[:turn]:
-                _sync(dev)
-                dist.barrier()
-                t0 = time.perf_counter()
-                st = peers[k].run(version)
-                _sync(dev)
-                times[k].append(time.perf_counter() - t0)
+            for k, st in refit_in_turn(peers, names, version, it, dev, times):
                 d = st.delta
                 if d is not None:
                     moved[k] = d.wire_bytes if is_src else d.received_bytes
