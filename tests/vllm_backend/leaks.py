@@ -22,8 +22,10 @@ def snapshot() -> dict[str, list]:
 
 def leftovers(before: dict[str, list], after: dict[str, list]) -> dict[str, list]:
     """What ``after`` holds that ``before`` did not, plus any thread named ``refit*`` (which must never outlive
-    ``shutdown``); ``{"threads": [], "sockets": []}`` when nothing was left behind."""
+    ``shutdown``); ``{"threads": [], "sockets": []}`` when nothing was left behind. A socket is its two ends: one
+    that was open before and only changed state since (the process group's store connection going to CLOSE_WAIT
+    when the other trainer rank tears its group down first) is not a leftover."""
     seen = {tuple(x) for x in before["threads"]}
     threads = [t for t in after["threads"] if tuple(t) not in seen or t[1].startswith("refit")]
-    known = {tuple(x) for x in before["sockets"]}
-    return {"threads": threads, "sockets": [s for s in after["sockets"] if tuple(s) not in known]}
+    known = {(local, remote) for local, remote, _ in before["sockets"]}
+    return {"threads": threads, "sockets": [s for s in after["sockets"] if (s[0], s[1]) not in known]}
