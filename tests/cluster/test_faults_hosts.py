@@ -52,7 +52,9 @@ class Rounds:
 
     def start(self, spec: dict) -> int:
         k, self.k = self.k, self.k + 1
-        (self.sync / f"round.{k}").write_text(json.dumps({"deadline_s": DEADLINE_S, **spec}))
+        tmp = self.sync / f"round.{k}.tmp"
+        tmp.write_text(json.dumps({"deadline_s": DEADLINE_S, **spec}))
+        tmp.replace(self.sync / f"round.{k}")  # whole: a process polls for the file and reads it at once
         return k
 
     def finish(self, label: str, k: int, ranks: list[int] | None = None) -> dict[int, list[dict]]:
