@@ -78,9 +78,13 @@ class SourceBase:
 
     def settle(self) -> None:
         """Apply the updates ``hold`` kept (one scatter for the word changes); ``update`` applies again."""
+        apply_held(self.take_held())
+
+    def take_held(self) -> list:
+        """The updates ``hold`` kept, handed over (``apply_held`` applies them, on any thread; nothing may read
+        the base until it returns); ``update`` applies again."""
         later, self.later = self.later, None
-        if later:
-            _update(later)
+        return later or []
 
     def defer_found(self, found: tuple, bases: list) -> None:
         """The base update of a shared message sent as words by address (``found`` = ``(Found, a, b)``, its
@@ -140,6 +144,12 @@ class SourceBase:
         """The run failed: the base may be part new; the next refit sends dense and rebuilds it."""
         self.pending, self.queued, self.packed, self.packed_bytes, self.version = [], [], [], 0, None
         self.later = None
+
+
+def apply_held(updates: list) -> None:
+    """Apply updates ``SourceBase.take_held`` handed over (on the CPU numpy's scatters, which let go of the GIL)."""
+    if updates:
+        _update(updates)
 
 
 def _update(updates: list) -> None:

@@ -384,8 +384,8 @@ class NixlLink:
             key = self._key(f"{self.name}/done/{r}")
             what = lambda r=r: f"process {r} reading from process {self.proc} over NIXL"  # noqa: E731
             self._wait_for(key, clock, what, noted=True)
-        if self.delta is not None and self.receivers:  # a source's base updates once its receivers are done reading
-            self.delta.settle()  # (while they scatter): its waits stay light, reads are served and store calls answered
+        if self.delta is not None and self.receivers:  # a source's base updates once its receivers are done reading,
+            self.delta.settle()  # on its own thread: its waits stayed light, reads were served and store calls answered
         self.trace("run %d: finished", self.runs)
         return with_stats(stats, self)
 
@@ -620,6 +620,8 @@ class NixlLink:
         if self._writer is not None:  # the last done write lands first
             self._writer.shutdown(wait=True)
             self._writer = None
+        if self.delta is not None:  # and a source's last base updates
+            self.delta.close()
         _release(self.requests)
         self.requests = []
         if self.agent is None or self.shared is None:

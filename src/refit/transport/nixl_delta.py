@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
-from refit.delta.base import SourceBase, shared_of
+from refit.delta.base import SourceBase, apply_held, shared_of
 from refit.delta.chunks import link_kind, link_speed, words_for
 from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats, memoized
 from refit.delta.receive import apply_received, host_sparse, receive_into, scatter_host
@@ -112,6 +113,8 @@ class NixlDelta:
         self.keys = {k: box_key(m.pieces[0].tensor, m.pieces[0].box) for k, m in enumerate(plan.messages)}
         self.received: Received | None = None  # a fan-out replica: what it received (``serve_received``)
         self.serving = False  # a fan-out replica source: serves what it received, keeps no base
+        self._settler: ThreadPoolExecutor | None = None  # a source's thread for its base updates (``settle``)
+        self._settling: Future | None = None
 
     def _op(self, k: int, peer: int, local: LocalTensors, outgoing: bool, pair_bytes: int) -> DeltaOp:
         """Message ``k`` (one piece) to or from ``peer`` as a ``DeltaOp``: its view, the link as a NIXL pull sees
@@ -154,7 +157,9 @@ class NixlDelta:
         return self.base
 
     def begin(self, version: int, held: int | None) -> None:
-        """A refit of ``version`` starts; this process holds ``held`` (None: no version, or a stale one)."""
+        """A refit of ``version`` starts; this process holds ``held`` (None: no version, or a stale one). A
+        source's base updates of the refit before are applied first (``settled``)."""
+        self.settled()
         self.version, self.held, self.stats = version, held, DeltaStats()
         self.stats.staging_bytes = self.staging.numel() + self.landing.numel()
 
@@ -195,10 +200,40 @@ class NixlDelta:
         return heads, used
 
     def settle(self) -> None:
-        """A source, its receivers done reading: the base updates ``stage`` held applied (``SourceBase.settle``),
-        while they scatter (not before: the source's waits stay light while they plan and read)."""
-        if self.base is not None:
-            self.base.settle()
+        """A source, its receivers done reading: the base updates ``stage`` held (``SourceBase.take_held``) go to
+        this process's base thread, which applies them off the refit's path (after the receivers read: the source's
+        waits stay light while they plan and read; numpy's scatters let go of the GIL). ``begin`` (the next refit's
+        find), ``fail`` and ``close`` wait for them (``settled``)."""
+        held = self.base.take_held() if self.base is not None else []
+        if not held:
+            return
+        if self._settler is None:
+            self._settler = ThreadPoolExecutor(1, thread_name_prefix="refit-nixl-base")
+        self._settling = self._settler.submit(apply_held, held)
+
+    def settled(self) -> None:
+        """Wait until the base updates ``settle`` handed to the base thread are applied. Where they failed the
+        base holds no version (the next refit sends dense) and ``DeltaError`` says why."""
+        pending, self._settling = self._settling, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as e:  # noqa: BLE001 - reported, the base dropped
+            self.base.fail()
+            raise DeltaError(f"NIXL delta: the source's base update after refit failed: {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        """Wait for the base thread's updates and stop it (the base is let go: an update that failed is not
+        reported). Idempotent."""
+        try:
+            self.settled()
+        except DeltaError:
+            pass
+        finally:
+            if self._settler is not None:
+                self._settler.shutdown(wait=True)
+                self._settler = None
 
     def _serve(self, ops: list[DeltaOp], r: int, offsets: dict) -> tuple[list[list[int]], int]:
         """A fan-out replica source (``serve_received``): each of receiver ``r``'s messages received as a delta in
@@ -398,6 +433,10 @@ class NixlDelta:
 
     def fail(self) -> None:
         """The refit failed: what it held is dropped and the base holds no version (the next refit is dense)."""
+        try:
+            self.settled()  # nothing writes the base any more
+        except DeltaError:
+            pass  # the base is dropped below all the same
         for d in (d for side in (self.sends, self.recvs) for ops in side.values() for d in ops):
             d.payload, d.parts, d.changes, d.found = None, [], [], None
         if self.base is not None:
