@@ -403,3 +403,38 @@ def test_a_replica_composes_the_deltas_it_received_in_parts_into_one_for_the_who
         assert r.compose(box_key("w", whole), 6, cur, 1 << 20)[1] == "not received in this version"
     r.note(box_key("w", ((0, 8), (0, 5))), Got(5, None, "dense", (), None))
     assert r.compose(box_key("w", whole), 5, cur, 1 << 20)[1] == "received dense"
+
+
+def test_a_source_applies_its_held_base_updates_on_its_own_thread_and_a_failed_one_fails_the_next_refit():
+    import threading
+
+    from refit.delta.wire import DeltaError
+
+    src, dst = _layouts(_shapes("tiny-llama"), "tp=1", "tp=1")
+    cfg = TransferConfig(name="bt", **AUTO)
+    plan = build_plan(src, dst, ProcessMap.disjoint(1, 1), cfg)
+    tensors = {n: t.clone() for n, t in _Model(src).shards(src, 0).items()}
+    d = NixlDelta(plan, 0, bind_local(plan, 0, tensors, None), cfg, torch.device("cpu"))
+    base = d.ensure_base()
+    view = max(d.sends[1], key=lambda o: o.nbytes).bases[0]
+    idx, vals = torch.tensor([0, 5, view.numel() - 1]), torch.full((3,), 7.0, dtype=view.dtype)
+
+    def base_threads() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("refit-nixl-base")}
+
+    before = base_threads()
+    for bad in (False, True):
+        base.commit(1)
+        base.hold()
+        base.update(-1, [(view, idx + view.numel() if bad else idx, vals)])  # -1: no shared message
+        d.settle()
+        assert len(base_threads() - before) == 1 and base.later is None  # handed to the base thread
+        if bad:  # an index past the piece: the thread's scatter raises, the next refit's begin names it
+            with pytest.raises(DeltaError, match="base update after refit failed: IndexError"):
+                d.begin(2, None)
+            assert base.version is None  # dropped: the next refit sends dense
+        else:
+            d.begin(2, None)  # waits for the thread: the find reads the updated base
+            assert torch.equal(view.reshape(-1)[idx], vals) and base.version == 1
+    d.close()
+    assert not base_threads() - before
