@@ -67,7 +67,7 @@ class SourceBase:
         elif words:
             self.queued += updates  # one scatter for a find batch's word updates (``flush``)
         else:
-            _update(updates)
+            apply_updates(updates)
 
     def hold(self) -> None:
         """From now until ``settle``, ``update`` keeps the updates of unshared messages instead of applying them
@@ -78,10 +78,10 @@ class SourceBase:
 
     def settle(self) -> None:
         """Apply the updates ``hold`` kept (one scatter for the word changes); ``update`` applies again."""
-        apply_held(self.take_held())
+        apply_updates(self.take_held())
 
     def take_held(self) -> list:
-        """The updates ``hold`` kept, handed over (``apply_held`` applies them, on any thread; nothing may read
+        """The updates ``hold`` kept, handed over (``apply_updates`` applies them, on any thread; nothing may read
         the base until it returns); ``update`` applies again."""
         later, self.later = self.later, None
         return later or []
@@ -109,7 +109,7 @@ class SourceBase:
     def flush(self, final: bool = False) -> None:
         """Apply the queued word updates (one launch, while the finds' slots are held) and, when ``final``, the
         packed ones (``_apply_packed``)."""
-        _update(self.queued)
+        apply_updates(self.queued)
         self.queued = []
         if final:
             self._apply_packed()
@@ -137,7 +137,7 @@ class SourceBase:
         self.settle()
         self.flush(final=True)
         self.join()
-        _update(self.pending)
+        apply_updates(self.pending)
         self.pending, self.version = [], version
 
     def fail(self) -> None:
@@ -146,14 +146,9 @@ class SourceBase:
         self.later = None
 
 
-def apply_held(updates: list) -> None:
-    """Apply updates ``SourceBase.take_held`` handed over (on the CPU numpy's scatters, which let go of the GIL)."""
-    if updates:
-        _update(updates)
-
-
-def _update(updates: list) -> None:
-    """Bring base views up to date: whole copies, element changes, and the word changes in one scatter."""
+def apply_updates(updates: list) -> None:
+    """Bring base views up to date: whole copies, element changes, and the word changes in one scatter (also the
+    updates ``SourceBase.take_held`` hands over, on any thread: on the CPU numpy's scatters let go of the GIL)."""
     words = []
     for base, idx, values, by_words in updates:
         if idx is None:

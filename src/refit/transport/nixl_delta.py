@@ -44,7 +44,7 @@ import torch
 
 from refit.binding import LocalTensors
 from refit.config import TransferConfig
-from refit.delta.base import SourceBase, apply_held, shared_of
+from refit.delta.base import SourceBase, apply_updates, shared_of
 from refit.delta.chunks import link_kind, link_speed, words_for
 from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats, memoized
 from refit.delta.receive import apply_received, host_sparse, receive_into, scatter_host
@@ -209,7 +209,7 @@ class NixlDelta:
             return
         if self._settler is None:
             self._settler = ThreadPoolExecutor(1, thread_name_prefix="refit-nixl-base")
-        self._settling = self._settler.submit(apply_held, held)
+        self._settling = self._settler.submit(apply_updates, held)
 
     def settled(self) -> None:
         """Wait until the base updates ``settle`` handed to the base thread are applied. Where they failed the
