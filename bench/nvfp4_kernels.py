@@ -39,21 +39,19 @@ LAYER = {"q/o 4096x4096": 2, "k/v 1024x4096": 2, "gate/up 14336x4096": 2, "down 
 # upper exponent clamp (2), num_warps, bounds: the code from per-block bounds on the bf16 magnitudes, no quotient)
 VARIANTS = {
     "pairs": {},
-    "pairs-cmp": {"add_code": 0},
-    "pairs-top": {"add_code": 2},
-    "pairs-div_rn": {"exact_div": True},
-    "pairs-one": {"halves": False},
     "pairs-4x32": {"br": 4},
     "pairs-16x32": {"br": 16},
     "pairs-8x32-w2": {"num_warps": 2},
     "pairs-8x32-w8": {"num_warps": 8},
-    "pairs-1x128": {"br": 1, "nb": 128},
-    "pairs-bounds": {"bounds": True},
-    "pairs-bounds-4x32": {"bounds": True, "br": 4},
-    "pairs-bounds-16x32": {"bounds": True, "br": 16},
-    "pairs-bounds-8x32-w2": {"bounds": True, "num_warps": 2},
-    "pairs-bounds-8x64": {"bounds": True, "nb": 64},
-    "pairs-bounds-one": {"bounds": True, "halves": False},
+    "pairs-8x64": {"nb": 64},
+    "pairs-one": {"halves": False},
+    "quotient": {"bounds": False},
+    "quotient-cmp": {"bounds": False, "add_code": 0},
+    "quotient-clamp": {"bounds": False, "add_code": 1},
+    "quotient-div_rn": {"bounds": False, "exact_div": True},
+    "quotient-one": {"bounds": False, "halves": False},
+    "quotient-16x32": {"bounds": False, "br": 16},
+    "quotient-1x128": {"bounds": False, "br": 1, "nb": 128},
 }
 
 

@@ -17,19 +17,19 @@ from test_quant_mx import awkward, nvfp4_adversarial
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(params=["blocks", "pairs", "pairs-bounds", "pairs-bounds-1row"])
+@pytest.fixture(params=["blocks", "pairs", "pairs-1row", "pairs-quotient"])
 def nvfp4_kernel(request, monkeypatch):
-    """Each NVFP4 kernel the quantizer can launch (``mx_triton.NVFP4_KERNEL``; "pairs" takes the bf16 weights),
-    the pairs kernel also with its code from bounds (``PAIRS["bounds"]``), as ``PAIRS`` has it and with one row a
-    program (where every tile's rows share a weight scale, so the per-row weight scales take the bounds too)."""
+    """Each NVFP4 kernel the quantizer can launch (``mx_triton.NVFP4_KERNEL``; "pairs" takes the bf16 weights):
+    the pairs kernel as ``PAIRS`` has it (the code from bounds on sm_90), with one row a program (where every
+    tile's rows share a weight scale, so the per-row weight scales take the bounds too) and with the quotient."""
     from refit.quant import mx_triton, nvfp4_triton
 
     kernel, _, shape = request.param.partition("-")
     monkeypatch.setattr(mx_triton, "NVFP4_KERNEL", kernel)
-    if shape:
-        monkeypatch.setitem(nvfp4_triton.PAIRS, "bounds", True)
-    if shape == "bounds-1row":
+    if shape == "1row":
         monkeypatch.setitem(nvfp4_triton.PAIRS, "br", 1)
+    if shape == "quotient":
+        monkeypatch.setitem(nvfp4_triton.PAIRS, "bounds", False)
     return request.param
 
 
@@ -76,15 +76,19 @@ def test_nvfp4_kernel_writes_the_cpu_bytes_at_every_rounding_boundary(dtype, nvf
     "shape",
     [
         {},
-        {"br": 1, "nb": 128},
-        {"br": 16, "nb": 32},
-        {"halves": False},
-        {"add_code": 0},
-        {"add_code": 2, "br": 1},
+        {"br": 1},
+        {"br": 1, "halves": False},
+        {"br": 4},
+        {"br": 16},
+        {"nb": 64},
+        {"num_warps": 8},
+        {"bounds": False},
+        {"bounds": False, "br": 1, "nb": 128},
+        {"bounds": False, "br": 16},
+        {"bounds": False, "halves": False},
+        {"bounds": False, "add_code": 0},
+        {"bounds": False, "br": 1},
         {"exact_div": True},
-        {"bounds": True},
-        {"bounds": True, "br": 1},
-        {"bounds": True, "br": 1, "halves": False},
     ],
     ids=str,
 )

@@ -34,15 +34,15 @@ next bf16 past the bound rounded down. ``L`` as an integer (bf16 magnitudes orde
 pair at once; a binary search over the seven bounds (``prmt`` turns a half's top bit into a 16-bit mask that
 picks the next bound) gives the code's three bits, and one ``mul.hi`` moves the two nibbles into the output byte.
 A block whose ``d`` is 0 (its elements below 2**73) takes the bounds of ``d = 2**89``: magnitude 0, as the torch
-path's. Not used by default: on one H200 (Triton 3.6, ``bench/results/h200-nvfp4-kernels.json``) it wrote the torch
-path's bytes with 8 rows x 32 blocks a program (193-198 us a Llama-8B layer, against 217-220 for the quotient
-path; 16 x 32 with 8 warps too: two blocks a thread) but wrong bytes wherever a thread holds one block (4 x 32, 8 x
-32 with 8 warps: odd K, row-strided views) or four (16 x 32, 8 x 64, 32 x 32 with 8 warps: most of a random weight).
-The kernel's meaning does not depend on the tile: in Triton's interpreter (CPU) the bounds path, written with plain
-Triton operations, gives the quotient path's bytes at 8 x 32 and 16 x 32; on the GPU the same plain version (no
-inline PTX, no ``umulhi``, the bounds from float64 products instead of directed-rounding fused multiply-adds, the
-amax as the quotient path takes it), each of those replaced alone and all together, fails in the same tiles: a
-fault in how Triton 3.6 compiles it, not worked around, so the path stays off.
+path's. It is the default on sm_90 and later (``PAIRS``): 192-213 us a Llama-8B layer on one H200, against 219
+for the quotient path and 220 for a bf16 ``copy_``.
+
+The block scale stays float32 (its E4M3 value, exact) from its rounding to its store, where it becomes fp8: no
+8-bit value crosses a layout conversion. The scale store's layout is not the codes', and Triton 3.6 with its
+ptxas 12.8 on Hopper moved an 8-bit scale between them through shared memory wrongly wherever four went to one
+32-bit store (a thread holding one or four blocks: 4 x 32, 8 x 64, 16 x 32 tiles, 8 warps; fp8 and uint8 alike,
+the codes then from wrong scales, the stored scales right); as float32 every tile writes the torch path's bytes
+(one H200, 8 tiles x 4 cases).
 
 SASS for sm_90 from Triton 3.6, instructions an element on the straight path (``BR = 8``, ``NB = 32``, 4 warps;
 2 LDG.E.128, 2 STG.E of 4 bytes and one scale byte a block): MODE 2 23.6 (2.5 MUFU a block), without the upper
@@ -164,8 +164,8 @@ def _bytes_bounds(w, k1, k2, k3, k4, k5, k6, k7):
 def _bounds(amax, s2):
     # (E4M3 scale, k1..k7) per block for _bytes_bounds; s2 in [2**-80, 2**80], so d is 0 or in [2**-89, 2**89];
     # a block whose d is 0 (all its elements below 2**73) gets bounds for 2**89 (code 0, as the torch path's)
-    bs = tl.minimum(libdevice.div_rn(amax, s2 * 6.0), 448.0).to(tl.float8e4nv)
-    d = bs.to(tl.float32) * s2
+    bs = tl.minimum(libdevice.div_rn(amax, s2 * 6.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+    d = bs * s2
     d = tl.where(d > 0, d, 2.0**89)
     k1 = _bound(d, 0.25, 2.0**-26, True)
     k2 = _bound(d, 0.75, 2.0**-25, False)
@@ -180,8 +180,8 @@ def _bounds(amax, s2):
 @triton.jit
 def _block_params(amax, s2, MODE: tl.constexpr):
     # (E4M3 scale, p0, p1, p2, p3) per block, as MODE's quotient wants them
-    bs = tl.minimum(libdevice.div_rn(amax, s2 * 6.0), 448.0).to(tl.float8e4nv)
-    d = bs.to(tl.float32) * s2
+    bs = tl.minimum(libdevice.div_rn(amax, s2 * 6.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+    d = bs * s2
     ok = (d > 0) & (d < float("inf"))
     one = tl.full(d.shape, 1.0, tl.float32)
     if MODE == 0:
@@ -232,7 +232,7 @@ def _tile(x_base, q_base, s_base, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES: tl
         tl.store(q_base + b_off, _bytes(w0, p0, p1, p2, p3, MODE, ADD_CODE), mask=m0)
         if HALVES:
             tl.store(q_base + b_off + 4, _bytes(w1, p0, p1, p2, p3, MODE, ADD_CODE), mask=m1)
-    tl.store(s_base + rr * ssr + g, bs, mask=live)
+    tl.store(s_base + rr * ssr + g, bs.to(tl.float8e4nv), mask=live)  # float32 until here (the docstring)
 
 
 @triton.jit
@@ -293,10 +293,10 @@ def _nvfp4_pairs(
         _tile(xb, qb, sb, s2, rr, g, live, kp, sxr, sqr, ssr, HALVES, 1, ADD_CODE, FULL_K)
 
 
-# the shape the quantizer launches: BR rows x NB blocks a program, each block's words in two halves, the
-# quotient from the block's reciprocal, the code by one addition without its upper clamp, 4 warps (the fastest
-# variant with the torch path's bytes on every case of bench.nvfp4_kernels on one H200, the bounds path aside)
-PAIRS = {"br": 8, "nb": 32, "halves": True, "exact_div": False, "add_code": 2, "num_warps": 4, "bounds": False}
+# the shape the quantizer launches: BR rows x NB blocks a program, each block's words in two halves, the code
+# from per-block bounds on sm_90 and later (else the quotient from the block's reciprocal, its code by one addition
+# without the upper clamp), 4 warps
+PAIRS = {"br": 8, "nb": 32, "halves": True, "exact_div": False, "add_code": 2, "num_warps": 4, "bounds": True}
 
 
 @functools.cache
