@@ -438,3 +438,36 @@ def test_a_source_applies_its_held_base_updates_on_its_own_thread_and_a_failed_o
             assert torch.equal(view.reshape(-1)[idx], vals) and base.version == 1
     d.close()
     assert not base_threads() - before
+
+
+def test_a_source_copies_a_dense_message_into_its_base_before_the_refit_returns():
+    """A message sent dense updates the base from the live tensor: that copy is made at ``settle`` (inside the
+    refit), not on the base thread, which may still run when the trainer changes its tensors for the next step
+    (the base would then hold the next version's values and the next delta miss them)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    src, dst = _layouts(_shapes("tiny-llama"), "tp=1", "tp=1")
+    cfg = TransferConfig(name="bt2", **AUTO)
+    plan = build_plan(src, dst, ProcessMap.disjoint(1, 1), cfg)
+    tensors = {n: t.clone() for n, t in _Model(src).shards(src, 0).items()}
+    d = NixlDelta(plan, 0, bind_local(plan, 0, tensors, None), cfg, torch.device("cpu"))
+    base = d.ensure_base()
+    views = sorted(d.sends[1], key=lambda o: o.nbytes)[-2:]
+    dense_view, word_view = views[0].bases[0], views[1].bases[0]
+    live = torch.full_like(dense_view, 3.0)
+    idx, vals = torch.tensor([0, 5]), torch.full((2,), 7.0, dtype=word_view.dtype)
+    gate = threading.Event()  # the base thread held busy until the trainer has changed its tensors
+    d._settler = ThreadPoolExecutor(1, thread_name_prefix="refit-nixl-base")
+    d._settler.submit(gate.wait, 10)
+    base.commit(1)
+    base.hold()
+    base.update(-1, [(dense_view, None, live)])  # a dense message: the live tensor
+    base.update(-1, [(word_view, idx, vals)])  # changed elements: arrays of their own
+    d.settle()
+    live.fill_(9.0)  # the trainer's next optimizer step, right after the refit returned
+    gate.set()
+    d.begin(2, None)
+    assert torch.equal(dense_view, torch.full_like(dense_view, 3.0))
+    assert torch.equal(word_view.reshape(-1)[idx], vals)
+    d.close()

@@ -82,9 +82,12 @@ class SourceBase:
 
     def take_held(self) -> list:
         """The updates ``hold`` kept, handed over (``apply_updates`` applies them, on any thread; nothing may read
-        the base until it returns); ``update`` applies again."""
-        later, self.later = self.later, None
-        return later or []
+        the base until it returns); ``update`` applies again. Whole copies from the live tensors (a message sent
+        dense) are applied here, before the refit returns and its caller may change its tensors: what is handed
+        over holds arrays of its own (the finds' changes)."""
+        later, self.later = self.later or [], None
+        apply_updates([u for u in later if u[1] is None])
+        return [u for u in later if u[1] is not None]
 
     def defer_found(self, found: tuple, bases: list) -> None:
         """The base update of a shared message sent as words by address (``found`` = ``(Found, a, b)``, its
