@@ -405,17 +405,22 @@ def test_a_replica_composes_the_deltas_it_received_in_parts_into_one_for_the_who
     assert r.compose(box_key("w", whole), 5, cur, 1 << 20)[1] == "received dense"
 
 
+def _host_source(name: str) -> tuple:
+    """A NIXL delta source of tiny-llama tp=1 -> tp=1 on host memory, with its base: ``(NixlDelta, SourceBase)``."""
+    src, dst = _layouts(_shapes("tiny-llama"), "tp=1", "tp=1")
+    cfg = TransferConfig(name=name, **AUTO)
+    plan = build_plan(src, dst, ProcessMap.disjoint(1, 1), cfg)
+    tensors = {n: t.clone() for n, t in _Model(src).shards(src, 0).items()}
+    d = NixlDelta(plan, 0, bind_local(plan, 0, tensors, None), cfg, torch.device("cpu"))
+    return d, d.ensure_base()
+
+
 def test_a_source_applies_its_held_base_updates_on_its_own_thread_and_a_failed_one_fails_the_next_refit():
     import threading
 
     from refit.delta.wire import DeltaError
 
-    src, dst = _layouts(_shapes("tiny-llama"), "tp=1", "tp=1")
-    cfg = TransferConfig(name="bt", **AUTO)
-    plan = build_plan(src, dst, ProcessMap.disjoint(1, 1), cfg)
-    tensors = {n: t.clone() for n, t in _Model(src).shards(src, 0).items()}
-    d = NixlDelta(plan, 0, bind_local(plan, 0, tensors, None), cfg, torch.device("cpu"))
-    base = d.ensure_base()
+    d, base = _host_source("bt")
     view = max(d.sends[1], key=lambda o: o.nbytes).bases[0]
     idx, vals = torch.tensor([0, 5, view.numel() - 1]), torch.full((3,), 7.0, dtype=view.dtype)
 
@@ -447,12 +452,7 @@ def test_a_source_copies_a_dense_message_into_its_base_before_the_refit_returns(
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    src, dst = _layouts(_shapes("tiny-llama"), "tp=1", "tp=1")
-    cfg = TransferConfig(name="bt2", **AUTO)
-    plan = build_plan(src, dst, ProcessMap.disjoint(1, 1), cfg)
-    tensors = {n: t.clone() for n, t in _Model(src).shards(src, 0).items()}
-    d = NixlDelta(plan, 0, bind_local(plan, 0, tensors, None), cfg, torch.device("cpu"))
-    base = d.ensure_base()
+    d, base = _host_source("bt2")
     views = sorted(d.sends[1], key=lambda o: o.nbytes)[-2:]
     dense_view, word_view = views[0].bases[0], views[1].bases[0]
     live = torch.full_like(dense_view, 3.0)
