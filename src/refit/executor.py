@@ -124,6 +124,7 @@ class Executor:
         self.joins = self.works_on_device or prepare is not None or self.nixl is not None or self.delta is not None
         # what every refit reads, fixed at setup: the stages, and the event a bounded wait for the device polls
         self._stage_names = self.ipc.stage_names if self.ipc is not None else ipc_stages(plan, 1)
+        self._unskipped: frozenset[str] | None = None  # ``_prepare``'s names of a whole refit, once
         self._done, self._join = (torch.cuda.Event(), join_events()) if self.cuda else (None, None)
         self._index, self._settled = device_index(self.device), False  # settled: the run waited for all it queued
         self.stamps: list[tuple[str, float]] | None = None  # a list: each run's phases are stamped into it
@@ -264,8 +265,12 @@ class Executor:
 
     def _prepare(self, names: set[str] | None) -> None:
         skipped = self.ipc.skipped if self.ipc is not None else set()  # its receivers quantize them on their pulls
-        if skipped:
-            names = (names if names is not None else {t.name for t in self.plan.src_layout}) - skipped
+        if skipped and names is None:
+            if self._unskipped is None:  # the same set every refit (the prepare's own steps are kept per names)
+                self._unskipped = frozenset(t.name for t in self.plan.src_layout) - skipped
+            names = self._unskipped
+        elif skipped:
+            names = names - skipped
         if self.prepare is not None and self.is_source and names != set():
             with torch.no_grad():
                 self.prepare(names)

@@ -113,6 +113,7 @@ class MxQuantizer:
         self.scale_2: dict[str, torch.Tensor] = {}  # the agreed global scales, whole (leading-dims shape)
         self._pending: set[str] = set()
         self._on_pull: set[str] = set()  # weights receivers quantize on their pulls (``on_pull``)
+        self._steps: dict = {}  # per call's names: what the call does (``_steps_of``; ``on_pull`` clears it)
         self._amax: list[int] | None = None  # the jobs' versions when the trainer handed its amax over
         boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
         qset = set(self.quantized)
@@ -174,12 +175,13 @@ class MxQuantizer:
         if self._amax is None:
             return False
         versions, self._amax = self._amax, None
-        for (name, w, *_), v in zip(self.jobs, versions):
-            if w._version != v:
-                raise LayoutError(
-                    f"NVFP4 source rank {self.rank}: weight {name!r} changed after set_amax; hand the amax over "
-                    "after the optimizer step whose weights the refit sends"
-                )
+        now = [w._version for _, w, _, _, _ in self.jobs]
+        if now != versions:
+            name = next(j[0] for j, v, n in zip(self.jobs, versions, now) if v != n)
+            raise LayoutError(
+                f"NVFP4 source rank {self.rank}: weight {name!r} changed after set_amax; hand the amax over "
+                "after the optimizer step whose weights the refit sends"
+            )
         return True
 
     def agree(self) -> None:
@@ -221,6 +223,7 @@ class MxQuantizer:
         """``names``: the weights receivers quantize on their pulls (``ipc_quant.publish``); a prepare of every
         other quantized weight is then a whole refit, which agrees first."""
         self._on_pull = set(names)
+        self._steps = {}
 
     @property
     def nbytes(self) -> int:
@@ -234,12 +237,12 @@ class MxQuantizer:
 
     def __call__(self, names: set[str] | None = None) -> None:
         """Quantize the shards of ``names`` (``None``: all, after agreeing on NVFP4's global scales)."""
+        key = None if names is None else frozenset(names)
+        agrees, want, work = self._steps.get(key) or self._steps_of(key)
         with torch.no_grad():
-            if names is None or (self.fmt.global_scale and set(self.quantized) <= set(names) | self._on_pull):
+            if agrees:
                 self.agree()
             elif self.fmt.global_scale:  # a stage; a weight quantized on its pull counts with its block scales
-                pulled = {n for n in self._on_pull if block_scale_name(n) in names}
-                want = {n for n in names if n in self.quantized} | pulled
                 stale = sorted(want - self._pending)
                 if stale:
                     raise LayoutError(
@@ -248,8 +251,21 @@ class MxQuantizer:
                         "optimizer step, before the push"
                     )
                 self._pending -= want
-            key = None if names is None else frozenset(names)
-            self.graphs.run(("quantize", key), lambda: self._quantize(key))
+            if work:  # nothing to launch where receivers quantize every weight of ``names`` on their pulls
+                self.graphs.run(("quantize", key), lambda: self._quantize(key))
+
+    def _steps_of(self, key: frozenset[str] | None) -> tuple[bool, set[str], bool]:
+        """What a call with ``key``'s names does (kept per key; a refit repeats them): whether it agrees first, the
+        quantized weights a stage takes (NVFP4), whether any shard is quantized here."""
+        agrees = key is None or (self.fmt.global_scale and set(self.quantized) <= key | self._on_pull)
+        want: set[str] = set()
+        if not agrees and self.fmt.global_scale:
+            want = {n for n in key if n in self.quantized} | {n for n in self._on_pull if block_scale_name(n) in key}
+        work = any(w.numel() and (key is None or name in key) for name, w, _, _, _ in self.jobs)
+        if len(self._steps) >= 64:  # a refit repeats a few (its stages); other callers' sets are not all kept
+            self._steps.clear()
+        self._steps[key] = (agrees, want, work)
+        return self._steps[key]
 
 
 def expected_mx(
