@@ -34,15 +34,15 @@ next bf16 past the bound rounded down. ``L`` as an integer (bf16 magnitudes orde
 pair at once; a binary search over the seven bounds (``prmt`` turns a half's top bit into a 16-bit mask that
 picks the next bound) gives the code's three bits, and one ``mul.hi`` moves the two nibbles into the output byte.
 A block whose ``d`` is 0 (its elements below 2**73) takes the bounds of ``d = 2**89``: magnitude 0, as the torch
-path's. It is the default on sm_90 and later (``PAIRS``): 192-213 us a Llama-8B layer on one H200, against 219
-for the quotient path and 220 for a bf16 ``copy_``.
+path's. It is the default on sm_90 and later (``PAIRS``): 200 us a Llama-8B layer on one H200 against 216 for the
+quotient path and 220 for a bf16 ``copy_`` (``bench.nvfp4_kernels``, ``bench/results/h200-nvfp4-kernels.json``;
+every tile shape there, 4-16 rows, 32 or 64 blocks, 2-8 warps, writes the torch path's bytes).
 
 The block scale stays float32 (its E4M3 value, exact) from its rounding to its store, where it becomes fp8: no
 8-bit value crosses a layout conversion. The scale store's layout is not the codes', and Triton 3.6 with its
 ptxas 12.8 on Hopper moved an 8-bit scale between them through shared memory wrongly wherever four went to one
 32-bit store (a thread holding one or four blocks: 4 x 32, 8 x 64, 16 x 32 tiles, 8 warps; fp8 and uint8 alike,
-the codes then from wrong scales, the stored scales right); as float32 every tile writes the torch path's bytes
-(one H200, 8 tiles x 4 cases).
+the codes then from wrong scales, the stored scales right); as float32 every tile writes the torch path's bytes.
 
 SASS for sm_90 from Triton 3.6, instructions an element on the straight path (``BR = 8``, ``NB = 32``, 4 warps;
 2 LDG.E.128, 2 STG.E of 4 bytes and one scale byte a block): MODE 2 23.6 (2.5 MUFU a block), without the upper
