@@ -200,10 +200,11 @@ class NixlDelta:
         return heads, used
 
     def settle(self) -> None:
-        """A source, its receivers done reading: the base updates ``stage`` held (``SourceBase.take_held``) go to
-        this process's base thread, which applies them off the refit's path (after the receivers read: the source's
-        waits stay light while they plan and read; numpy's scatters let go of the GIL). ``begin`` (the next refit's
-        find), ``fail`` and ``close`` wait for them (``settled``)."""
+        """A source, its receivers done reading: of the base updates ``stage`` held, ``SourceBase.take_held`` makes
+        the copies from the live tensors now (before the refit returns) and hands over the found changes, which go
+        to this process's base thread, applied off the refit's path (after the receivers read: the source's waits
+        stay light while they plan and read; numpy's scatters let go of the GIL). ``begin`` (the next refit's find),
+        ``fail`` and ``close`` wait for them (``settled``)."""
         held = self.base.take_held() if self.base is not None else []
         if not held:
             return
