@@ -122,9 +122,9 @@ class Executor:
         self.works_on_device = bool(self.p2p.steps or self.local or (self.ipc is not None and self.ipc.pulls_here))
         # no device work (an IPC source without ``prepare``): no join (20-100 us of host), one wait on the caller
         self.joins = self.works_on_device or prepare is not None or self.nixl is not None or self.delta is not None
-        # what every refit reads, fixed at setup: the stages, and the event a bounded wait for the device polls
+        # what every refit reads, fixed at setup: the stages, the names it prepares, the event a bounded wait polls
         self._stage_names = self.ipc.stage_names if self.ipc is not None else ipc_stages(plan, 1)
-        self._unskipped: frozenset[str] | None = None  # ``_prepare``'s names of a whole refit, once
+        self._unskipped = frozenset(t.name for t in plan.src_layout) - (self.ipc.skipped if self.ipc else set())
         self._done, self._join = (torch.cuda.Event(), join_events()) if self.cuda else (None, None)
         self._index, self._settled = device_index(self.device), False  # settled: the run waited for all it queued
         self.stamps: list[tuple[str, float]] | None = None  # a list: each run's phases are stamped into it
@@ -264,13 +264,8 @@ class Executor:
             self._stamp(f"stage {i} pulled")
 
     def _prepare(self, names: set[str] | None) -> None:
-        skipped = self.ipc.skipped if self.ipc is not None else set()  # its receivers quantize them on their pulls
-        if skipped and names is None:
-            if self._unskipped is None:  # the same set every refit (the prepare's own steps are kept per names)
-                self._unskipped = frozenset(t.name for t in self.plan.src_layout) - skipped
-            names = self._unskipped
-        elif skipped:
-            names = names - skipped
+        if self.ipc is not None and self.ipc.skipped:  # its receivers quantize those on their pulls (a whole refit:
+            names = self._unskipped if names is None else names - self.ipc.skipped  # one set, built at setup)
         if self.prepare is not None and self.is_source and names != set():
             with torch.no_grad():
                 self.prepare(names)
