@@ -136,7 +136,8 @@ def _changed_elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, size: i
         return words, got
     per, shift = 8 // size, (8 // size).bit_length() - 1  # per is 2, 4 or 8
     lanes = _BITS_NP[size]
-    at = np.flatnonzero((bw[words] ^ got).view(lanes))  # changed elements of the gathered words
+    at = np.flatnonzero((bw[words] ^ got).view(lanes) != 0)  # changed elements of the gathered words (a bool
+    # mask first: numpy compacts one 4x faster than the lanes themselves)
     return (words[at >> shift] << shift) + (at & (per - 1)), got.view(lanes)[at]
 
 

