@@ -264,8 +264,8 @@ class Executor:
             self._stamp(f"stage {i} pulled")
 
     def _prepare(self, names: set[str] | None) -> None:
-        if self.ipc is not None and self.ipc.skipped:  # its receivers quantize those on their pulls (a whole refit:
-            names = self._unskipped if names is None else names - self.ipc.skipped  # one set, built at setup)
+        if self.ipc is not None and self.ipc.skipped:  # its receivers quantize those on their pulls
+            names = self._unskipped if names is None else names - self.ipc.skipped
         if self.prepare is not None and self.is_source and names != set():
             with torch.no_grad():
                 self.prepare(names)

@@ -87,14 +87,15 @@ LINKS = {
 
 HOST = {"find_gbps": 10.0, "word_find_gbps": 10.0, "apply_gbps": 0.1, "piece_s": 70e-6, "word_piece_s": 70e-6}
 """The CPU path's rates, measured on one core of the 2-core CPU machine (process time, the least of 15 per step,
-``.venv/bin/python -m bench.delta_host_rates``; six runs on 2026-11-30, two on 2026-12-01 on the code of that day):
-the find reads base and current at 8.6-10.6 GB/s with nothing changed (one numpy pass over 64-bit words); each
-changed element costs ~73-76 ns to be told apart within its word and ~24-31 ns to encode, update the base and scatter
-(~100-105 ns in all): ``apply_gbps`` 0.1 charges an element 80 ns and a word 200 ns. Each piece costs ~60-77 us of
-calls (find, encode, base update and scatter of a 4 KiB piece, less its bytes and elements). A NIXL pull between CPU
-processes weighs these (``nixl_link``); ``LINKS["cpu"]`` (P2P over gloo) still carries the rough figures its tests
-were written against: with these, ``auto`` would send the small test models dense over a 2 GB/s loopback link, as the
-measurement says it should."""
+``.venv/bin/python -m bench.delta_host_rates``; six runs on 2026-11-30, two on 2026-12-01 on the code of today): the
+find reads base and current at 8.6-10.6 GB/s with nothing changed (one numpy pass over 64-bit words); each changed
+element costs ~73-76 ns to be told apart within its word (the two runs of 2026-12-01; 81-104 ns before the lanes were
+compacted from a bool mask) and ~24-31 ns to encode, update the base and scatter (~100-105 ns in all): ``apply_gbps``
+0.1 charges an element 80 ns and a word 200 ns. Each piece costs ~60-77 us of calls (find, encode, base update and
+scatter of a 4 KiB piece, less its bytes and elements). A NIXL pull between CPU processes weighs these
+(``nixl_link``); ``LINKS["cpu"]`` (P2P over gloo) still carries the rough figures its tests were written against:
+with these, ``auto`` would send the small test models dense over a 2 GB/s loopback link, as the measurement says it
+should."""
 
 
 NIXL_PAIR_S = 1e-3
