@@ -309,8 +309,8 @@ def nvfp4_adversarial(rows: int, blocks: int, seed: int) -> tuple[torch.Tensor, 
 
 def test_nvfp4_amax_from_the_trainer_replaces_the_read_once_and_is_checked():
     """``set_amax``: the trainer's ``max |x|`` gives the bytes of reading the weights, is used by one agreement
-    only (the next reads again), is refused after a weight changed in place, and bad input is refused naming
-    the tensor."""
+    only (the next reads again; with one rank its scales are written by ``set_amax`` itself), is refused after a
+    weight changed in place, and bad input is refused naming the tensor."""
     plain = _layout(None, "tp=1", shapes=ODD)
     qlay = mx_layout(plain, NVFP4)
     live = reference_shards(plain, 0)
@@ -324,8 +324,10 @@ def test_nvfp4_amax_from_the_trainer_replaces_the_read_once_and_is_checked():
         assert torch.equal(given.tensors[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
     g = global_scale_name(names[0])
     given.set_amax({n: a * 4 for n, a in amax.items()})  # used: four times the scale
+    four = torch.tensor(4 * amax[names[0]].item() / 2688).item()
+    assert given.tensors[g].item() == four != read.tensors[g].item()  # one rank: set_amax computed it
     given()
-    assert given.tensors[g].item() == torch.tensor(4 * amax[names[0]].item() / 2688).item() != read.tensors[g].item()
+    assert given.tensors[g].item() == four
     given()  # consumed: the next refit reads the weights
     assert torch.equal(given.tensors[g], read.tensors[g])
     given.set_amax(amax)

@@ -90,7 +90,8 @@ class MxQuantizer:
     NVFP4's agreement reads every weight once for its ``max |x|`` unless the trainer hands it over first:
     ``set_amax`` (after the optimizer step whose weights the next refit sends), consumed by the next agreement;
     an agreement without it reads the weights, and amax handed over before a weight changed in place (its
-    tensor's version counter moved) is refused.
+    tensor's version counter moved) is refused. With one trainer rank ``set_amax`` computes the global scales
+    itself (nothing to agree on): the refit then launches nothing for them.
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class MxQuantizer:
         self._on_pull: set[str] = set()  # weights receivers quantize on their pulls (``on_pull``)
         self._steps: dict = {}  # per call's names: what the call does (``_steps_of``; ``on_pull`` clears it)
         self._amax: list[int] | None = None  # the jobs' versions when the trainer handed its amax over
+        self._scaled = False  # ``set_amax`` computed the global scales from it (one rank: nothing to agree)
         boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
         qset = set(self.quantized)
         companions = {block_scale_name(n) for n in qset} | {global_scale_name(n) for n in qset}
@@ -150,11 +152,17 @@ class MxQuantizer:
     def set_amax(self, amax: Mapping[str, torch.Tensor]) -> None:
         """NVFP4: the trainer's ``max |x|`` of each NVFP4 weight this rank holds (its part of it), float32 of the
         part's leading dims' shape (``[]`` for a matrix, ``[E]`` for stacked experts), on the weights' device,
-        finite and ``>= 0``; the next agreement uses it instead of reading the weights (once)."""
+        finite and ``>= 0``; the next agreement uses it instead of reading the weights (once). Where this rank
+        agrees with no other (one trainer rank), the global scales are computed from it here, and that agreement
+        only checks that no weight changed since."""
         if self.table is None:
             raise ValueError(f"{self.fmt.name.upper()} source rank {self.rank}: set_amax is for NVFP4's global scales")
         self.table.hand_over(self.table.check_amax(amax, self.rank, self.device))
         self._amax = [w._version for _, w, _, _, _ in self.jobs]
+        self._scaled = self._alone()
+        if self._scaled:  # nothing to agree on with other ranks: the global scales now, not inside the refit
+            with torch.no_grad():
+                self.graphs.run(("amax and scales", "handed"), self._handed_scales)
 
     def read_amax(self) -> dict[str, torch.Tensor]:
         """What ``set_amax`` takes, read from this rank's weights (the amax a trainer would hand over)."""
@@ -168,6 +176,14 @@ class MxQuantizer:
             k = math.prod(shape)
             out[n], at = flat[at : at + k].reshape(shape).clone(), at + k
         return out
+
+    def _alone(self) -> bool:
+        """Whether this rank agrees with no other (a maximum over one rank is its own)."""
+        return self.group is None or dist.get_world_size(self.group) == 1
+
+    def _handed_scales(self) -> None:
+        self.table.take_amax()
+        self.table.scales()
 
     def _amax_handed(self) -> bool:
         """Whether the trainer handed its amax over for this agreement (True: in the table's ``handed``), checked
@@ -190,8 +206,12 @@ class MxQuantizer:
         if self.table is None:
             return
         table = self.table
-        alone = self.group is None or dist.get_world_size(self.group) == 1  # a maximum over one rank is its own
+        alone, scaled = self._alone(), self._scaled
+        self._scaled = False
         handed = self._amax_handed()
+        if handed and scaled:  # ``set_amax`` wrote this rank's scales already
+            self._pending = set(self.quantized)
+            return
 
         def take() -> None:  # this rank's amax: the trainer's, or read from the weights
             if handed:
