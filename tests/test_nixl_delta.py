@@ -471,3 +471,34 @@ def test_a_source_copies_a_dense_message_into_its_base_before_the_refit_returns(
     assert torch.equal(dense_view, torch.full_like(dense_view, 3.0))
     assert torch.equal(word_view.reshape(-1)[idx], vals)
     d.close()
+
+
+def test_the_cpu_find_of_many_pieces_at_once_equals_each_piece_alone(monkeypatch):
+    """``host_find.find_many`` (``find_changes_many``' CPU word path): the flags of many pieces side by side in one
+    buffer, compacted together and cut by piece, give each piece's changes as the element-wise reference does,
+    across pieces of 0 to 300 words (not multiples of eight), mixed dtypes, batches that fill up (a small
+    ``BATCH_WORDS``), pieces larger than a batch, and ``most`` per piece."""
+    from refit.delta import host_find
+    from refit.delta.elements import bits, find_changes_many
+
+    monkeypatch.setattr(host_find, "BATCH_WORDS", 256)
+    gen = torch.Generator().manual_seed(11)
+    pairs, refs = [], []
+    for k, words in enumerate((0, 1, 7, 29, 64, 200, 255, 256, 300, 1000, 3, 130)):
+        dtype = (torch.bfloat16, torch.float32, torch.uint8, torch.float64)[k % 4]
+        n = words * 8 // dtype.itemsize
+        base = torch.randn(n, generator=gen).to(dtype)
+        cur = base.clone()
+        if n:
+            bits(cur)[torch.randperm(n, generator=gen)[: max(1, n // (3 + k))]] ^= 1
+        pairs.append((base, cur))
+        refs.append((bits(base) != bits(cur)).nonzero().squeeze(1))
+    for got, (_, cur), ref in zip(find_changes_many(pairs), pairs, refs):
+        assert torch.equal(got[0], ref) and torch.equal(bits(got[1]), bits(cur)[ref])
+    changed = [int((b.view(torch.int64) != c.view(torch.int64)).sum()) for b, c in pairs]
+    most = [m - 1 if k % 2 else m for k, m in enumerate(changed)]  # odd pieces one word over their most
+    for k, (got, ref) in enumerate(zip(host_find.find_many(pairs, most), refs)):
+        if k % 2 and changed[k]:
+            assert got == (None, None), k
+        else:
+            assert torch.equal(got[0], ref), k

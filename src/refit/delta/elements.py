@@ -20,11 +20,9 @@ changes travel is ``refit.delta.wire``; 64-bit words instead of elements, ``refi
 
 from __future__ import annotations
 
-import threading
-
-import numpy as np
 import torch
 
+from refit.delta import host_find
 from refit.delta.wire import DeltaError
 
 CHECK_CHUNK = 1 << 25  # indices checked side by side per launch group (``check_indices_many``)
@@ -63,7 +61,7 @@ def find_changes(
     device (a pinned host copy: each chunk is copied to ``cur``'s device first). The torch path returns
     the indices sorted; the one-pass kernel (``use_triton``; default: both contiguous on one CUDA device
     with Triton installed) sorted by chunk, in no particular order inside one (every consumer here is
-    order-free). ``most``: on the CPU's word path (``_find_host``), more than this many changed 64-bit words
+    order-free). ``most``: on the CPU's word path (``host_find``), more than this many changed 64-bit words
     return ``(None, None)`` before any element is looked at (the caller sends the piece dense)."""
     if base.shape != cur.shape or base.dtype != cur.dtype:
         raise ValueError(f"find_changes: base {list(base.shape)} {base.dtype} vs current {list(cur.shape)} {cur.dtype}")
@@ -71,8 +69,8 @@ def find_changes(
         use_triton = _kernel_fits(base, cur)
     if use_triton:
         return _find_kernel(base, cur, chunk_bytes)
-    if _by_words_on_host(base, cur):
-        return _find_host(base, cur, chunk_bytes, most)
+    if host_find.by_words(base, cur):
+        return host_find.find(base, cur, chunk_bytes, most)
     idx, vals = [], []
     for (start, b), (_, c) in zip(_row_chunks(base, chunk_bytes), _row_chunks(cur, chunk_bytes)):
         b = b.to(c.device, non_blocking=True)
@@ -85,83 +83,8 @@ def find_changes(
     return torch.cat(idx), torch.cat(vals)
 
 
-def _by_words_on_host(base: torch.Tensor, cur: torch.Tensor) -> bool:
-    """Both on the CPU, contiguous, 8-byte aligned, whole 64-bit words: ``_find_host`` reads them."""
-    return all(
-        t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % 8 == 0 and t.numel() * t.element_size() % 8 == 0
-        for t in (base, cur)
-    )
-
-
-def _find_host(
-    base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int, most: int | None = None
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``find_changes`` on the CPU in one pass over both versions as 64-bit words (numpy's vectorized compare),
-    ``chunk_bytes`` at a time; only the changed words are then compared element by element. Each compaction reads
-    the fewest flags it can: the words' flags eight at a time (one 64-bit view of them), then the flags of the
-    changed groups of eight, then the changed words' elements (``_changed_words``, ``_changed_elements``). The same
-    result as the torch path (sorted); ``(None, None)`` where more than ``most`` words changed (none compared
-    element by element)."""
-    bw, cw = (t.reshape(-1).view(torch.int64).numpy() for t in (base, cur))
-    step = max(8, min(chunk_bytes // 8, SCRATCH_WORDS) // 8 * 8)
-    found = [_changed_words(bw[s : s + step], cw[s : s + step]) + s for s in range(0, len(cw), step)]
-    words = found[0] if len(found) == 1 else np.concatenate(found or [np.zeros(0, dtype=np.int64)])
-    if most is not None and len(words) > most:
-        return None, None
-    idx, vals = _changed_elements(bw, cw, words, cur.element_size())
-    return from_numpy(idx), from_numpy(vals).view(cur.dtype)
-
-
-def _changed_words(bw: np.ndarray, cw: np.ndarray) -> np.ndarray:
-    """The indices (int64, ascending) of the words where ``bw`` and ``cw`` (int64, at most ``SCRATCH_WORDS``)
-    differ: their flags in this thread's scratch, the groups of eight with one set found through a 64-bit view of
-    the flags, then the set flags of those groups (two compactions over an eighth of the flags and the changed
-    groups', not one over all of them)."""
-    n = len(bw)
-    flags = _scratch()[: -(-n // 8) * 8]
-    np.not_equal(bw, cw, out=flags[:n])
-    flags[n:] = False
-    groups = flags.view(np.uint64)
-    g = np.flatnonzero(groups != 0)
-    p = np.flatnonzero(groups[g].view(np.bool_))  # each changed group's eight flags, one after another
-    return (g[p >> 3] << 3) + (p & 7)
-
-
-def _changed_elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The flat indices (int64, ascending) of the changed elements (``size`` bytes each) inside the changed
-    ``words`` of ``bw`` / ``cw``, and their bits in ``cw`` (an integer type of ``size`` bytes): read from the two
-    gathered copies of those words, not from the whole tensors."""
-    got = cw[words]
-    if size == 8:
-        return words, got
-    per, shift = 8 // size, (8 // size).bit_length() - 1  # per is 2, 4 or 8
-    lanes = _BITS_NP[size]
-    at = np.flatnonzero((bw[words] ^ got).view(lanes) != 0)  # changed elements of the gathered words (a bool
-    # mask first: numpy compacts one 4x faster than the lanes themselves)
-    return (words[at >> shift] << shift) + (at & (per - 1)), got.view(lanes)[at]
-
-
-_BITS_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy's ``bits`` types
-
-
-SCRATCH_WORDS = 1 << 20  # words compared per numpy call on the CPU (``_find_host``): its flags fit in L2
-_SCRATCH = threading.local()
-
-
-def _scratch() -> np.ndarray:
-    """This thread's ``SCRATCH_WORDS`` flags for ``_find_host`` (allocated once, 8-byte aligned: no page faults per
-    piece; read eight at a time as one 64-bit word)."""
-    flags = getattr(_SCRATCH, "flags", None)
-    if flags is None:
-        flags = _SCRATCH.flags = np.zeros(SCRATCH_WORDS // 8, dtype=np.uint64).view(np.bool_)
-    return flags
-
-
-def from_numpy(a: np.ndarray) -> torch.Tensor:
-    """``torch.from_numpy(a)``, an empty ``a`` as a fresh empty tensor (numpy's empty arrays come out with stride
-    0, which byte views refuse)."""
-    t = torch.from_numpy(a)
-    return t if a.size else torch.empty(0, dtype=t.dtype)
+def _host_words(base: torch.Tensor, cur: torch.Tensor) -> bool:
+    return base.shape == cur.shape and base.dtype == cur.dtype and host_find.by_words(base, cur)
 
 
 def _kernel_fits(base: torch.Tensor, cur: torch.Tensor) -> bool:
@@ -200,7 +123,8 @@ def find_changes_many(
     """``find_changes`` of every ``(base, cur)`` pair (the pieces of one message). Pairs the one-pass
     kernel takes (contiguous, one CUDA device, at most ``chunk_bytes``) are launched together with one
     host sync for all of them, into slots for a quarter of their elements (a pair with more changes is
-    found again by ``find_changes``, with every slot); the rest go through ``find_changes``. ``use_triton``: as
+    found again by ``find_changes``, with every slot); host pairs of whole words through ``host_find.find_many``
+    (compacted together), the rest through ``find_changes``. ``use_triton``: as
     ``find_changes``' (True: every pair that fits the chunk, e.g. in Triton's interpreter). ``copy=False``:
     the kernel's pairs come back as views of their slots (no copy, two launches less per pair; the slots,
     a quarter of the pair's elements each, stay allocated while a view is held: drop them soon). ``most``: per
@@ -218,6 +142,9 @@ def find_changes_many(
                 idx, vals = idx[:k], vals[:k].view(pairs[i][1].dtype)
                 out[i] = (idx.clone(), vals.clone()) if copy else (idx, vals)
     most = most or [None] * len(pairs)
+    host = [i for i, (b, c) in enumerate(pairs) if out[i] is None and use_triton is not True and _host_words(b, c)]
+    for i, got in zip(host, host_find.find_many([pairs[i] for i in host], [most[i] for i in host])):
+        out[i] = got  # the CPU's word path, many pieces compacted together (a mismatch: ``find_changes`` refuses it)
     return [
         o if o is not None else find_changes(b, c, chunk_bytes, use_triton, m) for o, (b, c), m in zip(out, pairs, most)
     ]

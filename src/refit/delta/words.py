@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from refit.cudart import private_stream
-from refit.delta.elements import from_numpy
+from refit.delta.host_find import from_numpy
 from refit.delta.wire import INDEX_BYTES, WORD
 
 SLOT_FRACTION = 4  # the kernel's slots hold a quarter of a piece's words; more changes overflow (``None``)

@@ -1,0 +1,148 @@
+"""The changed elements of many CPU pieces, found through their 64-bit words (numpy).
+
+A piece whose base and current version are both contiguous host memory of whole 64-bit words (``by_words``) is
+compared a word at a time: one vectorized ``not_equal`` per piece into a flag buffer of this thread's, then the flags
+compacted (the groups of eight words with a changed one first, through a 64-bit view of the flags, then the flags of
+those groups), and only the changed words compared element by element (``changed_elements``). ``find_many`` does it
+for many pieces at once: the flags of consecutive small pieces side by side (``BATCH_WORDS``), compacted once for
+all of them and cut by piece, so that a refit of many small tensors does not pay the compaction's numpy calls and
+the per-piece checks of ``find_changes`` for each. ``find`` is one piece, in passes of at most ``chunk_bytes``
+(``refit.delta.elements.find_changes`` calls it).
+
+Results as ``find_changes``': the flat indices (int64, ascending) of the elements whose bits differ and their
+values; ``(None, None)`` for a piece with more than its ``most`` changed words (none compared element by element:
+the caller sends it dense).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+SCRATCH_WORDS = 1 << 20  # words compared per numpy call: their flags fit in L2
+# ``find_many``: pieces of at most this many words in all compacted together (both versions' bytes of them fit in
+# L2, where their changed words are gathered from after the compaction; larger pieces alone, as ``find``)
+BATCH_WORDS = 1 << 17
+_SCRATCH = threading.local()
+_BITS_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy's integer types of each element size
+
+Found = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+def by_words(base: torch.Tensor, cur: torch.Tensor) -> bool:
+    """Both on the CPU, contiguous, 8-byte aligned, whole 64-bit words: readable as words here."""
+    return all(
+        t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % 8 == 0 and t.numel() * t.element_size() % 8 == 0
+        for t in (base, cur)
+    )
+
+
+def find(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int, most: int | None = None) -> Found:
+    """One piece (``by_words``) in passes of at most ``chunk_bytes`` (and ``SCRATCH_WORDS`` words)."""
+    bw, cw = _words(base), _words(cur)
+    step = max(8, min(chunk_bytes // 8, SCRATCH_WORDS) // 8 * 8)
+    found = [changed_words(bw[s : s + step], cw[s : s + step]) + s for s in range(0, len(cw), step)]
+    words = found[0] if len(found) == 1 else np.concatenate(found or [np.zeros(0, dtype=np.int64)])
+    if most is not None and len(words) > most:
+        return None, None
+    return _elements(bw, cw, words, cur)
+
+
+def find_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], most: Sequence[int | None]) -> list[Found]:
+    """``find`` of every ``(base, cur)`` pair (each ``by_words``): the flags of consecutive pieces of at most
+    ``BATCH_WORDS`` words in all side by side (each from an offset that is a multiple of 8, padded with unset flags)
+    and compacted together; a piece larger than that alone (``find``)."""
+    out: list[Found | None] = [None] * len(pairs)
+    flags = _scratch()
+    batch: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (pair, offset of its flags, base words, words)
+    at = 0
+    for i, (b, c) in enumerate(pairs):
+        n = b.numel() * b.element_size() // 8
+        if n > BATCH_WORDS or at + n > BATCH_WORDS:
+            _cut(batch, flags[:at], pairs, most, out)
+            batch, at = [], 0
+        if n > BATCH_WORDS:  # alone, in passes (its changed words gathered while it is in cache)
+            out[i] = find(b, c, n * 8, most[i])
+            continue
+        bw, cw = _words(b), _words(c)
+        np.not_equal(bw, cw, out=flags[at : at + n])
+        end = -(-(at + n) // 8) * 8
+        flags[at + n : end] = False
+        batch.append((i, at, bw, cw))
+        at = end
+    _cut(batch, flags[:at], pairs, most, out)
+    return out  # type: ignore[return-value]
+
+
+def _cut(batch, flags: np.ndarray, pairs, most, out: list) -> None:
+    """The set ``flags`` of ``batch``'s pieces compacted at once, then cut by piece into ``out``."""
+    if not batch:
+        return
+    pos = _set_flags(flags)
+    cuts = np.searchsorted(pos, [o for _, o, _, _ in batch]).tolist() + [len(pos)]
+    for k, (i, o, bw, cw) in enumerate(batch):
+        words = pos[cuts[k] : cuts[k + 1]] - o
+        m = most[i]
+        out[i] = (None, None) if m is not None and len(words) > m else _elements(bw, cw, words, pairs[i][1])
+
+
+def changed_words(bw: np.ndarray, cw: np.ndarray) -> np.ndarray:
+    """The indices (int64, ascending) of the words where ``bw`` and ``cw`` (int64, at most ``SCRATCH_WORDS``)
+    differ: their flags in this thread's scratch, then ``_set_flags``."""
+    n = len(bw)
+    flags = _scratch()[: -(-n // 8) * 8]
+    np.not_equal(bw, cw, out=flags[:n])
+    flags[n:] = False
+    return _set_flags(flags)
+
+
+def _set_flags(flags: np.ndarray) -> np.ndarray:
+    """The indices (int64, ascending) of the set ``flags`` (a multiple of 8 of them, 8-byte aligned): the groups
+    of eight with one set found through a 64-bit view of the flags, then the set flags of those groups (two
+    compactions over an eighth of the flags and the changed groups', not one over all of them)."""
+    groups = flags.view(np.uint64)
+    g = np.flatnonzero(groups != 0)
+    p = np.flatnonzero(groups[g].view(np.bool_))  # each changed group's eight flags, one after another
+    return (g[p >> 3] << 3) + (p & 7)
+
+
+def changed_elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The flat indices (int64, ascending) of the changed elements (``size`` bytes each) inside the changed
+    ``words`` of ``bw`` / ``cw``, and their bits in ``cw`` (an integer type of ``size`` bytes): read from the two
+    gathered copies of those words, not from the whole tensors."""
+    got = cw[words]
+    if size == 8:
+        return words, got
+    per, shift = 8 // size, (8 // size).bit_length() - 1  # per is 2, 4 or 8
+    lanes = _BITS_NP[size]
+    at = np.flatnonzero((bw[words] ^ got).view(lanes) != 0)  # changed elements of the gathered words (a bool
+    # mask first: numpy compacts one 4x faster than the lanes themselves)
+    return (words[at >> shift] << shift) + (at & (per - 1)), got.view(lanes)[at]
+
+
+def _elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, cur: torch.Tensor) -> Found:
+    idx, vals = changed_elements(bw, cw, words, cur.element_size())
+    return from_numpy(idx), from_numpy(vals).view(cur.dtype)
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.int64).numpy()
+
+
+def _scratch() -> np.ndarray:
+    """This thread's ``SCRATCH_WORDS`` flags (allocated once, 8-byte aligned: no page faults per piece; read eight
+    at a time as one 64-bit word)."""
+    flags = getattr(_SCRATCH, "flags", None)
+    if flags is None or len(flags) < SCRATCH_WORDS:
+        flags = _SCRATCH.flags = np.zeros(SCRATCH_WORDS // 8, dtype=np.uint64).view(np.bool_)
+    return flags
+
+
+def from_numpy(a: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy(a)``, an empty ``a`` as a fresh empty tensor (numpy's empty arrays come out with stride
+    0, which byte views refuse)."""
+    t = torch.from_numpy(a)
+    return t if a.size else torch.empty(0, dtype=t.dtype)
