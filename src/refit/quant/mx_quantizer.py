@@ -116,7 +116,6 @@ class MxQuantizer:
         self._on_pull: set[str] = set()  # weights receivers quantize on their pulls (``on_pull``)
         self._steps: dict = {}  # per call's names: what the call does (``_steps_of``; ``on_pull`` clears it)
         self._amax: list[int] | None = None  # the jobs' versions when the trainer handed its amax over
-        self._scaled = False  # ``set_amax`` computed the global scales from it (one rank: nothing to agree)
         boxes = {t.name: b for t, b in qlayout.local_tensors(rank)}
         qset = set(self.quantized)
         companions = {block_scale_name(n) for n in qset} | {global_scale_name(n) for n in qset}
@@ -159,8 +158,7 @@ class MxQuantizer:
             raise ValueError(f"{self.fmt.name.upper()} source rank {self.rank}: set_amax is for NVFP4's global scales")
         self.table.hand_over(self.table.check_amax(amax, self.rank, self.device))
         self._amax = [w._version for _, w, _, _, _ in self.jobs]
-        self._scaled = self._alone()
-        if self._scaled:  # nothing to agree on with other ranks: the global scales now, not inside the refit
+        if self._alone():  # nothing to agree on with other ranks: the global scales now, not inside the refit
             with torch.no_grad():
                 self.graphs.run(("amax and scales", "handed"), self._handed_scales)
 
@@ -206,10 +204,8 @@ class MxQuantizer:
         if self.table is None:
             return
         table = self.table
-        alone, scaled = self._alone(), self._scaled
-        self._scaled = False
-        handed = self._amax_handed()
-        if handed and scaled:  # ``set_amax`` wrote this rank's scales already
+        alone, handed = self._alone(), self._amax_handed()
+        if handed and alone:  # ``set_amax`` computed this rank's scales already
             self._pending = set(self.quantized)
             return
 
@@ -219,12 +215,11 @@ class MxQuantizer:
             else:
                 table.local_amax([w.detach() for _, w, _, _, _ in self.jobs])
 
-        source = "handed" if handed else "read"
-        if alone:  # nothing to agree: the amax and the scales as one step (one graph)
-            self.graphs.run(("amax and scales", source), lambda: (take(), table.scales()))
+        if alone:  # nothing to agree: the amax read and the scales as one step (one graph)
+            self.graphs.run(("amax and scales", "read"), lambda: (take(), table.scales()))
             self._pending = set(self.quantized)
             return
-        self.graphs.run(("amax", source), take)
+        self.graphs.run(("amax", "handed" if handed else "read"), take)
         backend = dist.get_backend(self.group)
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         buf = table.local.to(dev)
