@@ -1,7 +1,8 @@
 """A rank started by hand, as under torchrun: ``python by_hand.py refit|plain HOST:PORT`` makes the default gloo
-group itself (``init_method=tcp://...``) and all-reduces its rank + 1. With ``refit`` it imports refit first
-(which pins gloo to ``REFIT_BIND_ADDRESS``'s interface); with ``plain`` it does not. Prints ``REFIT-RESULT <sum>``
-or ``FAIL <error>`` (exit 3)."""
+group itself (``init_method=tcp://...``), all-reduces its rank + 1 and closes the group (left open, a rank whose peer
+exited first could abort in gloo's teardown at exit: exit -6 after its result, seen once in CI). With ``refit`` it
+imports refit first (which pins gloo to ``REFIT_BIND_ADDRESS``'s interface); with ``plain`` it does not. Prints
+``REFIT-RESULT <sum>`` or ``FAIL <error>`` (exit 3)."""
 
 import os
 import sys
@@ -20,6 +21,8 @@ try:
     )
     x = torch.tensor([rank + 1.0])
     dist.all_reduce(x)
+    dist.barrier()  # neither rank leaves while the other still uses the group: then both close it
+    dist.destroy_process_group()
     print("REFIT-RESULT", int(x.item()), flush=True)
 except RuntimeError as e:
     print("FAIL", " ".join(str(e).split())[:400], flush=True)
