@@ -41,52 +41,73 @@ def by_words(base: torch.Tensor, cur: torch.Tensor) -> bool:
 
 
 def find(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int, most: int | None = None) -> Found:
-    """One piece (``by_words``) in passes of at most ``chunk_bytes`` (and ``SCRATCH_WORDS`` words)."""
-    bw, cw = _words(base), _words(cur)
-    step = max(8, min(chunk_bytes // 8, SCRATCH_WORDS) // 8 * 8)
-    found = [changed_words(bw[s : s + step], cw[s : s + step]) + s for s in range(0, len(cw), step)]
-    words = found[0] if len(found) == 1 else np.concatenate(found or [np.zeros(0, dtype=np.int64)])
-    if most is not None and len(words) > most:
-        return None, None
-    return _elements(bw, cw, words, cur)
+    """One piece (``by_words``) in passes of at most ``chunk_bytes`` (and ``BATCH_WORDS`` words)."""
+    step = max(8, min(chunk_bytes // 8, BATCH_WORDS) // 8 * 8)
+    return _torch(find_alone(_words(base), _words(cur), cur.element_size(), step, most), cur)
 
 
 def find_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], most: Sequence[int | None]) -> list[Found]:
-    """``find`` of every ``(base, cur)`` pair (each ``by_words``): the flags of consecutive pieces of at most
-    ``BATCH_WORDS`` words in all side by side (each from an offset that is a multiple of 8, padded with unset flags)
-    and compacted together; a piece larger than that alone (``find``)."""
-    out: list[Found | None] = [None] * len(pairs)
+    """``find`` of every ``(base, cur)`` pair (each ``by_words``), through ``find_words``."""
+    words = [(_words(b), _words(c)) for b, c in pairs]
+    got = find_words(words, [c.element_size() for _, c in pairs], most)
+    return [_torch(g, c) for g, (_, c) in zip(got, pairs)]
+
+
+def find_words(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], sizes: Sequence[int], most: Sequence[int | None]
+) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
+    """The changes of every ``(base words, words)`` pair (int64 views of whole pieces whose elements are
+    ``sizes`` bytes): per pair the flat indices (int64, ascending) of its changed elements and their bits (the
+    integer type of their size), ``(None, None)`` over its ``most`` changed words. The flags of consecutive pieces
+    of at most ``BATCH_WORDS`` words in all side by side (each from an offset that is a multiple of 8, padded with
+    unset flags) and compacted together; a piece larger than that alone (``find_alone``)."""
+    out: list = [None] * len(pairs)
     flags = _scratch()
-    batch: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (pair, offset of its flags, base words, words)
+    batch: list[tuple[int, int]] = []  # (pair, offset of its flags)
     at = 0
-    for i, (b, c) in enumerate(pairs):
-        n = b.numel() * b.element_size() // 8
+    for i, (bw, cw) in enumerate(pairs):
+        n = len(cw)
         if n > BATCH_WORDS or at + n > BATCH_WORDS:
-            _cut(batch, flags[:at], pairs, most, out)
+            _cut(batch, flags[:at], pairs, sizes, most, out)
             batch, at = [], 0
-        if n > BATCH_WORDS:  # alone, in passes (its changed words gathered while it is in cache)
-            out[i] = find(b, c, n * 8, most[i])
+        if n > BATCH_WORDS:  # alone, in passes (its changed words gathered while they are in cache)
+            out[i] = find_alone(bw, cw, sizes[i], BATCH_WORDS, most[i])
             continue
-        bw, cw = _words(b), _words(c)
         np.not_equal(bw, cw, out=flags[at : at + n])
         end = -(-(at + n) // 8) * 8
         flags[at + n : end] = False
-        batch.append((i, at, bw, cw))
+        batch.append((i, at))
         at = end
-    _cut(batch, flags[:at], pairs, most, out)
-    return out  # type: ignore[return-value]
+    _cut(batch, flags[:at], pairs, sizes, most, out)
+    return out
 
 
-def _cut(batch, flags: np.ndarray, pairs, most, out: list) -> None:
+def find_alone(bw: np.ndarray, cw: np.ndarray, size: int, step: int, most: int | None):
+    """``find_words`` of one pair, in passes of ``step`` words (a multiple of 8), each pass's changed elements
+    read from its words while they are in cache."""
+    idx, vals, seen = [], [], 0
+    for s in range(0, max(1, len(cw)), step):
+        b, c = bw[s : s + step], cw[s : s + step]
+        words = changed_words(b, c)
+        seen += len(words)
+        if most is not None and seen > most:
+            return None, None
+        i, v = changed_elements(b, c, words, size)
+        idx.append(i + s * (8 // size))
+        vals.append(v)
+    return (idx[0], vals[0]) if len(idx) == 1 else (np.concatenate(idx), np.concatenate(vals))
+
+
+def _cut(batch, flags: np.ndarray, pairs, sizes, most, out: list) -> None:
     """The set ``flags`` of ``batch``'s pieces compacted at once, then cut by piece into ``out``."""
     if not batch:
         return
     pos = _set_flags(flags)
-    cuts = np.searchsorted(pos, [o for _, o, _, _ in batch]).tolist() + [len(pos)]
-    for k, (i, o, bw, cw) in enumerate(batch):
+    cuts = np.searchsorted(pos, [o for _, o in batch]).tolist() + [len(pos)]
+    for k, (i, o) in enumerate(batch):
         words = pos[cuts[k] : cuts[k + 1]] - o
         m = most[i]
-        out[i] = (None, None) if m is not None and len(words) > m else _elements(bw, cw, words, pairs[i][1])
+        out[i] = (None, None) if m is not None and len(words) > m else changed_elements(*pairs[i], words, sizes[i])
 
 
 def changed_words(bw: np.ndarray, cw: np.ndarray) -> np.ndarray:
@@ -123,9 +144,10 @@ def changed_elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, size: in
     return (words[at >> shift] << shift) + (at & (per - 1)), got.view(lanes)[at]
 
 
-def _elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, cur: torch.Tensor) -> Found:
-    idx, vals = changed_elements(bw, cw, words, cur.element_size())
-    return from_numpy(idx), from_numpy(vals).view(cur.dtype)
+def _torch(found: tuple, cur: torch.Tensor) -> Found:
+    """``find_words``' result for one piece as tensors (the values in ``cur``'s dtype)."""
+    idx, vals = found
+    return (None, None) if idx is None else (from_numpy(idx), from_numpy(vals).view(cur.dtype))
 
 
 def _words(t: torch.Tensor) -> np.ndarray:

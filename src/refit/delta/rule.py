@@ -173,6 +173,18 @@ def choose_words_many(
     return (np.add.reduceat(n, first[:-1]) > 0) & (words < dense)
 
 
+def choose_encoding_many(n: np.ndarray, k: np.ndarray, itemsize: np.ndarray, link: LinkSpeed, share) -> np.ndarray:
+    """``choose_encoding`` of many one-piece messages over one ``link`` at once (numpy int64 arrays: ``n``
+    elements, each in ``(0, 2**31)``, ``k`` changes, ``itemsize``; ``share`` per message): each one's index in
+    ``ENCODINGS``. The same sums in the same order; a tie goes to the earlier of ``ENCODINGS`` (dense first)."""
+    if link.same_device:
+        return np.zeros(len(n), dtype=np.int64)
+    step = link.chunk_s * np.asarray(share, dtype=np.float64)
+    cost = [predicted_seconds("dense", n, k, itemsize, link)]
+    cost += [step + predicted_seconds(e, n, k, itemsize, link) for e in ("sparse", "bitmask")]
+    return np.argmin(np.stack(cost), axis=0)  # rows in ``ENCODINGS``' order: the first least is the earliest
+
+
 def _in_order(x: np.ndarray, first: np.ndarray) -> np.ndarray:
     """Per message, its pieces' values (``x[first[j]:first[j + 1]]``) added one by one in order, as Python's
     ``sum`` adds them (``np.add.reduceat`` may add them in another order, and round differently)."""

@@ -8,11 +8,13 @@ Per refit (``NixlDelta``, inside ``refit.transport.nixl.NixlLink``'s ``start`` a
    as the P2P path does (``refit.delta.send``: ``plan_of``, ``batches_of``, ``find_batch``, ``encode_op`` against
    its ``SourceBase``; under ``delta="auto"`` the cost rule over the link as a NIXL pull sees it,
    ``rule.nixl_link``; the CUDA find kernels where the tensors are on CUDA, one vectorized pass over 64-bit words on
-   host memory), copies each delta's payload into that receiver's region of its delta staging (``delta_caps``:
-   within ``num_buffers x buffer_bytes``; a delta that does not fit goes dense this refit, its base brought up to
-   date all the same), where some delta is staged its small dense messages after them (``_join``: read in the same
-   READ, not one READ each) and publishes, sealed, ``{"run", "addr", "bytes", "heads", "offsets"}`` before it
-   announces the refit (``<name>/nixl/<agent>/delta/<proc>``: where the payload lies, its bytes, each message's header
+   host memory; there, messages found per element are found, chosen and written into the staging a find batch at
+   once, ``refit.delta.host_stage``), copies each delta's payload into that receiver's region of its delta staging
+   (``delta_caps``: within ``num_buffers x buffer_bytes``; a delta that does not fit goes dense this refit, its
+   base brought up to date all the same), where some delta is staged its small dense messages after them
+   (``_join``: read in the same READ, not one READ each) and publishes, sealed,
+   ``{"run", "addr", "bytes", "heads", "offsets"}`` before it announces the refit
+   (``<name>/nixl/<agent>/delta/<proc>``: where the payload lies, its bytes, each message's header
    ``[encoding, base version, version, k]`` and each delta's offset in the payload). It does not wait to hear what
    its receivers hold: a pull lets each receiver choose;
 2. a receiver, once its source announced, checks the record field by field before it reads anything
@@ -46,6 +48,7 @@ from refit.binding import LocalTensors
 from refit.config import TransferConfig
 from refit.delta.base import SourceBase, apply_updates, shared_of
 from refit.delta.chunks import link_kind, link_speed, words_for
+from refit.delta.host_stage import on_host, stage_host
 from refit.delta.ops import JOIN_BYTES, DeltaOp, DeltaStats, memoized
 from refit.delta.receive import apply_received, host_sparse, receive_into, scatter_host
 from refit.delta.rule import nixl_link
@@ -107,6 +110,7 @@ class NixlDelta:
         self.in_at = _regions({s: caps[(s, proc)] for s in sorted(self.recvs)})  # source -> (offset, cap)
         self.staging = torch.empty(sum(c for _, c in self.out_at.values()), dtype=torch.uint8, device=device)
         self.landing = torch.empty(sum(c for _, c in self.in_at.values()), dtype=torch.uint8, device=device)
+        self.host_staging = self.staging.numpy() if self.staging.device.type == "cpu" else None  # ``stage_host``'s
         self.stats = DeltaStats()
         self.version, self.held = 0, None  # this refit's version and the version this process holds
         self.joined: list[DeltaOp] = []  # receiver, per refit: small dense messages read in the deltas' READ
@@ -192,10 +196,20 @@ class NixlDelta:
         for j, d in enumerate(ops):
             if plans[j] != "diff":
                 heads[j], used = self._encode(d, plans[j], r, used, offsets)
+        host = memoized(ops, ("on-host",), lambda ops: [self.host_staging is not None and on_host(d) for d in ops])
         for batch in batches_of(ops, plans):
-            find_batch([ops[j] for j in batch], None, self.config.delta)
-            for j in batch:
-                heads[j], used = self._encode(ops[j], "diff", r, used, offsets)
+            mine, rest = [j for j in batch if host[j]], [j for j in batch if not host[j]]
+            if mine:  # host messages found per element: at once (``refit.delta.host_stage``)
+                at, cap = self.out_at[r]
+                region, mode = self.host_staging[at : at + cap], self.config.delta
+                got, used = stage_host([ops[j] for j in mine], region, used, offsets, self.version, self.stats,
+                                       self.base, mode)  # fmt: skip
+                for j, head in zip(mine, got):
+                    heads[j] = head
+            if rest:
+                find_batch([ops[j] for j in rest], None, self.config.delta)
+                for j in rest:
+                    heads[j], used = self._encode(ops[j], "diff", r, used, offsets)
             self.base.flush()
         return heads, used
 
@@ -368,7 +382,10 @@ class NixlDelta:
             return None
         offs = [offsets.get(key) for key in keys]
         has = np.array([o is not None for o in offs])
-        if (sparse & ~has).any() or not all(is_int(o) for o in offs if o is not None):
+        given = [o for o in offs if o is not None]
+        if (sparse & ~has).any() or not all(type(o) is int for o in given):
+            return None
+        if given and not (0 <= min(given) and max(given) <= rec["bytes"]):
             return None
         off = np.array([o if o is not None else 0 for o in offs], dtype=np.int64)
         n = np.where(sparse, index_bytes(k) + (k * size + 7) // 8 * 8, nbytes)
@@ -534,7 +551,9 @@ def _record(rec: object, sp: int, messages: set[str], cap: int, run: int) -> dic
     ok = ok and is_int(rec["run"]) and rec["run"] == run
     heads, offsets = (rec["heads"], rec["offsets"]) if ok else (None, None)
     ok = ok and isinstance(heads, dict) and set(heads) == messages and isinstance(offsets, dict)
-    ok = ok and all(isinstance(h, list) and all(is_int(x, -1, 1 << 62) for x in h) for h in heads.values())
+    ok = ok and all(type(h) is list for h in heads.values())
+    fields = [x for h in heads.values() for x in h] if ok else []
+    ok = ok and all(type(x) is int for x in fields) and (not fields or -1 <= min(fields) and max(fields) < 1 << 62)
     if not ok or not set(offsets) <= messages:
         raise DeltaError(
             f"NIXL delta record of process {sp} is not {{run: {run}, addr, bytes <= {cap}, heads, offsets}} for the "
