@@ -41,16 +41,30 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 STEPS, N_TRAINER, ROLLOUT_TP = 2, 1, 2
 
 
+PORT_TAKEN = "address already in use"  # verl's worker group picks its process group's port free and binds it later
+
+
 @pytest.fixture(scope="module")
 def verl_run(tmp_path_factory):
-    """One Ray session and one verl job for the module (Ray and each actor's imports are the cost)."""
+    """One Ray session and one verl job for the module (Ray and each actor's imports are the cost). Where another
+    test took the port verl's worker group picked before its process group bound it (EADDRINUSE, seen once under
+    xdist), the job runs again in a fresh Ray session (twice at most)."""
     started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    for attempt in range(3):
+        if started:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            out = load_example("verl_checkpoint_engine").verl_job(
+                STEPS, N_TRAINER, ROLLOUT_TP, str(tmp_path_factory.mktemp("verl-model"))
+            )
+            break
+        except Exception as e:
+            if started:
+                ray.shutdown()
+            if not started or attempt == 2 or PORT_TAKEN not in str(e).lower():
+                raise
     try:
-        yield load_example("verl_checkpoint_engine").verl_job(
-            STEPS, N_TRAINER, ROLLOUT_TP, str(tmp_path_factory.mktemp("verl-model"))
-        )
+        yield out
     finally:
         if started:
             ray.shutdown()
