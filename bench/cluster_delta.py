@@ -9,11 +9,11 @@ Peers over the same tensors of the trainer, both ``transport="nixl"``: one dense
 ``delta="auto"`` weighing the link at ``--rate`` (``delta_link_gbps``). Version 1 warms both up (dense); then per
 fraction ``--refits`` versions, each changing that fraction of every tensor's elements (the lowest bit flipped),
 each moved by the dense Peer and then by the delta Peer. A refit's time is the slowest process's (every process
-starts it after a barrier), its CPU time the sum of every process's (``time.process_time``: what a loaded machine
-inflates least); its bytes on the wire are what host b's NIC received during it (``/sys/class/net``
-inside the namespace: payload, TCP/IP headers, the store's records); each engine copy is checked bit for bit
-against the version after every refit. Prints one JSON object: per fraction the medians and ratios delta / dense
-(``--out`` also writes it).
+starts it after a barrier and, once done, waits at another before the bench's own work), its CPU time the sum of
+every process's (``time.process_time``: what a loaded machine inflates least); its bytes on the wire are what
+host b's NIC received during it (``/sys/class/net`` inside the namespace: payload, TCP/IP headers, the store's
+records); each engine copy is checked bit for bit against the version after every refit. Prints one JSON object:
+per fraction the medians and ratios delta / dense (``--out`` also writes it).
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ def _refit(peers: dict, mode: str, v: int, rank: int, n_src: int, model: Version
     row = {"s": time.perf_counter() - t0, "cpu": time.process_time() - c0}
     if prof is not None:
         prof.disable()
+    dist.barrier()  # every process done with the refit before any does the bench's own work (the checks below,
+    # the next version): the namespace hosts share this machine's cores, a host's work would slow another's refit
     if rank == 0:  # the encodings trainer rank 0 chose
         row["encodings"] = dict(st.delta.encodings) if st.delta is not None else {}
     if rank >= n_src:

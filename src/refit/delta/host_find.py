@@ -54,13 +54,18 @@ def find_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], most: Sequence
 
 
 def find_words(
-    pairs: Sequence[tuple[np.ndarray, np.ndarray]], sizes: Sequence[int], most: Sequence[int | None]
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+    sizes: Sequence[int],
+    most: Sequence[int | None],
+    update: bool = False,
 ) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
     """The changes of every ``(base words, words)`` pair (int64 views of whole pieces whose elements are
     ``sizes`` bytes): per pair the flat indices (int64, ascending) of its changed elements and their bits (the
     integer type of their size), ``(None, None)`` over its ``most`` changed words. The flags of consecutive pieces
     of at most ``BATCH_WORDS`` words in all side by side (each from an offset that is a multiple of 8, padded with
-    unset flags) and compacted together; a piece larger than that alone (``find_alone``)."""
+    unset flags) and compacted together; a piece larger than that alone (``find_alone``). ``update``: each base's
+    changed words become the current ones as they are found (while in cache): a pair found whole then has its
+    base equal to it; one stopped over its ``most`` may have part of its base updated."""
     out: list = [None] * len(pairs)
     flags = _scratch()
     batch: list[tuple[int, int]] = []  # (pair, offset of its flags)
@@ -68,23 +73,23 @@ def find_words(
     for i, (bw, cw) in enumerate(pairs):
         n = len(cw)
         if n > BATCH_WORDS or at + n > BATCH_WORDS:
-            _cut(batch, flags[:at], pairs, sizes, most, out)
+            _cut(batch, flags[:at], pairs, sizes, most, out, update)
             batch, at = [], 0
         if n > BATCH_WORDS:  # alone, in passes (its changed words gathered while they are in cache)
-            out[i] = find_alone(bw, cw, sizes[i], BATCH_WORDS, most[i])
+            out[i] = find_alone(bw, cw, sizes[i], BATCH_WORDS, most[i], update)
             continue
         np.not_equal(bw, cw, out=flags[at : at + n])
         end = -(-(at + n) // 8) * 8
         flags[at + n : end] = False
         batch.append((i, at))
         at = end
-    _cut(batch, flags[:at], pairs, sizes, most, out)
+    _cut(batch, flags[:at], pairs, sizes, most, out, update)
     return out
 
 
-def find_alone(bw: np.ndarray, cw: np.ndarray, size: int, step: int, most: int | None):
+def find_alone(bw: np.ndarray, cw: np.ndarray, size: int, step: int, most: int | None, update: bool = False):
     """``find_words`` of one pair, in passes of ``step`` words (a multiple of 8), each pass's changed elements
-    read from its words while they are in cache."""
+    read from its words while they are in cache (and, ``update``, its base's changed words written)."""
     idx, vals, seen = [], [], 0
     for s in range(0, max(1, len(cw)), step):
         b, c = bw[s : s + step], cw[s : s + step]
@@ -92,13 +97,13 @@ def find_alone(bw: np.ndarray, cw: np.ndarray, size: int, step: int, most: int |
         seen += len(words)
         if most is not None and seen > most:
             return None, None
-        i, v = changed_elements(b, c, words, size)
+        i, v = changed_elements(b, c, words, size, update)
         idx.append(i + s * (8 // size))
         vals.append(v)
     return (idx[0], vals[0]) if len(idx) == 1 else (np.concatenate(idx), np.concatenate(vals))
 
 
-def _cut(batch, flags: np.ndarray, pairs, sizes, most, out: list) -> None:
+def _cut(batch, flags: np.ndarray, pairs, sizes, most, out: list, update: bool) -> None:
     """The set ``flags`` of ``batch``'s pieces compacted at once, then cut by piece into ``out``."""
     if not batch:
         return
@@ -107,7 +112,8 @@ def _cut(batch, flags: np.ndarray, pairs, sizes, most, out: list) -> None:
     for k, (i, o) in enumerate(batch):
         words = pos[cuts[k] : cuts[k + 1]] - o
         m = most[i]
-        out[i] = (None, None) if m is not None and len(words) > m else changed_elements(*pairs[i], words, sizes[i])
+        over = m is not None and len(words) > m
+        out[i] = (None, None) if over else changed_elements(*pairs[i], words, sizes[i], update)
 
 
 def changed_words(bw: np.ndarray, cw: np.ndarray) -> np.ndarray:
@@ -130,16 +136,22 @@ def _set_flags(flags: np.ndarray) -> np.ndarray:
     return (g[p >> 3] << 3) + (p & 7)
 
 
-def changed_elements(bw: np.ndarray, cw: np.ndarray, words: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+def changed_elements(
+    bw: np.ndarray, cw: np.ndarray, words: np.ndarray, size: int, update: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """The flat indices (int64, ascending) of the changed elements (``size`` bytes each) inside the changed
     ``words`` of ``bw`` / ``cw``, and their bits in ``cw`` (an integer type of ``size`` bytes): read from the two
-    gathered copies of those words, not from the whole tensors."""
+    gathered copies of those words, not from the whole tensors. ``update``: then ``bw``'s changed words become
+    ``cw``'s."""
     got = cw[words]
+    old = bw[words] if size != 8 else None
+    if update:
+        bw[words] = got
     if size == 8:
         return words, got
     per, shift = 8 // size, (8 // size).bit_length() - 1  # per is 2, 4 or 8
     lanes = _BITS_NP[size]
-    at = np.flatnonzero((bw[words] ^ got).view(lanes) != 0)  # changed elements of the gathered words (a bool
+    at = np.flatnonzero((old ^ got).view(lanes) != 0)  # changed elements of the gathered words (a bool
     # mask first: numpy compacts one 4x faster than the lanes themselves)
     return (words[at >> shift] << shift) + (at & (per - 1)), got.view(lanes)[at]
 

@@ -4,9 +4,13 @@ What ``refit.delta.send``'s ``choose`` and ``encode_op`` and ``NixlDelta._encode
 diffed messages of one find batch whose one piece is contiguous host memory of whole 64-bit words, found per
 element (``on_host``): their changes found together (``host_find.find_words`` over int64 views made once per
 batch), the rule's encodings at once (``rule.choose_encoding_many``), each delta's payload written straight into
-the receiver's region of the staging (two numpy copies for a sparse one: no tensor made, nothing copied twice),
-the base updates handed to the ``SourceBase`` as ``encode_op`` hands them. The headers, statistics and staged
-bytes are the one-by-one path's (tests compare them); a refit of many small messages pays a few Python steps per
+the receiver's region of the staging (two numpy copies for a sparse one: no tensor made, nothing copied twice).
+The bases are brought up to date by the find itself (``find_words(update=True)``: each changed word written
+while it is in cache, not scattered later into a base gone cold); a message whose find stopped over its cutoff
+(``send.dense_words``: sent dense) has its base copied whole as ``encode_op`` does. A base updated so, before its
+receivers read, is still right: these messages are read by no other receiver (``on_host``), and a refit that
+fails leaves the base holding no version (the next refit is dense). The headers, statistics, staged bytes and
+bases are the one-by-one path's (tests compare them); a refit of many small messages pays a few Python steps per
 message instead of some forty.
 """
 
@@ -79,7 +83,7 @@ def stage_host(
     ``TransferConfig.delta``. Returns each message's header and the region's bytes used."""
     facts = memoized(ops, ("host", mode == "auto"), lambda ops: _Facts.of(ops, mode == "auto"))
     sizes = facts.size.tolist()
-    found = find_words(facts.words, sizes, facts.most)
+    found = find_words(facts.words, sizes, facts.most, update=True)  # the bases brought up to date as found
     k = np.array([-1 if i is None else len(i) for i, _ in found], dtype=np.int64)
     kinds, held = _kinds(ops, facts, k, mode), base.version
     heads, cap, n = [], len(region), facts.n.tolist()
@@ -89,13 +93,13 @@ def stage_host(
         d.fraction, d.dense_next = (1.0, True) if kj < 0 else (kj / n[j], kind == _DENSE)
         stats.diffed += 1
         stats.dense_bytes += facts.nbytes[j]
-        view, b = d.views[0], d.bases[0]
+        view = d.views[0]
         if kind == _DENSE:
             d.payload = view
-            base.update(d.op.message, [(b, None, view)])
+            if kj < 0:  # its find stopped over ``most``: its base copied whole (before the refit returns)
+                base.update(d.op.message, [(d.bases[0], None, view)])
             heads.append(_dense(stats, facts.nbytes[j], held, version))
             continue
-        base.update(d.op.message, [(b, from_numpy(idx), from_numpy(vals).view(view.dtype))])
         nb = wire_bytes(d.kind, n[j], kj, sizes[j])
         d.payload = None
         if used + nb > cap:  # over this refit's staging: dense
