@@ -339,8 +339,6 @@ class NixlLink:
             records[key] = self.store.sealed(key, json.dumps(self.sums.record(r, self.runs, sent)).encode())
         records[self._key(f"{self.name}/ready/{self.runs}")] = self.runs  # last, in the same store call as the rest
         self.store.put_many(records)
-        if self.runs > 2:  # a receiver waits for the key of its own run (they run in step): older ones go
-            self.store.raw.delete_key(self._key(f"{self.name}/ready/{self.runs - 2}"))
         self.trace("run %d: announced to processes %s", self.runs, self.receivers)
 
     def finish(self, clock: RunClock, stats: DeltaStats | None = None) -> DeltaStats | None:
@@ -384,6 +382,9 @@ class NixlLink:
             key = self._key(f"{self.name}/done/{r}")
             what = lambda r=r: f"process {r} reading from process {self.proc} over NIXL"  # noqa: E731
             self._wait_for(key, clock, what, noted=True)
+        if self.receivers and self.runs > 2:  # a receiver waits for the key of its own run (they run in step): older
+            # ones go, once this run's receivers are done (a store call before then would delay serving their reads)
+            self.store.raw.delete_key(self._key(f"{self.name}/ready/{self.runs - 2}"))
         if self.delta is not None and self.receivers:  # a source's base updates once its receivers are done reading,
             self.delta.settle()  # on its own thread: its waits stayed light, reads were served and store calls answered
         self.trace("run %d: finished", self.runs)
