@@ -3,11 +3,12 @@
 A piece whose base and current version are both contiguous host memory of whole 64-bit words (``by_words``) is
 compared a word at a time: one vectorized ``not_equal`` per piece into a flag buffer of this thread's, then the flags
 compacted (the groups of eight words with a changed one first, through a 64-bit view of the flags, then the flags of
-those groups), and only the changed words compared element by element (``changed_elements``). ``find_many`` does it
-for many pieces at once: the flags of consecutive small pieces side by side (``BATCH_WORDS``), compacted once for
-all of them and cut by piece, so that a refit of many small tensors does not pay the compaction's numpy calls and
-the per-piece checks of ``find_changes`` for each. ``find`` is one piece, in passes of at most ``chunk_bytes``
-(``refit.delta.elements.find_changes`` calls it).
+those groups), and only the changed words compared element by element (``changed_elements``). ``find_words`` does
+it for many pieces at once, on their int64 views (``words_of``): the flags of consecutive small pieces side by side
+(``BATCH_WORDS``), compacted once for all of them and cut by piece, so that a refit of many small tensors does not
+pay the compaction's numpy calls and the per-piece checks of ``find_changes`` for each; ``find_many`` is the same
+over tensors. ``find`` is one piece, in passes of at most ``chunk_bytes`` (``refit.delta.elements.find_changes``
+calls it).
 
 Results as ``find_changes``': the flat indices (int64, ascending) of the elements whose bits differ and their
 values; ``(None, None)`` for a piece with more than its ``most`` changed words (none compared element by element:
@@ -43,12 +44,12 @@ def by_words(base: torch.Tensor, cur: torch.Tensor) -> bool:
 def find(base: torch.Tensor, cur: torch.Tensor, chunk_bytes: int, most: int | None = None) -> Found:
     """One piece (``by_words``) in passes of at most ``chunk_bytes`` (and ``BATCH_WORDS`` words)."""
     step = max(8, min(chunk_bytes // 8, BATCH_WORDS) // 8 * 8)
-    return _torch(find_alone(_words(base), _words(cur), cur.element_size(), step, most), cur)
+    return _torch(find_alone(words_of(base), words_of(cur), cur.element_size(), step, most), cur)
 
 
 def find_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], most: Sequence[int | None]) -> list[Found]:
     """``find`` of every ``(base, cur)`` pair (each ``by_words``), through ``find_words``."""
-    words = [(_words(b), _words(c)) for b, c in pairs]
+    words = [(words_of(b), words_of(c)) for b, c in pairs]
     got = find_words(words, [c.element_size() for _, c in pairs], most)
     return [_torch(g, c) for g, (_, c) in zip(got, pairs)]
 
@@ -162,7 +163,8 @@ def _torch(found: tuple, cur: torch.Tensor) -> Found:
     return (None, None) if idx is None else (from_numpy(idx), from_numpy(vals).view(cur.dtype))
 
 
-def _words(t: torch.Tensor) -> np.ndarray:
+def words_of(t: torch.Tensor) -> np.ndarray:
+    """``t`` (``by_words``) as a flat int64 numpy view of its 64-bit words."""
     return t.reshape(-1).view(torch.int64).numpy()
 
 

@@ -22,14 +22,13 @@ import numpy as np
 import torch
 
 from refit.delta.base import SourceBase
-from refit.delta.host_find import by_words, find_words, from_numpy
+from refit.delta.host_find import by_words, find_words, from_numpy, words_of
 from refit.delta.ops import DeltaOp, DeltaStats, memoized
 from refit.delta.rule import choose_encoding, choose_encoding_many
 from refit.delta.send import dense_words
 from refit.delta.served import OVER_STAGING
-from refit.delta.wire import ENCODINGS, encode, wire_bytes
+from refit.delta.wire import ENCODINGS, encode, index_bytes, wire_bytes
 
-_LANES = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy's integer type of each element size
 _DENSE, _SPARSE = ENCODINGS.index("dense"), ENCODINGS.index("sparse")
 
 
@@ -40,7 +39,7 @@ def on_host(d: DeltaOp) -> bool:
     if len(d.views) != 1 or d.words or d.shared or d.fast or d.op.pack or len(d.bases) != 1:
         return False
     v = d.views[0]
-    return 0 < v.numel() < 2**31 and v.element_size() in _LANES and by_words(d.bases[0], v)
+    return 0 < v.numel() < 2**31 and v.element_size() in (1, 2, 4, 8) and by_words(d.bases[0], v)
 
 
 @dataclass
@@ -59,11 +58,8 @@ class _Facts:
 
     @staticmethod
     def of(ops: list[DeltaOp], auto: bool) -> _Facts:
-        def as_words(t: torch.Tensor) -> np.ndarray:
-            return t.reshape(-1).view(torch.int64).numpy()
-
         return _Facts(
-            words=[(as_words(d.bases[0]), as_words(d.views[0])) for d in ops],
+            words=[(words_of(d.bases[0]), words_of(d.views[0])) for d in ops],
             n=np.array([d.views[0].numel() for d in ops], dtype=np.int64),
             size=np.array([d.views[0].element_size() for d in ops], dtype=np.int64),
             share=np.array([d.share for d in ops], dtype=np.float64),
@@ -140,7 +136,6 @@ def _write(out: np.ndarray, kind: str, n: int, idx: np.ndarray, vals: np.ndarray
     if kind != "sparse":
         encode(kind, n, from_numpy(idx), from_numpy(vals).view(dtype), from_numpy(out))
         return
-    k, size = len(idx), vals.itemsize
-    head = (4 * k + 7) // 8 * 8
+    k, head = len(idx), index_bytes(len(idx))
     out[: 4 * k].view(np.int32)[:] = idx
-    out[head : head + k * size].view(_LANES[size])[:] = vals
+    out[head : head + vals.nbytes].view(vals.dtype)[:] = vals  # (the lanes' integer type, as found)
